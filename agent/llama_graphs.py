@@ -1,0 +1,233 @@
+"""The LLaMA-family model in MindSpore: shared weights and KV cache, and the four graphs.
+
+Layout choices come from measurements (../shared/MINDSPORE_CPU.md and our own on an AVX-512 Xeon):
+- Q/K/V are one fused matmul and gate/up another; layer weights are stored [in, out] (on the Xeon,
+  1.5-2.5x faster than [out, in] with transpose_b at B >= 4, slightly slower at B = 1), the lm_head
+  stays [vocab, hidden] with transpose_b (2x faster there, and it is the embedding when tied);
+- the KV cache is one flat Parameter per layer and kind, [(slots + 1) * kv_heads * max_len, head_dim],
+  row (slot * kv_heads + head) * max_len + position; graphs write it with scatter_update and read
+  only the rows they attend to with gather, so the cache never leaves the device and is never
+  reshaped (a reshape of the updated cache copied all of it every layer);
+- the last slot is a scratch slot that padded batch rows write to.
+
+Every reshape has at most one unknown dimension, so the graphs compile with static shapes or with
+dynamic-shape inputs alike. The host (runner.py) computes all indices and masks.
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from agent.checkpoint import Checkpoint
+from agent.model_spec import ModelSpec
+
+
+def rope_tables(spec: ModelSpec, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """cos and signed sin tables [max_len, head_dim] and the rotate-half matrix R, so that
+    rope(x) = x * cos + (x @ R) * sin, with x @ R = concat(x2, x1) and the sign folded into sin."""
+    hd = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    angles = np.outer(np.arange(max_len, dtype=np.float64), inv_freq)  # [max_len, hd/2]
+    cos = np.concatenate([np.cos(angles)] * 2, axis=1)
+    sin = np.concatenate([-np.sin(angles), np.sin(angles)], axis=1)
+    half = hd // 2
+    rot = np.zeros((hd, hd), np.float32)
+    rot[np.arange(half) + half, np.arange(half)] = 1.0  # out[:half] = x[half:]
+    rot[np.arange(half), np.arange(half) + half] = 1.0  # out[half:] = x[:half]
+    return cos.astype(np.float32), sin.astype(np.float32), rot
+
+
+def _param(array: np.ndarray, name: str) -> Parameter:
+    return Parameter(Tensor(np.ascontiguousarray(array, dtype=np.float32)), name=name,
+                     requires_grad=False)
+
+
+class LlamaLayer(nn.Cell):
+    """One decoder layer: its weights, its slice of the KV cache, and the prefill/decode bodies."""
+
+    def __init__(self, spec: ModelSpec, tensors: dict[str, np.ndarray], index: int, cache_rows: int,
+                 max_len: int):
+        super().__init__()
+        t = {name: tensors[f"layers.{index}.{name}"] for name in
+             ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")}
+        # The attention scale is folded into the Q rows (RoPE is linear, so this commutes).
+        scale = 1.0 / np.sqrt(spec.head_dim)
+        self.heads, self.kv_heads, self.group = spec.num_heads, spec.num_kv_heads, spec.group_size
+        self.head_dim, self.eps, self.max_len = spec.head_dim, spec.rms_eps, max_len
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.ffn = spec.intermediate_size
+        p = f"layers.{index}."
+        self.attn_norm = _param(t["attn_norm"], p + "attn_norm")
+        self.wqkv = _param(np.concatenate([t["wq"] * scale, t["wk"], t["wv"]]).T, p + "wqkv")
+        self.has_bias = spec.qkv_bias
+        if spec.qkv_bias:
+            bias = np.concatenate([tensors[p + "bq"] * scale, tensors[p + "bk"], tensors[p + "bv"]])
+        else:
+            bias = np.zeros(self.q_size + 2 * self.kv_size, np.float32)
+        self.bqkv = _param(bias, p + "bqkv")
+        self.wo = _param(t["wo"].T, p + "wo")
+        self.ffn_norm = _param(t["ffn_norm"], p + "ffn_norm")
+        self.w_gate_up = _param(np.concatenate([t["w_gate"], t["w_up"]]).T, p + "w_gate_up")
+        self.w_down = _param(t["w_down"].T, p + "w_down")
+        zeros = np.zeros((cache_rows, spec.head_dim), np.float32)
+        self.k_cache = _param(zeros, p + "k_cache")
+        self.v_cache = _param(zeros, p + "v_cache")
+        self.matmul = ops.MatMul()
+        self.bmm_t = ops.BatchMatMul(transpose_b=True)
+        self.bmm = ops.BatchMatMul()
+
+    def rms_norm(self, x, weight):
+        return x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * weight
+
+    def qkv(self, x, cos, sin, rot):
+        """Norm, fused QKV projection and RoPE on Q and K together. x: [N, D]; cos/sin: [N, 1, hd]."""
+        h = self.rms_norm(x, self.attn_norm)
+        qkv = self.matmul(h, self.wqkv)
+        if self.has_bias:
+            qkv = qkv + self.bqkv
+        qk, v = ops.split(qkv, [self.q_size + self.kv_size, self.kv_size], 1)
+        qk = ops.reshape(qk, (-1, self.heads + self.kv_heads, self.head_dim))
+        qk = qk * cos + ops.matmul(qk, rot) * sin
+        q, k = ops.split(qk, [self.heads, self.kv_heads], 1)
+        return q, k, ops.reshape(v, (-1, self.kv_heads, self.head_dim))
+
+    def mlp(self, x):
+        h = self.rms_norm(x, self.ffn_norm)
+        gate, up = ops.split(self.matmul(h, self.w_gate_up), self.ffn, 1)
+        return x + self.matmul(ops.silu(gate) * up, self.w_down)
+
+    def prefill(self, x, cos, sin, rot, write_idx, mask):
+        """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S]."""
+        q, k, v = self.qkv(x, cos, sin, rot)
+        k = ops.transpose(k, (1, 0, 2))  # [KV, S, hd]
+        v = ops.transpose(v, (1, 0, 2))
+        ops.scatter_update(self.k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
+        ops.scatter_update(self.v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))
+        q = ops.reshape(q, (-1, self.kv_heads, self.group, self.head_dim))
+        q = ops.reshape(ops.transpose(q, (1, 2, 0, 3)), (self.kv_heads, -1, self.head_dim))
+        probs = ops.softmax(self.bmm_t(q, k) + mask, -1)  # [KV, G*S, S]
+        out = ops.reshape(self.bmm(probs, v), (self.kv_heads, self.group, -1, self.head_dim))
+        out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (-1, self.q_size))
+        return self.mlp(x + self.matmul(out, self.wo))
+
+    def decode(self, x, cos, sin, rot, write_idx, read_idx, mask):
+        """x: [B, D]; write_idx: [B*KV]; read_idx: [B*KV, L] rows to attend; mask: [B*KV, 1, L]."""
+        q, k, v = self.qkv(x, cos, sin, rot)
+        ops.scatter_update(self.k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
+        ops.scatter_update(self.v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))
+        keys = ops.gather(self.k_cache, read_idx, 0)  # [B*KV, L, hd]
+        values = ops.gather(self.v_cache, read_idx, 0)
+        q = ops.reshape(q, (-1, self.group, self.head_dim))  # [B*KV, G, hd]
+        probs = ops.softmax(self.bmm_t(q, keys) + mask, -1)  # [B*KV, G, L]
+        out = ops.reshape(self.bmm(probs, values), (-1, self.q_size))
+        return self.mlp(x + self.matmul(out, self.wo))
+
+
+class LlamaModel(nn.Cell):
+    """Weights, RoPE tables and KV cache, shared by the prefill and decode graphs."""
+
+    def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int):
+        super().__init__()
+        spec, tensors = checkpoint.spec, checkpoint.tensors
+        self.spec, self.num_slots, self.max_len = spec, num_slots, max_len
+        self.scratch_slot = num_slots  # padded batch rows write here
+        cache_rows = (num_slots + 1) * spec.num_kv_heads * max_len
+        self.layers = nn.CellList(
+            [LlamaLayer(spec, tensors, i, cache_rows, max_len) for i in range(spec.num_layers)])
+        self.embed = _param(tensors["embed"], "embed")
+        self.lm_head = self.embed if spec.tied_embeddings else _param(tensors["lm_head"], "lm_head")
+        self.final_norm = _param(tensors["final_norm"], "final_norm")
+        cos, sin, rot = rope_tables(spec, max_len)
+        self.cos, self.sin, self.rot = _param(cos, "rope_cos"), _param(sin, "rope_sin"), _param(rot, "rope_rot")
+        self.eps = spec.rms_eps
+        self.matmul_t = ops.MatMul(transpose_b=True)
+
+    def embed_tokens(self, tokens, positions):
+        x = ops.gather(self.embed, tokens, 0)
+        cos = ops.expand_dims(ops.gather(self.cos, positions, 0), 1)  # [N, 1, hd]
+        sin = ops.expand_dims(ops.gather(self.sin, positions, 0), 1)
+        return x, cos, sin
+
+    def logits(self, x):
+        x = x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * self.final_norm
+        return self.matmul_t(x, self.lm_head)
+
+    def cache_bytes(self) -> int:
+        layer = self.layers[0]
+        return 2 * len(self.layers) * layer.k_cache.size * 4
+
+
+class PrefillLayer(nn.Cell):
+    """Calls one layer's prefill body. lazy_inline compiles the body once for all layers (a ~3x
+    shorter compile on CPU with the same step time, measured), instead of unrolling 30 copies."""
+
+    @ms.lazy_inline(policy="front")
+    def __init__(self, layer: LlamaLayer):
+        super().__init__()
+        self.layer = layer
+
+    def construct(self, x, cos, sin, rot, write_idx, mask):
+        return self.layer.prefill(x, cos, sin, rot, write_idx, mask)
+
+
+class DecodeLayer(nn.Cell):
+    """Calls one layer's decode body; lazy_inline as in PrefillLayer."""
+
+    @ms.lazy_inline(policy="front")
+    def __init__(self, layer: LlamaLayer):
+        super().__init__()
+        self.layer = layer
+
+    def construct(self, x, cos, sin, rot, write_idx, read_idx, mask):
+        return self.layer.decode(x, cos, sin, rot, write_idx, read_idx, mask)
+
+
+class PrefillGraph(nn.Cell):
+    """One prompt padded to a bucket -> its K/V written into one slot, the last real token's logits."""
+
+    def __init__(self, model: LlamaModel):
+        super().__init__()
+        self.model = model
+        self.layers = nn.CellList([PrefillLayer(layer) for layer in model.layers])
+
+    def construct(self, tokens, positions, write_idx, mask, last_index):
+        x, cos, sin = self.model.embed_tokens(tokens, positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, self.model.rot, write_idx, mask)
+        return self.model.logits(ops.gather(x, last_index, 0))
+
+
+class DecodeGraph(nn.Cell):
+    """One new token for each of B slots -> K/V written, logits [B, vocab]."""
+
+    def __init__(self, model: LlamaModel):
+        super().__init__()
+        self.model = model
+        self.layers = nn.CellList([DecodeLayer(layer) for layer in model.layers])
+
+    def construct(self, tokens, positions, write_idx, read_idx, mask):
+        x, cos, sin = self.model.embed_tokens(tokens, positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, self.model.rot, write_idx, read_idx, mask)
+        return self.model.logits(x)
+
+
+class ArgmaxGraph(nn.Cell):
+    """Greedy post-process: logits [B, V] -> token ids [B]."""
+
+    def construct(self, logits):
+        return ops.argmax(logits, -1).astype(ms.int32)
+
+
+class TopKGraph(nn.Cell):
+    """Sampling post-process: logits [B, V] -> the k best (values, ids), best first."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def construct(self, logits):
+        values, ids = ops.topk(logits, self.k, -1, True, True)
+        return values, ids.astype(ms.int32)

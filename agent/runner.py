@@ -1,0 +1,246 @@
+"""ModelRunner: owns the model, its KV slots and its four graphs; the agent process calls it.
+
+    runner = ModelRunner(checkpoint, runtime)   # builds weights and the KV cache on the device
+    runner.warm_up(progress)                    # compiles every bucket, once
+    first = runner.prefill(slot, prompt_ids, sampling)
+    nexts = runner.decode([slot, ...])          # one token for each slot, in order
+    runner.release(slot)
+
+The runner keeps each slot's length and its sampled-but-not-yet-written token, so a decode call only
+names slots. Shapes are padded to the configured buckets: a padded decode row writes to the scratch
+slot, a padded prefill position to the prompt's own slot beyond its length, where the mask hides it
+until a decode step overwrites it.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor
+
+from agent.checkpoint import Checkpoint
+from agent.llama_graphs import ArgmaxGraph, DecodeGraph, LlamaModel, PrefillGraph, TopKGraph
+from agent.sampling import SamplingParams, SlotSampler
+from config.schema import RuntimeSection
+
+log = logging.getLogger(__name__)
+
+
+class RunnerError(ValueError):
+    """A request the runner cannot serve (bad slot, prompt too long...); the message says why."""
+
+
+@dataclass
+class SlotState:
+    length: int  # positions written to the KV cache
+    next_token: int  # sampled, to be written by the next decode step
+    sampler: SlotSampler
+
+
+def configure_mindspore(runtime: RuntimeSection, device_id: int = 0,
+                        compile_cache: Path | None = None) -> None:
+    """The process-wide MindSpore context; call once per process before building a runner."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device(runtime.device_target, device_id)
+    if runtime.cpu_threads is not None and runtime.device_target == "CPU":
+        from mindspore.device_context.cpu.op_tuning import threads_num
+
+        threads_num(runtime.cpu_threads)
+    if compile_cache is not None:
+        compile_cache.mkdir(parents=True, exist_ok=True)
+        ms.set_context(enable_compile_cache=True, compile_cache_path=str(compile_cache))
+
+
+def compile_cache_key(checkpoint: Checkpoint, runtime: RuntimeSection) -> str:
+    """Graphs depend on the model's shapes, the runtime shapes and the graph code."""
+    graph_code = (Path(__file__).parent / "llama_graphs.py").read_bytes()
+    shapes = runtime.model_dump(exclude={"compile_cache_dir", "cpu_threads"})
+    text = checkpoint.spec.model_dump_json() + json.dumps(shapes, sort_keys=True)
+    return hashlib.sha256(text.encode() + graph_code).hexdigest()[:16]
+
+
+def _bucket(buckets: Sequence[int], n: int) -> int:
+    return buckets[bisect.bisect_left(buckets, n)]
+
+
+class ModelRunner:
+    def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection):
+        self.spec = checkpoint.spec
+        self.runtime = runtime
+        self.num_slots, self.max_len = runtime.num_slots, runtime.max_seq_len
+        self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len)
+        self.prefill_graph = PrefillGraph(self.model)
+        self.decode_graph = DecodeGraph(self.model)
+        self.argmax_graph = ArgmaxGraph()
+        vocab = self.spec.vocab_size
+        self.topk_buckets = sorted({k for k in (8, 64, 512, 4096) if k < vocab} | {vocab})
+        self.topk_graphs = {k: TopKGraph(k) for k in self.topk_buckets}
+        dynamic_rows = Tensor(shape=[None, vocab], dtype=ms.float32)  # one graph for every batch
+        for graph in (self.argmax_graph, *self.topk_graphs.values()):
+            graph.set_inputs(dynamic_rows)
+        self.slots: dict[int, SlotState] = {}
+        kv, hd = self.spec.num_kv_heads, self.spec.head_dim
+        self._head_rows = np.arange(kv, dtype=np.int64)  # per-slot base row = (slot*KV + h)*max_len
+        self._kv, self._group, self._hd = kv, self.spec.group_size, hd
+
+    # ----------------------------------------------------------------------------------- state
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.num_slots) if s not in self.slots]
+
+    def slot_length(self, slot: int) -> int:
+        return self._active(slot).length
+
+    def release(self, slot: int) -> None:
+        self._check_slot(slot)
+        self.slots.pop(slot, None)
+
+    # --------------------------------------------------------------------------------- warm-up
+
+    def graph_shapes(self) -> list[tuple[str, int, int]]:
+        rt = self.runtime
+        shapes = [("prefill", 1, s) for s in rt.prefill_buckets]
+        shapes += [("decode", b, a) for b in rt.decode_batch_buckets for a in rt.attend_buckets]
+        shapes += [("argmax", 0, 0)] + [("topk", 0, k) for k in self.topk_buckets]
+        return shapes
+
+    def warm_up(self, progress: Callable[[str], None] = log.info) -> float:
+        """Compile (or load from the compile cache) and run every graph once, on the scratch slot."""
+        start = time.perf_counter()
+        shapes = self.graph_shapes()
+        scratch = self.num_slots
+        for i, (kind, rows, length) in enumerate(shapes, 1):
+            t0 = time.perf_counter()
+            if kind == "prefill":
+                logits = self.run_prefill_graph(scratch, np.zeros(1, np.int64), length)
+            elif kind == "decode":
+                logits = self.run_decode_graph(np.full(rows, scratch), np.zeros(rows, np.int64),
+                                          np.zeros(rows, np.int64), rows, length)
+            elif kind == "argmax":
+                self.argmax_graph(Tensor(np.zeros((2, self.spec.vocab_size), np.float32))).asnumpy()
+                logits = None
+            else:
+                self.topk_graphs[length](Tensor(np.zeros((2, self.spec.vocab_size), np.float32)))[0].asnumpy()
+                logits = None
+            if logits is not None:
+                logits.asnumpy()
+            label = {"prefill": f"prefill length {length}", "decode": f"decode batch {rows} attend {length}",
+                     "argmax": "argmax", "topk": f"top-k {length}"}[kind]
+            progress(f"graph {i}/{len(shapes)} {label}: {time.perf_counter() - t0:.1f}s")
+        elapsed = time.perf_counter() - start
+        progress(f"warm-up done: {len(shapes)} graphs in {elapsed:.1f}s")
+        return elapsed
+
+    # -------------------------------------------------------------------------------- requests
+
+    def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
+        """Write the prompt's K/V into a free slot; returns the first generated token."""
+        self._check_slot(slot)
+        if slot in self.slots:
+            raise RunnerError(f"slot {slot} is in use; release it first")
+        tokens = self._check_tokens(prompt)
+        if len(tokens) > self.max_len:
+            raise RunnerError(f"prompt of {len(tokens)} tokens exceeds the maximum sequence "
+                              f"length {self.max_len}")
+        logits = self.run_prefill_graph(slot, tokens, _bucket(self.runtime.prefill_buckets, len(tokens)))
+        sampler = SlotSampler(params, tokens.tolist(), self.spec.vocab_size)
+        token = self._sample(logits, [sampler])[0]
+        self.slots[slot] = SlotState(length=len(tokens), next_token=token, sampler=sampler)
+        return token
+
+    def decode(self, slots: Sequence[int]) -> list[int]:
+        """One step for each slot: write its pending token, return its next token (same order)."""
+        if not slots:
+            raise RunnerError("decode needs at least one slot")
+        if len(set(slots)) != len(slots):
+            raise RunnerError(f"decode slots repeat: {list(slots)}")
+        states = [self._active(s) for s in slots]
+        for slot, state in zip(slots, states):
+            if state.length >= self.max_len:
+                raise RunnerError(f"slot {slot} is full ({self.max_len} positions)")
+        positions = np.array([s.length for s in states], np.int64)
+        rows = _bucket(self.runtime.decode_batch_buckets, len(slots))
+        attend = _bucket(self.runtime.attend_buckets, int(positions.max()) + 1)
+        logits = self.run_decode_graph(np.asarray(slots, np.int64),
+                                  np.array([s.next_token for s in states], np.int64),
+                                  positions, rows, attend)
+        tokens = self._sample(logits, [s.sampler for s in states])
+        for state, token in zip(states, tokens):
+            state.length += 1
+            state.next_token = token
+        return tokens
+
+    # -------------------------------------------------------------------------------- internals
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
+            raise RunnerError(f"slot {slot!r} is out of range 0..{self.num_slots - 1}")
+
+    def _active(self, slot: int) -> SlotState:
+        self._check_slot(slot)
+        state = self.slots.get(slot)
+        if state is None:
+            raise RunnerError(f"slot {slot} holds no sequence")
+        return state
+
+    def _check_tokens(self, prompt: Sequence[int]) -> np.ndarray:
+        tokens = np.asarray(prompt, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise RunnerError("the prompt must be a non-empty list of token ids")
+        if tokens.min() < 0 or tokens.max() >= self.spec.vocab_size:
+            raise RunnerError(f"token ids must lie in 0..{self.spec.vocab_size - 1}")
+        return tokens
+
+    def _base_rows(self, slots: np.ndarray) -> np.ndarray:
+        """[len(slots), KV] first cache row of each (slot, kv head)."""
+        return (slots[:, None] * self._kv + self._head_rows[None, :]) * self.max_len
+
+    # Graph-level calls: logits on the device, no slot bookkeeping and no checks (tests and tools).
+
+    def run_prefill_graph(self, slot: int, tokens: np.ndarray, length: int) -> Tensor:
+        """Prompt `tokens` padded to `length` into `slot` -> logits [1, vocab] of its last token."""
+        n = len(tokens)
+        padded = np.zeros(length, np.int32)
+        padded[:n] = tokens
+        positions = np.arange(length, dtype=np.int32)
+        write = (self._base_rows(np.array([slot]))[0][:, None] + positions[None, :]).reshape(-1)
+        causal = np.where(positions[None, :] > positions[:, None], -np.inf, 0.0).astype(np.float32)
+        mask = np.tile(causal, (self._group, 1))  # [G*S, S], query rows grouped per head
+        return self.prefill_graph(Tensor(padded), Tensor(positions), Tensor(write.astype(np.int32)),
+                                  Tensor(mask), Tensor(np.array([n - 1], np.int32)))
+
+    def run_decode_graph(self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
+                    rows: int, attend: int) -> Tensor:
+        """Tokens at `positions` of `slots`, padded to `rows`, attending `attend` -> logits [rows, V]."""
+        pad = rows - len(slots)
+        slots = np.concatenate([slots, np.full(pad, self.num_slots)])  # scratch slot
+        tokens = np.concatenate([tokens, np.zeros(pad, np.int64)])
+        positions = np.concatenate([positions, np.zeros(pad, np.int64)])
+        base = self._base_rows(slots)  # [rows, KV]
+        write = (base + positions[:, None]).reshape(-1)
+        read = base.reshape(-1, 1) + np.arange(attend)[None, :]  # [rows*KV, attend]
+        visible = np.arange(attend)[None, :] <= positions[:, None]  # [rows, attend]
+        mask = np.where(visible, 0.0, -np.inf).astype(np.float32).repeat(self._kv, axis=0)
+        return self.decode_graph(Tensor(tokens.astype(np.int32)), Tensor(positions.astype(np.int32)),
+                                 Tensor(write.astype(np.int32)), Tensor(read.astype(np.int32)),
+                                 Tensor(mask[:, None, :]))
+
+    def _sample(self, logits: Tensor, samplers: list[SlotSampler]) -> list[int]:
+        """Post-process on the device: argmax when every row is plain greedy, else top-k candidates
+        for the host-side samplers. Only token ids (and k candidates) leave the device."""
+        if all(s.plain_greedy for s in samplers):
+            ids = self.argmax_graph(logits).asnumpy()
+            return [int(t) for t in ids[: len(samplers)]]
+        k = _bucket(self.topk_buckets, max(s.candidates_needed() for s in samplers))
+        values, ids = (t.asnumpy() for t in self.topk_graphs[k](logits))
+        return [int(ids[i, 0]) if s.plain_greedy else s.choose(values[i], ids[i])
+                for i, s in enumerate(samplers)]

@@ -1,0 +1,87 @@
+"""Per-sequence token choice from the top-k post-process graph's candidates.
+
+The device returns the K best (logit, id) pairs of each row, best first; each sequence then applies
+its own repetition penalty, top-k, temperature and top-p with its own seeded RNG, so a seeded request
+gives the same text whatever else shares its batch.
+
+Exactness: the penalty only lowers the logits of tokens already seen, so the true top-k after the
+penalty lies within the top (k + number of seen tokens) before it; `candidates_needed` asks for that
+many, and the whole vocabulary when no top-k applies.
+"""
+from __future__ import annotations
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    do_sample: bool = False
+    temperature: float = Field(1.0, ge=0.0)
+    top_k: int = Field(0, ge=0)  # 0: no top-k limit
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    seed: int | None = Field(None, ge=0)
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0.0 or self.top_k == 1
+
+
+class SlotSampler:
+    """Chooses the tokens of one sequence: its parameters, its RNG and the tokens it has seen."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int], vocab_size: int):
+        self.params = params
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(params.seed)
+        self.penalised = params.repetition_penalty != 1.0
+        self.seen: set[int] = set(prompt) if self.penalised else set()
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy without a penalty: the argmax graph's answer is final."""
+        return self.params.greedy and not self.penalised
+
+    def candidates_needed(self) -> int:
+        p = self.params
+        if p.greedy:
+            k = 1
+        elif p.top_k > 0:
+            k = p.top_k
+        else:
+            return self.vocab_size
+        return min(self.vocab_size, k + len(self.seen))
+
+    def choose(self, values: np.ndarray, ids: np.ndarray) -> int:
+        """values/ids: this row's candidates, best first (at least candidates_needed() of them)."""
+        p = self.params
+        logits = values.astype(np.float64)
+        if self.penalised:
+            seen = np.fromiter(self.seen, dtype=np.int64, count=len(self.seen))
+            hit = np.isin(ids, seen)
+            penalised = np.where(logits > 0, logits / p.repetition_penalty,
+                                 logits * p.repetition_penalty)
+            logits = np.where(hit, penalised, logits)
+            order = np.argsort(-logits, kind="stable")
+            logits, ids = logits[order], ids[order]
+        if p.greedy:
+            token = int(ids[0])
+        else:
+            if p.top_k > 0:
+                logits, ids = logits[: p.top_k], ids[: p.top_k]
+            probs = np.exp((logits - logits[0]) / p.temperature)
+            cumulative = np.cumsum(probs)
+            cumulative /= cumulative[-1]
+            if p.top_p < 1.0:
+                keep = int(np.searchsorted(cumulative, p.top_p)) + 1
+                cumulative = cumulative[:keep] / cumulative[keep - 1]
+            index = int(np.searchsorted(cumulative, self.rng.random(), side="right"))
+            token = int(ids[min(index, len(cumulative) - 1)])
+        self.observe(token)
+        return token
+
+    def observe(self, token: int) -> None:
+        if self.penalised:
+            self.seen.add(token)

@@ -1,0 +1,78 @@
+"""Typed configuration: every YAML file in config/ is validated by these models."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_path(path: Path) -> Path:
+    """Relative paths in config files are relative to the project root, not the working directory."""
+    return path if path.is_absolute() else PROJECT_ROOT / path
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(Section):
+    name: str = Field("smollm2-135m-instruct", description="served model name (upstream ModelName)")
+    aliases: list[str] = Field(default_factory=list)
+    path: Path = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, path: Path) -> Path:
+        return resolve_path(path)
+
+
+def _bucket_list(values: list[int], name: str) -> list[int]:
+    if not values:
+        raise ValueError(f"{name} must not be empty")
+    if any(v <= 0 for v in values):
+        raise ValueError(f"{name} must be positive, got {values}")
+    return sorted(set(values))
+
+
+class RuntimeSection(Section):
+    """How each agent builds and runs its graphs (shapes, KV slots, MindSpore context)."""
+
+    device_target: Literal["CPU", "Ascend", "GPU"] = "CPU"
+    cpu_threads: int | None = Field(None, ge=1, description="MindSpore CPU op threads; None: its default")
+    num_slots: int = Field(16, ge=1, description="KV-cache slots = most sequences decoded at once")
+    max_seq_len: int = Field(2048, ge=2, description="positions per slot: prompt + generated tokens")
+    prefill_buckets: list[int] = Field(default_factory=lambda: [128, 512, 2048])
+    decode_batch_buckets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
+    attend_buckets: list[int] = Field(default_factory=lambda: [512, 2048])
+    compile_cache_dir: Path | None = Field(Path("output/compile_cache"),
+                                           description="MindSpore compile cache; null disables it")
+
+    @field_validator("prefill_buckets", "decode_batch_buckets", "attend_buckets")
+    @classmethod
+    def _buckets(cls, values: list[int], info) -> list[int]:
+        return _bucket_list(values, info.field_name)
+
+    @field_validator("compile_cache_dir")
+    @classmethod
+    def _cache_absolute(cls, path: Path | None) -> Path | None:
+        return None if path is None else resolve_path(path)
+
+    @model_validator(mode="after")
+    def _buckets_cover_limits(self) -> "RuntimeSection":
+        for name in ("prefill_buckets", "attend_buckets"):
+            buckets = getattr(self, name)
+            if buckets[-1] != self.max_seq_len:
+                raise ValueError(f"the largest of {name} must equal max_seq_len "
+                                 f"({self.max_seq_len}), got {buckets}")
+        if self.decode_batch_buckets[-1] < self.num_slots:
+            raise ValueError(f"the largest of decode_batch_buckets must be at least num_slots "
+                             f"({self.num_slots}), got {self.decode_batch_buckets}")
+        return self
+
+
+class ServingConfig(Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)

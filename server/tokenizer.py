@@ -1,0 +1,152 @@
+"""Tokenizer and chat template from the model's own files (GGUF vocabulary or tokenizer.json)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from agent.checkpoint import CheckpointError, gguf_field, read_gguf
+
+# GGUF pre-tokenizer names (tokenizer.ggml.pre) whose HuggingFace equivalent is known and tested.
+GGUF_PRE_TOKENIZERS = {
+    "smollm": lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+}
+GGUF_CONTROL_TOKEN = 3  # llama.cpp's token_type for special (control) tokens
+
+
+class TokenizerError(CheckpointError):
+    """The model files carry no usable tokenizer or chat template."""
+
+
+class TextTokenizer:
+    """Text <-> token ids, and messages -> prompt text through the model's chat template."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None, bos_token: str | None,
+                 eos_token: str | None, eos_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.eos_ids = eos_ids
+        self._template = None
+        if chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = _raise_template_error
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
+                                                                      indent=indent)
+            self._template = env.from_string(chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """add_special_tokens: what the model's tokenizer adds around plain text (BOS, if any)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise TokenizerError("this model has no chat template")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template writes BOS itself where the model wants one.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def check_fits(self, vocab_size: int) -> None:
+        """The tokenizer may not produce ids the model has no embedding for."""
+        if self.vocab_size > vocab_size:
+            raise TokenizerError(f"vocab/weight mismatch: the tokenizer has {self.vocab_size} "
+                                 f"tokens but the model's embedding has {vocab_size} rows")
+
+
+def _raise_template_error(message: str):
+    raise TemplateError(message)
+
+
+def load_tokenizer(path: str | Path) -> TextTokenizer:
+    """From a .gguf file (its vocabulary and merges) or a directory with tokenizer.json."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(path)
+    if path.is_dir():
+        return _from_hf_dir(path)
+    raise TokenizerError(f"no tokenizer at {path}: expected a .gguf file or a model directory")
+
+
+def _from_gguf(path: Path) -> TextTokenizer:
+    reader = read_gguf(path)
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise TokenizerError(f"{path}: tokenizer model {kind!r} is not supported (supported: gpt2 "
+                             f"byte-level BPE)")
+    pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise TokenizerError(f"{path}: pre-tokenizer {pre!r} is not supported "
+                             f"(supported: {', '.join(GGUF_PRE_TOKENIZERS)})")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    merges = gguf_field(reader, "tokenizer.ggml.merges") or []
+    types = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {token: i for i, token in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
+    tokenizer = Tokenizer(bpe)
+    tokenizer.pre_tokenizer = GGUF_PRE_TOKENIZERS[pre]()
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                  for i, t in enumerate(types) if t == GGUF_CONTROL_TOKEN])
+
+    def token_at(key: str) -> str | None:
+        index = gguf_field(reader, key)
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    bos = token_at("tokenizer.ggml.bos_token_id")
+    if gguf_field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return TextTokenizer(tokenizer, gguf_field(reader, "tokenizer.chat_template"),
+                         bos_token=bos, eos_token=token_at("tokenizer.ggml.eos_token_id"),
+                         eos_ids=() if eos is None else (int(eos),))
+
+
+def _special_text(value) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _from_hf_dir(directory: Path) -> TextTokenizer:
+    from agent.checkpoint import hf_eos_ids, read_json
+
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        raise TokenizerError(f"{directory}: no tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as exc:
+        raise TokenizerError(f"{file}: cannot load tokenizer ({exc})") from exc
+    config_file = directory / "tokenizer_config.json"
+    config = read_json(config_file) if config_file.is_file() else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates; "default" is what generation uses
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    template_file = directory / "chat_template.jinja"
+    if template is None and template_file.is_file():
+        template = template_file.read_text(encoding="utf-8")
+    model_config = read_json(directory / "config.json") if (directory / "config.json").is_file() else {}
+    return TextTokenizer(tokenizer, template,
+                         bos_token=_special_text(config.get("bos_token")),
+                         eos_token=_special_text(config.get("eos_token")),
+                         eos_ids=hf_eos_ids(directory, model_config))

@@ -1,0 +1,168 @@
+"""An independent numpy forward of a LLaMA-family model, the yardstick for the MindSpore graphs.
+
+It shares no code with agent/: it reads the weight files itself (gguf / safetensors directly), keeps
+the files' own layouts, and for GGUF applies RoPE in the interleaved (GPT-J) order on the raw rows,
+as llama.cpp does, instead of un-permuting them. Attention is computed per head with an explicit
+repeat of the KV heads, in float64, so that it checks the graphs' float32 arithmetic too.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class RefModel:
+    layers: list[dict]
+    embed: np.ndarray
+    norm: np.ndarray
+    head: np.ndarray
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    theta: float
+    eps: float
+    interleaved_rope: bool
+
+
+@dataclass
+class RefCache:
+    keys: list[list[np.ndarray]] = field(default_factory=list)
+    values: list[list[np.ndarray]] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.keys[0]) if self.keys else 0
+
+
+def load_gguf_reference(path: str | Path) -> RefModel:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    meta = lambda k: reader.fields[f"{arch}.{k}"].contents()  # noqa: E731
+    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+           for t in reader.tensors}
+    n_layers = meta("block_count")
+    layers = []
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        layers.append({
+            "attn_norm": raw[p + "attn_norm.weight"], "q": raw[p + "attn_q.weight"],
+            "k": raw[p + "attn_k.weight"], "v": raw[p + "attn_v.weight"],
+            "o": raw[p + "attn_output.weight"], "ffn_norm": raw[p + "ffn_norm.weight"],
+            "gate": raw[p + "ffn_gate.weight"], "up": raw[p + "ffn_up.weight"],
+            "down": raw[p + "ffn_down.weight"],
+            "bq": raw.get(p + "attn_q.bias"), "bk": raw.get(p + "attn_k.bias"),
+            "bv": raw.get(p + "attn_v.bias")})
+    heads = meta("attention.head_count")
+    return RefModel(layers=layers, embed=raw["token_embd.weight"], norm=raw["output_norm.weight"],
+                    head=raw.get("output.weight", raw["token_embd.weight"]), n_heads=heads,
+                    n_kv=meta("attention.head_count_kv"),
+                    head_dim=meta("embedding_length") // heads,
+                    theta=float(meta("rope.freq_base")),
+                    eps=float(meta("attention.layer_norm_rms_epsilon")),
+                    interleaved_rope=(arch == "llama"))
+
+
+def load_hf_reference(directory: str | Path) -> RefModel:
+    from safetensors.numpy import load_file
+
+    directory = Path(directory)
+    cfg = json.loads((directory / "config.json").read_text())
+    raw: dict[str, np.ndarray] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        raw.update({k: v.astype(np.float64) for k, v in load_file(str(f)).items()})
+    layers = []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        layers.append({
+            "attn_norm": raw[p + "input_layernorm.weight"], "q": raw[p + "self_attn.q_proj.weight"],
+            "k": raw[p + "self_attn.k_proj.weight"], "v": raw[p + "self_attn.v_proj.weight"],
+            "o": raw[p + "self_attn.o_proj.weight"],
+            "ffn_norm": raw[p + "post_attention_layernorm.weight"],
+            "gate": raw[p + "mlp.gate_proj.weight"], "up": raw[p + "mlp.up_proj.weight"],
+            "down": raw[p + "mlp.down_proj.weight"],
+            "bq": raw.get(p + "self_attn.q_proj.bias"), "bk": raw.get(p + "self_attn.k_proj.bias"),
+            "bv": raw.get(p + "self_attn.v_proj.bias")})
+    embed = raw["model.embed_tokens.weight"]
+    heads = cfg["num_attention_heads"]
+    return RefModel(layers=layers, embed=embed, norm=raw["model.norm.weight"],
+                    head=raw.get("lm_head.weight", embed), n_heads=heads,
+                    n_kv=cfg.get("num_key_value_heads", heads),
+                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                    theta=float(cfg.get("rope_theta", 10000.0)), eps=float(cfg["rms_norm_eps"]),
+                    interleaved_rope=False)
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool) -> np.ndarray:
+    """x: [T, heads, hd]."""
+    hd = x.shape[-1]
+    freqs = theta ** (-np.arange(0, hd, 2) / hd)
+    ang = positions[:, None, None] * freqs[None, None, :]  # [T, 1, hd/2]
+    cos, sin = np.cos(ang), np.sin(ang)
+    if interleaved:  # pairs (2i, 2i+1)
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = a * cos - b * sin
+        out[..., 1::2] = a * sin + b * cos
+        return out
+    a, b = x[..., : hd // 2], x[..., hd // 2:]
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+def forward(model: RefModel, tokens: list[int], cache: RefCache) -> np.ndarray:
+    """Run `tokens` after what `cache` already holds; returns logits [len(tokens), vocab]."""
+    start = cache.length
+    positions = np.arange(start, start + len(tokens), dtype=np.float64)
+    x = model.embed[np.asarray(tokens)]
+    hd, group = model.head_dim, model.n_heads // model.n_kv
+    if not cache.keys:
+        cache.keys = [[] for _ in model.layers]
+        cache.values = [[] for _ in model.layers]
+    for li, layer in enumerate(model.layers):
+        h = _rms(x, layer["attn_norm"], model.eps)
+        q, k, v = h @ layer["q"].T, h @ layer["k"].T, h @ layer["v"].T
+        if layer["bq"] is not None:
+            q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+        q = _rope(q.reshape(len(tokens), model.n_heads, hd), positions, model.theta,
+                  model.interleaved_rope)
+        k = _rope(k.reshape(len(tokens), model.n_kv, hd), positions, model.theta,
+                  model.interleaved_rope)
+        v = v.reshape(len(tokens), model.n_kv, hd)
+        cache.keys[li].extend(k)
+        cache.values[li].extend(v)
+        keys, values = np.stack(cache.keys[li]), np.stack(cache.values[li])  # [T_all, n_kv, hd]
+        out = np.empty((len(tokens), model.n_heads, hd))
+        for head in range(model.n_heads):
+            kv_head = head // group
+            scores = q[:, head] @ keys[:, kv_head].T / np.sqrt(hd)  # [T, T_all]
+            causal = np.arange(keys.shape[0])[None, :] > (positions[:, None])
+            scores = np.where(causal, -np.inf, scores)
+            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            out[:, head] = (scores / scores.sum(axis=-1, keepdims=True)) @ values[:, kv_head]
+        x = x + out.reshape(len(tokens), -1) @ layer["o"].T
+        h = _rms(x, layer["ffn_norm"], model.eps)
+        gate = h @ layer["gate"].T
+        x = x + ((gate / (1.0 + np.exp(-gate))) * (h @ layer["up"].T)) @ layer["down"].T
+    return _rms(x, model.norm, model.eps) @ model.head.T
+
+
+def greedy(model: RefModel, prompt: list[int], n_new: int, stop_ids=()) -> list[int]:
+    cache = RefCache()
+    logits = forward(model, prompt, cache)[-1]
+    out: list[int] = []
+    for _ in range(n_new):
+        token = int(np.argmax(logits))
+        out.append(token)
+        if token in stop_ids:
+            break
+        logits = forward(model, [token], cache)[-1]
+    return out

@@ -1,0 +1,33 @@
+"""Config files: the shipped default validates; bad values name the key."""
+import pytest
+
+from config import ConfigError, load_config
+from config.schema import PROJECT_ROOT
+
+
+def test_default_config_serves_the_embedded_model_on_cpu():
+    config = load_config()
+    assert config.model.path == PROJECT_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert config.runtime.device_target == "CPU"
+    assert config.runtime.prefill_buckets[-1] == config.runtime.max_seq_len
+
+
+@pytest.mark.parametrize("body, message", [
+    ("runtime:\n  num_slots: 0\n", "runtime.num_slots"),
+    ("runtime:\n  bogus: 1\n", "runtime.bogus"),
+    ("runtime:\n  max_seq_len: 1024\n", "prefill_buckets must equal max_seq_len"),
+    ("runtime:\n  num_slots: 32\n", "decode_batch_buckets must be at least num_slots"),
+    ("runtime:\n  device_target: TPU\n", "runtime.device_target"),
+    ("- a list\n", "mapping"),
+    ("runtime: [unclosed\n", "not valid YAML"),
+])
+def test_bad_config_names_the_problem(tmp_path, body, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.yaml")

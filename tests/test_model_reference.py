@@ -1,0 +1,71 @@
+"""The MindSpore graphs against the independent numpy reference (tests/reference_numpy.py)."""
+import numpy as np
+import pytest
+
+import reference_numpy as ref
+from agent.checkpoint import load_checkpoint
+from agent.runner import ModelRunner
+from agent.sampling import SamplingParams
+from conftest import TINY_RUNTIME
+from server.tokenizer import load_tokenizer
+
+GREEDY = SamplingParams()
+CHAT_PROMPTS = ["What is the capital of France?",
+                "Write a haiku about the sea.",
+                "List three prime numbers and explain why they are prime."]
+
+
+def compare_logits(runner: ModelRunner, reference: ref.RefModel, prompt: list[int], slot: int,
+                   steps: int = 4) -> list[float]:
+    """Max |logit difference| at prefill and after each of `steps` decode steps."""
+    bucket = next(b for b in runner.runtime.prefill_buckets if b >= len(prompt))
+    cache = ref.RefCache()
+    got = runner.run_prefill_graph(slot, np.asarray(prompt), bucket).asnumpy()[0]
+    want = ref.forward(reference, prompt, cache)[-1]
+    diffs = [float(np.abs(got - want).max())]
+    token, position = int(np.argmax(want)), len(prompt)
+    for _ in range(steps):
+        attend = next(a for a in runner.runtime.attend_buckets if a > position)
+        got = runner.run_decode_graph(np.array([slot]), np.array([token]), np.array([position]),
+                                      1, attend).asnumpy()[0]
+        want = ref.forward(reference, [token], cache)[-1]
+        diffs.append(float(np.abs(got - want).max()))
+        token, position = int(np.argmax(want)), position + 1
+    return diffs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tiny_checkpoint_logits_match_reference(family, tiny_llama_dir, tiny_qwen2_dir):
+    directory = tiny_llama_dir if family == "llama" else tiny_qwen2_dir
+    runner = ModelRunner(load_checkpoint(directory), TINY_RUNTIME)
+    reference = ref.load_hf_reference(directory)
+    prompt = load_tokenizer(directory).encode("The capital of France is Paris. 你好")
+    diffs = compare_logits(runner, reference, prompt, slot=1, steps=6)
+    assert max(diffs) < 1e-3, diffs
+
+
+@pytest.mark.default_model
+def test_default_model_logits_match_reference(default_runner, default_model_path):
+    reference = ref.load_gguf_reference(default_model_path)
+    tokenizer = load_tokenizer(default_model_path)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPTS[0]}])
+    assert len(prompt) == 37
+    diffs = compare_logits(default_runner, reference, prompt, slot=0, steps=4)
+    assert max(diffs) < 1e-3, diffs
+
+
+@pytest.mark.default_model
+def test_default_model_greedy_matches_reference_and_says_paris(default_runner, default_model_path,
+                                                              release_all):
+    release_all(default_runner)
+    reference = ref.load_gguf_reference(default_model_path)
+    tokenizer = load_tokenizer(default_model_path)
+    for i, question in enumerate(CHAT_PROMPTS):
+        prompt = tokenizer.encode_chat([{"role": "user", "content": question}])
+        want = ref.greedy(reference, prompt, 32)
+        got = [default_runner.prefill(i, prompt, GREEDY)]
+        while len(got) < 32:
+            got += default_runner.decode([i])
+        assert got == want, (question, tokenizer.decode(got), tokenizer.decode(want))
+        if i == 0:
+            assert "Paris" in tokenizer.decode(got)

@@ -1,0 +1,151 @@
+"""ModelRunner behaviour: batching, slot reuse, sampling through the graphs, and request errors."""
+import numpy as np
+import pytest
+
+from agent.runner import RunnerError
+from agent.sampling import SamplingParams
+from server.tokenizer import load_tokenizer
+
+GREEDY = SamplingParams()
+
+
+def generate_alone(runner, prompt, n, slot=0, params=GREEDY):
+    tokens = [runner.prefill(slot, prompt, params)]
+    while len(tokens) < n:
+        tokens += runner.decode([slot])
+    runner.release(slot)
+    return tokens
+
+
+def generate_together(runner, prompts, n, params=GREEDY):
+    slots = list(range(len(prompts)))
+    out = [[runner.prefill(s, p, params)] for s, p in zip(slots, prompts)]
+    for _ in range(n - 1):
+        for seq, token in zip(out, runner.decode(slots)):
+            seq.append(token)
+    for s in slots:
+        runner.release(s)
+    return out
+
+
+def chat_prompts(path, questions):
+    tokenizer = load_tokenizer(path)
+    return [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+
+
+def test_batch_invariance_tiny(tiny_llama_runner, tiny_llama_dir, release_all):
+    release_all(tiny_llama_runner)
+    tok = load_tokenizer(tiny_llama_dir)
+    prompts = [tok.encode(t) for t in ["The quick brown fox", "你好，世界！ 东京", "emoji 😀 🎉 and"]]
+    alone = [generate_alone(tiny_llama_runner, p, 12) for p in prompts]
+    assert generate_together(tiny_llama_runner, prompts, 12) == alone
+
+
+@pytest.mark.default_model
+def test_batch_invariance_default_model(default_runner, default_model_path, release_all):
+    release_all(default_runner)
+    prompts = chat_prompts(default_model_path, ["What is the capital of France?",
+                                                "Say hello in three languages, please.",
+                                                "Why is the sky blue?"])
+    assert len({len(p) for p in prompts}) == 3  # different lengths, different positions
+    alone = [generate_alone(default_runner, p, 16) for p in prompts]
+    assert generate_together(default_runner, prompts, 16) == alone
+
+
+def test_released_slot_is_reused_without_leaking(tiny_llama_runner, tiny_llama_dir, release_all):
+    release_all(tiny_llama_runner)
+    tok = load_tokenizer(tiny_llama_dir)
+    long_prompt = tok.encode("The quick brown fox jumps over the lazy dog. " * 2)
+    short_prompt = tok.encode("Numbers 0123")
+    fresh = generate_alone(tiny_llama_runner, short_prompt, 10, slot=3)
+    generate_alone(tiny_llama_runner, long_prompt, 20, slot=2)  # fills slot 2 far beyond short_prompt
+    assert generate_alone(tiny_llama_runner, short_prompt, 10, slot=2) == fresh
+
+
+def test_greedy_rows_stay_greedy_beside_sampled_rows(tiny_llama_runner, tiny_llama_dir, release_all):
+    release_all(tiny_llama_runner)
+    tok = load_tokenizer(tiny_llama_dir)
+    prompt = tok.encode("The capital of France")
+    greedy = generate_alone(tiny_llama_runner, prompt, 10)
+    hot = SamplingParams(do_sample=True, temperature=1.5, top_k=0, seed=3)
+    first = [tiny_llama_runner.prefill(0, prompt, GREEDY), tiny_llama_runner.prefill(1, prompt, hot)]
+    seqs = [[first[0]], [first[1]]]
+    for _ in range(9):
+        for seq, token in zip(seqs, tiny_llama_runner.decode([0, 1])):
+            seq.append(token)
+    assert seqs[0] == greedy
+    assert seqs[1] != greedy  # a hot sampler over a ~400-token vocabulary does not copy greedy
+
+
+def test_seeded_sampling_reproduces_and_top_k_1_is_greedy(tiny_llama_runner, tiny_llama_dir,
+                                                          release_all):
+    release_all(tiny_llama_runner)
+    prompt = load_tokenizer(tiny_llama_dir).encode("The quick brown fox")
+    params = SamplingParams(do_sample=True, temperature=1.2, top_k=50, top_p=0.95, seed=1234)
+    first = generate_alone(tiny_llama_runner, prompt, 16, params=params)
+    assert generate_alone(tiny_llama_runner, prompt, 16, slot=1, params=params) == first
+    other = generate_alone(tiny_llama_runner, prompt, 16, params=params.model_copy(update={"seed": 99}))
+    assert other != first
+    top1 = SamplingParams(do_sample=True, temperature=0.7, top_k=1, seed=5)
+    assert generate_alone(tiny_llama_runner, prompt, 12, params=top1) == \
+        generate_alone(tiny_llama_runner, prompt, 12)
+
+
+def test_repetition_penalty_matches_full_vocabulary_computation(tiny_llama_runner, tiny_llama_dir,
+                                                                release_all):
+    """Greedy with a penalty through the top-k graph equals the penalty applied to all logits."""
+    release_all(tiny_llama_runner)
+    runner = tiny_llama_runner
+    prompt = load_tokenizer(tiny_llama_dir).encode("The quick brown fox jumps")
+    penalty = 1.8
+    got = generate_alone(runner, prompt, 8, params=SamplingParams(repetition_penalty=penalty))
+    seen, want, tokens = set(prompt), [], list(prompt)
+    logits = runner.run_prefill_graph(0, np.asarray(tokens), 16).asnumpy()[0]
+    for step in range(8):
+        ids = np.array(sorted(seen))
+        logits[ids] = np.where(logits[ids] > 0, logits[ids] / penalty, logits[ids] * penalty)
+        token = int(np.argmax(logits))
+        want.append(token)
+        seen.add(token)
+        logits = runner.run_decode_graph(np.array([0]), np.array([token]),
+                                         np.array([len(prompt) + step]), 1, 32).asnumpy()[0]
+    assert got == want
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda r: r.prefill(9, [1, 2], GREEDY), "slot 9 is out of range"),
+    (lambda r: r.prefill(0, [], GREEDY), "non-empty"),
+    (lambda r: r.prefill(0, [1, 10_000], GREEDY), "token ids must lie in"),
+    (lambda r: r.prefill(0, [1] * 65, GREEDY), "prompt of 65 tokens exceeds the maximum sequence length 64"),
+    (lambda r: r.decode([2]), "slot 2 holds no sequence"),
+    (lambda r: r.decode([]), "at least one slot"),
+    (lambda r: r.release(-1), "out of range"),
+])
+def test_bad_requests_raise_clear_errors(tiny_llama_runner, call, message, release_all):
+    release_all(tiny_llama_runner)
+    with pytest.raises(RunnerError, match=message):
+        call(tiny_llama_runner)
+
+
+def test_busy_slot_repeated_slot_and_full_slot(tiny_llama_runner, release_all):
+    release_all(tiny_llama_runner)
+    runner = tiny_llama_runner
+    runner.prefill(0, [5] * 63, GREEDY)
+    with pytest.raises(RunnerError, match="slot 0 is in use"):
+        runner.prefill(0, [5], GREEDY)
+    with pytest.raises(RunnerError, match="repeat"):
+        runner.decode([0, 0])
+    runner.decode([0])  # writes position 63, the last one
+    with pytest.raises(RunnerError, match="slot 0 is full"):
+        runner.decode([0])
+    assert runner.slot_length(0) == 64 and runner.free_slots == [1, 2, 3]
+
+
+def test_warm_up_compiles_every_bucket(tiny_llama_runner):
+    lines = []
+    elapsed = tiny_llama_runner.warm_up(lines.append)
+    shapes = tiny_llama_runner.graph_shapes()
+    # 2 prefill buckets + 3 batch x 2 attend decode shapes + argmax + top-k buckets
+    assert len(shapes) == 2 + 6 + 1 + len(tiny_llama_runner.topk_buckets)
+    assert len(lines) == len(shapes) + 1 and lines[-1].startswith("warm-up done")
+    assert elapsed > 0 and np.all([f"{i}/{len(shapes)}" in lines[i - 1] for i in range(1, len(shapes) + 1)])

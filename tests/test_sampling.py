@@ -1,0 +1,80 @@
+"""SlotSampler on fixed candidate lists: distributions, top-k/top-p truncation, seeds, penalties."""
+import numpy as np
+import pytest
+
+from agent.sampling import SamplingParams, SlotSampler
+
+VOCAB = 1000
+
+
+def candidates(logits: np.ndarray):
+    order = np.argsort(-logits, kind="stable")
+    return logits[order].astype(np.float32), order.astype(np.int32)
+
+
+def draw(params, logits, n):
+    sampler = SlotSampler(params, [], VOCAB)
+    values, ids = candidates(logits)
+    return np.array([sampler.choose(values, ids) for _ in range(n)])
+
+
+def expected(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """HF warper order: top-k, then top-p over the renormalised survivors."""
+    order = np.argsort(-logits, kind="stable")
+    if top_k:
+        order = order[:top_k]
+    probs = np.exp((logits[order] - logits[order][0]) / temperature)
+    probs /= probs.sum()
+    keep = len(order)
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
+    out = np.zeros(VOCAB)
+    out[order[:keep]] = probs[:keep] / probs[:keep].sum()
+    return out
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6),
+                                                       (1.0, 8, 0.8)])
+def test_empirical_distribution_matches(temperature, top_k, top_p):
+    rng = np.random.default_rng(0)
+    logits = np.full(VOCAB, -20.0)
+    logits[:12] = rng.normal(0, 1.0, 12)  # a few plausible tokens, the rest negligible
+    params = SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+    n = 20_000
+    counts = np.bincount(draw(params, logits, n), minlength=VOCAB) / n
+    want = expected(logits, temperature, top_k, top_p)
+    assert np.all(counts[want == 0] == 0), "a token outside top-k/top-p was drawn"
+    assert np.abs(counts - want).max() < 0.015
+
+
+def test_same_seed_same_draws_and_different_seed_differs():
+    logits = np.random.default_rng(1).normal(0, 2, VOCAB)
+    params = SamplingParams(do_sample=True, seed=42)
+    a, b = draw(params, logits, 50), draw(params, logits, 50)
+    c = draw(params.model_copy(update={"seed": 43}), logits, 50)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_candidates_needed_covers_penalised_tokens():
+    p = SamplingParams(do_sample=True, top_k=10, repetition_penalty=1.3)
+    sampler = SlotSampler(p, [1, 2, 3, 3], VOCAB)
+    assert sampler.candidates_needed() == 13
+    assert SlotSampler(SamplingParams(do_sample=True), [], VOCAB).candidates_needed() == VOCAB
+    assert SlotSampler(SamplingParams(), [], VOCAB).candidates_needed() == 1
+    assert SlotSampler(SamplingParams(), [], VOCAB).plain_greedy
+
+
+def test_penalty_can_promote_a_lower_candidate():
+    logits = np.zeros(VOCAB)
+    logits[[5, 6]] = [4.0, 3.0]
+    sampler = SlotSampler(SamplingParams(repetition_penalty=2.0), [5], VOCAB)
+    values, ids = candidates(logits)
+    assert sampler.choose(values[:2], ids[:2]) == 6  # 4/2 < 3
+    assert sampler.seen == {5, 6}
+
+
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
+                                 {"repetition_penalty": 0}, {"seed": -1}])
+def test_invalid_parameters_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)

@@ -1,0 +1,70 @@
+"""One-shot generation in this process, no server: load the model, answer a prompt, print it.
+
+    python -m tools.generate "What is the capital of France?" [--max-new-tokens 64] [--raw]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from agent.checkpoint import CheckpointError, load_checkpoint
+from agent.runner import ModelRunner, compile_cache_key, configure_mindspore
+from agent.sampling import SamplingParams
+from config import ConfigError, load_config
+from server.detokenizer import IncrementalDetokenizer
+from server.tokenizer import load_tokenizer
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("prompt")
+    parser.add_argument("--config", help="config file (default: config/default.yaml)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    parser.add_argument("--do-sample", action="store_true")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    args = parser.parse_args()
+    try:
+        config = load_config(args.config)
+        checkpoint = load_checkpoint(config.model.path)
+        tokenizer = load_tokenizer(config.model.path)
+        tokenizer.check_fits(checkpoint.spec.vocab_size)
+    except (ConfigError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    runtime = config.runtime
+    cache = runtime.compile_cache_dir
+    configure_mindspore(runtime, compile_cache=None if cache is None else
+                        cache / compile_cache_key(checkpoint, runtime) / "generate")
+    runner = ModelRunner(checkpoint, runtime)
+    sampling = SamplingParams(do_sample=args.do_sample, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt = tokenizer.encode(args.prompt) if args.raw else tokenizer.encode_chat(messages)
+    stop_ids = set(tokenizer.eos_ids) | set(checkpoint.spec.eos_ids)
+    detok = IncrementalDetokenizer(tokenizer)
+    start = time.perf_counter()
+    token = runner.prefill(0, prompt, sampling)
+    first = time.perf_counter() - start
+    generated = 0
+    while token not in stop_ids and generated < args.max_new_tokens:
+        print(detok.add(token), end="", flush=True)
+        generated += 1
+        if generated == args.max_new_tokens or runner.slot_length(0) >= runtime.max_seq_len:
+            break
+        token = runner.decode([0])[0]
+    print(detok.flush())
+    total = time.perf_counter() - start
+    print(f"[{len(prompt)} prompt tokens, {generated} generated, first token {first:.2f}s "
+          f"(includes graph compilation), total {total:.2f}s]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
