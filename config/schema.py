@@ -73,6 +73,47 @@ class RuntimeSection(Section):
         return self
 
 
+class AgentsSection(Section):
+    """The agent processes: one per port, pinned to device start_device_id + rank."""
+
+    host: str = Field("127.0.0.1", description="address the agents bind and the server connects to")
+    ports: list[int] = Field(default_factory=lambda: [9820], description="upstream agent_ports")
+    start_device_id: int = Field(0, ge=0)
+    startup_timeout_s: float = Field(600.0, gt=0, description="longest a start-up may take")
+    shutdown_grace_s: float = Field(10.0, gt=0, description="SIGTERM to SIGKILL, for each agent")
+    restart_policy: Literal["restart", "exit"] = "restart"
+    max_restarts: int = Field(3, ge=0, description="restarts per agent before the launcher gives up")
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, ports: list[int]) -> list[int]:
+        if not ports:
+            raise ValueError("at least one agent port is needed")
+        if len(set(ports)) != len(ports) or any(not 0 < p < 65536 for p in ports):
+            raise ValueError(f"ports must be distinct and in 1..65535, got {ports}")
+        return ports
+
+
+class LoggingSection(Section):
+    dir: Path = Path("output")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    max_bytes: int = Field(10 * 1024 * 1024, ge=1024)
+    backup_count: int = Field(5, ge=1)
+
+    @field_validator("dir")
+    @classmethod
+    def _absolute(cls, path: Path) -> Path:
+        return resolve_path(path)
+
+
+class ServerSection(Section):
+    host: str = Field("127.0.0.1", description="HTTP bind address (upstream SERVER_APP_HOST)")
+    port: int = Field(9811, gt=0, lt=65536, description="HTTP port (upstream SERVER_APP_PORT)")
+
+
 class ServingConfig(Section):
     model: ModelSection = Field(default_factory=ModelSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    agents: AgentsSection = Field(default_factory=AgentsSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+    server: ServerSection = Field(default_factory=ServerSection)

@@ -31,3 +31,23 @@ def test_bad_config_names_the_problem(tmp_path, body, message):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "absent.yaml")
+
+
+def test_environment_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("agents:\n  ports: [9900]\n")
+    config = load_config(environ={"LLM_SERVING_CONFIG": str(path),
+                                  "LLM_SERVING__AGENTS__PORTS": "[9901, 9902]",
+                                  "LLM_SERVING__RUNTIME__NUM_SLOTS": "8"})
+    assert config.agents.ports == [9901, 9902] and config.runtime.num_slots == 8
+    with pytest.raises(ConfigError, match="agents.ports"):
+        load_config(path, environ={"LLM_SERVING__AGENTS__PORTS": "[1, 1]"})
+
+
+def test_upstream_names_are_reachable():
+    from config import serving_config
+
+    serving_config.active_config.cache_clear()
+    assert serving_config.agent_ports == serving_config.AgentPorts == [9820]
+    assert (serving_config.SERVER_APP_HOST, serving_config.SERVER_APP_PORT) == ("127.0.0.1", 9811)
+    assert serving_config.ModelName == "smollm2-135m-instruct" and serving_config.start_device_id == 0

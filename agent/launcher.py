@@ -1,0 +1,169 @@
+"""AgentLauncher: starts one agent process per configured port, waits for readiness, supervises.
+
+    launcher = AgentLauncher(config)
+    launcher.start()          # logs a readiness line per agent, then "all agents started"
+    code = launcher.supervise()   # until SIGTERM/SIGINT (0) or an unrecoverable agent death (1)
+
+A start-up failure stops every agent and reports the failing agent's error and its last log lines.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+from dataclasses import dataclass, field
+
+from agent.process import log_filename, run_agent
+from config.schema import ServingConfig
+
+log = logging.getLogger("agent_launcher")
+POLL_S = 0.2
+LOG_TAIL_LINES = 15
+
+
+class LaunchError(Exception):
+    """An agent could not be started; the message says which and why."""
+
+
+@dataclass
+class AgentHandle:
+    rank: int
+    port: int
+    process: mp.process.BaseProcess | None = None
+    ready: bool = False
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class AgentLauncher:
+    def __init__(self, config: ServingConfig):
+        self.config = config
+        self.ctx = mp.get_context("spawn")  # MindSpore's runtime threads do not survive fork
+        self.startup_queue = self.ctx.Queue()
+        self.agents = [AgentHandle(rank, port) for rank, port in enumerate(config.agents.ports)]
+        self.stop_signal: int | None = None
+
+    # ------------------------------------------------------------------------------ start-up
+
+    def start(self) -> None:
+        for agent in self.agents:
+            self._spawn(agent)
+        deadline = time.monotonic() + self.config.agents.startup_timeout_s
+        try:
+            while not all(a.ready for a in self.agents):
+                if self.stop_signal is not None:
+                    raise LaunchError(f"interrupted by signal {self.stop_signal} during start-up")
+                if time.monotonic() > deadline:
+                    waiting = [a.rank for a in self.agents if not a.ready]
+                    raise LaunchError(f"agents {waiting} not ready after "
+                                      f"{self.config.agents.startup_timeout_s:.0f}s")
+                self._take_reports(fail_on_error=True)
+        except LaunchError:
+            self.stop()
+            raise
+        log.info("all agents started")
+
+    def _spawn(self, agent: AgentHandle) -> None:
+        agent.ready = False
+        agent.started_at = time.monotonic()
+        agent.process = self.ctx.Process(
+            target=run_agent, name=f"agent-{agent.rank}",
+            args=(self.config, agent.rank, self.startup_queue, os.getpid()))
+        agent.process.start()
+        log.info("agent rank %d starting (pid %d, port %d, device %d)", agent.rank,
+                 agent.process.pid, agent.port, self.config.agents.start_device_id + agent.rank)
+
+    def _take_reports(self, fail_on_error: bool) -> None:
+        """Read readiness reports; notice agents that died before reporting."""
+        try:
+            report = self.startup_queue.get(timeout=POLL_S)
+        except queue.Empty:
+            report = None
+        if report is not None:
+            kind, rank = report[0], report[1]
+            agent = self.agents[rank]
+            if kind == "ready":
+                _, _, port, pid, warm_up_s = report
+                agent.ready = True
+                line = (f"agent rank {rank} ready on {self.config.agents.host}:{port} "
+                        f"(pid {pid}, warm-up {warm_up_s:.1f}s)")
+                log.info(line)
+            else:
+                self._start_failed(agent, report[2], fail_on_error)
+        for agent in self.agents:
+            if not agent.ready and agent.process is not None and not agent.process.is_alive():
+                self._start_failed(agent, f"exited with code {agent.process.exitcode} "
+                                          f"before it was ready", fail_on_error)
+
+    def _start_failed(self, agent: AgentHandle, reason: str, fail_on_error: bool) -> None:
+        message = f"agent rank {agent.rank} failed to start: {reason}\n{self._log_tail(agent.rank)}"
+        if fail_on_error:
+            raise LaunchError(message)
+        log.error(message)
+        agent.process = None  # counted as dead: the supervisor applies the restart policy
+
+    def _log_tail(self, rank: int) -> str:
+        path = self.config.logging.dir / log_filename(rank)
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return f"(no log at {path})"
+        return f"last lines of {path}:\n" + "\n".join(lines[-LOG_TAIL_LINES:])
+
+    # ---------------------------------------------------------------------------- supervision
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum, _frame):
+            self.stop_signal = signum
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def supervise(self) -> int:
+        """Until a stop signal (exit 0 once every agent is gone) or a death the policy cannot mend."""
+        policy = self.config.agents
+        while self.stop_signal is None:
+            self._take_reports(fail_on_error=False)
+            for agent in self.agents:
+                if agent.process is not None and agent.process.is_alive():
+                    continue
+                code = None if agent.process is None else agent.process.exitcode
+                if policy.restart_policy == "restart" and agent.restarts < policy.max_restarts:
+                    agent.restarts += 1
+                    log.warning("agent rank %d died (exit code %s); restarting (restart %d of %d)",
+                                agent.rank, code, agent.restarts, policy.max_restarts)
+                    self._spawn(agent)
+                else:
+                    why = ("restart policy is 'exit'" if policy.restart_policy == "exit"
+                           else f"{policy.max_restarts} restarts used")
+                    log.error("agent rank %d died (exit code %s); %s: stopping all agents",
+                              agent.rank, code, why)
+                    self.stop()
+                    return 1
+        log.info("signal %d received: stopping agents", self.stop_signal)
+        return 0 if self.stop() else 1
+
+    def stop(self) -> bool:
+        """SIGTERM every agent (each finishes its step in flight), SIGKILL what outlives the grace
+        period. True when no agent process remains."""
+        alive = [a.process for a in self.agents if a.process is not None and a.process.is_alive()]
+        for process in alive:
+            process.terminate()
+        deadline = time.monotonic() + self.config.agents.shutdown_grace_s
+        for process in alive:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in alive:
+            if process.is_alive():
+                log.warning("agent pid %d ignored SIGTERM for %.0fs; killing it", process.pid,
+                            self.config.agents.shutdown_grace_s)
+                process.kill()
+                process.join(5)
+        remaining = [p.pid for p in alive if p.is_alive()]
+        if remaining:
+            log.error("agent processes still alive after SIGKILL: %s", remaining)
+        else:
+            log.info("all agents stopped")
+        return not remaining

@@ -1,0 +1,114 @@
+"""One agent process: load, warm up, bind a ROUTER socket, report ready, serve until told to stop.
+
+Started by the launcher (agent/launcher.py) through multiprocessing's spawn context. Stops on SIGTERM
+or SIGINT (after the step in flight: the handler only sets a flag), on a `shutdown` request, or by
+itself when its parent dies (PR_SET_PDEATHSIG, and a parent-pid check for non-Linux or races).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+import traceback
+
+import zmq
+
+from agent.checkpoint import load_checkpoint
+from agent.runner import ModelRunner, compile_cache_key, configure_mindspore
+from agent.service import AgentService
+from config.logs import setup_logging
+from config.schema import ServingConfig
+
+POLL_MS = 200
+PR_SET_PDEATHSIG = 1
+
+
+def log_filename(rank: int) -> str:
+    return f"agent_{rank}.log"
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the parent-pid check in the loop still applies
+
+
+def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) -> None:
+    """multiprocessing target. Puts ("ready", rank, port, pid, warm-up s) or ("failed", rank, error)."""
+    _die_with_parent()
+    stopping = {"signal": None}
+
+    def request_stop(signum, _frame):
+        stopping["signal"] = signum
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    port = config.agents.ports[rank]
+    log = setup_logging(config.logging, log_filename(rank))
+    try:
+        socket, service, warm_up_s = _start(config, rank, port, log)
+    except Exception as exc:
+        log.error("start-up failed: %s\n%s", exc, traceback.format_exc())
+        startup_queue.put(("failed", rank, f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1)
+    startup_queue.put(("ready", rank, port, os.getpid(), warm_up_s))
+    log.info("ready on %s:%d", config.agents.host, port)
+    try:
+        _serve(socket, service, stopping, parent_pid, log)
+    finally:
+        socket.close(linger=0)
+        log.info("agent rank %d stopped", rank)
+
+
+def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
+    runtime = config.runtime
+    device_id = config.agents.start_device_id + rank
+    log.info("agent rank %d: device %s:%d, model %s", rank, runtime.device_target, device_id,
+             config.model.path)
+    start = time.perf_counter()
+    checkpoint = load_checkpoint(config.model.path)
+    log.info("weights loaded in %.1fs (%s, %.1fM parameters)", time.perf_counter() - start,
+             checkpoint.format, checkpoint.spec.parameter_count() / 1e6)
+    cache = runtime.compile_cache_dir
+    configure_mindspore(runtime, device_id, None if cache is None else
+                        cache / compile_cache_key(checkpoint, runtime) / f"rank_{rank}")
+    runner = ModelRunner(checkpoint, runtime)
+    log.info("KV cache: %d slots x %d positions, %.0f MB", runtime.num_slots, runtime.max_seq_len,
+             runner.model.cache_bytes() / 1e6)
+    warm_up_s = runner.warm_up(log.info)
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(f"tcp://{config.agents.host}:{port}")  # after warm-up: connecting means ready
+    service = AgentService(runner, model_name=config.model.name, rank=rank, port=port)
+    return socket, service, warm_up_s
+
+
+def _serve(socket, service: AgentService, stopping: dict, parent_pid: int,
+           log: logging.Logger) -> None:
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    while stopping["signal"] is None:
+        if os.getppid() != parent_pid:
+            log.warning("launcher (pid %d) is gone; exiting", parent_pid)
+            return
+        try:
+            ready = poller.poll(POLL_MS)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EINTR or stopping["signal"] is not None:
+                continue
+            raise
+        if not ready:
+            continue
+        identity, *frames = socket.recv_multipart(copy=False)
+        start = time.perf_counter()
+        reply = service.handle([f.buffer for f in frames])
+        socket.send_multipart([identity, *reply], copy=False)
+        log.debug("request served in %.1f ms", (time.perf_counter() - start) * 1000)
+        if service.shutdown_requested:
+            log.info("shutdown requested over the wire")
+            return
+    log.info("stopping on signal %d", stopping["signal"])

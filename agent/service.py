@@ -1,0 +1,92 @@
+"""AgentService: turns decoded wire requests into ModelRunner calls and builds the replies.
+
+No sockets here; agent/process.py moves the frames. Every failure becomes an error reply: a bad
+request never stops the agent.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from agent import protocol
+from agent.runner import ModelRunner, RunnerError
+from agent.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AgentService:
+    def __init__(self, runner: ModelRunner, *, model_name: str, rank: int, port: int,
+                 role: str = "mixed"):
+        self.runner = runner
+        self.facts = {
+            "protocol": protocol.PROTOCOL_VERSION, "model": model_name,
+            "vocab_size": runner.spec.vocab_size, "eos_ids": list(runner.spec.eos_ids),
+            "num_slots": runner.num_slots, "max_seq_len": runner.max_len,
+            "prefill_buckets": runner.runtime.prefill_buckets,
+            "decode_batch_buckets": runner.runtime.decode_batch_buckets,
+            "attend_buckets": runner.runtime.attend_buckets, "role": role, "rank": rank, "port": port}
+        self.shutdown_requested = False
+
+    def handle(self, frames: list) -> list:
+        """Request frames -> reply frames."""
+        try:
+            header, arrays = protocol.decode(frames)
+        except protocol.ProtocolError as exc:
+            return protocol.error_reply(None, str(exc))
+        op = header.get("op")
+        handler = getattr(self, f"_op_{op}", None) if op in protocol.OPS else None
+        if handler is None:
+            return protocol.error_reply(header, f"unknown op {op!r} (known: {', '.join(protocol.OPS)})")
+        try:
+            fields, out_arrays = handler(header, arrays)
+        except (RunnerError, ValidationError, ValueError, TypeError, KeyError) as exc:
+            return protocol.error_reply(header, f"{op}: {exc}")
+        except Exception as exc:  # a real failure inside the runner: report it, keep serving
+            log.exception("op %s failed", op)
+            return protocol.error_reply(header, f"{op} failed: {type(exc).__name__}: {exc}",
+                                        kind="internal")
+        return protocol.ok_reply(header, fields, out_arrays)
+
+    # Each op returns (reply fields, reply arrays).
+
+    def _op_info(self, header: dict, arrays: list) -> tuple[dict, list]:
+        return dict(self.facts), []
+
+    def _op_ping(self, header: dict, arrays: list) -> tuple[dict, list]:
+        return {}, []
+
+    def _op_shutdown(self, header: dict, arrays: list) -> tuple[dict, list]:
+        self.shutdown_requested = True
+        return {}, []
+
+    def _op_prefill(self, header: dict, arrays: list) -> tuple[dict, list]:
+        tokens = _one_int_array(arrays, "prefill", "prompt token ids")
+        sampling = SamplingParams.model_validate(header.get("sampling") or {})
+        token = self.runner.prefill(_int_field(header, "slot"), tokens.tolist(), sampling)
+        return {"token": token}, []
+
+    def _op_decode(self, header: dict, arrays: list) -> tuple[dict, list]:
+        slots = _one_int_array(arrays, "decode", "slot ids")
+        tokens = self.runner.decode(slots.tolist())
+        return {}, [np.asarray(tokens, dtype=np.int32)]
+
+    def _op_release(self, header: dict, arrays: list) -> tuple[dict, list]:
+        self.runner.release(_int_field(header, "slot"))
+        return {}, []
+
+
+def _int_field(header: dict[str, Any], name: str) -> int:
+    value = header.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"field {name!r} must be an integer, got {value!r}")
+    return value
+
+
+def _one_int_array(arrays: list, op: str, what: str) -> np.ndarray:
+    if len(arrays) != 1 or arrays[0].ndim != 1 or arrays[0].dtype.kind != "i":
+        raise ValueError(f"{op} takes one 1-D integer array of {what}")
+    return arrays[0]

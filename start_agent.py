@@ -1,0 +1,34 @@
+"""Launch the agents (one MindSpore process per configured port), wait for readiness, supervise.
+
+    python start_agent.py [--config config/default.yaml]
+"""
+import argparse
+import sys
+
+from agent.launcher import AgentLauncher, LaunchError
+from config import ConfigError, load_config
+from config.logs import setup_logging
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="config file (default: $LLM_SERVING_CONFIG or config/default.yaml)")
+    args = parser.parse_args()
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    log = setup_logging(config.logging, "agent_launcher.log", console=True)
+    launcher = AgentLauncher(config)
+    launcher.install_signal_handlers()
+    try:
+        launcher.start()
+    except LaunchError as exc:
+        log.error("%s", exc)
+        return 1
+    return launcher.supervise()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

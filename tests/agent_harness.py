@@ -1,0 +1,132 @@
+"""Helpers to run `start_agent.py` as a real subprocess and talk to its agents over ZeroMQ."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import yaml
+import zmq
+
+from agent import protocol
+from config.schema import PROJECT_ROOT
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def write_config(directory: Path, model_path: Path, ports: list[int], **sections) -> Path:
+    config = {
+        "model": {"name": "tiny", "path": str(model_path)},
+        "runtime": {"num_slots": 4, "max_seq_len": 64, "prefill_buckets": [16, 64],
+                    "decode_batch_buckets": [1, 2, 4], "attend_buckets": [32, 64],
+                    "compile_cache_dir": None},
+        "agents": {"ports": ports, "startup_timeout_s": 180, "shutdown_grace_s": 5},
+        "logging": {"dir": str(directory / "logs")},
+    }
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class LauncherProcess:
+    """`python start_agent.py --config PATH` with its output collected line by line."""
+
+    def __init__(self, config_path: Path):
+        self.process = subprocess.Popen(
+            [sys.executable, str(PROJECT_ROOT / "start_agent.py"), "--config", str(config_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PROJECT_ROOT)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float, start: int = 0) -> int:
+        """Index of the first line from `start` on containing `text`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for i in range(start, len(self.lines)):
+                if text in self.lines[i]:
+                    return i
+            if self.process.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} not printed within {timeout}s; output:\n{self.output()}")
+
+    def agent_pids(self) -> list[int]:
+        try:
+            return [c.pid for c in psutil.Process(self.process.pid).children(recursive=True)
+                    if "resource_tracker" not in " ".join(c.cmdline())]
+        except psutil.NoSuchProcess:
+            return []
+
+    def close(self) -> None:
+        pids = self.agent_pids()
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        for pid in pids:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+class AgentSocket:
+    """A plain synchronous DEALER for tests: send one request, wait for its reply."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1"):
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(f"tcp://{host}:{port}")
+        self.next_id = 0
+
+    def raw(self, frames: list, timeout: float = 30.0):
+        self.socket.send_multipart(frames)
+        if not self.socket.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no reply within {timeout}s")
+        return protocol.decode(self.socket.recv_multipart())
+
+    def call(self, op: str, arrays=(), timeout: float = 30.0, **fields):
+        self.next_id += 1
+        header, out = self.raw(protocol.encode({"op": op, "id": self.next_id, **fields},
+                                               [np.asarray(a) for a in arrays]), timeout)
+        assert header["id"] == self.next_id
+        return header, out
+
+    def close(self) -> None:
+        self.socket.close(linger=0)

@@ -1,0 +1,183 @@
+"""start_agent.py end to end: real agent processes, real ZeroMQ sockets, real signals."""
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from agent import protocol
+from agent.sampling import SamplingParams
+from agent_harness import AgentSocket, LauncherProcess, alive, free_ports, wait_gone, write_config
+from server.tokenizer import load_tokenizer
+
+START_TIMEOUT = 240
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """launch(model_path, n_agents, **config sections) -> (LauncherProcess, ports); always cleaned up."""
+    started: list[LauncherProcess] = []
+
+    def _launch(model_path, n_agents=1, **sections):
+        ports = free_ports(n_agents)
+        process = LauncherProcess(write_config(tmp_path, model_path, ports, **sections))
+        started.append(process)
+        return process, ports
+
+    yield _launch
+    for process in started:
+        process.close()
+
+
+@pytest.fixture(scope="module")
+def two_agents(tmp_path_factory, tiny_llama_dir):
+    """One launcher with two agents, shared by the tests that only talk to them."""
+    ports = free_ports(2)
+    directory = tmp_path_factory.mktemp("two-agents")
+    launcher = LauncherProcess(write_config(directory, tiny_llama_dir, ports))
+    try:
+        launcher.wait_for("all agents started", START_TIMEOUT)
+        yield launcher, ports, directory
+    finally:
+        launcher.close()
+
+
+def test_two_agents_report_ready_and_answer_like_the_runner(two_agents, tiny_llama_runner,
+                                                            tiny_llama_dir, release_all):
+    launcher, ports, directory = two_agents
+    ready = [launcher.wait_for(f"agent rank {r} ready on 127.0.0.1:{p} (pid", 1)
+             for r, p in enumerate(ports)]
+    assert launcher.wait_for("all agents started", 1) > max(ready)
+    assert sum("ready on" in line for line in launcher.lines) == 2
+    assert (directory / "logs" / "agent_0.log").is_file()
+    assert (directory / "logs" / "agent_launcher.log").is_file()
+
+    release_all(tiny_llama_runner)
+    prompt = load_tokenizer(tiny_llama_dir).encode("The quick brown fox")
+    want = [tiny_llama_runner.prefill(0, prompt, SamplingParams())]
+    want += [tiny_llama_runner.decode([0])[0] for _ in range(7)]
+    for rank, port in enumerate(ports):
+        client = AgentSocket(port)
+        info, _ = client.call("info")
+        assert info["ok"] and info["rank"] == rank and info["port"] == port
+        assert info["protocol"] == protocol.PROTOCOL_VERSION and info["num_slots"] == 4
+        assert info["max_seq_len"] == 64 and info["role"] == "mixed" and info["model"] == "tiny"
+        reply, _ = client.call("prefill", [np.array(prompt, np.int32)], slot=1,
+                               sampling=SamplingParams().model_dump())
+        got = [reply["token"]]
+        for _ in range(7):
+            reply, arrays = client.call("decode", [np.array([1], np.int32)])
+            assert reply["ok"], reply
+            got.append(int(arrays[0][0]))
+        assert got == want
+        assert client.call("release", slot=1)[0]["ok"]
+        client.close()
+
+
+@pytest.mark.parametrize("frames_or_call, error", [
+    (lambda c: c.raw([b"\xff\x00 garbage"]), "header is not msgpack"),
+    (lambda c: c.raw([b"\x93\x01\x02\x03"]), "header must be a msgpack map"),
+    (lambda c: c.call("fly"), "unknown op 'fly'"),
+    (lambda c: c.raw([protocol.encode({"op": "decode", "id": 1}, [np.array([0], np.int32)])[0],
+                      b"\x00" * 7]), "7 bytes do not match int32[1]"),
+    (lambda c: c.call("prefill", [np.array([1, 2], np.int32)], slot=99), "slot 99 is out of range"),
+    (lambda c: c.call("prefill", [np.ones(65, np.int32)], slot=0), "exceeds the maximum sequence length"),
+    (lambda c: c.call("prefill", [np.array([1], np.int32)], slot=0, sampling={"top_p": 7}), "top_p"),
+    (lambda c: c.call("decode", [np.array([3], np.int32)]), "slot 3 holds no sequence"),
+    (lambda c: c.call("release", slot="x"), "must be an integer"),
+])
+def test_bad_messages_get_error_replies_and_the_agent_keeps_serving(two_agents, frames_or_call, error):
+    _, ports, _ = two_agents
+    client = AgentSocket(ports[0])
+    header, _ = frames_or_call(client)
+    assert header["ok"] is False and error in header["error"], header
+    assert client.call("ping")[0]["ok"]
+    client.close()
+
+
+def test_version_mismatch_is_a_clear_error(two_agents):
+    import msgpack
+
+    _, ports, _ = two_agents
+    client = AgentSocket(ports[1])
+    header, _ = client.raw([msgpack.packb({"v": 999, "op": "ping", "id": 1, "arrays": []})])
+    assert not header["ok"] and "protocol version mismatch: got 999" in header["error"]
+    client.close()
+
+
+def test_missing_model_file_fails_fast_naming_the_file(launch, tmp_path):
+    missing = tmp_path / "no-such-model.gguf"
+    launcher, _ = launch(missing, 2)
+    assert launcher.process.wait(60) != 0
+    assert "no-such-model.gguf" in launcher.output() and "failed to start" in launcher.output()
+    assert launcher.agent_pids() == []
+
+
+def test_sigterm_during_decode_exits_zero_with_no_agent_left(launch, tiny_llama_dir):
+    launcher, ports = launch(tiny_llama_dir, 2)
+    launcher.wait_for("all agents started", START_TIMEOUT)
+    pids = launcher.agent_pids()
+    assert len(pids) >= 2
+    client = AgentSocket(ports[0])
+    client.call("prefill", [np.array([5, 6, 7], np.int32)], slot=0)
+    stop = threading.Event()
+
+    def keep_decoding():
+        steps = 0
+        while not stop.is_set() and steps < 50:
+            try:
+                client.call("decode", [np.array([0], np.int32)], timeout=2)
+            except TimeoutError:
+                return
+            steps += 1
+
+    worker = threading.Thread(target=keep_decoding)
+    worker.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    launcher.process.send_signal(signal.SIGTERM)
+    assert launcher.process.wait(15) == 0
+    stop.set()
+    worker.join(10)
+    assert time.monotonic() - started < 5 + 5  # shutdown_grace_s plus slack
+    assert wait_gone(pids, 5) == []
+    client.close()
+
+
+def test_kill_9_of_the_launcher_takes_the_agents_down(launch, tiny_llama_dir):
+    launcher, _ = launch(tiny_llama_dir, 1)
+    launcher.wait_for("all agents started", START_TIMEOUT)
+    pids = launcher.agent_pids()
+    os.kill(launcher.process.pid, signal.SIGKILL)
+    launcher.process.wait(5)
+    assert wait_gone(pids, 10) == []
+
+
+def test_killed_agent_is_restarted_by_policy(launch, tiny_llama_dir, tmp_path):
+    launcher, ports = launch(tiny_llama_dir, 1, agents={"restart_policy": "restart"})
+    first = launcher.wait_for("all agents started", START_TIMEOUT)
+    agent_pid = next(p for p in launcher.agent_pids()
+                     if "spawn" in " ".join(psutil.Process(p).cmdline()))
+    os.kill(agent_pid, signal.SIGKILL)
+    launcher.wait_for("agent rank 0 died (exit code -9); restarting", 30, start=first)
+    launcher.wait_for("agent rank 0 ready on", START_TIMEOUT, start=first + 1)
+    assert not alive(agent_pid)
+    client = AgentSocket(ports[0])
+    assert client.call("ping", timeout=30)[0]["ok"]
+    client.close()
+    log = (tmp_path / "logs" / "agent_launcher.log").read_text()
+    assert "agent rank 0 died (exit code -9); restarting (restart 1 of 3)" in log
+
+
+def test_killed_agent_with_exit_policy_stops_the_launcher(launch, tiny_llama_dir):
+    launcher, _ = launch(tiny_llama_dir, 2, agents={"restart_policy": "exit"})
+    launcher.wait_for("all agents started", START_TIMEOUT)
+    pids = launcher.agent_pids()
+    victim = next(p for p in pids if "spawn" in " ".join(psutil.Process(p).cmdline()))
+    os.kill(victim, signal.SIGKILL)
+    assert launcher.process.wait(30) == 1
+    assert "restart policy is 'exit'" in launcher.output()
+    assert wait_gone(pids, 5) == []

@@ -1,0 +1,97 @@
+"""Model micro-benchmark: prefill and decode-step latency of the graphs, in this process.
+
+    python -m tools.model_bench [--batches 1 4 8 16 32] [--contexts 128 1024] [--prompts 32 128 512]
+    python -m tools.model_bench --warm-up      # time the default config's full warm-up instead
+
+Each shape is compiled once, run once more to settle, then timed `--repeats` times (median reported).
+Decode at context C attends over C rounded up to the next multiple of 256 (the attend bucket).
+Results go to the console and to output/model_bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from agent.checkpoint import load_checkpoint
+from agent.runner import ModelRunner, compile_cache_key, configure_mindspore
+from config import PROJECT_ROOT, load_config
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # settle after the compile run
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times) * 1000)
+
+
+def run_grid(runner: ModelRunner, args) -> dict:
+    results = {"prefill_ms": {}, "decode_ms": {}}
+    vocab = runner.spec.vocab_size
+    rng = np.random.default_rng(0)
+    for n in args.prompts:
+        tokens = rng.integers(0, vocab, n)
+        results["prefill_ms"][n] = ms = median_ms(
+            lambda: runner.run_prefill_graph(0, tokens, n).asnumpy(), args.repeats)
+        print(f"prefill {n:5d} tokens: {ms:8.1f} ms", flush=True)
+    for context in args.contexts:
+        attend = -(-(context + 1) // 256) * 256
+        for batch in args.batches:
+            slots = np.arange(batch)
+            tokens = rng.integers(0, vocab, batch)
+            positions = np.full(batch, context)
+            ms = median_ms(lambda: runner.run_decode_graph(slots, tokens, positions, batch,
+                                                          attend).asnumpy(), args.repeats)
+            results["decode_ms"][f"B={batch},context={context}"] = ms
+            print(f"decode B={batch:3d} context {context:5d} (attend {attend}): {ms:8.1f} ms "
+                  f"= {batch * 1000 / ms:7.1f} tok/s", flush=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="config file (default: config/default.yaml)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--prompts", type=int, nargs="+", default=[32, 128, 512])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--warm-up", action="store_true",
+                        help="time the configured runner's warm-up (all buckets) instead")
+    args = parser.parse_args()
+    config = load_config(args.config)
+    start = time.perf_counter()
+    checkpoint = load_checkpoint(config.model.path)
+    load_s = time.perf_counter() - start
+    print(f"loaded {checkpoint.spec.name} in {load_s:.1f}s", flush=True)
+    if args.warm_up:
+        runtime = config.runtime
+        cache = runtime.compile_cache_dir
+        configure_mindspore(runtime, compile_cache=None if cache is None else
+                            cache / compile_cache_key(checkpoint, runtime) / "bench")
+        runner = ModelRunner(checkpoint, runtime)
+        results = {"load_s": load_s, "warm_up_s": runner.warm_up(print)}
+    else:
+        # The grid's own shapes: slots for the largest batch, room for the longest context.
+        longest = max(max(args.contexts) + 1, max(args.prompts))
+        max_len = -(-longest // 256) * 256
+        runtime = config.runtime.model_copy(update={
+            "num_slots": max(args.batches), "max_seq_len": max_len,
+            "prefill_buckets": [max_len], "attend_buckets": [max_len],
+            "decode_batch_buckets": [max(args.batches)], "compile_cache_dir": None})
+        configure_mindspore(runtime)
+        results = {"load_s": load_s, **run_grid(ModelRunner(checkpoint, runtime), args)}
+    out = PROJECT_ROOT / "output" / "model_bench.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"results written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
