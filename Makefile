@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml
 test: setup
 	@$(PY) -m pytest
 
+# The HTTP front end (start_server.py) is not built yet: for now this serves the agents only.
 serve: setup
-	@$(PY) -m tools.serve
+	@echo "==> starting the agents (Ctrl-C or SIGTERM stops them); the HTTP server is not built yet"
+	@$(PY) start_agent.py
 
 clean-venv:
 	rm -rf $(VENV)

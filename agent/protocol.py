@@ -7,7 +7,8 @@ A message is a ZeroMQ multipart list: one msgpack header, then one raw frame per
 
 Requests (op: fields -> reply fields):
     info:     -                                  -> protocol, model, vocab_size, eos_ids, num_slots,
-                                                    max_seq_len, prefill_buckets, decode_batch_buckets,
+                                                    max_seq_len, max_prompt_len, prefill_buckets,
+                                                    decode_batch_buckets,
                                                     attend_buckets, role, rank, port
     prefill:  slot, sampling {...}; arrays [tokens int32]   -> token
     decode:   arrays [slots int32]                         -> arrays [tokens int32]

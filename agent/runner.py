@@ -148,9 +148,9 @@ class ModelRunner:
         if slot in self.slots:
             raise RunnerError(f"slot {slot} is in use; release it first")
         tokens = self._check_tokens(prompt)
-        if len(tokens) > self.max_len:
-            raise RunnerError(f"prompt of {len(tokens)} tokens exceeds the maximum sequence "
-                              f"length {self.max_len}")
+        if len(tokens) > self.runtime.max_prompt_len:
+            raise RunnerError(f"prompt of {len(tokens)} tokens exceeds the longest prompt this "
+                              f"agent accepts ({self.runtime.max_prompt_len} tokens)")
         logits = self.run_prefill_graph(slot, tokens, _bucket(self.runtime.prefill_buckets, len(tokens)))
         sampler = SlotSampler(params, tokens.tolist(), self.spec.vocab_size)
         token = self._sample(logits, [sampler])[0]

@@ -26,6 +26,7 @@ class AgentService:
             "protocol": protocol.PROTOCOL_VERSION, "model": model_name,
             "vocab_size": runner.spec.vocab_size, "eos_ids": list(runner.spec.eos_ids),
             "num_slots": runner.num_slots, "max_seq_len": runner.max_len,
+            "max_prompt_len": runner.runtime.max_prompt_len,
             "prefill_buckets": runner.runtime.prefill_buckets,
             "decode_batch_buckets": runner.runtime.decode_batch_buckets,
             "attend_buckets": runner.runtime.attend_buckets, "role": role, "rank": rank, "port": port}

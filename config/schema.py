@@ -40,11 +40,17 @@ def _bucket_list(values: list[int], name: str) -> list[int]:
 class RuntimeSection(Section):
     """How each agent builds and runs its graphs (shapes, KV slots, MindSpore context)."""
 
+    @property
+    def max_prompt_len(self) -> int:
+        return self.prefill_buckets[-1]
+
     device_target: Literal["CPU", "Ascend", "GPU"] = "CPU"
     cpu_threads: int | None = Field(None, ge=1, description="MindSpore CPU op threads; None: its default")
     num_slots: int = Field(16, ge=1, description="KV-cache slots = most sequences decoded at once")
     max_seq_len: int = Field(2048, ge=2, description="positions per slot: prompt + generated tokens")
-    prefill_buckets: list[int] = Field(default_factory=lambda: [128, 512, 2048])
+    # The largest prefill bucket is the longest prompt accepted. Prefill memory grows with its
+    # square (the attention scores of all layers stay allocated), so keep it well below max_seq_len.
+    prefill_buckets: list[int] = Field(default_factory=lambda: [128, 512])
     decode_batch_buckets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
     attend_buckets: list[int] = Field(default_factory=lambda: [512, 2048])
     compile_cache_dir: Path | None = Field(Path("output/compile_cache"),
@@ -62,11 +68,12 @@ class RuntimeSection(Section):
 
     @model_validator(mode="after")
     def _buckets_cover_limits(self) -> "RuntimeSection":
-        for name in ("prefill_buckets", "attend_buckets"):
-            buckets = getattr(self, name)
-            if buckets[-1] != self.max_seq_len:
-                raise ValueError(f"the largest of {name} must equal max_seq_len "
-                                 f"({self.max_seq_len}), got {buckets}")
+        if self.attend_buckets[-1] != self.max_seq_len:
+            raise ValueError(f"the largest of attend_buckets must equal max_seq_len "
+                             f"({self.max_seq_len}), got {self.attend_buckets}")
+        if self.prefill_buckets[-1] > self.max_seq_len:
+            raise ValueError(f"prefill_buckets may not exceed max_seq_len ({self.max_seq_len}), "
+                             f"got {self.prefill_buckets}")
         if self.decode_batch_buckets[-1] < self.num_slots:
             raise ValueError(f"the largest of decode_batch_buckets must be at least num_slots "
                              f"({self.num_slots}), got {self.decode_batch_buckets}")

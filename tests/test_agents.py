@@ -84,7 +84,7 @@ def test_two_agents_report_ready_and_answer_like_the_runner(two_agents, tiny_lla
     (lambda c: c.raw([protocol.encode({"op": "decode", "id": 1}, [np.array([0], np.int32)])[0],
                       b"\x00" * 7]), "7 bytes do not match int32[1]"),
     (lambda c: c.call("prefill", [np.array([1, 2], np.int32)], slot=99), "slot 99 is out of range"),
-    (lambda c: c.call("prefill", [np.ones(65, np.int32)], slot=0), "exceeds the maximum sequence length"),
+    (lambda c: c.call("prefill", [np.ones(65, np.int32)], slot=0), "exceeds the longest prompt"),
     (lambda c: c.call("prefill", [np.array([1], np.int32)], slot=0, sampling={"top_p": 7}), "top_p"),
     (lambda c: c.call("decode", [np.array([3], np.int32)]), "slot 3 holds no sequence"),
     (lambda c: c.call("release", slot="x"), "must be an integer"),

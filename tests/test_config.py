@@ -9,13 +9,14 @@ def test_default_config_serves_the_embedded_model_on_cpu():
     config = load_config()
     assert config.model.path == PROJECT_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert config.runtime.device_target == "CPU"
-    assert config.runtime.prefill_buckets[-1] == config.runtime.max_seq_len
+    assert config.runtime.max_prompt_len == config.runtime.prefill_buckets[-1] <= config.runtime.max_seq_len
 
 
 @pytest.mark.parametrize("body, message", [
     ("runtime:\n  num_slots: 0\n", "runtime.num_slots"),
     ("runtime:\n  bogus: 1\n", "runtime.bogus"),
-    ("runtime:\n  max_seq_len: 1024\n", "prefill_buckets must equal max_seq_len"),
+    ("runtime:\n  max_seq_len: 1024\n", "attend_buckets must equal max_seq_len"),
+    ("runtime:\n  prefill_buckets: [4096]\n", "prefill_buckets may not exceed max_seq_len"),
     ("runtime:\n  num_slots: 32\n", "decode_batch_buckets must be at least num_slots"),
     ("runtime:\n  device_target: TPU\n", "runtime.device_target"),
     ("- a list\n", "mapping"),

@@ -116,7 +116,7 @@ def test_repetition_penalty_matches_full_vocabulary_computation(tiny_llama_runne
     (lambda r: r.prefill(9, [1, 2], GREEDY), "slot 9 is out of range"),
     (lambda r: r.prefill(0, [], GREEDY), "non-empty"),
     (lambda r: r.prefill(0, [1, 10_000], GREEDY), "token ids must lie in"),
-    (lambda r: r.prefill(0, [1] * 65, GREEDY), "prompt of 65 tokens exceeds the maximum sequence length 64"),
+    (lambda r: r.prefill(0, [1] * 65, GREEDY), "prompt of 65 tokens exceeds the longest prompt this agent accepts \\(64 tokens\\)"),
     (lambda r: r.decode([2]), "slot 2 holds no sequence"),
     (lambda r: r.decode([]), "at least one slot"),
     (lambda r: r.release(-1), "out of range"),
