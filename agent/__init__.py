@@ -1,0 +1,6 @@
+"""Agent side: the model, its runner and graphs, and the agent processes."""
+import os
+
+# MindSpore prints framework warnings (deprecations, compile-cache misses) to stderr at level 2;
+# keep operator consoles readable unless the user asks for them with GLOG_v=2 or lower.
+os.environ.setdefault("GLOG_v", "3")
