@@ -14,7 +14,7 @@ import os
 import queue
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from agent.process import log_filename, run_agent
 from config.schema import ServingConfig
@@ -35,7 +35,6 @@ class AgentHandle:
     process: mp.process.BaseProcess | None = None
     ready: bool = False
     restarts: int = 0
-    started_at: float = field(default_factory=time.monotonic)
 
 
 class AgentLauncher:
@@ -68,7 +67,6 @@ class AgentLauncher:
 
     def _spawn(self, agent: AgentHandle) -> None:
         agent.ready = False
-        agent.started_at = time.monotonic()
         agent.process = self.ctx.Process(
             target=run_agent, name=f"agent-{agent.rank}",
             args=(self.config, agent.rank, self.startup_queue, os.getpid()))

@@ -16,7 +16,7 @@ import traceback
 import zmq
 
 from agent.checkpoint import load_checkpoint
-from agent.runner import ModelRunner, compile_cache_key, configure_mindspore
+from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
 from agent.service import AgentService
 from config.logs import setup_logging
 from config.schema import ServingConfig
@@ -73,9 +73,7 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
     checkpoint = load_checkpoint(config.model.path)
     log.info("weights loaded in %.1fs (%s, %.1fM parameters)", time.perf_counter() - start,
              checkpoint.format, checkpoint.spec.parameter_count() / 1e6)
-    cache = runtime.compile_cache_dir
-    configure_mindspore(runtime, device_id, None if cache is None else
-                        cache / compile_cache_key(checkpoint, runtime) / f"rank_{rank}")
+    configure_mindspore(runtime, device_id, compile_cache_dir(checkpoint, runtime, f"rank_{rank}"))
     runner = ModelRunner(checkpoint, runtime)
     log.info("KV cache: %d slots x %d positions, %.0f MB", runtime.num_slots, runtime.max_seq_len,
              runner.model.cache_bytes() / 1e6)

@@ -59,12 +59,17 @@ def configure_mindspore(runtime: RuntimeSection, device_id: int = 0,
         ms.set_context(enable_compile_cache=True, compile_cache_path=str(compile_cache))
 
 
-def compile_cache_key(checkpoint: Checkpoint, runtime: RuntimeSection) -> str:
-    """Graphs depend on the model's shapes, the runtime shapes and the graph code."""
+def compile_cache_dir(checkpoint: Checkpoint, runtime: RuntimeSection, user: str) -> Path | None:
+    """The compile cache of one process (`user`: an agent rank, a tool), or None when disabled.
+    Graphs depend on the model's shapes, the runtime shapes and the graph code, so those pick the
+    folder; each process gets its own below it so that concurrent writers never share one."""
+    if runtime.compile_cache_dir is None:
+        return None
     graph_code = (Path(__file__).parent / "llama_graphs.py").read_bytes()
     shapes = runtime.model_dump(exclude={"compile_cache_dir", "cpu_threads"})
     text = checkpoint.spec.model_dump_json() + json.dumps(shapes, sort_keys=True)
-    return hashlib.sha256(text.encode() + graph_code).hexdigest()[:16]
+    key = hashlib.sha256(text.encode() + graph_code).hexdigest()[:16]
+    return runtime.compile_cache_dir / key / user
 
 
 def _bucket(buckets: Sequence[int], n: int) -> int:
@@ -120,19 +125,16 @@ class ModelRunner:
         scratch = self.num_slots
         for i, (kind, rows, length) in enumerate(shapes, 1):
             t0 = time.perf_counter()
+            logits = Tensor(np.zeros((2, self.spec.vocab_size), np.float32))
             if kind == "prefill":
-                logits = self.run_prefill_graph(scratch, np.zeros(1, np.int64), length)
+                self.run_prefill_graph(scratch, np.zeros(1, np.int64), length).asnumpy()
             elif kind == "decode":
-                logits = self.run_decode_graph(np.full(rows, scratch), np.zeros(rows, np.int64),
-                                          np.zeros(rows, np.int64), rows, length)
+                self.run_decode_graph(np.full(rows, scratch), np.zeros(rows, np.int64),
+                                      np.zeros(rows, np.int64), rows, length).asnumpy()
             elif kind == "argmax":
-                self.argmax_graph(Tensor(np.zeros((2, self.spec.vocab_size), np.float32))).asnumpy()
-                logits = None
+                self.argmax_graph(logits).asnumpy()
             else:
-                self.topk_graphs[length](Tensor(np.zeros((2, self.spec.vocab_size), np.float32)))[0].asnumpy()
-                logits = None
-            if logits is not None:
-                logits.asnumpy()
+                self.topk_graphs[length](logits)[0].asnumpy()
             label = {"prefill": f"prefill length {length}", "decode": f"decode batch {rows} attend {length}",
                      "argmax": "argmax", "topk": f"top-k {length}"}[kind]
             progress(f"graph {i}/{len(shapes)} {label}: {time.perf_counter() - t0:.1f}s")

@@ -9,7 +9,7 @@ import sys
 import time
 
 from agent.checkpoint import CheckpointError, load_checkpoint
-from agent.runner import ModelRunner, compile_cache_key, configure_mindspore
+from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
 from agent.sampling import SamplingParams
 from config import ConfigError, load_config
 from server.detokenizer import IncrementalDetokenizer
@@ -38,9 +38,7 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     runtime = config.runtime
-    cache = runtime.compile_cache_dir
-    configure_mindspore(runtime, compile_cache=None if cache is None else
-                        cache / compile_cache_key(checkpoint, runtime) / "generate")
+    configure_mindspore(runtime, compile_cache=compile_cache_dir(checkpoint, runtime, "generate"))
     runner = ModelRunner(checkpoint, runtime)
     sampling = SamplingParams(do_sample=args.do_sample, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p,

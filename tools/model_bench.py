@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from agent.checkpoint import load_checkpoint
-from agent.runner import ModelRunner, compile_cache_key, configure_mindspore
+from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
 from config import PROJECT_ROOT, load_config
 
 
@@ -71,9 +71,7 @@ def main() -> int:
     print(f"loaded {checkpoint.spec.name} in {load_s:.1f}s", flush=True)
     if args.warm_up:
         runtime = config.runtime
-        cache = runtime.compile_cache_dir
-        configure_mindspore(runtime, compile_cache=None if cache is None else
-                            cache / compile_cache_key(checkpoint, runtime) / "bench")
+        configure_mindspore(runtime, compile_cache=compile_cache_dir(checkpoint, runtime, "bench"))
         runner = ModelRunner(checkpoint, runtime)
         results = {"load_s": load_s, "warm_up_s": runner.warm_up(print)}
     else:
