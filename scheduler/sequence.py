@@ -1,0 +1,44 @@
+"""Sequence: one request's prompt, parameters, generated ids and place in the batch."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from agent.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS id or a stop string
+    LENGTH = "length"  # max_new_tokens or the slot's last position
+    ABORT = "abort"  # the client went away or asked to stop
+    ERROR = "error"  # the agent failed
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    output: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    agent: int | None = None
+    slot: int | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def positions_used(self) -> int:
+        """KV positions written: the prompt and every output token but the last (still pending)."""
+        return len(self.prompt) + max(0, len(self.output) - 1)

@@ -1,0 +1,146 @@
+"""BatchScheduler as pure logic, driven against fake agents that enforce the runner's slot rules."""
+import pytest
+
+from agent.sampling import SamplingParams
+from scheduler.batch_scheduler import AdmissionError, AgentCapacity, BatchScheduler
+from scheduler.sequence import FinishReason, Sequence
+
+EOS = 99
+
+
+class FakeAgent:
+    """Slot bookkeeping like ModelRunner; the next token is the previous one + 1."""
+
+    def __init__(self, num_slots: int):
+        self.slots: dict[int, int] = {}
+        self.num_slots = num_slots
+        self.calls: list[str] = []
+
+    def prefill(self, slot, prompt):
+        assert slot not in self.slots, f"prefill into busy slot {slot}"
+        self.slots[slot] = prompt[-1] + 1
+        self.calls.append(f"prefill {slot}")
+        return self.slots[slot]
+
+    def decode(self, slots):
+        assert all(s in self.slots for s in slots)
+        self.calls.append(f"decode {slots}")
+        for s in slots:
+            self.slots[s] += 1
+        return [self.slots[s] for s in slots]
+
+    def release(self, slot):
+        self.slots.pop(slot)
+        self.calls.append(f"release {slot}")
+
+
+def seq(rid, prompt=(1, 2, 3), max_new=5, stop_ids=frozenset({EOS})):
+    return Sequence(rid, list(prompt), SamplingParams(), max_new, stop_ids)
+
+
+def step(scheduler, agents):
+    plan = scheduler.schedule()
+    for agent, slot in plan.releases:
+        agents[agent].release(slot)
+    for s in plan.prefills:
+        scheduler.prefilled(s, agents[s.agent].prefill(s.slot, s.prompt))
+    for agent, seqs in plan.decodes.items():
+        scheduler.decoded(seqs, agents[agent].decode([s.slot for s in seqs]))
+    return plan
+
+
+def make(slots=(2,), max_waiting=8, max_seq_len=64, max_prompt_len=32, **kw):
+    caps = [AgentCapacity(n, max_seq_len, max_prompt_len) for n in slots]
+    return BatchScheduler(caps, max_waiting, **kw), [FakeAgent(n) for n in slots]
+
+
+def test_fifo_admission_and_continuous_batching():
+    scheduler, agents = make(slots=(2,))
+    a, b, c = seq("a", max_new=3), seq("b", max_new=6), seq("c", (10,), max_new=2)
+    for s in (a, b, c):
+        scheduler.add(s)
+    step(scheduler, agents)
+    assert (scheduler.num_running, scheduler.num_waiting) == (2, 1)  # c waits for a slot
+    for _ in range(2):
+        step(scheduler, agents)
+    assert a.finished and a.finish_reason is FinishReason.LENGTH and a.output == [4, 5, 6]
+    plan = step(scheduler, agents)  # a's slot is released, then c is admitted into it
+    assert plan.releases == [(0, a.slot)] and plan.prefills == [c] and c.slot == a.slot
+    assert agents[0].calls.index(f"release {a.slot}") < len(agents[0].calls) - 2
+    while scheduler.num_running:
+        step(scheduler, agents)
+    assert b.output == [4, 5, 6, 7, 8, 9] and c.output == [11, 12]
+
+
+def test_eos_stops_and_slot_end_stops():
+    scheduler, agents = make(max_seq_len=8)
+    eos = seq("eos", prompt=(96,), max_new=10)
+    full = seq("full", prompt=(1, 2, 3, 4, 5), max_new=10)
+    scheduler.add(eos)
+    scheduler.add(full)
+    while scheduler.num_running or scheduler.num_waiting:
+        step(scheduler, agents)
+    assert eos.output == [97, 98, 99] and eos.finish_reason is FinishReason.STOP
+    # 5 prompt positions + 3 decodes fill 8 positions; the 4th output token can never be written
+    assert full.output == [6, 7, 8, 9] and full.finish_reason is FinishReason.LENGTH
+    step(scheduler, agents)
+    assert agents[0].slots == {}  # every slot released on the agent
+
+
+def test_admission_errors():
+    scheduler, _ = make(max_waiting=1, max_prompt_len=4)
+    with pytest.raises(AdmissionError, match="empty") as e:
+        scheduler.add(seq("e", prompt=()))
+    assert e.value.status == 400
+    with pytest.raises(AdmissionError, match="5 tokens; the longest accepted is 4") as e:
+        scheduler.add(seq("long", prompt=(1, 2, 3, 4, 5)))
+    assert e.value.status == 413
+    scheduler.add(seq("ok"))
+    with pytest.raises(AdmissionError, match="queue is full") as e:
+        scheduler.add(seq("more"))
+    assert e.value.status == 503
+
+
+def test_abort_waiting_running_and_in_flight():
+    scheduler, agents = make(slots=(1,))
+    run, wait = seq("run", max_new=50), seq("wait")
+    scheduler.add(run)
+    scheduler.add(wait)
+    step(scheduler, agents)
+    assert scheduler.abort("wait") is wait and wait.finish_reason is FinishReason.ABORT
+    assert scheduler.num_waiting == 0
+    plan = scheduler.schedule()
+    scheduler.abort("run")  # while its decode is "in flight"
+    scheduler.decoded(plan.decodes[0], agents[0].decode([run.slot]))
+    assert run.finish_reason is FinishReason.ABORT and len(run.output) == 1
+    assert scheduler.schedule().releases == [(0, run.slot)]
+    assert scheduler.abort("unknown") is None
+
+
+def test_requests_spread_over_agents_and_a_failed_agent_fails_only_its_own():
+    scheduler, agents = make(slots=(2, 2))
+    seqs = [seq(str(i), max_new=30) for i in range(4)]
+    for s in seqs:
+        scheduler.add(s)
+    step(scheduler, agents)
+    assert sorted(s.agent for s in seqs) == [0, 0, 1, 1]
+    failed = scheduler.agent_failed(1, "agent 1 timed out")
+    assert {s.request_id for s in failed} == {s.request_id for s in seqs if s.agent == 1}
+    assert all(s.finish_reason is FinishReason.ERROR and "timed out" in s.error for s in failed)
+    newcomer = seq("new")
+    scheduler.add(newcomer)
+    plan = step(scheduler, agents)
+    assert 1 not in plan.decodes and newcomer not in plan.prefills  # agent 0 is full
+    scheduler.agent_recovered(1, AgentCapacity(2, 64, 32))
+    agents[1] = FakeAgent(2)
+    plan = step(scheduler, agents)
+    assert plan.prefills == [newcomer] and newcomer.agent == 1
+
+
+def test_external_finish_releases_the_slot():
+    scheduler, agents = make()
+    s = seq("s", max_new=50)
+    scheduler.add(s)
+    step(scheduler, agents)
+    scheduler.finish(s, FinishReason.STOP)
+    assert scheduler.num_running == 0 and scheduler.schedule().releases == [(0, s.slot)]
