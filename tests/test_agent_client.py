@@ -1,0 +1,82 @@
+"""AgentClient (zmq.asyncio) against a real agent process: calls, error replies, timeouts."""
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from agent.sampling import SamplingParams
+from agent_harness import LauncherProcess, free_ports, write_config
+from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable
+from server.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory, tiny_llama_dir):
+    port = free_ports(1)[0]
+    launcher = LauncherProcess(write_config(tmp_path_factory.mktemp("client"), tiny_llama_dir, [port]))
+    try:
+        launcher.wait_for("all agents started", 240)
+        (pid,) = launcher.agent_pids()  # the one agent (the resource tracker is left out)
+        yield f"tcp://127.0.0.1:{port}", pid
+    finally:
+        launcher.close()
+
+
+def test_calls_match_the_in_process_runner(agent, tiny_llama_runner, tiny_llama_dir, release_all):
+    address, _ = agent
+    release_all(tiny_llama_runner)
+    prompts = [load_tokenizer(tiny_llama_dir).encode(t) for t in ["The quick brown", "你好"]]
+    want = []
+    for slot, prompt in enumerate(prompts):
+        want.append([tiny_llama_runner.prefill(slot, prompt, SamplingParams())])
+    for _ in range(5):
+        for seq, token in zip(want, tiny_llama_runner.decode([0, 1])):
+            seq.append(token)
+
+    async def run():
+        client = AgentClient(address, timeout_s=30)
+        info = await client.info()
+        got = [[await client.prefill(s, p, SamplingParams())] for s, p in enumerate(prompts)]
+        for _ in range(5):
+            for seq, token in zip(got, await client.decode([0, 1])):
+                seq.append(token)
+        await client.release(0)
+        await client.release(1)
+        client.close()
+        return info, got
+
+    info, got = asyncio.run(run())
+    assert info["num_slots"] == 4 and got == want
+
+
+def test_error_reply_raises_with_the_agents_message(agent):
+    async def run():
+        client = AgentClient(agent[0], timeout_s=30)
+        try:
+            await client.decode([3])
+        finally:
+            client.close()
+
+    with pytest.raises(AgentRequestError, match="slot 3 holds no sequence"):
+        asyncio.run(run())
+
+
+def test_hung_agent_times_out_and_a_late_reply_is_not_mistaken(agent):
+    address, pid = agent
+
+    async def run():
+        client = AgentClient(address, timeout_s=1.0)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(AgentUnavailable, match="no reply to ping within 1s"):
+                await client.ping()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # The agent now answers the stale ping first; the client must wait for this call's reply.
+        header, _ = await client.call("info")
+        assert header["op"] == "info"
+        client.close()
+
+    asyncio.run(run())
