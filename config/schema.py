@@ -116,6 +116,10 @@ class LoggingSection(Section):
 class ServerSection(Section):
     host: str = Field("127.0.0.1", description="HTTP bind address (upstream SERVER_APP_HOST)")
     port: int = Field(9811, gt=0, lt=65536, description="HTTP port (upstream SERVER_APP_PORT)")
+    agent_timeout_s: float = Field(30.0, gt=0, description="longest one agent call may take")
+    agent_wait_s: float = Field(600.0, ge=0, description="how long start-up waits for the agents")
+    max_waiting_requests: int = Field(64, ge=1, description="queue bound; beyond it: 503")
+    max_prefills_per_step: int = Field(4, ge=1, description="prompts admitted per iteration")
 
 
 class ServingConfig(Section):

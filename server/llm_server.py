@@ -1,0 +1,213 @@
+"""LLMServer: owns the scheduler loop (a background asyncio task) and one async stream per request.
+
+    server = LLMServer(config, tokenizer)
+    await server.start()                       # connects to every agent and checks `info`
+    async for out in server.generate_answer(request_id, prompt_ids, sampling, max_new_tokens):
+        out.text ...                           # pieces join to the full answer; last one: finished
+    server.get_bs_current(), server.get_queue_current()
+    await server.stop()
+
+The loop never blocks the event loop: agent calls are awaited ZeroMQ round trips. Each iteration
+runs one plan of the BatchScheduler: releases, prefills, then one decode step per agent (agents in
+parallel). Detokenization and stop strings happen here, on the server side; agents see token ids only.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from agent.sampling import SamplingParams
+from config.schema import ServingConfig
+from scheduler.agent_client import AgentClient, AgentError, AgentRequestError
+from scheduler.batch_scheduler import AdmissionError, AgentCapacity, BatchScheduler
+from scheduler.sequence import FinishReason, Sequence
+from server.detokenizer import IncrementalDetokenizer
+from server.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationOutput:
+    text: str  # new text since the previous output (may be empty)
+    token_id: int | None
+    index: int  # number of tokens generated so far
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Stream:
+    seq: Sequence
+    queue: asyncio.Queue
+    detokenizer: IncrementalDetokenizer
+    stop: tuple[str, ...]
+    consumed: int = 0  # tokens of seq.output already detokenized
+    sent: int = 0  # characters of detokenizer.text already handed out
+
+
+class LLMServer:
+    def __init__(self, config: ServingConfig, tokenizer: TextTokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+        host = config.agents.host
+        self.clients = [AgentClient(f"tcp://{host}:{port}", config.server.agent_timeout_s)
+                        for port in config.agents.ports]
+        self.scheduler: BatchScheduler | None = None
+        self.streams: dict[str, _Stream] = {}
+        self.stop_ids: frozenset[int] = frozenset(tokenizer.eos_ids)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        capacities = [await self._wait_for_agent(i, c) for i, c in enumerate(self.clients)]
+        self.scheduler = BatchScheduler(capacities, self.config.server.max_waiting_requests,
+                                        self.config.server.max_prefills_per_step)
+        self._task = asyncio.create_task(self._run(), name="scheduler-loop")
+
+    async def _wait_for_agent(self, index: int, client: AgentClient) -> AgentCapacity:
+        deadline = time.monotonic() + self.config.server.agent_wait_s
+        while True:
+            try:
+                info = await client.info()
+                break
+            except AgentError as exc:
+                if time.monotonic() > deadline:
+                    raise AgentError(f"agent {client.address} not answering after "
+                                     f"{self.config.server.agent_wait_s:g}s: {exc}") from exc
+                log.info("waiting for agent %s (%s)", client.address, exc)
+        self.stop_ids |= frozenset(info["eos_ids"])
+        if info["vocab_size"] < self.tokenizer.vocab_size:
+            raise AgentError(f"agent {client.address} serves a vocabulary of {info['vocab_size']} "
+                             f"tokens; the tokenizer has {self.tokenizer.vocab_size}")
+        log.info("agent %d at %s: model %s, %d slots, max length %d", index, client.address,
+                 info["model"], info["num_slots"], info["max_seq_len"])
+        return AgentCapacity(info["num_slots"], info["max_seq_len"], info["max_prompt_len"])
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        for client in self.clients:
+            client.close()
+
+    def get_bs_current(self) -> int:
+        return self.scheduler.num_running if self.scheduler else 0
+
+    def get_queue_current(self) -> int:
+        return self.scheduler.num_waiting if self.scheduler else 0
+
+    # -------------------------------------------------------------------------------- requests
+
+    def generate_answer(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+                        max_new_tokens: int, stop: tuple[str, ...] = ()) -> AsyncIterator[GenerationOutput]:
+        """Registers the request at once (AdmissionError if it is refused) and returns its stream.
+        Closing the stream early (client gone) aborts the request and frees its slot."""
+        if self.scheduler is None or self._stopping:
+            raise AdmissionError("the server is not accepting requests", 503)
+        seq = Sequence(request_id, list(prompt), sampling, max_new_tokens, self.stop_ids)
+        self.scheduler.add(seq)
+        stream = _Stream(seq, asyncio.Queue(), IncrementalDetokenizer(self.tokenizer),
+                         tuple(s for s in stop if s))
+        self.streams[request_id] = stream
+        self._wake.set()
+        return self._read(stream)
+
+    async def _read(self, stream: _Stream) -> AsyncIterator[GenerationOutput]:
+        try:
+            while True:
+                output = await stream.queue.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.seq.finished:
+                self.scheduler.abort(stream.seq.request_id)
+                self._wake.set()
+            self.streams.pop(stream.seq.request_id, None)
+
+    # ---------------------------------------------------------------------------- the loop
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            for agent, slot in plan.releases:
+                await self._call(agent, self.clients[agent].release(slot))
+            for seq in plan.prefills:
+                if seq.finished:  # aborted, or its agent failed earlier in this plan
+                    continue
+                try:
+                    token = await self.clients[seq.agent].prefill(seq.slot, seq.prompt, seq.sampling)
+                except AgentRequestError as exc:  # this request was bad; the agent is fine
+                    seq.error = str(exc)
+                    self.scheduler.finish(seq, FinishReason.ERROR)
+                    self._emit(seq)
+                    continue
+                except AgentError as exc:
+                    self._agent_failed(seq.agent, exc)
+                    continue
+                self.scheduler.prefilled(seq, token)
+                self._emit(seq)
+            decodes = [(agent, seqs) for agent, seqs in plan.decodes.items()
+                       if self.scheduler.healthy[agent]]
+            results = await asyncio.gather(
+                *(self.clients[agent].decode([s.slot for s in seqs]) for agent, seqs in decodes),
+                return_exceptions=True)
+            for (agent, seqs), result in zip(decodes, results):
+                if isinstance(result, BaseException):
+                    self._agent_failed(agent, result)
+                    continue
+                self.scheduler.decoded(seqs, result)
+                for seq in seqs:
+                    self._emit(seq)
+        for stream in list(self.streams.values()):  # stop(): end what is still open
+            stream.seq.error = "the server is shutting down"
+            self.scheduler.finish(stream.seq, FinishReason.ABORT)
+            self._emit(stream.seq)
+
+    async def _call(self, agent: int, call) -> None:
+        try:
+            await call
+        except AgentError as exc:
+            self._agent_failed(agent, exc)
+
+    def _agent_failed(self, agent: int, exc: BaseException) -> None:
+        if not self.scheduler.healthy[agent]:
+            return
+        log.error("agent %s failed: %s", self.clients[agent].address, exc)
+        for seq in self.scheduler.agent_failed(agent, str(exc)):
+            self._emit(seq)
+
+    def _emit(self, seq: Sequence) -> None:
+        """Hand the sequence's newest token (as text) and/or its end to its stream."""
+        stream = self.streams.get(seq.request_id)
+        if stream is None:
+            return
+        new_tokens = seq.output[stream.consumed:]
+        stream.consumed = len(seq.output)
+        for token in new_tokens:
+            if token not in self.stop_ids:  # EOS ends the answer; it is not part of the text
+                stream.detokenizer.add(token)
+        if seq.finished:
+            stream.detokenizer.flush()
+        text = stream.detokenizer.text
+        hits = [i for i in (text.find(s, max(0, stream.sent - len(s))) for s in stream.stop) if i >= 0]
+        if hits:
+            text = text[:min(hits)]
+            self.scheduler.finish(seq, FinishReason.STOP)
+        piece, stream.sent = text[stream.sent:], len(text)
+        stream.queue.put_nowait(GenerationOutput(
+            text=piece, token_id=new_tokens[-1] if new_tokens else None, index=len(seq.output), finished=seq.finished,
+            finish_reason=seq.finish_reason.value if seq.finished else None, error=seq.error))

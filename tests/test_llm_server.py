@@ -1,0 +1,149 @@
+"""LLMServer over a real agent process: streams, continuous batching, aborts, stop strings, limits."""
+import asyncio
+
+import pytest
+
+from agent.sampling import SamplingParams
+from agent_harness import LauncherProcess, free_ports, write_config
+from config import load_config
+from scheduler.batch_scheduler import AdmissionError
+from server.llm_server import LLMServer
+from server.tokenizer import load_tokenizer
+
+GREEDY = SamplingParams()
+TEXTS = ["The quick brown fox", "你好，世界！", "emoji 😀 🎉", "Numbers 0123", "café naïve",
+         "The capital of France"]
+
+
+@pytest.fixture(scope="module")
+def agent_config(tmp_path_factory, tiny_llama_dir):
+    directory = tmp_path_factory.mktemp("llm-server")
+    path = write_config(directory, tiny_llama_dir, free_ports(1),
+                        server={"max_waiting_requests": 8, "agent_timeout_s": 20})
+    launcher = LauncherProcess(path)
+    try:
+        launcher.wait_for("all agents started", 240)
+        yield load_config(path)
+    finally:
+        launcher.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    return load_tokenizer(tiny_llama_dir)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(stream):
+    outputs = [out async for out in stream]
+    return "".join(o.text for o in outputs), outputs
+
+
+def alone(runner, prompt, n, stop_ids):
+    """Reference answer: the in-process runner, stopping at EOS like the server."""
+    tokens = [runner.prefill(0, prompt, GREEDY)]
+    while tokens[-1] not in stop_ids and len(tokens) < n:
+        tokens += runner.decode([0])
+    runner.release(0)
+    return [t for t in tokens if t not in stop_ids]
+
+
+def test_answers_under_load_equal_answers_alone(agent_config, tokenizer, tiny_llama_runner,
+                                                release_all):
+    release_all(tiny_llama_runner)
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    stop_ids = set(tokenizer.eos_ids)
+    want = [tokenizer.decode(alone(tiny_llama_runner, p, 20, stop_ids)) for p in prompts]
+
+    async def scenario():
+        server = LLMServer(agent_config, tokenizer)
+        await server.start()
+        seen = {"bs": 0, "queue": 0}
+
+        async def watch():
+            while True:
+                seen["bs"] = max(seen["bs"], server.get_bs_current())
+                seen["queue"] = max(seen["queue"], server.get_queue_current())
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        # 6 requests, 4 slots: two must wait in the queue and enter as slots free up.
+        results = await asyncio.gather(*(
+            collect(server.generate_answer(f"r{i}", p, GREEDY, 20)) for i, p in enumerate(prompts[:3])),
+            *(collect(server.generate_answer(f"s{i}", p, GREEDY, 20)) for i, p in enumerate(prompts[3:])))
+        watcher.cancel()
+        await server.stop()
+        return results, seen
+
+    results, seen = run(scenario())
+    assert [text for text, _ in results] == want
+    assert seen["bs"] == 4 and seen["queue"] >= 1
+    for _, outputs in results:  # (split characters: see test_tokenizer; a random model may
+        # emit invalid byte sequences, which the reference decode holds too)
+        assert outputs[-1].finished and outputs[-1].finish_reason in ("stop", "length")
+        assert [o.index for o in outputs] == list(range(1, len(outputs) + 1))
+
+
+def test_closing_a_stream_aborts_and_frees_the_slot(agent_config, tokenizer):
+    async def scenario():
+        server = LLMServer(agent_config, tokenizer)
+        await server.start()
+        stream = server.generate_answer("gone", tokenizer.encode("The quick"), GREEDY, 60)
+        await stream.__anext__()
+        assert server.get_bs_current() == 1
+        await stream.aclose()  # what a disconnecting HTTP client does to its generator
+        for _ in range(200):
+            if server.get_bs_current() == 0:
+                break
+            await asyncio.sleep(0.01)
+        bs = server.get_bs_current()
+        # The freed slot is usable again: four new requests fill all four slots.
+        texts = await asyncio.gather(*(collect(server.generate_answer(f"n{i}", [5 + i], GREEDY, 5))
+                                       for i in range(4)))
+        await server.stop()
+        return bs, texts
+
+    bs, texts = run(scenario())
+    assert bs == 0 and len(texts) == 4
+
+
+def test_stop_string_truncates_and_finishes(agent_config, tokenizer, tiny_llama_runner, release_all):
+    release_all(tiny_llama_runner)
+    prompt = tokenizer.encode("The capital of France")
+    full = tokenizer.decode(alone(tiny_llama_runner, prompt, 30, set(tokenizer.eos_ids)))
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    assert stop.strip() and stop in full
+
+    async def scenario():
+        server = LLMServer(agent_config, tokenizer)
+        await server.start()
+        text, outputs = await collect(server.generate_answer("st", prompt, GREEDY, 30, (stop,)))
+        await server.stop()
+        return text, outputs
+
+    text, outputs = run(scenario())
+    assert text == full[:full.index(stop)] and outputs[-1].finish_reason == "stop"
+
+
+def test_queue_bound_and_prompt_bound(agent_config, tokenizer):
+    config = agent_config.model_copy(update={
+        "server": agent_config.server.model_copy(update={"max_waiting_requests": 3})})
+
+    async def scenario():
+        server = LLMServer(config, tokenizer)
+        await server.start()
+        streams = [server.generate_answer(f"q{i}", [7], GREEDY, 3) for i in range(3)]
+        with pytest.raises(AdmissionError, match="queue is full") as full:
+            server.generate_answer("one-too-many", [7], GREEDY, 3)
+        with pytest.raises(AdmissionError, match="65 tokens; the longest accepted is 64") as long:
+            server.generate_answer("long", [7] * 65, GREEDY, 3)
+        await asyncio.gather(*(collect(s) for s in streams))
+        await server.stop()
+        with pytest.raises(AdmissionError, match="not accepting"):
+            server.generate_answer("late", [7], GREEDY, 3)
+        return full.value.status, long.value.status
+
+    assert run(scenario()) == (503, 413)
