@@ -20,10 +20,8 @@ $(STAMP): pyproject.toml
 test: setup
 	@$(PY) -m pytest
 
-# The HTTP front end (start_server.py) is not built yet: for now this serves the agents only.
 serve: setup
-	@echo "==> starting the agents (Ctrl-C or SIGTERM stops them); the HTTP server is not built yet"
-	@$(PY) start_agent.py
+	@$(PY) -m tools.serve
 
 clean-venv:
 	rm -rf $(VENV)

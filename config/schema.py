@@ -120,6 +120,10 @@ class ServerSection(Section):
     agent_wait_s: float = Field(600.0, ge=0, description="how long start-up waits for the agents")
     max_waiting_requests: int = Field(64, ge=1, description="queue bound; beyond it: 503")
     max_prefills_per_step: int = Field(4, ge=1, description="prompts admitted per iteration")
+    drain_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, how long running "
+                                                           "requests may take to finish")
+    apply_chat_template: bool = Field(False, description="wrap `inputs` in the model's chat "
+                                                         "template (a request may override)")
 
 
 class ServingConfig(Section):

@@ -44,11 +44,12 @@ def write_config(directory: Path, model_path: Path, ports: list[int], **sections
 
 
 class LauncherProcess:
-    """`python start_agent.py --config PATH` with its output collected line by line."""
+    """`python start_agent.py --config PATH` (or another entry script) with its output collected
+    line by line."""
 
-    def __init__(self, config_path: Path):
+    def __init__(self, config_path: Path, script: str = "start_agent.py"):
         self.process = subprocess.Popen(
-            [sys.executable, str(PROJECT_ROOT / "start_agent.py"), "--config", str(config_path)],
+            [sys.executable, str(PROJECT_ROOT / script), "--config", str(config_path)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PROJECT_ROOT)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

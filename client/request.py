@@ -1,0 +1,59 @@
+"""Request bodies of the native API, named as the MindSpore llm-serving names them."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Parameters(BaseModel):
+    """Generation parameters with upstream's defaults; top_k < 0 becomes 0, top_p is clamped."""
+    model_config = ConfigDict(extra="forbid")
+
+    do_sample: bool = False
+    top_k: int = 3
+    top_p: float = 1.0
+    temperature: float = Field(1.0, ge=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    max_new_tokens: int = Field(300, ge=1)
+    return_full_text: bool = False
+    return_protocol: Literal["sse", "plain"] = "sse"
+    seed: int | None = Field(None, ge=0)
+    stop: list[str] = Field(default_factory=list)
+    truncate: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
+    chat_template: bool | None = Field(None, description="apply the model's chat template; "
+                                                         "default from server.apply_chat_template")
+    # Accepted for TGI clients; they change nothing here.
+    details: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: int | None = None
+    typical_p: float | None = None
+    watermark: bool = False
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        return max(0, value)
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value: float) -> float:
+        return min(1.0, max(0.01, value))
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value):
+        return [value] if isinstance(value, str) else value
+
+
+class ClientRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str
+    stream: bool = False
+    parameters: Parameters = Field(default_factory=Parameters)
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _null_parameters(cls, value):
+        return {} if value is None else value

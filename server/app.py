@@ -1,0 +1,158 @@
+"""The HTTP front end: the MindSpore llm-serving API, byte-compatible with its clients.
+
+    POST /models/{model}                  stream or not, per the body's "stream"
+    POST /models/{model}/generate         one line {"generated_text": ...}
+    POST /models/{model}/generate_stream  SSE (return_protocol "sse") or `data:` lines
+    GET  /serving/get_bs                  one SSE event: running batch size
+    GET  /serving/get_request_numbers     one SSE event: waiting requests
+
+An SSE event's data is the JSON {"event": "message", "retry": 30000, "data": ...}, as upstream sends it.
+Errors are JSON {"error": message} with a status that says what happened.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from sse_starlette.sse import EventSourceResponse
+
+from agent.sampling import SamplingParams
+from client.request import ClientRequest
+from config.schema import ServingConfig
+from scheduler.batch_scheduler import AdmissionError
+from server.llm_server import GenerationOutput, LLMServer
+from server.tokenizer import TextTokenizer
+
+RETRY_AFTER_S = "1"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def sse_message(data) -> str:
+    return json.dumps({"event": "message", "retry": 30000, "data": data}, ensure_ascii=False)
+
+
+def create_app(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMServer) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await llm_server.start()
+        yield
+        await llm_server.stop()
+
+    app = FastAPI(title="ms-llm-serving", lifespan=lifespan)
+    served = [config.model.name, *config.model.aliases]
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError):
+        return error_response(exc.status, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return error_response(400, "the request body is not valid JSON")
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: "
+                             f"{e['msg']}" for e in errors)
+        return error_response(422, problems)
+
+    def start(model: str, request: ClientRequest) -> AsyncIterator[GenerationOutput]:
+        if model not in served:
+            raise ApiError(404, f"model {model!r} is not served here; served: {', '.join(served)}")
+        p = request.parameters
+        chat = config.server.apply_chat_template if p.chat_template is None else p.chat_template
+        prompt = (tokenizer.encode_chat([{"role": "user", "content": request.inputs}]) if chat
+                  else tokenizer.encode(request.inputs))
+        if p.truncate is not None:
+            prompt = prompt[-p.truncate:]
+        sampling = SamplingParams(do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k,
+                                  top_p=p.top_p, repetition_penalty=p.repetition_penalty, seed=p.seed)
+        try:
+            return llm_server.generate_answer(uuid.uuid4().hex, prompt, sampling, p.max_new_tokens,
+                                              tuple(p.stop))
+        except AdmissionError as exc:
+            raise ApiError(exc.status, str(exc)) from exc
+
+    async def full_text(outputs: AsyncIterator[GenerationOutput]) -> str:
+        text = []
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                if out.error:  # a failed agent or a shutdown: try again later
+                    raise ApiError(503, out.error)
+                text.append(out.text)
+        return "".join(text)
+
+    async def respond_full(outputs) -> Response:
+        body = json.dumps({"generated_text": await full_text(outputs)}, ensure_ascii=False) + "\n"
+        return Response(body, media_type="application/json")
+
+    async def sse_events(outputs, return_full_text: bool) -> AsyncIterator[str]:
+        text = []
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                if out.text:
+                    text.append(out.text)
+                    yield sse_message(out.text)
+                if out.error:
+                    yield json.dumps({"event": "error", "retry": 30000, "data": out.error})
+        if return_full_text:
+            yield sse_message("".join(text))
+
+    async def data_lines(outputs, return_full_text: bool) -> AsyncIterator[bytes]:
+        text = []
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                if out.text:
+                    text.append(out.text)
+                    line = {"token": {"text": out.text, "index": len(text) - 1}}
+                    yield ("data:" + json.dumps(line, ensure_ascii=False) + "\n").encode()
+                if out.error:
+                    yield ("data:" + json.dumps({"error": out.error}) + "\n").encode()
+        if return_full_text:
+            line = {"generated_text": "".join(text)}
+            yield ("data:" + json.dumps(line, ensure_ascii=False) + "\n").encode()
+
+    def respond_stream(outputs, request: ClientRequest):
+        p = request.parameters
+        if p.return_protocol == "sse":
+            return EventSourceResponse(sse_events(outputs, p.return_full_text))
+        return StreamingResponse(data_lines(outputs, p.return_full_text), media_type="text/plain")
+
+    @app.post("/models/{model}")
+    async def generate_any(model: str, request: ClientRequest):
+        outputs = start(model, request)
+        return respond_stream(outputs, request) if request.stream else await respond_full(outputs)
+
+    @app.post("/models/{model}/generate")
+    async def generate(model: str, request: ClientRequest):
+        return await respond_full(start(model, request))
+
+    @app.post("/models/{model}/generate_stream")
+    async def generate_stream(model: str, request: ClientRequest):
+        return respond_stream(start(model, request), request)
+
+    async def one_event(value: int):
+        yield sse_message(value)
+
+    @app.get("/serving/get_bs")
+    async def get_bs():
+        return EventSourceResponse(one_event(llm_server.get_bs_current()))
+
+    @app.get("/serving/get_request_numbers")
+    async def get_request_numbers():
+        return EventSourceResponse(one_event(llm_server.get_queue_current()))
+
+    return app
