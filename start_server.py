@@ -4,15 +4,13 @@
 """
 import argparse
 import logging
-import signal
 import sys
-
-import uvicorn
 
 from agent.checkpoint import CheckpointError
 from config import ConfigError, load_config
 from config.logs import setup_logging
 from server.app import create_app
+from server.http_server import serve
 from server.llm_server import LLMServer
 from server.tokenizer import load_tokenizer
 
@@ -29,17 +27,9 @@ def main() -> int:
         return 2
     log = setup_logging(config.logging, "server_app.log", console=True)
     log.info("serving %s on http://%s:%d", config.model.name, config.server.host, config.server.port)
-    app = create_app(config, tokenizer, LLMServer(config, tokenizer))
-
-    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler it found:
-    # a handler that only logs makes that a clean exit 0.
-    def stopped(signum, _frame):
-        log.info("stopped by signal %d", signum)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, stopped)
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_config=None,
-                timeout_graceful_shutdown=config.server.drain_timeout_s)
+    llm_server = LLMServer(config, tokenizer)
+    app = create_app(config, tokenizer, llm_server)
+    serve(config, app, llm_server)
     return 0
 
 

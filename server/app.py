@@ -16,9 +16,10 @@ import json
 import uuid
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from agent.sampling import SamplingParams
@@ -44,6 +45,14 @@ def error_response(status: int, message: str) -> JSONResponse:
 
 def sse_message(data) -> str:
     return json.dumps({"event": "message", "retry": 30000, "data": data}, ensure_ascii=False)
+
+
+async def client_request(request: Request) -> ClientRequest:
+    """The body as JSON whatever its content type: `curl -d` sends form-urlencoded by default."""
+    try:
+        return ClientRequest.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from exc
 
 
 def create_app(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMServer) -> FastAPI:
@@ -132,16 +141,16 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMS
         return StreamingResponse(data_lines(outputs, p.return_full_text), media_type="text/plain")
 
     @app.post("/models/{model}")
-    async def generate_any(model: str, request: ClientRequest):
+    async def generate_any(model: str, request: ClientRequest = Depends(client_request)):
         outputs = start(model, request)
         return respond_stream(outputs, request) if request.stream else await respond_full(outputs)
 
     @app.post("/models/{model}/generate")
-    async def generate(model: str, request: ClientRequest):
+    async def generate(model: str, request: ClientRequest = Depends(client_request)):
         return await respond_full(start(model, request))
 
     @app.post("/models/{model}/generate_stream")
-    async def generate_stream(model: str, request: ClientRequest):
+    async def generate_stream(model: str, request: ClientRequest = Depends(client_request)):
         return respond_stream(start(model, request), request)
 
     async def one_event(value: int):

@@ -33,10 +33,11 @@ class IncrementalDetokenizer:
         return piece
 
     def flush(self) -> str:
-        """At the end of a sequence: whatever is still held back (an incomplete character)."""
+        """At the end of a sequence: what is still held back, less a character the end cut in half
+        (max_new_tokens reached mid-emoji); its bytes would only decode to U+FFFD."""
         tail = self.tokenizer.decode(self.ids[self.prefix_offset:])
         prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        piece = tail[len(prefix_text):]
+        piece = tail[len(prefix_text):].rstrip(REPLACEMENT)
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += piece
         return piece

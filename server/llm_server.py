@@ -5,6 +5,7 @@
     async for out in server.generate_answer(request_id, prompt_ids, sampling, max_new_tokens):
         out.text ...                           # pieces join to the full answer; last one: finished
     server.get_bs_current(), server.get_queue_current()
+    await server.drain(timeout_s)              # SIGTERM: refuse new requests, let the rest finish
     await server.stop()
 
 The loop never blocks the event loop: agent calls are awaited ZeroMQ round trips. Each iteration
@@ -62,6 +63,7 @@ class LLMServer:
         self.stop_ids: frozenset[int] = frozenset(tokenizer.eos_ids)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._draining = False
         self._stopping = False
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -83,6 +85,9 @@ class LLMServer:
                     raise AgentError(f"agent {client.address} not answering after "
                                      f"{self.config.server.agent_wait_s:g}s: {exc}") from exc
                 log.info("waiting for agent %s (%s)", client.address, exc)
+        # This server owns every slot: one a previous server left in use would refuse its prefill.
+        for slot in range(info["num_slots"]):
+            await client.release(slot)
         self.stop_ids |= frozenset(info["eos_ids"])
         if info["vocab_size"] < self.tokenizer.vocab_size:
             raise AgentError(f"agent {client.address} serves a vocabulary of {info['vocab_size']} "
@@ -90,6 +95,19 @@ class LLMServer:
         log.info("agent %d at %s: model %s, %d slots, max length %d", index, client.address,
                  info["model"], info["num_slots"], info["max_seq_len"])
         return AgentCapacity(info["num_slots"], info["max_seq_len"], info["max_prompt_len"])
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (503) and wait up to `timeout_s` for the admitted ones to finish;
+        stop() then ends whatever is left with a final output saying so."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        if self.streams:
+            log.info("draining %d request(s), up to %gs", len(self.streams), timeout_s)
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.streams:
+            log.warning("drain timeout: ending %d unfinished request(s)", len(self.streams))
+        await self.stop()
 
     async def stop(self) -> None:
         self._stopping = True
@@ -111,8 +129,9 @@ class LLMServer:
                         max_new_tokens: int, stop: tuple[str, ...] = ()) -> AsyncIterator[GenerationOutput]:
         """Registers the request at once (AdmissionError if it is refused) and returns its stream.
         Closing the stream early (client gone) aborts the request and frees its slot."""
-        if self.scheduler is None or self._stopping:
-            raise AdmissionError("the server is not accepting requests", 503)
+        if self.scheduler is None or self._draining or self._stopping:
+            raise AdmissionError("the server is shutting down" if self.scheduler else
+                                 "the server is not ready", 503)
         seq = Sequence(request_id, list(prompt), sampling, max_new_tokens, self.stop_ids)
         self.scheduler.add(seq)
         stream = _Stream(seq, asyncio.Queue(), IncrementalDetokenizer(self.tokenizer),

@@ -1,6 +1,7 @@
 """Helpers to run `start_agent.py` as a real subprocess and talk to its agents over ZeroMQ."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -131,3 +132,20 @@ class AgentSocket:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+
+@contextlib.contextmanager
+def serving_stack(config_path: Path, agents_timeout: float = 240):
+    """`start_agent.py` then `start_server.py` on one config, as a user runs them; yields
+    (agents, server) launcher processes and kills whatever is left on exit."""
+    agents = LauncherProcess(config_path)
+    server = None
+    try:
+        agents.wait_for("all agents started", agents_timeout)
+        server = LauncherProcess(config_path, script="start_server.py")
+        server.wait_for("Application startup complete", 120)
+        yield agents, server
+    finally:
+        if server is not None:
+            server.close()
+        agents.close()

@@ -1,126 +1,121 @@
-"""The HTTP front end: real agent, real `start_server.py` under uvicorn, real HTTP clients."""
-import json
+"""The HTTP front end on the tiny model: real agent, real `start_server.py` under uvicorn, real HTTP
+clients (httpx, and httpx-sse as the SSE client)."""
 import signal
 import threading
+import time
 
 import httpx
 import pytest
 
-from agent_harness import LauncherProcess, free_ports, write_config
-from config import load_config
+from agent_harness import free_ports, serving_stack, write_config
+from http_client import answer_three_ways, one_event, post
 
 TEXTS = ["The quick brown fox", "你好，世界！ 东京", "emoji 😀 🎉 and\nnewlines\n\n"]
+DRAIN_TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_llama_dir):
-    """Agent + server on the tiny model; yields (base URL, config, server process)."""
+    """Agent + server on the tiny model, 8 slots and room for long answers; yields (base URL, server)."""
     agent_port, http_port = free_ports(2)
-    directory = tmp_path_factory.mktemp("http")
-    path = write_config(directory, tiny_llama_dir, [agent_port],
-                        server={"port": http_port, "max_waiting_requests": 8})
-    agents = LauncherProcess(path)
-    server = None
-    try:
-        agents.wait_for("all agents started", 240)
-        server = LauncherProcess(path, script="start_server.py")
-        server.wait_for("Application startup complete", 120)
-        yield f"http://127.0.0.1:{http_port}", load_config(path), server
-    finally:
-        if server is not None:
-            server.close()
-        agents.close()
-
-
-def post(url, body, **kw):
-    return httpx.post(url, json=body, timeout=60, **kw)
-
-
-def sse_data(response_text: str) -> list[dict]:
-    """The JSON payload of every SSE event (line parsing as an SSE client does)."""
-    events = [e for e in response_text.replace("\r\n", "\n").split("\n\n") if e.strip()]
-    out = []
-    for event in events:
-        data = [line[len("data:"):].lstrip(" ") for line in event.split("\n") if line.startswith("data:")]
-        if data:
-            out.append(json.loads("\n".join(data)))
-    return out
+    path = write_config(tmp_path_factory.mktemp("http"), tiny_llama_dir, [agent_port],
+                        runtime={"num_slots": 8, "max_seq_len": 512, "prefill_buckets": [16, 64],
+                                 "decode_batch_buckets": [1, 2, 4, 8], "attend_buckets": [64, 512],
+                                 "compile_cache_dir": None},
+                        server={"port": http_port, "max_waiting_requests": 8,
+                                "drain_timeout_s": DRAIN_TIMEOUT_S})
+    with serving_stack(path) as (_agents, server):
+        yield f"http://127.0.0.1:{http_port}", server
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_three_styles_give_the_same_text(stack, text):
-    base, _, _ = stack
-    params = {"max_new_tokens": 16}
-    full = post(f"{base}/models/tiny/generate", {"inputs": text, "parameters": params})
-    assert full.status_code == 200 and full.text.endswith("\n") and full.text.count("\n") == 1
-    answer = full.json()["generated_text"]
-    assert answer
-    assert post(f"{base}/models/tiny", {"inputs": text, "parameters": params}).json() == full.json()
-
-    sse = post(f"{base}/models/tiny/generate_stream",
-               {"inputs": text, "parameters": {**params, "return_full_text": True}})
-    assert sse.headers["content-type"].startswith("text/event-stream")
-    events = sse_data(sse.text)
-    assert all(e["event"] == "message" and e["retry"] == 30000 for e in events)
-    assert "".join(e["data"] for e in events[:-1]) == answer and events[-1]["data"] == answer
-
-    plain = post(f"{base}/models/tiny", {"inputs": text, "stream": True, "parameters": {
-        **params, "return_protocol": "plain", "return_full_text": True}})
-    lines = [json.loads(line[len("data:"):]) for line in plain.text.splitlines()]
-    tokens = [line["token"] for line in lines[:-1]]
-    assert [t["index"] for t in tokens] == list(range(len(tokens)))
-    assert "".join(t["text"] for t in tokens) == answer
-    assert lines[-1] == {"generated_text": answer}
+    base, _ = stack
+    full, sse, plain = answer_three_ways(base, "tiny", text, {"max_new_tokens": 16})
+    assert full and full == sse == plain
 
 
-def test_get_bs_and_request_numbers_while_streams_run(stack):
-    base, _, _ = stack
-    seen = []
+class TimedStream(threading.Thread):
+    """A streaming client that records when its first and last pieces arrived."""
 
-    def stream(i):
-        with httpx.stream("POST", f"{base}/models/tiny/generate_stream", timeout=60,
-                          json={"inputs": f"The quick {i}", "parameters": {"max_new_tokens": 40}}) as r:
-            for _ in r.iter_lines():
-                pass
+    def __init__(self, base: str, inputs: str, max_new_tokens: int):
+        super().__init__()
+        self.url, self.body = f"{base}/models/tiny/generate_stream", {
+            "inputs": inputs, "stream": True,
+            "parameters": {"max_new_tokens": max_new_tokens, "return_protocol": "plain"}}
+        self.pieces: list[dict] = []
+        self.first = self.last = None
 
-    workers = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
-    for w in workers:
-        w.start()
-    while any(w.is_alive() for w in workers):
-        bs = sse_data(httpx.get(f"{base}/serving/get_bs", timeout=10).text)
-        queue = sse_data(httpx.get(f"{base}/serving/get_request_numbers", timeout=10).text)
-        assert len(bs) == 1 and bs[0]["event"] == "message" and bs[0]["retry"] == 30000
-        seen.append((bs[0]["data"], queue[0]["data"]))
-    for w in workers:
-        w.join()
-    assert max(b for b, _ in seen) > 1  # continuous batching: several sequences in one batch
-    final = sse_data(httpx.get(f"{base}/serving/get_bs", timeout=10).text)
-    assert final[0]["data"] == 0
+    def run(self):
+        import json
+        with httpx.stream("POST", self.url, json=self.body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line:
+                    self.pieces.append(json.loads(line[len("data:"):]))
+                    self.first = self.first or time.monotonic()
+        self.last = time.monotonic()
+
+    @property
+    def text(self) -> str:
+        return "".join(p["token"]["text"] for p in self.pieces if "token" in p)
+
+
+def test_continuous_batching_over_http(stack):
+    """8 streams: late ones start while early ones decode, get_bs sees the batch, and every answer
+    equals the answer it gets alone."""
+    base, _ = stack
+    early_prompts = [f"The quick brown fox {i}" for i in range(4)]
+    late_prompts = [f"你好 {i}" for i in range(4)]
+    alone = {p: post(f"{base}/models/tiny/generate",
+                     {"inputs": p, "parameters": {"max_new_tokens": n}}).json()["generated_text"]
+             for p, n in [*((p, 300) for p in early_prompts), *((p, 20) for p in late_prompts)]}
+
+    early = [TimedStream(base, p, 300) for p in early_prompts]
+    for s in early:
+        s.start()
+    while not all(s.first for s in early):
+        time.sleep(0.01)
+    late = [TimedStream(base, p, 20) for p in late_prompts]
+    for s in late:
+        s.start()
+    batch_sizes = []
+    while any(s.is_alive() for s in early + late):
+        batch_sizes.append(one_event(f"{base}/serving/get_bs"))
+        assert one_event(f"{base}/serving/get_request_numbers") >= 0
+    for s in early + late:
+        s.join()
+    assert max(batch_sizes) > 1
+    assert max(s.first for s in late) < min(s.last for s in early)  # joined the running batch
+    assert {s.body["inputs"]: s.text for s in early + late} == alone
+    assert one_event(f"{base}/serving/get_bs") == 0
 
 
 def test_disconnect_frees_the_slot(stack):
-    base, _, _ = stack
+    base, _ = stack
     with httpx.stream("POST", f"{base}/models/tiny/generate_stream", timeout=60,
-                      json={"inputs": "The quick", "parameters": {"max_new_tokens": 60}}) as r:
-        next(r.iter_lines())
-    for _ in range(100):
-        if sse_data(httpx.get(f"{base}/serving/get_bs", timeout=10).text)[0]["data"] == 0:
-            break
-        threading.Event().wait(0.05)
-    assert sse_data(httpx.get(f"{base}/serving/get_bs", timeout=10).text)[0]["data"] == 0
+                      json={"inputs": "The quick", "parameters": {"max_new_tokens": 300}}) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the connection at once
+        next(lines)
+        assert one_event(f"{base}/serving/get_bs") == 1
+    deadline = time.monotonic() + 10
+    while one_event(f"{base}/serving/get_bs") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert one_event(f"{base}/serving/get_bs") == 0
 
 
 @pytest.mark.parametrize("body, status, message", [
     (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 422, "body"),
     ({"parameters": {}}, 422, "inputs: Field required"),
     ({"inputs": 5}, 422, "inputs"),
     ({"inputs": "x", "parameters": {"max_new_tokens": -1}}, 422, "parameters.max_new_tokens"),
+    ({"inputs": "x", "parameters": {"top_p": "high"}}, 422, "parameters.top_p"),
     ({"inputs": "x", "parameters": {"bogus": 1}}, 422, "parameters.bogus"),
     ({"inputs": "word " * 80}, 413, "the longest accepted is 64"),
     ({"inputs": ""}, 400, "empty"),
 ])
 def test_bad_input_gets_a_json_error_and_the_server_keeps_serving(stack, body, status, message):
-    base, _, _ = stack
+    base, _ = stack
     url = f"{base}/models/tiny/generate"
     response = (httpx.post(url, content=body, headers={"content-type": "application/json"})
                 if isinstance(body, bytes) else post(url, body))
@@ -128,14 +123,39 @@ def test_bad_input_gets_a_json_error_and_the_server_keeps_serving(stack, body, s
     assert post(url, {"inputs": "ok", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 
+def test_a_body_sent_as_curl_sends_it_is_read_as_json(stack):
+    """`curl -d '{...}'` labels the body form-urlencoded; it is still the JSON request."""
+    base, _ = stack
+    response = httpx.post(f"{base}/models/tiny/generate", content=b'{"inputs": "The quick"}',
+                          headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert response.status_code == 200 and response.json()["generated_text"]
+
+
 def test_unknown_model_is_404_listing_the_served_names(stack):
-    base, _, _ = stack
+    base, _ = stack
     response = post(f"{base}/models/gpt-5/generate", {"inputs": "x"})
     assert response.status_code == 404 and "served: tiny" in response.json()["error"]
 
 
-def test_sigterm_ends_the_server_cleanly(stack):
-    """Last in this module: the server stops; the agents stay up."""
-    base, _, server = stack
+def test_sigterm_drains_running_streams_then_exits_0(stack):
+    """Last in this module. Streams admitted before SIGTERM run to their end; a request that
+    arrives during the drain gets 503; the process exits 0."""
+    base, server = stack
+    want = {f"drain {i}": post(f"{base}/models/tiny/generate", {
+        "inputs": f"drain {i}", "parameters": {"max_new_tokens": 300}}).json()["generated_text"]
+        for i in range(4)}
+    streams = [TimedStream(base, p, 300) for p in want]
+    for s in streams:
+        s.start()
+    while not all(s.first for s in streams):
+        time.sleep(0.01)
     server.process.send_signal(signal.SIGTERM)
-    assert server.process.wait(30) == 0
+    server.wait_for("refusing new requests, draining", 10)
+    refused = post(f"{base}/models/tiny/generate", {"inputs": "late", "parameters": {"max_new_tokens": 2}})
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]
+    assert refused.headers["retry-after"]
+    for s in streams:
+        s.join()
+    assert {s.body["inputs"]: s.text for s in streams} == want
+    assert server.process.wait(DRAIN_TIMEOUT_S) == 0
+    assert "draining 4 request(s)" in server.output()

@@ -73,3 +73,10 @@ def test_incomplete_character_is_held_back(default_tokenizer):
     detok = IncrementalDetokenizer(default_tokenizer)
     assert [detok.add(t) for t in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.add(ids[-1]) == "😀"
+
+
+def test_a_character_cut_by_the_end_is_dropped(default_tokenizer):
+    ids = default_tokenizer.encode("ok 😀")
+    detok = IncrementalDetokenizer(default_tokenizer)
+    pieces = [detok.add(t) for t in ids[:-1]] + [detok.flush()]
+    assert "".join(pieces) == detok.text == "ok "

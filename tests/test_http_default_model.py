@@ -1,0 +1,88 @@
+"""The HTTP front end on the embedded default model (SmolLM2-135M-Instruct): real answers through
+all three response styles, UTF-8-safe streaming, and SIGTERM cutting long streams at the drain
+timeout."""
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from httpx_sse import connect_sse
+
+from agent_harness import free_ports, serving_stack, write_config
+from http_client import answer_three_ways, post
+
+pytestmark = pytest.mark.default_model
+DRAIN_TIMEOUT_S = 3
+CJK = re.compile(r"[\u4e00-\u9fff]")
+EMOJI = re.compile(r"[\U0001F300-\U0001FAFF\u2600-\u27BF]")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, default_model_path):
+    agent_port, http_port = free_ports(2)
+    path = write_config(tmp_path_factory.mktemp("http-default"), default_model_path, [agent_port],
+                        model={"name": "smollm2"},
+                        runtime={"num_slots": 4, "max_seq_len": 256, "prefill_buckets": [64],
+                                 "decode_batch_buckets": [1, 4], "attend_buckets": [256],
+                                 "compile_cache_dir": None},
+                        server={"port": http_port, "drain_timeout_s": DRAIN_TIMEOUT_S})
+    with serving_stack(path, agents_timeout=300) as (_agents, server):
+        yield f"http://127.0.0.1:{http_port}", server
+
+
+def test_capital_of_france_is_paris_in_all_three_styles(stack):
+    base, _ = stack
+    full, sse, plain = answer_three_ways(base, "smollm2", "What is the capital of France?",
+                                         {"max_new_tokens": 20, "chat_template": True})
+    assert "Paris" in full and full == sse == plain
+
+
+@pytest.mark.parametrize("prompt, expect", [
+    ("How do you say 'hello' in Chinese?", CJK),
+    ("Reply with three emoji that describe happiness.", EMOJI),
+    ("Write a haiku about the sea.", re.compile("\n")),
+])
+def test_streamed_pieces_join_to_the_full_text(stack, prompt, expect):
+    base, _ = stack
+    full, sse, plain = answer_three_ways(base, "smollm2", prompt,
+                                         {"max_new_tokens": 40, "chat_template": True})
+    assert expect.search(full), full
+    assert "\ufffd" not in full and full == sse == plain
+
+
+def test_sigterm_ends_unfinished_streams_with_a_final_event(stack):
+    """Last in this module: 4 long streams outlast the 3 s drain; each ends with an error event,
+    a request during the drain gets 503, and the process exits 0."""
+    base, server = stack
+    finals: list[dict] = []
+    started = threading.Barrier(5)
+
+    def stream(seed: int):
+        body = {"inputs": "Tell me a long story about a dragon.", "parameters": {
+            "max_new_tokens": 200, "do_sample": True, "temperature": 1.2, "seed": seed,
+            "chat_template": True}}
+        with httpx.Client(timeout=60) as client, \
+                connect_sse(client, "POST", f"{base}/models/smollm2/generate_stream", json=body) as source:
+            events = source.iter_sse()
+            next(events)
+            started.wait()
+            finals.append(json.loads(list(events)[-1].data))
+
+    threads = [threading.Thread(target=stream, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(120)
+    signalled = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    server.wait_for("refusing new requests, draining", 10)
+    refused = post(f"{base}/models/smollm2/generate", {"inputs": "Hi"})
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]
+    for t in threads:
+        t.join(60)
+    assert finals == [{"event": "error", "retry": 30000, "data": "the server is shutting down"}] * 4
+    assert server.process.wait(DRAIN_TIMEOUT_S + 15) == 0
+    assert time.monotonic() - signalled < DRAIN_TIMEOUT_S + 15
+    assert "drain timeout: ending 4 unfinished request(s)" in server.output()
