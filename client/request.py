@@ -21,6 +21,8 @@ class Parameters(BaseModel):
     seed: int | None = Field(None, ge=0)
     stop: list[str] = Field(default_factory=list)
     truncate: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
+    ignore_eos: bool = Field(False, description="keep generating past EOS up to max_new_tokens "
+                                                "(benchmarks; vLLM and llama.cpp name it so)")
     chat_template: bool | None = Field(None, description="apply the model's chat template; "
                                                          "default from server.apply_chat_template")
     # Accepted for TGI clients; they change nothing here.

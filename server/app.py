@@ -91,7 +91,7 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMS
                                   top_p=p.top_p, repetition_penalty=p.repetition_penalty, seed=p.seed)
         try:
             return llm_server.generate_answer(uuid.uuid4().hex, prompt, sampling, p.max_new_tokens,
-                                              tuple(p.stop))
+                                              tuple(p.stop), p.ignore_eos)
         except AdmissionError as exc:
             raise ApiError(exc.status, str(exc)) from exc
 

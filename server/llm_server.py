@@ -126,13 +126,15 @@ class LLMServer:
     # -------------------------------------------------------------------------------- requests
 
     def generate_answer(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                        max_new_tokens: int, stop: tuple[str, ...] = ()) -> AsyncIterator[GenerationOutput]:
+                        max_new_tokens: int, stop: tuple[str, ...] = (),
+                        ignore_eos: bool = False) -> AsyncIterator[GenerationOutput]:
         """Registers the request at once (AdmissionError if it is refused) and returns its stream.
         Closing the stream early (client gone) aborts the request and frees its slot."""
         if self.scheduler is None or self._draining or self._stopping:
             raise AdmissionError("the server is shutting down" if self.scheduler else
                                  "the server is not ready", 503)
-        seq = Sequence(request_id, list(prompt), sampling, max_new_tokens, self.stop_ids)
+        seq = Sequence(request_id, list(prompt), sampling, max_new_tokens,
+                       frozenset() if ignore_eos else self.stop_ids)
         self.scheduler.add(seq)
         stream = _Stream(seq, asyncio.Queue(), IncrementalDetokenizer(self.tokenizer),
                          tuple(s for s in stop if s))

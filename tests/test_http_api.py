@@ -1,5 +1,6 @@
 """The HTTP front end on the tiny model: real agent, real `start_server.py` under uvicorn, real HTTP
 clients (httpx, and httpx-sse as the SSE client)."""
+import json
 import signal
 import threading
 import time
@@ -47,7 +48,6 @@ class TimedStream(threading.Thread):
         self.first = self.last = None
 
     def run(self):
-        import json
         with httpx.stream("POST", self.url, json=self.body, timeout=120) as response:
             for line in response.iter_lines():
                 if line:
@@ -135,6 +135,31 @@ def test_unknown_model_is_404_listing_the_served_names(stack):
     base, _ = stack
     response = post(f"{base}/models/gpt-5/generate", {"inputs": "x"})
     assert response.status_code == 404 and "served: tiny" in response.json()["error"]
+
+
+def test_benchmark_tool_runs_against_the_server(stack, tmp_path):
+    """A short real run of `python -m tools.bench` (no speed assert): ignore_eos makes every
+    request stream its full length; the report files appear."""
+    base, _ = stack
+    from tools.bench.__main__ import main
+    code = main(["--target", f"tiny={base}/models/tiny", "--concurrency", "1,2", "--requests", "2",
+                 "--output-len", "12", "--warmup", "1", "--out", str(tmp_path), "--name", "run",
+                 "--prompts", str(write_prompts(tmp_path))])
+    assert code == 0
+    results = json.loads((tmp_path / "run.json").read_text())["results"]
+    assert [(r["target"], r["level"]) for r in results] == [("tiny", 1), ("tiny", 2)]
+    for r in results:
+        s = r["summary"]
+        assert s["errors"] == 0 and s["requests"] == 2 and s["ttft_p50_s"] > 0
+        assert 2 <= s["output_tokens"] <= 2 * 12 and s["output_tok_s"] > 0
+    assert (tmp_path / "run.png").stat().st_size > 0 and "| tiny | 2 |" in (tmp_path / "run.md").read_text()
+
+
+def write_prompts(directory):
+    """Short prompts: the tiny model's prompt limit is 64 tokens."""
+    path = directory / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in TEXTS))
+    return path
 
 
 def test_sigterm_drains_running_streams_then_exits_0(stack):

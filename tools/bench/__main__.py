@@ -1,0 +1,160 @@
+"""python -m tools.bench --target URL [--vs URL ...] [options]
+
+Closed-loop sweep (default): at each concurrency level, that many clients send streaming requests
+back to back. Open loop (--rate): requests arrive as a Poisson process. With several targets the
+runs alternate target by target at each level, so drift on a shared machine hits all of them alike;
+--repeats runs each (target, level) several times and reports the median of each metric.
+Results go to output/bench/<name>.{json,md,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from config.schema import PROJECT_ROOT
+from tools.bench import report
+from tools.bench.load import closed_loop, open_loop
+from tools.bench.stats import median_of_runs, summarize
+from tools.bench.targets import Target, TargetError
+
+PROMPTS = Path(__file__).with_name("prompts.jsonl")
+
+
+def int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def float_list(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v]
+
+
+def output_lengths(spec: str) -> tuple[int, int]:
+    low, _, high = spec.partition(":")
+    low, high = int(low), int(high or low)
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"output length {spec!r}: want N or MIN:MAX with 1 <= MIN <= MAX")
+    return low, high
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--target", action="append", default=[], metavar="[LABEL=]URL",
+                   help="a server: http://H:P/models/NAME (native), .../v1/completions or "
+                        ".../v1/chat/completions (OpenAI); repeatable")
+    p.add_argument("--vs", action="append", default=[], metavar="[LABEL=]URL",
+                   help="another server to run in alternation with the first (same as --target)")
+    p.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16, 32],
+                   help="closed-loop levels, comma-separated (default 1,2,4,8,16,32)")
+    p.add_argument("--rate", type=float_list, help="open loop instead: Poisson arrival rates, req/s")
+    p.add_argument("--requests", type=int,
+                   help="requests per run (default: 2 x the concurrency, at least 4; open loop 32)")
+    p.add_argument("--output-len", type=output_lengths, default=(128, 128), metavar="N|MIN:MAX",
+                   help="new tokens per request, fixed or sampled uniformly (default 128)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="let answers end at EOS (default: ignore_eos, so every request makes N tokens)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per (target, level); the report "
+                                                          "shows each metric's median")
+    p.add_argument("--warmup", type=int, default=2, help="untimed requests per target first")
+    p.add_argument("--model", help="the `model` field for OpenAI targets (default: their first /v1/models)")
+    p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with a \"prompt\" per line")
+    p.add_argument("--seed", type=int, default=0, help="prompt order and sampled lengths")
+    p.add_argument("--out", type=Path, default=PROJECT_ROOT / "output" / "bench")
+    p.add_argument("--name", default=time.strftime("bench-%Y%m%d-%H%M%S"), help="output file stem")
+    args = p.parse_args(argv)
+    specs = args.target + args.vs
+    if not specs:
+        p.error("give at least one --target")
+    try:
+        args.targets = [Target.parse(s) for s in specs]
+    except TargetError as exc:
+        p.error(str(exc))
+    if len({t.label for t in args.targets}) != len(args.targets):
+        p.error("two targets share a label; name them with LABEL=URL")
+    return args
+
+
+def load_prompts(path: Path) -> list[str]:
+    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise SystemExit(f"error: no prompts in {path}")
+    return prompts
+
+
+def openai_model(target: Target) -> str | None:
+    base = target.url.split("/v1/")[0]
+    try:
+        models = httpx.get(f"{base}/v1/models", timeout=10).json()["data"]
+        return models[0]["id"] if models else None
+    except (httpx.HTTPError, KeyError, ValueError):
+        return None
+
+
+def request_bodies(target: Target, args, prompts: list[str], model: str | None):
+    """An endless, seeded stream of request bodies: the same sequence for every target."""
+    rng = random.Random(args.seed)
+    order = prompts[:]
+    rng.shuffle(order)
+    low, high = args.output_len
+    for prompt in itertools.cycle(order):
+        yield target.request_body(prompt, rng.randint(low, high), not args.stop_at_eos, model)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prompts = load_prompts(args.prompts)
+    models = {t.label: (args.model or openai_model(t)) if t.api != "native" else None for t in args.targets}
+    open_mode = bool(args.rate)
+    levels = args.rate if open_mode else args.concurrency
+    per_run = {level: args.requests or (32 if open_mode else max(4, 2 * level)) for level in levels}
+    total = len(args.targets) * (args.warmup + args.repeats * sum(per_run.values()))
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "targets"}
+    settings["targets"] = [vars(t) for t in args.targets]
+
+    results = []
+    with tqdm(total=total, unit="req", file=sys.stderr) as bar:
+        def done():
+            bar.update()
+
+        for target in args.targets:
+            bar.set_description(f"warm-up {target.label}")
+            if args.warmup:
+                records, _ = asyncio.run(closed_loop(target, request_bodies(target, args, prompts, models[target.label]),
+                                                     1, args.warmup, done))
+                failed = [r.error for r in records if r.error]
+                if failed:
+                    print(f"error: {target.label} ({target.url}) failed its warm-up: {failed[0]}", file=sys.stderr)
+                    return 1
+        runs: dict[tuple[str, float], list[dict]] = {}
+        for level in levels:
+            for _ in range(args.repeats):
+                for target in args.targets:  # alternate: every target sees the same drift
+                    bar.set_description(f"{target.label} @ {level:g}{' req/s' if open_mode else ' streams'}")
+                    bodies = request_bodies(target, args, prompts, models[target.label])
+                    if open_mode:
+                        records, wall = asyncio.run(open_loop(target, bodies, level, per_run[level], args.seed, done))
+                    else:
+                        records, wall = asyncio.run(closed_loop(target, bodies, level, per_run[level], done))
+                    runs.setdefault((target.label, level), []).append(summarize(records, wall))
+        for (label, level), level_runs in runs.items():
+            results.append({"target": label, "level": level, "x": level,
+                            "x_label": "arrival rate (req/s)" if open_mode else "concurrent streams",
+                            "summary": median_of_runs(level_runs), "runs": level_runs})
+    results.sort(key=lambda r: (r["level"], [t.label for t in args.targets].index(r["target"])))
+    paths = report.write(results, settings, args.out, args.name)
+    print(report.markdown_table(results))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 1 if any(r["summary"]["errors"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

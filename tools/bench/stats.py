@@ -1,0 +1,71 @@
+"""Per-request timings and the statistics of a run."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestRecord:
+    start: float  # monotonic seconds
+    first_token: float | None = None
+    end: float | None = None
+    token_times: list[float] = field(default_factory=list)  # arrival of each output piece
+    tokens: int = 0  # output tokens: the server's count if it gave one, else pieces received
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+    @property
+    def inter_token(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100), linear interpolation between closest ranks; None if empty."""
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(records: list[RequestRecord], wall_s: float) -> dict:
+    ok = [r for r in records if r.error is None]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [gap for r in ok for gap in r.inter_token]
+    latency = [r.latency for r in ok if r.latency is not None]
+    tokens = sum(r.tokens for r in ok)
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "error_messages": sorted({r.error for r in records if r.error})[:5],
+        "wall_s": wall_s,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "latency_p50_s": percentile(latency, 50), "latency_p90_s": percentile(latency, 90),
+        "latency_p99_s": percentile(latency, 99),
+    }
+
+
+def median_of_runs(runs: list[dict]) -> dict:
+    """Each numeric metric's median over repeated runs of the same level (noise on a shared box)."""
+    out = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs if r[key] is not None]
+        if values and all(isinstance(v, list) for v in values):
+            out[key] = sorted({v for value in values for v in value})[:5]
+        elif values:
+            out[key] = statistics.median(values)
+        else:
+            out[key] = None
+    out["runs"] = len(runs)
+    return out

@@ -1,0 +1,95 @@
+"""The servers a benchmark drives, and how each one's stream is asked for and parsed.
+
+A target is a URL; its path says the API:
+    http://HOST:PORT/models/NAME            this project's native API (plain `data:` lines)
+    http://HOST:PORT/v1/completions         OpenAI completions (SSE `data: {...}`, `data: [DONE]`)
+    http://HOST:PORT/v1/chat/completions    OpenAI chat completions
+`label=URL` names it in the report; otherwise the label is the host:port.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+
+class TargetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    url: str
+    api: str  # "native", "completions" or "chat"
+
+    @classmethod
+    def parse(cls, spec: str) -> "Target":
+        label, _, url = spec.rpartition("=") if "=" in spec.split("://")[0] else ("", "", spec)
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise TargetError(f"target {spec!r}: expected an http(s) URL")
+        path = parsed.path.rstrip("/")
+        if path.endswith("/v1/chat/completions"):
+            api = "chat"
+        elif path.endswith("/v1/completions"):
+            api = "completions"
+        elif "/models/" in path and not path.endswith("/models/"):
+            api = "native"
+            url = url.rstrip("/")
+            for suffix in ("/generate_stream", "/generate"):
+                url = url.removesuffix(suffix)
+        else:
+            raise TargetError(f"target {spec!r}: the path must be /models/NAME, /v1/completions "
+                              "or /v1/chat/completions")
+        return cls(label or parsed.netloc, url, api)
+
+    def request_body(self, prompt: str, max_tokens: int, ignore_eos: bool, model: str | None) -> dict:
+        """A greedy streaming request for `max_tokens` new tokens."""
+        if self.api == "native":
+            return {"inputs": prompt, "stream": True, "parameters": {
+                "max_new_tokens": max_tokens, "return_protocol": "plain", "ignore_eos": ignore_eos}}
+        body = {"max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+        if model:
+            body["model"] = model
+        if self.api == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return body
+
+
+@dataclass
+class StreamEvent:
+    text: str = ""  # new output text (may be empty)
+    tokens: int | None = None  # the server's own count of output tokens, when it reports one
+    error: str | None = None
+    done: bool = False
+
+
+def parse_line(api: str, line: str) -> StreamEvent | None:
+    """One line of a streamed response; None for lines that carry nothing (blank, comments)."""
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    payload = line[len("data:"):].strip()
+    if payload == "[DONE]":
+        return StreamEvent(done=True)
+    data = json.loads(payload)
+    if api == "native":
+        if "error" in data:
+            return StreamEvent(error=str(data["error"]))
+        if "generated_text" in data:
+            return StreamEvent(done=True)
+        return StreamEvent(text=data["token"]["text"])
+    if "error" in data:
+        error = data["error"]
+        return StreamEvent(error=str(error.get("message", error) if isinstance(error, dict) else error))
+    event = StreamEvent()
+    if data.get("usage"):
+        event.tokens = data["usage"].get("completion_tokens")
+    for choice in data.get("choices") or []:
+        piece = choice.get("text") if api == "completions" else (choice.get("delta") or {}).get("content")
+        event.text += piece or ""
+    return event
