@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test serve clean-venv
+.PHONY: setup test serve browser clean-venv
 
 setup: $(STAMP)
 	@$(PY) -m tools.fetch_model
@@ -17,8 +17,18 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install --progress-bar off -e '.[dev]'
 	@touch $(STAMP)
 
-test: setup
+test: setup browser
 	@$(PY) -m pytest
+
+# Headless Chromium for the dashboard's browser test (Debian packages), where this machine allows
+# installing them; elsewhere that one test skips and says why.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "==> installing chromium and chromium-driver (apt) for the dashboard test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+			|| echo "==> could not install Chromium; the dashboard browser test will skip"; \
+	else echo "==> Chromium not installed and not root: the dashboard browser test will skip"; fi
 
 serve: setup
 	@$(PY) -m tools.serve

@@ -4,9 +4,11 @@ The device returns the K best (logit, id) pairs of each row, best first; each se
 its own repetition penalty, top-k, temperature and top-p with its own seeded RNG, so a seeded request
 gives the same text whatever else shares its batch.
 
-Exactness: the penalty only lowers the logits of tokens already seen, so the true top-k after the
-penalty lies within the top (k + number of seen tokens) before it; `candidates_needed` asks for that
-many, and the whole vocabulary when no top-k applies.
+Penalties: `repetition_penalty` (CTRL-style, over prompt and output tokens) and OpenAI's
+`presence_penalty` / `frequency_penalty` (subtracted from the logits of output tokens, once and per
+occurrence). Exactness: penalties only lower the logits of tokens already seen (so OpenAI's negative
+values are refused), hence the true top-k after them lies within the top (k + number of seen tokens)
+before them; `candidates_needed` asks for that many, and the whole vocabulary when no top-k applies.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=0)  # 0: no top-k limit
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=0.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=0.0, le=2.0)
     seed: int | None = Field(None, ge=0)
 
     @property
@@ -36,8 +40,11 @@ class SlotSampler:
         self.params = params
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(params.seed)
-        self.penalised = params.repetition_penalty != 1.0
-        self.seen: set[int] = set(prompt) if self.penalised else set()
+        self.repetition = params.repetition_penalty != 1.0
+        self.counted = params.presence_penalty > 0 or params.frequency_penalty > 0
+        self.penalised = self.repetition or self.counted
+        self.seen: set[int] = set(prompt) if self.repetition else set()
+        self.counts: dict[int, int] = {}  # output tokens, for presence/frequency penalties
 
     @property
     def plain_greedy(self) -> bool:
@@ -52,18 +59,25 @@ class SlotSampler:
             k = p.top_k
         else:
             return self.vocab_size
-        return min(self.vocab_size, k + len(self.seen))
+        return min(self.vocab_size, k + len(self.seen) + len(self.counts))
 
     def choose(self, values: np.ndarray, ids: np.ndarray) -> int:
         """values/ids: this row's candidates, best first (at least candidates_needed() of them)."""
         p = self.params
         logits = values.astype(np.float64)
         if self.penalised:
-            seen = np.fromiter(self.seen, dtype=np.int64, count=len(self.seen))
-            hit = np.isin(ids, seen)
-            penalised = np.where(logits > 0, logits / p.repetition_penalty,
-                                 logits * p.repetition_penalty)
-            logits = np.where(hit, penalised, logits)
+            if self.seen:
+                seen = np.fromiter(self.seen, dtype=np.int64, count=len(self.seen))
+                hit = np.isin(ids, seen)
+                penalised = np.where(logits > 0, logits / p.repetition_penalty,
+                                     logits * p.repetition_penalty)
+                logits = np.where(hit, penalised, logits)
+            if self.counts:
+                penalty = np.zeros(self.vocab_size)
+                tokens = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
+                occurrences = np.fromiter(self.counts.values(), dtype=np.float64, count=len(self.counts))
+                penalty[tokens] = p.presence_penalty + p.frequency_penalty * occurrences
+                logits = logits - penalty[ids]
             order = np.argsort(-logits, kind="stable")
             logits, ids = logits[order], ids[order]
         if p.greedy:
@@ -83,5 +97,7 @@ class SlotSampler:
         return token
 
     def observe(self, token: int) -> None:
-        if self.penalised:
+        if self.repetition:
             self.seen.add(token)
+        if self.counted:
+            self.counts[token] = self.counts.get(token, 0) + 1

@@ -124,6 +124,11 @@ class ServerSection(Section):
                                                            "requests may take to finish")
     apply_chat_template: bool = Field(False, description="wrap `inputs` in the model's chat "
                                                          "template (a request may override)")
+    api_keys: list[str] = Field(default_factory=list, description="if any: every endpoint but "
+                                "/health needs `Authorization: Bearer KEY` (also $LLM_SERVING_API_KEYS)")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
+    cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS "
+                                                                      "(none: CORS off)")
 
 
 class ServingConfig(Section):

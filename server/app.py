@@ -18,41 +18,24 @@ from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response, StreamingResponse
 from sse_starlette.sse import EventSourceResponse
 
 from agent.sampling import SamplingParams
 from client.request import ClientRequest
 from config.schema import ServingConfig
 from scheduler.batch_scheduler import AdmissionError
+from server.access import AccessMiddleware
+from server.errors import ApiError, error_response
 from server.llm_server import GenerationOutput, LLMServer
-from server.tokenizer import TextTokenizer
-
-RETRY_AFTER_S = "1"
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
-
+from server.openai_api import openai_router
+from server.ops_api import ops_router
+from server.request_body import json_body
+from server.tokenizer import TextTokenizer, TokenizerError
 
 def sse_message(data) -> str:
     return json.dumps({"event": "message", "retry": 30000, "data": data}, ensure_ascii=False)
-
-
-async def client_request(request: Request) -> ClientRequest:
-    """The body as JSON whatever its content type: `curl -d` sends form-urlencoded by default."""
-    try:
-        return ClientRequest.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from exc
 
 
 def create_app(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMServer) -> FastAPI:
@@ -63,28 +46,45 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMS
         await llm_server.stop()
 
     app = FastAPI(title="ms-llm-serving", lifespan=lifespan)
+    client_request = json_body(ClientRequest)
     served = [config.model.name, *config.model.aliases]
 
+    def is_openai(request: Request) -> bool:
+        return request.url.path.startswith("/v1/")
+
     @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError):
-        return error_response(exc.status, exc.message)
+    async def _api_error(request: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, is_openai(request), exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return error_response(400, "the request body is not valid JSON")
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: "
-                             f"{e['msg']}" for e in errors)
-        return error_response(422, problems)
+            return error_response(400, "the request body is not valid JSON", is_openai(request))
+        fields = ['.'.join(str(p) for p in e['loc'] if p != 'body') or 'body' for e in errors]
+        problems = "; ".join(f"{field}: {e['msg']}" for field, e in zip(fields, errors))
+        # OpenAI's clients expect 400 for a bad parameter; the native API says 422.
+        return error_response(400 if is_openai(request) else 422, problems, is_openai(request),
+                              param=fields[0])
+
+    app.include_router(openai_router(config, tokenizer, llm_server))
+    app.include_router(ops_router(config, llm_server))
+    app.add_middleware(AccessMiddleware, api_keys=config.server.api_keys,
+                       max_body_bytes=config.server.max_body_bytes)
+    if config.server.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.server.cors_origins,
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
 
     def start(model: str, request: ClientRequest) -> AsyncIterator[GenerationOutput]:
         if model not in served:
             raise ApiError(404, f"model {model!r} is not served here; served: {', '.join(served)}")
         p = request.parameters
         chat = config.server.apply_chat_template if p.chat_template is None else p.chat_template
-        prompt = (tokenizer.encode_chat([{"role": "user", "content": request.inputs}]) if chat
-                  else tokenizer.encode(request.inputs))
+        try:
+            prompt = (tokenizer.encode_chat([{"role": "user", "content": request.inputs}]) if chat
+                      else tokenizer.encode(request.inputs))
+        except TokenizerError as exc:
+            raise ApiError(400, str(exc)) from exc
         if p.truncate is not None:
             prompt = prompt[-p.truncate:]
         sampling = SamplingParams(do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from agent.sampling import SamplingParams
@@ -26,6 +26,7 @@ from scheduler.agent_client import AgentClient, AgentError, AgentRequestError
 from scheduler.batch_scheduler import AdmissionError, AgentCapacity, BatchScheduler
 from scheduler.sequence import FinishReason, Sequence
 from server.detokenizer import IncrementalDetokenizer
+from server.metrics import ServingMetrics
 from server.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -49,12 +50,17 @@ class _Stream:
     stop: tuple[str, ...]
     consumed: int = 0  # tokens of seq.output already detokenized
     sent: int = 0  # characters of detokenizer.text already handed out
+    admitted: float = field(default_factory=time.monotonic)
+    last_token: float | None = None  # when the previous token went out
+    counted: bool = False  # its outcome is in the metrics
 
 
 class LLMServer:
-    def __init__(self, config: ServingConfig, tokenizer: TextTokenizer):
+    def __init__(self, config: ServingConfig, tokenizer: TextTokenizer,
+                 metrics: ServingMetrics | None = None):
         self.config = config
         self.tokenizer = tokenizer
+        self.metrics = metrics or ServingMetrics()
         host = config.agents.host
         self.clients = [AgentClient(f"tcp://{host}:{port}", config.server.agent_timeout_s)
                         for port in config.agents.ports]
@@ -65,12 +71,21 @@ class LLMServer:
         self._task: asyncio.Task | None = None
         self._draining = False
         self._stopping = False
+        self.capacities: list[AgentCapacity] = []
+        m = self.metrics
+        m.running.set_function(self.get_bs_current)
+        m.waiting.set_function(self.get_queue_current)
+        m.slots_used.set_function(self.get_bs_current)
+        m.slots_total.set_function(lambda: sum(
+            c.num_slots for c, ok in zip(self.capacities, self.scheduler.healthy) if ok) if self.scheduler else 0)
 
     # ------------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        capacities = [await self._wait_for_agent(i, c) for i, c in enumerate(self.clients)]
-        self.scheduler = BatchScheduler(capacities, self.config.server.max_waiting_requests,
+        self.capacities = [await self._wait_for_agent(i, c) for i, c in enumerate(self.clients)]
+        for client in self.clients:
+            self.metrics.agent_up.labels(client.address).set(1)
+        self.scheduler = BatchScheduler(self.capacities, self.config.server.max_waiting_requests,
                                         self.config.server.max_prefills_per_step)
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
 
@@ -117,6 +132,21 @@ class LLMServer:
         for client in self.clients:
             client.close()
 
+    async def readiness(self, ping_timeout_s: float = 2.0) -> str | None:
+        """Why the server cannot take requests now (every agent is pinged); None when it can."""
+        if self.scheduler is None:
+            return "not started: waiting for the agents"
+        if self._draining or self._stopping:
+            return "shutting down"
+        pings = await asyncio.gather(*(c.ping(ping_timeout_s) for c in self.clients), return_exceptions=True)
+        down = []
+        for client, ok, ping in zip(self.clients, self.scheduler.healthy, pings):
+            answering = ok and not isinstance(ping, BaseException)
+            self.metrics.agent_up.labels(client.address).set(int(answering))
+            if not answering:
+                down.append(client.address)
+        return f"agents not answering: {', '.join(down)}" if down else None
+
     def get_bs_current(self) -> int:
         return self.scheduler.num_running if self.scheduler else 0
 
@@ -135,7 +165,12 @@ class LLMServer:
                                  "the server is not ready", 503)
         seq = Sequence(request_id, list(prompt), sampling, max_new_tokens,
                        frozenset() if ignore_eos else self.stop_ids)
-        self.scheduler.add(seq)
+        try:
+            self.scheduler.add(seq)
+        except AdmissionError:
+            self.metrics.requests.labels("rejected").inc()
+            raise
+        self.metrics.prompt_tokens.inc(len(seq.prompt))
         stream = _Stream(seq, asyncio.Queue(), IncrementalDetokenizer(self.tokenizer),
                          tuple(s for s in stop if s))
         self.streams[request_id] = stream
@@ -153,6 +188,7 @@ class LLMServer:
             if not stream.seq.finished:
                 self.scheduler.abort(stream.seq.request_id)
                 self._wake.set()
+                self._count(stream)
             self.streams.pop(stream.seq.request_id, None)
 
     # ---------------------------------------------------------------------------- the loop
@@ -170,7 +206,8 @@ class LLMServer:
                 if seq.finished:  # aborted, or its agent failed earlier in this plan
                     continue
                 try:
-                    token = await self.clients[seq.agent].prefill(seq.slot, seq.prompt, seq.sampling)
+                    with self.metrics.agent_step.labels(self.clients[seq.agent].address, "prefill").time():
+                        token = await self.clients[seq.agent].prefill(seq.slot, seq.prompt, seq.sampling)
                 except AgentRequestError as exc:  # this request was bad; the agent is fine
                     seq.error = str(exc)
                     self.scheduler.finish(seq, FinishReason.ERROR)
@@ -183,9 +220,8 @@ class LLMServer:
                 self._emit(seq)
             decodes = [(agent, seqs) for agent, seqs in plan.decodes.items()
                        if self.scheduler.healthy[agent]]
-            results = await asyncio.gather(
-                *(self.clients[agent].decode([s.slot for s in seqs]) for agent, seqs in decodes),
-                return_exceptions=True)
+            results = await asyncio.gather(*(self._decode(agent, seqs) for agent, seqs in decodes),
+                                           return_exceptions=True)
             for (agent, seqs), result in zip(decodes, results):
                 if isinstance(result, BaseException):
                     self._agent_failed(agent, result)
@@ -198,6 +234,10 @@ class LLMServer:
             self.scheduler.finish(stream.seq, FinishReason.ABORT)
             self._emit(stream.seq)
 
+    async def _decode(self, agent: int, seqs: list[Sequence]) -> list[int]:
+        with self.metrics.agent_step.labels(self.clients[agent].address, "decode").time():
+            return await self.clients[agent].decode([s.slot for s in seqs])
+
     async def _call(self, agent: int, call) -> None:
         try:
             await call
@@ -208,6 +248,7 @@ class LLMServer:
         if not self.scheduler.healthy[agent]:
             return
         log.error("agent %s failed: %s", self.clients[agent].address, exc)
+        self.metrics.agent_up.labels(self.clients[agent].address).set(0)
         for seq in self.scheduler.agent_failed(agent, str(exc)):
             self._emit(seq)
 
@@ -228,7 +269,33 @@ class LLMServer:
         if hits:
             text = text[:min(hits)]
             self.scheduler.finish(seq, FinishReason.STOP)
+        elif stream.stop and not seq.finished:
+            # Hold back what could be the start of a stop string: once sent it cannot be taken back.
+            held = max(len(s) for s in stream.stop) - 1
+            text = text[:max(stream.sent, len(text) - held)]
         piece, stream.sent = text[stream.sent:], len(text)
+        if new_tokens:
+            now = time.monotonic()
+            self.metrics.generated_tokens.inc(len(new_tokens))
+            if stream.last_token is None:
+                self.metrics.ttft.observe(now - stream.admitted)
+            else:
+                self.metrics.inter_token.observe(now - stream.last_token)
+            stream.last_token = now
+        if seq.finished:
+            self._count(stream)
         stream.queue.put_nowait(GenerationOutput(
             text=piece, token_id=new_tokens[-1] if new_tokens else None, index=len(seq.output), finished=seq.finished,
             finish_reason=seq.finish_reason.value if seq.finished else None, error=seq.error))
+
+    def _count(self, stream: _Stream) -> None:
+        """A request's outcome and duration, once."""
+        if stream.counted:
+            return
+        stream.counted = True
+        reason = stream.seq.finish_reason
+        outcome = ("ok" if reason in (FinishReason.STOP, FinishReason.LENGTH) else
+                   "error" if reason is FinishReason.ERROR or stream.seq.error else "aborted")
+        self.metrics.requests.labels(outcome).inc()
+        if outcome == "ok":
+            self.metrics.e2e.observe(time.monotonic() - stream.admitted)

@@ -57,8 +57,11 @@ class TextTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise TokenizerError("this model has no chat template")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as exc:
+            raise TokenizerError(f"the chat template refused these messages: {exc}") from exc
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The template writes BOS itself where the model wants one.

@@ -114,7 +114,7 @@ def test_stop_string_truncates_and_finishes(agent_config, tokenizer, tiny_llama_
     release_all(tiny_llama_runner)
     prompt = tokenizer.encode("The capital of France")
     full = tokenizer.decode(alone(tiny_llama_runner, prompt, 30, set(tokenizer.eos_ids)))
-    stop = full[len(full) // 2: len(full) // 2 + 2]
+    stop = full[len(full) // 2: len(full) // 2 + 4]  # likely spans tokens: its start is held back
     assert stop.strip() and stop in full
 
     async def scenario():
@@ -142,7 +142,7 @@ def test_queue_bound_and_prompt_bound(agent_config, tokenizer):
             server.generate_answer("long", [7] * 65, GREEDY, 3)
         await asyncio.gather(*(collect(s) for s in streams))
         await server.stop()
-        with pytest.raises(AdmissionError, match="not accepting"):
+        with pytest.raises(AdmissionError, match="shutting down"):
             server.generate_answer("late", [7], GREEDY, 3)
         return full.value.status, long.value.status
 

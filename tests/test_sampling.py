@@ -73,8 +73,29 @@ def test_penalty_can_promote_a_lower_candidate():
     assert sampler.seen == {5, 6}
 
 
+def test_presence_and_frequency_penalties_follow_openai():
+    """logit - presence * [count > 0] - frequency * count, over output tokens only."""
+    logits = np.zeros(VOCAB)
+    logits[[5, 6, 7]] = [4.0, 3.5, 2.0]
+    params = SamplingParams(presence_penalty=0.4, frequency_penalty=0.5)
+    sampler = SlotSampler(params, [6], VOCAB)  # the prompt is not penalised
+    values, ids = candidates(logits)
+    picks = [sampler.choose(values[:3 + i], ids[:3 + i]) for i in range(4)]
+    scores = {5: 4.0, 6: 3.5, 7: 2.0}
+    counts = {}
+    want = []
+    for _ in range(4):
+        adjusted = {t: v - (0.4 + 0.5 * counts[t] if counts.get(t) else 0) for t, v in scores.items()}
+        best = max(adjusted, key=lambda t: (adjusted[t], -t))
+        counts[best] = counts.get(best, 0) + 1
+        want.append(best)
+    assert picks == want and len(set(picks)) > 1
+    assert sampler.counts == counts and sampler.candidates_needed() == 1 + len(counts)
+
+
 @pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
-                                 {"repetition_penalty": 0}, {"seed": -1}])
+                                 {"repetition_penalty": 0}, {"seed": -1}, {"presence_penalty": -0.5},
+                                 {"frequency_penalty": 2.5}])
 def test_invalid_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -1,0 +1,109 @@
+"""Request bodies of the OpenAI-compatible API. Parameters the server cannot honour are refused by
+`unsupported()` with a message naming them, never silently ignored."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_N = 8  # completions per request; each is one more sequence in the batch
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    # Unknown fields are accepted (the SDK and other clients send extras); known ones are checked.
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: list[str] = Field(default_factory=list)  # a string or a list on the wire
+    seed: int | None = Field(None, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions vLLM and llama.cpp accept too.
+    top_k: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    ignore_eos: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value):
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+    def unsupported(self) -> str | None:
+        """The first parameter this server cannot honour, as a message; None if all are fine."""
+        if self.presence_penalty < 0 or self.frequency_penalty < 0:
+            return "negative presence_penalty/frequency_penalty are not supported (0 to 2 are)"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        return None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            return "prompt must be one string (a list of prompts is not supported; send one request each)"
+        if self.logprobs is not None:
+            return "logprobs is not supported"
+        if self.best_of not in (None, 1, self.n):
+            return "best_of is not supported"
+        if self.suffix:
+            return "suffix is not supported"
+        return super().unsupported()
+
+    @property
+    def text(self) -> str:
+        return self.prompt[0] if isinstance(self.prompt, list) else self.prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        """The message as plain text; content parts other than text are refused upstream."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.get("text", "") for part in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs or self.top_logprobs:
+            return "logprobs/top_logprobs are not supported"
+        if self.tools:
+            return "tools are not supported"
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            return "response_format other than text is not supported"
+        for message in self.messages:
+            if isinstance(message.content, list) and any(p.get("type") != "text" for p in message.content):
+                return "only text content parts are supported"
+        return super().unsupported()

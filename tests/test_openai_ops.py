@@ -1,0 +1,275 @@
+"""OpenAI-compatible API (driven by the official `openai` package), ops endpoints, access control and
+the Python client, against a real agent + `start_server.py` on the tiny model with an API key on."""
+import asyncio
+import shutil
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from agent_harness import free_ports, serving_stack, wait_gone, write_config
+from client import AsyncClient, Client, ServerError
+from config.schema import PROJECT_ROOT
+from server.tokenizer import load_tokenizer
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_BODY = 4096
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_llama_dir):
+    agent_port, http_port = free_ports(2)
+    path = write_config(tmp_path_factory.mktemp("openai"), tiny_llama_dir, [agent_port],
+                        runtime={"num_slots": 8, "max_seq_len": 512, "prefill_buckets": [16, 64],
+                                 "decode_batch_buckets": [1, 2, 4, 8], "attend_buckets": [64, 512],
+                                 "compile_cache_dir": None},
+                        agents={"restart_policy": "exit"},
+                        server={"port": http_port, "api_keys": [KEY], "max_body_bytes": MAX_BODY})
+    with serving_stack(path) as (agents, server):
+        yield f"http://127.0.0.1:{http_port}", agents, server
+
+
+@pytest.fixture(scope="module")
+def sdk(stack):
+    return openai.OpenAI(base_url=f"{stack[0]}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    return load_tokenizer(tiny_llama_dir)
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
+
+
+# ------------------------------------------------------------------------------------ access
+
+def test_api_key_is_required_everywhere_but_health(stack):
+    base = stack[0]
+    assert httpx.get(f"{base}/health").status_code == 200
+    for path in ("/ready", "/metrics", "/info", "/v1/models", "/serving/get_bs"):
+        response = httpx.get(base + path)
+        assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer", path
+    assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    native = httpx.post(f"{base}/models/tiny/generate", json={"inputs": "x"})
+    assert native.status_code == 401 and "API key" in native.json()["error"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(f"{base}/v1/models", headers=AUTH).status_code == 200
+
+
+def test_request_body_limit(stack):
+    base = stack[0]
+    big = {"inputs": "x" * (MAX_BODY + 10)}
+    response = httpx.post(f"{base}/models/tiny/generate", json=big, headers=AUTH)
+    assert response.status_code == 413 and f"larger than {MAX_BODY}" in response.json()["error"]
+    chunked = httpx.post(f"{base}/v1/completions", content=iter([b'{"prompt": "', b"x" * MAX_BODY, b'"}']),
+                         headers=AUTH)
+    assert chunked.status_code == 413 and chunked.json()["error"]["type"] == "invalid_request_error"
+
+
+# ------------------------------------------------------------------------------------ OpenAI
+
+def test_models_lists_the_served_name(sdk):
+    assert [m.id for m in sdk.models.list().data] == ["tiny"]
+
+
+def test_chat_completion_stream_and_not_agree_with_usage(sdk, tokenizer):
+    reply = sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    prompt_tokens = len(tokenizer.encode_chat(MESSAGES))
+    assert reply.usage.prompt_tokens == prompt_tokens
+    if choice.finish_reason == "length":
+        assert reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == prompt_tokens + reply.usage.completion_tokens
+
+    chunks = list(sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_completion_stop_strings(sdk):
+    full = sdk.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=20, temperature=0)
+    text = full.choices[0].text
+    stop = text[6:9]
+    assert len(text) > 9 and stop.strip()
+    cut = sdk.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=20, temperature=0,
+                                 stop=[stop, "never-there"])
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in sdk.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=20, temperature=0, stop=stop, stream=True))
+    assert streamed == cut.choices[0].text
+
+
+def test_seed_reproducibility_and_n(sdk):
+    def sample(seed, n=1):
+        reply = sdk.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16,
+                                       temperature=1.0, seed=seed, n=n)
+        return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    first = sample(7)
+    assert sample(7) == first and sample(8) != first
+    assert sample(7, n=2) == [first[0], sample(8)[0]]  # choice i uses seed + i
+
+
+def test_penalties_are_honoured_and_unsupported_parameters_refused(sdk):
+    reply = sdk.completions.create(model="tiny", prompt="a b a b", max_tokens=8, temperature=0,
+                                   presence_penalty=1.5, frequency_penalty=0.5)
+    assert reply.choices[0].text
+    for kwargs, word in [({"logprobs": True}, "logprobs"), ({"presence_penalty": -1.0}, "negative"),
+                         ({"logit_bias": {"5": 10}}, "logit_bias")]:
+        with pytest.raises(openai.BadRequestError, match=word):
+            sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, **kwargs)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        sdk.completions.create(model="tiny", prompt="x", temperature=3.0)
+    with pytest.raises(openai.NotFoundError, match="served: tiny"):
+        sdk.completions.create(model="gpt-5", prompt="x")
+
+
+# ------------------------------------------------------------------------------------ ops
+
+def metrics(base) -> dict:
+    families = text_string_to_metric_families(httpx.get(f"{base}/metrics", headers=AUTH).text)
+    return {s.name + str(sorted(s.labels.items())): s.value for f in families for s in f.samples}
+
+
+def test_metrics_move_as_requests_run(stack):
+    base = stack[0]
+    before = metrics(base)
+    reply = httpx.post(f"{base}/models/tiny/generate", headers=AUTH,
+                       json={"inputs": "The quick", "parameters": {"max_new_tokens": 5, "ignore_eos": True}})
+    assert reply.status_code == 200
+    after = metrics(base)
+    ok = "llm_serving_requests_total[('outcome', 'ok')]"
+    assert after[ok] == before[ok] + 1
+    assert after["llm_serving_generated_tokens_total[]"] == before["llm_serving_generated_tokens_total[]"] + 5
+    assert after["llm_serving_time_to_first_token_seconds_count[]"] == \
+        before["llm_serving_time_to_first_token_seconds_count[]"] + 1
+    assert after["llm_serving_inter_token_latency_seconds_count[]"] >= \
+        before["llm_serving_inter_token_latency_seconds_count[]"] + 4
+    assert after["llm_serving_slots[]"] == 8 and after["llm_serving_running_sequences[]"] == 0
+    decode = [k for k in after if k.startswith("llm_serving_agent_step_seconds_count") and "decode" in k]
+    assert decode and after[decode[0]] > 0
+    rejected = "llm_serving_requests_total[('outcome', 'rejected')]"
+    httpx.post(f"{base}/models/tiny/generate", headers=AUTH, json={"inputs": "word " * 80})
+    assert metrics(base)[rejected] == after[rejected] + 1
+
+
+def test_info(stack):
+    info = httpx.get(f"{stack[0]}/info", headers=AUTH).json()
+    assert info["model_id"] == "tiny" and info["slots"] == 8 and info["max_input_length"] == 64
+
+
+# ------------------------------------------------------------------------------------ client
+
+def test_python_client_sync_and_async(stack):
+    base = stack[0]
+    client = Client(base, "tiny", api_key=KEY)
+    text = client.generate("The quick brown fox", max_new_tokens=12)
+    assert text
+    assert "".join(client.generate_stream("The quick brown fox", max_new_tokens=12)) == text
+    assert "".join(client.generate_stream("The quick brown fox", "plain", max_new_tokens=12)) == text
+    assert client.batch_size() == 0 and client.queue_depth() == 0
+
+    async def async_run():
+        async with AsyncClient(base, "tiny", api_key=KEY) as c:
+            pieces = [p async for p in c.generate_stream("The quick brown fox", max_new_tokens=12)]
+            return await c.generate("The quick brown fox", max_new_tokens=12), "".join(pieces)
+
+    assert asyncio.run(async_run()) == (text, text)
+    with pytest.raises(ServerError) as error:
+        Client(base, "nope", api_key=KEY).generate("x")
+    assert error.value.status == 404 and "served: tiny" in error.value.message
+    with pytest.raises(ServerError) as error:
+        Client(base, "tiny").generate("x")
+    assert error.value.status == 401
+    with pytest.raises(ValidationError):
+        client.generate("x", max_new_tokens=-1)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "client", *args], capture_output=True, text=True,
+                          cwd=PROJECT_ROOT, timeout=60)
+
+
+def test_command_line(stack):
+    base = stack[0]
+    want = Client(base, "tiny", api_key=KEY).generate("The quick brown fox", max_new_tokens=10)
+    common = ["--url", base, "--model", "tiny", "--api-key", KEY, "--max-new-tokens", "10"]
+    assert run_cli("The quick brown fox", *common).stdout == want + "\n"
+    streamed = run_cli("The quick brown fox", *common, "--stream", "--protocol", "plain")
+    assert streamed.returncode == 0 and streamed.stdout == want + "\n"
+    failed = run_cli("x", "--url", base, "--model", "nope", "--api-key", KEY)
+    assert failed.returncode == 1 and "404" in failed.stderr and "served: tiny" in failed.stderr
+
+
+# ------------------------------------------------------------------------------------ dashboard
+
+def chromium_driver():
+    """Headless Chromium through chromium-driver (Debian packages; `make test` installs them when
+    it runs as root)."""
+    chromedriver, chromium = shutil.which("chromedriver"), shutil.which("chromium")
+    if not (chromedriver and chromium):
+        pytest.skip("Chromium is not installed (Debian packages chromium, chromium-driver; `make test` "
+                    "installs them when run as root)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,900"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(chromedriver), options=options)
+
+
+def test_dashboard_in_a_real_browser_under_load(stack):
+    base = stack[0]
+    driver = chromium_driver()
+    load = [threading.Thread(target=httpx.post, args=(f"{base}/models/tiny/generate",), kwargs={
+        "headers": AUTH, "timeout": 120,
+        "json": {"inputs": f"load {i}", "parameters": {"max_new_tokens": 440, "ignore_eos": True}}})
+        for i in range(6)]
+    try:
+        driver.get(f"{base}/dashboard?api_key={KEY}")
+        for t in load:
+            t.start()
+        from selenium.webdriver.support.ui import WebDriverWait
+        chart = lambda name: driver.find_element("id", "chart-" + name)  # noqa: E731
+        WebDriverWait(driver, 60, 0.2).until(lambda d: float(chart("bs").get_attribute("data-max")) > 1)
+        WebDriverWait(driver, 60, 0.2).until(lambda d: float(chart("tps").get_attribute("data-max")) > 0
+                                             and int(chart("tps").get_attribute("data-points")) >= 4)
+        assert driver.find_element("id", "ready").text == "ready"
+        assert "up" in driver.find_element("id", "agents").text
+        screenshot = PROJECT_ROOT / "output" / "dashboard.png"
+        screenshot.parent.mkdir(exist_ok=True)
+        assert driver.save_screenshot(str(screenshot))
+        for t in load:
+            t.join()
+        WebDriverWait(driver, 30, 0.2).until(lambda d: float(chart("ttft").get_attribute("data-max")) > 0)
+    finally:
+        driver.quit()
+
+
+# ------------------------------------------------------------------------------------ last
+
+def test_ready_goes_503_when_the_agent_dies(stack):
+    """Last in this module: kills the agent (restart_policy exit stops the launcher too)."""
+    base, agents, _ = stack
+    assert httpx.get(f"{base}/ready", headers=AUTH).json() == {"status": "ready"}
+    pids = agents.agent_pids()
+    agents.close()
+    assert not wait_gone(pids, 20)
+    response = httpx.get(f"{base}/ready", headers=AUTH, timeout=30)
+    assert response.status_code == 503 and "agents not answering" in response.json()["error"]
+    assert response.headers["retry-after"]
+    assert httpx.get(f"{base}/health").status_code == 200
