@@ -25,8 +25,7 @@ def main() -> int:
     except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    log = setup_logging(config.logging, "server_app.log", console=True)
-    log.info("serving %s on http://%s:%d", config.model.name, config.server.host, config.server.port)
+    setup_logging(config.logging, "server_app.log", console=True)
     llm_server = LLMServer(config, tokenizer)
     app = create_app(config, tokenizer, llm_server)
     serve(config, app, llm_server)

@@ -10,6 +10,7 @@ A second signal during the drain skips the wait (uvicorn's own fast exit).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 
@@ -50,7 +51,18 @@ def _log_signal(signum: int, _frame) -> None:
     log.info("stopped by %s", signal.Signals(signum).name)
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def serve(config: ServingConfig, app, llm_server: LLMServer) -> None:
+    s = config.server
+    log.info("serving %s on http://%s:%d (%s); API keys %s", config.model.name, s.host, s.port,
+             "this machine only" if is_loopback(s.host) else "reachable from other machines",
+             "required" if s.api_keys else "off")
     # uvicorn re-raises the signal it caught under the handler it found: one that only logs makes
     # that a clean exit 0.
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -45,6 +45,14 @@ def test_environment_overrides(tmp_path):
         load_config(path, environ={"LLM_SERVING__AGENTS__PORTS": "[1, 1]"})
 
 
+def test_api_keys_from_the_environment_add_to_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  api_keys: [from-file]\n")
+    config = load_config(path, environ={"LLM_SERVING_API_KEYS": " k1, k2 ,"})
+    assert config.server.api_keys == ["from-file", "k1", "k2"]
+    assert load_config(path, environ={}).server.api_keys == ["from-file"]
+
+
 def test_upstream_names_are_reachable():
     from config import serving_config
 
