@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 	@$(PY) -m tools.fetch_model
+	@$(PY) -m agent.kernels
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) with $$($(PYTHON) --version)"

@@ -47,8 +47,9 @@ class LlamaLayer(nn.Cell):
     """One decoder layer: its weights, its slice of the KV cache, and the prefill/decode bodies."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, np.ndarray], index: int, cache_rows: int,
-                 max_len: int):
+                 max_len: int, attention: ops.Custom | None):
         super().__init__()
+        self.attention = attention
         t = {name: tensors[f"layers.{index}.{name}"] for name in
              ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")}
         # The attention scale is folded into the Q rows (RoPE is linear, so this commutes).
@@ -112,30 +113,40 @@ class LlamaLayer(nn.Cell):
         out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (-1, self.q_size))
         return self.mlp(x + self.matmul(out, self.wo))
 
-    def decode(self, x, cos, sin, rot, write_idx, read_idx, mask):
-        """x: [B, D]; write_idx: [B*KV]; read_idx: [B*KV, L] rows to attend; mask: [B*KV, 1, L]."""
+    def decode(self, x, cos, sin, rot, write_idx, where, extent):
+        """x: [B, D]; write_idx: [B*KV]. With the attention kernel: where = first cache row [B*KV],
+        extent = positions to attend [B*KV]. Without: where = rows to attend [B*KV, L], extent =
+        mask [B*KV, 1, L] over an attend bucket."""
         q, k, v = self.qkv(x, cos, sin, rot)
         ops.scatter_update(self.k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
         ops.scatter_update(self.v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))
-        keys = ops.gather(self.k_cache, read_idx, 0)  # [B*KV, L, hd]
-        values = ops.gather(self.v_cache, read_idx, 0)
         q = ops.reshape(q, (-1, self.group, self.head_dim))  # [B*KV, G, hd]
-        probs = ops.softmax(self.bmm_t(q, keys) + mask, -1)  # [B*KV, G, L]
-        out = ops.reshape(self.bmm(probs, values), (-1, self.q_size))
+        if self.attention is None:
+            keys = ops.gather(self.k_cache, where, 0)  # [B*KV, L, hd]
+            values = ops.gather(self.v_cache, where, 0)
+            probs = ops.softmax(self.bmm_t(q, keys) + extent, -1)  # [B*KV, G, L]
+            out = self.bmm(probs, values)
+        else:
+            out = self.attention(q, self.k_cache, self.v_cache, where, extent)
+        out = ops.reshape(out, (-1, self.q_size))
         return self.mlp(x + self.matmul(out, self.wo))
 
 
 class LlamaModel(nn.Cell):
     """Weights, RoPE tables and KV cache, shared by the prefill and decode graphs."""
 
-    def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int):
+    def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int, attention_kernel: str | None = None):
+        """attention_kernel: the `path:function` of the decode attention kernel, or None for the
+        gather path."""
         super().__init__()
         spec, tensors = checkpoint.spec, checkpoint.tensors
         self.spec, self.num_slots, self.max_len = spec, num_slots, max_len
         self.scratch_slot = num_slots  # padded batch rows write here
         cache_rows = (num_slots + 1) * spec.num_kv_heads * max_len
-        self.layers = nn.CellList(
-            [LlamaLayer(spec, tensors, i, cache_rows, max_len) for i in range(spec.num_layers)])
+        attention = None if attention_kernel is None else ops.Custom(
+            attention_kernel, out_shape=lambda q, *_: q, out_dtype=lambda q, *_: q, func_type="aot")
+        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, attention)
+                                   for i in range(spec.num_layers)])
         self.embed = _param(tensors["embed"], "embed")
         self.lm_head = self.embed if spec.tied_embeddings else _param(tensors["lm_head"], "lm_head")
         self.final_norm = _param(tensors["final_norm"], "final_norm")
@@ -180,8 +191,8 @@ class DecodeLayer(nn.Cell):
         super().__init__()
         self.layer = layer
 
-    def construct(self, x, cos, sin, rot, write_idx, read_idx, mask):
-        return self.layer.decode(x, cos, sin, rot, write_idx, read_idx, mask)
+    def construct(self, x, cos, sin, rot, write_idx, where, extent):
+        return self.layer.decode(x, cos, sin, rot, write_idx, where, extent)
 
 
 class PrefillGraph(nn.Cell):
@@ -207,10 +218,10 @@ class DecodeGraph(nn.Cell):
         self.model = model
         self.layers = nn.CellList([DecodeLayer(layer) for layer in model.layers])
 
-    def construct(self, tokens, positions, write_idx, read_idx, mask):
+    def construct(self, tokens, positions, write_idx, where, extent):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         for layer in self.layers:
-            x = layer(x, cos, sin, self.model.rot, write_idx, read_idx, mask)
+            x = layer(x, cos, sin, self.model.rot, write_idx, where, extent)
         return self.model.logits(x)
 
 

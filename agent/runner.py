@@ -27,6 +27,7 @@ import numpy as np
 from mindspore import Tensor
 
 from agent.checkpoint import Checkpoint
+from agent.kernels import DECODE_ATTENTION, decode_attention_op, source
 from agent.llama_graphs import ArgmaxGraph, DecodeGraph, LlamaModel, PrefillGraph, TopKGraph
 from agent.sampling import SamplingParams, SlotSampler
 from config.schema import RuntimeSection
@@ -65,7 +66,7 @@ def compile_cache_dir(checkpoint: Checkpoint, runtime: RuntimeSection, user: str
     folder; each process gets its own below it so that concurrent writers never share one."""
     if runtime.compile_cache_dir is None:
         return None
-    graph_code = (Path(__file__).parent / "llama_graphs.py").read_bytes()
+    graph_code = (Path(__file__).parent / "llama_graphs.py").read_bytes() + source(DECODE_ATTENTION).read_bytes()
     shapes = runtime.model_dump(exclude={"compile_cache_dir", "cpu_threads"})
     text = checkpoint.spec.model_dump_json() + json.dumps(shapes, sort_keys=True)
     key = hashlib.sha256(text.encode() + graph_code).hexdigest()[:16]
@@ -81,7 +82,8 @@ class ModelRunner:
         self.spec = checkpoint.spec
         self.runtime = runtime
         self.num_slots, self.max_len = runtime.num_slots, runtime.max_seq_len
-        self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len)
+        kernel = decode_attention_op() if runtime.attention_kernel else None
+        self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len, kernel)
         self.prefill_graph = PrefillGraph(self.model)
         self.decode_graph = DecodeGraph(self.model)
         self.argmax_graph = ArgmaxGraph()
@@ -114,7 +116,9 @@ class ModelRunner:
     def graph_shapes(self) -> list[tuple[str, int, int]]:
         rt = self.runtime
         shapes = [("prefill", 1, s) for s in rt.prefill_buckets]
-        shapes += [("decode", b, a) for b in rt.decode_batch_buckets for a in rt.attend_buckets]
+        # The attention kernel reads each sequence's own length: one decode graph per batch bucket.
+        attends = [0] if rt.attention_kernel else rt.attend_buckets
+        shapes += [("decode", b, a) for b in rt.decode_batch_buckets for a in attends]
         shapes += [("argmax", 0, 0)] + [("topk", 0, k) for k in self.topk_buckets]
         return shapes
 
@@ -135,7 +139,8 @@ class ModelRunner:
                 self.argmax_graph(logits).asnumpy()
             else:
                 self.topk_graphs[length](logits)[0].asnumpy()
-            label = {"prefill": f"prefill length {length}", "decode": f"decode batch {rows} attend {length}",
+            label = {"prefill": f"prefill length {length}",
+                     "decode": f"decode batch {rows}" + (f" attend {length}" if length else ""),
                      "argmax": "argmax", "topk": f"top-k {length}"}[kind]
             progress(f"graph {i}/{len(shapes)} {label}: {time.perf_counter() - t0:.1f}s")
         elapsed = time.perf_counter() - start
@@ -171,7 +176,8 @@ class ModelRunner:
                 raise RunnerError(f"slot {slot} is full ({self.max_len} positions)")
         positions = np.array([s.length for s in states], np.int64)
         rows = _bucket(self.runtime.decode_batch_buckets, len(slots))
-        attend = _bucket(self.runtime.attend_buckets, int(positions.max()) + 1)
+        attend = (0 if self.runtime.attention_kernel else
+                  _bucket(self.runtime.attend_buckets, int(positions.max()) + 1))
         logits = self.run_decode_graph(np.asarray(slots, np.int64),
                                   np.array([s.next_token for s in states], np.int64),
                                   positions, rows, attend)
@@ -221,14 +227,20 @@ class ModelRunner:
                                   Tensor(mask), Tensor(np.array([n - 1], np.int32)))
 
     def run_decode_graph(self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
-                    rows: int, attend: int) -> Tensor:
-        """Tokens at `positions` of `slots`, padded to `rows`, attending `attend` -> logits [rows, V]."""
+                    rows: int, attend: int = 0) -> Tensor:
+        """Tokens at `positions` of `slots`, padded to `rows` -> logits [rows, V]. Each row attends to
+        its positions 0..position; `attend` is the gather path's bucket (ignored by the kernel)."""
         pad = rows - len(slots)
         slots = np.concatenate([slots, np.full(pad, self.num_slots)])  # scratch slot
         tokens = np.concatenate([tokens, np.zeros(pad, np.int64)])
         positions = np.concatenate([positions, np.zeros(pad, np.int64)])
         base = self._base_rows(slots)  # [rows, KV]
         write = (base + positions[:, None]).reshape(-1)
+        if self.runtime.attention_kernel:
+            lengths = np.repeat(positions + 1, self._kv)
+            return self.decode_graph(Tensor(tokens.astype(np.int32)), Tensor(positions.astype(np.int32)),
+                                     Tensor(write.astype(np.int32)), Tensor(base.reshape(-1).astype(np.int32)),
+                                     Tensor(lengths.astype(np.int32)))
         read = base.reshape(-1, 1) + np.arange(attend)[None, :]  # [rows*KV, attend]
         visible = np.arange(attend)[None, :] <= positions[:, None]  # [rows, attend]
         mask = np.where(visible, 0.0, -np.inf).astype(np.float32).repeat(self._kv, axis=0)

@@ -44,15 +44,25 @@ class RuntimeSection(Section):
     def max_prompt_len(self) -> int:
         return self.prefill_buckets[-1]
 
+    @property
+    def attention_kernel(self) -> bool:
+        """Decode attention by the custom CPU kernel (reads each sequence's own positions from the
+        cache) rather than gather + batched matmuls over an attend bucket."""
+        return self.decode_attention == "kernel" or (self.decode_attention == "auto"
+                                                     and self.device_target == "CPU")
+
     device_target: Literal["CPU", "Ascend", "GPU"] = "CPU"
     cpu_threads: int | None = Field(None, ge=1, description="MindSpore CPU op threads; None: its default")
     num_slots: int = Field(16, ge=1, description="KV-cache slots = most sequences decoded at once")
     max_seq_len: int = Field(2048, ge=2, description="positions per slot: prompt + generated tokens")
     # The largest prefill bucket is the longest prompt accepted. Prefill memory grows with its
     # square (the attention scores of all layers stay allocated), so keep it well below max_seq_len.
-    prefill_buckets: list[int] = Field(default_factory=lambda: [128, 512])
-    decode_batch_buckets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
-    attend_buckets: list[int] = Field(default_factory=lambda: [512, 2048])
+    prefill_buckets: list[int] = Field(default_factory=lambda: [32, 64, 128, 512])
+    decode_batch_buckets: list[int] = Field(default_factory=lambda: [1, 4, 8, 16])
+    attend_buckets: list[int] = Field(default_factory=lambda: [256, 512, 2048],
+                                      description="attended lengths of the gather decode path")
+    decode_attention: Literal["auto", "kernel", "gather"] = Field(
+        "auto", description="auto: the custom kernel on CPU, gather elsewhere")
     compile_cache_dir: Path | None = Field(Path("output/compile_cache"),
                                            description="MindSpore compile cache; null disables it")
 
@@ -68,6 +78,9 @@ class RuntimeSection(Section):
 
     @model_validator(mode="after")
     def _buckets_cover_limits(self) -> "RuntimeSection":
+        if self.decode_attention == "kernel" and self.device_target != "CPU":
+            raise ValueError("decode_attention: kernel is a CPU kernel; use gather on "
+                             f"{self.device_target}")
         if self.attend_buckets[-1] != self.max_seq_len:
             raise ValueError(f"the largest of attend_buckets must equal max_seq_len "
                              f"({self.max_seq_len}), got {self.attend_buckets}")

@@ -25,7 +25,7 @@ def compare_logits(runner: ModelRunner, reference: ref.RefModel, prompt: list[in
     diffs = [float(np.abs(got - want).max())]
     token, position = int(np.argmax(want)), len(prompt)
     for _ in range(steps):
-        attend = next(a for a in runner.runtime.attend_buckets if a > position)
+        attend = next(a for a in runner.runtime.attend_buckets if a > position)  # gather path only
         got = runner.run_decode_graph(np.array([slot]), np.array([token]), np.array([position]),
                                       1, attend).asnumpy()[0]
         want = ref.forward(reference, [token], cache)[-1]
@@ -34,10 +34,13 @@ def compare_logits(runner: ModelRunner, reference: ref.RefModel, prompt: list[in
     return diffs
 
 
+@pytest.mark.parametrize("attention", ["kernel", "gather"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tiny_checkpoint_logits_match_reference(family, tiny_llama_dir, tiny_qwen2_dir):
+def test_tiny_checkpoint_logits_match_reference(family, attention, tiny_llama_dir, tiny_qwen2_dir):
+    """Both decode attention paths: the custom CPU kernel and gather + batched matmuls."""
     directory = tiny_llama_dir if family == "llama" else tiny_qwen2_dir
-    runner = ModelRunner(load_checkpoint(directory), TINY_RUNTIME)
+    runtime = TINY_RUNTIME.model_copy(update={"decode_attention": attention})
+    runner = ModelRunner(load_checkpoint(directory), runtime)
     reference = ref.load_hf_reference(directory)
     prompt = load_tokenizer(directory).encode("The capital of France is Paris. 你好")
     diffs = compare_logits(runner, reference, prompt, slot=1, steps=6)

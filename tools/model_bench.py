@@ -4,7 +4,8 @@
     python -m tools.model_bench --warm-up      # time the default config's full warm-up instead
 
 Each shape is compiled once, run once more to settle, then timed `--repeats` times (median reported).
-Decode at context C attends over C rounded up to the next multiple of 256 (the attend bucket).
+Decode at context C: the attention kernel reads C positions; the gather path
+(runtime.decode_attention: gather) attends over C rounded up to the next multiple of 256.
 Results go to the console and to output/model_bench.json.
 """
 from __future__ import annotations
@@ -16,9 +17,9 @@ import time
 
 import numpy as np
 
-from agent.checkpoint import load_checkpoint
+from agent.checkpoint import CheckpointError, load_checkpoint
 from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
-from config import PROJECT_ROOT, load_config
+from config import PROJECT_ROOT, ConfigError, load_config
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -49,7 +50,8 @@ def run_grid(runner: ModelRunner, args) -> dict:
             ms = median_ms(lambda: runner.run_decode_graph(slots, tokens, positions, batch,
                                                           attend).asnumpy(), args.repeats)
             results["decode_ms"][f"B={batch},context={context}"] = ms
-            print(f"decode B={batch:3d} context {context:5d} (attend {attend}): {ms:8.1f} ms "
+            how = "kernel" if runner.runtime.attention_kernel else f"attend {attend}"
+            print(f"decode B={batch:3d} context {context:5d} ({how}): {ms:8.1f} ms "
                   f"= {batch * 1000 / ms:7.1f} tok/s", flush=True)
     return results
 
@@ -64,9 +66,13 @@ def main() -> int:
     parser.add_argument("--warm-up", action="store_true",
                         help="time the configured runner's warm-up (all buckets) instead")
     args = parser.parse_args()
-    config = load_config(args.config)
     start = time.perf_counter()
-    checkpoint = load_checkpoint(config.model.path)
+    try:
+        config = load_config(args.config)
+        checkpoint = load_checkpoint(config.model.path)
+    except (ConfigError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     load_s = time.perf_counter() - start
     print(f"loaded {checkpoint.spec.name} in {load_s:.1f}s", flush=True)
     if args.warm_up:

@@ -1,0 +1,11 @@
+"""python -m agent.kernels: build the custom CPU kernels (part of `make setup`)."""
+import sys
+
+from agent.kernels import DECODE_ATTENTION, KernelBuildError, build
+
+if __name__ == "__main__":
+    try:
+        print(f"kernel {DECODE_ATTENTION}: {build(DECODE_ATTENTION)}")
+    except KernelBuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
