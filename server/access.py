@@ -24,12 +24,12 @@ class AccessMiddleware:
             return await self.app(scope, receive, send)
         path = scope["path"]
         openai = path.startswith("/v1/")
-        if self.api_keys and path not in OPEN_PATHS and not self._authorized(scope):
+        headers = dict(scope["headers"])
+        if self.api_keys and path not in OPEN_PATHS and not self._authorized(scope, headers):
             response = error_response(401, "missing or invalid API key (send Authorization: Bearer KEY)",
                                       openai, code="invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
-        headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await self._too_large(scope, receive, send, openai)
@@ -54,8 +54,8 @@ class AccessMiddleware:
             return await self.app(scope, replay, send)
         return await self.app(scope, receive, send)
 
-    def _authorized(self, scope) -> bool:
-        auth = dict(scope["headers"]).get(b"authorization", b"")
+    def _authorized(self, scope, headers: dict) -> bool:
+        auth = headers.get(b"authorization", b"")
         key = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
         if not key and scope["path"] in QUERY_KEY_PATHS:
             key = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0].encode()

@@ -108,31 +108,32 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMS
         body = json.dumps({"generated_text": await full_text(outputs)}, ensure_ascii=False) + "\n"
         return Response(body, media_type="application/json")
 
-    async def sse_events(outputs, return_full_text: bool) -> AsyncIterator[str]:
+    async def stream_pieces(outputs, return_full_text: bool, piece, error, full) -> AsyncIterator:
+        """The answer's pieces in one protocol's framing: piece(text, index), error(message), full(text)."""
         text = []
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 if out.text:
                     text.append(out.text)
-                    yield sse_message(out.text)
+                    yield piece(out.text, len(text) - 1)
                 if out.error:
-                    yield json.dumps({"event": "error", "retry": 30000, "data": out.error})
+                    yield error(out.error)
         if return_full_text:
-            yield sse_message("".join(text))
+            yield full("".join(text))
 
-    async def data_lines(outputs, return_full_text: bool) -> AsyncIterator[bytes]:
-        text = []
-        async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                if out.text:
-                    text.append(out.text)
-                    line = {"token": {"text": out.text, "index": len(text) - 1}}
-                    yield ("data:" + json.dumps(line, ensure_ascii=False) + "\n").encode()
-                if out.error:
-                    yield ("data:" + json.dumps({"error": out.error}) + "\n").encode()
-        if return_full_text:
-            line = {"generated_text": "".join(text)}
-            yield ("data:" + json.dumps(line, ensure_ascii=False) + "\n").encode()
+    def data_line(payload: dict) -> bytes:
+        return ("data:" + json.dumps(payload, ensure_ascii=False) + "\n").encode()
+
+    def sse_events(outputs, return_full_text: bool) -> AsyncIterator[str]:
+        return stream_pieces(outputs, return_full_text, lambda text, _i: sse_message(text),
+                             lambda message: json.dumps({"event": "error", "retry": 30000, "data": message}),
+                             sse_message)
+
+    def data_lines(outputs, return_full_text: bool) -> AsyncIterator[bytes]:
+        return stream_pieces(outputs, return_full_text,
+                             lambda text, i: data_line({"token": {"text": text, "index": i}}),
+                             lambda message: data_line({"error": message}),
+                             lambda text: data_line({"generated_text": text}))
 
     def respond_stream(outputs, request: ClientRequest):
         p = request.parameters

@@ -48,6 +48,7 @@ class _Stream:
     queue: asyncio.Queue
     detokenizer: IncrementalDetokenizer
     stop: tuple[str, ...]
+    hold: int = 0  # characters held back: the longest stop string but one
     consumed: int = 0  # tokens of seq.output already detokenized
     sent: int = 0  # characters of detokenizer.text already handed out
     admitted: float = field(default_factory=time.monotonic)
@@ -171,8 +172,9 @@ class LLMServer:
             self.metrics.requests.labels("rejected").inc()
             raise
         self.metrics.prompt_tokens.inc(len(seq.prompt))
-        stream = _Stream(seq, asyncio.Queue(), IncrementalDetokenizer(self.tokenizer),
-                         tuple(s for s in stop if s))
+        stop = tuple(s for s in stop if s)
+        stream = _Stream(seq, asyncio.Queue(), IncrementalDetokenizer(self.tokenizer), stop,
+                         hold=max((len(s) for s in stop), default=1) - 1)
         self.streams[request_id] = stream
         self._wake.set()
         return self._read(stream)
@@ -269,10 +271,9 @@ class LLMServer:
         if hits:
             text = text[:min(hits)]
             self.scheduler.finish(seq, FinishReason.STOP)
-        elif stream.stop and not seq.finished:
+        elif stream.hold and not seq.finished:
             # Hold back what could be the start of a stop string: once sent it cannot be taken back.
-            held = max(len(s) for s in stream.stop) - 1
-            text = text[:max(stream.sent, len(text) - held)]
+            text = text[:max(stream.sent, len(text) - stream.hold)]
         piece, stream.sent = text[stream.sent:], len(text)
         if new_tokens:
             now = time.monotonic()

@@ -28,6 +28,12 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+# Tiny-model runtime with 8 slots and room for long answers (streams that outlast a poll or a signal).
+LONG_ANSWERS_RUNTIME = {"num_slots": 8, "max_seq_len": 512, "prefill_buckets": [16, 64],
+                        "decode_batch_buckets": [1, 2, 4, 8], "attend_buckets": [64, 512],
+                        "compile_cache_dir": None}
+
+
 def write_config(directory: Path, model_path: Path, ports: list[int], **sections) -> Path:
     config = {
         "model": {"name": "tiny", "path": str(model_path)},

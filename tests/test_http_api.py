@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from agent_harness import free_ports, serving_stack, write_config
+from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
 from http_client import answer_three_ways, one_event, post
 
 TEXTS = ["The quick brown fox", "你好，世界！ 东京", "emoji 😀 🎉 and\nnewlines\n\n"]
@@ -20,9 +20,7 @@ def stack(tmp_path_factory, tiny_llama_dir):
     """Agent + server on the tiny model, 8 slots and room for long answers; yields (base URL, server)."""
     agent_port, http_port = free_ports(2)
     path = write_config(tmp_path_factory.mktemp("http"), tiny_llama_dir, [agent_port],
-                        runtime={"num_slots": 8, "max_seq_len": 512, "prefill_buckets": [16, 64],
-                                 "decode_batch_buckets": [1, 2, 4, 8], "attend_buckets": [64, 512],
-                                 "compile_cache_dir": None},
+                        runtime=LONG_ANSWERS_RUNTIME,
                         server={"port": http_port, "max_waiting_requests": 8,
                                 "drain_timeout_s": DRAIN_TIMEOUT_S})
     with serving_stack(path) as (_agents, server):

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from agent_harness import free_ports, serving_stack, wait_gone, write_config
+from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, wait_gone, write_config
 from client import AsyncClient, Client, ServerError
 from config.schema import PROJECT_ROOT
 from server.tokenizer import load_tokenizer
@@ -26,9 +26,7 @@ MAX_BODY = 4096
 def stack(tmp_path_factory, tiny_llama_dir):
     agent_port, http_port = free_ports(2)
     path = write_config(tmp_path_factory.mktemp("openai"), tiny_llama_dir, [agent_port],
-                        runtime={"num_slots": 8, "max_seq_len": 512, "prefill_buckets": [16, 64],
-                                 "decode_batch_buckets": [1, 2, 4, 8], "attend_buckets": [64, 512],
-                                 "compile_cache_dir": None},
+                        runtime=LONG_ANSWERS_RUNTIME,
                         agents={"restart_policy": "exit"},
                         server={"port": http_port, "api_keys": [KEY], "max_body_bytes": MAX_BODY})
     with serving_stack(path) as (agents, server):
