@@ -25,7 +25,7 @@ def main() -> int:
     except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    setup_logging(config.logging, "server_app.log", console=True)
+    setup_logging(config.logging, "server_app.log", console=True, secrets=config.server.api_keys)
     llm_server = LLMServer(config, tokenizer)
     app = create_app(config, tokenizer, llm_server)
     serve(config, app, llm_server)

@@ -18,6 +18,7 @@ import zmq
 from agent.checkpoint import load_checkpoint
 from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
 from agent.service import AgentService
+from agent.transport import secure_agent_socket
 from config.logs import setup_logging
 from config.schema import ServingConfig
 
@@ -50,7 +51,7 @@ def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) 
     port = config.agents.ports[rank]
     log = setup_logging(config.logging, log_filename(rank))
     try:
-        socket, service, warm_up_s = _start(config, rank, port, log)
+        socket, service, warm_up_s, authenticator = _start(config, rank, port, log)
     except Exception as exc:
         log.error("start-up failed: %s\n%s", exc, traceback.format_exc())
         startup_queue.put(("failed", rank, f"{type(exc).__name__}: {exc}"))
@@ -61,6 +62,8 @@ def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) 
         _serve(socket, service, stopping, parent_pid, log)
     finally:
         socket.close(linger=0)
+        if authenticator is not None:
+            authenticator.stop()
         log.info("agent rank %d stopped", rank)
 
 
@@ -80,9 +83,13 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
     warm_up_s = runner.warm_up(log.info)
     socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
+    curve = config.agents.curve
+    authenticator = secure_agent_socket(socket, curve) if curve is not None else None
     socket.bind(f"tcp://{config.agents.host}:{port}")  # after warm-up: connecting means ready
+    log.info("socket %s", "CURVE-encrypted, only the configured server key accepted"
+             if curve is not None else "not encrypted (loopback)")
     service = AgentService(runner, model_name=config.model.name, rank=rank, port=port)
-    return socket, service, warm_up_s
+    return socket, service, warm_up_s, authenticator
 
 
 def _serve(socket, service: AgentService, stopping: dict, parent_pid: int,

@@ -13,10 +13,17 @@ Requests (op: fields -> reply fields):
     prefill:  slot, sampling {...}; arrays [tokens int32]   -> token
     decode:   arrays [slots int32]                         -> arrays [tokens int32]
     release:  slot                                         -> -
+    reset:    session                                      -> - (every slot released)
     ping:     -                                            -> -
     shutdown: -                                            -> - (the agent exits after replying)
 A reply carries the request's op and id, and "ok": true, or "ok": false with "error" (a message)
-and "kind" ("bad_request": the request was wrong; "internal": the agent failed).
+and "kind" ("bad_request": the request was wrong; "internal": the agent failed; "stale_session":
+see below).
+
+Sessions: a server opens one with `reset` (a random integer of its choosing) and puts it in every
+prefill, decode and release. The agent refuses those ops from any other session, so a request
+still queued from a connection the server has given up on (a hung agent resumed, a previous
+server) can never touch the slots of the current one.
 """
 from __future__ import annotations
 
@@ -25,8 +32,9 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
-OPS = ("info", "prefill", "decode", "release", "ping", "shutdown")
+PROTOCOL_VERSION = 2
+OPS = ("info", "prefill", "decode", "release", "reset", "ping", "shutdown")
+SESSION_OPS = ("prefill", "decode", "release")
 ALLOWED_DTYPES = {"int32", "int64", "float32", "float16"}
 MAX_ARRAY_BYTES = 1 << 30
 

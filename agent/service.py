@@ -31,6 +31,7 @@ class AgentService:
             "decode_batch_buckets": runner.runtime.decode_batch_buckets,
             "attend_buckets": runner.runtime.attend_buckets, "role": role, "rank": rank, "port": port}
         self.shutdown_requested = False
+        self.session: int | None = None  # set by `reset`; see protocol.py
 
     def handle(self, frames: list) -> list:
         """Request frames -> reply frames."""
@@ -42,6 +43,10 @@ class AgentService:
         handler = getattr(self, f"_op_{op}", None) if op in protocol.OPS else None
         if handler is None:
             return protocol.error_reply(header, f"unknown op {op!r} (known: {', '.join(protocol.OPS)})")
+        if op in protocol.SESSION_OPS and "session" in header and header["session"] != self.session:
+            return protocol.error_reply(header, f"{op}: session {header['session']} is not the "
+                                                f"current one (another server took over)",
+                                        kind="stale_session")
         try:
             fields, out_arrays = handler(header, arrays)
         except (RunnerError, ValidationError, ValueError, TypeError, KeyError) as exc:
@@ -62,6 +67,15 @@ class AgentService:
 
     def _op_shutdown(self, header: dict, arrays: list) -> tuple[dict, list]:
         self.shutdown_requested = True
+        return {}, []
+
+    def _op_reset(self, header: dict, arrays: list) -> tuple[dict, list]:
+        session = _int_field(header, "session")
+        for slot in list(self.runner.slots):
+            self.runner.release(slot)
+        if session != self.session:
+            log.info("session %d opened: every slot released", session)
+        self.session = session
         return {}, []
 
     def _op_prefill(self, header: dict, arrays: list) -> tuple[dict, list]:

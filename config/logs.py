@@ -2,16 +2,39 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from logging.handlers import RotatingFileHandler
 
 from config.schema import LoggingSection
 
 FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+# Credentials a log line could carry: the dashboard's ?api_key= in an access-log line, a bearer token.
+CREDENTIAL_PATTERNS = re.compile(r"(api_key=)[^&\s\"']+|(Bearer\s+)\S+", re.IGNORECASE)
+REDACTED = "***"
 
 
-def setup_logging(section: LoggingSection, filename: str, console: bool = False) -> logging.Logger:
-    """Log to {dir}/{filename}; the previous run's file is rolled to .1 first, never truncated."""
+class RedactSecrets(logging.Filter):
+    """Masks credentials in every record before any handler writes it."""
+
+    def __init__(self, secrets: list[str]):
+        super().__init__()
+        self.secrets = [s for s in secrets if s]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = CREDENTIAL_PATTERNS.sub(lambda m: (m.group(1) or m.group(2)) + REDACTED, message)
+        for secret in self.secrets:
+            masked = masked.replace(secret, REDACTED)
+        if masked != message:
+            record.msg, record.args = masked, None
+        return True
+
+
+def setup_logging(section: LoggingSection, filename: str, console: bool = False,
+                  secrets: list[str] = ()) -> logging.Logger:
+    """Log to {dir}/{filename}; the previous run's file is rolled to .1 first, never truncated.
+    `secrets` (API keys) never reach a log line."""
     section.dir.mkdir(parents=True, exist_ok=True)
     path = section.dir / filename
     handler = RotatingFileHandler(path, maxBytes=section.max_bytes,
@@ -25,8 +48,10 @@ def setup_logging(section: LoggingSection, filename: str, console: bool = False)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
+    redact = RedactSecrets(list(secrets))
     for h in handlers:
         h.setFormatter(formatter)
+        h.addFilter(redact)
         root.addHandler(h)
     root.setLevel(section.level)
     return logging.getLogger(filename.rsplit(".", 1)[0])

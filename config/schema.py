@@ -1,6 +1,7 @@
 """Typed configuration: every YAML file in config/ is validated by these models."""
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +28,13 @@ class ModelSection(Section):
     @classmethod
     def _absolute(cls, path: Path) -> Path:
         return resolve_path(path)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _bucket_list(values: list[int], name: str) -> list[int]:
@@ -93,6 +101,24 @@ class RuntimeSection(Section):
         return self
 
 
+class CurveSection(Section):
+    """ZeroMQ CURVE keys (Z85 text, made by `python -m tools.curve_keys`). The agents encrypt with
+    their keypair and accept only a client that holds the server's keypair."""
+
+    agent_public_key: str
+    agent_secret_key: str
+    server_public_key: str
+    server_secret_key: str
+
+    @field_validator("*")
+    @classmethod
+    def _z85(cls, key: str, info) -> str:
+        if len(key) != 40:
+            raise ValueError(f"{info.field_name} must be a 40-character Z85 key "
+                             f"(python -m tools.curve_keys makes them), got {len(key)} characters")
+        return key
+
+
 class AgentsSection(Section):
     """The agent processes: one per port, pinned to device start_device_id + rank."""
 
@@ -103,6 +129,8 @@ class AgentsSection(Section):
     shutdown_grace_s: float = Field(10.0, gt=0, description="SIGTERM to SIGKILL, for each agent")
     restart_policy: Literal["restart", "exit"] = "restart"
     max_restarts: int = Field(3, ge=0, description="restarts per agent before the launcher gives up")
+    curve: CurveSection | None = Field(None, description="CURVE encryption and authentication of "
+                                       "the agents' sockets; required off loopback")
 
     @field_validator("ports")
     @classmethod
@@ -112,6 +140,13 @@ class AgentsSection(Section):
         if len(set(ports)) != len(ports) or any(not 0 < p < 65536 for p in ports):
             raise ValueError(f"ports must be distinct and in 1..65535, got {ports}")
         return ports
+
+    @model_validator(mode="after")
+    def _curve_off_loopback(self) -> "AgentsSection":
+        if self.curve is None and not is_loopback(self.host):
+            raise ValueError(f"agents on {self.host} are reachable from other machines: set "
+                             f"agents.curve (keys from `python -m tools.curve_keys`) or bind to 127.0.0.1")
+        return self
 
 
 class LoggingSection(Section):
@@ -132,6 +167,9 @@ class ServerSection(Section):
     agent_timeout_s: float = Field(30.0, gt=0, description="longest one agent call may take")
     agent_wait_s: float = Field(600.0, ge=0, description="how long start-up waits for the agents")
     max_waiting_requests: int = Field(64, ge=1, description="queue bound; beyond it: 503")
+    max_tokens_in_flight: int | None = Field(
+        131072, ge=1, description="bound on prompt + max_new_tokens over all admitted requests; "
+                                  "beyond it: 503 (429 on the OpenAI API); null: no bound")
     max_prefills_per_step: int = Field(4, ge=1, description="prompts admitted per iteration")
     drain_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, how long running "
                                                            "requests may take to finish")

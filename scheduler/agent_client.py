@@ -1,21 +1,32 @@
 """AgentClient: the server side of one agent's ZeroMQ socket (zmq.asyncio DEALER).
 
 Every call has a timeout. A reply is matched to its request by id, so a late reply to a call that
-timed out is dropped instead of being taken for the next call's answer.
+timed out is dropped instead of being taken for the next call's answer. A lost connection fails
+the call in flight at once: a killed agent's socket closes, and ZeroMQ heartbeats notice an agent
+that stopped answering (SIGSTOP, a dead machine) within HEARTBEAT_TIMEOUT_MS. After a failure the
+client stays failed until `reconnect()`, which opens a fresh socket (nothing queued for the old
+connection is ever delivered) and a fresh session.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 from typing import Any, Sequence
 
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from agent import protocol
 from agent.sampling import SamplingParams
+from agent.transport import secure_client_socket
+from config.schema import CurveSection
+
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
 
 
 class AgentError(Exception):
@@ -24,6 +35,10 @@ class AgentError(Exception):
 
 class AgentUnavailable(AgentError):
     """No (valid) answer in time: the agent is dead, hung or speaks another protocol."""
+
+
+class AgentIncompatible(AgentError):
+    """The agent answers but cannot serve with this server (protocol or model mismatch)."""
 
 
 class AgentRequestError(AgentError):
@@ -35,26 +50,55 @@ class AgentRequestError(AgentError):
 
 
 class AgentClient:
-    def __init__(self, address: str, timeout_s: float, context: zmq.asyncio.Context | None = None):
+    def __init__(self, address: str, timeout_s: float, curve: CurveSection | None = None,
+                 context: zmq.asyncio.Context | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self.socket = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(address)
+        self.curve = curve
+        self.context = context or zmq.asyncio.Context.instance()
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()  # one call in flight per agent
+        self._open()
+
+    def _open(self) -> None:
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        if self.curve is not None:
+            secure_client_socket(self.socket, self.curve)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.asyncio.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.socket.connect(self.address)
+        self.session = random.getrandbits(62)
+        self.lost: str | None = None  # why the connection is unusable, until reconnect()
+
+    def reconnect(self) -> None:
+        self.close()
+        self._open()
 
     async def call(self, op: str, arrays: Sequence[np.ndarray] = (), timeout_s: float | None = None,
                    **fields: Any) -> tuple[dict, list[np.ndarray]]:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         async with self._lock:
+            if self.lost:
+                raise AgentUnavailable(f"agent {self.address}: {self.lost}")
             request_id = next(self._ids)
             await self.socket.send_multipart(protocol.encode({"op": op, "id": request_id, **fields},
                                                              arrays), copy=False)
             deadline = time.monotonic() + timeout_s
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not await self.socket.poll(int(left * 1000), zmq.POLLIN):
+                ready = dict(await self.poller.poll(int(left * 1000))) if left > 0 else {}
+                if self.monitor in ready:
+                    event = parse_monitor_message(await self.monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        self.lost = "connection lost (the agent died or stopped answering heartbeats)"
+                        raise AgentUnavailable(f"agent {self.address}: {self.lost} during {op}")
+                    continue
+                if self.socket not in ready:
                     raise AgentUnavailable(f"agent {self.address}: no reply to {op} "
                                            f"within {timeout_s:g}s")
                 try:
@@ -64,31 +108,40 @@ class AgentClient:
                 if header.get("id") == request_id:
                     break  # anything else is a late answer to an earlier call that timed out
         if not header.get("ok"):
+            if header.get("kind") == "stale_session":
+                self.lost = "another server took this agent over"
+                raise AgentUnavailable(f"agent {self.address}: {self.lost}")
             raise AgentRequestError(f"agent {self.address}: {header.get('error')}",
                                     header.get("kind", "bad_request"))
         return header, out
 
-    async def info(self) -> dict:
-        header, _ = await self.call("info")
+    async def info(self, timeout_s: float | None = None) -> dict:
+        header, _ = await self.call("info", timeout_s=timeout_s)
         if header.get("protocol") != protocol.PROTOCOL_VERSION:
-            raise AgentUnavailable(f"agent {self.address} speaks protocol {header.get('protocol')}, "
+            raise AgentIncompatible(f"agent {self.address} speaks protocol {header.get('protocol')}, "
                                    f"this server {protocol.PROTOCOL_VERSION}")
         return header
 
+    async def reset(self, timeout_s: float | None = None) -> None:
+        """Open this client's session on the agent: every slot is released."""
+        await self.call("reset", timeout_s=timeout_s, session=self.session)
+
     async def prefill(self, slot: int, prompt: Sequence[int], sampling: SamplingParams) -> int:
         header, _ = await self.call("prefill", [np.asarray(prompt, np.int32)], slot=slot,
-                                    sampling=sampling.model_dump())
+                                    sampling=sampling.model_dump(), session=self.session)
         return int(header["token"])
 
     async def decode(self, slots: Sequence[int]) -> list[int]:
-        _, arrays = await self.call("decode", [np.asarray(slots, np.int32)])
+        _, arrays = await self.call("decode", [np.asarray(slots, np.int32)], session=self.session)
         return arrays[0].tolist()
 
     async def release(self, slot: int) -> None:
-        await self.call("release", slot=slot)
+        await self.call("release", slot=slot, session=self.session)
 
     async def ping(self, timeout_s: float | None = None) -> None:
         await self.call("ping", timeout_s=timeout_s)
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
         self.socket.close(linger=0)

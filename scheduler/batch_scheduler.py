@@ -19,11 +19,13 @@ from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class AdmissionError(Exception):
-    """A request the scheduler refuses at once; `status` says how the HTTP layer should answer."""
+    """A request the scheduler refuses at once; `status` says how the HTTP layer should answer.
+    `overload`: refused for lack of room now (OpenAI clients expect 429 for that, and retry)."""
 
-    def __init__(self, message: str, status: int):
+    def __init__(self, message: str, status: int, overload: bool = False):
         super().__init__(message)
         self.status = status
+        self.overload = overload
 
 
 @dataclass
@@ -46,10 +48,14 @@ class StepPlan:
 
 
 class BatchScheduler:
-    def __init__(self, agents: list[AgentCapacity], max_waiting: int, max_prefills_per_step: int = 4):
+    def __init__(self, agents: list[AgentCapacity], max_waiting: int, max_prefills_per_step: int = 4,
+                 max_tokens_in_flight: int | None = None):
         self.agents = agents
         self.max_waiting = max_waiting
         self.max_prefills_per_step = max_prefills_per_step
+        # Bound on prompt + answer tokens of every admitted request (waiting and running).
+        self.max_tokens_in_flight = max_tokens_in_flight
+        self.tokens_in_flight = 0
         self.free_slots = [list(range(a.num_slots)) for a in agents]
         self.healthy = [True] * len(agents)
         self.waiting: deque[Sequence] = deque()
@@ -59,14 +65,31 @@ class BatchScheduler:
     # ------------------------------------------------------------------------------- requests
 
     def add(self, seq: Sequence) -> None:
-        longest = max((a.max_prompt_len for a, ok in zip(self.agents, self.healthy) if ok), default=0)
+        usable = [a for a, ok in zip(self.agents, self.healthy) if ok]
         if not seq.prompt:
             raise AdmissionError("the prompt is empty", 400)
+        if not usable:
+            raise AdmissionError("no agent is available (every agent failed; waiting for it to "
+                                 "come back)", 503)
+        longest = max(a.max_prompt_len for a in usable)
         if len(seq.prompt) > longest:
             raise AdmissionError(f"the prompt has {len(seq.prompt)} tokens; the longest accepted "
                                  f"is {longest}", 413)
-        if len(self.waiting) >= self.max_waiting:
-            raise AdmissionError(f"the waiting queue is full ({self.max_waiting} requests)", 503)
+        # Requests a free slot will take on the next iteration do not count as waiting: a burst
+        # that arrives between two iterations must not be refused while slots are idle.
+        free = sum(len(f) for f, ok in zip(self.free_slots, self.healthy) if ok)
+        if len(self.waiting) >= self.max_waiting + free:
+            raise AdmissionError(f"the waiting queue is full ({self.max_waiting} requests)", 503,
+                                 overload=True)
+        # Generation stops at the last position, so no request holds more than max_seq_len.
+        seq.token_budget = min(len(seq.prompt) + seq.max_new_tokens, max(a.max_seq_len for a in usable))
+        limit = self.max_tokens_in_flight
+        if limit is not None and self.tokens_in_flight + seq.token_budget > limit:
+            raise AdmissionError(f"too many tokens in flight: this request needs up to "
+                                 f"{seq.token_budget} (prompt + max_new_tokens), "
+                                 f"{limit - self.tokens_in_flight} of {limit} are free", 503,
+                                 overload=True)
+        self.tokens_in_flight += seq.token_budget
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -145,6 +168,15 @@ class BatchScheduler:
         self.free_slots[agent] = []
         return failed
 
+    def fail_waiting(self, error: str) -> list[Sequence]:
+        """Fail every waiting sequence (no agent is left to run them)."""
+        failed = list(self.waiting)
+        self.waiting.clear()
+        for seq in failed:
+            seq.error = error
+            self._finish(seq, FinishReason.ERROR, release=False)
+        return failed
+
     def agent_recovered(self, agent: int, capacity: AgentCapacity) -> None:
         self.agents[agent] = capacity
         self.free_slots[agent] = list(range(capacity.num_slots))
@@ -161,5 +193,6 @@ class BatchScheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason, release: bool = True) -> None:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.tokens_in_flight -= seq.token_budget
         if self.running.pop(seq.request_id, None) is not None and release:
             self.pending_releases.append((seq.agent, seq.slot))

@@ -33,6 +33,7 @@ class Sequence:
     slot: int | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    token_budget: int = 0  # prompt + answer tokens counted against the in-flight bound
 
     @property
     def finished(self) -> bool:

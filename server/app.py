@@ -28,7 +28,7 @@ from config.schema import ServingConfig
 from scheduler.batch_scheduler import AdmissionError
 from server.access import AccessMiddleware
 from server.errors import ApiError, error_response
-from server.llm_server import GenerationOutput, LLMServer
+from server.llm_server import AnswerStream, LLMServer
 from server.openai_api import openai_router
 from server.ops_api import ops_router
 from server.request_body import json_body
@@ -75,7 +75,7 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMS
         app.add_middleware(CORSMiddleware, allow_origins=config.server.cors_origins,
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
 
-    def start(model: str, request: ClientRequest) -> AsyncIterator[GenerationOutput]:
+    def start(model: str, request: ClientRequest) -> AnswerStream:
         if model not in served:
             raise ApiError(404, f"model {model!r} is not served here; served: {', '.join(served)}")
         p = request.parameters
@@ -95,7 +95,7 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMS
         except AdmissionError as exc:
             raise ApiError(exc.status, str(exc)) from exc
 
-    async def full_text(outputs: AsyncIterator[GenerationOutput]) -> str:
+    async def full_text(outputs: AnswerStream) -> str:
         text = []
         async with contextlib.aclosing(outputs):
             async for out in outputs:

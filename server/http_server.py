@@ -10,14 +10,13 @@ A second signal during the drain skips the wait (uvicorn's own fast exit).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import signal
 
 import uvicorn
 from sse_starlette.sse import AppStatus
 
-from config.schema import ServingConfig
+from config.schema import ServingConfig, is_loopback
 from server.llm_server import LLMServer
 
 log = logging.getLogger(__name__)
@@ -49,13 +48,6 @@ class DrainingServer(uvicorn.Server):
 
 def _log_signal(signum: int, _frame) -> None:
     log.info("stopped by %s", signal.Signals(signum).name)
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def serve(config: ServingConfig, app, llm_server: LLMServer) -> None:

@@ -18,11 +18,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from agent.sampling import SamplingParams
 from config.schema import ServingConfig
-from scheduler.agent_client import AgentClient, AgentError, AgentRequestError
+from scheduler.agent_client import (AgentClient, AgentError, AgentIncompatible, AgentRequestError,
+                                    AgentUnavailable)
 from scheduler.batch_scheduler import AdmissionError, AgentCapacity, BatchScheduler
 from scheduler.sequence import FinishReason, Sequence
 from server.detokenizer import IncrementalDetokenizer
@@ -30,6 +30,9 @@ from server.metrics import ServingMetrics
 from server.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
+
+RECOVERY_PROBE_S = 2.0  # a failed agent is asked for `info` with this timeout ...
+RECOVERY_INTERVAL_S = 1.0  # ... this long apart, until it answers (the launcher restarted it)
 
 
 @dataclass
@@ -56,6 +59,35 @@ class _Stream:
     counted: bool = False  # its outcome is in the metrics
 
 
+class AnswerStream:
+    """One request's outputs, as an async iterator. aclose() aborts an unfinished request and frees
+    its slot, also when the stream was never iterated (a client gone before the first byte)."""
+
+    def __init__(self, server: "LLMServer", stream: _Stream):
+        self._server, self._stream, self._done = server, stream, False
+
+    def __aiter__(self) -> "AnswerStream":
+        return self
+
+    async def __anext__(self) -> GenerationOutput:
+        if self._done:
+            raise StopAsyncIteration
+        output = await self._stream.queue.get()
+        if output.finished:
+            self._done = True
+            self._server._close(self._stream)
+        return output
+
+    async def aclose(self) -> None:
+        self._done = True
+        self._server._close(self._stream)
+
+    def __del__(self) -> None:
+        # Safety net: a response dropped before it ever iterated (nor closed) this stream.
+        if not self._done:
+            self._server._close(self._stream)
+
+
 class LLMServer:
     def __init__(self, config: ServingConfig, tokenizer: TextTokenizer,
                  metrics: ServingMetrics | None = None):
@@ -63,13 +95,14 @@ class LLMServer:
         self.tokenizer = tokenizer
         self.metrics = metrics or ServingMetrics()
         host = config.agents.host
-        self.clients = [AgentClient(f"tcp://{host}:{port}", config.server.agent_timeout_s)
-                        for port in config.agents.ports]
+        self.clients = [AgentClient(f"tcp://{host}:{port}", config.server.agent_timeout_s,
+                                    config.agents.curve) for port in config.agents.ports]
         self.scheduler: BatchScheduler | None = None
         self.streams: dict[str, _Stream] = {}
         self.stop_ids: frozenset[int] = frozenset(tokenizer.eos_ids)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._recoveries: dict[int, asyncio.Task] = {}
         self._draining = False
         self._stopping = False
         self.capacities: list[AgentCapacity] = []
@@ -86,28 +119,34 @@ class LLMServer:
         self.capacities = [await self._wait_for_agent(i, c) for i, c in enumerate(self.clients)]
         for client in self.clients:
             self.metrics.agent_up.labels(client.address).set(1)
-        self.scheduler = BatchScheduler(self.capacities, self.config.server.max_waiting_requests,
-                                        self.config.server.max_prefills_per_step)
+        s = self.config.server
+        self.scheduler = BatchScheduler(self.capacities, s.max_waiting_requests,
+                                        s.max_prefills_per_step, s.max_tokens_in_flight)
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
 
     async def _wait_for_agent(self, index: int, client: AgentClient) -> AgentCapacity:
         deadline = time.monotonic() + self.config.server.agent_wait_s
         while True:
             try:
-                info = await client.info()
-                break
-            except AgentError as exc:
+                return await self._connect(index, client)
+            except AgentUnavailable as exc:
                 if time.monotonic() > deadline:
                     raise AgentError(f"agent {client.address} not answering after "
                                      f"{self.config.server.agent_wait_s:g}s: {exc}") from exc
                 log.info("waiting for agent %s (%s)", client.address, exc)
-        # This server owns every slot: one a previous server left in use would refuse its prefill.
-        for slot in range(info["num_slots"]):
-            await client.release(slot)
-        self.stop_ids |= frozenset(info["eos_ids"])
+                if client.lost:
+                    client.reconnect()
+
+    async def _connect(self, index: int, client: AgentClient,
+                       timeout_s: float | None = None) -> AgentCapacity:
+        """Check the agent serves our model, then open this server's session on it (every slot
+        released: this server owns them all)."""
+        info = await client.info(timeout_s)
         if info["vocab_size"] < self.tokenizer.vocab_size:
-            raise AgentError(f"agent {client.address} serves a vocabulary of {info['vocab_size']} "
-                             f"tokens; the tokenizer has {self.tokenizer.vocab_size}")
+            raise AgentIncompatible(f"agent {client.address} serves a vocabulary of {info['vocab_size']} "
+                                    f"tokens; the tokenizer has {self.tokenizer.vocab_size}")
+        await client.reset(timeout_s)
+        self.stop_ids |= frozenset(info["eos_ids"])
         log.info("agent %d at %s: model %s, %d slots, max length %d", index, client.address,
                  info["model"], info["num_slots"], info["max_seq_len"])
         return AgentCapacity(info["num_slots"], info["max_seq_len"], info["max_prompt_len"])
@@ -128,6 +167,8 @@ class LLMServer:
     async def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+        for task in self._recoveries.values():
+            task.cancel()
         if self._task is not None:
             await self._task
         for client in self.clients:
@@ -158,7 +199,7 @@ class LLMServer:
 
     def generate_answer(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                         max_new_tokens: int, stop: tuple[str, ...] = (),
-                        ignore_eos: bool = False) -> AsyncIterator[GenerationOutput]:
+                        ignore_eos: bool = False) -> AnswerStream:
         """Registers the request at once (AdmissionError if it is refused) and returns its stream.
         Closing the stream early (client gone) aborts the request and frees its slot."""
         if self.scheduler is None or self._draining or self._stopping:
@@ -177,21 +218,15 @@ class LLMServer:
                          hold=max((len(s) for s in stop), default=1) - 1)
         self.streams[request_id] = stream
         self._wake.set()
-        return self._read(stream)
+        return AnswerStream(self, stream)
 
-    async def _read(self, stream: _Stream) -> AsyncIterator[GenerationOutput]:
-        try:
-            while True:
-                output = await stream.queue.get()
-                yield output
-                if output.finished:
-                    return
-        finally:
-            if not stream.seq.finished:
-                self.scheduler.abort(stream.seq.request_id)
-                self._wake.set()
-                self._count(stream)
-            self.streams.pop(stream.seq.request_id, None)
+    def _close(self, stream: _Stream) -> None:
+        """The reader is done with the stream: an unfinished request is aborted, its slot freed."""
+        if not stream.seq.finished:
+            self.scheduler.abort(stream.seq.request_id)
+            self._wake.set()
+            self._count(stream)
+        self.streams.pop(stream.seq.request_id, None)
 
     # ---------------------------------------------------------------------------- the loop
 
@@ -249,10 +284,40 @@ class LLMServer:
     def _agent_failed(self, agent: int, exc: BaseException) -> None:
         if not self.scheduler.healthy[agent]:
             return
-        log.error("agent %s failed: %s", self.clients[agent].address, exc)
-        self.metrics.agent_up.labels(self.clients[agent].address).set(0)
-        for seq in self.scheduler.agent_failed(agent, str(exc)):
+        address = self.clients[agent].address
+        log.error("agent %s failed: %s", address, exc)
+        self.metrics.agent_up.labels(address).set(0)
+        failed = self.scheduler.agent_failed(agent, f"agent {address} failed: {exc}")
+        if not any(self.scheduler.healthy):
+            failed += self.scheduler.fail_waiting(f"no agent is available: {address} failed: {exc}")
+        for seq in failed:
             self._emit(seq)
+        if not self._stopping:
+            self._recoveries[agent] = asyncio.create_task(self._recover(agent),
+                                                          name=f"recover-agent-{agent}")
+
+    async def _recover(self, agent: int) -> None:
+        """Probe a failed agent until it answers (restarted by the launcher, or resumed), then
+        give its slots back to the scheduler. Fresh socket per probe: nothing queued for a dead
+        connection is ever delivered."""
+        client, last_reason = self.clients[agent], None
+        while not self._stopping:
+            client.reconnect()
+            try:
+                capacity = await self._connect(agent, client, RECOVERY_PROBE_S)
+            except AgentError as exc:
+                if str(exc) != last_reason:
+                    last_reason = str(exc)
+                    log.warning("agent %s not back yet: %s", client.address, exc)
+                await asyncio.sleep(RECOVERY_INTERVAL_S)
+                continue
+            self.capacities[agent] = capacity
+            self.scheduler.agent_recovered(agent, capacity)
+            self.metrics.agent_up.labels(client.address).set(1)
+            log.info("agent %s is back: serving on it again", client.address)
+            self._recoveries.pop(agent, None)
+            self._wake.set()
+            return
 
     def _emit(self, seq: Sequence) -> None:
         """Hand the sequence's newest token (as text) and/or its end to its stream."""

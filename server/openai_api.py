@@ -20,7 +20,7 @@ from agent.sampling import SamplingParams
 from config.schema import ServingConfig
 from scheduler.batch_scheduler import AdmissionError
 from server.errors import ApiError
-from server.llm_server import GenerationOutput, LLMServer
+from server.llm_server import AnswerStream, GenerationOutput, LLMServer
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
 from server.request_body import json_body
 from server.tokenizer import TextTokenizer, TokenizerError
@@ -28,7 +28,7 @@ from server.tokenizer import TextTokenizer, TokenizerError
 CREATED = int(time.time())
 
 
-async def _merged(streams: list[AsyncIterator[GenerationOutput]]) -> AsyncIterator[tuple[int, GenerationOutput]]:
+async def _merged(streams: list[AnswerStream]) -> AsyncIterator[tuple[int, GenerationOutput]]:
     """The outputs of n streams as (choice index, output), in arrival order; closing this closes all."""
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -51,6 +51,8 @@ async def _merged(streams: list[AsyncIterator[GenerationOutput]]) -> AsyncIterat
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:  # a pump cancelled before it started never closed its stream
+            await stream.aclose()
 
 
 def openai_router(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMServer) -> APIRouter:
@@ -70,7 +72,7 @@ def openai_router(config: ServingConfig, tokenizer: TextTokenizer, llm_server: L
         if problem:
             raise ApiError(400, problem, code="unsupported_parameter")
 
-    def start(req, prompt: list[int], max_tokens: int) -> list[AsyncIterator[GenerationOutput]]:
+    async def start(req, prompt: list[int], max_tokens: int) -> list[AnswerStream]:
         streams = []
         try:
             for i in range(req.n):
@@ -83,12 +85,13 @@ def openai_router(config: ServingConfig, tokenizer: TextTokenizer, llm_server: L
                                                           tuple(req.stop), req.ignore_eos))
         except AdmissionError as exc:
             for stream in streams:  # admitted choices of a refused request go too
-                asyncio.ensure_future(stream.aclose())
-            raise ApiError(exc.status, str(exc)) from exc
+                await stream.aclose()
+            # OpenAI's clients expect 429 for "no room now" (and retry it).
+            raise ApiError(429 if exc.overload else exc.status, str(exc)) from exc
         return streams
 
     async def respond(req, prompt: list[int], max_tokens: int, chat: bool):
-        streams = start(req, prompt, max_tokens)
+        streams = await start(req, prompt, max_tokens)
         object_name = "chat.completion" if chat else "text_completion"
         reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 

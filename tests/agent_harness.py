@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import subprocess
 import sys
@@ -82,9 +83,15 @@ class LauncherProcess:
         raise AssertionError(f"{text!r} not printed within {timeout}s; output:\n{self.output()}")
 
     def agent_pids(self) -> list[int]:
+        return [c.pid for c in self._children() if "resource_tracker" not in " ".join(c.cmdline())]
+
+    def descendant_pids(self) -> list[int]:
+        """Every process below this one (multiprocessing's resource tracker included)."""
+        return [c.pid for c in self._children()]
+
+    def _children(self) -> list[psutil.Process]:
         try:
-            return [c.pid for c in psutil.Process(self.process.pid).children(recursive=True)
-                    if "resource_tracker" not in " ".join(c.cmdline())]
+            return psutil.Process(self.process.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
 
@@ -98,6 +105,18 @@ class LauncherProcess:
                 psutil.Process(pid).kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def supervised_stop(process: subprocess.Popen, grace_s: float) -> tuple[str, int | None]:
+    """What a supervisor (systemd, Kubernetes, supervisord) does: SIGTERM, then SIGKILL once the
+    grace period is over. ("exited", code) if the process ended by itself, else ("killed", None)."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return "exited", process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return "killed", None
 
 
 def alive(pid: int) -> bool:

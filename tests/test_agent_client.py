@@ -38,6 +38,7 @@ def test_calls_match_the_in_process_runner(agent, tiny_llama_runner, tiny_llama_
     async def run():
         client = AgentClient(address, timeout_s=30)
         info = await client.info()
+        await client.reset()
         got = [[await client.prefill(s, p, SamplingParams())] for s, p in enumerate(prompts)]
         for _ in range(5):
             for seq, token in zip(got, await client.decode([0, 1])):
@@ -55,6 +56,7 @@ def test_error_reply_raises_with_the_agents_message(agent):
     async def run():
         client = AgentClient(agent[0], timeout_s=30)
         try:
+            await client.reset()
             await client.decode([3])
         finally:
             client.close()
@@ -78,5 +80,28 @@ def test_hung_agent_times_out_and_a_late_reply_is_not_mistaken(agent):
         header, _ = await client.call("info")
         assert header["op"] == "info"
         client.close()
+
+    asyncio.run(run())
+
+
+def test_a_second_session_takes_over_and_the_first_is_refused(agent, tiny_llama_dir):
+    """A request still queued from a connection the server gave up on can never touch the slots
+    of the connection that replaced it."""
+    prompt = load_tokenizer(tiny_llama_dir).encode("The quick brown")
+
+    async def run():
+        old, new = AgentClient(agent[0], timeout_s=30), AgentClient(agent[0], timeout_s=30)
+        try:
+            await old.reset()
+            await old.prefill(0, prompt, SamplingParams())
+            await new.reset()  # releases slot 0
+            await new.prefill(0, prompt, SamplingParams())
+            with pytest.raises(AgentUnavailable, match="another server took this agent over"):
+                await old.decode([0])
+            assert len(await new.decode([0])) == 1
+            await new.release(0)
+        finally:
+            old.close()
+            new.close()
 
     asyncio.run(run())

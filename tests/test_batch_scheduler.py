@@ -95,10 +95,39 @@ def test_admission_errors():
     with pytest.raises(AdmissionError, match="5 tokens; the longest accepted is 4") as e:
         scheduler.add(seq("long", prompt=(1, 2, 3, 4, 5)))
     assert e.value.status == 413
-    scheduler.add(seq("ok"))
+    for i in range(3):  # 2 free slots + 1 waiting place: a burst is not refused while slots are idle
+        scheduler.add(seq(f"ok{i}"))
     with pytest.raises(AdmissionError, match="queue is full") as e:
         scheduler.add(seq("more"))
-    assert e.value.status == 503
+    assert e.value.status == 503 and e.value.overload
+
+
+def test_tokens_in_flight_bound_counts_prompt_and_answer_until_the_end():
+    scheduler, agents = make(slots=(4,), max_tokens_in_flight=40)
+    first = seq("first", prompt=(1, 2, 3, 4, 5), max_new=25)  # 30 tokens
+    scheduler.add(first)
+    with pytest.raises(AdmissionError, match="needs up to 15 .* 10 of 40 are free") as e:
+        scheduler.add(seq("second", prompt=(1, 2, 3, 4, 5), max_new=10))
+    assert e.value.status == 503 and e.value.overload
+    scheduler.add(seq("small", prompt=(1, 2), max_new=8))
+    assert scheduler.tokens_in_flight == 40
+    while scheduler.num_running or scheduler.num_waiting:
+        step(scheduler, agents)
+    assert scheduler.tokens_in_flight == 0
+
+
+def test_no_healthy_agent_refuses_new_requests_and_fails_the_waiting():
+    scheduler, agents = make(slots=(1,))
+    running, waiting = seq("running", max_new=50), seq("waiting")
+    scheduler.add(running)
+    scheduler.add(waiting)
+    step(scheduler, agents)
+    assert scheduler.agent_failed(0, "gone") == [running]
+    assert scheduler.fail_waiting("no agent") == [waiting] and waiting.error == "no agent"
+    with pytest.raises(AdmissionError, match="no agent is available") as e:
+        scheduler.add(seq("new"))
+    assert e.value.status == 503 and not e.value.overload
+    assert scheduler.tokens_in_flight == 0
 
 
 def test_abort_waiting_running_and_in_flight():

@@ -135,7 +135,8 @@ def test_queue_bound_and_prompt_bound(agent_config, tokenizer):
     async def scenario():
         server = LLMServer(config, tokenizer)
         await server.start()
-        streams = [server.generate_answer(f"q{i}", [7], GREEDY, 3) for i in range(3)]
+        # 4 free slots + 3 waiting places.
+        streams = [server.generate_answer(f"q{i}", [7], GREEDY, 3) for i in range(7)]
         with pytest.raises(AdmissionError, match="queue is full") as full:
             server.generate_answer("one-too-many", [7], GREEDY, 3)
         with pytest.raises(AdmissionError, match="65 tokens; the longest accepted is 64") as long:
