@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test serve browser clean-venv
+.PHONY: setup test test-long serve browser clean-venv
 
 setup: $(STAMP)
 	@$(PY) -m tools.fetch_model
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 
 test: setup browser
 	@$(PY) -m pytest
+
+# The long fault suite: 200 disconnecting clients and a soak (SOAK_S seconds, default 600).
+test-long: setup
+	@$(PY) -m pytest -m long -s
 
 # Headless Chromium for the dashboard's browser test (Debian packages), where this machine allows
 # installing them; elsewhere that one test skips and says why.

@@ -5,10 +5,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agent.sampling import MAX_SEED, MAX_TOP_K
+
 
 class Parameters(BaseModel):
-    """Generation parameters with upstream's defaults; top_k < 0 becomes 0, top_p is clamped."""
-    model_config = ConfigDict(extra="forbid")
+    """Generation parameters with upstream's defaults; top_k is clamped to [0, 2^31 - 1] and top_p
+    to [0.01, 1]; NaN and infinity are refused."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     do_sample: bool = False
     top_k: int = 3
@@ -18,7 +21,7 @@ class Parameters(BaseModel):
     max_new_tokens: int = Field(300, ge=1)
     return_full_text: bool = False
     return_protocol: Literal["sse", "plain"] = "sse"
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] = Field(default_factory=list)
     truncate: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
     ignore_eos: bool = Field(False, description="keep generating past EOS up to max_new_tokens "
@@ -35,7 +38,7 @@ class Parameters(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, value: int) -> int:
-        return max(0, value)
+        return min(MAX_TOP_K, max(0, value))
 
     @field_validator("top_p")
     @classmethod

@@ -27,6 +27,8 @@ from config.schema import CurveSection
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class AgentError(Exception):
@@ -67,7 +69,7 @@ class AgentClient:
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         if self.curve is not None:
             secure_client_socket(self.socket, self.curve)
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.poller = zmq.asyncio.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -86,8 +88,11 @@ class AgentClient:
             if self.lost:
                 raise AgentUnavailable(f"agent {self.address}: {self.lost}")
             request_id = next(self._ids)
-            await self.socket.send_multipart(protocol.encode({"op": op, "id": request_id, **fields},
-                                                             arrays), copy=False)
+            try:
+                frames = protocol.encode({"op": op, "id": request_id, **fields}, arrays)
+            except (TypeError, ValueError, OverflowError) as exc:  # a field msgpack cannot carry
+                raise AgentRequestError(f"{op}: cannot encode the request: {exc}", "bad_request") from exc
+            await self.socket.send_multipart(frames, copy=False)
             deadline = time.monotonic() + timeout_s
             while True:
                 left = deadline - time.monotonic()
@@ -96,8 +101,10 @@ class AgentClient:
                     event = parse_monitor_message(await self.monitor.recv_multipart())
                     if event["event"] == zmq.EVENT_DISCONNECTED:
                         self.lost = "connection lost (the agent died or stopped answering heartbeats)"
-                        raise AgentUnavailable(f"agent {self.address}: {self.lost} during {op}")
-                    continue
+                    else:
+                        self.lost = ("the agent refused the connection (ZeroMQ handshake failed: "
+                                     "do agents.curve keys match on both sides?)")
+                    raise AgentUnavailable(f"agent {self.address}: {self.lost} during {op}")
                 if self.socket not in ready:
                     raise AgentUnavailable(f"agent {self.address}: no reply to {op} "
                                            f"within {timeout_s:g}s")

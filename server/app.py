@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException
 
 from agent.sampling import SamplingParams
 from client.request import ClientRequest
@@ -55,6 +56,11 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMS
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         return error_response(exc.status, exc.message, is_openai(request), exc.param, exc.code)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        # Unknown paths and wrong methods answer in the same JSON shape as every other error.
+        return error_response(exc.status_code, str(exc.detail), is_openai(request), headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

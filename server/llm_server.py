@@ -23,7 +23,7 @@ from agent.sampling import SamplingParams
 from config.schema import ServingConfig
 from scheduler.agent_client import (AgentClient, AgentError, AgentIncompatible, AgentRequestError,
                                     AgentUnavailable)
-from scheduler.batch_scheduler import AdmissionError, AgentCapacity, BatchScheduler
+from scheduler.batch_scheduler import AdmissionError, AgentCapacity, BatchScheduler, StepPlan
 from scheduler.sequence import FinishReason, Sequence
 from server.detokenizer import IncrementalDetokenizer
 from server.metrics import ServingMetrics
@@ -110,6 +110,8 @@ class LLMServer:
         m.running.set_function(self.get_bs_current)
         m.waiting.set_function(self.get_queue_current)
         m.slots_used.set_function(self.get_bs_current)
+        m.open_streams.set_function(lambda: len(self.streams))
+        m.tokens_in_flight.set_function(lambda: self.scheduler.tokens_in_flight if self.scheduler else 0)
         m.slots_total.set_function(lambda: sum(
             c.num_slots for c, ok in zip(self.capacities, self.scheduler.healthy) if ok) if self.scheduler else 0)
 
@@ -237,39 +239,53 @@ class LLMServer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            for agent, slot in plan.releases:
-                await self._call(agent, self.clients[agent].release(slot))
-            for seq in plan.prefills:
-                if seq.finished:  # aborted, or its agent failed earlier in this plan
-                    continue
-                try:
-                    with self.metrics.agent_step.labels(self.clients[seq.agent].address, "prefill").time():
-                        token = await self.clients[seq.agent].prefill(seq.slot, seq.prompt, seq.sampling)
-                except AgentRequestError as exc:  # this request was bad; the agent is fine
-                    seq.error = str(exc)
-                    self.scheduler.finish(seq, FinishReason.ERROR)
-                    self._emit(seq)
-                    continue
-                except AgentError as exc:
-                    self._agent_failed(seq.agent, exc)
-                    continue
-                self.scheduler.prefilled(seq, token)
-                self._emit(seq)
-            decodes = [(agent, seqs) for agent, seqs in plan.decodes.items()
-                       if self.scheduler.healthy[agent]]
-            results = await asyncio.gather(*(self._decode(agent, seqs) for agent, seqs in decodes),
-                                           return_exceptions=True)
-            for (agent, seqs), result in zip(decodes, results):
-                if isinstance(result, BaseException):
-                    self._agent_failed(agent, result)
-                    continue
-                self.scheduler.decoded(seqs, result)
-                for seq in seqs:
-                    self._emit(seq)
+            try:
+                await self._step(plan)
+            except Exception as exc:  # a bug must not leave every request hanging
+                log.exception("scheduler step failed")
+                self._fail(plan.prefills + [s for seqs in plan.decodes.values() for s in seqs],
+                           f"internal error: {type(exc).__name__}: {exc}")
         for stream in list(self.streams.values()):  # stop(): end what is still open
             stream.seq.error = "the server is shutting down"
             self.scheduler.finish(stream.seq, FinishReason.ABORT)
             self._emit(stream.seq)
+
+    async def _step(self, plan: StepPlan) -> None:
+        """Run one plan: releases, then prefills, then one decode per agent (agents in parallel)."""
+        for agent, slot in plan.releases:
+            await self._call(agent, self.clients[agent].release(slot))
+        for seq in plan.prefills:
+            if seq.finished:  # aborted, or its agent failed earlier in this plan
+                continue
+            try:
+                with self.metrics.agent_step.labels(self.clients[seq.agent].address, "prefill").time():
+                    token = await self.clients[seq.agent].prefill(seq.slot, seq.prompt, seq.sampling)
+            except AgentRequestError as exc:  # this request was bad; the agent is fine
+                self._fail([seq], str(exc))
+                continue
+            except AgentError as exc:
+                self._agent_failed(seq.agent, exc)
+                continue
+            self.scheduler.prefilled(seq, token)
+            self._emit(seq)
+        decodes = [(agent, seqs) for agent, seqs in plan.decodes.items()
+                   if self.scheduler.healthy[agent]]
+        results = await asyncio.gather(*(self._decode(agent, seqs) for agent, seqs in decodes),
+                                       return_exceptions=True)
+        for (agent, seqs), result in zip(decodes, results):
+            if isinstance(result, BaseException):
+                self._agent_failed(agent, result)
+                continue
+            self.scheduler.decoded(seqs, result)
+            for seq in seqs:
+                self._emit(seq)
+
+    def _fail(self, seqs: list[Sequence], error: str) -> None:
+        for seq in seqs:
+            if not seq.finished:
+                seq.error = error
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                self._emit(seq)
 
     async def _decode(self, agent: int, seqs: list[Sequence]) -> list[int]:
         with self.metrics.agent_step.labels(self.clients[agent].address, "decode").time():

@@ -18,6 +18,10 @@ class ServingMetrics:
         self.waiting = Gauge(p + "waiting_requests", "Requests waiting for a slot", registry=r)
         self.slots_used = Gauge(p + "slots_used", "KV-cache slots holding a sequence", registry=r)
         self.slots_total = Gauge(p + "slots", "KV-cache slots on healthy agents", registry=r)
+        self.open_streams = Gauge(p + "open_streams", "Answer streams their clients have not yet "
+                                  "finished reading or closed", registry=r)
+        self.tokens_in_flight = Gauge(p + "tokens_in_flight", "Prompt + max_new_tokens of every "
+                                      "admitted request (bounded by server.max_tokens_in_flight)", registry=r)
         self.requests = Counter(p + "requests", "Finished requests by outcome", ["outcome"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)

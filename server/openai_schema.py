@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agent.sampling import MAX_SEED, MAX_TOP_K
+
 MAX_N = 8  # completions per request; each is one more sequence in the batch
 
 
@@ -15,7 +17,7 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     # Unknown fields are accepted (the SDK and other clients send extras); known ones are checked.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -25,13 +27,13 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: list[str] = Field(default_factory=list)  # a string or a list on the wire
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extensions vLLM and llama.cpp accept too.
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
 

@@ -56,6 +56,7 @@ class LauncherProcess:
     line by line."""
 
     def __init__(self, config_path: Path, script: str = "start_agent.py"):
+        self.config_path = config_path
         self.process = subprocess.Popen(
             [sys.executable, str(PROJECT_ROOT / script), "--config", str(config_path)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PROJECT_ROOT)

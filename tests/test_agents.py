@@ -1,5 +1,7 @@
 """start_agent.py end to end: real agent processes, real ZeroMQ sockets, real signals."""
+import asyncio
 import os
+import pickle
 import signal
 import threading
 import time
@@ -7,10 +9,13 @@ import time
 import numpy as np
 import psutil
 import pytest
+import zmq
 
 from agent import protocol
 from agent.sampling import SamplingParams
 from agent_harness import AgentSocket, LauncherProcess, alive, free_ports, wait_gone, write_config
+from config import load_config
+from scheduler.agent_client import AgentClient, AgentUnavailable
 from server.tokenizer import load_tokenizer
 
 START_TIMEOUT = 240
@@ -79,6 +84,8 @@ def test_two_agents_report_ready_and_answer_like_the_runner(two_agents, tiny_lla
 
 @pytest.mark.parametrize("frames_or_call, error", [
     (lambda c: c.raw([b"\xff\x00 garbage"]), "header is not msgpack"),
+    # No pickle on the wire: a pickled request is refused as bytes, never unpickled.
+    (lambda c: c.raw([pickle.dumps({"op": "ping", "id": 1})]), "header is not msgpack"),
     (lambda c: c.raw([b"\x93\x01\x02\x03"]), "header must be a msgpack map"),
     (lambda c: c.call("fly"), "unknown op 'fly'"),
     (lambda c: c.raw([protocol.encode({"op": "decode", "id": 1}, [np.array([0], np.int32)])[0],
@@ -181,3 +188,34 @@ def test_killed_agent_with_exit_policy_stops_the_launcher(launch, tiny_llama_dir
     assert launcher.process.wait(30) == 1
     assert "restart policy is 'exit'" in launcher.output()
     assert wait_gone(pids, 5) == []
+
+
+def test_curve_agent_serves_the_configured_server_key_only(launch, tiny_llama_dir):
+    """An agent with agents.curve set accepts only a client holding the server keypair from the
+    config: a plain client and a client with another keypair get nothing back."""
+    agent_public, agent_secret = zmq.curve_keypair()
+    server_public, server_secret = zmq.curve_keypair()
+    curve = {"agent_public_key": agent_public.decode(), "agent_secret_key": agent_secret.decode(),
+             "server_public_key": server_public.decode(), "server_secret_key": server_secret.decode()}
+    launcher, (port,) = launch(tiny_llama_dir, agents={"curve": curve})
+    launcher.wait_for("all agents started", START_TIMEOUT)
+    config = load_config(launcher.config_path)
+    address = f"tcp://127.0.0.1:{port}"
+
+    async def info(curve_section) -> dict:
+        client = AgentClient(address, timeout_s=3, curve=curve_section)
+        try:
+            return await client.info()
+        finally:
+            client.close()
+
+    assert asyncio.run(info(config.agents.curve))["num_slots"] == 4
+    with pytest.raises(AgentUnavailable, match="refused the connection"):
+        asyncio.run(info(None))
+    intruder_public, intruder_secret = zmq.curve_keypair()
+    intruder = config.agents.curve.model_copy(update={
+        "server_public_key": intruder_public.decode(), "server_secret_key": intruder_secret.decode()})
+    with pytest.raises(AgentUnavailable, match="refused the connection"):
+        asyncio.run(info(intruder))
+    assert "refused a CURVE client with an unknown public key" in \
+        (launcher.config_path.parent / "logs" / "agent_0.log").read_text()

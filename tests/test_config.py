@@ -10,6 +10,8 @@ def test_default_config_serves_the_embedded_model_on_cpu():
     assert config.model.path == PROJECT_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert config.runtime.device_target == "CPU"
     assert config.runtime.max_prompt_len == config.runtime.prefill_buckets[-1] <= config.runtime.max_seq_len
+    # Security default: nothing listens beyond this machine unless configured.
+    assert config.server.host == config.agents.host == "127.0.0.1" and config.agents.curve is None
 
 
 @pytest.mark.parametrize("body, message", [
@@ -21,6 +23,9 @@ def test_default_config_serves_the_embedded_model_on_cpu():
     ("runtime:\n  device_target: TPU\n", "runtime.device_target"),
     ("- a list\n", "mapping"),
     ("runtime: [unclosed\n", "not valid YAML"),
+    ("agents:\n  host: 0.0.0.0\n", "reachable from other machines: set agents.curve"),
+    ("agents:\n  curve: {agent_public_key: short, agent_secret_key: x, server_public_key: x, "
+     "server_secret_key: x}\n", "40-character Z85 key"),
 ])
 def test_bad_config_names_the_problem(tmp_path, body, message):
     path = tmp_path / "bad.yaml"

@@ -62,6 +62,21 @@ def test_api_key_is_required_everywhere_but_health(stack):
     assert httpx.get(f"{base}/v1/models", headers=AUTH).status_code == 200
 
 
+def test_log_lines_never_contain_api_keys(stack, tmp_path):
+    """The access log would show the dashboard's ?api_key=; a wrong key must not be logged either."""
+    base, _, server = stack
+    wrong = "wrong-key-456"
+    assert httpx.get(f"{base}/dashboard", params={"api_key": KEY}).status_code == 200
+    assert httpx.get(f"{base}/dashboard", params={"api_key": wrong}).status_code == 401
+    assert httpx.get(f"{base}/info", headers={"Authorization": f"Bearer {wrong}"}).status_code == 401
+    assert httpx.get(f"{base}/info", headers=AUTH).status_code == 200
+    server.wait_for("GET /info", 10)
+    logs = server.output() + "".join(
+        p.read_text() for p in (server.config_path.parent / "logs").glob("server_app.log*"))
+    assert "/dashboard?api_key=***" in logs
+    assert KEY not in logs and wrong not in logs
+
+
 def test_request_body_limit(stack):
     base = stack[0]
     big = {"inputs": "x" * (MAX_BODY + 10)}

@@ -1,0 +1,181 @@
+"""Hostile input, property-based (hypothesis) against a real server on the tiny model: every
+endpoint gets malformed JSON, invalid UTF-8, wrong types, huge/negative/zero numbers, NaN and
+infinity, control characters, special tokens, empty, enormous and 10 MB bodies. Each answer must be
+a JSON 4xx error or a valid answer (never a 500, a crash or a hang), and a valid request right
+after still works."""
+import json
+import math
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent_harness import free_ports, serving_stack, write_config
+
+POST_PATHS = ["/models/tiny", "/models/tiny/generate", "/models/tiny/generate_stream",
+              "/v1/completions", "/v1/chat/completions"]
+GET_PATHS = ["/health", "/ready", "/info", "/metrics", "/v1/models", "/serving/get_bs",
+             "/serving/get_request_numbers", "/dashboard"]
+ALLOWED = {200, 400, 404, 405, 413, 422, 429, 503}
+SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<s>", "</s>", "<unk>", "<pad>"]
+FUZZ = settings(max_examples=120, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_llama_dir):
+    agent_port, http_port = free_ports(2)
+    path = write_config(tmp_path_factory.mktemp("fuzz"), tiny_llama_dir, [agent_port],
+                        server={"port": http_port})
+    with serving_stack(path) as (_agents, process):
+        with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=60) as client:
+            yield client, process
+
+
+def check(response: httpx.Response) -> None:
+    assert response.status_code in ALLOWED, (response.status_code, response.text[:500])
+    if response.status_code != 200:
+        body = response.json()  # every error is JSON
+        assert "error" in body, body
+        return
+    kind = response.headers["content-type"]
+    if kind.startswith("application/json"):
+        response.json()
+    elif "event-stream" in kind or kind.startswith("text/plain"):
+        data = [line[5:] for line in response.text.splitlines() if line.startswith("data:")]
+        for item in data:
+            if item.strip() != "[DONE]":
+                json.loads(item)
+
+
+def still_serving(client: httpx.Client) -> None:
+    ok = client.post("/models/tiny/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 3}})
+    assert ok.status_code == 200 and isinstance(ok.json()["generated_text"], str)
+
+
+numbers = st.one_of(
+    st.integers(min_value=-(2 ** 70), max_value=2 ** 70),
+    st.sampled_from([0, -1, 1, 2 ** 31, 2 ** 63, 2 ** 64, -(2 ** 63)]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -0.0, 5e-324]))
+hostile_text = st.one_of(
+    st.text(max_size=200),
+    st.text(alphabet=st.characters(max_codepoint=0x1f), max_size=50),  # control characters
+    st.lists(st.sampled_from(SPECIAL_TOKENS), max_size=30).map("".join),
+    st.sampled_from(["", " ", "\x00", "\ud800".encode("utf-8", "surrogatepass").decode("utf-8", "replace"),
+                     "x" * 5000, "你好" * 300]))
+json_values = st.recursive(
+    st.none() | st.booleans() | numbers | hostile_text,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12)
+native_parameters = st.fixed_dictionaries({}, optional={
+    name: st.one_of(numbers, json_values) for name in (
+        "do_sample", "top_k", "top_p", "temperature", "repetition_penalty", "max_new_tokens",
+        "return_full_text", "return_protocol", "seed", "stop", "truncate", "ignore_eos", "chat_template")})
+native_bodies = st.fixed_dictionaries({"inputs": st.one_of(hostile_text, json_values)}, optional={
+    "stream": st.one_of(st.booleans(), json_values), "parameters": st.one_of(native_parameters, json_values)})
+openai_fields = {name: st.one_of(numbers, json_values) for name in (
+    "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "presence_penalty",
+    "frequency_penalty", "logprobs", "stream_options", "top_k", "ignore_eos")}
+completion_bodies = st.fixed_dictionaries(
+    {"model": st.one_of(st.just("tiny"), hostile_text), "prompt": st.one_of(hostile_text, json_values)},
+    optional=openai_fields)
+chat_bodies = st.fixed_dictionaries(
+    {"model": st.one_of(st.just("tiny"), hostile_text),
+     "messages": st.one_of(st.lists(st.fixed_dictionaries(
+         {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]), hostile_text),
+          "content": st.one_of(hostile_text, json_values)}), max_size=4), json_values)},
+    optional=openai_fields)
+
+
+def as_json(value) -> bytes:
+    """JSON as hostile clients send it: NaN and Infinity included, surrogates left unpaired."""
+    return json.dumps(value, allow_nan=True, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+@FUZZ
+@given(path=st.sampled_from(POST_PATHS), raw=st.binary(max_size=300))
+def test_raw_bytes_and_invalid_utf8(server, path, raw):
+    client, _ = server
+    check(client.post(path, content=raw, headers={"content-type": "application/json"}))
+
+
+@FUZZ
+@given(path=st.sampled_from(POST_PATHS), value=json_values)
+def test_any_json_value_on_every_endpoint(server, path, value):
+    client, _ = server
+    check(client.post(path, content=as_json(value), headers={"content-type": "application/json"}))
+
+
+@FUZZ
+@given(path=st.sampled_from(POST_PATHS[:3]), body=native_bodies)
+def test_native_requests_with_hostile_fields(server, path, body):
+    client, _ = server
+    check(client.post(path, content=as_json(body), headers={"content-type": "application/json"}))
+
+
+@FUZZ
+@given(body=completion_bodies)
+def test_completions_with_hostile_fields(server, body):
+    client, _ = server
+    check(client.post("/v1/completions", content=as_json(body), headers={"content-type": "application/json"}))
+
+
+@FUZZ
+@given(body=chat_bodies)
+def test_chat_completions_with_hostile_fields(server, body):
+    client, _ = server
+    check(client.post("/v1/chat/completions", content=as_json(body),
+                      headers={"content-type": "application/json"}))
+
+
+@settings(max_examples=40, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(GET_PATHS + POST_PATHS), query=st.dictionaries(st.text(max_size=8), st.text(max_size=20)),
+       method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]))
+def test_any_method_and_query_string(server, path, query, method):
+    client, _ = server
+    check(client.request(method, path, params=query))
+
+
+@pytest.mark.parametrize("path", POST_PATHS)
+def test_ten_megabyte_bodies_are_413(server, path):
+    client, _ = server
+    big = b'{"inputs": "' + b"x" * (10 << 20) + b'"}'
+    response = client.post(path, content=big, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "larger than" in json.dumps(response.json())
+    chunked = client.post(path, content=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]))
+    assert chunked.status_code == 413
+
+
+def test_the_server_still_serves_and_logged_no_internal_error(server):
+    client, process = server
+    still_serving(client)
+    assert " 500 " not in process.output() and "Traceback" not in process.output()
+
+
+EXTREMES = [2 ** 70, -(2 ** 70), 2 ** 64, 2 ** 63, 0, -1, math.inf, -math.inf, math.nan, 1e308, 5e-324]
+
+
+@pytest.mark.parametrize("name", ["top_k", "top_p", "temperature", "repetition_penalty", "seed",
+                                  "max_new_tokens", "truncate"])
+def test_extreme_numbers_in_every_native_parameter(server, name):
+    client, _ = server
+    for value in EXTREMES:
+        for sample in (False, True):
+            body = {"inputs": "hi", "parameters": {name: value, "do_sample": sample}}
+            response = client.post("/models/tiny/generate", content=as_json(body),
+                                   headers={"content-type": "application/json"})
+            check(response)
+    still_serving(client)
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "temperature", "top_p", "n", "seed", "presence_penalty",
+                                  "frequency_penalty", "top_k", "repetition_penalty"])
+def test_extreme_numbers_in_every_openai_parameter(server, name):
+    client, _ = server
+    for value in EXTREMES:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, name: value}
+        check(client.post("/v1/completions", content=as_json(body), headers={"content-type": "application/json"}))
+    still_serving(client)
