@@ -43,13 +43,26 @@ def _param(array: np.ndarray, name: str) -> Parameter:
                      requires_grad=False)
 
 
+MATMUL_TILE = 32  # columns per packed tile of agent/kernels/skinny_matmul.cc
+
+
+def pack_for_kernel(w: np.ndarray) -> np.ndarray:
+    """[K, N] -> [ceil(N / TILE), K, TILE], zero columns padding N: each tile one contiguous stream."""
+    k, n = w.shape
+    tiles = -(-n // MATMUL_TILE)
+    padded = np.zeros((k, tiles * MATMUL_TILE), np.float32)
+    padded[:, :n] = w
+    return padded.reshape(k, tiles, MATMUL_TILE).transpose(1, 0, 2)
+
+
 class LlamaLayer(nn.Cell):
     """One decoder layer: its weights, its slice of the KV cache, and the prefill/decode bodies."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, np.ndarray], index: int, cache_rows: int,
-                 max_len: int, attention: ops.Custom | None):
+                 max_len: int, attention: ops.Custom | None, matmul: ops.Custom | None):
         super().__init__()
         self.attention = attention
+        self.kernel_matmul = matmul
         t = {name: tensors[f"layers.{index}.{name}"] for name in
              ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")}
         # The attention scale is folded into the Q rows (RoPE is linear, so this commutes).
@@ -61,17 +74,19 @@ class LlamaLayer(nn.Cell):
         self.ffn = spec.intermediate_size
         p = f"layers.{index}."
         self.attn_norm = _param(t["attn_norm"], p + "attn_norm")
-        self.wqkv = _param(np.concatenate([t["wq"] * scale, t["wk"], t["wv"]]).T, p + "wqkv")
+        weight = self._weight  # [in, out]; packed in tiles when the matmul kernel runs them
+        self.wqkv = weight(np.concatenate([t["wq"] * scale, t["wk"], t["wv"]]).T, p + "wqkv")
         self.has_bias = spec.qkv_bias
         if spec.qkv_bias:
             bias = np.concatenate([tensors[p + "bq"] * scale, tensors[p + "bk"], tensors[p + "bv"]])
         else:
             bias = np.zeros(self.q_size + 2 * self.kv_size, np.float32)
         self.bqkv = _param(bias, p + "bqkv")
-        self.wo = _param(t["wo"].T, p + "wo")
+        self.wo = weight(t["wo"].T, p + "wo")
         self.ffn_norm = _param(t["ffn_norm"], p + "ffn_norm")
-        self.w_gate_up = _param(np.concatenate([t["w_gate"], t["w_up"]]).T, p + "w_gate_up")
-        self.w_down = _param(t["w_down"].T, p + "w_down")
+        self.w_gate_up = weight(np.concatenate([t["w_gate"], t["w_up"]]).T, p + "w_gate_up")
+        self.w_down = weight(t["w_down"].T, p + "w_down")
+        self.hidden = spec.hidden_size
         zeros = np.zeros((cache_rows, spec.head_dim), np.float32)
         self.k_cache = _param(zeros, p + "k_cache")
         self.v_cache = _param(zeros, p + "v_cache")
@@ -79,13 +94,23 @@ class LlamaLayer(nn.Cell):
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
         self.bmm = ops.BatchMatMul()
 
+    def _weight(self, w: np.ndarray, name: str) -> Parameter:
+        return _param(pack_for_kernel(w) if self.kernel_matmul is not None else w, name)
+
+    def linear(self, x, w, n: int):
+        """x [M, K] @ w -> [M, n]."""
+        if self.kernel_matmul is None:
+            return self.matmul(x, w)
+        y = self.kernel_matmul(x, w)
+        return y if n % MATMUL_TILE == 0 else y[:, :n]
+
     def rms_norm(self, x, weight):
         return x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * weight
 
     def qkv(self, x, cos, sin, rot):
         """Norm, fused QKV projection and RoPE on Q and K together. x: [N, D]; cos/sin: [N, 1, hd]."""
         h = self.rms_norm(x, self.attn_norm)
-        qkv = self.matmul(h, self.wqkv)
+        qkv = self.linear(h, self.wqkv, self.q_size + 2 * self.kv_size)
         if self.has_bias:
             qkv = qkv + self.bqkv
         qk, v = ops.split(qkv, [self.q_size + self.kv_size, self.kv_size], 1)
@@ -96,8 +121,8 @@ class LlamaLayer(nn.Cell):
 
     def mlp(self, x):
         h = self.rms_norm(x, self.ffn_norm)
-        gate, up = ops.split(self.matmul(h, self.w_gate_up), self.ffn, 1)
-        return x + self.matmul(ops.silu(gate) * up, self.w_down)
+        gate, up = ops.split(self.linear(h, self.w_gate_up, 2 * self.ffn), self.ffn, 1)
+        return x + self.linear(ops.silu(gate) * up, self.w_down, self.hidden)
 
     def prefill(self, x, cos, sin, rot, write_idx, mask):
         """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S]."""
@@ -111,7 +136,7 @@ class LlamaLayer(nn.Cell):
         probs = ops.softmax(self.bmm_t(q, k) + mask, -1)  # [KV, G*S, S]
         out = ops.reshape(self.bmm(probs, v), (self.kv_heads, self.group, -1, self.head_dim))
         out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (-1, self.q_size))
-        return self.mlp(x + self.matmul(out, self.wo))
+        return self.mlp(x + self.linear(out, self.wo, self.hidden))
 
     def decode(self, x, cos, sin, rot, write_idx, where, extent):
         """x: [B, D]; write_idx: [B*KV]. With the attention kernel: where = first cache row [B*KV],
@@ -129,15 +154,16 @@ class LlamaLayer(nn.Cell):
         else:
             out = self.attention(q, self.k_cache, self.v_cache, where, extent)
         out = ops.reshape(out, (-1, self.q_size))
-        return self.mlp(x + self.matmul(out, self.wo))
+        return self.mlp(x + self.linear(out, self.wo, self.hidden))
 
 
 class LlamaModel(nn.Cell):
     """Weights, RoPE tables and KV cache, shared by the prefill and decode graphs."""
 
-    def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int, attention_kernel: str | None = None):
+    def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int, attention_kernel: str | None = None,
+                 matmul_kernel: str | None = None):
         """attention_kernel: the `path:function` of the decode attention kernel, or None for the
-        gather path."""
+        gather path; matmul_kernel: that of the layers' matmul kernel, or None for MindSpore's MatMul."""
         super().__init__()
         spec, tensors = checkpoint.spec, checkpoint.tensors
         self.spec, self.num_slots, self.max_len = spec, num_slots, max_len
@@ -145,7 +171,10 @@ class LlamaModel(nn.Cell):
         cache_rows = (num_slots + 1) * spec.num_kv_heads * max_len
         attention = None if attention_kernel is None else ops.Custom(
             attention_kernel, out_shape=lambda q, *_: q, out_dtype=lambda q, *_: q, func_type="aot")
-        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, attention)
+        matmul = None if matmul_kernel is None else ops.Custom(
+            matmul_kernel, out_shape=lambda x, w: [x[0], w[0] * w[2]], out_dtype=lambda x, w: x,
+            func_type="aot")
+        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, attention, matmul)
                                    for i in range(spec.num_layers)])
         self.embed = _param(tensors["embed"], "embed")
         self.lm_head = self.embed if spec.tied_embeddings else _param(tensors["lm_head"], "lm_head")

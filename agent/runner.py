@@ -27,7 +27,7 @@ import numpy as np
 from mindspore import Tensor
 
 from agent.checkpoint import Checkpoint
-from agent.kernels import DECODE_ATTENTION, decode_attention_op, source
+from agent.kernels import KERNELS, decode_attention_op, skinny_matmul_op, source
 from agent.llama_graphs import ArgmaxGraph, DecodeGraph, LlamaModel, PrefillGraph, TopKGraph
 from agent.sampling import SamplingParams, SlotSampler
 from config.schema import RuntimeSection
@@ -66,7 +66,8 @@ def compile_cache_dir(checkpoint: Checkpoint, runtime: RuntimeSection, user: str
     folder; each process gets its own below it so that concurrent writers never share one."""
     if runtime.compile_cache_dir is None:
         return None
-    graph_code = (Path(__file__).parent / "llama_graphs.py").read_bytes() + source(DECODE_ATTENTION).read_bytes()
+    graph_code = (Path(__file__).parent / "llama_graphs.py").read_bytes() + b"".join(
+        source(name).read_bytes() for name in KERNELS)
     shapes = runtime.model_dump(exclude={"compile_cache_dir", "cpu_threads"})
     text = checkpoint.spec.model_dump_json() + json.dumps(shapes, sort_keys=True)
     key = hashlib.sha256(text.encode() + graph_code).hexdigest()[:16]
@@ -82,8 +83,9 @@ class ModelRunner:
         self.spec = checkpoint.spec
         self.runtime = runtime
         self.num_slots, self.max_len = runtime.num_slots, runtime.max_seq_len
-        kernel = decode_attention_op() if runtime.attention_kernel else None
-        self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len, kernel)
+        self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len,
+                                decode_attention_op() if runtime.attention_kernel else None,
+                                skinny_matmul_op() if runtime.matmul_kernel else None)
         self.prefill_graph = PrefillGraph(self.model)
         self.decode_graph = DecodeGraph(self.model)
         self.argmax_graph = ArgmaxGraph()

@@ -59,6 +59,12 @@ class RuntimeSection(Section):
         return self.decode_attention == "kernel" or (self.decode_attention == "auto"
                                                      and self.device_target == "CPU")
 
+    @property
+    def matmul_kernel(self) -> bool:
+        """The layers' matmuls by the custom CPU kernel (packed weights, skinny products) rather
+        than MindSpore's MatMul."""
+        return self.matmul == "kernel" or (self.matmul == "auto" and self.device_target == "CPU")
+
     device_target: Literal["CPU", "Ascend", "GPU"] = "CPU"
     cpu_threads: int | None = Field(None, ge=1, description="MindSpore CPU op threads; None: its default")
     num_slots: int = Field(16, ge=1, description="KV-cache slots = most sequences decoded at once")
@@ -71,6 +77,8 @@ class RuntimeSection(Section):
                                       description="attended lengths of the gather decode path")
     decode_attention: Literal["auto", "kernel", "gather"] = Field(
         "auto", description="auto: the custom kernel on CPU, gather elsewhere")
+    matmul: Literal["auto", "kernel", "mindspore"] = Field(
+        "auto", description="the layers' matmuls: auto: the custom kernel on CPU, MindSpore's elsewhere")
     compile_cache_dir: Path | None = Field(Path("output/compile_cache"),
                                            description="MindSpore compile cache; null disables it")
 
@@ -89,6 +97,8 @@ class RuntimeSection(Section):
         if self.decode_attention == "kernel" and self.device_target != "CPU":
             raise ValueError("decode_attention: kernel is a CPU kernel; use gather on "
                              f"{self.device_target}")
+        if self.matmul == "kernel" and self.device_target != "CPU":
+            raise ValueError(f"matmul: kernel is a CPU kernel; use mindspore on {self.device_target}")
         if self.attend_buckets[-1] != self.max_seq_len:
             raise ValueError(f"the largest of attend_buckets must equal max_seq_len "
                              f"({self.max_seq_len}), got {self.attend_buckets}")

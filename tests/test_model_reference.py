@@ -8,6 +8,7 @@ from agent.runner import ModelRunner
 from agent.sampling import SamplingParams
 from conftest import TINY_RUNTIME
 from server.tokenizer import load_tokenizer
+from tiny_models import write_tiny_checkpoint
 
 GREEDY = SamplingParams()
 CHAT_PROMPTS = ["What is the capital of France?",
@@ -34,16 +35,27 @@ def compare_logits(runner: ModelRunner, reference: ref.RefModel, prompt: list[in
     return diffs
 
 
-@pytest.mark.parametrize("attention", ["kernel", "gather"])
+@pytest.mark.parametrize("attention, matmul", [("kernel", "kernel"), ("gather", "kernel"),
+                                               ("kernel", "mindspore")])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tiny_checkpoint_logits_match_reference(family, attention, tiny_llama_dir, tiny_qwen2_dir):
-    """Both decode attention paths: the custom CPU kernel and gather + batched matmuls."""
+def test_tiny_checkpoint_logits_match_reference(family, attention, matmul, tiny_llama_dir, tiny_qwen2_dir):
+    """Both decode attention paths (the custom CPU kernel; gather + batched matmuls) and both
+    matmul paths (the custom kernel on packed weights; MindSpore's MatMul)."""
     directory = tiny_llama_dir if family == "llama" else tiny_qwen2_dir
-    runtime = TINY_RUNTIME.model_copy(update={"decode_attention": attention})
+    runtime = TINY_RUNTIME.model_copy(update={"decode_attention": attention, "matmul": matmul})
     runner = ModelRunner(load_checkpoint(directory), runtime)
     reference = ref.load_hf_reference(directory)
     prompt = load_tokenizer(directory).encode("The capital of France is Paris. 你好")
     diffs = compare_logits(runner, reference, prompt, slot=1, steps=6)
+    assert max(diffs) < 1e-3, diffs
+
+
+def test_widths_off_the_kernel_tile_match_reference(tmp_path):
+    """Hidden 48 and FFN 80: output widths that are not a multiple of the matmul kernel's tile."""
+    directory = write_tiny_checkpoint(tmp_path, "llama", seed=3, hidden=48, intermediate=80)
+    runner = ModelRunner(load_checkpoint(directory), TINY_RUNTIME)
+    prompt = load_tokenizer(directory).encode("odd widths")
+    diffs = compare_logits(runner, ref.load_hf_reference(directory), prompt, slot=0, steps=3)
     assert max(diffs) < 1e-3, diffs
 
 

@@ -11,8 +11,12 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).parent
 BUILD_DIR = SOURCE_DIR / "build"
 DECODE_ATTENTION = "decode_attention"
-# -fopenmp-simd: vectorised reductions from `omp simd` pragmas, without OpenMP's thread runtime.
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17"]
+SKINNY_MATMUL = "skinny_matmul"
+KERNELS = (DECODE_ATTENTION, SKINNY_MATMUL)
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
+# -fopenmp-simd: vectorised loops from `omp simd` pragmas, without OpenMP's thread runtime;
+# the matmul splits its columns over OpenMP threads too.
+KERNEL_FLAGS = {DECODE_ATTENTION: ["-fopenmp-simd"], SKINNY_MATMUL: ["-fopenmp"]}
 
 
 class KernelBuildError(RuntimeError):
@@ -34,7 +38,8 @@ def build(name: str) -> Path:
                                "apt-get install g++) or set runtime.decode_attention: gather")
     BUILD_DIR.mkdir(exist_ok=True)
     tmp = lib.with_suffix(".so.tmp")
-    done = subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(src)], capture_output=True, text=True)
+    done = subprocess.run([compiler, *FLAGS, *KERNEL_FLAGS[name], "-o", str(tmp), str(src)],
+                          capture_output=True, text=True)
     if done.returncode != 0:
         raise KernelBuildError(f"building {src.name} failed:\n{done.stderr.strip()}")
     tmp.replace(lib)  # atomic: concurrent agents never load a half-written library
@@ -44,3 +49,7 @@ def build(name: str) -> Path:
 def decode_attention_op() -> str:
     """The `path:function` MindSpore's ops.Custom(func_type="aot") loads."""
     return f"{build(DECODE_ATTENTION)}:DecodeAttention"
+
+
+def skinny_matmul_op() -> str:
+    return f"{build(SKINNY_MATMUL)}:SkinnyMatMul"

@@ -1,11 +1,12 @@
 """python -m agent.kernels: build the custom CPU kernels (part of `make setup`)."""
 import sys
 
-from agent.kernels import DECODE_ATTENTION, KernelBuildError, build
+from agent.kernels import KERNELS, KernelBuildError, build
 
 if __name__ == "__main__":
     try:
-        print(f"kernel {DECODE_ATTENTION}: {build(DECODE_ATTENTION)}")
+        for name in KERNELS:
+            print(f"kernel {name}: {build(name)}")
     except KernelBuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
