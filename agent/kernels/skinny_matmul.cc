@@ -5,8 +5,12 @@
 // the model's shapes: 30 layers at M = 16 in 47 ms against 70 ms, at M = 1 in 24 ms against 31 ms).
 //
 // MindSpore AOT custom-op interface (CPU): inputs x [M, K], w [N / TILE, K, TILE], float32;
-// output [M, N]. Columns are split over OpenMP threads (the agent sets OMP_WAIT_POLICY=PASSIVE so
-// idle workers sleep instead of spinning on the cores MindSpore's own kernels use).
+// output [M, N]. Columns are split over one OpenMP thread per CPU this process may use (not
+// OMP_NUM_THREADS: importing MindSpore sets it to 1, and spawned agents inherit that), in small
+// dynamic chunks so a core taken by another process delays the product little. The agent sets
+// OMP_WAIT_POLICY=PASSIVE: idle workers sleep instead of spinning on MindSpore's cores.
+#include <sched.h>
+
 #include <cstdint>
 
 namespace {
@@ -32,6 +36,13 @@ void tile_rows(const float *x, int64_t k_dim, const float *w_tile, float *out, i
     for (int t = 0; t < TILE; ++t) out[(row0 + r) * n_dim + col0 + t] = acc[r][t];
 }
 
+int usable_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  const int n = CPU_COUNT(&set);
+  return n > 0 ? n : 1;
+}
+
 }  // namespace
 
 extern "C" int SkinnyMatMul(int nparam, void **params, int *ndims, int64_t **shapes,
@@ -43,7 +54,8 @@ extern "C" int SkinnyMatMul(int nparam, void **params, int *ndims, int64_t **sha
   float *out = static_cast<float *>(params[2]);
   const int64_t m_dim = shapes[0][0], k_dim = shapes[0][1], tiles = shapes[1][0];
   const int64_t n_dim = tiles * TILE;
-#pragma omp parallel for schedule(static)
+  static const int threads = usable_cpus();
+#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
   for (int64_t j = 0; j < tiles; ++j) {
     const float *w_tile = w + j * k_dim * TILE;
     int64_t row = 0;
