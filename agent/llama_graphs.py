@@ -177,7 +177,12 @@ class LlamaModel(nn.Cell):
         self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, attention, matmul)
                                    for i in range(spec.num_layers)])
         self.embed = _param(tensors["embed"], "embed")
-        self.lm_head = self.embed if spec.tied_embeddings else _param(tensors["lm_head"], "lm_head")
+        self.kernel_matmul = matmul
+        if matmul is not None:  # a packed copy: the embedding lookup still needs [vocab, hidden]
+            self.lm_head = _param(pack_for_kernel(tensors["embed" if spec.tied_embeddings else "lm_head"].T),
+                                  "lm_head_packed")
+        else:
+            self.lm_head = self.embed if spec.tied_embeddings else _param(tensors["lm_head"], "lm_head")
         self.final_norm = _param(tensors["final_norm"], "final_norm")
         cos, sin, rot = rope_tables(spec, max_len)
         self.cos, self.sin, self.rot = _param(cos, "rope_cos"), _param(sin, "rope_sin"), _param(rot, "rope_rot")
@@ -192,7 +197,11 @@ class LlamaModel(nn.Cell):
 
     def logits(self, x):
         x = x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * self.final_norm
-        return self.matmul_t(x, self.lm_head)
+        if self.kernel_matmul is None:
+            return self.matmul_t(x, self.lm_head)
+        logits = self.kernel_matmul(x, self.lm_head)
+        vocab = self.spec.vocab_size
+        return logits if vocab % MATMUL_TILE == 0 else logits[:, :vocab]
 
     def cache_bytes(self) -> int:
         layer = self.layers[0]
