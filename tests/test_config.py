@@ -1,4 +1,7 @@
 """Config files: the shipped default validates; bad values name the key."""
+import subprocess
+import sys
+
 import pytest
 
 from config import ConfigError, load_config
@@ -65,3 +68,12 @@ def test_upstream_names_are_reachable():
     assert serving_config.agent_ports == serving_config.AgentPorts == [9820]
     assert (serving_config.SERVER_APP_HOST, serving_config.SERVER_APP_PORT) == ("127.0.0.1", 9811)
     assert serving_config.ModelName == "smollm2-135m-instruct" and serving_config.start_device_id == 0
+
+
+def test_curve_keys_tool_prints_a_section_the_config_accepts(tmp_path):
+    printed = subprocess.run([sys.executable, "-m", "tools.curve_keys"], capture_output=True, text=True,
+                             cwd=PROJECT_ROOT, check=True).stdout
+    path = tmp_path / "remote.yaml"
+    path.write_text("agents:\n  host: 10.0.0.5\n" + printed)
+    curve = load_config(path).agents.curve
+    assert curve is not None and curve.agent_public_key != curve.server_public_key
