@@ -12,7 +12,7 @@ import pytest
 
 from agent_harness import (LONG_ANSWERS_RUNTIME, LauncherProcess, alive, free_ports,
                            serving_stack, supervised_stop, wait_gone, write_config)
-from http_client import post
+from http_client import one_event, post
 
 # Room for answers long enough to still be running when the fault hits.
 FAULT_RUNTIME = {**LONG_ANSWERS_RUNTIME, "max_seq_len": 2048, "attend_buckets": [64, 2048]}
@@ -73,17 +73,12 @@ class Request(threading.Thread):
         return "".join(e["data"] for e in self.events if e["event"] == "message")
 
 
-def serving_value(base: str, name: str) -> int:
-    response = httpx.get(f"{base}/serving/{name}", timeout=10)
-    return json.loads(response.text.split("data:", 1)[1].strip())["data"]
-
-
 def get_bs(base: str) -> int:
-    return serving_value(base, "get_bs")
+    return one_event(f"{base}/serving/get_bs")
 
 
 def queue_depth(base: str) -> int:
-    return serving_value(base, "get_request_numbers")
+    return one_event(f"{base}/serving/get_request_numbers")
 
 
 def wait_until(predicate, timeout: float, what: str):
