@@ -27,8 +27,7 @@ def rope_tables(spec: ModelSpec, max_len: int) -> tuple[np.ndarray, np.ndarray, 
     """cos and signed sin tables [max_len, head_dim] and the rotate-half matrix R, so that
     rope(x) = x * cos + (x @ R) * sin, with x @ R = concat(x2, x1) and the sign folded into sin."""
     hd = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    angles = np.outer(np.arange(max_len, dtype=np.float64), inv_freq)  # [max_len, hd/2]
+    angles = np.outer(np.arange(max_len, dtype=np.float64), spec.rope_inv_freq())  # [max_len, hd/2]
     cos = np.concatenate([np.cos(angles)] * 2, axis=1)
     sin = np.concatenate([-np.sin(angles), np.sin(angles)], axis=1)
     half = hd // 2

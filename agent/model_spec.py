@@ -1,7 +1,41 @@
 """Hyperparameters of a LLaMA-family checkpoint, read from its files (never hard-coded per model)."""
 from __future__ import annotations
 
+import math
+from typing import Literal
+
+import numpy as np
 from pydantic import BaseModel, ConfigDict
+
+
+class RopeScaling(BaseModel):
+    """A static change of the RoPE frequencies for a longer context than the model was trained on.
+
+    linear: every frequency divided by `factor` (position interpolation);
+    llama3: low frequencies divided by `factor`, high ones kept, a smooth blend between (Llama 3.1);
+    freq_factors: each frequency divided by its own factor (llama.cpp's `rope_freqs` tensor)."""
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["linear", "llama3", "freq_factors"]
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    freq_factors: tuple[float, ...] = ()
+
+    def apply(self, inv_freq: np.ndarray) -> np.ndarray:
+        if self.type == "linear":
+            return inv_freq / self.factor
+        if self.type == "freq_factors":
+            return inv_freq / np.asarray(self.freq_factors, np.float64)
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen = self.original_max_position / self.low_freq_factor
+        high_wavelen = self.original_max_position / self.high_freq_factor
+        smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        return np.where(wavelen > low_wavelen, inv_freq / self.factor,
+                        np.where(wavelen < high_wavelen, inv_freq, blended))
 
 
 class ModelSpec(BaseModel):
@@ -17,6 +51,7 @@ class ModelSpec(BaseModel):
     intermediate_size: int
     vocab_size: int
     rope_theta: float
+    rope_scaling: RopeScaling | None = None
     rms_eps: float
     tied_embeddings: bool
     qkv_bias: bool
@@ -28,6 +63,12 @@ class ModelSpec(BaseModel):
     def group_size(self) -> int:
         """Query heads per KV head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """[head_dim / 2] rotation frequencies, float64, after any scaling."""
+        hd = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+        return inv_freq if self.rope_scaling is None else self.rope_scaling.apply(inv_freq)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -8,7 +8,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from agent.checkpoint import CheckpointError, gguf_field, read_gguf
+from agent.checkpoint import CheckpointError
+from agent.formats.gguf_file import gguf_field, read_gguf
 
 # GGUF pre-tokenizer names (tokenizer.ggml.pre) whose HuggingFace equivalent is known and tested.
 GGUF_PRE_TOKENIZERS = {
@@ -67,6 +68,14 @@ class TextTokenizer:
         # The template writes BOS itself where the model wants one.
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
+    def save(self, directory: Path) -> None:
+        """tokenizer.json + tokenizer_config.json, which `load_tokenizer(directory)` reads back."""
+        self.tokenizer.save(str(directory / "tokenizer.json"))
+        config = {"chat_template": self.chat_template, "bos_token": self.bos_token,
+                  "eos_token": self.eos_token}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1),
+                                                         encoding="utf-8")
+
     def check_fits(self, vocab_size: int) -> None:
         """The tokenizer may not produce ids the model has no embedding for."""
         if self.vocab_size > vocab_size:
@@ -79,10 +88,13 @@ def _raise_template_error(message: str):
 
 
 def load_tokenizer(path: str | Path) -> TextTokenizer:
-    """From a .gguf file (its vocabulary and merges) or a directory with tokenizer.json."""
+    """From a .gguf file (its vocabulary and merges) or a directory with tokenizer.json (for a
+    .ckpt file: its directory)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path)
+    if path.is_file() and path.suffix == ".ckpt":
+        path = path.parent
     if path.is_dir():
         return _from_hf_dir(path)
     raise TokenizerError(f"no tokenizer at {path}: expected a .gguf file or a model directory")
@@ -131,7 +143,7 @@ def _special_text(value) -> str | None:
 
 
 def _from_hf_dir(directory: Path) -> TextTokenizer:
-    from agent.checkpoint import hf_eos_ids, read_json
+    from agent.formats.hf_dir import hf_eos_ids, read_json
 
     file = directory / "tokenizer.json"
     if not file.is_file():

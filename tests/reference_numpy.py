@@ -26,6 +26,7 @@ class RefModel:
     theta: float
     eps: float
     interleaved_rope: bool
+    rope_scaling: dict | None = None  # config.json's rope_scaling, or {"type": "linear", ...} from GGUF
 
 
 @dataclass
@@ -65,7 +66,15 @@ def load_gguf_reference(path: str | Path) -> RefModel:
                     head_dim=meta("embedding_length") // heads,
                     theta=float(meta("rope.freq_base")),
                     eps=float(meta("attention.layer_norm_rms_epsilon")),
-                    interleaved_rope=(arch == "llama"))
+                    interleaved_rope=(arch == "llama"),
+                    rope_scaling=_gguf_rope_scaling(reader, arch))
+
+
+def _gguf_rope_scaling(reader, arch: str) -> dict | None:
+    kind = reader.fields.get(f"{arch}.rope.scaling.type")
+    if kind is None or kind.contents() == "none":
+        return None
+    return {"type": kind.contents(), "factor": reader.fields[f"{arch}.rope.scaling.factor"].contents()}
 
 
 def load_hf_reference(directory: str | Path) -> RefModel:
@@ -76,6 +85,8 @@ def load_hf_reference(directory: str | Path) -> RefModel:
     raw: dict[str, np.ndarray] = {}
     for f in sorted(directory.glob("*.safetensors")):
         raw.update({k: v.astype(np.float64) for k, v in load_file(str(f)).items()})
+    if cfg["model_type"] == "internlm2":
+        raw = _from_internlm2(raw, cfg)
     layers = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -95,17 +106,70 @@ def load_hf_reference(directory: str | Path) -> RefModel:
                     n_kv=cfg.get("num_key_value_heads", heads),
                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                     theta=float(cfg.get("rope_theta", 10000.0)), eps=float(cfg["rms_norm_eps"]),
-                    interleaved_rope=False)
+                    interleaved_rope=False, rope_scaling=cfg.get("rope_scaling"))
+
+
+def _from_internlm2(raw: dict, cfg: dict) -> dict:
+    """InternLM2 names -> Llama names; wqkv holds, per KV head, its group of query heads then K then V."""
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg["hidden_size"] // heads
+    per_kv = heads // kv + 2
+    out = {"model.embed_tokens.weight": raw["model.tok_embeddings.weight"],
+           "model.norm.weight": raw["model.norm.weight"]}
+    if "output.weight" in raw:
+        out["lm_head.weight"] = raw["output.weight"]
+    for i in range(cfg["num_hidden_layers"]):
+        src, dst = f"model.layers.{i}.", f"model.layers.{i}."
+        wqkv = raw[src + "attention.wqkv.weight"]
+        q_rows, k_rows, v_rows = [], [], []
+        for h in range(kv):
+            block = wqkv[h * per_kv * hd:(h + 1) * per_kv * hd]
+            q_rows.append(block[: (per_kv - 2) * hd])
+            k_rows.append(block[(per_kv - 2) * hd:(per_kv - 1) * hd])
+            v_rows.append(block[(per_kv - 1) * hd:])
+        out[dst + "self_attn.q_proj.weight"] = np.concatenate(q_rows)
+        out[dst + "self_attn.k_proj.weight"] = np.concatenate(k_rows)
+        out[dst + "self_attn.v_proj.weight"] = np.concatenate(v_rows)
+        out[dst + "self_attn.o_proj.weight"] = raw[src + "attention.wo.weight"]
+        out[dst + "input_layernorm.weight"] = raw[src + "attention_norm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = raw[src + "ffn_norm.weight"]
+        out[dst + "mlp.gate_proj.weight"] = raw[src + "feed_forward.w1.weight"]
+        out[dst + "mlp.up_proj.weight"] = raw[src + "feed_forward.w3.weight"]
+        out[dst + "mlp.down_proj.weight"] = raw[src + "feed_forward.w2.weight"]
+    return out
+
+
+def _frequencies(theta: float, hd: int, scaling: dict | None) -> np.ndarray:
+    """RoPE frequencies; scaling as HuggingFace's transformers defines linear and llama3."""
+    freqs = theta ** (-np.arange(0, hd, 2) / hd)
+    if not scaling:
+        return freqs
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return freqs / scaling["factor"]
+    assert kind == "llama3", kind
+    old_len = scaling["original_max_position_embeddings"]
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    out = []
+    for f in freqs:
+        wavelength = 2 * np.pi / f
+        if wavelength < old_len / high:
+            out.append(f)
+        elif wavelength > old_len / low:
+            out.append(f / factor)
+        else:
+            smooth = (old_len / wavelength - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return np.array(out)
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool) -> np.ndarray:
+def _rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray, interleaved: bool) -> np.ndarray:
     """x: [T, heads, hd]."""
     hd = x.shape[-1]
-    freqs = theta ** (-np.arange(0, hd, 2) / hd)
     ang = positions[:, None, None] * freqs[None, None, :]  # [T, 1, hd/2]
     cos, sin = np.cos(ang), np.sin(ang)
     if interleaved:  # pairs (2i, 2i+1)
@@ -124,6 +188,7 @@ def forward(model: RefModel, tokens: list[int], cache: RefCache) -> np.ndarray:
     positions = np.arange(start, start + len(tokens), dtype=np.float64)
     x = model.embed[np.asarray(tokens)]
     hd, group = model.head_dim, model.n_heads // model.n_kv
+    freqs = _frequencies(model.theta, hd, model.rope_scaling)
     if not cache.keys:
         cache.keys = [[] for _ in model.layers]
         cache.values = [[] for _ in model.layers]
@@ -132,9 +197,9 @@ def forward(model: RefModel, tokens: list[int], cache: RefCache) -> np.ndarray:
         q, k, v = h @ layer["q"].T, h @ layer["k"].T, h @ layer["v"].T
         if layer["bq"] is not None:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-        q = _rope(q.reshape(len(tokens), model.n_heads, hd), positions, model.theta,
+        q = _rope(q.reshape(len(tokens), model.n_heads, hd), positions, freqs,
                   model.interleaved_rope)
-        k = _rope(k.reshape(len(tokens), model.n_kv, hd), positions, model.theta,
+        k = _rope(k.reshape(len(tokens), model.n_kv, hd), positions, freqs,
                   model.interleaved_rope)
         v = v.reshape(len(tokens), model.n_kv, hd)
         cache.keys[li].extend(k)

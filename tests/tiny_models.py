@@ -1,4 +1,5 @@
-"""Tiny random LLaMA/Qwen2 checkpoints in HuggingFace layout, written by the tests themselves."""
+"""Tiny random checkpoints written by the tests themselves: HuggingFace directories (Llama, Qwen2,
+InternLM2; one file or shards with an index) and GGUF files (F32 to Q6_K) of the same weights."""
 from __future__ import annotations
 
 import json
@@ -36,10 +37,11 @@ def write_tokenizer(directory: Path, vocab_size: int = 400) -> Tokenizer:
 
 def write_tiny_checkpoint(directory: Path, model_type: str = "llama", *, seed: int = 0,
                           layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                          intermediate: int = 128, tied: bool = False,
+                          intermediate: int = 128, tied: bool = False, shards: int = 1,
                           extra_config: dict | None = None) -> Path:
-    """config.json + model.safetensors + tokenizer files; weights scaled so logits spread widely
-    (near-ties would make greedy comparisons flaky)."""
+    """config.json + model.safetensors (or `shards` files and model.safetensors.index.json) +
+    tokenizer files; weights scaled so logits spread widely (near-ties would make greedy
+    comparisons flaky). model_type "internlm2" packs Q/K/V into wqkv under InternLM2's names."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = write_tokenizer(directory)
     vocab = tokenizer.get_vocab_size()
@@ -72,7 +74,9 @@ def write_tiny_checkpoint(directory: Path, model_type: str = "llama", *, seed: i
             for name, dim in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
                 tensors[p + f"self_attn.{name}_proj.bias"] = \
                     (0.5 * rng.standard_normal(dim * head_dim)).astype(np.float32)
-    save_file(tensors, str(directory / "model.safetensors"))
+    if model_type == "internlm2":
+        tensors = _internlm2_layout(tensors, layers, heads // kv_heads, kv_heads, head_dim)
+    _save_shards(tensors, directory, shards)
     config = {"model_type": model_type, "hidden_size": hidden, "num_attention_heads": heads,
               "num_key_value_heads": kv_heads, "num_hidden_layers": layers,
               "intermediate_size": intermediate, "vocab_size": vocab, "rope_theta": 10000.0,
@@ -81,3 +85,144 @@ def write_tiny_checkpoint(directory: Path, model_type: str = "llama", *, seed: i
     config.update(extra_config or {})
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def _internlm2_layout(tensors: dict, layers: int, group: int, kv_heads: int, head_dim: int) -> dict:
+    renames = {"model.embed_tokens.weight": "model.tok_embeddings.weight",
+               "lm_head.weight": "output.weight"}
+    layer_renames = {"input_layernorm": "attention_norm", "self_attn.o_proj": "attention.wo",
+                     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "feed_forward.w1",
+                     "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2"}
+    out = {renames.get(k, k): v for k, v in tensors.items() if "self_attn.q_proj" not in k
+           and "self_attn.k_proj" not in k and "self_attn.v_proj" not in k}
+    for old, new in layer_renames.items():
+        for i in range(layers):
+            key = f"model.layers.{i}.{old}.weight"
+            out[f"model.layers.{i}.{new}.weight"] = out.pop(key)
+    for i in range(layers):
+        p = f"model.layers.{i}.self_attn."
+        q = tensors[p + "q_proj.weight"].reshape(kv_heads, group, head_dim, -1)
+        k = tensors[p + "k_proj.weight"].reshape(kv_heads, 1, head_dim, -1)
+        v = tensors[p + "v_proj.weight"].reshape(kv_heads, 1, head_dim, -1)
+        out[f"model.layers.{i}.attention.wqkv.weight"] = np.ascontiguousarray(
+            np.concatenate([q, k, v], axis=1).reshape(-1, q.shape[-1]))
+    return out
+
+
+def _save_shards(tensors: dict, directory: Path, shards: int) -> None:
+    if shards == 1:
+        save_file(tensors, str(directory / "model.safetensors"))
+        return
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[s::shards]
+        save_file({n: tensors[n] for n in part}, str(directory / file))
+        weight_map.update({n: file for n in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}))
+
+
+# ------------------------------------------------------------------------------------------ GGUF
+
+GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+              "self_attn.o_proj.weight": "attn_output.weight",
+              "post_attention_layernorm.weight": "ffn_norm.weight",
+              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+              "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
+              "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias"}
+
+
+def _llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permute: rotate-half rows -> interleaved pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _random_blocks(rows: np.ndarray, qtype, rng) -> np.ndarray:
+    """The gguf package cannot quantize to Q4_K/Q6_K (or Q8_1), so these tensors get random block
+    contents, with sane scales for the K types: what the loader must do is dequantize whatever
+    blocks it finds, like llama.cpp."""
+    import gguf
+
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = rows.size // block_size
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:  # d, dmin (f16) lead the block
+        blocks[:, 0:2] = np.full(n_blocks, 2e-4, np.float16).view(np.uint8).reshape(-1, 2)
+        blocks[:, 2:4] = np.full(n_blocks, 1e-4, np.float16).view(np.uint8).reshape(-1, 2)
+    elif qtype == gguf.GGMLQuantizationType.Q6_K:  # d (f16) ends the block
+        blocks[:, -2:] = np.full(n_blocks, 3e-5, np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows.shape[0], -1)
+
+
+def write_tiny_gguf(hf_dir: Path, path: Path, qtype_name: str = "F32", seed: int = 0) -> Path:
+    """The HuggingFace checkpoint in `hf_dir` (llama or qwen2) as a GGUF file in llama.cpp's layout:
+    2-D weights stored as `qtype_name` where their rows fit its blocks (F32 otherwise, as llama.cpp
+    does), norms F32, Q/K rows permuted for llama, the tokenizer as GGUF vocabulary + merges."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = config["model_type"]
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    scaling = config.get("rope_scaling")
+    if scaling and scaling.get("type", scaling.get("rope_type")) == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+
+    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    specials = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    tokens = sorted({**vocab, **specials}.items(), key=lambda kv: kv[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t for t, _ in tokens])
+    writer.add_token_types([3 if t in specials else 1 for t, _ in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                             for m in tokenizer["model"]["merges"]])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
+
+    for hf_name, array in sorted(tensors.items()):
+        if hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+                    "output_norm.weight", "lm_head.weight": "output.weight"}[hf_name]
+        else:
+            index, rest = hf_name[len("model.layers."):].split(".", 1)
+            name = f"blk.{index}.{GGUF_NAMES[rest]}"
+        if arch == "llama" and ".attn_q." in name:
+            array = _llamacpp_permute(array, heads)
+        elif arch == "llama" and ".attn_k." in name:
+            array = _llamacpp_permute(array, kv_heads)
+        array = np.ascontiguousarray(array, np.float32)
+        if array.ndim == 2 and array.shape[1] % block_size == 0 and qtype_name != "F32":
+            if qtype_name in ("Q4_K", "Q6_K", "Q8_1"):
+                writer.add_tensor(name, _random_blocks(array, qtype, rng), raw_dtype=qtype)
+            elif qtype_name == "F16":
+                writer.add_tensor(name, array.astype(np.float16))
+            else:
+                writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

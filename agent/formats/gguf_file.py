@@ -1,0 +1,133 @@
+"""GGUF files (llama.cpp's format): metadata -> ModelSpec, tensors dequantized by the `gguf` package."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from agent.checkpoint import Checkpoint, CheckpointError, Progress, unpermute_qk
+from agent.model_spec import ModelSpec, RopeScaling
+
+log = logging.getLogger(__name__)
+
+# Architectures this code runs, and whether llama.cpp's converter stored their Q/K rows permuted
+# into the interleaved (GPT-J) RoPE order; those are un-permuted at load.
+ARCHITECTURES = {"llama": {"permuted_qk": True, "qkv_bias": False},
+                 "qwen2": {"permuted_qk": False, "qkv_bias": True}}
+
+LAYER_NAMES = {"attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
+               "attn_v.weight": "wv", "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm",
+               "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+               "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
+GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
+                "output.weight": "lm_head"}
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3.1 scaling)
+
+
+def read_gguf(path: Path):
+    """Open a GGUF file, turning the reader's low-level errors into a CheckpointError."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError, KeyError, IndexError... on bad files
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _dequantize(path: Path, tensor) -> np.ndarray:
+    import gguf
+
+    try:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise CheckpointError(f"{path}: tensor {tensor.name} uses quantization type "
+                              f"{tensor.tensor_type.name}, which cannot be dequantized") from exc
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _rope_scaling(path: Path, reader, arch: str, tensors_by_name: dict) -> RopeScaling | None:
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if ROPE_FREQS in tensors_by_name:
+        factors = _dequantize(path, tensors_by_name[ROPE_FREQS]).reshape(-1)
+        return RopeScaling(type="freq_factors", freq_factors=tuple(float(f) for f in factors))
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return RopeScaling(type="linear", factor=float(gguf_field(reader, f"{arch}.rope.scaling.factor")))
+    raise CheckpointError(f"{path}: RoPE scaling type {kind!r} is not supported (supported: linear, "
+                          f"llama3 through {ROPE_FREQS})")
+
+
+def load(path: Path, progress: Progress) -> Checkpoint:
+    reader = read_gguf(path)
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: unsupported architecture {arch!r} "
+                              f"(supported: {', '.join(ARCHITECTURES)})")
+    traits = ARCHITECTURES[arch]
+
+    def meta(key: str, default=None, required: bool = True):
+        value = gguf_field(reader, f"{arch}.{key}", default)
+        if value is None and required:
+            raise CheckpointError(f"{path}: missing GGUF metadata {arch}.{key}")
+        return value
+
+    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) \
+        if "tokenizer.ggml.tokens" in reader.fields else None
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    kv_heads = meta("attention.head_count_kv", heads)
+    head_dim = meta("attention.key_length", hidden // heads, required=False) or hidden // heads
+    by_name = {t.name: t for t in reader.tensors}
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    spec = ModelSpec(
+        architecture=arch,
+        name=gguf_field(reader, "general.name", path.stem),
+        num_layers=meta("block_count"),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=meta("feed_forward_length"),
+        vocab_size=meta("vocab_size", n_tokens),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(path, reader, arch, by_name),
+        rms_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        tied_embeddings="output.weight" not in by_name,
+        qkv_bias=traits["qkv_bias"],
+        max_context=meta("context_length"),
+        bos_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_ids=() if eos is None else (int(eos),),
+    )
+
+    tensors: dict[str, np.ndarray] = {}
+    for t in progress(reader.tensors):
+        name = _canonical_name(t.name)
+        if name is None:
+            if t.name != ROPE_FREQS:
+                log.debug("ignoring GGUF tensor %s", t.name)
+            continue
+        array = _dequantize(path, t)
+        if traits["permuted_qk"] and name.endswith((".wq", ".bq")):
+            array = unpermute_qk(array, spec.num_heads)
+        elif traits["permuted_qk"] and name.endswith((".wk", ".bk")):
+            array = unpermute_qk(array, spec.num_kv_heads)
+        tensors[name] = array
+    return Checkpoint(spec=spec, tensors=tensors, source=path, format="gguf")
+
+
+def _canonical_name(name: str) -> str | None:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, index, rest = name.split(".", 2)
+        if rest in LAYER_NAMES:
+            return f"layers.{index}.{LAYER_NAMES[rest]}"
+    return None

@@ -1,0 +1,200 @@
+"""HuggingFace model directories: config.json, generation_config.json, *.safetensors (one file or
+shards listed in model.safetensors.index.json). Families: Llama (2, 3, SmolLM2), Qwen2 (QKV bias),
+InternLM2 (packed wqkv), one code path with per-family tensor names."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from agent.checkpoint import Checkpoint, CheckpointError, Progress, split_packed_qkv
+from agent.model_spec import ModelSpec, RopeScaling
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+LLAMA_LAYER_NAMES = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq",
+                     "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
+                     "self_attn.o_proj.weight": "wo", "post_attention_layernorm.weight": "ffn_norm",
+                     "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
+                     "mlp.down_proj.weight": "w_down", "self_attn.q_proj.bias": "bq",
+                     "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"}
+LLAMA_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
+                      "lm_head.weight": "lm_head"}
+
+
+@dataclass(frozen=True)
+class Family:
+    layer_names: dict[str, str]
+    global_names: dict[str, str]
+    qkv_bias: bool  # the default when config.json does not say
+    packed_qkv: bool = False  # one wqkv tensor, split at load
+
+
+FAMILIES = {
+    "llama": Family(LLAMA_LAYER_NAMES, LLAMA_GLOBAL_NAMES, qkv_bias=False),
+    "qwen2": Family(LLAMA_LAYER_NAMES, LLAMA_GLOBAL_NAMES, qkv_bias=True),
+    "internlm2": Family(
+        {"attention_norm.weight": "attn_norm", "attention.wqkv.weight": "wqkv",
+         "attention.wqkv.bias": "bqkv", "attention.wo.weight": "wo", "ffn_norm.weight": "ffn_norm",
+         "feed_forward.w1.weight": "w_gate", "feed_forward.w3.weight": "w_up",
+         "feed_forward.w2.weight": "w_down"},
+        {"model.tok_embeddings.weight": "embed", "model.norm.weight": "final_norm",
+         "output.weight": "lm_head"},
+        qkv_bias=False, packed_qkv=True),
+}
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+
+
+def hf_eos_ids(directory: Path, config: dict) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (which may list several), else config.json."""
+    eos = None
+    gen_path = directory / "generation_config.json"
+    if gen_path.is_file():
+        eos = read_json(gen_path).get("eos_token_id")
+    if eos is None:
+        eos = config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+def rope_scaling(config: dict, source: Path) -> RopeScaling | None:
+    scaling = config.get("rope_scaling")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    try:
+        if kind == "default":
+            return None
+        if kind == "linear":
+            return RopeScaling(type="linear", factor=float(scaling["factor"]))
+        if kind == "llama3":
+            return RopeScaling(type="llama3", factor=float(scaling["factor"]),
+                               low_freq_factor=float(scaling["low_freq_factor"]),
+                               high_freq_factor=float(scaling["high_freq_factor"]),
+                               original_max_position=int(scaling["original_max_position_embeddings"]))
+    except KeyError as exc:
+        raise CheckpointError(f"{source}: rope_scaling {kind!r} lacks {exc.args[0]}") from exc
+    raise CheckpointError(f"{source}: rope_scaling type {kind!r} is not supported "
+                          f"(supported: linear, llama3)")
+
+
+def load(directory: Path, progress: Progress) -> Checkpoint:
+    config_path = directory / "config.json"
+    config = read_json(config_path)
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise CheckpointError(f"{directory}: unsupported architecture {model_type!r} "
+                              f"(supported: {', '.join(FAMILIES)})")
+    family = FAMILIES[model_type]
+    try:
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        spec = ModelSpec(
+            architecture=model_type,
+            name=config.get("_name_or_path") or directory.name,
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling(config, config_path),
+            rms_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bool(config.get("attention_bias", config.get("bias", family.qkv_bias))),
+            max_context=int(config.get("max_position_embeddings", 2048)),
+            bos_id=config.get("bos_token_id"),
+            eos_ids=hf_eos_ids(directory, config),
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"{config_path}: missing key {exc.args[0]}") from exc
+
+    tensors: dict[str, np.ndarray] = {}
+    entries = [entry for file in _weight_files(directory) for entry in _safetensors_entries(file)]
+    for hf_name, read in progress(entries):
+        name = _canonical_name(family, hf_name)
+        if name is None:
+            log.debug("ignoring tensor %s", hf_name)
+            continue
+        tensors[name] = np.ascontiguousarray(read(), dtype=np.float32)
+    if family.packed_qkv:
+        _unpack_qkv(tensors, spec)
+    return Checkpoint(spec=spec, tensors=tensors, source=directory, format="safetensors")
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The shards an index names (each must exist), else every *.safetensors file."""
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: no weight_map")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{index_path}: shard {file.name} is missing")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors weight files")
+    return files
+
+
+def _unpack_qkv(tensors: dict[str, np.ndarray], spec: ModelSpec) -> None:
+    for i in range(spec.num_layers):
+        for packed, parts in ((f"layers.{i}.wqkv", ("wq", "wk", "wv")),
+                              (f"layers.{i}.bqkv", ("bq", "bk", "bv"))):
+            if packed in tensors:
+                split = split_packed_qkv(tensors.pop(packed), spec.num_kv_heads, spec.group_size)
+                tensors.update({f"layers.{i}.{part}": t for part, t in zip(parts, split)})
+
+
+def _safetensors_entries(file: Path) -> list[tuple[str, Callable[[], np.ndarray]]]:
+    """(name, reader) pairs, read when called; the open file stays with the readers. bf16 is
+    decoded by hand because NumPy has no bfloat16."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(file), framework="np")
+    except Exception as exc:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
+    entries = []
+    for name in handle.keys():
+        if handle.get_slice(name).get_dtype() == "BF16":
+            entries.append((name, lambda name=name: _read_bf16(file, name)))
+        else:
+            entries.append((name, lambda name=name: handle.get_tensor(name)))
+    return entries
+
+
+def _read_bf16(file: Path, name: str) -> np.ndarray:
+    with file.open("rb") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        entry = json.loads(fh.read(header_len))[name]
+    start, end = entry["data_offsets"]
+    raw = np.fromfile(file, dtype=np.uint16, count=(end - start) // 2, offset=8 + header_len + start)
+    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
+
+
+def _canonical_name(family: Family, name: str) -> str | None:
+    if name in family.global_names:
+        return family.global_names[name]
+    if name.startswith("model.layers."):
+        index, rest = name[len("model.layers."):].split(".", 1)
+        if rest in family.layer_names:
+            return f"layers.{index}.{family.layer_names[rest]}"
+    return None
