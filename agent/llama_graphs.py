@@ -20,7 +20,9 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from agent.checkpoint import Checkpoint
+from agent.kernels import decode_attention_op, skinny_matmul_op
 from agent.model_spec import ModelSpec
+from config.schema import RuntimeSection
 
 
 def rope_tables(spec: ModelSpec, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -123,13 +125,14 @@ class LlamaLayer(nn.Cell):
         gate, up = ops.split(self.linear(h, self.w_gate_up, 2 * self.ffn), self.ffn, 1)
         return x + self.linear(ops.silu(gate) * up, self.w_down, self.hidden)
 
-    def prefill(self, x, cos, sin, rot, write_idx, mask):
-        """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S]."""
+    def prefill(self, x, cos, sin, rot, write_idx, mask, k_cache, v_cache):
+        """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S].
+        The caches are this layer's own Parameters, or graph inputs in an exported MindIR graph."""
         q, k, v = self.qkv(x, cos, sin, rot)
         k = ops.transpose(k, (1, 0, 2))  # [KV, S, hd]
         v = ops.transpose(v, (1, 0, 2))
-        ops.scatter_update(self.k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
-        ops.scatter_update(self.v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))
+        ops.scatter_update(k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
+        ops.scatter_update(v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))
         q = ops.reshape(q, (-1, self.kv_heads, self.group, self.head_dim))
         q = ops.reshape(ops.transpose(q, (1, 2, 0, 3)), (self.kv_heads, -1, self.head_dim))
         probs = ops.softmax(self.bmm_t(q, k) + mask, -1)  # [KV, G*S, S]
@@ -137,21 +140,21 @@ class LlamaLayer(nn.Cell):
         out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (-1, self.q_size))
         return self.mlp(x + self.linear(out, self.wo, self.hidden))
 
-    def decode(self, x, cos, sin, rot, write_idx, where, extent):
+    def decode(self, x, cos, sin, rot, write_idx, where, extent, k_cache, v_cache):
         """x: [B, D]; write_idx: [B*KV]. With the attention kernel: where = first cache row [B*KV],
         extent = positions to attend [B*KV]. Without: where = rows to attend [B*KV, L], extent =
         mask [B*KV, 1, L] over an attend bucket."""
         q, k, v = self.qkv(x, cos, sin, rot)
-        ops.scatter_update(self.k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
-        ops.scatter_update(self.v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))
+        ops.scatter_update(k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
+        ops.scatter_update(v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))
         q = ops.reshape(q, (-1, self.group, self.head_dim))  # [B*KV, G, hd]
         if self.attention is None:
-            keys = ops.gather(self.k_cache, where, 0)  # [B*KV, L, hd]
-            values = ops.gather(self.v_cache, where, 0)
+            keys = ops.gather(k_cache, where, 0)  # [B*KV, L, hd]
+            values = ops.gather(v_cache, where, 0)
             probs = ops.softmax(self.bmm_t(q, keys) + extent, -1)  # [B*KV, G, L]
             out = self.bmm(probs, values)
         else:
-            out = self.attention(q, self.k_cache, self.v_cache, where, extent)
+            out = self.attention(q, k_cache, v_cache, where, extent)
         out = ops.reshape(out, (-1, self.q_size))
         return self.mlp(x + self.linear(out, self.wo, self.hidden))
 
@@ -217,7 +220,8 @@ class PrefillLayer(nn.Cell):
         self.layer = layer
 
     def construct(self, x, cos, sin, rot, write_idx, mask):
-        return self.layer.prefill(x, cos, sin, rot, write_idx, mask)
+        return self.layer.prefill(x, cos, sin, rot, write_idx, mask, self.layer.k_cache,
+                                  self.layer.v_cache)
 
 
 class DecodeLayer(nn.Cell):
@@ -229,7 +233,8 @@ class DecodeLayer(nn.Cell):
         self.layer = layer
 
     def construct(self, x, cos, sin, rot, write_idx, where, extent):
-        return self.layer.decode(x, cos, sin, rot, write_idx, where, extent)
+        return self.layer.decode(x, cos, sin, rot, write_idx, where, extent, self.layer.k_cache,
+                                 self.layer.v_cache)
 
 
 class PrefillGraph(nn.Cell):
@@ -279,3 +284,43 @@ class TopKGraph(nn.Cell):
     def construct(self, logits):
         values, ids = ops.topk(logits, self.k, -1, True, True)
         return values, ids.astype(ms.int32)
+
+
+def topk_buckets(vocab: int) -> list[int]:
+    """The k of each top-k graph: a request needing k candidates runs the smallest k' >= k."""
+    return sorted({k for k in (8, 64, 512, 4096) if k < vocab} | {vocab})
+
+
+class LlamaGraphs:
+    """The four graphs built from code over one LlamaModel (weights and KV cache as Parameters).
+    ModelRunner calls them through this interface; agent/mindir.py has the same one over MindIR files."""
+
+    def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection):
+        self.spec = checkpoint.spec
+        self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len,
+                                decode_attention_op() if runtime.attention_kernel else None,
+                                skinny_matmul_op() if runtime.matmul_kernel else None)
+        self.prefill_graph = PrefillGraph(self.model)
+        self.decode_graph = DecodeGraph(self.model)
+        self.argmax_graph = ArgmaxGraph()
+        self.topk_buckets = topk_buckets(self.spec.vocab_size)
+        self.topk_graphs = {k: TopKGraph(k) for k in self.topk_buckets}
+        dynamic_rows = Tensor(shape=[None, self.spec.vocab_size], dtype=ms.float32)  # one graph for every batch
+        for graph in (self.argmax_graph, *self.topk_graphs.values()):
+            graph.set_inputs(dynamic_rows)
+
+    def prefill(self, length: int, *inputs) -> Tensor:
+        """The prefill graph of bucket `length` (one cell: MindSpore compiles a graph per shape)."""
+        return self.prefill_graph(*inputs)
+
+    def decode(self, rows: int, attend: int, *inputs) -> Tensor:
+        return self.decode_graph(*inputs)
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        return self.argmax_graph(logits)
+
+    def topk(self, k: int, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return self.topk_graphs[k](logits)
+
+    def cache_bytes(self) -> int:
+        return self.model.cache_bytes()

@@ -73,13 +73,19 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
     log.info("agent rank %d: device %s:%d, model %s", rank, runtime.device_target, device_id,
              config.model.path)
     start = time.perf_counter()
-    checkpoint = load_checkpoint(config.model.path)
-    log.info("weights loaded in %.1fs (%s, %.1fM parameters)", time.perf_counter() - start,
-             checkpoint.format, checkpoint.spec.parameter_count() / 1e6)
-    configure_mindspore(runtime, device_id, compile_cache_dir(checkpoint, runtime, f"rank_{rank}"))
-    runner = ModelRunner(checkpoint, runtime)
+    if config.model.uses_mindir:
+        configure_mindspore(runtime, device_id)
+        runner = ModelRunner.from_mindir(config.model, runtime)
+        log.info("MindIR graphs loaded in %.1fs (%.1fM parameters)", time.perf_counter() - start,
+                 runner.spec.parameter_count() / 1e6)
+    else:
+        checkpoint = load_checkpoint(config.model.path)
+        log.info("weights loaded in %.1fs (%s, %.1fM parameters)", time.perf_counter() - start,
+                 checkpoint.format, checkpoint.spec.parameter_count() / 1e6)
+        configure_mindspore(runtime, device_id, compile_cache_dir(checkpoint, runtime, f"rank_{rank}"))
+        runner = ModelRunner(checkpoint, runtime)
     log.info("KV cache: %d slots x %d positions, %.0f MB", runtime.num_slots, runtime.max_seq_len,
-             runner.model.cache_bytes() / 1e6)
+             runner.graphs.cache_bytes() / 1e6)
     warm_up_s = runner.warm_up(log.info)
     socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)

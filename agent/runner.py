@@ -1,6 +1,7 @@
 """ModelRunner: owns the model, its KV slots and its four graphs; the agent process calls it.
 
     runner = ModelRunner(checkpoint, runtime)   # builds weights and the KV cache on the device
+    runner = ModelRunner.from_mindir(files, runtime)  # or runs graphs exported by tools.export
     runner.warm_up(progress)                    # compiles every bucket, once
     first = runner.prefill(slot, prompt_ids, sampling)
     nexts = runner.decode([slot, ...])          # one token for each slot, in order
@@ -27,8 +28,9 @@ import numpy as np
 from mindspore import Tensor
 
 from agent.checkpoint import Checkpoint
-from agent.kernels import KERNELS, decode_attention_op, skinny_matmul_op, source
-from agent.llama_graphs import ArgmaxGraph, DecodeGraph, LlamaModel, PrefillGraph, TopKGraph
+from agent.kernels import KERNELS, source
+from agent.llama_graphs import LlamaGraphs
+from agent.model_spec import ModelSpec
 from agent.sampling import SamplingParams, SlotSampler
 from config.schema import RuntimeSection
 
@@ -80,21 +82,24 @@ def _bucket(buckets: Sequence[int], n: int) -> int:
 
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection):
-        self.spec = checkpoint.spec
+        self._setup(checkpoint.spec, runtime, LlamaGraphs(checkpoint, runtime))
+
+    @classmethod
+    def from_mindir(cls, files, runtime: RuntimeSection) -> "ModelRunner":
+        """Run the graphs of MindIR files (config.schema.MindIRFiles) written by tools.export."""
+        from agent.mindir import MindIRGraphs
+
+        graphs = MindIRGraphs(files, runtime)
+        runner = cls.__new__(cls)
+        runner._setup(graphs.spec, runtime, graphs)
+        return runner
+
+    def _setup(self, spec: ModelSpec, runtime: RuntimeSection, graphs) -> None:
+        self.spec = spec
         self.runtime = runtime
         self.num_slots, self.max_len = runtime.num_slots, runtime.max_seq_len
-        self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len,
-                                decode_attention_op() if runtime.attention_kernel else None,
-                                skinny_matmul_op() if runtime.matmul_kernel else None)
-        self.prefill_graph = PrefillGraph(self.model)
-        self.decode_graph = DecodeGraph(self.model)
-        self.argmax_graph = ArgmaxGraph()
-        vocab = self.spec.vocab_size
-        self.topk_buckets = sorted({k for k in (8, 64, 512, 4096) if k < vocab} | {vocab})
-        self.topk_graphs = {k: TopKGraph(k) for k in self.topk_buckets}
-        dynamic_rows = Tensor(shape=[None, vocab], dtype=ms.float32)  # one graph for every batch
-        for graph in (self.argmax_graph, *self.topk_graphs.values()):
-            graph.set_inputs(dynamic_rows)
+        self.graphs = graphs  # LlamaGraphs or MindIRGraphs
+        self.topk_buckets = graphs.topk_buckets
         self.slots: dict[int, SlotState] = {}
         kv, hd = self.spec.num_kv_heads, self.spec.head_dim
         self._head_rows = np.arange(kv, dtype=np.int64)  # per-slot base row = (slot*KV + h)*max_len
@@ -138,9 +143,9 @@ class ModelRunner:
                 self.run_decode_graph(np.full(rows, scratch), np.zeros(rows, np.int64),
                                       np.zeros(rows, np.int64), rows, length).asnumpy()
             elif kind == "argmax":
-                self.argmax_graph(logits).asnumpy()
+                self.graphs.argmax(logits).asnumpy()
             else:
-                self.topk_graphs[length](logits)[0].asnumpy()
+                self.graphs.topk(length, logits)[0].asnumpy()
             label = {"prefill": f"prefill length {length}",
                      "decode": f"decode batch {rows}" + (f" attend {length}" if length else ""),
                      "argmax": "argmax", "topk": f"top-k {length}"}[kind]
@@ -225,8 +230,8 @@ class ModelRunner:
         write = (self._base_rows(np.array([slot]))[0][:, None] + positions[None, :]).reshape(-1)
         causal = np.where(positions[None, :] > positions[:, None], -np.inf, 0.0).astype(np.float32)
         mask = np.tile(causal, (self._group, 1))  # [G*S, S], query rows grouped per head
-        return self.prefill_graph(Tensor(padded), Tensor(positions), Tensor(write.astype(np.int32)),
-                                  Tensor(mask), Tensor(np.array([n - 1], np.int32)))
+        return self.graphs.prefill(length, Tensor(padded), Tensor(positions), Tensor(write.astype(np.int32)),
+                                   Tensor(mask), Tensor(np.array([n - 1], np.int32)))
 
     def run_decode_graph(self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
                     rows: int, attend: int = 0) -> Tensor:
@@ -240,23 +245,24 @@ class ModelRunner:
         write = (base + positions[:, None]).reshape(-1)
         if self.runtime.attention_kernel:
             lengths = np.repeat(positions + 1, self._kv)
-            return self.decode_graph(Tensor(tokens.astype(np.int32)), Tensor(positions.astype(np.int32)),
-                                     Tensor(write.astype(np.int32)), Tensor(base.reshape(-1).astype(np.int32)),
-                                     Tensor(lengths.astype(np.int32)))
+            return self.graphs.decode(rows, attend, Tensor(tokens.astype(np.int32)),
+                                      Tensor(positions.astype(np.int32)), Tensor(write.astype(np.int32)),
+                                      Tensor(base.reshape(-1).astype(np.int32)),
+                                      Tensor(lengths.astype(np.int32)))
         read = base.reshape(-1, 1) + np.arange(attend)[None, :]  # [rows*KV, attend]
         visible = np.arange(attend)[None, :] <= positions[:, None]  # [rows, attend]
         mask = np.where(visible, 0.0, -np.inf).astype(np.float32).repeat(self._kv, axis=0)
-        return self.decode_graph(Tensor(tokens.astype(np.int32)), Tensor(positions.astype(np.int32)),
-                                 Tensor(write.astype(np.int32)), Tensor(read.astype(np.int32)),
-                                 Tensor(mask[:, None, :]))
+        return self.graphs.decode(rows, attend, Tensor(tokens.astype(np.int32)),
+                                  Tensor(positions.astype(np.int32)), Tensor(write.astype(np.int32)),
+                                  Tensor(read.astype(np.int32)), Tensor(mask[:, None, :]))
 
     def _sample(self, logits: Tensor, samplers: list[SlotSampler]) -> list[int]:
         """Post-process on the device: argmax when every row is plain greedy, else top-k candidates
         for the host-side samplers. Only token ids (and k candidates) leave the device."""
         if all(s.plain_greedy for s in samplers):
-            ids = self.argmax_graph(logits).asnumpy()
+            ids = self.graphs.argmax(logits).asnumpy()
             return [int(t) for t in ids[: len(samplers)]]
         k = _bucket(self.topk_buckets, max(s.candidates_needed() for s in samplers))
-        values, ids = (t.asnumpy() for t in self.topk_graphs[k](logits))
+        values, ids = (t.asnumpy() for t in self.graphs.topk(k, logits))
         return [int(ids[i, 0]) if s.plain_greedy else s.choose(values[i], ids[i])
                 for i, s in enumerate(samplers)]

@@ -1,0 +1,220 @@
+"""MindIR: the four graphs written as files by `mindspore.export` (upstream's deployment artefacts),
+and run from those files (`mindspore.load` + `nn.GraphCell`) instead of being built from code.
+
+In the exported prefill and decode graphs the KV cache is a list of graph inputs (k0, v0, k1, v1, ...)
+rather than Parameters: a file then carries the weights but no cache, and every loaded graph writes
+in place into the one cache the runner owns and passes in. Each file carries its own copy of the
+weights; at load the copies are pointed at the first file's, so memory holds them once.
+
+An export directory holds the .mindir files, manifest.json (the model spec, the runtime shapes and
+which file is which graph) and the tokenizer files; tools.export writes it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Callable
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn
+
+from agent.checkpoint import Checkpoint
+from agent.llama_graphs import LlamaGraphs, LlamaModel, topk_buckets
+from agent.model_spec import ModelSpec
+from config.schema import ModelSection, RuntimeSection
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+# The runtime settings an exported graph's shapes and host-side inputs depend on.
+SHAPE_FIELDS = ("num_slots", "max_seq_len", "prefill_buckets", "decode_batch_buckets", "attend_buckets")
+
+
+class MindIRError(ValueError):
+    """MindIR files that cannot serve this configuration; the message says which and why."""
+
+
+def shape_settings(runtime: RuntimeSection) -> dict:
+    settings = {name: getattr(runtime, name) for name in SHAPE_FIELDS}
+    settings["attention_kernel"] = runtime.attention_kernel
+    if runtime.attention_kernel:
+        del settings["attend_buckets"]  # the kernel attends each sequence's own length
+    return settings
+
+
+# ------------------------------------------------------------------------------------- export
+
+class ExportPrefillGraph(nn.Cell):
+    """PrefillGraph with the KV cache passed in."""
+
+    def __init__(self, model: LlamaModel):
+        super().__init__()
+        self.model = model
+        self.num_layers = len(model.layers)
+
+    def construct(self, tokens, positions, write_idx, mask, last_index, *caches):
+        x, cos, sin = self.model.embed_tokens(tokens, positions)
+        for i in range(self.num_layers):
+            x = self.model.layers[i].prefill(x, cos, sin, self.model.rot, write_idx, mask,
+                                             caches[2 * i], caches[2 * i + 1])
+        return self.model.logits(ms.ops.gather(x, last_index, 0))
+
+
+class ExportDecodeGraph(nn.Cell):
+    """DecodeGraph with the KV cache passed in."""
+
+    def __init__(self, model: LlamaModel):
+        super().__init__()
+        self.model = model
+        self.num_layers = len(model.layers)
+
+    def construct(self, tokens, positions, write_idx, where, extent, *caches):
+        x, cos, sin = self.model.embed_tokens(tokens, positions)
+        for i in range(self.num_layers):
+            x = self.model.layers[i].decode(x, cos, sin, self.model.rot, write_idx, where, extent,
+                                            caches[2 * i], caches[2 * i + 1])
+        return self.model.logits(x)
+
+
+class GraphExporter:
+    """The ModelRunner graph interface, but each call exports its graph with the call's inputs as
+    the example shapes (ModelRunner.warm_up calls every shape once) and returns zeros."""
+
+    def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, directory: Path):
+        self.code = LlamaGraphs(checkpoint, runtime)
+        self.spec, self.topk_buckets = self.code.spec, self.code.topk_buckets
+        self.directory = directory
+        model = self.code.model
+        self.caches = [c for layer in model.layers for c in (layer.k_cache, layer.v_cache)]
+        self.prefill_cell, self.decode_cell = ExportPrefillGraph(model), ExportDecodeGraph(model)
+        self.files: dict[str, list[dict]] = {"prefill_model": [], "decode_model": [],
+                                             "argmax_model": [], "topk_model": []}
+
+    def _export(self, cell: nn.Cell, inputs, name: str, kind: str, **shape) -> None:
+        ms.export(cell, *inputs, file_name=str(self.directory / name), file_format="MINDIR")
+        self.files[kind].append({"file": f"{name}.mindir", **shape})
+
+    def _logits(self, rows: int) -> Tensor:
+        return Tensor(np.zeros((rows, self.spec.vocab_size), np.float32))
+
+    def prefill(self, length: int, *inputs) -> Tensor:
+        self._export(self.prefill_cell, (*inputs, *self.caches), f"prefill_{length}", "prefill_model",
+                     length=length)
+        return self._logits(1)
+
+    def decode(self, rows: int, attend: int, *inputs) -> Tensor:
+        name = f"decode_b{rows}" + (f"_a{attend}" if attend else "")
+        self._export(self.decode_cell, (*inputs, *self.caches), name, "decode_model", rows=rows,
+                     attend=attend)
+        return self._logits(rows)
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        self._export(self.code.argmax_graph, (_any_rows(logits),), "argmax", "argmax_model")
+        return Tensor(np.zeros(logits.shape[0], np.int32))
+
+    def topk(self, k: int, logits: Tensor) -> tuple[Tensor, Tensor]:
+        self._export(self.code.topk_graphs[k], (_any_rows(logits),), f"topk_{k}", "topk_model", k=k)
+        return self._logits(logits.shape[0]), self._logits(logits.shape[0])
+
+    def cache_bytes(self) -> int:
+        return self.code.cache_bytes()
+
+    def write_manifest(self, runtime: RuntimeSection) -> Path:
+        path = self.directory / MANIFEST
+        path.write_text(json.dumps({"spec": json.loads(self.spec.model_dump_json()),
+                                    "runtime": shape_settings(runtime), "graphs": self.files}, indent=1))
+        return path
+
+
+def _any_rows(logits: Tensor) -> Tensor:
+    """The post-process graphs take any number of rows."""
+    return Tensor(shape=[None, logits.shape[1]], dtype=logits.dtype)
+
+
+# --------------------------------------------------------------------------------------- load
+
+class MindIRGraphs:
+    """The ModelRunner graph interface over MindIR files, with the KV cache held here."""
+
+    def __init__(self, files: ModelSection, runtime: RuntimeSection,
+                 progress: Callable[[str], None] = log.info):
+        manifest_path = files.argmax_model.parent / MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise MindIRError(f"cannot read {manifest_path} (tools.export writes it beside the "
+                              f"graphs): {exc}") from exc
+        self.spec = ModelSpec.model_validate(manifest["spec"])
+        _check_runtime(manifest["runtime"], shape_settings(runtime), manifest_path)
+        by_file = {g["file"]: (kind, g) for kind, graphs in manifest["graphs"].items() for g in graphs}
+        listed = {"prefill_model": files.prefill_model, "decode_model": files.decode_model,
+                  "argmax_model": [files.argmax_model], "topk_model": files.topk_model}
+        for kind, paths in listed.items():
+            for path in paths:
+                if by_file.get(path.name, (None,))[0] != kind:
+                    raise MindIRError(f"{path}: not a {kind} graph of the export in {manifest_path.parent}")
+        rows = (self.spec.num_kv_heads * (runtime.num_slots + 1) * runtime.max_seq_len, self.spec.head_dim)
+        self.caches = [Parameter(Tensor(np.zeros(rows, np.float32)), name=f"kv_cache_{i}", requires_grad=False)
+                       for i in range(2 * self.spec.num_layers)]
+        shared: dict[str, Parameter] = {}
+        self.prefill_cells = {by_file[p.name][1]["length"]: self._load(p, shared, progress)
+                              for p in files.prefill_model}
+        self.decode_cells = {(by_file[p.name][1]["rows"], by_file[p.name][1]["attend"]):
+                             self._load(p, shared, progress) for p in files.decode_model}
+        self.argmax_cell = self._load(files.argmax_model, shared, progress)
+        self.topk_cells = {by_file[p.name][1]["k"]: self._load(p, shared, progress) for p in files.topk_model}
+        self.topk_buckets = sorted(self.topk_cells)
+        _check_coverage(self, runtime, manifest_path)
+
+    @staticmethod
+    def _load(path: Path, shared: dict[str, Parameter], progress: Callable[[str], None]) -> nn.GraphCell:
+        if not path.is_file():
+            raise MindIRError(f"MindIR file {path} does not exist")
+        try:
+            cell = nn.GraphCell(ms.load(str(path)))
+        except (RuntimeError, ValueError) as exc:
+            raise MindIRError(f"{path}: cannot load as MindIR ({exc})") from exc
+        for name, param in cell.parameters_dict().items():
+            if name in shared:
+                param.set_data(shared[name])  # one copy of each weight across the files
+            else:
+                shared[name] = param
+        progress(f"loaded {path.name}")
+        return cell
+
+    def prefill(self, length: int, *inputs) -> Tensor:
+        return self.prefill_cells[length](*inputs, *self.caches)
+
+    def decode(self, rows: int, attend: int, *inputs) -> Tensor:
+        return self.decode_cells[(rows, attend)](*inputs, *self.caches)
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        return self.argmax_cell(logits)
+
+    def topk(self, k: int, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return self.topk_cells[k](logits)
+
+    def cache_bytes(self) -> int:
+        return sum(c.size for c in self.caches) * 4
+
+
+def _check_runtime(exported: dict, configured: dict, manifest_path: Path) -> None:
+    differences = [f"{name}: exported {exported.get(name)!r}, configured {value!r}"
+                   for name, value in configured.items() if exported.get(name) != value]
+    if differences:
+        raise MindIRError(f"the runtime section does not match the shapes the MindIR graphs in "
+                          f"{manifest_path.parent} were exported with ({'; '.join(differences)}): "
+                          f"export again with this config, or change the config")
+
+
+def _check_coverage(graphs: MindIRGraphs, runtime: RuntimeSection, manifest_path: Path) -> None:
+    missing = [f"prefill length {n}" for n in runtime.prefill_buckets if n not in graphs.prefill_cells]
+    attends = [0] if runtime.attention_kernel else runtime.attend_buckets
+    missing += [f"decode batch {b}" + (f" attend {a}" if a else "") for b in runtime.decode_batch_buckets
+                for a in attends if (b, a) not in graphs.decode_cells]
+    missing += [f"top-k {k}" for k in topk_buckets(graphs.spec.vocab_size) if k not in graphs.topk_cells]
+    if missing:
+        raise MindIRError(f"the configured MindIR files lack graphs for: {', '.join(missing)} "
+                          f"(all of them are in {manifest_path.parent}; list every file)")

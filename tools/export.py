@@ -1,0 +1,64 @@
+"""Export the model's graphs as MindIR files: prefill and decode per bucket, argmax, top-k per k,
+with manifest.json and the tokenizer files, for agents that run graphs from files (and for
+MindSpore's own deployment tools).
+
+    python -m tools.export [--config config/default.yaml] [--output output/mindir]
+
+The runtime section fixes the shapes: an agent runs the files only with the same num_slots,
+max_seq_len and buckets. The command prints the model-section lines that select the files.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from agent.checkpoint import CheckpointError, load_checkpoint
+from agent.mindir import GraphExporter
+from agent.runner import ModelRunner, configure_mindspore
+from config import ConfigError, load_config
+from config.schema import resolve_path
+from server.tokenizer import TokenizerError, load_tokenizer
+
+
+def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
+    """Write every graph of `config` into `output`; returns the manifest's file lists."""
+    checkpoint = load_checkpoint(config.model.path)
+    tokenizer = load_tokenizer(config.model.path)
+    output.mkdir(parents=True, exist_ok=True)
+    configure_mindspore(config.runtime)
+    exporter = GraphExporter(checkpoint, config.runtime, output)
+    runner = ModelRunner.__new__(ModelRunner)  # its warm-up calls every graph shape once
+    runner._setup(checkpoint.spec, config.runtime, exporter)
+    runner.warm_up(progress)
+    exporter.write_manifest(config.runtime)
+    tokenizer.save(output)
+    return exporter.files
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="config file (default: config/default.yaml)")
+    parser.add_argument("--output", type=Path, default=Path("output/mindir"),
+                        help="directory to write (relative paths: to the project root)")
+    args = parser.parse_args()
+    output = resolve_path(args.output)
+    start = time.perf_counter()
+    try:
+        files = export(load_config(args.config), output)
+    except (ConfigError, CheckpointError, TokenizerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    size = sum(p.stat().st_size for p in output.rglob("*") if p.is_file())
+    print(f"exported to {output} ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f}s; "
+          f"serve them with this model section:\n")
+    print(f"model:\n  path: {output}  # tokenizer files")
+    for kind, graphs in files.items():
+        names = [str(output / g["file"]) for g in graphs]
+        print(f"  {kind}: {names[0]}" if kind == "argmax_model" else f"  {kind}: [{', '.join(names)}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
