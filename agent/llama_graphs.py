@@ -39,8 +39,8 @@ def rope_tables(spec: ModelSpec, max_len: int) -> tuple[np.ndarray, np.ndarray, 
     return cos.astype(np.float32), sin.astype(np.float32), rot
 
 
-def _param(array: np.ndarray, name: str) -> Parameter:
-    return Parameter(Tensor(np.ascontiguousarray(array, dtype=np.float32)), name=name,
+def _param(array: np.ndarray, name: str, dtype=ms.float32) -> Parameter:
+    return Parameter(Tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=dtype), name=name,
                      requires_grad=False)
 
 
@@ -60,10 +60,13 @@ class LlamaLayer(nn.Cell):
     """One decoder layer: its weights, its slice of the KV cache, and the prefill/decode bodies."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, np.ndarray], index: int, cache_rows: int,
-                 max_len: int, attention: ops.Custom | None, matmul: ops.Custom | None):
+                 max_len: int, attention: ops.Custom | None, matmul: ops.Custom | None, dtype=ms.float32):
         super().__init__()
         self.attention = attention
         self.kernel_matmul = matmul
+        # Half precision (Ascend/GPU, or float16 on CPU): weights, activations and cache in `dtype`,
+        # norms and softmax in float32. A constant: the float32 graphs have no casts at all.
+        self.dtype, self.half = dtype, dtype != ms.float32
         t = {name: tensors[f"layers.{index}.{name}"] for name in
              ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")}
         # The attention scale is folded into the Q rows (RoPE is linear, so this commutes).
@@ -82,21 +85,21 @@ class LlamaLayer(nn.Cell):
             bias = np.concatenate([tensors[p + "bq"] * scale, tensors[p + "bk"], tensors[p + "bv"]])
         else:
             bias = np.zeros(self.q_size + 2 * self.kv_size, np.float32)
-        self.bqkv = _param(bias, p + "bqkv")
+        self.bqkv = _param(bias, p + "bqkv", dtype)
         self.wo = weight(t["wo"].T, p + "wo")
         self.ffn_norm = _param(t["ffn_norm"], p + "ffn_norm")
         self.w_gate_up = weight(np.concatenate([t["w_gate"], t["w_up"]]).T, p + "w_gate_up")
         self.w_down = weight(t["w_down"].T, p + "w_down")
         self.hidden = spec.hidden_size
         zeros = np.zeros((cache_rows, spec.head_dim), np.float32)
-        self.k_cache = _param(zeros, p + "k_cache")
-        self.v_cache = _param(zeros, p + "v_cache")
+        self.k_cache = _param(zeros, p + "k_cache", dtype)
+        self.v_cache = _param(zeros, p + "v_cache", dtype)
         self.matmul = ops.MatMul()
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
         self.bmm = ops.BatchMatMul()
 
     def _weight(self, w: np.ndarray, name: str) -> Parameter:
-        return _param(pack_for_kernel(w) if self.kernel_matmul is not None else w, name)
+        return _param(pack_for_kernel(w) if self.kernel_matmul is not None else w, name, self.dtype)
 
     def linear(self, x, w, n: int):
         """x [M, K] @ w -> [M, n]."""
@@ -106,7 +109,16 @@ class LlamaLayer(nn.Cell):
         return y if n % MATMUL_TILE == 0 else y[:, :n]
 
     def rms_norm(self, x, weight):
+        if self.half:
+            x = ops.cast(x, ms.float32)
+            return ops.cast(x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * weight, self.dtype)
         return x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * weight
+
+    def softmax(self, scores, mask):
+        """softmax(scores + mask) over the last axis; the mask is float32 from the host."""
+        if self.half:
+            return ops.cast(ops.softmax(ops.cast(scores, ms.float32) + mask, -1), self.dtype)
+        return ops.softmax(scores + mask, -1)
 
     def qkv(self, x, cos, sin, rot):
         """Norm, fused QKV projection and RoPE on Q and K together. x: [N, D]; cos/sin: [N, 1, hd]."""
@@ -135,7 +147,7 @@ class LlamaLayer(nn.Cell):
         ops.scatter_update(v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))
         q = ops.reshape(q, (-1, self.kv_heads, self.group, self.head_dim))
         q = ops.reshape(ops.transpose(q, (1, 2, 0, 3)), (self.kv_heads, -1, self.head_dim))
-        probs = ops.softmax(self.bmm_t(q, k) + mask, -1)  # [KV, G*S, S]
+        probs = self.softmax(self.bmm_t(q, k), mask)  # [KV, G*S, S]
         out = ops.reshape(self.bmm(probs, v), (self.kv_heads, self.group, -1, self.head_dim))
         out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (-1, self.q_size))
         return self.mlp(x + self.linear(out, self.wo, self.hidden))
@@ -151,7 +163,7 @@ class LlamaLayer(nn.Cell):
         if self.attention is None:
             keys = ops.gather(k_cache, where, 0)  # [B*KV, L, hd]
             values = ops.gather(v_cache, where, 0)
-            probs = ops.softmax(self.bmm_t(q, keys) + extent, -1)  # [B*KV, G, L]
+            probs = self.softmax(self.bmm_t(q, keys), extent)  # [B*KV, G, L]
             out = self.bmm(probs, values)
         else:
             out = self.attention(q, k_cache, v_cache, where, extent)
@@ -163,7 +175,7 @@ class LlamaModel(nn.Cell):
     """Weights, RoPE tables and KV cache, shared by the prefill and decode graphs."""
 
     def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int, attention_kernel: str | None = None,
-                 matmul_kernel: str | None = None):
+                 matmul_kernel: str | None = None, dtype=ms.float32):
         """attention_kernel: the `path:function` of the decode attention kernel, or None for the
         gather path; matmul_kernel: that of the layers' matmul kernel, or None for MindSpore's MatMul."""
         super().__init__()
@@ -176,18 +188,20 @@ class LlamaModel(nn.Cell):
         matmul = None if matmul_kernel is None else ops.Custom(
             matmul_kernel, out_shape=lambda x, w: [x[0], w[0] * w[2]], out_dtype=lambda x, w: x,
             func_type="aot")
-        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, attention, matmul)
+        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, attention, matmul, dtype)
                                    for i in range(spec.num_layers)])
-        self.embed = _param(tensors["embed"], "embed")
+        self.dtype, self.half = dtype, dtype != ms.float32
+        self.embed = _param(tensors["embed"], "embed", dtype)
         self.kernel_matmul = matmul
         if matmul is not None:  # a packed copy: the embedding lookup still needs [vocab, hidden]
             self.lm_head = _param(pack_for_kernel(tensors["embed" if spec.tied_embeddings else "lm_head"].T),
                                   "lm_head_packed")
         else:
-            self.lm_head = self.embed if spec.tied_embeddings else _param(tensors["lm_head"], "lm_head")
+            self.lm_head = self.embed if spec.tied_embeddings else _param(tensors["lm_head"], "lm_head", dtype)
         self.final_norm = _param(tensors["final_norm"], "final_norm")
         cos, sin, rot = rope_tables(spec, max_len)
-        self.cos, self.sin, self.rot = _param(cos, "rope_cos"), _param(sin, "rope_sin"), _param(rot, "rope_rot")
+        self.cos, self.sin = _param(cos, "rope_cos", dtype), _param(sin, "rope_sin", dtype)
+        self.rot = _param(rot, "rope_rot", dtype)
         self.eps = spec.rms_eps
         self.matmul_t = ops.MatMul(transpose_b=True)
 
@@ -198,6 +212,12 @@ class LlamaModel(nn.Cell):
         return x, cos, sin
 
     def logits(self, x):
+        """Float32 logits whatever the model's dtype: the post-process graphs and the host expect them."""
+        if self.half:
+            x = ops.cast(x, ms.float32)
+            x = ops.cast(x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * self.final_norm,
+                         self.dtype)
+            return ops.cast(self.matmul_t(x, self.lm_head), ms.float32)
         x = x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * self.final_norm
         if self.kernel_matmul is None:
             return self.matmul_t(x, self.lm_head)
@@ -207,7 +227,7 @@ class LlamaModel(nn.Cell):
 
     def cache_bytes(self) -> int:
         layer = self.layers[0]
-        return 2 * len(self.layers) * layer.k_cache.size * 4
+        return 2 * len(self.layers) * layer.k_cache.size * (2 if self.half else 4)
 
 
 class PrefillLayer(nn.Cell):
@@ -299,7 +319,8 @@ class LlamaGraphs:
         self.spec = checkpoint.spec
         self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len,
                                 decode_attention_op() if runtime.attention_kernel else None,
-                                skinny_matmul_op() if runtime.matmul_kernel else None)
+                                skinny_matmul_op() if runtime.matmul_kernel else None,
+                                getattr(ms, runtime.dtype))
         self.prefill_graph = PrefillGraph(self.model)
         self.decode_graph = DecodeGraph(self.model)
         self.argmax_graph = ArgmaxGraph()

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 # The runtime settings an exported graph's shapes and host-side inputs depend on.
-SHAPE_FIELDS = ("num_slots", "max_seq_len", "prefill_buckets", "decode_batch_buckets", "attend_buckets")
+SHAPE_FIELDS = ("num_slots", "max_seq_len", "prefill_buckets", "decode_batch_buckets", "attend_buckets",
+                "dtype")
 
 
 class MindIRError(ValueError):
@@ -135,17 +136,28 @@ def _any_rows(logits: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------------------- load
 
+def read_manifest(files: ModelSection) -> dict:
+    """manifest.json beside the configured files (tools.export writes it there)."""
+    path = files.argmax_model.parent / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise MindIRError(f"cannot read {path} (tools.export writes it beside the graphs): {exc}") from exc
+    manifest["path"] = path
+    return manifest
+
+
+def read_spec(files: ModelSection) -> ModelSpec:
+    return ModelSpec.model_validate(read_manifest(files)["spec"])
+
+
 class MindIRGraphs:
     """The ModelRunner graph interface over MindIR files, with the KV cache held here."""
 
     def __init__(self, files: ModelSection, runtime: RuntimeSection,
                  progress: Callable[[str], None] = log.info):
-        manifest_path = files.argmax_model.parent / MANIFEST
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise MindIRError(f"cannot read {manifest_path} (tools.export writes it beside the "
-                              f"graphs): {exc}") from exc
+        manifest = read_manifest(files)
+        manifest_path = manifest["path"]
         self.spec = ModelSpec.model_validate(manifest["spec"])
         _check_runtime(manifest["runtime"], shape_settings(runtime), manifest_path)
         by_file = {g["file"]: (kind, g) for kind, graphs in manifest["graphs"].items() for g in graphs}
@@ -156,7 +168,8 @@ class MindIRGraphs:
                 if by_file.get(path.name, (None,))[0] != kind:
                     raise MindIRError(f"{path}: not a {kind} graph of the export in {manifest_path.parent}")
         rows = (self.spec.num_kv_heads * (runtime.num_slots + 1) * runtime.max_seq_len, self.spec.head_dim)
-        self.caches = [Parameter(Tensor(np.zeros(rows, np.float32)), name=f"kv_cache_{i}", requires_grad=False)
+        self.caches = [Parameter(Tensor(np.zeros(rows, np.float32), dtype=getattr(ms, runtime.dtype)),
+                                 name=f"kv_cache_{i}", requires_grad=False)
                        for i in range(2 * self.spec.num_layers)]
         shared: dict[str, Parameter] = {}
         self.prefill_cells = {by_file[p.name][1]["length"]: self._load(p, shared, progress)
@@ -197,7 +210,7 @@ class MindIRGraphs:
         return self.topk_cells[k](logits)
 
     def cache_bytes(self) -> int:
-        return sum(c.size for c in self.caches) * 4
+        return sum(c.size * c.itemsize for c in self.caches)
 
 
 def _check_runtime(exported: dict, configured: dict, manifest_path: Path) -> None:

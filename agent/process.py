@@ -16,6 +16,8 @@ import traceback
 import zmq
 
 from agent.checkpoint import load_checkpoint
+from agent.memory_plan import resolve_runtime
+from agent.mindir import read_spec
 from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
 from agent.service import AgentService
 from agent.transport import secure_agent_socket
@@ -74,6 +76,7 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
              config.model.path)
     start = time.perf_counter()
     if config.model.uses_mindir:
+        runtime = resolve_runtime(read_spec(config.model), runtime, log.info)
         configure_mindspore(runtime, device_id)
         runner = ModelRunner.from_mindir(config.model, runtime)
         log.info("MindIR graphs loaded in %.1fs (%.1fM parameters)", time.perf_counter() - start,
@@ -82,6 +85,7 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         checkpoint = load_checkpoint(config.model.path)
         log.info("weights loaded in %.1fs (%s, %.1fM parameters)", time.perf_counter() - start,
                  checkpoint.format, checkpoint.spec.parameter_count() / 1e6)
+        runtime = resolve_runtime(checkpoint.spec, runtime, log.info)
         configure_mindspore(runtime, device_id, compile_cache_dir(checkpoint, runtime, f"rank_{rank}"))
         runner = ModelRunner(checkpoint, runtime)
     log.info("KV cache: %d slots x %d positions, %.0f MB", runtime.num_slots, runtime.max_seq_len,

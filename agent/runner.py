@@ -89,7 +89,12 @@ class ModelRunner:
         """Run the graphs of MindIR files (config.schema.MindIRFiles) written by tools.export."""
         from agent.mindir import MindIRGraphs
 
-        graphs = MindIRGraphs(files, runtime)
+        return cls.over(MindIRGraphs(files, runtime), runtime)
+
+    @classmethod
+    def over(cls, graphs, runtime: RuntimeSection) -> "ModelRunner":
+        """A runner over any graph set with LlamaGraphs' interface and a `spec` (MindIR files,
+        agent.mindir.GraphExporter)."""
         runner = cls.__new__(cls)
         runner._setup(graphs.spec, runtime, graphs)
         return runner

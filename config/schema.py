@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -90,9 +90,19 @@ class RuntimeSection(Section):
         return self.matmul == "kernel" or (self.matmul == "auto" and self.device_target == "CPU")
 
     device_target: Literal["CPU", "Ascend", "GPU"] = "CPU"
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32", description="weights, activations and KV cache; half types on Ascend/GPU (float16 "
+                               "also on CPU with matmul: mindspore and decode_attention: gather)")
     cpu_threads: int | None = Field(None, ge=1, description="MindSpore CPU op threads; None: its default")
-    num_slots: int = Field(16, ge=1, description="KV-cache slots = most sequences decoded at once")
-    max_seq_len: int = Field(2048, ge=2, description="positions per slot: prompt + generated tokens")
+    num_slots: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        16, description="KV-cache slots = most sequences decoded at once; auto: as many as "
+                        "memory_budget_mb holds (up to the largest decode batch bucket)")
+    max_seq_len: Annotated[int, Field(ge=2)] | Literal["auto"] = Field(
+        2048, description="positions per slot: prompt + generated tokens; auto: the model's "
+                          "context length, shortened to what memory_budget_mb holds")
+    memory_budget_mb: int | None = Field(
+        None, ge=1, description="device memory for weights + KV cache + working memory per agent; "
+                                "the agent plans num_slots/max_seq_len from it and logs the plan")
     # The largest prefill bucket is the longest prompt accepted. Prefill memory grows with its
     # square (the attention scores of all layers stay allocated), so keep it well below max_seq_len.
     prefill_buckets: list[int] = Field(default_factory=lambda: [32, 64, 128, 512])
@@ -116,6 +126,11 @@ class RuntimeSection(Section):
     def _cache_absolute(cls, path: Path | None) -> Path | None:
         return None if path is None else resolve_path(path)
 
+    @property
+    def planned(self) -> bool:
+        """num_slots and max_seq_len are numbers (agent.memory_plan resolves "auto")."""
+        return self.num_slots != "auto" and self.max_seq_len != "auto"
+
     @model_validator(mode="after")
     def _buckets_cover_limits(self) -> "RuntimeSection":
         if self.decode_attention == "kernel" and self.device_target != "CPU":
@@ -123,6 +138,16 @@ class RuntimeSection(Section):
                              f"{self.device_target}")
         if self.matmul == "kernel" and self.device_target != "CPU":
             raise ValueError(f"matmul: kernel is a CPU kernel; use mindspore on {self.device_target}")
+        if self.device_target == "CPU" and self.dtype == "bfloat16":
+            raise ValueError("dtype bfloat16 has no MindSpore CPU kernels; use float32 (or float16)")
+        if self.device_target == "CPU" and self.dtype == "float16" and (
+                self.attention_kernel or self.matmul_kernel):
+            raise ValueError("dtype float16 on CPU needs matmul: mindspore and decode_attention: gather "
+                             "(the custom CPU kernels compute in float32)")
+        if not self.planned:
+            if self.memory_budget_mb is None:
+                raise ValueError("num_slots/max_seq_len auto need memory_budget_mb")
+            return self  # checked again once planned
         if self.attend_buckets[-1] != self.max_seq_len:
             raise ValueError(f"the largest of attend_buckets must equal max_seq_len "
                              f"({self.max_seq_len}), got {self.attend_buckets}")

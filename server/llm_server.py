@@ -115,6 +115,11 @@ class LLMServer:
         m.slots_total.set_function(lambda: sum(
             c.num_slots for c, ok in zip(self.capacities, self.scheduler.healthy) if ok) if self.scheduler else 0)
 
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence any agent holds (their runtime may have planned it)."""
+        return max(c.max_seq_len for c in self.capacities)
+
     # ------------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:

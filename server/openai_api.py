@@ -150,7 +150,7 @@ def openai_router(config: ServingConfig, tokenizer: TextTokenizer, llm_server: L
     async def completions(req: CompletionRequest = Depends(json_body(CompletionRequest))):
         check(req)
         prompt = tokenizer.encode(req.text)
-        return await respond(req, prompt, req.max_tokens or config.runtime.max_seq_len, chat=False)
+        return await respond(req, prompt, req.max_tokens or llm_server.max_seq_len, chat=False)
 
     @router.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest = Depends(json_body(ChatCompletionRequest))):
@@ -159,7 +159,7 @@ def openai_router(config: ServingConfig, tokenizer: TextTokenizer, llm_server: L
             prompt = tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
         except TokenizerError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
-        max_tokens = req.max_completion_tokens or req.max_tokens or config.runtime.max_seq_len
+        max_tokens = req.max_completion_tokens or req.max_tokens or llm_server.max_seq_len
         return await respond(req, prompt, max_tokens, chat=True)
 
     return router

@@ -219,3 +219,23 @@ def test_curve_agent_serves_the_configured_server_key_only(launch, tiny_llama_di
         asyncio.run(info(intruder))
     assert "refused a CURVE client with an unknown public key" in \
         (launcher.config_path.parent / "logs" / "agent_0.log").read_text()
+
+
+def test_agent_plans_its_slots_from_the_memory_budget_and_logs_the_plan(launch, tiny_llama_dir, tmp_path):
+    """num_slots: auto with a budget: the agent computes the slots, logs the plan, and reports the
+    planned count to the server (info); a budget too small fails start-up naming the sizes."""
+    runtime = {"num_slots": "auto", "memory_budget_mb": 2, "decode_batch_buckets": [1, 2, 4, 8]}
+    launcher, ports = launch(tiny_llama_dir, runtime=runtime)
+    launcher.wait_for("all agents started", START_TIMEOUT)
+    log = (tmp_path / "logs" / "agent_0.log").read_text()
+    plan = next(line for line in log.splitlines() if "memory plan:" in line)
+    slots = int(plan.split(" slots (+1 scratch)")[0].rsplit(" ", 1)[1])
+    assert "weights" in plan and "of a 2 MB budget" in plan and 1 <= slots <= 8
+    info, _ = AgentSocket(ports[0]).call("info")
+    assert info["num_slots"] == slots
+    launcher.close()
+
+    failing, _ = launch(tiny_llama_dir, runtime={"num_slots": 4, "max_seq_len": 8192, "memory_budget_mb": 1,
+                                                 "attend_buckets": [8192]})
+    assert failing.process.wait(START_TIMEOUT) != 0
+    assert "num_slots 4 x max_seq_len 8192 needs 20 MB of KV cache" in failing.output()

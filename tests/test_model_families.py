@@ -51,6 +51,13 @@ def test_family_logits_match_reference(family, tmp_path):
     # Positions beyond the scaled RoPE's original 32 positions exercise the llama3 blend.
     diffs = compare_logits(runner, ref.load_hf_reference(directory), prompt, slot=0, steps=24)
     assert max(diffs) < 1e-3, diffs
+    # The MindSpore checkpoint of this family holds exactly these weights and this spec.
+    ckpt = tmp_path / f"{family}.ckpt"
+    ms_ckpt.save(checkpoint, ckpt, progress=lambda items: items)
+    reloaded = load_checkpoint(ckpt)
+    assert reloaded.spec == checkpoint.spec and reloaded.tensors.keys() == checkpoint.tensors.keys()
+    for name, tensor in checkpoint.tensors.items():
+        np.testing.assert_array_equal(reloaded.tensors[name], tensor, err_msg=name)
 
 
 def test_rope_scaling_changes_the_frequencies(tmp_path):

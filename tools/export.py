@@ -4,8 +4,8 @@ MindSpore's own deployment tools).
 
     python -m tools.export [--config config/default.yaml] [--output output/mindir]
 
-The runtime section fixes the shapes: an agent runs the files only with the same num_slots,
-max_seq_len and buckets. The command prints the model-section lines that select the files.
+The runtime section fixes the shapes (num_slots/max_seq_len "auto" are planned first): an agent
+runs the files only with the same num_slots, max_seq_len and buckets. The command prints the model-section lines that select the files.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from agent.checkpoint import CheckpointError, load_checkpoint
+from agent.memory_plan import MemoryPlanError, resolve_runtime
 from agent.mindir import GraphExporter
 from agent.runner import ModelRunner, configure_mindspore
 from config import ConfigError, load_config
@@ -26,13 +27,12 @@ def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
     """Write every graph of `config` into `output`; returns the manifest's file lists."""
     checkpoint = load_checkpoint(config.model.path)
     tokenizer = load_tokenizer(config.model.path)
+    runtime = resolve_runtime(checkpoint.spec, config.runtime, progress)
     output.mkdir(parents=True, exist_ok=True)
-    configure_mindspore(config.runtime)
-    exporter = GraphExporter(checkpoint, config.runtime, output)
-    runner = ModelRunner.__new__(ModelRunner)  # its warm-up calls every graph shape once
-    runner._setup(checkpoint.spec, config.runtime, exporter)
-    runner.warm_up(progress)
-    exporter.write_manifest(config.runtime)
+    configure_mindspore(runtime)
+    exporter = GraphExporter(checkpoint, runtime, output)
+    ModelRunner.over(exporter, runtime).warm_up(progress)  # the warm-up calls every graph shape once
+    exporter.write_manifest(runtime)
     tokenizer.save(output)
     return exporter.files
 
@@ -47,7 +47,7 @@ def main() -> int:
     start = time.perf_counter()
     try:
         files = export(load_config(args.config), output)
-    except (ConfigError, CheckpointError, TokenizerError) as exc:
+    except (ConfigError, CheckpointError, TokenizerError, MemoryPlanError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     size = sum(p.stat().st_size for p in output.rglob("*") if p.is_file())

@@ -9,6 +9,7 @@ import sys
 import time
 
 from agent.checkpoint import CheckpointError, load_checkpoint
+from agent.memory_plan import MemoryPlanError, resolve_runtime
 from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
 from agent.sampling import SamplingParams
 from config import ConfigError, load_config
@@ -34,10 +35,10 @@ def main() -> int:
         checkpoint = load_checkpoint(config.model.path)
         tokenizer = load_tokenizer(config.model.path)
         tokenizer.check_fits(checkpoint.spec.vocab_size)
-    except (ConfigError, CheckpointError) as exc:
+        runtime = resolve_runtime(checkpoint.spec, config.runtime, print)
+    except (ConfigError, CheckpointError, MemoryPlanError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    runtime = config.runtime
     configure_mindspore(runtime, compile_cache=compile_cache_dir(checkpoint, runtime, "generate"))
     runner = ModelRunner(checkpoint, runtime)
     sampling = SamplingParams(do_sample=args.do_sample, temperature=args.temperature,

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from agent.checkpoint import CheckpointError, load_checkpoint
+from agent.memory_plan import MemoryPlanError, resolve_runtime
 from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
 from config import PROJECT_ROOT, ConfigError, load_config
 
@@ -76,7 +77,11 @@ def main() -> int:
     load_s = time.perf_counter() - start
     print(f"loaded {checkpoint.spec.name} in {load_s:.1f}s", flush=True)
     if args.warm_up:
-        runtime = config.runtime
+        try:
+            runtime = resolve_runtime(checkpoint.spec, config.runtime, print)
+        except MemoryPlanError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         configure_mindspore(runtime, compile_cache=compile_cache_dir(checkpoint, runtime, "bench"))
         runner = ModelRunner(checkpoint, runtime)
         results = {"load_s": load_s, "warm_up_s": runner.warm_up(print)}

@@ -1,0 +1,106 @@
+"""Memory planning (agent/memory_plan.py) and half precision: sizes from the model's spec, slots and
+lengths from a budget, clear refusals, and a float16 runner against the numpy reference."""
+import numpy as np
+import pytest
+
+import reference_numpy as ref
+from agent.checkpoint import load_checkpoint
+from agent.memory_plan import MB, MemoryPlanError, plan_memory
+from agent.runner import ModelRunner
+from agent.sampling import SamplingParams
+from config.schema import RuntimeSection
+from conftest import TINY_RUNTIME
+from server.tokenizer import load_tokenizer
+
+BUDGETED = dict(prefill_buckets=[32, 64], decode_batch_buckets=[1, 4, 8, 16],
+                attend_buckets=[256, 512, 2048], compile_cache_dir=None)
+
+
+def test_plan_sizes_come_from_the_spec(default_model_path):
+    spec = load_checkpoint(default_model_path).spec
+    runtime = RuntimeSection(num_slots=8, max_seq_len=2048, **BUDGETED)
+    resolved, plan = plan_memory(spec, runtime)
+    assert (resolved.num_slots, resolved.max_seq_len, plan.budget_mb) == (8, 2048, None)
+    # SmolLM2-135M: 30 layers x 2 x 3 KV heads x 64 x 4 bytes = 46080 bytes per position.
+    assert plan.kv_mb_per_slot == pytest.approx(46080 * 2048 / MB)
+    # 134.5M fp32 parameters + the matmul kernel's packed copy of the tied 49152 x 576 head.
+    assert plan.weights_mb == pytest.approx((spec.parameter_count() + 49152 * 576) * 4 / MB)
+    assert "memory plan: weights 621 MB, KV 90.0 MB per slot of 2048 positions x 8 slots" in plan.describe()
+
+
+def test_auto_slots_fill_the_budget_up_to_the_largest_batch(default_model_path):
+    spec = load_checkpoint(default_model_path).spec
+    runtime = RuntimeSection(num_slots="auto", max_seq_len=2048, memory_budget_mb=1500, **BUDGETED)
+    resolved, plan = plan_memory(spec, runtime)
+    expected = int((1500 - plan.weights_mb - plan.working_mb) // plan.kv_mb_per_slot) - 1
+    assert resolved.num_slots == plan.num_slots == expected and 1 <= expected < 16
+    assert plan.total_mb <= 1500 < plan.total_mb + plan.kv_mb_per_slot
+    big = plan_memory(spec, runtime.model_copy(update={"memory_budget_mb": 100_000}))[0]
+    assert big.num_slots == 16  # capped: a decode step never runs more rows
+
+
+def test_auto_length_is_the_context_shortened_to_the_budget(default_model_path):
+    spec = load_checkpoint(default_model_path).spec  # trained context 8192
+    roomy = RuntimeSection(num_slots=4, max_seq_len="auto", memory_budget_mb=100_000, **BUDGETED)
+    assert plan_memory(spec, roomy)[0].max_seq_len == spec.max_context == 8192
+    tight = roomy.model_copy(update={"memory_budget_mb": 1200})
+    resolved, plan = plan_memory(spec, tight)
+    assert resolved.max_seq_len % 256 == 0 and 512 <= resolved.max_seq_len < 8192
+    assert resolved.attend_buckets[-1] == resolved.max_seq_len
+    assert plan.total_mb <= 1200
+
+
+def test_budgets_too_small_are_refused_with_the_sizes(default_model_path):
+    spec = load_checkpoint(default_model_path).spec
+    with pytest.raises(MemoryPlanError, match=r"does not hold the weights \(621 MB\)"):
+        plan_memory(spec, RuntimeSection(num_slots="auto", memory_budget_mb=500, **BUDGETED))
+    with pytest.raises(MemoryPlanError, match="num_slots 16 x max_seq_len 2048 needs 1530 MB"):
+        plan_memory(spec, RuntimeSection(num_slots=16, memory_budget_mb=1000, **BUDGETED))
+    with pytest.raises(ValueError, match="auto need memory_budget_mb"):
+        RuntimeSection(num_slots="auto")
+
+
+def test_float16_is_half_the_memory():
+    runtime = RuntimeSection(dtype="float16", matmul="mindspore", decode_attention="gather")
+    with pytest.raises(ValueError, match="float16 on CPU needs matmul: mindspore"):
+        RuntimeSection(dtype="float16")
+    with pytest.raises(ValueError, match="bfloat16 has no MindSpore CPU kernels"):
+        RuntimeSection(dtype="bfloat16", matmul="mindspore", decode_attention="gather")
+    assert runtime.dtype == "float16"
+
+
+def test_float16_runner_follows_the_reference(tiny_llama_dir):
+    """The half-precision graphs (what Ascend runs) on CPU: logits within fp16 rounding of the fp64
+    reference, the same greedy tokens, and a KV cache of half the bytes."""
+    runtime = TINY_RUNTIME.model_copy(update={"dtype": "float16", "matmul": "mindspore",
+                                              "decode_attention": "gather"})
+    checkpoint = load_checkpoint(tiny_llama_dir)
+    half = ModelRunner(checkpoint, runtime)
+    full = ModelRunner(checkpoint, TINY_RUNTIME.model_copy(update={"decode_attention": "gather"}))
+    assert half.graphs.cache_bytes() * 2 == full.graphs.cache_bytes()
+    prompt = load_tokenizer(tiny_llama_dir).encode("The capital of France is Paris.")
+    reference = ref.load_hf_reference(tiny_llama_dir)
+    got = half.run_prefill_graph(0, np.asarray(prompt), 64).asnumpy()[0]
+    want = ref.forward(reference, prompt, ref.RefCache())[-1]
+    assert got.dtype == np.float32
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+    tokens = [half.prefill(1, prompt, SamplingParams())] + [half.decode([1])[0] for _ in range(8)]
+    assert tokens == ref.greedy(reference, prompt, 9)
+
+
+def test_shipped_ascend_example_plans_llama2_7b_into_its_budget():
+    """config/llama2_7b_ascend.yaml with Llama-2-7B's published sizes (no NPU here to run it)."""
+    from agent.model_spec import ModelSpec
+    from config import load_config
+    from config.schema import PROJECT_ROOT
+
+    config = load_config(PROJECT_ROOT / "config" / "llama2_7b_ascend.yaml")
+    assert (config.runtime.device_target, config.runtime.dtype) == ("Ascend", "float16")
+    llama2_7b = ModelSpec(architecture="llama", name="Llama-2-7b", num_layers=32, hidden_size=4096,
+                          num_heads=32, num_kv_heads=32, head_dim=128, intermediate_size=11008,
+                          vocab_size=32000, rope_theta=10000.0, rms_eps=1e-5, tied_embeddings=False,
+                          qkv_bias=False, max_context=4096, bos_id=1, eos_ids=(2,))
+    resolved, plan = plan_memory(llama2_7b, config.runtime)
+    assert plan.weights_mb == pytest.approx(6738.4e6 * 2 / MB, rel=1e-3)  # 6.74B parameters
+    assert plan.kv_mb_per_slot == 1024  # 32 layers x 2 x 4096 x 2 bytes x 2048 positions
+    assert 8 <= resolved.num_slots <= 16 and plan.total_mb <= 28000
