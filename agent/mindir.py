@@ -11,6 +11,7 @@ which file is which graph) and the tokenizer files; tools.export writes it.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 from pathlib import Path
@@ -194,6 +195,7 @@ class MindIRGraphs:
                 param.set_data(shared[name])  # one copy of each weight across the files
             else:
                 shared[name] = param
+        _return_freed_memory()
         progress(f"loaded {path.name}")
         return cell
 
@@ -211,6 +213,15 @@ class MindIRGraphs:
 
     def cache_bytes(self) -> int:
         return sum(c.size * c.itemsize for c in self.caches)
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps the freed blocks of a file's discarded weight copy in its heap (measured: +780 MB
+    for the default model, 8 files); malloc_trim hands them back to the OS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim
 
 
 def _check_runtime(exported: dict, configured: dict, manifest_path: Path) -> None:
