@@ -3,7 +3,7 @@
     POST /models/{model}                  stream or not, per the body's "stream"
     POST /models/{model}/generate         one line {"generated_text": ...}
     POST /models/{model}/generate_stream  SSE (return_protocol "sse") or `data:` lines
-    GET  /serving/get_bs                  one SSE event: running batch size
+    GET  /serving/get_bs[?group=N]        one SSE event: running batch size (of one group)
     GET  /serving/get_request_numbers     one SSE event: waiting requests
 
 An SSE event's data is the JSON {"event": "message", "retry": 30000, "data": ...}, as upstream sends it.
@@ -164,8 +164,11 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, llm_server: LLMS
         yield sse_message(value)
 
     @app.get("/serving/get_bs")
-    async def get_bs():
-        return EventSourceResponse(one_event(llm_server.get_bs_current()))
+    async def get_bs(group: int | None = None):
+        """?group=N: that replica's batch (group N is the agent of port N in agents.ports)."""
+        if group is not None and not 0 <= group < len(llm_server.clients):
+            raise ApiError(400, f"group {group} does not exist (groups: 0..{len(llm_server.clients) - 1})")
+        return EventSourceResponse(one_event(llm_server.get_bs_current(group)))
 
     @app.get("/serving/get_request_numbers")
     async def get_request_numbers():

@@ -114,6 +114,9 @@ class LLMServer:
         m.tokens_in_flight.set_function(lambda: self.scheduler.tokens_in_flight if self.scheduler else 0)
         m.slots_total.set_function(lambda: sum(
             c.num_slots for c, ok in zip(self.capacities, self.scheduler.healthy) if ok) if self.scheduler else 0)
+        for group in range(len(self.clients)):
+            m.group_running.labels(str(group)).set_function(lambda g=group: self.get_bs_current(g))
+            m.group_slots.labels(str(group)).set_function(lambda g=group: self.group_slots(g))
 
     @property
     def max_seq_len(self) -> int:
@@ -196,8 +199,19 @@ class LLMServer:
                 down.append(client.address)
         return f"agents not answering: {', '.join(down)}" if down else None
 
-    def get_bs_current(self) -> int:
-        return self.scheduler.num_running if self.scheduler else 0
+    def get_bs_current(self, group: int | None = None) -> int:
+        """Running sequences, in total or of one group (a replica: one agent, for now)."""
+        if self.scheduler is None:
+            return 0
+        if group is None:
+            return self.scheduler.num_running
+        return sum(1 for seq in self.scheduler.running.values() if seq.agent == group)
+
+    def group_slots(self, group: int) -> int:
+        """KV slots of a group while it is healthy, else 0."""
+        if self.scheduler is None or not self.scheduler.healthy[group]:
+            return 0
+        return self.capacities[group].num_slots
 
     def get_queue_current(self) -> int:
         return self.scheduler.num_waiting if self.scheduler else 0

@@ -18,6 +18,11 @@ class ServingMetrics:
         self.waiting = Gauge(p + "waiting_requests", "Requests waiting for a slot", registry=r)
         self.slots_used = Gauge(p + "slots_used", "KV-cache slots holding a sequence", registry=r)
         self.slots_total = Gauge(p + "slots", "KV-cache slots on healthy agents", registry=r)
+        # Per group (a model replica; group N is the agent of port N in agents.ports).
+        self.group_running = Gauge(p + "group_running_sequences", "Sequences in a group's batch",
+                                   ["group"], registry=r)
+        self.group_slots = Gauge(p + "group_slots", "KV-cache slots of a group while it is healthy",
+                                 ["group"], registry=r)
         self.open_streams = Gauge(p + "open_streams", "Answer streams their clients have not yet "
                                   "finished reading or closed", registry=r)
         self.tokens_in_flight = Gauge(p + "tokens_in_flight", "Prompt + max_new_tokens of every "

@@ -51,6 +51,9 @@ def ops_router(config: ServingConfig, llm_server: LLMServer) -> APIRouter:
             "max_total_tokens": min((c.max_seq_len for c in llm_server.capacities), default=None),
             "slots": sum(c.num_slots for c in llm_server.capacities),
             "agents": [c.address for c in llm_server.clients],
+            "groups": [{"group": i, "role": "mixed", "agents": [client.address],
+                        "slots": llm_server.group_slots(i), "running": llm_server.get_bs_current(i)}
+                       for i, client in enumerate(llm_server.clients)],
             "max_waiting_requests": config.server.max_waiting_requests,
         }
 
