@@ -53,6 +53,7 @@ def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) 
     port = config.agents.ports[rank]
     log = setup_logging(config.logging, log_filename(rank))
     try:
+        _pin_cpus(config, rank, log)
         socket, service, warm_up_s, authenticator = _start(config, rank, port, log)
     except Exception as exc:
         log.error("start-up failed: %s\n%s", exc, traceback.format_exc())
@@ -67,6 +68,20 @@ def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) 
         if authenticator is not None:
             authenticator.stop()
         log.info("agent rank %d stopped", rank)
+
+
+def _pin_cpus(config: ServingConfig, rank: int, log: logging.Logger) -> None:
+    """Before any graph runs: MindSpore's workers and the kernels' OpenMP team size themselves
+    from the CPUs this process may use."""
+    if config.agents.cpu_affinity is None:
+        return
+    cpus = config.agents.cpu_affinity[rank]
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        raise RuntimeError(f"cannot run agent rank {rank} on CPUs {cpus} (agents.cpu_affinity): "
+                           f"{exc.strerror}; this machine has CPUs {sorted(os.sched_getaffinity(0))}") from exc
+    log.info("agent rank %d runs on CPUs %s", rank, cpus)
 
 
 def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):

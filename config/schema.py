@@ -190,6 +190,8 @@ class AgentsSection(Section):
     max_restarts: int = Field(3, ge=0, description="restarts per agent before the launcher gives up")
     curve: CurveSection | None = Field(None, description="CURVE encryption and authentication of "
                                        "the agents' sockets; required off loopback")
+    cpu_affinity: list[list[int]] | None = Field(
+        None, description="per agent (rank order), the CPU ids it may run on; none: all of them")
 
     @field_validator("ports")
     @classmethod
@@ -199,6 +201,15 @@ class AgentsSection(Section):
         if len(set(ports)) != len(ports) or any(not 0 < p < 65536 for p in ports):
             raise ValueError(f"ports must be distinct and in 1..65535, got {ports}")
         return ports
+
+    @model_validator(mode="after")
+    def _one_cpu_set_per_agent(self) -> "AgentsSection":
+        sets = self.cpu_affinity
+        if sets is not None and (len(sets) != len(self.ports) or not all(sets)
+                                 or any(cpu < 0 for cpus in sets for cpu in cpus)):
+            raise ValueError(f"cpu_affinity needs one non-empty list of CPU ids per agent port "
+                             f"({len(self.ports)}), got {sets}")
+        return self
 
     @model_validator(mode="after")
     def _curve_off_loopback(self) -> "AgentsSection":

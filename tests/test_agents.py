@@ -239,3 +239,20 @@ def test_agent_plans_its_slots_from_the_memory_budget_and_logs_the_plan(launch, 
                                                  "attend_buckets": [8192]})
     assert failing.process.wait(START_TIMEOUT) != 0
     assert "num_slots 4 x max_seq_len 8192 needs 20 MB of KV cache" in failing.output()
+
+
+def test_agents_run_on_their_configured_cpus(launch, tiny_llama_dir):
+    """agents.cpu_affinity: each agent process (and so its MindSpore and kernel threads) stays on
+    its CPUs; a CPU the machine lacks fails start-up naming it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    sets = [[cpus[0]], [cpus[-1]]]
+    launcher, _ = launch(tiny_llama_dir, 2, agents={"cpu_affinity": sets})
+    launcher.wait_for("all agents started", START_TIMEOUT)
+    pids = launcher.agent_pids()
+    assert len(pids) == 2
+    assert sorted(psutil.Process(pid).cpu_affinity() for pid in pids) == sorted(sets)
+    launcher.close()
+
+    failing, _ = launch(tiny_llama_dir, agents={"cpu_affinity": [[4096]]})
+    assert failing.process.wait(START_TIMEOUT) != 0
+    assert "cannot run agent rank 0 on CPUs [4096] (agents.cpu_affinity)" in failing.output()

@@ -27,6 +27,7 @@ def test_default_config_serves_the_embedded_model_on_cpu():
     ("- a list\n", "mapping"),
     ("runtime: [unclosed\n", "not valid YAML"),
     ("agents:\n  host: 0.0.0.0\n", "reachable from other machines: set agents.curve"),
+    ("agents:\n  ports: [9820, 9821]\n  cpu_affinity: [[0]]\n", "one non-empty list of CPU ids per agent"),
     ("agents:\n  curve: {agent_public_key: short, agent_secret_key: x, server_public_key: x, "
      "server_secret_key: x}\n", "40-character Z85 key"),
 ])
