@@ -149,6 +149,8 @@ class AgentClient:
         await self.call("ping", timeout_s=timeout_s)
 
     def close(self) -> None:
+        if self.socket.closed:
+            return
         self.socket.disable_monitor()
         self.monitor.close(linger=0)
         self.socket.close(linger=0)

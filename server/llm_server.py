@@ -175,6 +175,9 @@ class LLMServer:
         await self.stop()
 
     async def stop(self) -> None:
+        """Idempotent: a SIGTERM drain stops the server, then uvicorn's lifespan exit calls it again."""
+        if self._stopping:
+            return
         self._stopping = True
         self._wake.set()
         for task in self._recoveries.values():

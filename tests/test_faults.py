@@ -201,9 +201,11 @@ def test_overload_refuses_the_excess_at_once_and_finishes_everything_admitted(st
 def test_sigterm_to_the_server_leaves_the_agents_and_a_new_server_serves(stack):
     base, agents, server = stack["base"], stack["agents"], stack["server"]
     agent_pids = agents.agent_pids()
+    assert httpx.get(f"{base}/ready").status_code == 200  # a supervisor's probe (it once broke the shutdown)
     requests = start_mixed_load(base, n_streams=2, n_plain=0)
     how = supervised_stop(server.process, grace_s=60)
     assert how == ("exited", 0), how
+    assert "Traceback" not in server.output() and "shutdown failed" not in server.output()
     for r in requests:
         r.join(10)
         assert r.events[-1]["event"] == "message"  # finished within the drain
