@@ -44,6 +44,15 @@ def _param(array: np.ndarray, name: str, dtype=ms.float32) -> Parameter:
                      requires_grad=False)
 
 
+def rms_norm(x, weight, eps: float, dtype, half: bool):
+    """x / rms(x) * weight over the last axis; in half precision computed in float32 and cast back
+    to `dtype` (a square of a large float16 activation overflows)."""
+    if half:
+        x = ops.cast(x, ms.float32)
+        return ops.cast(x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + eps) * weight, dtype)
+    return x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + eps) * weight
+
+
 MATMUL_TILE = 32  # columns per packed tile of agent/kernels/skinny_matmul.cc
 
 
@@ -108,12 +117,6 @@ class LlamaLayer(nn.Cell):
         y = self.kernel_matmul(x, w)
         return y if n % MATMUL_TILE == 0 else y[:, :n]
 
-    def rms_norm(self, x, weight):
-        if self.half:
-            x = ops.cast(x, ms.float32)
-            return ops.cast(x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * weight, self.dtype)
-        return x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * weight
-
     def softmax(self, scores, mask):
         """softmax(scores + mask) over the last axis; the mask is float32 from the host."""
         if self.half:
@@ -122,7 +125,7 @@ class LlamaLayer(nn.Cell):
 
     def qkv(self, x, cos, sin, rot):
         """Norm, fused QKV projection and RoPE on Q and K together. x: [N, D]; cos/sin: [N, 1, hd]."""
-        h = self.rms_norm(x, self.attn_norm)
+        h = rms_norm(x, self.attn_norm, self.eps, self.dtype, self.half)
         qkv = self.linear(h, self.wqkv, self.q_size + 2 * self.kv_size)
         if self.has_bias:
             qkv = qkv + self.bqkv
@@ -133,7 +136,7 @@ class LlamaLayer(nn.Cell):
         return q, k, ops.reshape(v, (-1, self.kv_heads, self.head_dim))
 
     def mlp(self, x):
-        h = self.rms_norm(x, self.ffn_norm)
+        h = rms_norm(x, self.ffn_norm, self.eps, self.dtype, self.half)
         gate, up = ops.split(self.linear(h, self.w_gate_up, 2 * self.ffn), self.ffn, 1)
         return x + self.linear(ops.silu(gate) * up, self.w_down, self.hidden)
 
@@ -213,12 +216,9 @@ class LlamaModel(nn.Cell):
 
     def logits(self, x):
         """Float32 logits whatever the model's dtype: the post-process graphs and the host expect them."""
+        x = rms_norm(x, self.final_norm, self.eps, self.dtype, self.half)
         if self.half:
-            x = ops.cast(x, ms.float32)
-            x = ops.cast(x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * self.final_norm,
-                         self.dtype)
             return ops.cast(self.matmul_t(x, self.lm_head), ms.float32)
-        x = x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + self.eps) * self.final_norm
         if self.kernel_matmul is None:
             return self.matmul_t(x, self.lm_head)
         logits = self.kernel_matmul(x, self.lm_head)
