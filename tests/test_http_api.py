@@ -152,6 +152,16 @@ def test_benchmark_tool_runs_against_the_server(stack, tmp_path):
         assert 2 <= s["output_tokens"] <= 2 * 12 and s["output_tok_s"] > 0
     assert (tmp_path / "run.png").stat().st_size > 0 and "| tiny | 2 |" in (tmp_path / "run.md").read_text()
 
+    # Decoding streams under a steady stream of long prompts, reported apart.
+    code = main(["--target", f"tiny={base}/models/tiny", "--concurrency", "2", "--requests", "4",
+                 "--output-len", "20", "--warmup", "0", "--background-words", "6",
+                 "--background-interval", "0.2", "--out", str(tmp_path), "--name", "mixed",
+                 "--prompts", str(write_prompts(tmp_path))])
+    assert code == 0
+    s = json.loads((tmp_path / "mixed.json").read_text())["results"][0]["summary"]
+    assert s["requests"] == 4 and s["errors"] == 0 and 0 < s["output_tokens"] <= 4 * 20
+    assert s["background_requests"] >= 1 and s["background_errors"] == 0 and s["background_ttft_p50_s"] > 0
+
 
 def write_prompts(directory):
     """Short prompts: the tiny model's prompt limit is 64 tokens."""

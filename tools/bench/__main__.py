@@ -4,7 +4,9 @@ Closed-loop sweep (default): at each concurrency level, that many clients send s
 back to back. Open loop (--rate): requests arrive as a Poisson process. With several targets the
 runs alternate target by target at each level, so drift on a shared machine hits all of them alike;
 --repeats runs each (target, level) several times and reports the median of each metric.
-Results go to output/bench/<name>.{json,md,png}.
+--background-words N sends a long prompt (N words, one new token) every --background-interval
+seconds during each timed run: decoding streams under a steady stream of prefills (their TTFT is
+reported as background_ttft_*). Results go to output/bench/<name>.{json,md,png}.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from tqdm import tqdm
 
 from config.schema import PROJECT_ROOT
 from tools.bench import report
-from tools.bench.load import closed_loop, open_loop
+from tools.bench.load import closed_loop, open_loop, with_background
 from tools.bench.stats import median_of_runs, summarize
 from tools.bench.targets import Target, TargetError
 
@@ -67,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed requests per target first")
     p.add_argument("--model", help="the `model` field for OpenAI targets (default: their first /v1/models)")
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with a \"prompt\" per line")
+    p.add_argument("--background-words", type=int, metavar="N",
+                   help="during each run, also send a prompt of N words (1 new token) every "
+                        "--background-interval seconds; they are reported apart")
+    p.add_argument("--background-interval", type=float, default=2.0, metavar="S")
     p.add_argument("--seed", type=int, default=0, help="prompt order and sampled lengths")
     p.add_argument("--out", type=Path, default=PROJECT_ROOT / "output" / "bench")
     p.add_argument("--name", default=time.strftime("bench-%Y%m%d-%H%M%S"), help="output file stem")
@@ -109,6 +115,29 @@ def request_bodies(target: Target, args, prompts: list[str], model: str | None):
         yield target.request_body(prompt, rng.randint(low, high), not args.stop_at_eos, model)
 
 
+def background_prompt(prompts: list[str], words: int) -> str:
+    pool = " ".join(prompts).split()
+    return " ".join(itertools.islice(itertools.cycle(pool), words))
+
+
+def timed_run(target: Target, args, level, bodies, per_run: int, done, background: str | None,
+              model: str | None) -> dict:
+    """One timed run at `level` -> its summary (with the background prompts' if any)."""
+    if args.rate:
+        load = open_loop(target, bodies, level, per_run, args.seed, done)
+    else:
+        load = closed_loop(target, bodies, level, per_run, done)
+    if background is None:
+        return summarize(*asyncio.run(load))
+    body = target.request_body(background, 1, True, model)
+    (records, wall), extra = asyncio.run(with_background(load, target, body, args.background_interval))
+    summary = summarize(records, wall)
+    side = summarize(extra, wall)
+    summary.update({f"background_{key}": side[key] for key in
+                    ("requests", "errors", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s")})
+    return summary
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     prompts = load_prompts(args.prompts)
@@ -120,6 +149,7 @@ def main(argv=None) -> int:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "targets"}
     settings["targets"] = [vars(t) for t in args.targets]
 
+    background = background_prompt(prompts, args.background_words) if args.background_words else None
     results = []
     with tqdm(total=total, unit="req", file=sys.stderr) as bar:
         def done():
@@ -140,11 +170,8 @@ def main(argv=None) -> int:
                 for target in args.targets:  # alternate: every target sees the same drift
                     bar.set_description(f"{target.label} @ {level:g}{' req/s' if open_mode else ' streams'}")
                     bodies = request_bodies(target, args, prompts, models[target.label])
-                    if open_mode:
-                        records, wall = asyncio.run(open_loop(target, bodies, level, per_run[level], args.seed, done))
-                    else:
-                        records, wall = asyncio.run(closed_loop(target, bodies, level, per_run[level], done))
-                    runs.setdefault((target.label, level), []).append(summarize(records, wall))
+                    runs.setdefault((target.label, level), []).append(timed_run(
+                        target, args, level, bodies, per_run[level], done, background, models[target.label]))
         for (label, level), level_runs in runs.items():
             results.append({"target": label, "level": level, "x": level,
                             "x_label": "arrival rate (req/s)" if open_mode else "concurrent streams",

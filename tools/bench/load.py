@@ -65,6 +65,28 @@ async def closed_loop(target: Target, bodies: Iterator[dict], concurrency: int, 
         return records, time.monotonic() - start
 
 
+async def with_background(timed, target: Target, body: dict, interval_s: float):
+    """Await the timed load `timed` while `body` (a long prompt) arrives every `interval_s`
+    seconds beside it -> (the load's result, the background requests' records)."""
+    stop = asyncio.Event()
+
+    async def feed(client: httpx.AsyncClient) -> list[RequestRecord]:
+        tasks = []
+        while not stop.is_set():
+            tasks.append(asyncio.create_task(one_request(client, target, body)))
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
+        return list(await asyncio.gather(*tasks))
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        feeder = asyncio.create_task(feed(client))
+        result = await timed
+        stop.set()
+        return result, await feeder
+
+
 async def open_loop(target: Target, bodies: Iterator[dict], rate: float, num_requests: int,
                     seed: int, on_done: Callable[[], None]) -> tuple[list[RequestRecord], float]:
     """Requests arrive as a Poisson process of `rate` per second, whatever the server's pace."""
