@@ -38,25 +38,34 @@ class AgentHandle:
 
 
 class AgentLauncher:
-    def __init__(self, config: ServingConfig):
+    def __init__(self, config: ServingConfig, groups: list[int] | None = None):
+        """groups: the indexes (in agents.groups) of the groups to run here; none: all of them.
+        Multi-host: each machine runs its own groups from the same config."""
         self.config = config
         self.ctx = mp.get_context("spawn")  # MindSpore's runtime threads do not survive fork
         self.startup_queue = self.ctx.Queue()
-        self.agents = [AgentHandle(rank, port) for rank, port in enumerate(config.agents.ports)]
+        all_groups = config.agents.groups
+        chosen = range(len(all_groups)) if groups is None else groups
+        unknown = [g for g in chosen if not 0 <= g < len(all_groups)]
+        if unknown:
+            raise LaunchError(f"no agent group {unknown[0]}: the config has groups "
+                              f"0..{len(all_groups) - 1}")
+        ranks = [rank for rank, group in enumerate(config.agents.group_of_rank) if group in chosen]
+        self.agents = {rank: AgentHandle(rank, config.agents.ports[rank]) for rank in ranks}
         self.stop_signal: int | None = None
 
     # ------------------------------------------------------------------------------ start-up
 
     def start(self) -> None:
-        for agent in self.agents:
+        for agent in self.agents.values():
             self._spawn(agent)
         deadline = time.monotonic() + self.config.agents.startup_timeout_s
         try:
-            while not all(a.ready for a in self.agents):
+            while not all(a.ready for a in self.agents.values()):
                 if self.stop_signal is not None:
                     raise LaunchError(f"interrupted by signal {self.stop_signal} during start-up")
                 if time.monotonic() > deadline:
-                    waiting = [a.rank for a in self.agents if not a.ready]
+                    waiting = [a.rank for a in self.agents.values() if not a.ready]
                     raise LaunchError(f"agents {waiting} not ready after "
                                       f"{self.config.agents.startup_timeout_s:.0f}s")
                 self._take_reports(fail_on_error=True)
@@ -86,12 +95,12 @@ class AgentLauncher:
             if kind == "ready":
                 _, _, port, pid, warm_up_s = report
                 agent.ready = True
-                line = (f"agent rank {rank} ready on {self.config.agents.host}:{port} "
-                        f"(pid {pid}, warm-up {warm_up_s:.1f}s)")
+                line = (f"agent rank {rank} ready on {self.config.agents.hosts[rank]}:{port} "
+                        f"(pid {pid}, warm-up {warm_up_s:.1f}s, {self.config.agents.roles[rank]})")
                 log.info(line)
             else:
                 self._start_failed(agent, report[2], fail_on_error)
-        for agent in self.agents:
+        for agent in self.agents.values():
             if not agent.ready and agent.process is not None and not agent.process.is_alive():
                 self._start_failed(agent, f"exited with code {agent.process.exitcode} "
                                           f"before it was ready", fail_on_error)
@@ -125,7 +134,7 @@ class AgentLauncher:
         policy = self.config.agents
         while self.stop_signal is None:
             self._take_reports(fail_on_error=False)
-            for agent in self.agents:
+            for agent in self.agents.values():
                 if agent.process is not None and agent.process.is_alive():
                     continue
                 code = None if agent.process is None else agent.process.exitcode
@@ -147,7 +156,7 @@ class AgentLauncher:
     def stop(self) -> bool:
         """SIGTERM every agent (each finishes its step in flight), SIGKILL what outlives the grace
         period. True when no agent process remains."""
-        alive = [a.process for a in self.agents if a.process is not None and a.process.is_alive()]
+        alive = [a.process for a in self.agents.values() if a.process is not None and a.process.is_alive()]
         for process in alive:
             process.terminate()
         deadline = time.monotonic() + self.config.agents.shutdown_grace_s

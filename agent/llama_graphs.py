@@ -306,6 +306,35 @@ class TopKGraph(nn.Cell):
         return values, ids.astype(ms.int32)
 
 
+class KVExportGraph(nn.Cell):
+    """PD disaggregation, sending side: cache rows -> their K and V in every layer, [2 * layers, N, hd]."""
+
+    def __init__(self, model: LlamaModel):
+        super().__init__()
+        self.model = model
+
+    def construct(self, rows):
+        blocks = []
+        for layer in self.model.layers:
+            blocks.append(ops.gather(layer.k_cache, rows, 0))
+            blocks.append(ops.gather(layer.v_cache, rows, 0))
+        return ops.stack(blocks)
+
+
+class KVImportGraph(nn.Cell):
+    """PD disaggregation, receiving side: K and V [2 * layers, N, hd] written into cache rows."""
+
+    def __init__(self, model: LlamaModel):
+        super().__init__()
+        self.model = model
+
+    def construct(self, rows, blocks):
+        for i, layer in enumerate(self.model.layers):
+            ops.scatter_update(layer.k_cache, rows, blocks[2 * i])
+            ops.scatter_update(layer.v_cache, rows, blocks[2 * i + 1])
+        return rows
+
+
 def topk_buckets(vocab: int) -> list[int]:
     """The k of each top-k graph: a request needing k candidates runs the smallest k' >= k."""
     return sorted({k for k in (8, 64, 512, 4096) if k < vocab} | {vocab})
@@ -324,6 +353,8 @@ class LlamaGraphs:
         self.prefill_graph = PrefillGraph(self.model)
         self.decode_graph = DecodeGraph(self.model)
         self.argmax_graph = ArgmaxGraph()
+        self.kv_export_graph = KVExportGraph(self.model)
+        self.kv_import_graph = KVImportGraph(self.model)
         self.topk_buckets = topk_buckets(self.spec.vocab_size)
         self.topk_graphs = {k: TopKGraph(k) for k in self.topk_buckets}
         dynamic_rows = Tensor(shape=[None, self.spec.vocab_size], dtype=ms.float32)  # one graph for every batch
@@ -342,6 +373,12 @@ class LlamaGraphs:
 
     def topk(self, k: int, logits: Tensor) -> tuple[Tensor, Tensor]:
         return self.topk_graphs[k](logits)
+
+    def kv_export(self, rows: Tensor) -> Tensor:
+        return self.kv_export_graph(rows)
+
+    def kv_import(self, rows: Tensor, blocks: Tensor) -> Tensor:
+        return self.kv_import_graph(rows, blocks)
 
     def cache_bytes(self) -> int:
         return self.model.cache_bytes()

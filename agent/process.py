@@ -16,6 +16,7 @@ import traceback
 import zmq
 
 from agent.checkpoint import load_checkpoint
+from agent.kv_transfer import KVSender
 from agent.memory_plan import resolve_runtime
 from agent.mindir import read_spec
 from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
@@ -60,11 +61,13 @@ def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) 
         startup_queue.put(("failed", rank, f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1)
     startup_queue.put(("ready", rank, port, os.getpid(), warm_up_s))
-    log.info("ready on %s:%d", config.agents.host, port)
+    log.info("ready on %s", config.agents.address(rank))
     try:
         _serve(socket, service, stopping, parent_pid, log)
     finally:
         socket.close(linger=0)
+        if service.sender is not None:
+            service.sender.close()
         if authenticator is not None:
             authenticator.stop()
         log.info("agent rank %d stopped", rank)
@@ -86,9 +89,13 @@ def _pin_cpus(config: ServingConfig, rank: int, log: logging.Logger) -> None:
 
 def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
     runtime = config.runtime
+    slots = config.agents.group(rank).num_slots
+    if slots is not None:
+        runtime = runtime.model_copy(update={"num_slots": slots})
     device_id = config.agents.start_device_id + rank
     log.info("agent rank %d: device %s:%d, model %s", rank, runtime.device_target, device_id,
              config.model.path)
+    role = config.agents.roles[rank]
     start = time.perf_counter()
     if config.model.uses_mindir:
         runtime = resolve_runtime(read_spec(config.model), runtime, log.info)
@@ -105,15 +112,18 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         runner = ModelRunner(checkpoint, runtime)
     log.info("KV cache: %d slots x %d positions, %.0f MB", runtime.num_slots, runtime.max_seq_len,
              runner.graphs.cache_bytes() / 1e6)
-    warm_up_s = runner.warm_up(log.info)
+    warm_up_s = runner.warm_up(log.info, role)
     socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     curve = config.agents.curve
     authenticator = secure_agent_socket(socket, curve) if curve is not None else None
-    socket.bind(f"tcp://{config.agents.host}:{port}")  # after warm-up: connecting means ready
+    socket.bind(config.agents.address(rank))  # after warm-up: connecting means ready
     log.info("socket %s", "CURVE-encrypted, only the configured server key accepted"
              if curve is not None else "not encrypted (loopback)")
-    service = AgentService(runner, model_name=config.model.name, rank=rank, port=port)
+    sender = (KVSender(curve, config.agents.kv_transfer_timeout_s) if role == "prefill" else None)
+    service = AgentService(runner, model_name=config.model.name, rank=rank, port=port, role=role,
+                           sender=sender)
+    log.info("role %s", role)
     return socket, service, warm_up_s, authenticator
 
 

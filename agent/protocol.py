@@ -10,15 +10,21 @@ Requests (op: fields -> reply fields):
                                                     max_seq_len, max_prompt_len, prefill_buckets,
                                                     decode_batch_buckets,
                                                     attend_buckets, role, rank, port
-    prefill:  slot, sampling {...}; arrays [tokens int32]   -> token
+    prefill:  slot, sampling {...}, [transfer]; arrays [tokens int32]   -> token,
+              with transfer {address, slot, session, ticket}: the prompt's KV goes to that decode
+              agent's slot (kv_receive below) and this slot is free again -> also kv_bytes, transfer_ms
     decode:   arrays [slots int32]                         -> arrays [tokens int32]
-    release:  slot                                         -> -
+    release:  slot, [ticket]                               -> - (ticket: a transfer into this slot
+                                                              that the scheduler gave up on; it is
+                                                              refused if it still arrives)
+    kv_receive (agent to agent): slot, ticket, state {length, next_token, sampler};
+              arrays [K/V float32|float16 [2 * layers, kv_heads, length, head_dim]]  -> -
     reset:    session                                      -> - (every slot released)
     ping:     -                                            -> -
     shutdown: -                                            -> - (the agent exits after replying)
 A reply carries the request's op and id, and "ok": true, or "ok": false with "error" (a message)
-and "kind" ("bad_request": the request was wrong; "internal": the agent failed; "stale_session":
-see below).
+and "kind" ("bad_request": the request was wrong; "internal": the agent failed; "transfer_failed":
+the prefill ran but its KV did not reach the decode agent; "stale_session": see below).
 
 Sessions: a server opens one with `reset` (a random integer of its choosing) and puts it in every
 prefill, decode and release. The agent refuses those ops from any other session, so a request
@@ -32,9 +38,9 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2
-OPS = ("info", "prefill", "decode", "release", "reset", "ping", "shutdown")
-SESSION_OPS = ("prefill", "decode", "release")
+PROTOCOL_VERSION = 3
+OPS = ("info", "prefill", "decode", "release", "kv_receive", "reset", "ping", "shutdown")
+SESSION_OPS = ("prefill", "decode", "release", "kv_receive")
 ALLOWED_DTYPES = {"int32", "int64", "float32", "float16"}
 MAX_ARRAY_BYTES = 1 << 30
 

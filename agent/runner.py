@@ -7,6 +7,10 @@
     nexts = runner.decode([slot, ...])          # one token for each slot, in order
     runner.release(slot)
 
+PD disaggregation moves a prefilled slot to another agent's runner:
+    blocks, state = runner.export_kv(slot)      # prefill agent: K/V [2 * layers, KV, n, hd] + state
+    other.import_kv(slot2, blocks, state)       # decode agent: written into its cache in the graph
+
 The runner keeps each slot's length and its sampled-but-not-yet-written token, so a decode call only
 names slots. Shapes are padded to the configured buckets: a padded decode row writes to the scratch
 slot, a padded prefill position to the prompt's own slot beyond its length, where the mask hides it
@@ -125,19 +129,24 @@ class ModelRunner:
 
     # --------------------------------------------------------------------------------- warm-up
 
-    def graph_shapes(self) -> list[tuple[str, int, int]]:
+    def graph_shapes(self, role: str = "mixed") -> list[tuple[str, int, int]]:
+        """(kind, rows, length) of every graph an agent of `role` runs."""
         rt = self.runtime
-        shapes = [("prefill", 1, s) for s in rt.prefill_buckets]
+        shapes = [] if role == "decode" else [("prefill", 1, s) for s in rt.prefill_buckets]
         # The attention kernel reads each sequence's own length: one decode graph per batch bucket.
         attends = [0] if rt.attention_kernel else rt.attend_buckets
-        shapes += [("decode", b, a) for b in rt.decode_batch_buckets for a in attends]
+        if role != "prefill":
+            shapes += [("decode", b, a) for b in rt.decode_batch_buckets for a in attends]
         shapes += [("argmax", 0, 0)] + [("topk", 0, k) for k in self.topk_buckets]
+        transfer = {"prefill": "kv_export", "decode": "kv_import"}.get(role)
+        if transfer is not None:
+            shapes += [(transfer, 1, s) for s in rt.prefill_buckets]
         return shapes
 
-    def warm_up(self, progress: Callable[[str], None] = log.info) -> float:
+    def warm_up(self, progress: Callable[[str], None] = log.info, role: str = "mixed") -> float:
         """Compile (or load from the compile cache) and run every graph once, on the scratch slot."""
         start = time.perf_counter()
-        shapes = self.graph_shapes()
+        shapes = self.graph_shapes(role)
         scratch = self.num_slots
         for i, (kind, rows, length) in enumerate(shapes, 1):
             t0 = time.perf_counter()
@@ -147,13 +156,19 @@ class ModelRunner:
             elif kind == "decode":
                 self.run_decode_graph(np.full(rows, scratch), np.zeros(rows, np.int64),
                                       np.zeros(rows, np.int64), rows, length).asnumpy()
+            elif kind == "kv_export":
+                self.graphs.kv_export(Tensor(self._slot_rows(scratch, length))).asnumpy()
+            elif kind == "kv_import":
+                blocks = np.zeros((2 * self.spec.num_layers, self._kv * length, self._hd), self._cache_dtype())
+                self.graphs.kv_import(Tensor(self._slot_rows(scratch, length)), Tensor(blocks)).asnumpy()
             elif kind == "argmax":
                 self.graphs.argmax(logits).asnumpy()
             else:
                 self.graphs.topk(length, logits)[0].asnumpy()
             label = {"prefill": f"prefill length {length}",
                      "decode": f"decode batch {rows}" + (f" attend {length}" if length else ""),
-                     "argmax": "argmax", "topk": f"top-k {length}"}[kind]
+                     "argmax": "argmax", "topk": f"top-k {length}",
+                     "kv_export": f"KV export {length}", "kv_import": f"KV import {length}"}[kind]
             progress(f"graph {i}/{len(shapes)} {label}: {time.perf_counter() - t0:.1f}s")
         elapsed = time.perf_counter() - start
         progress(f"warm-up done: {len(shapes)} graphs in {elapsed:.1f}s")
@@ -199,7 +214,57 @@ class ModelRunner:
             state.next_token = token
         return tokens
 
+    def export_kv(self, slot: int) -> tuple[np.ndarray, dict]:
+        """A just-prefilled slot's K/V [2 * layers, KV heads, length, head_dim] (K then V of each
+        layer) and the state that goes with it (length, pending token, sampler)."""
+        state = self._active(slot)
+        bucket = self._transfer_bucket(state.length)
+        blocks = self.graphs.kv_export(Tensor(self._slot_rows(slot, bucket))).asnumpy()
+        blocks = blocks.reshape(2 * self.spec.num_layers, self._kv, bucket, self._hd)
+        return (np.ascontiguousarray(blocks[:, :, :state.length]),
+                {"length": state.length, "next_token": state.next_token,
+                 "sampler": state.sampler.state()})
+
+    def import_kv(self, slot: int, blocks: np.ndarray, state: dict) -> None:
+        """Another agent's export_kv into a free slot, which then decodes as if prefilled here."""
+        self._check_slot(slot)
+        if slot in self.slots:
+            raise RunnerError(f"slot {slot} is in use; release it first")
+        length, next_token = state.get("length"), state.get("next_token")
+        if not isinstance(length, int) or not isinstance(next_token, int):
+            raise RunnerError("the KV state needs integer length and next_token")
+        bucket = self._transfer_bucket(length)
+        shape = (2 * self.spec.num_layers, self._kv, length, self._hd)
+        if blocks.shape != shape or blocks.dtype != self._cache_dtype():
+            raise RunnerError(f"KV blocks of {blocks.dtype}{list(blocks.shape)} do not fit this "
+                              f"model's cache ({np.dtype(self._cache_dtype()).name}{list(shape)})")
+        if not 0 <= next_token < self.spec.vocab_size:
+            raise RunnerError(f"next_token {next_token} is outside the vocabulary")
+        sampler = SlotSampler.from_state(state.get("sampler"), self.spec.vocab_size)
+        padded = np.zeros((*shape[:2], bucket, self._hd), blocks.dtype)
+        padded[:, :, :length] = blocks
+        self.graphs.kv_import(Tensor(self._slot_rows(slot, bucket)),
+                              Tensor(padded.reshape(shape[0], -1, self._hd))).asnumpy()
+        self.slots[slot] = SlotState(length=length, next_token=next_token, sampler=sampler)
+
     # -------------------------------------------------------------------------------- internals
+
+    def _transfer_bucket(self, length: int) -> int:
+        """KV moves in prefill buckets: a transferred sequence is at most a prompt long."""
+        if not 1 <= length <= self.runtime.prefill_buckets[-1]:
+            raise RunnerError(f"a KV transfer holds 1..{self.runtime.prefill_buckets[-1]} positions, "
+                              f"not {length}")
+        if self.runtime.dtype == "bfloat16":
+            raise RunnerError("KV transfer of a bfloat16 cache is not supported (NumPy has no bfloat16)")
+        return _bucket(self.runtime.prefill_buckets, length)
+
+    def _cache_dtype(self):
+        return np.float16 if self.runtime.dtype == "float16" else np.float32
+
+    def _slot_rows(self, slot: int, length: int) -> np.ndarray:
+        """Cache rows of positions 0..length-1 of a slot, head-major (as prefill writes them)."""
+        rows = self._base_rows(np.array([slot]))[0][:, None] + np.arange(length)[None, :]
+        return rows.reshape(-1).astype(np.int32)
 
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
@@ -232,10 +297,10 @@ class ModelRunner:
         padded = np.zeros(length, np.int32)
         padded[:n] = tokens
         positions = np.arange(length, dtype=np.int32)
-        write = (self._base_rows(np.array([slot]))[0][:, None] + positions[None, :]).reshape(-1)
+        write = self._slot_rows(slot, length)
         causal = np.where(positions[None, :] > positions[:, None], -np.inf, 0.0).astype(np.float32)
         mask = np.tile(causal, (self._group, 1))  # [G*S, S], query rows grouped per head
-        return self.graphs.prefill(length, Tensor(padded), Tensor(positions), Tensor(write.astype(np.int32)),
+        return self.graphs.prefill(length, Tensor(padded), Tensor(positions), Tensor(write),
                                    Tensor(mask), Tensor(np.array([n - 1], np.int32)))
 
     def run_decode_graph(self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray,

@@ -12,6 +12,8 @@ before them; `candidates_needed` asks for that many, and the whole vocabulary wh
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -101,6 +103,22 @@ class SlotSampler:
             token = int(ids[min(index, len(cumulative) - 1)])
         self.observe(token)
         return token
+
+    def state(self) -> dict:
+        """All a decode agent needs to go on choosing this sequence's tokens exactly as this one
+        would (PD disaggregation), in msgpack's types: the RNG's 128-bit state travels as JSON."""
+        return {"params": self.params.model_dump(), "seen": sorted(self.seen),
+                "counts": [[token, n] for token, n in self.counts.items()],
+                "rng": json.dumps(self.rng.bit_generator.state)}
+
+    @classmethod
+    def from_state(cls, state: dict, vocab_size: int) -> "SlotSampler":
+        """The inverse of state(); a malformed state raises ValueError, TypeError or KeyError."""
+        sampler = cls(SamplingParams.model_validate(state["params"]), [], vocab_size)
+        sampler.seen = {int(t) for t in state["seen"]}
+        sampler.counts = {int(t): int(n) for t, n in state["counts"]}
+        sampler.rng.bit_generator.state = json.loads(state["rng"])
+        return sampler
 
     def observe(self, token: int) -> None:
         if self.repetition:

@@ -6,22 +6,28 @@ request never stops the agent.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
 
 from agent import protocol
+from agent.kv_transfer import KVSender, TransferError
 from agent.runner import ModelRunner, RunnerError
 from agent.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
+CANCELLED_TICKETS_KEPT = 4096
+
+
 class AgentService:
     def __init__(self, runner: ModelRunner, *, model_name: str, rank: int, port: int,
-                 role: str = "mixed"):
+                 role: str = "mixed", sender: KVSender | None = None):
         self.runner = runner
+        self.sender = sender  # a prefill agent's connections to the decode agents
         self.facts = {
             "protocol": protocol.PROTOCOL_VERSION, "model": model_name,
             "vocab_size": runner.spec.vocab_size, "eos_ids": list(runner.spec.eos_ids),
@@ -32,6 +38,7 @@ class AgentService:
             "attend_buckets": runner.runtime.attend_buckets, "role": role, "rank": rank, "port": port}
         self.shutdown_requested = False
         self.session: int | None = None  # set by `reset`; see protocol.py
+        self.cancelled_tickets: deque[int] = deque(maxlen=CANCELLED_TICKETS_KEPT)
 
     def handle(self, frames: list) -> list:
         """Request frames -> reply frames."""
@@ -49,6 +56,9 @@ class AgentService:
                                         kind="stale_session")
         try:
             fields, out_arrays = handler(header, arrays)
+        except TransferError as exc:
+            log.warning("KV transfer failed: %s", exc)
+            return protocol.error_reply(header, f"{op}: {exc}", kind="transfer_failed")
         except (RunnerError, ValidationError, ValueError, TypeError, KeyError) as exc:
             return protocol.error_reply(header, f"{op}: {exc}")
         except Exception as exc:  # a real failure inside the runner: report it, keep serving
@@ -81,8 +91,36 @@ class AgentService:
     def _op_prefill(self, header: dict, arrays: list) -> tuple[dict, list]:
         tokens = _one_int_array(arrays, "prefill", "prompt token ids")
         sampling = SamplingParams.model_validate(header.get("sampling") or {})
-        token = self.runner.prefill(_int_field(header, "slot"), tokens.tolist(), sampling)
-        return {"token": token}, []
+        slot = _int_field(header, "slot")
+        transfer = header.get("transfer")
+        if transfer is not None and (self.sender is None or not isinstance(transfer, dict)):
+            raise ValueError("this agent sends no KV (its role is not prefill)" if self.sender is None
+                             else "transfer must be a map")
+        token = self.runner.prefill(slot, tokens.tolist(), sampling)
+        if transfer is None:
+            return {"token": token}, []
+        try:  # the slot is free again whatever happens to the transfer
+            blocks, state = self.runner.export_kv(slot)
+        finally:
+            self.runner.release(slot)
+        address = transfer.get("address")
+        if not isinstance(address, str):
+            raise ValueError("transfer.address must be the decode agent's address")
+        fields = {"slot": _int_field(transfer, "slot"), "session": _int_field(transfer, "session"),
+                  "ticket": _int_field(transfer, "ticket"), "state": state}
+        transfer_ms = self.sender.send(address, fields, blocks)
+        log.info("KV of %d tokens (%d bytes) sent to %s slot %d in %.1f ms", state["length"],
+                 blocks.nbytes, address, fields["slot"], transfer_ms)
+        return {"token": token, "kv_bytes": blocks.nbytes, "transfer_ms": transfer_ms}, []
+
+    def _op_kv_receive(self, header: dict, arrays: list) -> tuple[dict, list]:
+        ticket = _int_field(header, "ticket")
+        if ticket in self.cancelled_tickets:
+            raise ValueError(f"transfer {ticket} was cancelled by the scheduler (it came too late)")
+        if len(arrays) != 1 or not isinstance(header.get("state"), dict):
+            raise ValueError("kv_receive takes one K/V array and a state map")
+        self.runner.import_kv(_int_field(header, "slot"), arrays[0], header["state"])
+        return {}, []
 
     def _op_decode(self, header: dict, arrays: list) -> tuple[dict, list]:
         slots = _one_int_array(arrays, "decode", "slot ids")
@@ -90,6 +128,8 @@ class AgentService:
         return {}, [np.asarray(tokens, dtype=np.int32)]
 
     def _op_release(self, header: dict, arrays: list) -> tuple[dict, list]:
+        if "ticket" in header:
+            self.cancelled_tickets.append(_int_field(header, "ticket"))
         self.runner.release(_int_field(header, "slot"))
         return {}, []
 

@@ -178,13 +178,42 @@ class CurveSection(Section):
         return key
 
 
+Role = Literal["mixed", "prefill", "decode"]
+
+
+class GroupSection(Section):
+    """One model instance. `mixed`: prefills and decodes its own requests; `prefill`: computes
+    prompts and sends their KV to a decode group; `decode`: decodes what prefill groups send it."""
+
+    role: Role = "mixed"
+    ports: list[int] = Field(min_length=1, description="one per agent of the group")
+    host: str | None = Field(None, description="address this group's agents bind and are reached "
+                                               "at (another machine's, for multi-host); none: agents.host")
+    num_slots: int | None = Field(None, ge=1, description="this group's KV slots (a prefill group "
+                                  "needs few: one per prompt in flight); none: runtime.num_slots")
+
+    @field_validator("ports")
+    @classmethod
+    def _one_agent(cls, ports: list[int]) -> list[int]:
+        if len(ports) > 1:
+            raise ValueError(f"a group of {len(ports)} agents would run the model tensor-parallel, "
+                             f"which this version does not support yet: give each group one port")
+        return ports
+
+
 class AgentsSection(Section):
-    """The agent processes: one per port, pinned to device start_device_id + rank."""
+    """The agent processes: one per port, pinned to device start_device_id + rank (rank: the port's
+    place in `ports`, or in the groups' ports in order)."""
 
     host: str = Field("127.0.0.1", description="address the agents bind and the server connects to")
-    ports: list[int] = Field(default_factory=lambda: [9820], description="upstream agent_ports")
+    ports: list[int] = Field(default_factory=lambda: [9820], description="upstream agent_ports; "
+                             "without `groups`, each port is a mixed group of its own")
+    groups: list[GroupSection] | None = Field(None, description="agent groups with roles (they "
+                                              "give the ports); none: one mixed group per port")
     start_device_id: int = Field(0, ge=0)
     startup_timeout_s: float = Field(600.0, gt=0, description="longest a start-up may take")
+    kv_transfer_timeout_s: float = Field(10.0, gt=0, description="PD disaggregation: longest a "
+                                         "prefill agent waits for a decode agent to take a prompt's KV")
     shutdown_grace_s: float = Field(10.0, gt=0, description="SIGTERM to SIGKILL, for each agent")
     restart_policy: Literal["restart", "exit"] = "restart"
     max_restarts: int = Field(3, ge=0, description="restarts per agent before the launcher gives up")
@@ -203,6 +232,42 @@ class AgentsSection(Section):
         return ports
 
     @model_validator(mode="after")
+    def _ports_from_groups(self) -> "AgentsSection":
+        if self.groups is None:
+            self.groups = [GroupSection(ports=[port]) for port in self.ports]
+            return self
+        ports = [port for group in self.groups for port in group.ports]
+        if "ports" in self.model_fields_set and ports != self.ports:
+            raise ValueError(f"ports {self.ports} differ from the groups' ports {ports}: give one of them")
+        self.ports = self._ports(ports)
+        roles = {group.role for group in self.groups}
+        if ("prefill" in roles) != ("decode" in roles):
+            lone = "prefill" if "prefill" in roles else "decode"
+            other = "decode" if lone == "prefill" else "prefill"
+            raise ValueError(f"a {lone} group needs at least one {other} group")
+        return self
+
+    @property
+    def roles(self) -> list[str]:
+        """Per agent rank: its group's role."""
+        return [group.role for group in self.groups for _ in group.ports]
+
+    @property
+    def group_of_rank(self) -> list[int]:
+        return [index for index, group in enumerate(self.groups) for _ in group.ports]
+
+    def group(self, rank: int) -> GroupSection:
+        return self.groups[self.group_of_rank[rank]]
+
+    @property
+    def hosts(self) -> list[str]:
+        """Per agent rank: the address it binds and is reached at."""
+        return [group.host or self.host for group in self.groups for _ in group.ports]
+
+    def address(self, rank: int) -> str:
+        return f"tcp://{self.hosts[rank]}:{self.ports[rank]}"
+
+    @model_validator(mode="after")
     def _one_cpu_set_per_agent(self) -> "AgentsSection":
         sets = self.cpu_affinity
         if sets is not None and (len(sets) != len(self.ports) or not all(sets)
@@ -213,8 +278,9 @@ class AgentsSection(Section):
 
     @model_validator(mode="after")
     def _curve_off_loopback(self) -> "AgentsSection":
-        if self.curve is None and not is_loopback(self.host):
-            raise ValueError(f"agents on {self.host} are reachable from other machines: set "
+        exposed = [host for host in [self.host, *self.hosts] if not is_loopback(host)]
+        if self.curve is None and exposed:
+            raise ValueError(f"agents on {exposed[0]} are reachable from other machines: set "
                              f"agents.curve (keys from `python -m tools.curve_keys`) or bind to 127.0.0.1")
         return self
 
@@ -258,3 +324,20 @@ class ServingConfig(Section):
     agents: AgentsSection = Field(default_factory=AgentsSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     server: ServerSection = Field(default_factory=ServerSection)
+
+    @model_validator(mode="after")
+    def _groups_fit_the_runtime(self) -> "ServingConfig":
+        largest = self.runtime.decode_batch_buckets[-1]
+        for index, group in enumerate(self.agents.groups):
+            if group.num_slots is not None and group.num_slots > largest:
+                raise ValueError(f"agents.groups[{index}].num_slots ({group.num_slots}) exceeds the "
+                                 f"largest of runtime.decode_batch_buckets ({largest})")
+        return self
+
+    @model_validator(mode="after")
+    def _disaggregation_needs_code_graphs(self) -> "ServingConfig":
+        roles = set(self.agents.roles)
+        if self.model.uses_mindir and roles != {"mixed"}:
+            raise ValueError("prefill and decode groups run the KV transfer graphs, which MindIR "
+                             "exports do not hold: serve them from model.path")
+        return self

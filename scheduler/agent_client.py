@@ -138,12 +138,23 @@ class AgentClient:
                                     sampling=sampling.model_dump(), session=self.session)
         return int(header["token"])
 
+    async def prefill_and_send(self, slot: int, prompt: Sequence[int], sampling: SamplingParams,
+                               transfer: dict) -> tuple[int, int, float]:
+        """A prefill agent's prefill whose KV goes to a decode agent's slot (`transfer`: address,
+        slot, session, ticket) -> (first token, K/V bytes sent, transfer ms)."""
+        header, _ = await self.call("prefill", [np.asarray(prompt, np.int32)], slot=slot,
+                                    sampling=sampling.model_dump(), session=self.session,
+                                    transfer=transfer)
+        return int(header["token"]), int(header["kv_bytes"]), float(header["transfer_ms"])
+
     async def decode(self, slots: Sequence[int]) -> list[int]:
         _, arrays = await self.call("decode", [np.asarray(slots, np.int32)], session=self.session)
         return arrays[0].tolist()
 
-    async def release(self, slot: int) -> None:
-        await self.call("release", slot=slot, session=self.session)
+    async def release(self, slot: int, ticket: int | None = None) -> None:
+        """ticket: a KV transfer into this slot that is given up; the agent refuses it from now on."""
+        fields = {} if ticket is None else {"ticket": ticket}
+        await self.call("release", slot=slot, session=self.session, **fields)
 
     async def ping(self, timeout_s: float | None = None) -> None:
         await self.call("ping", timeout_s=timeout_s)

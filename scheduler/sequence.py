@@ -34,6 +34,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     token_budget: int = 0  # prompt + answer tokens counted against the in-flight bound
+    # PD disaggregation: where the prompt is prefilled and the ticket of its KV transfer
+    prefill_agent: int | None = None
+    prefill_slot: int | None = None
+    ticket: int | None = None
+    transferring: bool = False  # until the decode agent holds its KV
 
     @property
     def finished(self) -> bool:

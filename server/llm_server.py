@@ -10,7 +10,9 @@
 
 The loop never blocks the event loop: agent calls are awaited ZeroMQ round trips. Each iteration
 runs one plan of the BatchScheduler: releases, prefills, then one decode step per agent (agents in
-parallel). Detokenization and stop strings happen here, on the server side; agents see token ids only.
+parallel). A prefill on a prefill agent (PD disaggregation) runs as a task of its own beside the
+loop, so decode steps never wait for it. Detokenization and stop strings happen here, on the server
+side; agents see token ids only.
 """
 from __future__ import annotations
 
@@ -94,15 +96,15 @@ class LLMServer:
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = metrics or ServingMetrics()
-        host = config.agents.host
-        self.clients = [AgentClient(f"tcp://{host}:{port}", config.server.agent_timeout_s,
-                                    config.agents.curve) for port in config.agents.ports]
+        self.clients = [AgentClient(config.agents.address(rank), config.server.agent_timeout_s,
+                                    config.agents.curve) for rank in range(len(config.agents.ports))]
         self.scheduler: BatchScheduler | None = None
         self.streams: dict[str, _Stream] = {}
         self.stop_ids: frozenset[int] = frozenset(tokenizer.eos_ids)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._recoveries: dict[int, asyncio.Task] = {}
+        self._transfers: set[asyncio.Task] = set()  # prefills that send their KV to a decode agent
         self._draining = False
         self._stopping = False
         self.capacities: list[AgentCapacity] = []
@@ -113,7 +115,8 @@ class LLMServer:
         m.open_streams.set_function(lambda: len(self.streams))
         m.tokens_in_flight.set_function(lambda: self.scheduler.tokens_in_flight if self.scheduler else 0)
         m.slots_total.set_function(lambda: sum(
-            c.num_slots for c, ok in zip(self.capacities, self.scheduler.healthy) if ok) if self.scheduler else 0)
+            c.num_slots for c, ok in zip(self.capacities, self.scheduler.healthy)
+            if ok and c.decodes) if self.scheduler else 0)
         for group in range(len(self.clients)):
             m.group_running.labels(str(group)).set_function(lambda g=group: self.get_bs_current(g))
             m.group_slots.labels(str(group)).set_function(lambda g=group: self.group_slots(g))
@@ -155,11 +158,15 @@ class LLMServer:
         if info["vocab_size"] < self.tokenizer.vocab_size:
             raise AgentIncompatible(f"agent {client.address} serves a vocabulary of {info['vocab_size']} "
                                     f"tokens; the tokenizer has {self.tokenizer.vocab_size}")
+        role = self.config.agents.roles[index]
+        if info.get("role") != role:
+            raise AgentIncompatible(f"agent {client.address} runs as a {info.get('role')} agent; this "
+                                    f"server's config makes it {role} (start both from one config)")
         await client.reset(timeout_s)
         self.stop_ids |= frozenset(info["eos_ids"])
-        log.info("agent %d at %s: model %s, %d slots, max length %d", index, client.address,
-                 info["model"], info["num_slots"], info["max_seq_len"])
-        return AgentCapacity(info["num_slots"], info["max_seq_len"], info["max_prompt_len"])
+        log.info("agent %d at %s: %s, model %s, %d slots, max length %d", index, client.address,
+                 role, info["model"], info["num_slots"], info["max_seq_len"])
+        return AgentCapacity(info["num_slots"], info["max_seq_len"], info["max_prompt_len"], role)
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests (503) and wait up to `timeout_s` for the admitted ones to finish;
@@ -180,10 +187,11 @@ class LLMServer:
             return
         self._stopping = True
         self._wake.set()
-        for task in self._recoveries.values():
+        for task in [*self._recoveries.values(), *self._transfers]:
             task.cancel()
         if self._task is not None:
             await self._task
+        await asyncio.gather(*self._transfers, return_exceptions=True)
         for client in self.clients:
             client.close()
 
@@ -274,9 +282,16 @@ class LLMServer:
 
     async def _step(self, plan: StepPlan) -> None:
         """Run one plan: releases, then prefills, then one decode per agent (agents in parallel)."""
-        for agent, slot in plan.releases:
-            await self._call(agent, self.clients[agent].release(slot))
+        for agent, slot, ticket in plan.releases:
+            await self._call(agent, self.clients[agent].release(slot, ticket))
         for seq in plan.prefills:
+            if seq.prefill_agent is not None and seq.finished:  # aborted before its prefill ran
+                self.scheduler.transfer_failed(seq, "aborted")
+            elif seq.prefill_agent is not None:
+                task = asyncio.create_task(self._prefill_elsewhere(seq), name=f"prefill-{seq.request_id}")
+                self._transfers.add(task)
+                task.add_done_callback(self._transfers.discard)
+                continue
             if seq.finished:  # aborted, or its agent failed earlier in this plan
                 continue
             try:
@@ -302,6 +317,32 @@ class LLMServer:
             for seq in seqs:
                 self._emit(seq)
 
+    async def _prefill_elsewhere(self, seq: Sequence) -> None:
+        """PD disaggregation: the prefill agent computes the prompt and sends its KV straight to
+        the decode agent's slot; the sequence decodes there from the next step on."""
+        prefill, decode = self.clients[seq.prefill_agent], self.clients[seq.agent]
+        transfer = {"address": decode.address, "slot": seq.slot, "session": decode.session,
+                    "ticket": seq.ticket}
+        try:
+            with self.metrics.agent_step.labels(prefill.address, "prefill").time():
+                token, kv_bytes, transfer_ms = await prefill.prefill_and_send(
+                    seq.prefill_slot, seq.prompt, seq.sampling, transfer)
+        except AgentRequestError as exc:  # this request failed (its KV did not arrive); the agent is fine
+            log.warning("request %s failed on %s: %s", seq.request_id, prefill.address, exc)
+            self.scheduler.transfer_failed(seq, str(exc))
+            self._emit(seq)
+        except AgentError as exc:
+            self._agent_failed(seq.prefill_agent, exc)  # fails seq too
+            self.scheduler.transfer_failed(seq, str(exc))
+        else:
+            self.metrics.kv_transfer_bytes.inc(kv_bytes)
+            self.metrics.kv_transfer.observe(transfer_ms / 1000)
+            log.debug("request %s: KV of %d tokens (%d bytes) moved to %s slot %d in %.1f ms",
+                      seq.request_id, len(seq.prompt), kv_bytes, decode.address, seq.slot, transfer_ms)
+            self.scheduler.transferred(seq, token)
+            self._emit(seq)
+        self._wake.set()
+
     def _fail(self, seqs: list[Sequence], error: str) -> None:
         for seq in seqs:
             if not seq.finished:
@@ -326,7 +367,7 @@ class LLMServer:
         log.error("agent %s failed: %s", address, exc)
         self.metrics.agent_up.labels(address).set(0)
         failed = self.scheduler.agent_failed(agent, f"agent {address} failed: {exc}")
-        if not any(self.scheduler.healthy):
+        if not self.scheduler.can_serve:
             failed += self.scheduler.fail_waiting(f"no agent is available: {address} failed: {exc}")
         for seq in failed:
             self._emit(seq)

@@ -18,7 +18,7 @@ class ServingMetrics:
         self.waiting = Gauge(p + "waiting_requests", "Requests waiting for a slot", registry=r)
         self.slots_used = Gauge(p + "slots_used", "KV-cache slots holding a sequence", registry=r)
         self.slots_total = Gauge(p + "slots", "KV-cache slots on healthy agents", registry=r)
-        # Per group (a model replica; group N is the agent of port N in agents.ports).
+        # Per group (group N: agents.groups[N], or the agent of port N in agents.ports).
         self.group_running = Gauge(p + "group_running_sequences", "Sequences in a group's batch",
                                    ["group"], registry=r)
         self.group_slots = Gauge(p + "group_slots", "KV-cache slots of a group while it is healthy",
@@ -40,4 +40,9 @@ class ServingMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.agent_step = Histogram(p + "agent_step_seconds", "One agent call, as the server sees it",
                                     ["agent", "op"], buckets=STEP_BUCKETS, registry=r)
+        self.kv_transfer_bytes = Counter(p + "kv_transfer_bytes", "K/V bytes sent from prefill to "
+                                         "decode agents (PD disaggregation)", registry=r)
+        self.kv_transfer = Histogram(p + "kv_transfer_seconds", "One prompt's K/V from the prefill "
+                                     "agent to the decode agent's acknowledgement",
+                                     buckets=STEP_BUCKETS, registry=r)
         self.agent_up = Gauge(p + "agent_up", "1 while the agent answers", ["agent"], registry=r)

@@ -40,7 +40,7 @@ def seq(rid, prompt=(1, 2, 3), max_new=5, stop_ids=frozenset({EOS})):
 
 def step(scheduler, agents):
     plan = scheduler.schedule()
-    for agent, slot in plan.releases:
+    for agent, slot, _ticket in plan.releases:
         agents[agent].release(slot)
     for s in plan.prefills:
         scheduler.prefilled(s, agents[s.agent].prefill(s.slot, s.prompt))
@@ -65,7 +65,7 @@ def test_fifo_admission_and_continuous_batching():
         step(scheduler, agents)
     assert a.finished and a.finish_reason is FinishReason.LENGTH and a.output == [4, 5, 6]
     plan = step(scheduler, agents)  # a's slot is released, then c is admitted into it
-    assert plan.releases == [(0, a.slot)] and plan.prefills == [c] and c.slot == a.slot
+    assert plan.releases == [(0, a.slot, None)] and plan.prefills == [c] and c.slot == a.slot
     assert agents[0].calls.index(f"release {a.slot}") < len(agents[0].calls) - 2
     while scheduler.num_running:
         step(scheduler, agents)
@@ -142,7 +142,7 @@ def test_abort_waiting_running_and_in_flight():
     scheduler.abort("run")  # while its decode is "in flight"
     scheduler.decoded(plan.decodes[0], agents[0].decode([run.slot]))
     assert run.finish_reason is FinishReason.ABORT and len(run.output) == 1
-    assert scheduler.schedule().releases == [(0, run.slot)]
+    assert scheduler.schedule().releases == [(0, run.slot, None)]
     assert scheduler.abort("unknown") is None
 
 
@@ -172,4 +172,62 @@ def test_external_finish_releases_the_slot():
     scheduler.add(s)
     step(scheduler, agents)
     scheduler.finish(s, FinishReason.STOP)
-    assert scheduler.num_running == 0 and scheduler.schedule().releases == [(0, s.slot)]
+    assert scheduler.num_running == 0 and scheduler.schedule().releases == [(0, s.slot, None)]
+
+
+def disaggregated(decode_slots=(2,), prefill_slots=1):
+    caps = [AgentCapacity(prefill_slots, 64, 32, "prefill")]
+    caps += [AgentCapacity(n, 64, 32, "decode") for n in decode_slots]
+    return BatchScheduler(caps, 8)
+
+
+def test_prefill_agent_slots_bound_transfers_and_transferring_sequences_are_not_decoded():
+    scheduler = disaggregated(decode_slots=(2, 2))
+    a, b = seq("a", max_new=4), seq("b", max_new=4)
+    scheduler.add(a)
+    scheduler.add(b)
+    plan = scheduler.schedule()
+    # One prefill slot: one transfer at a time; the decode agent with the most free slots.
+    assert plan.prefills == [a] and (a.prefill_agent, a.prefill_slot) == (0, 0)
+    assert a.agent in (1, 2) and a.transferring and a.ticket is not None and not plan.decodes
+    assert scheduler.schedule().prefills == []  # b waits for the prefill slot
+    scheduler.transferred(a, 7)
+    plan = scheduler.schedule()
+    assert plan.prefills == [b] and plan.decodes == {a.agent: [a]} and a.output == [7]
+    assert b.agent != a.agent  # now the other decode agent has more free slots
+
+
+def test_failed_transfer_releases_the_decode_slot_with_its_ticket():
+    scheduler = disaggregated()
+    a = seq("a")
+    scheduler.add(a)
+    scheduler.schedule()
+    scheduler.transfer_failed(a, "the decode agent did not acknowledge the KV")
+    assert a.finish_reason is FinishReason.ERROR and "acknowledge" in a.error
+    plan = scheduler.schedule()
+    assert plan.releases == [(1, a.slot, a.ticket)]
+    assert scheduler.free_slots[0] == [0]  # the prefill agent freed its own slot
+
+
+def test_aborted_during_transfer_cancels_the_ticket_and_ignores_the_late_token():
+    scheduler = disaggregated()
+    a = seq("a")
+    scheduler.add(a)
+    scheduler.schedule()
+    scheduler.abort("a")
+    assert scheduler.schedule().releases == [(1, a.slot, a.ticket)]
+    scheduler.transferred(a, 5)
+    assert a.output == [] and scheduler.free_slots[0] == [0]
+
+
+def test_prefill_agent_failure_fails_its_transfers_and_leaves_no_path():
+    scheduler = disaggregated()
+    a = seq("a")
+    scheduler.add(a)
+    scheduler.schedule()
+    failed = scheduler.agent_failed(0, "prefill agent died")
+    assert failed == [a] and a.finish_reason is FinishReason.ERROR
+    assert scheduler.schedule().releases == [(1, a.slot, a.ticket)]
+    assert not scheduler.can_serve
+    with pytest.raises(AdmissionError, match="no agent is available"):
+        scheduler.add(seq("b"))

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from config import ConfigError, load_config
-from config.schema import PROJECT_ROOT
+from config.schema import PROJECT_ROOT, AgentsSection
 
 
 def test_default_config_serves_the_embedded_model_on_cpu():
@@ -28,6 +28,16 @@ def test_default_config_serves_the_embedded_model_on_cpu():
     ("runtime: [unclosed\n", "not valid YAML"),
     ("agents:\n  host: 0.0.0.0\n", "reachable from other machines: set agents.curve"),
     ("agents:\n  ports: [9820, 9821]\n  cpu_affinity: [[0]]\n", "one non-empty list of CPU ids per agent"),
+    ("agents:\n  groups: [{role: prefill, ports: [9820]}]\n", "a prefill group needs at least one decode group"),
+    ("agents:\n  groups: [{role: decode, ports: [9820]}, {ports: [9821]}]\n", "a decode group needs at least one prefill"),
+    ("agents:\n  groups: [{ports: [9820, 9821]}]\n", "tensor-parallel, which this version does not support"),
+    ("agents:\n  ports: [9820]\n  groups: [{ports: [9821]}]\n", "differ from the groups' ports"),
+    ("agents:\n  groups: [{ports: [9820]}, {ports: [9820]}]\n", "ports must be distinct"),
+    ("agents:\n  groups: [{ports: [9820], num_slots: 64}]\n", "num_slots \\(64\\) exceeds"),
+    ("agents:\n  groups: [{ports: [9820], host: 10.1.2.3}]\n", "10.1.2.3 are reachable from other machines"),
+    ("model:\n  prefill_model: [a]\n  decode_model: [b]\n  argmax_model: c\n  topk_model: [d]\n"
+     "agents:\n  groups: [{role: prefill, ports: [1]}, {role: decode, ports: [2]}]\n",
+     "MindIR exports do not hold"),
     ("agents:\n  curve: {agent_public_key: short, agent_secret_key: x, server_public_key: x, "
      "server_secret_key: x}\n", "40-character Z85 key"),
 ])
@@ -36,6 +46,15 @@ def test_bad_config_names_the_problem(tmp_path, body, message):
     path.write_text(body)
     with pytest.raises(ConfigError, match=message):
         load_config(path)
+
+
+def test_groups_give_ports_roles_and_addresses():
+    config = load_config(PROJECT_ROOT / "config" / "default.yaml")
+    assert [(g.role, g.ports) for g in config.agents.groups] == [("mixed", [9820])]
+    agents = AgentsSection(groups=[{"role": "prefill", "ports": [7000]},
+                                   {"role": "decode", "ports": [7001], "host": "localhost"}])
+    assert agents.ports == [7000, 7001] and agents.roles == ["prefill", "decode"]
+    assert [agents.address(r) for r in (0, 1)] == ["tcp://127.0.0.1:7000", "tcp://localhost:7001"]
 
 
 def test_missing_config_file(tmp_path):

@@ -1,0 +1,135 @@
+"""PD disaggregation with real processes: one prefill agent and two decode agents behind one server
+(config groups with roles), against one mixed agent of the same tiny model."""
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from agent.checkpoint import load_checkpoint
+from agent_harness import free_ports, serving_stack, write_config
+from config import load_config
+from config.schema import PROJECT_ROOT
+from http_client import post
+
+# Several lengths: 16, 64 and 64+ prompt buckets of the tiny runtime (prompts up to 64 tokens).
+TEXTS = ["Hi", "The quick brown fox", "你好，世界！ " * 3, "emoji 😀 🎉 " * 4,
+         "Numbers 0123456789 " * 5, "The capital of France is Paris. " * 4, "北京是中国的首都",
+         "café naïve résumé " * 6]
+GROUPS = [{"role": "prefill", "ports": None, "num_slots": 2}, {"role": "decode", "ports": None},
+          {"role": "decode", "ports": None}]
+TRANSFER_TIMEOUT_S = 3
+
+
+def generate(base: str, text: str, **parameters):
+    return post(f"{base}/models/tiny/generate", {"inputs": text, "parameters": {
+        "max_new_tokens": 20, "ignore_eos": True, **parameters}})
+
+
+def answers(base: str, texts: list[str], concurrent: bool) -> list[str]:
+    def one(text):
+        response = generate(base, text)
+        assert response.status_code == 200, response.text
+        return response.json()["generated_text"]
+    if not concurrent:
+        return [one(t) for t in texts]
+    with ThreadPoolExecutor(len(texts)) as pool:
+        return list(pool.map(one, texts))
+
+
+@pytest.fixture(scope="module")
+def mixed_answers(tmp_path_factory, tiny_llama_dir):
+    ports = free_ports(2)
+    path = write_config(tmp_path_factory.mktemp("mixed"), tiny_llama_dir, ports[:1],
+                        server={"port": ports[1]})
+    with serving_stack(path):
+        yield answers(f"http://127.0.0.1:{ports[1]}", TEXTS, concurrent=False)
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tmp_path_factory, tiny_llama_dir):
+    ports = free_ports(4)
+    groups = [{**g, "ports": [p]} for g, p in zip(GROUPS, ports)]
+    path = write_config(tmp_path_factory.mktemp("disaggregated"), tiny_llama_dir, ports[:3],
+                        agents={"groups": groups, "kv_transfer_timeout_s": TRANSFER_TIMEOUT_S},
+                        server={"port": ports[3]})
+    with serving_stack(path) as (agents, server):
+        yield {"base": f"http://127.0.0.1:{ports[3]}", "agents": agents, "server": server,
+               "ports": ports[:3], "logs": path.parent / "logs"}
+
+
+def metric(base: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", httpx.get(f"{base}/metrics").text, re.M)
+    return float(match.group(1))
+
+
+def test_answers_equal_the_mixed_agent_under_8_streams(disaggregated, mixed_answers, tiny_llama_dir):
+    base = disaggregated["base"]
+    before_bytes = metric(base, "llm_serving_kv_transfer_bytes_total")
+    before_tokens = metric(base, "llm_serving_prompt_tokens_total")
+    assert answers(base, TEXTS, concurrent=True) == mixed_answers
+
+    # Every prompt's K/V went over the wire, exactly its size: 2 x layers x KV heads x head_dim floats a token.
+    spec = load_checkpoint(tiny_llama_dir).spec
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+    prompt_tokens = metric(base, "llm_serving_prompt_tokens_total") - before_tokens
+    assert metric(base, "llm_serving_kv_transfer_bytes_total") - before_bytes == prompt_tokens * per_token
+    log = (disaggregated["logs"] / "agent_0.log").read_text()
+    assert re.search(r"KV of \d+ tokens \(\d+ bytes\) sent to tcp://127\.0\.0\.1:\d+ slot \d+", log)
+
+    info = httpx.get(f"{base}/info").json()
+    assert [g["role"] for g in info["groups"]] == ["prefill", "decode", "decode"]
+    assert info["slots"] == 8  # the decode groups' slots: those are where requests live
+
+
+def test_seeded_sampling_continues_on_the_decode_agent(disaggregated, tmp_path_factory):
+    """The sampler's RNG state moves with the KV: same seed, same text, wherever it decodes."""
+    base = disaggregated["base"]
+    params = {"do_sample": True, "top_k": 20, "temperature": 0.8, "seed": 5}
+    first = generate(base, "The quick brown fox", **params).json()["generated_text"]
+    assert generate(base, "The quick brown fox", **params).json()["generated_text"] == first
+    assert first != generate(base, "The quick brown fox", **{**params, "seed": 6}).json()["generated_text"]
+
+
+def agent_pid(agents, rank: int) -> int:
+    lines = [line for line in agents.lines if f"agent rank {rank} starting (pid" in line]
+    return int(re.search(r"pid (\d+)", lines[-1]).group(1))
+
+
+def test_decode_agent_killed_during_a_transfer_fails_that_request_only(disaggregated, mixed_answers):
+    """The first decode agent is stopped (it takes no KV), a request's transfer to it is in flight,
+    then it is killed: that request fails with the transfer error in bounded time, the other
+    decode group serves the next requests with unchanged answers."""
+    base, agents = disaggregated["base"], disaggregated["agents"]
+    pid = agent_pid(agents, 1)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            start = time.monotonic()
+            doomed = pool.submit(generate, base, TEXTS[1])
+            time.sleep(1.0)  # the tiny prefill takes milliseconds: the KV now waits for the ack
+            os.kill(pid, signal.SIGKILL)
+            response = doomed.result(timeout=60)
+            elapsed = time.monotonic() - start
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert response.status_code == 503, response.text
+    assert "did not acknowledge the KV" in response.json()["error"], response.json()
+    assert elapsed < TRANSFER_TIMEOUT_S + 20  # bounded by the transfer timeout, not a hang
+
+    assert answers(base, TEXTS[:4], concurrent=True) == mixed_answers[:4]
+    groups = httpx.get(f"{base}/info").json()["groups"]
+    assert groups[2]["slots"] == 4  # the other decode group kept serving
+
+
+def test_shipped_disaggregated_config_is_a_prefill_and_a_decode_agent_of_the_default_model():
+    config = load_config(PROJECT_ROOT / "config" / "disaggregated.yaml")
+    default = load_config(PROJECT_ROOT / "config" / "default.yaml")
+    assert config.agents.roles == ["prefill", "decode"] and config.model == default.model
+    assert config.agents.ports == [9820, 9821]
