@@ -5,6 +5,10 @@
     code = launcher.supervise()   # until SIGTERM/SIGINT (0) or an unrecoverable agent death (1)
 
 A start-up failure stops every agent and reports the failing agent's error and its last log lines.
+
+A tensor-parallel group also gets a MindSpore cluster scheduler process (dynamic cluster: the
+MS_* environment variables below); its agents are workers of that cluster. The collectives inside
+their graphs need every rank, so when one dies the whole group (scheduler included) is restarted.
 """
 from __future__ import annotations
 
@@ -14,9 +18,10 @@ import os
 import queue
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from agent.process import log_filename, run_agent
+from agent.process import log_filename, run_agent, run_cluster_scheduler
 from config.schema import ServingConfig
 
 log = logging.getLogger("agent_launcher")
@@ -52,11 +57,33 @@ class AgentLauncher:
                               f"0..{len(all_groups) - 1}")
         ranks = [rank for rank, group in enumerate(config.agents.group_of_rank) if group in chosen]
         self.agents = {rank: AgentHandle(rank, config.agents.ports[rank]) for rank in ranks}
+        self.clusters: dict[int, mp.process.BaseProcess] = {}  # tensor-parallel group -> scheduler
         self.stop_signal: int | None = None
+
+    def _cluster_env(self, group: int, role: str, node_id: int | None = None) -> dict[str, str]:
+        section = self.config.agents.groups[group]
+        env = {"MS_ROLE": role, "MS_WORKER_NUM": str(section.tensor_parallel),
+               "MS_SCHED_HOST": section.host or self.config.agents.host,
+               "MS_SCHED_PORT": str(section.cluster_port)}
+        if node_id is not None:
+            env["MS_NODE_ID"] = str(node_id)
+        return env
+
+    def _start_cluster(self, group: int) -> None:
+        """The MindSpore cluster scheduler of a tensor-parallel group (before its workers)."""
+        with _environment(self._cluster_env(group, "MS_SCHED")):
+            process = self.ctx.Process(target=run_cluster_scheduler, name=f"cluster-{group}",
+                                       args=(self.config, group, os.getpid()))
+            process.start()
+        self.clusters[group] = process
+        log.info("group %d: MindSpore cluster scheduler (pid %d) on port %d", group, process.pid,
+                 self.config.agents.groups[group].cluster_port)
 
     # ------------------------------------------------------------------------------ start-up
 
     def start(self) -> None:
+        for group in self._tensor_parallel_groups():
+            self._start_cluster(group)
         for agent in self.agents.values():
             self._spawn(agent)
         deadline = time.monotonic() + self.config.agents.startup_timeout_s
@@ -74,12 +101,22 @@ class AgentLauncher:
             raise
         log.info("all agents started")
 
+    def _tensor_parallel_groups(self) -> list[int]:
+        agents = self.config.agents
+        return sorted({agents.group_of_rank[r] for r in self.agents
+                       if agents.group(r).tensor_parallel > 1})
+
     def _spawn(self, agent: AgentHandle) -> None:
         agent.ready = False
-        agent.process = self.ctx.Process(
-            target=run_agent, name=f"agent-{agent.rank}",
-            args=(self.config, agent.rank, self.startup_queue, os.getpid()))
-        agent.process.start()
+        agents = self.config.agents
+        group = agents.group_of_rank[agent.rank]
+        env = (self._cluster_env(group, "MS_WORKER", agents.rank_in_group[agent.rank])
+               if agents.groups[group].tensor_parallel > 1 else {})
+        with _environment(env):  # a spawned child starts with the parent's environment
+            agent.process = self.ctx.Process(
+                target=run_agent, name=f"agent-{agent.rank}",
+                args=(self.config, agent.rank, self.startup_queue, os.getpid()))
+            agent.process.start()
         log.info("agent rank %d starting (pid %d, port %d, device %d)", agent.rank,
                  agent.process.pid, agent.port, self.config.agents.start_device_id + agent.rank)
 
@@ -142,7 +179,7 @@ class AgentLauncher:
                     agent.restarts += 1
                     log.warning("agent rank %d died (exit code %s); restarting (restart %d of %d)",
                                 agent.rank, code, agent.restarts, policy.max_restarts)
-                    self._spawn(agent)
+                    self._restart(agent)
                 else:
                     why = ("restart policy is 'exit'" if policy.restart_policy == "exit"
                            else f"{policy.max_restarts} restarts used")
@@ -153,10 +190,22 @@ class AgentLauncher:
         log.info("signal %d received: stopping agents", self.stop_signal)
         return 0 if self.stop() else 1
 
-    def stop(self) -> bool:
-        """SIGTERM every agent (each finishes its step in flight), SIGKILL what outlives the grace
-        period. True when no agent process remains."""
-        alive = [a.process for a in self.agents.values() if a.process is not None and a.process.is_alive()]
+    def _restart(self, agent: AgentHandle) -> None:
+        """Respawn a dead agent; in a tensor-parallel group, the whole group and its scheduler."""
+        agents = self.config.agents
+        group = agents.group_of_rank[agent.rank]
+        if agents.groups[group].tensor_parallel == 1:
+            self._spawn(agent)
+            return
+        members = [a for a in self.agents.values() if agents.group_of_rank[a.rank] == group]
+        self._terminate([a.process for a in members if a.process is not None] + [self.clusters[group]])
+        self._start_cluster(group)
+        for member in members:
+            self._spawn(member)
+
+    def _terminate(self, processes: list) -> list[int]:
+        """SIGTERM, SIGKILL after the grace period; the pids still alive after that."""
+        alive = [p for p in processes if p.is_alive()]
         for process in alive:
             process.terminate()
         deadline = time.monotonic() + self.config.agents.shutdown_grace_s
@@ -168,9 +217,31 @@ class AgentLauncher:
                             self.config.agents.shutdown_grace_s)
                 process.kill()
                 process.join(5)
-        remaining = [p.pid for p in alive if p.is_alive()]
+        return [p.pid for p in alive if p.is_alive()]
+
+    def stop(self) -> bool:
+        """SIGTERM every agent (each finishes its step in flight), SIGKILL what outlives the grace
+        period. True when no agent process remains."""
+        remaining = self._terminate([a.process for a in self.agents.values() if a.process is not None])
+        # The cluster schedulers last: a worker that loses its scheduler first may wait for it.
+        remaining += self._terminate(list(self.clusters.values()))
         if remaining:
             log.error("agent processes still alive after SIGKILL: %s", remaining)
         else:
             log.info("all agents stopped")
         return not remaining
+
+
+@contextmanager
+def _environment(values: dict[str, str]):
+    """Set environment variables for the children started inside the block, then restore them."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

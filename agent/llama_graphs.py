@@ -12,8 +12,15 @@ Layout choices come from measurements (../shared/MINDSPORE_CPU.md and our own on
 
 Every reshape has at most one unknown dimension, so the graphs compile with static shapes or with
 dynamic-shape inputs alike. The host (runner.py) computes all indices and masks.
+
+Tensor parallelism (TensorSplit): each rank of a group holds a contiguous run of KV heads with their
+query heads (Q/K/V rows, the matching columns of wo, its own KV cache) and of FFN columns (gate/up
+rows, down columns); an AllReduce inside the graph sums the partial outputs of wo and w_down. The
+embedding, norms and lm_head are whole on every rank, so every rank computes the same logits.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import mindspore as ms
@@ -37,6 +44,20 @@ def rope_tables(spec: ModelSpec, max_len: int) -> tuple[np.ndarray, np.ndarray, 
     rot[np.arange(half) + half, np.arange(half)] = 1.0  # out[:half] = x[half:]
     rot[np.arange(half), np.arange(half) + half] = 1.0  # out[half:] = x[:half]
     return cos.astype(np.float32), sin.astype(np.float32), rot
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """This process's share of a tensor-parallel group (rank of size); size 1: the whole model."""
+    rank: int = 0
+    size: int = 1
+
+    def share(self, total: int) -> tuple[int, int]:
+        """[start, end) of this rank's contiguous share of `total` items (the first ranks get the
+        remainder: 3 KV heads over 2 ranks are 2 + 1)."""
+        base, extra = divmod(total, self.size)
+        start = self.rank * base + min(self.rank, extra)
+        return start, start + base + (self.rank < extra)
 
 
 def _param(array: np.ndarray, name: str, dtype=ms.float32) -> Parameter:
@@ -69,7 +90,8 @@ class LlamaLayer(nn.Cell):
     """One decoder layer: its weights, its slice of the KV cache, and the prefill/decode bodies."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, np.ndarray], index: int, cache_rows: int,
-                 max_len: int, attention: ops.Custom | None, matmul: ops.Custom | None, dtype=ms.float32):
+                 max_len: int, attention: ops.Custom | None, matmul: ops.Custom | None, dtype=ms.float32,
+                 split: TensorSplit = TensorSplit()):
         super().__init__()
         self.attention = attention
         self.kernel_matmul = matmul
@@ -78,20 +100,32 @@ class LlamaLayer(nn.Cell):
         self.dtype, self.half = dtype, dtype != ms.float32
         t = {name: tensors[f"layers.{index}.{name}"] for name in
              ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")}
+        p = f"layers.{index}."
+        hd, group = spec.head_dim, spec.group_size
+        kv_start, kv_end = split.share(spec.num_kv_heads)
+        q_rows = slice(kv_start * group * hd, kv_end * group * hd)  # this rank's heads' rows
+        kv_rows = slice(kv_start * hd, kv_end * hd)
+        ffn_start, ffn_end = split.share(spec.intermediate_size)
+        t.update(wq=t["wq"][q_rows], wk=t["wk"][kv_rows], wv=t["wv"][kv_rows], wo=t["wo"][:, q_rows],
+                 w_gate=t["w_gate"][ffn_start:ffn_end], w_up=t["w_up"][ffn_start:ffn_end],
+                 w_down=t["w_down"][:, ffn_start:ffn_end])
         # The attention scale is folded into the Q rows (RoPE is linear, so this commutes).
         scale = 1.0 / np.sqrt(spec.head_dim)
-        self.heads, self.kv_heads, self.group = spec.num_heads, spec.num_kv_heads, spec.group_size
-        self.head_dim, self.eps, self.max_len = spec.head_dim, spec.rms_eps, max_len
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.ffn = spec.intermediate_size
-        p = f"layers.{index}."
+        self.kv_heads, self.group = kv_end - kv_start, group
+        self.heads = self.kv_heads * group
+        self.head_dim, self.eps, self.max_len = hd, spec.rms_eps, max_len
+        self.q_size = self.heads * hd
+        self.kv_size = self.kv_heads * hd
+        self.ffn = ffn_end - ffn_start
+        self.parallel = split.size > 1
+        self.all_reduce = ops.AllReduce() if self.parallel else None
         self.attn_norm = _param(t["attn_norm"], p + "attn_norm")
         weight = self._weight  # [in, out]; packed in tiles when the matmul kernel runs them
         self.wqkv = weight(np.concatenate([t["wq"] * scale, t["wk"], t["wv"]]).T, p + "wqkv")
         self.has_bias = spec.qkv_bias
         if spec.qkv_bias:
-            bias = np.concatenate([tensors[p + "bq"] * scale, tensors[p + "bk"], tensors[p + "bv"]])
+            bias = np.concatenate([tensors[p + "bq"][q_rows] * scale, tensors[p + "bk"][kv_rows],
+                                   tensors[p + "bv"][kv_rows]])
         else:
             bias = np.zeros(self.q_size + 2 * self.kv_size, np.float32)
         self.bqkv = _param(bias, p + "bqkv", dtype)
@@ -117,6 +151,11 @@ class LlamaLayer(nn.Cell):
         y = self.kernel_matmul(x, w)
         return y if n % MATMUL_TILE == 0 else y[:, :n]
 
+    def project(self, x, w, n: int):
+        """x @ w -> [M, n], summed over the group's ranks when this layer is split."""
+        y = self.linear(x, w, n)
+        return self.all_reduce(y) if self.parallel else y
+
     def softmax(self, scores, mask):
         """softmax(scores + mask) over the last axis; the mask is float32 from the host."""
         if self.half:
@@ -138,7 +177,7 @@ class LlamaLayer(nn.Cell):
     def mlp(self, x):
         h = rms_norm(x, self.ffn_norm, self.eps, self.dtype, self.half)
         gate, up = ops.split(self.linear(h, self.w_gate_up, 2 * self.ffn), self.ffn, 1)
-        return x + self.linear(ops.silu(gate) * up, self.w_down, self.hidden)
+        return x + self.project(ops.silu(gate) * up, self.w_down, self.hidden)
 
     def prefill(self, x, cos, sin, rot, write_idx, mask, k_cache, v_cache):
         """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S].
@@ -153,7 +192,7 @@ class LlamaLayer(nn.Cell):
         probs = self.softmax(self.bmm_t(q, k), mask)  # [KV, G*S, S]
         out = ops.reshape(self.bmm(probs, v), (self.kv_heads, self.group, -1, self.head_dim))
         out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (-1, self.q_size))
-        return self.mlp(x + self.linear(out, self.wo, self.hidden))
+        return self.mlp(x + self.project(out, self.wo, self.hidden))
 
     def decode(self, x, cos, sin, rot, write_idx, where, extent, k_cache, v_cache):
         """x: [B, D]; write_idx: [B*KV]. With the attention kernel: where = first cache row [B*KV],
@@ -171,28 +210,30 @@ class LlamaLayer(nn.Cell):
         else:
             out = self.attention(q, k_cache, v_cache, where, extent)
         out = ops.reshape(out, (-1, self.q_size))
-        return self.mlp(x + self.linear(out, self.wo, self.hidden))
+        return self.mlp(x + self.project(out, self.wo, self.hidden))
 
 
 class LlamaModel(nn.Cell):
     """Weights, RoPE tables and KV cache, shared by the prefill and decode graphs."""
 
     def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int, attention_kernel: str | None = None,
-                 matmul_kernel: str | None = None, dtype=ms.float32):
+                 matmul_kernel: str | None = None, dtype=ms.float32, split: TensorSplit = TensorSplit()):
         """attention_kernel: the `path:function` of the decode attention kernel, or None for the
         gather path; matmul_kernel: that of the layers' matmul kernel, or None for MindSpore's MatMul."""
         super().__init__()
         spec, tensors = checkpoint.spec, checkpoint.tensors
         self.spec, self.num_slots, self.max_len = spec, num_slots, max_len
         self.scratch_slot = num_slots  # padded batch rows write here
-        cache_rows = (num_slots + 1) * spec.num_kv_heads * max_len
+        start, end = split.share(spec.num_kv_heads)
+        self.kv_heads = end - start  # this rank's
+        cache_rows = (num_slots + 1) * self.kv_heads * max_len
         attention = None if attention_kernel is None else ops.Custom(
             attention_kernel, out_shape=lambda q, *_: q, out_dtype=lambda q, *_: q, func_type="aot")
         matmul = None if matmul_kernel is None else ops.Custom(
             matmul_kernel, out_shape=lambda x, w: [x[0], w[0] * w[2]], out_dtype=lambda x, w: x,
             func_type="aot")
-        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, attention, matmul, dtype)
-                                   for i in range(spec.num_layers)])
+        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, attention, matmul,
+                                              dtype, split) for i in range(spec.num_layers)])
         self.dtype, self.half = dtype, dtype != ms.float32
         self.embed = _param(tensors["embed"], "embed", dtype)
         self.kernel_matmul = matmul
@@ -344,12 +385,13 @@ class LlamaGraphs:
     """The four graphs built from code over one LlamaModel (weights and KV cache as Parameters).
     ModelRunner calls them through this interface; agent/mindir.py has the same one over MindIR files."""
 
-    def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection):
+    def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = TensorSplit()):
         self.spec = checkpoint.spec
         self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len,
                                 decode_attention_op() if runtime.attention_kernel else None,
                                 skinny_matmul_op() if runtime.matmul_kernel else None,
-                                getattr(ms, runtime.dtype))
+                                getattr(ms, runtime.dtype), split)
+        self.kv_heads = self.model.kv_heads  # of this rank
         self.prefill_graph = PrefillGraph(self.model)
         self.decode_graph = DecodeGraph(self.model)
         self.argmax_graph = ArgmaxGraph()

@@ -87,6 +87,7 @@ class GraphExporter:
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, directory: Path):
         self.code = LlamaGraphs(checkpoint, runtime)
         self.spec, self.topk_buckets = self.code.spec, self.code.topk_buckets
+        self.kv_heads = self.code.kv_heads
         self.directory = directory
         model = self.code.model
         self.caches = [c for layer in model.layers for c in (layer.k_cache, layer.v_cache)]
@@ -168,7 +169,8 @@ class MindIRGraphs:
             for path in paths:
                 if by_file.get(path.name, (None,))[0] != kind:
                     raise MindIRError(f"{path}: not a {kind} graph of the export in {manifest_path.parent}")
-        rows = (self.spec.num_kv_heads * (runtime.num_slots + 1) * runtime.max_seq_len, self.spec.head_dim)
+        self.kv_heads = self.spec.num_kv_heads
+        rows = (self.kv_heads * (runtime.num_slots + 1) * runtime.max_seq_len, self.spec.head_dim)
         self.caches = [Parameter(Tensor(np.zeros(rows, np.float32), dtype=getattr(ms, runtime.dtype)),
                                  name=f"kv_cache_{i}", requires_grad=False)
                        for i in range(2 * self.spec.num_layers)]

@@ -17,6 +17,7 @@ import zmq
 
 from agent.checkpoint import load_checkpoint
 from agent.kv_transfer import KVSender
+from agent.llama_graphs import TensorSplit
 from agent.memory_plan import resolve_runtime
 from agent.mindir import read_spec
 from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
@@ -39,6 +40,17 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass  # not Linux: the parent-pid check in the loop still applies
+
+
+def run_cluster_scheduler(config: ServingConfig, group: int, parent_pid: int) -> None:
+    """multiprocessing target: MindSpore's cluster scheduler of a tensor-parallel group (the
+    launcher set MS_ROLE=MS_SCHED and the address). init() serves the cluster until it is killed."""
+    _die_with_parent()
+    log = setup_logging(config.logging, f"cluster_{group}.log")
+    from mindspore.communication import init
+
+    log.info("group %d: cluster scheduler on port %s", group, os.environ.get("MS_SCHED_PORT"))
+    init()
 
 
 def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) -> None:
@@ -108,8 +120,12 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         log.info("weights loaded in %.1fs (%s, %.1fM parameters)", time.perf_counter() - start,
                  checkpoint.format, checkpoint.spec.parameter_count() / 1e6)
         runtime = resolve_runtime(checkpoint.spec, runtime, log.info)
-        configure_mindspore(runtime, device_id, compile_cache_dir(checkpoint, runtime, f"rank_{rank}"))
-        runner = ModelRunner(checkpoint, runtime)
+        split = TensorSplit(config.agents.rank_in_group[rank], config.agents.group(rank).tensor_parallel)
+        cache_user = f"rank_{rank}" + (f"_tp{split.rank}of{split.size}" if split.size > 1 else "")
+        configure_mindspore(runtime, device_id, compile_cache_dir(checkpoint, runtime, cache_user))
+        if split.size > 1:
+            _join_cluster(split, checkpoint.spec, log)
+        runner = ModelRunner(checkpoint, runtime, split)
     log.info("KV cache: %d slots x %d positions, %.0f MB", runtime.num_slots, runtime.max_seq_len,
              runner.graphs.cache_bytes() / 1e6)
     warm_up_s = runner.warm_up(log.info, role)
@@ -125,6 +141,24 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
                            sender=sender)
     log.info("role %s", role)
     return socket, service, warm_up_s, authenticator
+
+
+def _join_cluster(split: TensorSplit, spec, log: logging.Logger) -> None:
+    """Tensor parallelism: join the group's MindSpore cluster (the launcher set MS_ROLE=MS_WORKER,
+    MS_NODE_ID and the scheduler's address); its collectives then run inside the graphs."""
+    from mindspore.communication import get_group_size, get_rank, init
+
+    if spec.num_kv_heads < split.size:
+        raise RuntimeError(f"{spec.num_kv_heads} KV heads cannot be split over {split.size} agents")
+    log.info("joining the tensor-parallel cluster as rank %d of %d (scheduler %s:%s)", split.rank,
+             split.size, os.environ.get("MS_SCHED_HOST"), os.environ.get("MS_SCHED_PORT"))
+    init()
+    if (get_rank(), get_group_size()) != (split.rank, split.size):
+        raise RuntimeError(f"the cluster made this agent rank {get_rank()} of {get_group_size()}, "
+                           f"the config rank {split.rank} of {split.size}")
+    start, end = split.share(spec.num_kv_heads)
+    log.info("tensor-parallel rank %d of %d: KV heads %d..%d, FFN columns %s", split.rank, split.size,
+             start, end - 1, split.share(spec.intermediate_size))
 
 
 def _serve(socket, service: AgentService, stopping: dict, parent_pid: int,

@@ -33,7 +33,7 @@ from mindspore import Tensor
 
 from agent.checkpoint import Checkpoint
 from agent.kernels import KERNELS, source
-from agent.llama_graphs import LlamaGraphs
+from agent.llama_graphs import LlamaGraphs, TensorSplit
 from agent.model_spec import ModelSpec
 from agent.sampling import SamplingParams, SlotSampler
 from config.schema import RuntimeSection
@@ -85,8 +85,9 @@ def _bucket(buckets: Sequence[int], n: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection):
-        self._setup(checkpoint.spec, runtime, LlamaGraphs(checkpoint, runtime))
+    def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = TensorSplit()):
+        """split: this process's share of a tensor-parallel group (every rank runs the same calls)."""
+        self._setup(checkpoint.spec, runtime, LlamaGraphs(checkpoint, runtime, split))
 
     @classmethod
     def from_mindir(cls, files, runtime: RuntimeSection) -> "ModelRunner":
@@ -110,7 +111,7 @@ class ModelRunner:
         self.graphs = graphs  # LlamaGraphs or MindIRGraphs
         self.topk_buckets = graphs.topk_buckets
         self.slots: dict[int, SlotState] = {}
-        kv, hd = self.spec.num_kv_heads, self.spec.head_dim
+        kv, hd = graphs.kv_heads, self.spec.head_dim
         self._head_rows = np.arange(kv, dtype=np.int64)  # per-slot base row = (slot*KV + h)*max_len
         self._kv, self._group, self._hd = kv, self.spec.group_size, hd
 

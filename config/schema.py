@@ -183,22 +183,34 @@ Role = Literal["mixed", "prefill", "decode"]
 
 class GroupSection(Section):
     """One model instance. `mixed`: prefills and decodes its own requests; `prefill`: computes
-    prompts and sends their KV to a decode group; `decode`: decodes what prefill groups send it."""
+    prompts and sends their KV to a decode group; `decode`: decodes what prefill groups send it.
+    Several ports: the group's agents run the model tensor-parallel (MindSpore's dynamic cluster,
+    its scheduler on `cluster_port`)."""
 
     role: Role = "mixed"
-    ports: list[int] = Field(min_length=1, description="one per agent of the group")
+    ports: list[int] = Field(min_length=1, description="one per agent of the group; several: "
+                             "tensor parallelism, rank 0 first")
+    cluster_port: int | None = Field(None, gt=0, lt=65536, description="tensor parallelism: the port "
+                                     "of the group's MindSpore cluster scheduler (on the group's host)")
     host: str | None = Field(None, description="address this group's agents bind and are reached "
                                                "at (another machine's, for multi-host); none: agents.host")
     num_slots: int | None = Field(None, ge=1, description="this group's KV slots (a prefill group "
                                   "needs few: one per prompt in flight); none: runtime.num_slots")
 
-    @field_validator("ports")
-    @classmethod
-    def _one_agent(cls, ports: list[int]) -> list[int]:
-        if len(ports) > 1:
-            raise ValueError(f"a group of {len(ports)} agents would run the model tensor-parallel, "
-                             f"which this version does not support yet: give each group one port")
-        return ports
+    @property
+    def tensor_parallel(self) -> int:
+        return len(self.ports)
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs(self) -> "GroupSection":
+        if self.tensor_parallel > 1:
+            if self.cluster_port is None:
+                raise ValueError(f"a group of {self.tensor_parallel} agents runs tensor-parallel: "
+                                 f"give it a cluster_port for MindSpore's cluster scheduler")
+            if self.role != "mixed":
+                raise ValueError("a tensor-parallel group must be mixed (KV transfer between "
+                                 "split caches is not supported)")
+        return self
 
 
 class AgentsSection(Section):
@@ -251,6 +263,11 @@ class AgentsSection(Section):
     def roles(self) -> list[str]:
         """Per agent rank: its group's role."""
         return [group.role for group in self.groups for _ in group.ports]
+
+    @property
+    def rank_in_group(self) -> list[int]:
+        """Per agent rank: its rank inside its group (tensor parallelism)."""
+        return [i for group in self.groups for i in range(len(group.ports))]
 
     @property
     def group_of_rank(self) -> list[int]:
@@ -340,4 +357,7 @@ class ServingConfig(Section):
         if self.model.uses_mindir and roles != {"mixed"}:
             raise ValueError("prefill and decode groups run the KV transfer graphs, which MindIR "
                              "exports do not hold: serve them from model.path")
+        if self.model.uses_mindir and any(g.tensor_parallel > 1 for g in self.agents.groups):
+            raise ValueError("tensor-parallel groups build split graphs from model.path; MindIR "
+                             "exports hold the whole model")
         return self

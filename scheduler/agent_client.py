@@ -165,3 +165,65 @@ class AgentClient:
         self.socket.disable_monitor()
         self.monitor.close(linger=0)
         self.socket.close(linger=0)
+
+
+class GroupClient:
+    """The agents of one tensor-parallel group as one client. Every call goes to all ranks at once
+    (the collectives inside their graphs need each of them); rank 0's answer is the group's, and
+    the ranks must agree. The first rank that fails fails the call at once."""
+
+    def __init__(self, clients: list[AgentClient]):
+        self.clients = clients
+        self.address = ",".join(c.address for c in clients)
+
+    @property
+    def session(self) -> int:
+        return self.clients[0].session
+
+    @property
+    def lost(self) -> str | None:
+        return next((c.lost for c in self.clients if c.lost), None)
+
+    def reconnect(self) -> None:
+        for client in self.clients:
+            client.reconnect()
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+    async def _all(self, method: str, *args, **kwargs) -> list:
+        tasks = [asyncio.ensure_future(getattr(c, method)(*args, **kwargs)) for c in self.clients]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+
+    async def _agreed(self, method: str, *args, **kwargs):
+        results = await self._all(method, *args, **kwargs)
+        if any(r != results[0] for r in results[1:]):
+            raise AgentUnavailable(f"tensor-parallel group {self.address}: the ranks disagree on "
+                                   f"{method} ({results})")
+        return results[0]
+
+    async def info(self, timeout_s: float | None = None) -> dict:
+        return (await self._all("info", timeout_s))[0]
+
+    async def reset(self, timeout_s: float | None = None) -> None:
+        await self._all("reset", timeout_s)
+
+    async def prefill(self, slot: int, prompt: Sequence[int], sampling: SamplingParams) -> int:
+        return await self._agreed("prefill", slot, prompt, sampling)
+
+    async def decode(self, slots: Sequence[int]) -> list[int]:
+        return await self._agreed("decode", slots)
+
+    async def release(self, slot: int, ticket: int | None = None) -> None:
+        await self._all("release", slot, ticket)
+
+    async def ping(self, timeout_s: float | None = None) -> None:
+        await self._all("ping", timeout_s)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from agent.sampling import SamplingParams
 from config.schema import ServingConfig
 from scheduler.agent_client import (AgentClient, AgentError, AgentIncompatible, AgentRequestError,
-                                    AgentUnavailable)
+                                    AgentUnavailable, GroupClient)
 from scheduler.batch_scheduler import AdmissionError, AgentCapacity, BatchScheduler, StepPlan
 from scheduler.sequence import FinishReason, Sequence
 from server.detokenizer import IncrementalDetokenizer
@@ -96,8 +96,7 @@ class LLMServer:
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = metrics or ServingMetrics()
-        self.clients = [AgentClient(config.agents.address(rank), config.server.agent_timeout_s,
-                                    config.agents.curve) for rank in range(len(config.agents.ports))]
+        self.clients = [self._group_client(group) for group in range(len(config.agents.groups))]
         self.scheduler: BatchScheduler | None = None
         self.streams: dict[str, _Stream] = {}
         self.stop_ids: frozenset[int] = frozenset(tokenizer.eos_ids)
@@ -120,6 +119,12 @@ class LLMServer:
         for group in range(len(self.clients)):
             m.group_running.labels(str(group)).set_function(lambda g=group: self.get_bs_current(g))
             m.group_slots.labels(str(group)).set_function(lambda g=group: self.group_slots(g))
+
+    def _group_client(self, group: int) -> AgentClient | GroupClient:
+        agents = self.config.agents
+        clients = [AgentClient(agents.address(rank), self.config.server.agent_timeout_s, agents.curve)
+                   for rank, g in enumerate(agents.group_of_rank) if g == group]
+        return clients[0] if len(clients) == 1 else GroupClient(clients)
 
     @property
     def max_seq_len(self) -> int:
@@ -158,7 +163,7 @@ class LLMServer:
         if info["vocab_size"] < self.tokenizer.vocab_size:
             raise AgentIncompatible(f"agent {client.address} serves a vocabulary of {info['vocab_size']} "
                                     f"tokens; the tokenizer has {self.tokenizer.vocab_size}")
-        role = self.config.agents.roles[index]
+        role = self.config.agents.groups[index].role
         if info.get("role") != role:
             raise AgentIncompatible(f"agent {client.address} runs as a {info.get('role')} agent; this "
                                     f"server's config makes it {role} (start both from one config)")

@@ -50,8 +50,8 @@ def ops_router(config: ServingConfig, llm_server: LLMServer) -> APIRouter:
             "max_input_length": min((c.max_prompt_len for c in llm_server.capacities), default=None),
             "max_total_tokens": min((c.max_seq_len for c in llm_server.capacities), default=None),
             "slots": sum(c.num_slots for c in llm_server.capacities if c.decodes),
-            "agents": [c.address for c in llm_server.clients],
-            "groups": [{"group": i, "role": config.agents.groups[i].role, "agents": [client.address],
+            "agents": [a for c in llm_server.clients for a in c.address.split(",")],
+            "groups": [{"group": i, "role": config.agents.groups[i].role, "agents": client.address.split(","),
                         "slots": llm_server.group_slots(i), "running": llm_server.get_bs_current(i)}
                        for i, client in enumerate(llm_server.clients)],
             "max_waiting_requests": config.server.max_waiting_requests,
