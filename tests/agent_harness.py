@@ -53,12 +53,14 @@ def write_config(directory: Path, model_path: Path, ports: list[int], **sections
 
 class LauncherProcess:
     """`python start_agent.py --config PATH` (or another entry script) with its output collected
-    line by line."""
+    line by line. `args` follow the config; `prefix` runs it through another command (a network
+    namespace: `ip netns exec NAME`)."""
 
-    def __init__(self, config_path: Path, script: str = "start_agent.py"):
+    def __init__(self, config_path: Path, script: str = "start_agent.py", args: tuple = (),
+                 prefix: tuple = ()):
         self.config_path = config_path
         self.process = subprocess.Popen(
-            [sys.executable, str(PROJECT_ROOT / script), "--config", str(config_path)],
+            [*prefix, sys.executable, str(PROJECT_ROOT / script), "--config", str(config_path), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PROJECT_ROOT)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -1,16 +1,21 @@
 """PD disaggregation with real processes: one prefill agent and two decode agents behind one server
 (config groups with roles), against one mixed agent of the same tiny model."""
+import json
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import zmq
 
 from agent.checkpoint import load_checkpoint
-from agent_harness import free_ports, serving_stack, write_config
+from agent_harness import LauncherProcess, free_ports, serving_stack, write_config
 from config import load_config
 from config.schema import PROJECT_ROOT
 from http_client import post
@@ -133,3 +138,73 @@ def test_shipped_disaggregated_config_is_a_prefill_and_a_decode_agent_of_the_def
     default = load_config(PROJECT_ROOT / "config" / "default.yaml")
     assert config.agents.roles == ["prefill", "decode"] and config.model == default.model
     assert config.agents.ports == [9820, 9821]
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair: two "hosts" with addresses of their own."""
+
+    def __init__(self):
+        tag = os.getpid() % 10000
+        self.names = [f"llmsA{tag}", f"llmsB{tag}"]
+        self.addresses = [f"10.231.{tag % 250}.1", f"10.231.{tag % 250}.2"]
+        veth = [f"llvA{tag}", f"llvB{tag}"]
+        run = [["ip", "netns", "add", self.names[0]], ["ip", "netns", "add", self.names[1]],
+               ["ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]]]
+        for name, dev, address in zip(self.names, veth, self.addresses):
+            run += [["ip", "link", "set", dev, "netns", name],
+                    ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", dev],
+                    ["ip", "-n", name, "link", "set", dev, "up"],
+                    ["ip", "-n", name, "link", "set", "lo", "up"]]
+        for command in run:
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                self.close()
+                raise OSError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
+
+    def prefix(self, host: int) -> tuple:
+        return ("ip", "netns", "exec", self.names[host])
+
+    def close(self) -> None:
+        for name in self.names:  # deleting a namespace deletes its end of the veth pair too
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_prefill_and_decode_agents_on_two_hosts(tmp_path, tiny_llama_dir, mixed_answers):
+    """The prefill agent and the server on host A, the decode agent on host B (network namespaces):
+    the K/V cross the veth link, CURVE-encrypted, and the answers are the mixed agent's."""
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` command (iproute2) to create network namespaces")
+    try:
+        hosts = TwoHosts()
+    except OSError as exc:
+        pytest.skip(f"cannot create network namespaces here (needs root and iproute2): {exc}")
+    agent_public, agent_secret = zmq.curve_keypair()
+    server_public, server_secret = zmq.curve_keypair()
+    curve = {"agent_public_key": agent_public.decode(), "agent_secret_key": agent_secret.decode(),
+             "server_public_key": server_public.decode(), "server_secret_key": server_secret.decode()}
+    ports = free_ports(3)
+    groups = [{"role": "prefill", "ports": [ports[0]], "host": hosts.addresses[0]},
+              {"role": "decode", "ports": [ports[1]], "host": hosts.addresses[1]}]
+    path = write_config(tmp_path, tiny_llama_dir, ports[:2], agents={"groups": groups, "curve": curve},
+                        server={"port": ports[2]})
+    launchers = []
+    try:
+        for host in (0, 1):
+            launchers.append(LauncherProcess(path, args=("--groups", str(host)), prefix=hosts.prefix(host)))
+        for launcher in launchers:
+            launcher.wait_for("all agents started", 240)
+        launchers.append(LauncherProcess(path, script="start_server.py", prefix=hosts.prefix(0)))
+        launchers[-1].wait_for("Application startup complete", 120)
+        client = (f"import httpx, json, sys; r = httpx.post('http://127.0.0.1:{ports[2]}/models/tiny/generate', "
+                  f"json={{'inputs': sys.argv[1], 'parameters': {{'max_new_tokens': 20, 'ignore_eos': True}}}}, "
+                  f"timeout=60); print(json.dumps([r.status_code, r.json()]))")
+        for text, want in zip(TEXTS[:3], mixed_answers):
+            done = subprocess.run([*hosts.prefix(0), sys.executable, "-c", client, text],
+                                  capture_output=True, text=True, timeout=90)
+            assert json.loads(done.stdout) == [200, {"generated_text": want}], done.stderr
+        log = (tmp_path / "logs" / "agent_0.log").read_text()
+        assert f"sent to tcp://{hosts.addresses[1]}:{ports[1]}" in log
+    finally:
+        for launcher in reversed(launchers):
+            launcher.close()
+        hosts.close()
