@@ -32,7 +32,7 @@ import numpy as np
 from mindspore import Tensor
 
 from agent.checkpoint import Checkpoint
-from agent.kernels import KERNELS, source
+from agent.kernels import HEADERS, KERNELS, source
 from agent.llama_graphs import LlamaGraphs, TensorSplit
 from agent.model_spec import ModelSpec
 from agent.sampling import SamplingParams, SlotSampler
@@ -73,7 +73,7 @@ def compile_cache_dir(checkpoint: Checkpoint, runtime: RuntimeSection, user: str
     if runtime.compile_cache_dir is None:
         return None
     graph_code = (Path(__file__).parent / "llama_graphs.py").read_bytes() + b"".join(
-        source(name).read_bytes() for name in KERNELS)
+        path.read_bytes() for path in [*(source(name) for name in KERNELS), *HEADERS])
     shapes = runtime.model_dump(exclude={"compile_cache_dir", "cpu_threads"})
     text = checkpoint.spec.model_dump_json() + json.dumps(shapes, sort_keys=True)
     key = hashlib.sha256(text.encode() + graph_code).hexdigest()[:16]

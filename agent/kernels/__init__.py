@@ -13,10 +13,9 @@ BUILD_DIR = SOURCE_DIR / "build"
 DECODE_ATTENTION = "decode_attention"
 SKINNY_MATMUL = "skinny_matmul"
 KERNELS = (DECODE_ATTENTION, SKINNY_MATMUL)
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
-# -fopenmp-simd: vectorised loops from `omp simd` pragmas, without OpenMP's thread runtime;
-# the matmul splits its columns over OpenMP threads too.
-KERNEL_FLAGS = {DECODE_ATTENTION: ["-fopenmp-simd"], SKINNY_MATMUL: ["-fopenmp"]}
+# -fopenmp: both split their work over OpenMP threads (and vectorise `omp simd` loops).
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp"]
+HEADERS = tuple(sorted(SOURCE_DIR.glob("*.h")))
 
 
 class KernelBuildError(RuntimeError):
@@ -30,7 +29,8 @@ def source(name: str) -> Path:
 def build(name: str) -> Path:
     """The kernel's shared library, compiled now if missing or stale."""
     src, lib = source(name), BUILD_DIR / f"{name}.so"
-    if lib.is_file() and lib.stat().st_mtime >= src.stat().st_mtime:
+    newest = max(path.stat().st_mtime for path in (src, *HEADERS))
+    if lib.is_file() and lib.stat().st_mtime >= newest:
         return lib
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
@@ -38,7 +38,7 @@ def build(name: str) -> Path:
                                "apt-get install g++) or set runtime.decode_attention: gather")
     BUILD_DIR.mkdir(exist_ok=True)
     tmp = lib.with_suffix(".so.tmp")
-    done = subprocess.run([compiler, *FLAGS, *KERNEL_FLAGS[name], "-o", str(tmp), str(src)],
+    done = subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(src)],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise KernelBuildError(f"building {src.name} failed:\n{done.stderr.strip()}")

@@ -5,13 +5,12 @@
 // the model's shapes: 30 layers at M = 16 in 47 ms against 70 ms, at M = 1 in 24 ms against 31 ms).
 //
 // MindSpore AOT custom-op interface (CPU): inputs x [M, K], w [N / TILE, K, TILE], float32;
-// output [M, N]. Columns are split over one OpenMP thread per CPU this process may use (not
-// OMP_NUM_THREADS: importing MindSpore sets it to 1, and spawned agents inherit that), in small
+// output [M, N]. Columns are split over one OpenMP thread per CPU this process may use, in small
 // dynamic chunks so a core taken by another process delays the product little. The agent sets
 // OMP_WAIT_POLICY=PASSIVE: idle workers sleep instead of spinning on MindSpore's cores.
-#include <sched.h>
-
 #include <cstdint>
+
+#include "usable_cpus.h"
 
 namespace {
 
@@ -34,13 +33,6 @@ void tile_rows(const float *x, int64_t k_dim, const float *w_tile, float *out, i
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TILE; ++t) out[(row0 + r) * n_dim + col0 + t] = acc[r][t];
-}
-
-int usable_cpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
-  const int n = CPU_COUNT(&set);
-  return n > 0 ? n : 1;
 }
 
 }  // namespace
