@@ -27,7 +27,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from agent.checkpoint import Checkpoint
-from agent.kernels import decode_attention_op, skinny_matmul_op
+from agent.kernels import decode_attention_op, rms_norm_op, skinny_matmul_op
 from agent.model_spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -65,9 +65,12 @@ def _param(array: np.ndarray, name: str, dtype=ms.float32) -> Parameter:
                      requires_grad=False)
 
 
-def rms_norm(x, weight, eps: float, dtype, half: bool):
+def rms_norm(x, weight, eps: float, dtype, half: bool, kernel=None, eps_tensor=None):
     """x / rms(x) * weight over the last axis; in half precision computed in float32 and cast back
-    to `dtype` (a square of a large float16 activation overflows)."""
+    to `dtype` (a square of a large float16 activation overflows). `kernel`: the float32 CPU kernel
+    (agent/kernels/rms_norm.cc), called with `eps_tensor` [1]."""
+    if kernel is not None:
+        return kernel(x, weight, eps_tensor)
     if half:
         x = ops.cast(x, ms.float32)
         return ops.cast(x * ops.rsqrt(ops.mean(ops.square(x), -1, True) + eps) * weight, dtype)
@@ -91,10 +94,12 @@ class LlamaLayer(nn.Cell):
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, np.ndarray], index: int, cache_rows: int,
                  max_len: int, attention: ops.Custom | None, matmul: ops.Custom | None, dtype=ms.float32,
-                 split: TensorSplit = TensorSplit()):
+                 split: TensorSplit = TensorSplit(), norm: ops.Custom | None = None):
         super().__init__()
         self.attention = attention
         self.kernel_matmul = matmul
+        self.kernel_norm = norm
+        self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
         # Half precision (Ascend/GPU, or float16 on CPU): weights, activations and cache in `dtype`,
         # norms and softmax in float32. A constant: the float32 graphs have no casts at all.
         self.dtype, self.half = dtype, dtype != ms.float32
@@ -164,18 +169,21 @@ class LlamaLayer(nn.Cell):
 
     def qkv(self, x, cos, sin, rot):
         """Norm, fused QKV projection and RoPE on Q and K together. x: [N, D]; cos/sin: [N, 1, hd]."""
-        h = rms_norm(x, self.attn_norm, self.eps, self.dtype, self.half)
+        h = rms_norm(x, self.attn_norm, self.eps, self.dtype, self.half, self.kernel_norm, self.eps_tensor)
         qkv = self.linear(h, self.wqkv, self.q_size + 2 * self.kv_size)
         if self.has_bias:
             qkv = qkv + self.bqkv
         qk, v = ops.split(qkv, [self.q_size + self.kv_size, self.kv_size], 1)
+        # rotate-half as one 2-D product: a [N, heads, hd] @ [hd, hd] product broadcast R per layer
+        rotated = ops.reshape(self.matmul(ops.reshape(qk, (-1, self.head_dim)), rot),
+                              (-1, self.heads + self.kv_heads, self.head_dim))
         qk = ops.reshape(qk, (-1, self.heads + self.kv_heads, self.head_dim))
-        qk = qk * cos + ops.matmul(qk, rot) * sin
+        qk = qk * cos + rotated * sin
         q, k = ops.split(qk, [self.heads, self.kv_heads], 1)
         return q, k, ops.reshape(v, (-1, self.kv_heads, self.head_dim))
 
     def mlp(self, x):
-        h = rms_norm(x, self.ffn_norm, self.eps, self.dtype, self.half)
+        h = rms_norm(x, self.ffn_norm, self.eps, self.dtype, self.half, self.kernel_norm, self.eps_tensor)
         gate, up = ops.split(self.linear(h, self.w_gate_up, 2 * self.ffn), self.ffn, 1)
         return x + self.project(ops.silu(gate) * up, self.w_down, self.hidden)
 
@@ -217,9 +225,11 @@ class LlamaModel(nn.Cell):
     """Weights, RoPE tables and KV cache, shared by the prefill and decode graphs."""
 
     def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int, attention_kernel: str | None = None,
-                 matmul_kernel: str | None = None, dtype=ms.float32, split: TensorSplit = TensorSplit()):
+                 matmul_kernel: str | None = None, dtype=ms.float32, split: TensorSplit = TensorSplit(),
+                 norm_kernel: str | None = None):
         """attention_kernel: the `path:function` of the decode attention kernel, or None for the
-        gather path; matmul_kernel: that of the layers' matmul kernel, or None for MindSpore's MatMul."""
+        gather path; matmul_kernel / norm_kernel: those of the matmul and RMSNorm kernels, or None
+        for MindSpore's ops."""
         super().__init__()
         spec, tensors = checkpoint.spec, checkpoint.tensors
         self.spec, self.num_slots, self.max_len = spec, num_slots, max_len
@@ -232,8 +242,12 @@ class LlamaModel(nn.Cell):
         matmul = None if matmul_kernel is None else ops.Custom(
             matmul_kernel, out_shape=lambda x, w: [x[0], w[0] * w[2]], out_dtype=lambda x, w: x,
             func_type="aot")
+        norm = None if norm_kernel is None else ops.Custom(
+            norm_kernel, out_shape=lambda x, *_: x, out_dtype=lambda x, *_: x, func_type="aot")
+        self.kernel_norm = norm
+        self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
         self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, attention, matmul,
-                                              dtype, split) for i in range(spec.num_layers)])
+                                              dtype, split, norm) for i in range(spec.num_layers)])
         self.dtype, self.half = dtype, dtype != ms.float32
         self.embed = _param(tensors["embed"], "embed", dtype)
         self.kernel_matmul = matmul
@@ -257,7 +271,7 @@ class LlamaModel(nn.Cell):
 
     def logits(self, x):
         """Float32 logits whatever the model's dtype: the post-process graphs and the host expect them."""
-        x = rms_norm(x, self.final_norm, self.eps, self.dtype, self.half)
+        x = rms_norm(x, self.final_norm, self.eps, self.dtype, self.half, self.kernel_norm, self.eps_tensor)
         if self.half:
             return ops.cast(self.matmul_t(x, self.lm_head), ms.float32)
         if self.kernel_matmul is None:
@@ -390,7 +404,8 @@ class LlamaGraphs:
         self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len,
                                 decode_attention_op() if runtime.attention_kernel else None,
                                 skinny_matmul_op() if runtime.matmul_kernel else None,
-                                getattr(ms, runtime.dtype), split)
+                                getattr(ms, runtime.dtype), split,
+                                rms_norm_op() if runtime.matmul_kernel else None)
         self.kv_heads = self.model.kv_heads  # of this rank
         self.prefill_graph = PrefillGraph(self.model)
         self.decode_graph = DecodeGraph(self.model)
