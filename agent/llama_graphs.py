@@ -27,7 +27,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from agent.checkpoint import Checkpoint
-from agent.kernels import decode_attention_op, rms_norm_op, skinny_matmul_op
+from agent.kernels import (decode_attention_op, rms_norm_op, skinny_matmul_add_op, skinny_matmul_op,
+                           swiglu_op)
 from agent.model_spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -68,7 +69,7 @@ def _param(array: np.ndarray, name: str, dtype=ms.float32) -> Parameter:
 def rms_norm(x, weight, eps: float, dtype, half: bool, kernel=None, eps_tensor=None):
     """x / rms(x) * weight over the last axis; in half precision computed in float32 and cast back
     to `dtype` (a square of a large float16 activation overflows). `kernel`: the float32 CPU kernel
-    (agent/kernels/rms_norm.cc), called with `eps_tensor` [1]."""
+    (agent/kernels/elementwise.cc), called with `eps_tensor` [1]."""
     if kernel is not None:
         return kernel(x, weight, eps_tensor)
     if half:
@@ -89,16 +90,31 @@ def pack_for_kernel(w: np.ndarray) -> np.ndarray:
     return padded.reshape(k, tiles, MATMUL_TILE).transpose(1, 0, 2)
 
 
+class CpuKernels:
+    """The custom CPU ops (agent/kernels) the graphs call instead of MindSpore's: the decode
+    attention, and with the matmul kernel also RMSNorm, SwiGLU and the product + residual.
+    None where MindSpore's own ops run."""
+
+    def __init__(self, attention: bool, matmul: bool):
+        def custom(path: str, out_shape):
+            return ops.Custom(path, out_shape=out_shape, out_dtype=lambda x, *_: x, func_type="aot")
+
+        self.attention = custom(decode_attention_op(), lambda q, *_: q) if attention else None
+        self.matmul = custom(skinny_matmul_op(), lambda x, w: [x[0], w[0] * w[2]]) if matmul else None
+        self.matmul_add = custom(skinny_matmul_add_op(), lambda x, w, r: r) if matmul else None
+        self.norm = custom(rms_norm_op(), lambda x, *_: x) if matmul else None
+        self.swiglu = custom(swiglu_op(), lambda x: [x[0], x[1] // 2]) if matmul else None
+
+
 class LlamaLayer(nn.Cell):
     """One decoder layer: its weights, its slice of the KV cache, and the prefill/decode bodies."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, np.ndarray], index: int, cache_rows: int,
-                 max_len: int, attention: ops.Custom | None, matmul: ops.Custom | None, dtype=ms.float32,
-                 split: TensorSplit = TensorSplit(), norm: ops.Custom | None = None):
+                 max_len: int, kernels: CpuKernels, dtype=ms.float32, split: TensorSplit = TensorSplit()):
         super().__init__()
-        self.attention = attention
-        self.kernel_matmul = matmul
-        self.kernel_norm = norm
+        self.attention = kernels.attention
+        self.kernel_matmul, self.kernel_matmul_add = kernels.matmul, kernels.matmul_add
+        self.kernel_norm, self.kernel_swiglu = kernels.norm, kernels.swiglu
         self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
         # Half precision (Ascend/GPU, or float16 on CPU): weights, activations and cache in `dtype`,
         # norms and softmax in float32. A constant: the float32 graphs have no casts at all.
@@ -156,10 +172,12 @@ class LlamaLayer(nn.Cell):
         y = self.kernel_matmul(x, w)
         return y if n % MATMUL_TILE == 0 else y[:, :n]
 
-    def project(self, x, w, n: int):
-        """x @ w -> [M, n], summed over the group's ranks when this layer is split."""
+    def add_projected(self, residual, x, w, n: int):
+        """residual + x @ w, the product summed over the group's ranks when this layer is split."""
+        if self.kernel_matmul_add is not None and not self.parallel and n % MATMUL_TILE == 0:
+            return self.kernel_matmul_add(x, w, residual)
         y = self.linear(x, w, n)
-        return self.all_reduce(y) if self.parallel else y
+        return residual + (self.all_reduce(y) if self.parallel else y)
 
     def softmax(self, scores, mask):
         """softmax(scores + mask) over the last axis; the mask is float32 from the host."""
@@ -184,8 +202,11 @@ class LlamaLayer(nn.Cell):
 
     def mlp(self, x):
         h = rms_norm(x, self.ffn_norm, self.eps, self.dtype, self.half, self.kernel_norm, self.eps_tensor)
-        gate, up = ops.split(self.linear(h, self.w_gate_up, 2 * self.ffn), self.ffn, 1)
-        return x + self.project(ops.silu(gate) * up, self.w_down, self.hidden)
+        gate_up = self.linear(h, self.w_gate_up, 2 * self.ffn)
+        if self.kernel_swiglu is not None:
+            return self.add_projected(x, self.kernel_swiglu(gate_up), self.w_down, self.hidden)
+        gate, up = ops.split(gate_up, self.ffn, 1)
+        return self.add_projected(x, ops.silu(gate) * up, self.w_down, self.hidden)
 
     def prefill(self, x, cos, sin, rot, write_idx, mask, k_cache, v_cache):
         """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S].
@@ -200,7 +221,7 @@ class LlamaLayer(nn.Cell):
         probs = self.softmax(self.bmm_t(q, k), mask)  # [KV, G*S, S]
         out = ops.reshape(self.bmm(probs, v), (self.kv_heads, self.group, -1, self.head_dim))
         out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (-1, self.q_size))
-        return self.mlp(x + self.project(out, self.wo, self.hidden))
+        return self.mlp(self.add_projected(x, out, self.wo, self.hidden))
 
     def decode(self, x, cos, sin, rot, write_idx, where, extent, k_cache, v_cache):
         """x: [B, D]; write_idx: [B*KV]. With the attention kernel: where = first cache row [B*KV],
@@ -218,18 +239,14 @@ class LlamaLayer(nn.Cell):
         else:
             out = self.attention(q, k_cache, v_cache, where, extent)
         out = ops.reshape(out, (-1, self.q_size))
-        return self.mlp(x + self.project(out, self.wo, self.hidden))
+        return self.mlp(self.add_projected(x, out, self.wo, self.hidden))
 
 
 class LlamaModel(nn.Cell):
     """Weights, RoPE tables and KV cache, shared by the prefill and decode graphs."""
 
-    def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int, attention_kernel: str | None = None,
-                 matmul_kernel: str | None = None, dtype=ms.float32, split: TensorSplit = TensorSplit(),
-                 norm_kernel: str | None = None):
-        """attention_kernel: the `path:function` of the decode attention kernel, or None for the
-        gather path; matmul_kernel / norm_kernel: those of the matmul and RMSNorm kernels, or None
-        for MindSpore's ops."""
+    def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int, kernels: CpuKernels,
+                 dtype=ms.float32, split: TensorSplit = TensorSplit()):
         super().__init__()
         spec, tensors = checkpoint.spec, checkpoint.tensors
         self.spec, self.num_slots, self.max_len = spec, num_slots, max_len
@@ -237,21 +254,14 @@ class LlamaModel(nn.Cell):
         start, end = split.share(spec.num_kv_heads)
         self.kv_heads = end - start  # this rank's
         cache_rows = (num_slots + 1) * self.kv_heads * max_len
-        attention = None if attention_kernel is None else ops.Custom(
-            attention_kernel, out_shape=lambda q, *_: q, out_dtype=lambda q, *_: q, func_type="aot")
-        matmul = None if matmul_kernel is None else ops.Custom(
-            matmul_kernel, out_shape=lambda x, w: [x[0], w[0] * w[2]], out_dtype=lambda x, w: x,
-            func_type="aot")
-        norm = None if norm_kernel is None else ops.Custom(
-            norm_kernel, out_shape=lambda x, *_: x, out_dtype=lambda x, *_: x, func_type="aot")
-        self.kernel_norm = norm
+        self.kernel_norm = kernels.norm
         self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
-        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, attention, matmul,
-                                              dtype, split, norm) for i in range(spec.num_layers)])
+        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, kernels, dtype, split)
+                                   for i in range(spec.num_layers)])
         self.dtype, self.half = dtype, dtype != ms.float32
         self.embed = _param(tensors["embed"], "embed", dtype)
-        self.kernel_matmul = matmul
-        if matmul is not None:  # a packed copy: the embedding lookup still needs [vocab, hidden]
+        self.kernel_matmul = kernels.matmul
+        if kernels.matmul is not None:  # a packed copy: the embedding lookup still needs [vocab, hidden]
             self.lm_head = _param(pack_for_kernel(tensors["embed" if spec.tied_embeddings else "lm_head"].T),
                                   "lm_head_packed")
         else:
@@ -402,10 +412,8 @@ class LlamaGraphs:
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = TensorSplit()):
         self.spec = checkpoint.spec
         self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len,
-                                decode_attention_op() if runtime.attention_kernel else None,
-                                skinny_matmul_op() if runtime.matmul_kernel else None,
-                                getattr(ms, runtime.dtype), split,
-                                rms_norm_op() if runtime.matmul_kernel else None)
+                                CpuKernels(runtime.attention_kernel, runtime.matmul_kernel),
+                                getattr(ms, runtime.dtype), split)
         self.kv_heads = self.model.kv_heads  # of this rank
         self.prefill_graph = PrefillGraph(self.model)
         self.decode_graph = DecodeGraph(self.model)

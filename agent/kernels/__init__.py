@@ -12,8 +12,8 @@ SOURCE_DIR = Path(__file__).parent
 BUILD_DIR = SOURCE_DIR / "build"
 DECODE_ATTENTION = "decode_attention"
 SKINNY_MATMUL = "skinny_matmul"
-RMS_NORM = "rms_norm"
-KERNELS = (DECODE_ATTENTION, SKINNY_MATMUL, RMS_NORM)
+ELEMENTWISE = "elementwise"
+KERNELS = (DECODE_ATTENTION, SKINNY_MATMUL, ELEMENTWISE)
 # -fopenmp: both split their work over OpenMP threads (and vectorise `omp simd` loops).
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp"]
 HEADERS = tuple(sorted(SOURCE_DIR.glob("*.h")))
@@ -56,5 +56,13 @@ def skinny_matmul_op() -> str:
     return f"{build(SKINNY_MATMUL)}:SkinnyMatMul"
 
 
+def skinny_matmul_add_op() -> str:
+    return f"{build(SKINNY_MATMUL)}:SkinnyMatMulAdd"
+
+
 def rms_norm_op() -> str:
-    return f"{build(RMS_NORM)}:RmsNorm"
+    return f"{build(ELEMENTWISE)}:RmsNorm"
+
+
+def swiglu_op() -> str:
+    return f"{build(ELEMENTWISE)}:SwiGlu"

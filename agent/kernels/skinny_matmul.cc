@@ -18,8 +18,8 @@ constexpr int TILE = 32;
 constexpr int ROWS = 8;  // 8 x 32 accumulators: 16 AVX-512 or 32 AVX2 registers' worth
 
 template <int R>
-void tile_rows(const float *x, int64_t k_dim, const float *w_tile, float *out, int64_t n_dim,
-               int64_t row0, int64_t col0) {
+void tile_rows(const float *x, int64_t k_dim, const float *w_tile, const float *residual, float *out,
+               int64_t n_dim, int64_t row0, int64_t col0) {
   float acc[R][TILE];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TILE; ++t) acc[r][t] = 0.f;
@@ -32,7 +32,27 @@ void tile_rows(const float *x, int64_t k_dim, const float *w_tile, float *out, i
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TILE; ++t) out[(row0 + r) * n_dim + col0 + t] = acc[r][t];
+    for (int t = 0; t < TILE; ++t) {
+      const int64_t at = (row0 + r) * n_dim + col0 + t;
+      out[at] = residual == nullptr ? acc[r][t] : residual[at] + acc[r][t];
+    }
+}
+
+int multiply(const float *x, const float *w, const float *residual, float *out, int64_t m_dim,
+             int64_t k_dim, int64_t tiles) {
+  const int64_t n_dim = tiles * TILE;
+  static const int threads = usable_cpus();
+#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
+  for (int64_t j = 0; j < tiles; ++j) {
+    const float *w_tile = w + j * k_dim * TILE;
+    const int64_t col = j * TILE;
+    int64_t row = 0;
+    for (; row + ROWS <= m_dim; row += ROWS) tile_rows<ROWS>(x, k_dim, w_tile, residual, out, n_dim, row, col);
+    if (row + 4 <= m_dim) { tile_rows<4>(x, k_dim, w_tile, residual, out, n_dim, row, col); row += 4; }
+    if (row + 2 <= m_dim) { tile_rows<2>(x, k_dim, w_tile, residual, out, n_dim, row, col); row += 2; }
+    if (row < m_dim) tile_rows<1>(x, k_dim, w_tile, residual, out, n_dim, row, col);
+  }
+  return 0;
 }
 
 }  // namespace
@@ -41,20 +61,19 @@ extern "C" int SkinnyMatMul(int nparam, void **params, int *ndims, int64_t **sha
                             const char **dtypes, void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   if (nparam != 3 || ndims[0] != 2 || ndims[1] != 3 || shapes[1][2] != TILE) return 1;
-  const float *x = static_cast<const float *>(params[0]);
-  const float *w = static_cast<const float *>(params[1]);
-  float *out = static_cast<float *>(params[2]);
-  const int64_t m_dim = shapes[0][0], k_dim = shapes[0][1], tiles = shapes[1][0];
-  const int64_t n_dim = tiles * TILE;
-  static const int threads = usable_cpus();
-#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
-  for (int64_t j = 0; j < tiles; ++j) {
-    const float *w_tile = w + j * k_dim * TILE;
-    int64_t row = 0;
-    for (; row + ROWS <= m_dim; row += ROWS) tile_rows<ROWS>(x, k_dim, w_tile, out, n_dim, row, j * TILE);
-    if (row + 4 <= m_dim) { tile_rows<4>(x, k_dim, w_tile, out, n_dim, row, j * TILE); row += 4; }
-    if (row + 2 <= m_dim) { tile_rows<2>(x, k_dim, w_tile, out, n_dim, row, j * TILE); row += 2; }
-    if (row < m_dim) tile_rows<1>(x, k_dim, w_tile, out, n_dim, row, j * TILE);
-  }
-  return 0;
+  return multiply(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]), nullptr,
+                  static_cast<float *>(params[2]), shapes[0][0], shapes[0][1], shapes[1][0]);
+}
+
+// The same product added to a residual: inputs x [M, K], w [N / TILE, K, TILE], residual [M, N];
+// output [M, N] = residual + x @ W (the layer's two residual adds, one op fewer each).
+extern "C" int SkinnyMatMulAdd(int nparam, void **params, int *ndims, int64_t **shapes,
+                               const char **dtypes, void *stream, void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 2 || shapes[1][2] != TILE ||
+      shapes[2][0] != shapes[0][0] || shapes[2][1] != shapes[1][0] * TILE)
+    return 1;
+  return multiply(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
+                  static_cast<const float *>(params[2]), static_cast<float *>(params[3]), shapes[0][0],
+                  shapes[0][1], shapes[1][0]);
 }
