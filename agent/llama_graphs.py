@@ -27,8 +27,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from agent.checkpoint import Checkpoint
-from agent.kernels import (decode_attention_op, rms_norm_op, skinny_matmul_add_op, skinny_matmul_op,
-                           swiglu_op)
+from agent.kernels import (decode_attention_op, rms_norm_op, rope_op, skinny_matmul_add_op,
+                           skinny_matmul_op, swiglu_op)
 from agent.model_spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -92,10 +92,10 @@ def pack_for_kernel(w: np.ndarray) -> np.ndarray:
 
 class CpuKernels:
     """The custom CPU ops (agent/kernels) the graphs call instead of MindSpore's: the decode
-    attention, and with the matmul kernel also RMSNorm, SwiGLU and the product + residual.
+    attention, and with the matmul kernel also RMSNorm, SwiGLU, RoPE and the product + residual.
     None where MindSpore's own ops run."""
 
-    def __init__(self, attention: bool, matmul: bool):
+    def __init__(self, attention: bool, matmul: bool, head_dim: int):
         def custom(path: str, out_shape):
             return ops.Custom(path, out_shape=out_shape, out_dtype=lambda x, *_: x, func_type="aot")
 
@@ -104,6 +104,7 @@ class CpuKernels:
         self.matmul_add = custom(skinny_matmul_add_op(), lambda x, w, r: r) if matmul else None
         self.norm = custom(rms_norm_op(), lambda x, *_: x) if matmul else None
         self.swiglu = custom(swiglu_op(), lambda x: [x[0], x[1] // 2]) if matmul else None
+        self.rope = custom(rope_op(), lambda x, *_: [x[0], x[1] // head_dim, head_dim]) if matmul else None
 
 
 class LlamaLayer(nn.Cell):
@@ -114,7 +115,7 @@ class LlamaLayer(nn.Cell):
         super().__init__()
         self.attention = kernels.attention
         self.kernel_matmul, self.kernel_matmul_add = kernels.matmul, kernels.matmul_add
-        self.kernel_norm, self.kernel_swiglu = kernels.norm, kernels.swiglu
+        self.kernel_norm, self.kernel_swiglu, self.kernel_rope = kernels.norm, kernels.swiglu, kernels.rope
         self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
         # Half precision (Ascend/GPU, or float16 on CPU): weights, activations and cache in `dtype`,
         # norms and softmax in float32. A constant: the float32 graphs have no casts at all.
@@ -138,6 +139,7 @@ class LlamaLayer(nn.Cell):
         self.q_size = self.heads * hd
         self.kv_size = self.kv_heads * hd
         self.ffn = ffn_end - ffn_start
+        self.kv_heads_tensor = Tensor(np.array([self.kv_heads], np.int32))  # for the RoPE kernel
         self.parallel = split.size > 1
         self.all_reduce = ops.AllReduce() if self.parallel else None
         self.attn_norm = _param(t["attn_norm"], p + "attn_norm")
@@ -191,6 +193,9 @@ class LlamaLayer(nn.Cell):
         qkv = self.linear(h, self.wqkv, self.q_size + 2 * self.kv_size)
         if self.has_bias:
             qkv = qkv + self.bqkv
+        if self.kernel_rope is not None:
+            heads = self.kernel_rope(qkv, cos, sin, self.kv_heads_tensor)  # [N, heads + 2 KV, hd]
+            return ops.split(heads, [self.heads, self.kv_heads, self.kv_heads], 1)
         qk, v = ops.split(qkv, [self.q_size + self.kv_size, self.kv_size], 1)
         # rotate-half as one 2-D product: a [N, heads, hd] @ [hd, hd] product broadcast R per layer
         rotated = ops.reshape(self.matmul(ops.reshape(qk, (-1, self.head_dim)), rot),
@@ -412,7 +417,7 @@ class LlamaGraphs:
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = TensorSplit()):
         self.spec = checkpoint.spec
         self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len,
-                                CpuKernels(runtime.attention_kernel, runtime.matmul_kernel),
+                                CpuKernels(runtime.attention_kernel, runtime.matmul_kernel, self.spec.head_dim),
                                 getattr(ms, runtime.dtype), split)
         self.kv_heads = self.model.kv_heads  # of this rank
         self.prefill_graph = PrefillGraph(self.model)

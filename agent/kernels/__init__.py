@@ -66,3 +66,7 @@ def rms_norm_op() -> str:
 
 def swiglu_op() -> str:
     return f"{build(ELEMENTWISE)}:SwiGlu"
+
+
+def rope_op() -> str:
+    return f"{build(ELEMENTWISE)}:Rope"

@@ -46,3 +46,37 @@ extern "C" int SwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, c
   }
   return 0;
 }
+
+// RoPE on the fused QKV projection (ten ops: splits, reshapes, the rotate-half product, two
+// multiplies, an add): input qkv [N, (Q + 2 KV) * hd] (Q query heads, KV key heads, KV value heads),
+// cos [N, 1, hd], sin [N, 1, hd] with the rotate-half sign folded in (first half negative),
+// kv [1] int32 = KV; output [N, Q + 2 KV, hd]: query and key heads rotated, value heads copied.
+extern "C" int Rope(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                    void *stream, void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 3 || ndims[4] != 3) return 1;
+  const float *qkv = static_cast<const float *>(params[0]);
+  const float *cos = static_cast<const float *>(params[1]);
+  const float *sin = static_cast<const float *>(params[2]);
+  const int64_t kv = *static_cast<const int32_t *>(params[3]);
+  float *out = static_cast<float *>(params[4]);
+  const int64_t rows = shapes[4][0], heads = shapes[4][1], hd = shapes[4][2], half = hd / 2;
+  const int64_t rotated = heads - kv;  // query and key heads
+  for (int64_t n = 0; n < rows; ++n) {
+    const float *c = cos + n * hd;
+    const float *s = sin + n * hd;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float *x = qkv + (n * heads + h) * hd;
+      float *o = out + (n * heads + h) * hd;
+      if (h >= rotated) {
+        for (int64_t d = 0; d < hd; ++d) o[d] = x[d];
+        continue;
+      }
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) o[d] = x[d] * c[d] + x[d + half] * s[d];
+#pragma omp simd
+      for (int64_t d = half; d < hd; ++d) o[d] = x[d] * c[d] + x[d - half] * s[d];
+    }
+  }
+  return 0;
+}
