@@ -110,6 +110,9 @@ def test_decode_agent_killed_during_a_transfer_fails_that_request_only(disaggreg
     decode group serves the next requests with unchanged answers."""
     base, agents = disaggregated["base"], disaggregated["agents"]
     pid = agent_pid(agents, 1)
+    # The previous test's last answer is out; its slot's release follows within milliseconds. Stopping
+    # the agent before that would hold the release (and the scheduler loop) instead of the transfer.
+    time.sleep(0.5)
     os.kill(pid, signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(1) as pool:
