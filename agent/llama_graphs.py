@@ -27,8 +27,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from agent.checkpoint import Checkpoint
-from agent.kernels import (decode_attention_op, rms_norm_op, rope_op, skinny_matmul_add_op,
-                           skinny_matmul_op, swiglu_op)
+from agent.kernels import DECODE_ATTENTION, ELEMENTWISE, SKINNY_MATMUL, op_path
 from agent.model_spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -96,15 +95,18 @@ class CpuKernels:
     None where MindSpore's own ops run."""
 
     def __init__(self, attention: bool, matmul: bool, head_dim: int):
-        def custom(path: str, out_shape):
-            return ops.Custom(path, out_shape=out_shape, out_dtype=lambda x, *_: x, func_type="aot")
+        def custom(kernel: str, function: str, out_shape):
+            return ops.Custom(op_path(kernel, function), out_shape=out_shape,
+                              out_dtype=lambda x, *_: x, func_type="aot")
 
-        self.attention = custom(decode_attention_op(), lambda q, *_: q) if attention else None
-        self.matmul = custom(skinny_matmul_op(), lambda x, w: [x[0], w[0] * w[2]]) if matmul else None
-        self.matmul_add = custom(skinny_matmul_add_op(), lambda x, w, r: r) if matmul else None
-        self.norm = custom(rms_norm_op(), lambda x, *_: x) if matmul else None
-        self.swiglu = custom(swiglu_op(), lambda x: [x[0], x[1] // 2]) if matmul else None
-        self.rope = custom(rope_op(), lambda x, *_: [x[0], x[1] // head_dim, head_dim]) if matmul else None
+        self.attention = custom(DECODE_ATTENTION, "DecodeAttention", lambda q, *_: q) if attention else None
+        self.matmul = self.matmul_add = self.norm = self.swiglu = self.rope = None
+        if matmul:
+            self.matmul = custom(SKINNY_MATMUL, "SkinnyMatMul", lambda x, w: [x[0], w[0] * w[2]])
+            self.matmul_add = custom(SKINNY_MATMUL, "SkinnyMatMulAdd", lambda x, w, r: r)
+            self.norm = custom(ELEMENTWISE, "RmsNorm", lambda x, *_: x)
+            self.swiglu = custom(ELEMENTWISE, "SwiGlu", lambda x: [x[0], x[1] // 2])
+            self.rope = custom(ELEMENTWISE, "Rope", lambda x, *_: [x[0], x[1] // head_dim, head_dim])
 
 
 class LlamaLayer(nn.Cell):

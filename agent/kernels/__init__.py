@@ -47,26 +47,6 @@ def build(name: str) -> Path:
     return lib
 
 
-def decode_attention_op() -> str:
-    """The `path:function` MindSpore's ops.Custom(func_type="aot") loads."""
-    return f"{build(DECODE_ATTENTION)}:DecodeAttention"
-
-
-def skinny_matmul_op() -> str:
-    return f"{build(SKINNY_MATMUL)}:SkinnyMatMul"
-
-
-def skinny_matmul_add_op() -> str:
-    return f"{build(SKINNY_MATMUL)}:SkinnyMatMulAdd"
-
-
-def rms_norm_op() -> str:
-    return f"{build(ELEMENTWISE)}:RmsNorm"
-
-
-def swiglu_op() -> str:
-    return f"{build(ELEMENTWISE)}:SwiGlu"
-
-
-def rope_op() -> str:
-    return f"{build(ELEMENTWISE)}:Rope"
+def op_path(kernel: str, function: str) -> str:
+    """The `path:function` MindSpore's ops.Custom(func_type="aot") loads (the kernel built if needed)."""
+    return f"{build(kernel)}:{function}"
