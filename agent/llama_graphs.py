@@ -27,7 +27,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from agent.checkpoint import Checkpoint
-from agent.kernels import DECODE_ATTENTION, ELEMENTWISE, SKINNY_MATMUL, op_path
+from agent.kernels import DECODE_ATTENTION, DECODE_LAYER, ELEMENTWISE, SKINNY_MATMUL, op_path
 from agent.model_spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -91,7 +91,8 @@ def pack_for_kernel(w: np.ndarray) -> np.ndarray:
 
 class CpuKernels:
     """The custom CPU ops (agent/kernels) the graphs call instead of MindSpore's: the decode
-    attention, and with the matmul kernel also RMSNorm, SwiGLU, RoPE and the product + residual.
+    attention, and with the matmul kernel also RMSNorm, SwiGLU, RoPE and the product + residual,
+    and with both the whole decode layer as one op where the layer's shapes allow (`layer`).
     None where MindSpore's own ops run."""
 
     def __init__(self, attention: bool, matmul: bool, head_dim: int):
@@ -100,6 +101,7 @@ class CpuKernels:
                               out_dtype=lambda x, *_: x, func_type="aot")
 
         self.attention = custom(DECODE_ATTENTION, "DecodeAttention", lambda q, *_: q) if attention else None
+        self.layer = custom(DECODE_LAYER, "DecodeLayer", lambda x, *_: x) if attention and matmul else None
         self.matmul = self.matmul_add = self.norm = self.swiglu = self.rope = None
         if matmul:
             self.matmul = custom(SKINNY_MATMUL, "SkinnyMatMul", lambda x, w: [x[0], w[0] * w[2]])
@@ -144,6 +146,10 @@ class LlamaLayer(nn.Cell):
         self.kv_heads_tensor = Tensor(np.array([self.kv_heads], np.int32))  # for the RoPE kernel
         self.parallel = split.size > 1
         self.all_reduce = ops.AllReduce() if self.parallel else None
+        # The fused decode layer adds wo's and w_down's outputs to the residual itself, so it needs
+        # the whole layer (no tensor parallelism) and a hidden size of whole kernel tiles.
+        fused = kernels.layer is not None and not self.parallel and spec.hidden_size % MATMUL_TILE == 0
+        self.kernel_layer = kernels.layer if fused else None
         self.attn_norm = _param(t["attn_norm"], p + "attn_norm")
         weight = self._weight  # [in, out]; packed in tiles when the matmul kernel runs them
         self.wqkv = weight(np.concatenate([t["wq"] * scale, t["wk"], t["wv"]]).T, p + "wqkv")
@@ -234,6 +240,10 @@ class LlamaLayer(nn.Cell):
         """x: [B, D]; write_idx: [B*KV]. With the attention kernel: where = first cache row [B*KV],
         extent = positions to attend [B*KV]. Without: where = rows to attend [B*KV, L], extent =
         mask [B*KV, 1, L] over an attend bucket."""
+        if self.kernel_layer is not None:
+            return self.kernel_layer(x, self.attn_norm, self.wqkv, self.bqkv, cos, sin, k_cache, v_cache,
+                                     write_idx, where, extent, self.wo, self.ffn_norm, self.w_gate_up,
+                                     self.w_down, self.eps_tensor)
         q, k, v = self.qkv(x, cos, sin, rot)
         ops.scatter_update(k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
         ops.scatter_update(v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))

@@ -44,6 +44,9 @@ def test_tiny_checkpoint_logits_match_reference(family, attention, matmul, tiny_
     directory = tiny_llama_dir if family == "llama" else tiny_qwen2_dir
     runtime = TINY_RUNTIME.model_copy(update={"decode_attention": attention, "matmul": matmul})
     runner = ModelRunner(load_checkpoint(directory), runtime)
+    # with both kernels each decode layer is one fused op (agent/kernels/decode_layer.cc)
+    fused = runner.graphs.model.layers[0].kernel_layer is not None
+    assert fused == (attention == matmul == "kernel")
     reference = ref.load_hf_reference(directory)
     prompt = load_tokenizer(directory).encode("The capital of France is Paris. 你好")
     diffs = compare_logits(runner, reference, prompt, slot=1, steps=6)
@@ -54,6 +57,7 @@ def test_widths_off_the_kernel_tile_match_reference(tmp_path):
     """Hidden 48 and FFN 80: output widths that are not a multiple of the matmul kernel's tile."""
     directory = write_tiny_checkpoint(tmp_path, "llama", seed=3, hidden=48, intermediate=80)
     runner = ModelRunner(load_checkpoint(directory), TINY_RUNTIME)
+    assert runner.graphs.model.layers[0].kernel_layer is None  # op by op: hidden is not whole tiles
     prompt = load_tokenizer(directory).encode("odd widths")
     diffs = compare_logits(runner, ref.load_hf_reference(directory), prompt, slot=0, steps=3)
     assert max(diffs) < 1e-3, diffs

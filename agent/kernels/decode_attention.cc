@@ -4,53 +4,14 @@
 //
 // MindSpore AOT custom-op interface (CPU): inputs q [N, G, hd], k_cache [R, hd], v_cache [R, hd],
 // base [N] int32, len [N] int32; output [N, G, hd]; all float32. The attention scale is already in q.
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <vector>
 
+#include "row_ops.h"
 #include "usable_cpus.h"
 
 namespace {
 
 constexpr int64_t PARALLEL_ROWS = 8;  // (sequence, KV head) rows from which the team helps
-
-void attend_rows(int64_t first, int64_t last, int64_t groups, int64_t hd, const float *q,
-                 const float *k, const float *v, const int32_t *base, const int32_t *len,
-                 float *out) {
-  thread_local std::vector<float> scores;
-  for (int64_t n = first; n < last; ++n) {
-    const int64_t length = len[n];
-    const float *keys = k + static_cast<int64_t>(base[n]) * hd;
-    const float *values = v + static_cast<int64_t>(base[n]) * hd;
-    scores.resize(length);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float *query = q + (n * groups + g) * hd;
-      float *o = out + (n * groups + g) * hd;
-      float best = -INFINITY;
-      for (int64_t l = 0; l < length; ++l) {
-        const float *key = keys + l * hd;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < hd; ++d) s += query[d] * key[d];
-        scores[l] = s;
-        best = s > best ? s : best;
-      }
-      float total = 0.f;
-      for (int64_t l = 0; l < length; ++l) {
-        scores[l] = std::exp(scores[l] - best);
-        total += scores[l];
-      }
-      std::memset(o, 0, sizeof(float) * hd);
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      for (int64_t l = 0; l < length; ++l) {
-        const float p = scores[l] * inv;
-        const float *value = values + l * hd;
-        for (int64_t d = 0; d < hd; ++d) o[d] += p * value[d];
-      }
-    }
-  }
-}
 
 }  // namespace
 
@@ -71,6 +32,9 @@ extern "C" int DecodeAttention(int nparam, void **params, int *ndims, int64_t **
   // team costs more than it saves. The agent sets OMP_WAIT_POLICY=PASSIVE: idle workers sleep.
   static const int threads = usable_cpus();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n_rows >= PARALLEL_ROWS)
-  for (int64_t n = 0; n < n_rows; ++n) attend_rows(n, n + 1, groups, hd, q, k, v, base, len, out);
+  for (int64_t n = 0; n < n_rows; ++n) {
+    const int64_t first = static_cast<int64_t>(base[n]) * hd;
+    rowwise::attend(q + n * groups * hd, k + first, v + first, len[n], groups, hd, out + n * groups * hd);
+  }
   return 0;
 }

@@ -1,8 +1,9 @@
 // The layer's row-wise elementwise steps as one kernel each instead of several MindSpore ops: on CPU
 // each op costs about 20 us of dispatch beside its few us of work, and a decode step ran ~1000 ops.
 // MindSpore AOT custom-op interface (CPU), float32.
-#include <cmath>
 #include <cstdint>
+
+#include "row_ops.h"
 
 // RMSNorm of each row (six ops: square, mean, add, rsqrt, two multiplies; 61 norms a step):
 // inputs x [M, D], w [D], eps [1]; output [M, D] = x / sqrt(mean(x^2) + eps) * w.
@@ -15,16 +16,7 @@ extern "C" int RmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, 
   const float eps = *static_cast<const float *>(params[2]);
   float *out = static_cast<float *>(params[3]);
   const int64_t rows = shapes[0][0], dim = shapes[0][1];
-  for (int64_t m = 0; m < rows; ++m) {
-    const float *row = x + m * dim;
-    float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t d = 0; d < dim; ++d) squares += row[d] * row[d];
-    const float scale = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
-    float *o = out + m * dim;
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) o[d] = row[d] * scale * w[d];
-  }
+  for (int64_t m = 0; m < rows; ++m) rowwise::rms_norm(x + m * dim, w, eps, dim, out + m * dim);
   return 0;
 }
 
@@ -39,10 +31,7 @@ extern "C" int SwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, c
   const int64_t rows = shapes[0][0], width = shapes[0][1] / 2;
   for (int64_t m = 0; m < rows; ++m) {
     const float *gate = x + m * 2 * width;
-    const float *up = gate + width;
-    float *o = out + m * width;
-#pragma omp simd
-    for (int64_t f = 0; f < width; ++f) o[f] = gate[f] / (1.f + std::exp(-gate[f])) * up[f];
+    rowwise::swiglu(gate, gate + width, width, out + m * width);
   }
   return 0;
 }
@@ -60,7 +49,7 @@ extern "C" int Rope(int nparam, void **params, int *ndims, int64_t **shapes, con
   const float *sin = static_cast<const float *>(params[2]);
   const int64_t kv = *static_cast<const int32_t *>(params[3]);
   float *out = static_cast<float *>(params[4]);
-  const int64_t rows = shapes[4][0], heads = shapes[4][1], hd = shapes[4][2], half = hd / 2;
+  const int64_t rows = shapes[4][0], heads = shapes[4][1], hd = shapes[4][2];
   const int64_t rotated = heads - kv;  // query and key heads
   for (int64_t n = 0; n < rows; ++n) {
     const float *c = cos + n * hd;
@@ -68,14 +57,8 @@ extern "C" int Rope(int nparam, void **params, int *ndims, int64_t **shapes, con
     for (int64_t h = 0; h < heads; ++h) {
       const float *x = qkv + (n * heads + h) * hd;
       float *o = out + (n * heads + h) * hd;
-      if (h >= rotated) {
-        for (int64_t d = 0; d < hd; ++d) o[d] = x[d];
-        continue;
-      }
-#pragma omp simd
-      for (int64_t d = 0; d < half; ++d) o[d] = x[d] * c[d] + x[d + half] * s[d];
-#pragma omp simd
-      for (int64_t d = half; d < hd; ++d) o[d] = x[d] * c[d] + x[d - half] * s[d];
+      if (h < rotated) rowwise::rope(x, c, s, hd, o);
+      else std::memcpy(o, x, sizeof(float) * hd);
     }
   }
   return 0;
