@@ -1,11 +1,12 @@
 """The benchmark tool's parts on synthetic input: stream parsing of both APIs, target URLs,
 statistics, and the files it writes. A real run against a server is in test_http_api.py."""
+import itertools
 import json
 
 import pytest
 
 from tools.bench import report
-from tools.bench.__main__ import parse_args
+from tools.bench.__main__ import parse_args, request_bodies
 from tools.bench.stats import RequestRecord, median_of_runs, percentile, summarize
 from tools.bench.targets import Target, TargetError, parse_line
 
@@ -99,3 +100,18 @@ def test_report_files(tmp_path):
     table = paths["md"].read_text().splitlines()
     assert len(table) == 2 + 4 and table[2].startswith("| a | 1 | 500 |")
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_target_gets_the_same_numbered_prompts():
+    """Numbered prompts: no server can answer a request from the cache of an identical earlier one,
+    and every target still gets the same sequence of bodies."""
+    args = parse_args(["--target", "http://h:1/models/a", "--vs", "b=http://h:2/v1/completions"])
+    native, openai = args.targets
+    prompts = ["hello", "world"]
+    first = [b["inputs"] for b in itertools.islice(request_bodies(native, args, prompts, None), 5)]
+    again = [b["prompt"] for b in itertools.islice(request_bodies(openai, args, prompts, "m"), 5)]
+    assert first == again and len(set(first)) == 5
+    assert first[0].startswith("[0] ") and {p.split("] ", 1)[1] for p in first[:2]} == set(prompts)
+    plain = parse_args(["--target", "http://h:1/models/a", "--no-unique-prompts"])
+    texts = [b["inputs"] for b in itertools.islice(request_bodies(plain.targets[0], plain, prompts, None), 4)]
+    assert set(texts) == set(prompts)

@@ -62,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="requests per run (default: 2 x the concurrency, at least 4; open loop 32)")
     p.add_argument("--output-len", type=output_lengths, default=(128, 128), metavar="N|MIN:MAX",
                    help="new tokens per request, fixed or sampled uniformly (default 128)")
+    p.add_argument("--unique-prompts", action=argparse.BooleanOptionalAction, default=True,
+                   help="number each request's prompt (\"[17] ...\") so no server answers from a cache "
+                        "of an earlier identical prompt (llama.cpp's server keeps one per slot); "
+                        "--no-unique-prompts sends the prompt file's texts as they are")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="let answers end at EOS (default: ignore_eos, so every request makes N tokens)")
     p.add_argument("--repeats", type=int, default=1, help="runs per (target, level); the report "
@@ -111,7 +115,9 @@ def request_bodies(target: Target, args, prompts: list[str], model: str | None):
     order = prompts[:]
     rng.shuffle(order)
     low, high = args.output_len
-    for prompt in itertools.cycle(order):
+    for number, prompt in enumerate(itertools.cycle(order)):
+        if args.unique_prompts:
+            prompt = f"[{number}] {prompt}"
         yield target.request_body(prompt, rng.randint(low, high), not args.stop_at_eos, model)
 
 
