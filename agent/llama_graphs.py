@@ -27,7 +27,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from agent.checkpoint import Checkpoint
-from agent.kernels import DECODE_ATTENTION, DECODE_LAYER, ELEMENTWISE, SKINNY_MATMUL, op_path
+from agent.kernels import DECODE_ATTENTION, ELEMENTWISE, FUSED_LAYER, SKINNY_MATMUL, op_path
 from agent.model_spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -92,7 +92,7 @@ def pack_for_kernel(w: np.ndarray) -> np.ndarray:
 class CpuKernels:
     """The custom CPU ops (agent/kernels) the graphs call instead of MindSpore's: the decode
     attention, and with the matmul kernel also RMSNorm, SwiGLU, RoPE and the product + residual,
-    and with both the whole decode layer as one op where the layer's shapes allow (`layer`).
+    and with both a whole layer as one op (prefill and decode) where the layer's shapes allow (`layer`).
     None where MindSpore's own ops run."""
 
     def __init__(self, attention: bool, matmul: bool, head_dim: int):
@@ -101,7 +101,7 @@ class CpuKernels:
                               out_dtype=lambda x, *_: x, func_type="aot")
 
         self.attention = custom(DECODE_ATTENTION, "DecodeAttention", lambda q, *_: q) if attention else None
-        self.layer = custom(DECODE_LAYER, "DecodeLayer", lambda x, *_: x) if attention and matmul else None
+        self.layer = custom(FUSED_LAYER, "FusedLayer", lambda x, *_: x) if attention and matmul else None
         self.matmul = self.matmul_add = self.norm = self.swiglu = self.rope = None
         if matmul:
             self.matmul = custom(SKINNY_MATMUL, "SkinnyMatMul", lambda x, w: [x[0], w[0] * w[2]])
@@ -146,7 +146,7 @@ class LlamaLayer(nn.Cell):
         self.kv_heads_tensor = Tensor(np.array([self.kv_heads], np.int32))  # for the RoPE kernel
         self.parallel = split.size > 1
         self.all_reduce = ops.AllReduce() if self.parallel else None
-        # The fused decode layer adds wo's and w_down's outputs to the residual itself, so it needs
+        # The fused layer adds wo's and w_down's outputs to the residual itself, so it needs
         # the whole layer (no tensor parallelism) and a hidden size of whole kernel tiles.
         fused = kernels.layer is not None and not self.parallel and spec.hidden_size % MATMUL_TILE == 0
         self.kernel_layer = kernels.layer if fused else None
@@ -221,9 +221,20 @@ class LlamaLayer(nn.Cell):
         gate, up = ops.split(gate_up, self.ffn, 1)
         return self.add_projected(x, ops.silu(gate) * up, self.w_down, self.hidden)
 
+    def fused(self, x, cos, sin, write_idx, lengths, k_cache, v_cache):
+        """The whole layer in one kernel (agent/kernels/fused_layer.cc): x [N, D]; write_idx and
+        lengths [N*KV] (row-major): each (row, KV head)'s cache row and positions attended, 0 for
+        padding rows."""
+        return self.kernel_layer(x, self.attn_norm, self.wqkv, self.bqkv, cos, sin, k_cache, v_cache,
+                                 write_idx, lengths, self.wo, self.ffn_norm, self.w_gate_up, self.w_down,
+                                 self.eps_tensor)
+
     def prefill(self, x, cos, sin, rot, write_idx, mask, k_cache, v_cache):
         """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S].
+        Fused: write_idx and mask are the kernel's row-major write rows and lengths [S*KV].
         The caches are this layer's own Parameters, or graph inputs in an exported MindIR graph."""
+        if self.kernel_layer is not None:
+            return self.fused(x, cos, sin, write_idx, mask, k_cache, v_cache)
         q, k, v = self.qkv(x, cos, sin, rot)
         k = ops.transpose(k, (1, 0, 2))  # [KV, S, hd]
         v = ops.transpose(v, (1, 0, 2))
@@ -241,9 +252,7 @@ class LlamaLayer(nn.Cell):
         extent = positions to attend [B*KV]. Without: where = rows to attend [B*KV, L], extent =
         mask [B*KV, 1, L] over an attend bucket."""
         if self.kernel_layer is not None:
-            return self.kernel_layer(x, self.attn_norm, self.wqkv, self.bqkv, cos, sin, k_cache, v_cache,
-                                     write_idx, where, extent, self.wo, self.ffn_norm, self.w_gate_up,
-                                     self.w_down, self.eps_tensor)
+            return self.fused(x, cos, sin, write_idx, extent, k_cache, v_cache)
         q, k, v = self.qkv(x, cos, sin, rot)
         ops.scatter_update(k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
         ops.scatter_update(v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))
@@ -432,6 +441,8 @@ class LlamaGraphs:
                                 CpuKernels(runtime.attention_kernel, runtime.matmul_kernel, self.spec.head_dim),
                                 getattr(ms, runtime.dtype), split)
         self.kv_heads = self.model.kv_heads  # of this rank
+        # each layer one kernel: the prefill graph takes row-major write rows and lengths, no mask
+        self.fused_layers = self.model.layers[0].kernel_layer is not None
         self.prefill_graph = PrefillGraph(self.model)
         self.decode_graph = DecodeGraph(self.model)
         self.argmax_graph = ArgmaxGraph()

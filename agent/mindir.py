@@ -87,7 +87,7 @@ class GraphExporter:
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, directory: Path):
         self.code = LlamaGraphs(checkpoint, runtime)
         self.spec, self.topk_buckets = self.code.spec, self.code.topk_buckets
-        self.kv_heads = self.code.kv_heads
+        self.kv_heads, self.fused_layers = self.code.kv_heads, self.code.fused_layers
         self.directory = directory
         model = self.code.model
         self.caches = [c for layer in model.layers for c in (layer.k_cache, layer.v_cache)]
@@ -127,7 +127,8 @@ class GraphExporter:
     def write_manifest(self, runtime: RuntimeSection) -> Path:
         path = self.directory / MANIFEST
         path.write_text(json.dumps({"spec": json.loads(self.spec.model_dump_json()),
-                                    "runtime": shape_settings(runtime), "graphs": self.files}, indent=1))
+                                    "runtime": shape_settings(runtime), "fused_layers": self.fused_layers,
+                                    "graphs": self.files}, indent=1))
         return path
 
 
@@ -170,6 +171,7 @@ class MindIRGraphs:
                 if by_file.get(path.name, (None,))[0] != kind:
                     raise MindIRError(f"{path}: not a {kind} graph of the export in {manifest_path.parent}")
         self.kv_heads = self.spec.num_kv_heads
+        self.fused_layers = bool(manifest.get("fused_layers", False))  # how the prefill graphs take their inputs
         rows = (self.kv_heads * (runtime.num_slots + 1) * runtime.max_seq_len, self.spec.head_dim)
         self.caches = [Parameter(Tensor(np.zeros(rows, np.float32), dtype=getattr(ms, runtime.dtype)),
                                  name=f"kv_cache_{i}", requires_grad=False)

@@ -298,24 +298,32 @@ class ModelRunner:
         padded = np.zeros(length, np.int32)
         padded[:n] = tokens
         positions = np.arange(length, dtype=np.int32)
+        last = Tensor(np.array([n - 1], np.int32))
+        if self.graphs.fused_layers:  # row-major write rows, and lengths in place of the mask
+            write = self._base_rows(np.array([slot]))[0][None, :] + positions[:, None]  # [S, KV]
+            lengths = np.where(positions < n, positions + 1, 0)
+            return self.graphs.prefill(length, Tensor(padded), Tensor(positions),
+                                       Tensor(write.reshape(-1).astype(np.int32)),
+                                       Tensor(np.repeat(lengths, self._kv).astype(np.int32)), last)
         write = self._slot_rows(slot, length)
         causal = np.where(positions[None, :] > positions[:, None], -np.inf, 0.0).astype(np.float32)
         mask = np.tile(causal, (self._group, 1))  # [G*S, S], query rows grouped per head
         return self.graphs.prefill(length, Tensor(padded), Tensor(positions), Tensor(write),
-                                   Tensor(mask), Tensor(np.array([n - 1], np.int32)))
+                                   Tensor(mask), last)
 
     def run_decode_graph(self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
                     rows: int, attend: int = 0) -> Tensor:
         """Tokens at `positions` of `slots`, padded to `rows` -> logits [rows, V]. Each row attends to
         its positions 0..position; `attend` is the gather path's bucket (ignored by the kernel)."""
         pad = rows - len(slots)
+        lengths = np.concatenate([positions + 1, np.zeros(pad, np.int64)])  # padding attends nothing
         slots = np.concatenate([slots, np.full(pad, self.num_slots)])  # scratch slot
         tokens = np.concatenate([tokens, np.zeros(pad, np.int64)])
         positions = np.concatenate([positions, np.zeros(pad, np.int64)])
         base = self._base_rows(slots)  # [rows, KV]
         write = (base + positions[:, None]).reshape(-1)
-        if self.runtime.attention_kernel:
-            lengths = np.repeat(positions + 1, self._kv)
+        if self.runtime.attention_kernel:  # the fused layer computes nothing for padding rows
+            lengths = np.repeat(lengths, self._kv)
             return self.graphs.decode(rows, attend, Tensor(tokens.astype(np.int32)),
                                       Tensor(positions.astype(np.int32)), Tensor(write.astype(np.int32)),
                                       Tensor(base.reshape(-1).astype(np.int32)),

@@ -13,8 +13,8 @@ BUILD_DIR = SOURCE_DIR / "build"
 DECODE_ATTENTION = "decode_attention"
 SKINNY_MATMUL = "skinny_matmul"
 ELEMENTWISE = "elementwise"
-DECODE_LAYER = "decode_layer"
-KERNELS = (DECODE_ATTENTION, SKINNY_MATMUL, ELEMENTWISE, DECODE_LAYER)
+FUSED_LAYER = "fused_layer"
+KERNELS = (DECODE_ATTENTION, SKINNY_MATMUL, ELEMENTWISE, FUSED_LAYER)
 # -fopenmp: they split their work over OpenMP threads (and vectorise `omp simd` loops).
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp"]
 HEADERS = tuple(sorted(SOURCE_DIR.glob("*.h")))
