@@ -108,10 +108,12 @@ def test_every_target_gets_the_same_numbered_prompts():
     args = parse_args(["--target", "http://h:1/models/a", "--vs", "b=http://h:2/v1/completions"])
     native, openai = args.targets
     prompts = ["hello", "world"]
-    first = [b["inputs"] for b in itertools.islice(request_bodies(native, args, prompts, None), 5)]
-    again = [b["prompt"] for b in itertools.islice(request_bodies(openai, args, prompts, "m"), 5)]
+    first = [b["inputs"] for b in itertools.islice(request_bodies(native, args, prompts, None, "r1"), 5)]
+    again = [b["prompt"] for b in itertools.islice(request_bodies(openai, args, prompts, "m", "r1"), 5)]
     assert first == again and len(set(first)) == 5
-    assert first[0].startswith("[0] ") and {p.split("] ", 1)[1] for p in first[:2]} == set(prompts)
+    assert first[0].startswith("[r1.0] ") and {p.split("] ", 1)[1] for p in first[:2]} == set(prompts)
+    other_run = [b["inputs"] for b in itertools.islice(request_bodies(native, args, prompts, None, "r2"), 5)]
+    assert not set(other_run) & set(first)
     plain = parse_args(["--target", "http://h:1/models/a", "--no-unique-prompts"])
     texts = [b["inputs"] for b in itertools.islice(request_bodies(plain.targets[0], plain, prompts, None), 4)]
     assert set(texts) == set(prompts)

@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import json
 import random
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -63,8 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=output_lengths, default=(128, 128), metavar="N|MIN:MAX",
                    help="new tokens per request, fixed or sampled uniformly (default 128)")
     p.add_argument("--unique-prompts", action=argparse.BooleanOptionalAction, default=True,
-                   help="number each request's prompt (\"[17] ...\") so no server answers from a cache "
-                        "of an earlier identical prompt (llama.cpp's server keeps one per slot); "
+                   help="number each request's prompt (\"[run.17] ...\") so no server answers from a "
+                        "cache of an earlier identical prompt (llama.cpp's server keeps one per slot); "
                         "--no-unique-prompts sends the prompt file's texts as they are")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="let answers end at EOS (default: ignore_eos, so every request makes N tokens)")
@@ -109,15 +110,17 @@ def openai_model(target: Target) -> str | None:
         return None
 
 
-def request_bodies(target: Target, args, prompts: list[str], model: str | None):
-    """An endless, seeded stream of request bodies: the same sequence for every target."""
+def request_bodies(target: Target, args, prompts: list[str], model: str | None, run: str = "0"):
+    """An endless, seeded stream of request bodies: the same sequence for every target. With
+    --unique-prompts each prompt starts with `[run.N]`: give every run of one invocation its own
+    `run` (the same for each target) and no prompt is ever sent to a server twice."""
     rng = random.Random(args.seed)
     order = prompts[:]
     rng.shuffle(order)
     low, high = args.output_len
     for number, prompt in enumerate(itertools.cycle(order)):
         if args.unique_prompts:
-            prompt = f"[{number}] {prompt}"
+            prompt = f"[{run}.{number}] {prompt}"
         yield target.request_body(prompt, rng.randint(low, high), not args.stop_at_eos, model)
 
 
@@ -156,6 +159,7 @@ def main(argv=None) -> int:
     settings["targets"] = [vars(t) for t in args.targets]
 
     background = background_prompt(prompts, args.background_words) if args.background_words else None
+    invocation = secrets.token_hex(3)  # prompts differ from those of earlier invocations too
     results = []
     with tqdm(total=total, unit="req", file=sys.stderr) as bar:
         def done():
@@ -164,18 +168,20 @@ def main(argv=None) -> int:
         for target in args.targets:
             bar.set_description(f"warm-up {target.label}")
             if args.warmup:
-                records, _ = asyncio.run(closed_loop(target, request_bodies(target, args, prompts, models[target.label]),
-                                                     1, args.warmup, done))
+                bodies = request_bodies(target, args, prompts, models[target.label], f"{invocation}-w")
+                records, _ = asyncio.run(closed_loop(target, bodies, 1, args.warmup, done))
                 failed = [r.error for r in records if r.error]
                 if failed:
                     print(f"error: {target.label} ({target.url}) failed its warm-up: {failed[0]}", file=sys.stderr)
                     return 1
         runs: dict[tuple[str, float], list[dict]] = {}
+        run_tags = (f"{invocation}-{i}" for i in itertools.count())
         for level in levels:
             for _ in range(args.repeats):
+                run = next(run_tags)
                 for target in args.targets:  # alternate: every target sees the same drift
                     bar.set_description(f"{target.label} @ {level:g}{' req/s' if open_mode else ' streams'}")
-                    bodies = request_bodies(target, args, prompts, models[target.label])
+                    bodies = request_bodies(target, args, prompts, models[target.label], run)
                     runs.setdefault((target.label, level), []).append(timed_run(
                         target, args, level, bodies, per_run[level], done, background, models[target.label]))
         for (label, level), level_runs in runs.items():
