@@ -22,7 +22,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from agent.checkpoint import Checkpoint
-from agent.llama_graphs import LlamaGraphs, LlamaModel, topk_buckets
+from agent.llama_graphs import LlamaGraphs, LlamaModel, logits_and_argmax, topk_buckets
 from agent.model_spec import ModelSpec
 from config.schema import ModelSection, RuntimeSection
 
@@ -77,7 +77,7 @@ class ExportDecodeGraph(nn.Cell):
         for i in range(self.num_layers):
             x = self.model.layers[i].decode(x, cos, sin, self.model.rot, write_idx, where, extent,
                                             caches[2 * i], caches[2 * i + 1])
-        return self.model.logits(x)
+        return logits_and_argmax(self.model.logits(x))
 
 
 class GraphExporter:
@@ -107,11 +107,11 @@ class GraphExporter:
                      length=length)
         return self._logits(1)
 
-    def decode(self, rows: int, attend: int, *inputs) -> Tensor:
+    def decode(self, rows: int, attend: int, *inputs) -> tuple[Tensor, Tensor]:
         name = f"decode_b{rows}" + (f"_a{attend}" if attend else "")
         self._export(self.decode_cell, (*inputs, *self.caches), name, "decode_model", rows=rows,
                      attend=attend)
-        return self._logits(rows)
+        return self._logits(rows), Tensor(np.zeros(rows, np.int32))
 
     def argmax(self, logits: Tensor) -> Tensor:
         self._export(self.code.argmax_graph, (_any_rows(logits),), "argmax", "argmax_model")
@@ -206,7 +206,7 @@ class MindIRGraphs:
     def prefill(self, length: int, *inputs) -> Tensor:
         return self.prefill_cells[length](*inputs, *self.caches)
 
-    def decode(self, rows: int, attend: int, *inputs) -> Tensor:
+    def decode(self, rows: int, attend: int, *inputs) -> tuple[Tensor, Tensor]:
         return self.decode_cells[(rows, attend)](*inputs, *self.caches)
 
     def argmax(self, logits: Tensor) -> Tensor:

@@ -156,7 +156,7 @@ class ModelRunner:
                 self.run_prefill_graph(scratch, np.zeros(1, np.int64), length).asnumpy()
             elif kind == "decode":
                 self.run_decode_graph(np.full(rows, scratch), np.zeros(rows, np.int64),
-                                      np.zeros(rows, np.int64), rows, length).asnumpy()
+                                      np.zeros(rows, np.int64), rows, length)[1].asnumpy()
             elif kind == "kv_export":
                 self.graphs.kv_export(Tensor(self._slot_rows(scratch, length))).asnumpy()
             elif kind == "kv_import":
@@ -206,10 +206,10 @@ class ModelRunner:
         rows = _bucket(self.runtime.decode_batch_buckets, len(slots))
         attend = (0 if self.runtime.attention_kernel else
                   _bucket(self.runtime.attend_buckets, int(positions.max()) + 1))
-        logits = self.run_decode_graph(np.asarray(slots, np.int64),
-                                  np.array([s.next_token for s in states], np.int64),
-                                  positions, rows, attend)
-        tokens = self._sample(logits, [s.sampler for s in states])
+        logits, greedy = self.run_decode_graph(np.asarray(slots, np.int64),
+                                               np.array([s.next_token for s in states], np.int64),
+                                               positions, rows, attend)
+        tokens = self._sample(logits, [s.sampler for s in states], greedy)
         for state, token in zip(states, tokens):
             state.length += 1
             state.next_token = token
@@ -312,9 +312,10 @@ class ModelRunner:
                                    Tensor(mask), last)
 
     def run_decode_graph(self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
-                    rows: int, attend: int = 0) -> Tensor:
-        """Tokens at `positions` of `slots`, padded to `rows` -> logits [rows, V]. Each row attends to
-        its positions 0..position; `attend` is the gather path's bucket (ignored by the kernel)."""
+                    rows: int, attend: int = 0) -> tuple[Tensor, Tensor]:
+        """Tokens at `positions` of `slots`, padded to `rows` -> logits [rows, V] and their argmax
+        [rows]. Each row attends to its positions 0..position; `attend` is the gather path's bucket
+        (ignored by the kernel)."""
         pad = rows - len(slots)
         lengths = np.concatenate([positions + 1, np.zeros(pad, np.int64)])  # padding attends nothing
         slots = np.concatenate([slots, np.full(pad, self.num_slots)])  # scratch slot
@@ -335,11 +336,12 @@ class ModelRunner:
                                   Tensor(positions.astype(np.int32)), Tensor(write.astype(np.int32)),
                                   Tensor(read.astype(np.int32)), Tensor(mask[:, None, :]))
 
-    def _sample(self, logits: Tensor, samplers: list[SlotSampler]) -> list[int]:
-        """Post-process on the device: argmax when every row is plain greedy, else top-k candidates
-        for the host-side samplers. Only token ids (and k candidates) leave the device."""
+    def _sample(self, logits: Tensor, samplers: list[SlotSampler], greedy: Tensor | None = None) -> list[int]:
+        """Post-process on the device: argmax when every row is plain greedy (`greedy`: the decode
+        graph's own, else the argmax graph), else top-k candidates for the host-side samplers. Only
+        token ids (and k candidates) leave the device."""
         if all(s.plain_greedy for s in samplers):
-            ids = self.graphs.argmax(logits).asnumpy()
+            ids = (self.graphs.argmax(logits) if greedy is None else greedy).asnumpy()
             return [int(t) for t in ids[: len(samplers)]]
         k = _bucket(self.topk_buckets, max(s.candidates_needed() for s in samplers))
         values, ids = (t.asnumpy() for t in self.graphs.topk(k, logits))

@@ -28,7 +28,7 @@ def compare_logits(runner: ModelRunner, reference: ref.RefModel, prompt: list[in
     for _ in range(steps):
         attend = next(a for a in runner.runtime.attend_buckets if a > position)  # gather path only
         got = runner.run_decode_graph(np.array([slot]), np.array([token]), np.array([position]),
-                                      1, attend).asnumpy()[0]
+                                      1, attend)[0].asnumpy()[0]
         want = ref.forward(reference, [token], cache)[-1]
         diffs.append(float(np.abs(got - want).max()))
         token, position = int(np.argmax(want)), position + 1

@@ -108,7 +108,7 @@ def test_repetition_penalty_matches_full_vocabulary_computation(tiny_llama_runne
         want.append(token)
         seen.add(token)
         logits = runner.run_decode_graph(np.array([0]), np.array([token]),
-                                         np.array([len(prompt) + step]), 1, 32).asnumpy()[0]
+                                         np.array([len(prompt) + step]), 1, 32)[0].asnumpy()[0]
     assert got == want
 
 

@@ -49,7 +49,7 @@ def run_grid(runner: ModelRunner, args) -> dict:
             tokens = rng.integers(0, vocab, batch)
             positions = np.full(batch, context)
             ms = median_ms(lambda: runner.run_decode_graph(slots, tokens, positions, batch,
-                                                          attend).asnumpy(), args.repeats)
+                                                          attend)[1].asnumpy(), args.repeats)
             results["decode_ms"][f"B={batch},context={context}"] = ms
             how = "kernel" if runner.runtime.attention_kernel else f"attend {attend}"
             print(f"decode B={batch:3d} context {context:5d} ({how}): {ms:8.1f} ms "
