@@ -6,6 +6,7 @@ request never stops the agent.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -54,6 +55,7 @@ class AgentService:
             return protocol.error_reply(header, f"{op}: session {header['session']} is not the "
                                                 f"current one (another server took over)",
                                         kind="stale_session")
+        started = time.perf_counter()
         try:
             fields, out_arrays = handler(header, arrays)
         except TransferError as exc:
@@ -65,6 +67,8 @@ class AgentService:
             log.exception("op %s failed", op)
             return protocol.error_reply(header, f"{op} failed: {type(exc).__name__}: {exc}",
                                         kind="internal")
+        # the op's own time, so the server can tell its share (ZeroMQ, (de)serialising) from the model's
+        fields["compute_ms"] = round((time.perf_counter() - started) * 1000, 3)
         return protocol.ok_reply(header, fields, out_arrays)
 
     # Each op returns (reply fields, reply arrays).

@@ -76,6 +76,7 @@ class AgentClient:
         self.socket.connect(self.address)
         self.session = random.getrandbits(62)
         self.lost: str | None = None  # why the connection is unusable, until reconnect()
+        self.decode_compute_s = 0.0  # the last decode's time inside the agent, by its own clock
 
     def reconnect(self) -> None:
         self.close()
@@ -148,7 +149,8 @@ class AgentClient:
         return int(header["token"]), int(header["kv_bytes"]), float(header["transfer_ms"])
 
     async def decode(self, slots: Sequence[int]) -> list[int]:
-        _, arrays = await self.call("decode", [np.asarray(slots, np.int32)], session=self.session)
+        header, arrays = await self.call("decode", [np.asarray(slots, np.int32)], session=self.session)
+        self.decode_compute_s = float(header.get("compute_ms", 0.0)) / 1000
         return arrays[0].tolist()
 
     async def release(self, slot: int, ticket: int | None = None) -> None:
@@ -183,6 +185,10 @@ class GroupClient:
     @property
     def lost(self) -> str | None:
         return next((c.lost for c in self.clients if c.lost), None)
+
+    @property
+    def decode_compute_s(self) -> float:
+        return max(c.decode_compute_s for c in self.clients)  # the ranks step together
 
     def reconnect(self) -> None:
         for client in self.clients:

@@ -356,8 +356,11 @@ class LLMServer:
                 self._emit(seq)
 
     async def _decode(self, agent: int, seqs: list[Sequence]) -> list[int]:
-        with self.metrics.agent_step.labels(self.clients[agent].address, "decode").time():
-            return await self.clients[agent].decode([s.slot for s in seqs])
+        client = self.clients[agent]
+        with self.metrics.agent_step.labels(client.address, "decode").time():
+            tokens = await client.decode([s.slot for s in seqs])
+        self.metrics.agent_compute.labels(client.address, "decode").observe(client.decode_compute_s)
+        return tokens
 
     async def _call(self, agent: int, call) -> None:
         try:

@@ -40,6 +40,9 @@ class ServingMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.agent_step = Histogram(p + "agent_step_seconds", "One agent call, as the server sees it",
                                     ["agent", "op"], buckets=STEP_BUCKETS, registry=r)
+        self.agent_compute = Histogram(p + "agent_compute_seconds", "One agent call's time inside the "
+                                       "agent (its model work; agent_step minus this is the wire's)",
+                                       ["agent", "op"], buckets=STEP_BUCKETS, registry=r)
         self.kv_transfer_bytes = Counter(p + "kv_transfer_bytes", "K/V bytes sent from prefill to "
                                          "decode agents (PD disaggregation)", registry=r)
         self.kv_transfer = Histogram(p + "kv_transfer_seconds", "One prompt's K/V from the prefill "

@@ -174,6 +174,11 @@ def test_metrics_move_as_requests_run(stack):
     assert after["llm_serving_slots[]"] == 8 and after["llm_serving_running_sequences[]"] == 0
     decode = [k for k in after if k.startswith("llm_serving_agent_step_seconds_count") and "decode" in k]
     assert decode and after[decode[0]] > 0
+    # the agent's own time of each decode, within the time the server saw the call take
+    step, compute = (sorted(k for k in after if k.startswith(f"llm_serving_agent_{kind}_seconds_sum")
+                            and "decode" in k) for kind in ("step", "compute"))
+    assert len(compute) == 1 and after[compute[0].replace("_sum", "_count")] == after[decode[0]]
+    assert 0 < after[compute[0]] < after[step[0]]
     rejected = "llm_serving_requests_total[('outcome', 'rejected')]"
     httpx.post(f"{base}/models/tiny/generate", headers=AUTH, json={"inputs": "word " * 80})
     assert metrics(base)[rejected] == after[rejected] + 1
