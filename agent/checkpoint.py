@@ -11,13 +11,14 @@ The readers live in agent/formats/: GGUF files, HuggingFace directories, MindSpo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
 from agent.model_spec import ModelSpec
+from agent.quantized import Q4Matrix
 
 T = TypeVar("T")
 Progress = Callable[[Iterable[T]], Iterable[T]]  # wraps the tensor loop (e.g. tqdm); identity by default
@@ -33,6 +34,8 @@ class Checkpoint:
     tensors: dict[str, np.ndarray]
     source: Path
     format: str  # "gguf", "safetensors" or "ckpt"
+    # GGUF Q4_1 layer matrices also kept quantized (agent/quantized.py), same names and row order
+    q4: dict[str, "Q4Matrix"] = field(default_factory=dict)
 
 
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")

@@ -29,6 +29,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from agent.checkpoint import Checkpoint
 from agent.kernels import DECODE_ATTENTION, ELEMENTWISE, FUSED_LAYER, SKINNY_MATMUL, op_path
 from agent.model_spec import ModelSpec
+from agent.quantized import Q4Matrix
 from config.schema import RuntimeSection
 
 
@@ -102,6 +103,7 @@ class CpuKernels:
 
         self.attention = custom(DECODE_ATTENTION, "DecodeAttention", lambda q, *_: q) if attention else None
         self.layer = custom(FUSED_LAYER, "FusedLayer", lambda x, *_: x) if attention and matmul else None
+        self.layer_q4 = custom(FUSED_LAYER, "FusedLayerQ4", lambda x, *_: x) if attention and matmul else None
         self.matmul = self.matmul_add = self.norm = self.swiglu = self.rope = None
         if matmul:
             self.matmul = custom(SKINNY_MATMUL, "SkinnyMatMul", lambda x, w: [x[0], w[0] * w[2]])
@@ -115,7 +117,8 @@ class LlamaLayer(nn.Cell):
     """One decoder layer: its weights, its slice of the KV cache, and the prefill/decode bodies."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, np.ndarray], index: int, cache_rows: int,
-                 max_len: int, kernels: CpuKernels, dtype=ms.float32, split: TensorSplit = TensorSplit()):
+                 max_len: int, kernels: CpuKernels, dtype=ms.float32, split: TensorSplit = TensorSplit(),
+                 q4: dict[str, Q4Matrix] | None = None):
         super().__init__()
         self.attention = kernels.attention
         self.kernel_matmul, self.kernel_matmul_add = kernels.matmul, kernels.matmul_add
@@ -150,6 +153,19 @@ class LlamaLayer(nn.Cell):
         # the whole layer (no tensor parallelism) and a hidden size of whole kernel tiles.
         fused = kernels.layer is not None and not self.parallel and spec.hidden_size % MATMUL_TILE == 0
         self.kernel_layer = kernels.layer if fused else None
+        # GGUF Q4_1 copies for the fused kernel's one- and two-row products (agent/quantized.py)
+        blocks = {name: (q4 or {}).get(f"layers.{index}.{name}")
+                  for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+        self.quantized = fused and all(b is not None for b in blocks.values())
+        if self.quantized:
+            self.kernel_layer = kernels.layer_q4
+            scale_q = 1.0 / np.sqrt(spec.head_dim)
+            packed = {"wqkv_q4": Q4Matrix.stack([blocks["wq"].scaled(scale_q), blocks["wk"], blocks["wv"]]),
+                      "wo_q4": blocks["wo"], "w_gate_up_q4": Q4Matrix.stack([blocks["w_gate"], blocks["w_up"]]),
+                      "w_down_q4": blocks["w_down"]}
+            for name, matrix in packed.items():
+                setattr(self, name, Parameter(Tensor(matrix.pack(), dtype=ms.uint8), name=f"layers.{index}.{name}",
+                                              requires_grad=False))
         self.attn_norm = _param(t["attn_norm"], p + "attn_norm")
         weight = self._weight  # [in, out]; packed in tiles when the matmul kernel runs them
         self.wqkv = weight(np.concatenate([t["wq"] * scale, t["wk"], t["wv"]]).T, p + "wqkv")
@@ -225,6 +241,10 @@ class LlamaLayer(nn.Cell):
         """The whole layer in one kernel (agent/kernels/fused_layer.cc): x [N, D]; write_idx and
         lengths [N*KV] (row-major): each (row, KV head)'s cache row and positions attended, 0 for
         padding rows."""
+        if self.quantized:
+            return self.kernel_layer(x, self.attn_norm, self.wqkv, self.bqkv, cos, sin, k_cache, v_cache,
+                                     write_idx, lengths, self.wo, self.ffn_norm, self.w_gate_up, self.w_down,
+                                     self.eps_tensor, self.wqkv_q4, self.wo_q4, self.w_gate_up_q4, self.w_down_q4)
         return self.kernel_layer(x, self.attn_norm, self.wqkv, self.bqkv, cos, sin, k_cache, v_cache,
                                  write_idx, lengths, self.wo, self.ffn_norm, self.w_gate_up, self.w_down,
                                  self.eps_tensor)
@@ -282,8 +302,8 @@ class LlamaModel(nn.Cell):
         cache_rows = (num_slots + 1) * self.kv_heads * max_len
         self.kernel_norm = kernels.norm
         self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
-        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, kernels, dtype, split)
-                                   for i in range(spec.num_layers)])
+        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, kernels, dtype, split,
+                                              checkpoint.q4) for i in range(spec.num_layers)])
         self.dtype, self.half = dtype, dtype != ms.float32
         self.embed = _param(tensors["embed"], "embed", dtype)
         self.kernel_matmul = kernels.matmul

@@ -69,6 +69,7 @@ def test_default_model_logits_match_reference(default_runner, default_model_path
     tokenizer = load_tokenizer(default_model_path)
     prompt = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPTS[0]}])
     assert len(prompt) == 37
+    assert all(layer.quantized for layer in default_runner.graphs.model.layers)  # Q4_1 one-row steps
     diffs = compare_logits(default_runner, reference, prompt, slot=0, steps=4)
     assert max(diffs) < 1e-3, diffs
 

@@ -5,8 +5,10 @@ import logging
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from agent.checkpoint import Checkpoint, CheckpointError, Progress, unpermute_qk
+from agent.quantized import Q4Matrix
 from agent.model_spec import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
@@ -108,6 +110,7 @@ def load(path: Path, progress: Progress) -> Checkpoint:
     )
 
     tensors: dict[str, np.ndarray] = {}
+    q4: dict[str, Q4Matrix] = {}
     for t in progress(reader.tensors):
         name = _canonical_name(t.name)
         if name is None:
@@ -115,12 +118,17 @@ def load(path: Path, progress: Progress) -> Checkpoint:
                 log.debug("ignoring GGUF tensor %s", t.name)
             continue
         array = _dequantize(path, t)
-        if traits["permuted_qk"] and name.endswith((".wq", ".bq")):
-            array = unpermute_qk(array, spec.num_heads)
-        elif traits["permuted_qk"] and name.endswith((".wk", ".bk")):
-            array = unpermute_qk(array, spec.num_kv_heads)
+        blocks = Q4Matrix.from_gguf(np.asarray(t.data)) \
+            if t.tensor_type == GGMLQuantizationType.Q4_1 and array.ndim == 2 else None
+        heads = spec.num_heads if name.endswith((".wq", ".bq")) else \
+            spec.num_kv_heads if name.endswith((".wk", ".bk")) else None
+        if traits["permuted_qk"] and heads is not None:
+            array = unpermute_qk(array, heads)
+            blocks = blocks and blocks.reorder_rows(lambda a: unpermute_qk(a, heads))
         tensors[name] = array
-    return Checkpoint(spec=spec, tensors=tensors, source=path, format="gguf")
+        if blocks is not None:
+            q4[name] = blocks
+    return Checkpoint(spec=spec, tensors=tensors, source=path, format="gguf", q4=q4)
 
 
 def _canonical_name(name: str) -> str | None:

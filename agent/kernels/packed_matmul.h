@@ -5,6 +5,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 namespace packed {
 
@@ -45,3 +49,72 @@ inline void tile(const float *x, const float *w, const float *residual, float *o
 }
 
 }  // namespace packed
+
+// The same product with W kept in GGUF's Q4_1 blocks, for a few rows (a decode step of one or two
+// sequences), where reading the weights is the whole cost: 0.75 bytes a weight instead of fp32's 4.
+// Packed at load time (agent/quantized.py) as [N / TILE, K / 32, Q4_TILE_BYTES]: per tile and block of
+// 32 k, float d[TILE], float m[TILE], then 16 x TILE bytes, byte (i, t) = q[i][t] | q[i + 16][t] << 4
+// (GGUF's own pairing within a block). Weight (k, t) = d[t] * q[k][t] + m[t], exactly as
+// gguf.quants.dequantize, so the product is an fp32 product with the dequantized matrix:
+// sum_k x[k] w[k][t] = d[t] * sum_k x[k] q[k][t] + m[t] * sum_k x[k], per block.
+namespace q4 {
+
+constexpr int BLOCK = 32;
+constexpr int64_t TILE_BYTES = 2 * packed::TILE * 4 + BLOCK / 2 * packed::TILE;  // 768
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+
+// Eight bytes widened to eight int32 (GCC's generic conversion of the vector type goes byte by byte).
+inline v8i widen(const uint8_t *p) {
+#ifdef __AVX2__
+  return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+#else
+  v8u8 bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(bytes, v8i);
+#endif
+}
+
+// Tile j of out[row] (+ residual[row]) for one row of x.
+inline void tile_row(const float *x, int64_t k_dim, const uint8_t *w, const float *residual, float *out,
+                     int64_t n_dim, int64_t row, int64_t j) {
+  constexpr int G = packed::TILE / 8;
+  const int64_t blocks = k_dim / BLOCK;
+  const uint8_t *tile = w + j * blocks * TILE_BYTES;
+  const float *xr = x + row * k_dim;
+  v8f total[G] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t *block = tile + b * TILE_BYTES;
+    const uint8_t *qs = block + 2 * packed::TILE * 4;
+    const float *xb = xr + b * BLOCK;
+    v8f acc[G] = {};
+    float x_sum = 0.f;
+    for (int i = 0; i < BLOCK / 2; ++i) {
+      const float lo_x = xb[i], hi_x = xb[i + BLOCK / 2];
+      x_sum += lo_x + hi_x;
+      for (int g = 0; g < G; ++g) {
+        const v8i q = widen(qs + i * packed::TILE + 8 * g);
+        acc[g] += lo_x * __builtin_convertvector(q & 15, v8f) + hi_x * __builtin_convertvector(q >> 4, v8f);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      v8f d, m;
+      std::memcpy(&d, block + 32 * g, sizeof d);
+      std::memcpy(&m, block + packed::TILE * 4 + 32 * g, sizeof m);
+      total[g] += d * acc[g] + m * x_sum;
+    }
+  }
+  float *o = out + row * n_dim + j * packed::TILE;
+  const float *res = residual == nullptr ? nullptr : residual + row * n_dim + j * packed::TILE;
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < 8; ++t) o[8 * g + t] = (res == nullptr ? 0.f : res[8 * g + t]) + total[g][t];
+}
+
+inline void tile(const float *x, const uint8_t *w, const float *residual, float *out, int64_t m_dim,
+                 int64_t k_dim, int64_t n_dim, int64_t j) {
+  for (int64_t row = 0; row < m_dim; ++row) tile_row(x, k_dim, w, residual, out, n_dim, row, j);
+}
+
+}  // namespace q4
