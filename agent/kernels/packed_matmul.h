@@ -6,9 +6,8 @@
 
 #include <cstdint>
 #include <cstring>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+
+#include "vec8.h"
 
 namespace packed {
 
@@ -62,20 +61,8 @@ namespace q4 {
 constexpr int BLOCK = 32;
 constexpr int64_t TILE_BYTES = 2 * packed::TILE * 4 + BLOCK / 2 * packed::TILE;  // 768
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
-
-// Eight bytes widened to eight int32 (GCC's generic conversion of the vector type goes byte by byte).
-inline v8i widen(const uint8_t *p) {
-#ifdef __AVX2__
-  return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
-#else
-  v8u8 bytes;
-  std::memcpy(&bytes, p, sizeof bytes);
-  return __builtin_convertvector(bytes, v8i);
-#endif
-}
+using vec8::v8f;
+using vec8::v8i;
 
 // Tile j of out[row] (+ residual[row]) for one row of x.
 inline void tile_row(const float *x, int64_t k_dim, const uint8_t *w, const float *residual, float *out,
@@ -95,7 +82,7 @@ inline void tile_row(const float *x, int64_t k_dim, const uint8_t *w, const floa
       const float lo_x = xb[i], hi_x = xb[i + BLOCK / 2];
       x_sum += lo_x + hi_x;
       for (int g = 0; g < G; ++g) {
-        const v8i q = widen(qs + i * packed::TILE + 8 * g);
+        const v8i q = vec8::widen(qs + i * packed::TILE + 8 * g);
         acc[g] += lo_x * __builtin_convertvector(q & 15, v8f) + hi_x * __builtin_convertvector(q >> 4, v8f);
       }
     }

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec8.h"
+
 namespace rowwise {
 
 // out[d] = x[d] / sqrt(mean(x^2) + eps) * w[d]
@@ -33,17 +35,8 @@ inline void rope(const float *x, const float *cos, const float *sin, int64_t hd,
   for (int64_t d = half; d < hd; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
 
-// Eight floats in one vector register (GCC/Clang vector extension: AVX on this machine, two SSE
-// registers elsewhere).
-typedef float v8f __attribute__((vector_size(32)));
-
-inline v8f load8(const float *p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-typedef int32_t v8i __attribute__((vector_size(32)));
+using vec8::v8f;
+using vec8::v8i;
 
 // exp of eight floats (Cephes' expf: 2^n * a degree-6 polynomial of the remainder; about 1 ulp from
 // std::exp). Softmax called the scalar std::exp for every score: a third of the attention's time.
@@ -64,8 +57,6 @@ inline v8f exp8(v8f x) {
   return y * (v8f)scale;
 }
 
-inline float sum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
-
 // scores[l] = query . keys[l] for l < length. Eight keys at a time with independent accumulators:
 // one dot product after another is a chain of dependent FMAs (4 cycles each) that idles the units.
 inline void dot_keys(const float *query, const float *keys, int64_t length, int64_t hd, float *scores) {
@@ -74,10 +65,10 @@ inline void dot_keys(const float *query, const float *keys, int64_t length, int6
     for (; l + 8 <= length; l += 8) {
       v8f acc[8] = {};
       for (int64_t c = 0; c < hd; c += 8) {
-        const v8f qc = load8(query + c);
-        for (int j = 0; j < 8; ++j) acc[j] += qc * load8(keys + (l + j) * hd + c);
+        const v8f qc = vec8::load(query + c);
+        for (int j = 0; j < 8; ++j) acc[j] += qc * vec8::load(keys + (l + j) * hd + c);
       }
-      for (int j = 0; j < 8; ++j) scores[l + j] = sum8(acc[j]);
+      for (int j = 0; j < 8; ++j) scores[l + j] = vec8::sum(acc[j]);
     }
   }
   for (; l < length; ++l) {
@@ -106,7 +97,7 @@ inline void weigh_values(const float *probs, const float *values, int64_t length
     for (int64_t l = 0; l < length; ++l) {
       const float *value = values + l * hd + c0;
       const float p = probs[l];
-      for (int c = 0; c < 8; ++c) acc[c] += p * load8(value + 8 * c);
+      for (int c = 0; c < 8; ++c) acc[c] += p * vec8::load(value + 8 * c);
     }
     std::memcpy(out + c0, acc, sizeof acc);
   }
@@ -126,9 +117,9 @@ inline void attend(const float *q, const float *keys, const float *values, int64
     float total = 0.f;
     int64_t l = 0;
     for (; l + 8 <= length; l += 8) {
-      const v8f e = exp8(load8(s + l) - best);
+      const v8f e = exp8(vec8::load(s + l) - best);
       std::memcpy(s + l, &e, sizeof e);
-      total += sum8(e);
+      total += vec8::sum(e);
     }
     for (; l < length; ++l) {
       s[l] = std::exp(s[l] - best);

@@ -1,0 +1,36 @@
+// Eight lanes in one vector register (GCC/Clang vector extension: AVX on this machine, two SSE
+// registers elsewhere), and the loads the kernels need; shared by row_ops.h and packed_matmul.h.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace vec8 {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f load(const float *p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Eight bytes widened to eight int32 (GCC's generic conversion of a byte vector goes byte by byte).
+inline v8i widen(const uint8_t *p) {
+#ifdef __AVX2__
+  return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+#else
+  typedef uint8_t v8u8 __attribute__((vector_size(8)));
+  v8u8 bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(bytes, v8i);
+#endif
+}
+
+inline float sum(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+}  // namespace vec8
