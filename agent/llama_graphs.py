@@ -159,12 +159,11 @@ class LlamaLayer(nn.Cell):
         self.quantized = fused and all(b is not None for b in blocks.values())
         if self.quantized:
             self.kernel_layer = kernels.layer_q4
-            scale_q = 1.0 / np.sqrt(spec.head_dim)
-            packed = {"wqkv_q4": Q4Matrix.stack([blocks["wq"].scaled(scale_q), blocks["wk"], blocks["wv"]]),
+            packed = {"wqkv_q4": Q4Matrix.stack([blocks["wq"].scaled(scale), blocks["wk"], blocks["wv"]]),
                       "wo_q4": blocks["wo"], "w_gate_up_q4": Q4Matrix.stack([blocks["w_gate"], blocks["w_up"]]),
                       "w_down_q4": blocks["w_down"]}
             for name, matrix in packed.items():
-                setattr(self, name, Parameter(Tensor(matrix.pack(), dtype=ms.uint8), name=f"layers.{index}.{name}",
+                setattr(self, name, Parameter(Tensor(matrix.pack(), dtype=ms.uint8), name=p + name,
                                               requires_grad=False))
         self.attn_norm = _param(t["attn_norm"], p + "attn_norm")
         weight = self._weight  # [in, out]; packed in tiles when the matmul kernel runs them

@@ -29,6 +29,9 @@ from config.schema import ModelSection, RuntimeSection
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# Version of what the graphs take and return: 2 = decode graphs return (logits, argmax), and prefill
+# graphs of fused layers take write rows and lengths (manifest "fused_layers").
+EXPORT_FORMAT = 2
 # The runtime settings an exported graph's shapes and host-side inputs depend on.
 SHAPE_FIELDS = ("num_slots", "max_seq_len", "prefill_buckets", "decode_batch_buckets", "attend_buckets",
                 "dtype")
@@ -126,7 +129,7 @@ class GraphExporter:
 
     def write_manifest(self, runtime: RuntimeSection) -> Path:
         path = self.directory / MANIFEST
-        path.write_text(json.dumps({"spec": json.loads(self.spec.model_dump_json()),
+        path.write_text(json.dumps({"format": EXPORT_FORMAT, "spec": json.loads(self.spec.model_dump_json()),
                                     "runtime": shape_settings(runtime), "fused_layers": self.fused_layers,
                                     "graphs": self.files}, indent=1))
         return path
@@ -161,6 +164,10 @@ class MindIRGraphs:
                  progress: Callable[[str], None] = log.info):
         manifest = read_manifest(files)
         manifest_path = manifest["path"]
+        if manifest.get("format") != EXPORT_FORMAT:
+            raise MindIRError(f"the MindIR graphs in {manifest_path.parent} were exported by another version "
+                              f"(format {manifest.get('format', 1)}, this one reads {EXPORT_FORMAT}): export "
+                              f"them again (python -m tools.export)")
         self.spec = ModelSpec.model_validate(manifest["spec"])
         _check_runtime(manifest["runtime"], shape_settings(runtime), manifest_path)
         by_file = {g["file"]: (kind, g) for kind, graphs in manifest["graphs"].items() for g in graphs}
@@ -171,7 +178,7 @@ class MindIRGraphs:
                 if by_file.get(path.name, (None,))[0] != kind:
                     raise MindIRError(f"{path}: not a {kind} graph of the export in {manifest_path.parent}")
         self.kv_heads = self.spec.num_kv_heads
-        self.fused_layers = bool(manifest.get("fused_layers", False))  # how the prefill graphs take their inputs
+        self.fused_layers = manifest["fused_layers"]  # how the prefill graphs take their inputs
         rows = (self.kv_heads * (runtime.num_slots + 1) * runtime.max_seq_len, self.spec.head_dim)
         self.caches = [Parameter(Tensor(np.zeros(rows, np.float32), dtype=getattr(ms, runtime.dtype)),
                                  name=f"kv_cache_{i}", requires_grad=False)

@@ -1,4 +1,5 @@
 """MindIR export (tools.export) and agents running the exported files instead of graphs from code."""
+import json
 import subprocess
 import sys
 
@@ -6,7 +7,7 @@ import pytest
 import yaml
 
 from agent.checkpoint import load_checkpoint
-from agent.mindir import MindIRError
+from agent.mindir import EXPORT_FORMAT, MindIRError
 from agent.runner import ModelRunner
 from agent.sampling import SamplingParams
 from agent_harness import free_ports, serving_stack, write_config
@@ -88,6 +89,22 @@ def test_mismatched_runtime_is_refused_naming_the_setting(exported):
     runtime = TINY_RUNTIME.model_copy(update={"num_slots": 2, "decode_batch_buckets": [1, 2]})
     with pytest.raises(MindIRError, match="num_slots: exported 4, configured 2"):
         ModelRunner.from_mindir(ModelSection(**section), runtime)
+
+
+def test_graphs_of_an_older_export_format_are_refused(exported, tmp_path):
+    """Graphs whose inputs or outputs differ from what this version passes: export again."""
+    _, section = exported
+    files = ModelSection(**section)
+    manifest_path = files.argmax_model.parent / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["format"]
+    manifest_path.write_text(json.dumps(manifest))
+    try:
+        with pytest.raises(MindIRError, match=r"exported by another version \(format 1, this one reads 2\)"):
+            ModelRunner.from_mindir(files, TINY_RUNTIME)
+    finally:
+        manifest["format"] = EXPORT_FORMAT
+        manifest_path.write_text(json.dumps(manifest))
 
 
 def test_missing_graphs_and_partial_sections_are_refused(exported, tmp_path):

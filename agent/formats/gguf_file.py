@@ -25,6 +25,7 @@ LAYER_NAMES = {"attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.w
 GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
                 "output.weight": "lm_head"}
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3.1 scaling)
+Q4_MATRICES = (".wq", ".wk", ".wv", ".wo", ".w_gate", ".w_up", ".w_down")
 
 
 def read_gguf(path: Path):
@@ -118,13 +119,15 @@ def load(path: Path, progress: Progress) -> Checkpoint:
                 log.debug("ignoring GGUF tensor %s", t.name)
             continue
         array = _dequantize(path, t)
+        # the layer matrices' Q4_1 blocks too: the fused kernel multiplies them for one or two rows
         blocks = Q4Matrix.from_gguf(np.asarray(t.data)) \
-            if t.tensor_type == GGMLQuantizationType.Q4_1 and array.ndim == 2 else None
+            if t.tensor_type == GGMLQuantizationType.Q4_1 and name.endswith(Q4_MATRICES) else None
         heads = spec.num_heads if name.endswith((".wq", ".bq")) else \
             spec.num_kv_heads if name.endswith((".wk", ".bk")) else None
         if traits["permuted_qk"] and heads is not None:
             array = unpermute_qk(array, heads)
-            blocks = blocks and blocks.reorder_rows(lambda a: unpermute_qk(a, heads))
+            if blocks is not None:
+                blocks = blocks.reorder_rows(lambda a: unpermute_qk(a, heads))
         tensors[name] = array
         if blocks is not None:
             q4[name] = blocks
