@@ -22,6 +22,9 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from agent.checkpoint import Checkpoint
+from agent.kernels import BUILD_ROOT, build_id
+from agent.known_answer import FILE_NAME as KNOWN_ANSWER_FILE
+from agent.known_answer import KnownAnswer
 from agent.llama_graphs import LlamaGraphs, LlamaModel, logits_and_argmax, topk_buckets
 from agent.model_spec import ModelSpec
 from config.schema import ModelSection, RuntimeSection
@@ -30,8 +33,9 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 # Version of what the graphs take and return: 2 = decode graphs return (logits, argmax), and prefill
-# graphs of fused layers take write rows and lengths (manifest "fused_layers").
-EXPORT_FORMAT = 2
+# graphs of fused layers take write rows and lengths (manifest "fused_layers"); 3 = the export holds
+# its known answer (agent/known_answer.py) and the MindSpore version and kernel build it was made with.
+EXPORT_FORMAT = 3
 # The runtime settings an exported graph's shapes and host-side inputs depend on.
 SHAPE_FIELDS = ("num_slots", "max_seq_len", "prefill_buckets", "decode_batch_buckets", "attend_buckets",
                 "dtype")
@@ -127,10 +131,14 @@ class GraphExporter:
     def cache_bytes(self) -> int:
         return self.code.cache_bytes()
 
-    def write_manifest(self, runtime: RuntimeSection) -> Path:
+    def write_manifest(self, runtime: RuntimeSection, known: KnownAnswer) -> Path:
+        """manifest.json and the known answer the loaded graphs must reproduce."""
+        known.save(self.directory)
         path = self.directory / MANIFEST
         path.write_text(json.dumps({"format": EXPORT_FORMAT, "spec": json.loads(self.spec.model_dump_json()),
                                     "runtime": shape_settings(runtime), "fused_layers": self.fused_layers,
+                                    "mindspore": ms.__version__,
+                                    "kernels": build_id() if runtime.attention_kernel or runtime.matmul_kernel else None,
                                     "graphs": self.files}, indent=1))
         return path
 
@@ -157,6 +165,15 @@ def read_spec(files: ModelSection) -> ModelSpec:
     return ModelSpec.model_validate(read_manifest(files)["spec"])
 
 
+def read_known_answer(files: ModelSection) -> KnownAnswer:
+    directory = files.argmax_model.parent
+    try:
+        return KnownAnswer.load(directory)
+    except (OSError, ValueError, KeyError) as exc:
+        raise MindIRError(f"cannot read {directory / KNOWN_ANSWER_FILE} (tools.export writes it beside the "
+                          f"graphs; export again): {exc}") from exc
+
+
 class MindIRGraphs:
     """The ModelRunner graph interface over MindIR files, with the KV cache held here."""
 
@@ -168,6 +185,12 @@ class MindIRGraphs:
             raise MindIRError(f"the MindIR graphs in {manifest_path.parent} were exported by another version "
                               f"(format {manifest.get('format', 1)}, this one reads {EXPORT_FORMAT}): export "
                               f"them again (python -m tools.export)")
+        if manifest.get("mindspore") != ms.__version__:
+            raise MindIRError(f"the MindIR graphs in {manifest_path.parent} were exported with MindSpore "
+                              f"{manifest.get('mindspore')}, this is {ms.__version__}: export them again")
+        if manifest["kernels"] is not None and not (BUILD_ROOT / manifest["kernels"]).is_dir():
+            raise MindIRError(f"the MindIR graphs in {manifest_path.parent} call CPU kernels of build "
+                              f"{manifest['kernels']}, which {BUILD_ROOT} no longer holds: export them again")
         self.spec = ModelSpec.model_validate(manifest["spec"])
         _check_runtime(manifest["runtime"], shape_settings(runtime), manifest_path)
         by_file = {g["file"]: (kind, g) for kind, graphs in manifest["graphs"].items() for g in graphs}

@@ -16,11 +16,13 @@ import traceback
 import zmq
 
 from agent.checkpoint import load_checkpoint
+from agent.compile_cache import compile_cache_dir
+from agent.known_answer import KnownAnswer, KnownAnswerError
 from agent.kv_transfer import KVSender
 from agent.llama_graphs import TensorSplit
 from agent.memory_plan import resolve_runtime
-from agent.mindir import read_spec
-from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
+from agent.mindir import read_known_answer, read_spec
+from agent.runner import ModelRunner, configure_mindspore
 from agent.service import AgentService
 from agent.transport import secure_agent_socket
 from config.logs import setup_logging
@@ -115,6 +117,7 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         runner = ModelRunner.from_mindir(config.model, runtime)
         log.info("MindIR graphs loaded in %.1fs (%.1fM parameters)", time.perf_counter() - start,
                  runner.spec.parameter_count() / 1e6)
+        known, cache = read_known_answer(config.model), None
     else:
         checkpoint = load_checkpoint(config.model.path)
         log.info("weights loaded in %.1fs (%s, %.1fM parameters)", time.perf_counter() - start,
@@ -122,13 +125,25 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         runtime = resolve_runtime(checkpoint.spec, runtime, log.info)
         split = TensorSplit(config.agents.rank_in_group[rank], config.agents.group(rank).tensor_parallel)
         cache_user = f"rank_{rank}" + (f"_tp{split.rank}of{split.size}" if split.size > 1 else "")
-        configure_mindspore(runtime, device_id, compile_cache_dir(checkpoint, runtime, cache_user))
+        cache = compile_cache_dir(checkpoint, runtime, cache_user)
+        configure_mindspore(runtime, device_id, cache)
         if split.size > 1:
             _join_cluster(split, checkpoint.spec, log)
         runner = ModelRunner(checkpoint, runtime, split)
+        t0 = time.perf_counter()
+        known = KnownAnswer.of_checkpoint(checkpoint, runtime)
+        log.info("known answer for the warm-up check computed in %.2fs", time.perf_counter() - t0)
     log.info("KV cache: %d slots x %d positions, %.0f MB", runtime.num_slots, runtime.max_seq_len,
              runner.graphs.cache_bytes() / 1e6)
-    warm_up_s = runner.warm_up(log.info, role)
+    try:
+        warm_up_s = runner.warm_up(log.info, role, known)
+    except KnownAnswerError as exc:
+        where = (f"the compile cache {cache.parent} holds graphs that do not fit this model: delete that "
+                 f"folder and start again (if this persists with an empty cache, it is a bug: report it)"
+                 if cache is not None else
+                 f"the MindIR files of {config.model.path} do not fit their own manifest: export them again"
+                 if config.model.uses_mindir else "no cache was used: this is a bug, please report it")
+        raise KnownAnswerError(f"{exc}; {where}") from exc
     socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     curve = config.agents.curve

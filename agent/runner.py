@@ -2,7 +2,7 @@
 
     runner = ModelRunner(checkpoint, runtime)   # builds weights and the KV cache on the device
     runner = ModelRunner.from_mindir(files, runtime)  # or runs graphs exported by tools.export
-    runner.warm_up(progress)                    # compiles every bucket, once
+    runner.warm_up(progress, known=answer)      # compiles every bucket, checks each against answer
     first = runner.prefill(slot, prompt_ids, sampling)
     nexts = runner.decode([slot, ...])          # one token for each slot, in order
     runner.release(slot)
@@ -19,8 +19,6 @@ until a decode step overwrites it.
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -32,7 +30,7 @@ import numpy as np
 from mindspore import Tensor
 
 from agent.checkpoint import Checkpoint
-from agent.kernels import HEADERS, KERNELS, source
+from agent.known_answer import KnownAnswer, check_post_process, compare, probe_length, probe_tokens
 from agent.llama_graphs import LlamaGraphs, TensorSplit
 from agent.model_spec import ModelSpec
 from agent.sampling import SamplingParams, SlotSampler
@@ -64,20 +62,6 @@ def configure_mindspore(runtime: RuntimeSection, device_id: int = 0,
     if compile_cache is not None:
         compile_cache.mkdir(parents=True, exist_ok=True)
         ms.set_context(enable_compile_cache=True, compile_cache_path=str(compile_cache))
-
-
-def compile_cache_dir(checkpoint: Checkpoint, runtime: RuntimeSection, user: str) -> Path | None:
-    """The compile cache of one process (`user`: an agent rank, a tool), or None when disabled.
-    Graphs depend on the model's shapes, the runtime shapes and the graph code, so those pick the
-    folder; each process gets its own below it so that concurrent writers never share one."""
-    if runtime.compile_cache_dir is None:
-        return None
-    graph_code = (Path(__file__).parent / "llama_graphs.py").read_bytes() + b"".join(
-        path.read_bytes() for path in [*(source(name) for name in KERNELS), *HEADERS])
-    shapes = runtime.model_dump(exclude={"compile_cache_dir", "cpu_threads"})
-    text = checkpoint.spec.model_dump_json() + json.dumps(shapes, sort_keys=True)
-    key = hashlib.sha256(text.encode() + graph_code).hexdigest()[:16]
-    return runtime.compile_cache_dir / key / user
 
 
 def _bucket(buckets: Sequence[int], n: int) -> int:
@@ -131,49 +115,78 @@ class ModelRunner:
     # --------------------------------------------------------------------------------- warm-up
 
     def graph_shapes(self, role: str = "mixed") -> list[tuple[str, int, int]]:
-        """(kind, rows, length) of every graph an agent of `role` runs."""
+        """(kind, rows, length) of every graph an agent of `role` runs, in warm-up order: what
+        writes the probe's K/V into the scratch slot (prefill, KV import) before what reads it."""
         rt = self.runtime
         shapes = [] if role == "decode" else [("prefill", 1, s) for s in rt.prefill_buckets]
+        if role == "decode":
+            shapes += [("kv_import", 1, s) for s in rt.prefill_buckets]
         # The attention kernel reads each sequence's own length: one decode graph per batch bucket.
         attends = [0] if rt.attention_kernel else rt.attend_buckets
         if role != "prefill":
             shapes += [("decode", b, a) for b in rt.decode_batch_buckets for a in attends]
         shapes += [("argmax", 0, 0)] + [("topk", 0, k) for k in self.topk_buckets]
-        transfer = {"prefill": "kv_export", "decode": "kv_import"}.get(role)
-        if transfer is not None:
-            shapes += [(transfer, 1, s) for s in rt.prefill_buckets]
+        if role == "prefill":
+            shapes += [("kv_export", 1, s) for s in rt.prefill_buckets]
         return shapes
 
-    def warm_up(self, progress: Callable[[str], None] = log.info, role: str = "mixed") -> float:
-        """Compile (or load from the compile cache) and run every graph once, on the scratch slot."""
+    def warm_up(self, progress: Callable[[str], None] = log.info, role: str = "mixed",
+                known: KnownAnswer | None = None) -> float:
+        """Compile (or load from the compile cache) and run every graph once, on the scratch slot,
+        with the known-answer probe as input; with `known`, each output is checked against it
+        (agent/known_answer.py) and a graph that disagrees raises KnownAnswerError."""
         start = time.perf_counter()
         shapes = self.graph_shapes(role)
-        scratch = self.num_slots
+        zeros = np.zeros(self.spec.vocab_size, np.float32)
+        probe = known or KnownAnswer(probe_tokens(self.spec.vocab_size, probe_length(self.runtime)), zeros, zeros)
         for i, (kind, rows, length) in enumerate(shapes, 1):
             t0 = time.perf_counter()
-            logits = Tensor(np.zeros((2, self.spec.vocab_size), np.float32))
-            if kind == "prefill":
-                self.run_prefill_graph(scratch, np.zeros(1, np.int64), length).asnumpy()
-            elif kind == "decode":
-                self.run_decode_graph(np.full(rows, scratch), np.zeros(rows, np.int64),
-                                      np.zeros(rows, np.int64), rows, length)[1].asnumpy()
-            elif kind == "kv_export":
-                self.graphs.kv_export(Tensor(self._slot_rows(scratch, length))).asnumpy()
-            elif kind == "kv_import":
-                blocks = np.zeros((2 * self.spec.num_layers, self._kv * length, self._hd), self._cache_dtype())
-                self.graphs.kv_import(Tensor(self._slot_rows(scratch, length)), Tensor(blocks)).asnumpy()
-            elif kind == "argmax":
-                self.graphs.argmax(logits).asnumpy()
-            else:
-                self.graphs.topk(length, logits)[0].asnumpy()
             label = {"prefill": f"prefill length {length}",
                      "decode": f"decode batch {rows}" + (f" attend {length}" if length else ""),
                      "argmax": "argmax", "topk": f"top-k {length}",
                      "kv_export": f"KV export {length}", "kv_import": f"KV import {length}"}[kind]
+            self._run_probe(kind, rows, length, probe, label if known is not None else None)
             progress(f"graph {i}/{len(shapes)} {label}: {time.perf_counter() - t0:.1f}s")
         elapsed = time.perf_counter() - start
-        progress(f"warm-up done: {len(shapes)} graphs in {elapsed:.1f}s")
+        progress(f"warm-up done: {len(shapes)} graphs in {elapsed:.1f}s"
+                 + (", each agreeing with the numpy forward of the weights" if known is not None else ""))
         return elapsed
+
+    def _run_probe(self, kind: str, rows: int, length: int, probe: KnownAnswer, check: str | None) -> None:
+        """One graph on the probe (the prompt at positions 0..n-1 of the scratch slot, the decode token
+        at n); `check`: the graph's label, to compare its output with `probe`."""
+        scratch, n, dtype = self.num_slots, len(probe.prompt), self.runtime.dtype
+        expected = np.stack([probe.prefill_logits, probe.decode_logits])
+        if kind == "prefill":
+            got = self.run_prefill_graph(scratch, probe.prompt, length).asnumpy()[0]
+            if check:
+                compare(check, got, probe.prefill_logits, dtype)
+        elif kind == "decode":
+            logits, greedy = self.run_decode_graph(np.full(rows, scratch), np.full(rows, probe.decode_token),
+                                                   np.full(rows, n), rows, length)
+            if check:
+                for row in logits.asnumpy():
+                    compare(check, row, probe.decode_logits, dtype)
+                check_post_process(check, np.tile(probe.decode_logits, (rows, 1)), greedy.asnumpy())
+        elif kind == "kv_export":
+            blocks = self.graphs.kv_export(Tensor(self._slot_rows(scratch, length))).asnumpy()
+            if check and probe.kv is not None:
+                got = blocks.reshape(2 * self.spec.num_layers, self._kv, length, self._hd)[:, :, :n]
+                compare(check, got, probe.kv, dtype)
+        elif kind == "kv_import":
+            blocks = np.zeros((2 * self.spec.num_layers, self._kv, length, self._hd), self._cache_dtype())
+            if probe.kv is not None:  # the decode graphs then read it: a wrong import fails their check
+                blocks[:, :, :n] = probe.kv
+            self.graphs.kv_import(Tensor(self._slot_rows(scratch, length)),
+                                  Tensor(blocks.reshape(blocks.shape[0], -1, self._hd))).asnumpy()
+        elif kind == "argmax":
+            ids = self.graphs.argmax(Tensor(expected)).asnumpy()
+            if check:
+                check_post_process(check, expected, ids)
+        else:
+            values, ids = (t.asnumpy() for t in self.graphs.topk(length, Tensor(expected)))
+            if check:
+                check_post_process(check, expected, ids, values)
 
     # -------------------------------------------------------------------------------- requests
 

@@ -1,13 +1,16 @@
 """MindIR export (tools.export) and agents running the exported files instead of graphs from code."""
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from agent.checkpoint import load_checkpoint
-from agent.mindir import EXPORT_FORMAT, MindIRError
+from agent.known_answer import KnownAnswerError
+from agent.mindir import EXPORT_FORMAT, MindIRError, read_known_answer
 from agent.runner import ModelRunner
 from agent.sampling import SamplingParams
 from agent_harness import free_ports, serving_stack, write_config
@@ -17,6 +20,7 @@ from conftest import TINY_RUNTIME
 from http_client import post
 from server.detokenizer import IncrementalDetokenizer
 from server.tokenizer import load_tokenizer
+from tiny_models import write_tiny_checkpoint
 
 PROMPTS = [[5, 17, 33, 90, 12], [7, 8, 9], list(range(20, 60))]
 
@@ -100,11 +104,56 @@ def test_graphs_of_an_older_export_format_are_refused(exported, tmp_path):
     del manifest["format"]
     manifest_path.write_text(json.dumps(manifest))
     try:
-        with pytest.raises(MindIRError, match=r"exported by another version \(format 1, this one reads 2\)"):
+        with pytest.raises(MindIRError, match=rf"exported by another version \(format 1, this one reads {EXPORT_FORMAT}\)"):
             ModelRunner.from_mindir(files, TINY_RUNTIME)
     finally:
         manifest["format"] = EXPORT_FORMAT
         manifest_path.write_text(json.dumps(manifest))
+
+
+def export_files(config_path: Path, output: Path) -> ModelSection:
+    done = subprocess.run([sys.executable, "-m", "tools.export", "--config", str(config_path),
+                           "--output", str(output)], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    return ModelSection(**yaml.safe_load(done.stdout[done.stdout.index("model:"):])["model"])
+
+
+def test_files_of_another_export_fail_the_known_answer_check(exported, tmp_path, tiny_llama_dir):
+    """The graph files of a model of the same shapes (other weights) under this export's manifest and
+    tokenizer: the warm-up refuses them instead of serving the other model's answers. (Mixing single
+    files does no harm: at load every file's weights are pointed at the first file's.)"""
+    _, section = exported
+    files = ModelSection(**section)
+    other_dir = write_tiny_checkpoint(tmp_path / "other", "llama", seed=7)
+    other = export_files(write_config(tmp_path, other_dir, free_ports(1)), tmp_path / "other-graphs")
+    mixed = tmp_path / "mixed"
+    shutil.copytree(files.argmax_model.parent, mixed)
+    for path in other.argmax_model.parent.glob("*.mindir"):
+        shutil.copy(path, mixed / path.name)
+    mixed_files = ModelSection(**{**section, **{kind: [str(mixed / Path(p).name) for p in section[kind]]
+                                                for kind in ("prefill_model", "decode_model", "topk_model")},
+                                  "argmax_model": str(mixed / Path(section["argmax_model"]).name)})
+    runner = ModelRunner.from_mindir(mixed_files, TINY_RUNTIME)
+    with pytest.raises(KnownAnswerError, match="the prefill length 16 graph disagrees"):
+        runner.warm_up(lambda _line: None, known=read_known_answer(mixed_files))
+    ModelRunner.from_mindir(files, TINY_RUNTIME).warm_up(lambda _line: None, known=read_known_answer(files))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("mindspore", "2.0.0", "exported with MindSpore 2.0.0"),
+    ("kernels", "0123456789abcdef", "call CPU kernels of build 0123456789abcdef")])
+def test_exports_of_another_mindspore_or_kernel_build_are_refused(exported, field, value, message):
+    _, section = exported
+    files = ModelSection(**section)
+    manifest_path = files.argmax_model.parent / "manifest.json"
+    original = manifest_path.read_text()
+    manifest_path.write_text(json.dumps({**json.loads(original), field: value}))
+    try:
+        with pytest.raises(MindIRError, match=message):
+            ModelRunner.from_mindir(files, TINY_RUNTIME)
+    finally:
+        manifest_path.write_text(original)
 
 
 def test_missing_graphs_and_partial_sections_are_refused(exported, tmp_path):

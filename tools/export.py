@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from agent.checkpoint import CheckpointError, load_checkpoint
+from agent.known_answer import KnownAnswer
 from agent.memory_plan import MemoryPlanError, resolve_runtime
 from agent.mindir import GraphExporter
 from agent.runner import ModelRunner, configure_mindspore
@@ -32,7 +33,7 @@ def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
     configure_mindspore(runtime)
     exporter = GraphExporter(checkpoint, runtime, output)
     ModelRunner.over(exporter, runtime).warm_up(progress)  # the warm-up calls every graph shape once
-    exporter.write_manifest(runtime)
+    exporter.write_manifest(runtime, KnownAnswer.of_checkpoint(checkpoint, runtime))
     tokenizer.save(output)
     return exporter.files
 

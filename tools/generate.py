@@ -10,7 +10,9 @@ import time
 
 from agent.checkpoint import CheckpointError, load_checkpoint
 from agent.memory_plan import MemoryPlanError, resolve_runtime
-from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
+from agent.compile_cache import compile_cache_dir
+from agent.known_answer import KnownAnswer, KnownAnswerError
+from agent.runner import ModelRunner, configure_mindspore
 from agent.sampling import SamplingParams
 from config import ConfigError, load_config
 from server.detokenizer import IncrementalDetokenizer
@@ -39,8 +41,16 @@ def main() -> int:
     except (ConfigError, CheckpointError, MemoryPlanError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    configure_mindspore(runtime, compile_cache=compile_cache_dir(checkpoint, runtime, "generate"))
+    cache = compile_cache_dir(checkpoint, runtime, "generate")
+    configure_mindspore(runtime, compile_cache=cache)
     runner = ModelRunner(checkpoint, runtime)
+    try:  # every graph compiled (or read from the cache) and checked against the weights
+        runner.warm_up(lambda line: print(line, file=sys.stderr),
+                       known=KnownAnswer.of_checkpoint(checkpoint, runtime))
+    except KnownAnswerError as exc:
+        print(f"error: {exc}" + (f"; delete the compile cache {cache.parent} and try again" if cache else ""),
+              file=sys.stderr)
+        return 1
     sampling = SamplingParams(do_sample=args.do_sample, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
@@ -60,8 +70,8 @@ def main() -> int:
         token = runner.decode([0])[0]
     print(detok.flush())
     total = time.perf_counter() - start
-    print(f"[{len(prompt)} prompt tokens, {generated} generated, first token {first:.2f}s "
-          f"(includes graph compilation), total {total:.2f}s]", file=sys.stderr)
+    print(f"[{len(prompt)} prompt tokens, {generated} generated, first token {first:.2f}s, "
+          f"total {total:.2f}s]", file=sys.stderr)
     return 0
 
 

@@ -19,7 +19,9 @@ import numpy as np
 
 from agent.checkpoint import CheckpointError, load_checkpoint
 from agent.memory_plan import MemoryPlanError, resolve_runtime
-from agent.runner import ModelRunner, compile_cache_dir, configure_mindspore
+from agent.compile_cache import compile_cache_dir
+from agent.known_answer import KnownAnswer
+from agent.runner import ModelRunner, configure_mindspore
 from config import PROJECT_ROOT, ConfigError, load_config
 
 
@@ -84,7 +86,8 @@ def main() -> int:
             return 1
         configure_mindspore(runtime, compile_cache=compile_cache_dir(checkpoint, runtime, "bench"))
         runner = ModelRunner(checkpoint, runtime)
-        results = {"load_s": load_s, "warm_up_s": runner.warm_up(print)}
+        known = KnownAnswer.of_checkpoint(checkpoint, runtime)
+        results = {"load_s": load_s, "warm_up_s": runner.warm_up(print, known=known)}
     else:
         # The grid's own shapes: slots for the largest batch, room for the longest context.
         longest = max(max(args.contexts) + 1, max(args.prompts))

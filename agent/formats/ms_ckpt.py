@@ -41,6 +41,8 @@ def load(path: Path, progress: Progress) -> Checkpoint:
         spec = ModelSpec.model_validate_json(spec_json)
     except ValueError as exc:
         raise CheckpointError(f"{path}: the {SPEC_KEY!r} entry is invalid ({exc})") from exc
-    tensors = {name: np.ascontiguousarray(param.astype(ms.float32).asnumpy())
+    # Widened on the host: a MindSpore cast would run a kernel, which starts MindSpore's runtime
+    # before the agent has chosen its device (set_device then fails).
+    tensors = {name: np.ascontiguousarray(param.asnumpy(), dtype=np.float32)
                for name, param in progress(list(params.items()))}
     return Checkpoint(spec=spec, tensors=tensors, source=path, format="ckpt")

@@ -1,15 +1,24 @@
 """Custom CPU kernels used inside MindSpore graphs (AOT custom operators), built from source with the
-machine's C++ compiler: at `make setup`, or on first use when the build is missing or older than its
-source. `python -m agent.kernels` builds them and says where.
+machine's C++ compiler: at `make setup`, or on first use when the build is missing.
+`python -m agent.kernels` builds them and says where.
+
+Builds are content-addressed: build/<build_id>/ where build_id hashes everything that changes the
+machine code (sources, headers, flags, the compiler's version, the CPU's instruction sets that
+-march=native picks from), so a changed input never loads an old library (an mtime check does not
+hold across copies, checkouts with preserved times, compiler upgrades or another machine's folder).
 """
 from __future__ import annotations
 
+import functools
+import os
+import hashlib
+import platform
 import shutil
 import subprocess
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent
-BUILD_DIR = SOURCE_DIR / "build"
+BUILD_ROOT = SOURCE_DIR / "build"
 DECODE_ATTENTION = "decode_attention"
 SKINNY_MATMUL = "skinny_matmul"
 ELEMENTWISE = "elementwise"
@@ -28,21 +37,52 @@ def source(name: str) -> Path:
     return SOURCE_DIR / f"{name}.cc"
 
 
-def build(name: str) -> Path:
-    """The kernel's shared library, compiled now if missing or stale."""
-    src, lib = source(name), BUILD_DIR / f"{name}.so"
-    newest = max(path.stat().st_mtime for path in (src, *HEADERS))
-    if lib.is_file() and lib.stat().st_mtime >= newest:
-        return lib
+def _compiler() -> str:
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        raise KernelBuildError(f"no C++ compiler (g++) to build {src.name}; install g++ (Debian: "
+        raise KernelBuildError("no C++ compiler (g++) to build the CPU kernels; install g++ (Debian: "
                                "apt-get install g++) or set runtime.decode_attention: gather")
-    BUILD_DIR.mkdir(exist_ok=True)
-    tmp = lib.with_suffix(".so.tmp")
-    done = subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(src)],
-                          capture_output=True, text=True)
+    return compiler
+
+
+def _cpu_flags() -> str:
+    """The instruction sets -march=native chooses from (x86 'flags', Arm 'Features')."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.cache
+def build_id() -> str:
+    """The identity of the kernels' machine code on this machine (see the module docstring)."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout if compiler else ""
+    digest = hashlib.sha256()
+    for part in (" ".join(FLAGS), version, platform.machine(), _cpu_flags()):
+        digest.update(part.encode() + b"\0")
+    for path in (*(source(name) for name in KERNELS), *HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    return BUILD_ROOT / build_id()
+
+
+def build(name: str) -> Path:
+    """The kernel's shared library of this build_id, compiled now if missing."""
+    src, lib = source(name), build_dir() / f"{name}.so"
+    if lib.is_file():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_suffix(f".so.tmp{os.getpid()}")
+    done = subprocess.run([_compiler(), *FLAGS, "-o", str(tmp), str(src)], capture_output=True, text=True)
     if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
         raise KernelBuildError(f"building {src.name} failed:\n{done.stderr.strip()}")
     tmp.replace(lib)  # atomic: concurrent agents never load a half-written library
     return lib

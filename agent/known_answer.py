@@ -1,0 +1,140 @@
+"""A known-answer check of the compiled graphs, run by every warm-up before an agent reports ready.
+
+Graphs can come from MindSpore's compile cache or from MindIR files, and a cache that does not fit
+the model (a stale key, a copied or corrupted entry, a kernel built for other code) gives garbage
+with no error. So warm-up runs each graph on a short probe prompt and compares its output with a
+plain numpy forward of the same weights (computed here, never by a graph): prefill logits, decode
+logits at every batch bucket, the post-process graphs' argmax and top-k, and the K/V a transfer
+moves. A MindIR export stores the expected values beside its files (`known_answer.npz`), computed
+at export time from the checkpoint.
+
+Cost for the default model: the numpy forward of 5 tokens takes ~0.1 s; the graph runs replace
+warm-up runs that happened anyway.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from agent.checkpoint import Checkpoint
+from config.schema import RuntimeSection
+
+FILE_NAME = "known_answer.npz"
+PROBE_LENGTH = 4  # prompt tokens; the decode step adds one more
+# Max |difference| allowed, relative to the largest |expected logit| (floor 1): float32 graphs agree
+# with the numpy forward to ~1e-5 of that; a graph that does not fit the weights is off by O(1).
+TOLERANCE = {"float32": 2e-3, "float16": 5e-2, "bfloat16": 1e-1}
+
+
+class KnownAnswerError(RuntimeError):
+    """A graph's output disagrees with the numpy forward of the weights it should hold."""
+
+
+@dataclass(frozen=True)
+class KnownAnswer:
+    tokens: np.ndarray  # [n + 1] the probe prompt (n <= PROBE_LENGTH), then the decode step's token
+    prefill_logits: np.ndarray  # [V] after the prompt
+    decode_logits: np.ndarray  # [V] after the decode token
+    kv: np.ndarray | None = None  # [2 * layers, KV heads, n, head_dim] the prompt's K and V
+
+    @property
+    def prompt(self) -> np.ndarray:
+        return self.tokens[:-1]
+
+    @property
+    def decode_token(self) -> int:
+        return int(self.tokens[-1])
+
+    @classmethod
+    def of_checkpoint(cls, checkpoint: Checkpoint, runtime: RuntimeSection) -> "KnownAnswer":
+        tokens = probe_tokens(checkpoint.spec.vocab_size, probe_length(runtime))
+        logits, kv = numpy_forward(checkpoint, tokens)
+        return cls(tokens, logits[-2], logits[-1], kv[:, :, :-1])
+
+    def save(self, directory: Path) -> Path:
+        path = directory / FILE_NAME
+        np.savez(path, tokens=self.tokens, prefill_logits=self.prefill_logits,
+                 decode_logits=self.decode_logits)
+        return path
+
+    @classmethod
+    def load(cls, directory: Path) -> "KnownAnswer":
+        with np.load(directory / FILE_NAME) as stored:
+            return cls(stored["tokens"], stored["prefill_logits"], stored["decode_logits"])
+
+
+def probe_length(runtime: RuntimeSection) -> int:
+    """The probe prompt fits the smallest prefill bucket, and with its decode token the smallest
+    attended length of the gather path."""
+    limits = [PROBE_LENGTH, runtime.prefill_buckets[0], runtime.max_seq_len - 1]
+    if not runtime.attention_kernel:
+        limits.append(runtime.attend_buckets[0] - 1)
+    return max(1, min(limits))
+
+
+def probe_tokens(vocab_size: int, length: int) -> np.ndarray:
+    """`length` prompt ids and a decode token: fixed, spread over the vocabulary; any ids would do."""
+    return (np.arange(1, length + 2, dtype=np.int64) * 7919) % vocab_size
+
+
+def compare(what: str, got: np.ndarray, expected: np.ndarray, dtype: str) -> None:
+    scale = max(1.0, float(np.abs(expected).max()))
+    diff = float(np.abs(np.asarray(got, np.float32) - expected).max())
+    if not np.isfinite(diff) or diff > TOLERANCE[dtype] * scale:
+        raise KnownAnswerError(f"the {what} graph disagrees with a numpy forward of the loaded weights "
+                               f"(max |difference| {diff:.3g}, allowed {TOLERANCE[dtype] * scale:.3g})")
+
+
+def check_post_process(what: str, logits: np.ndarray, ids: np.ndarray, values: np.ndarray | None = None) -> None:
+    """argmax / top-k outputs: each chosen id holds the row's largest logits (ties may pick either)."""
+    k = ids.shape[-1] if ids.ndim == 2 else 1
+    ids = ids.reshape(len(logits), k)
+    want = -np.sort(-logits, axis=1)[:, :k]
+    chosen = np.take_along_axis(logits, ids.astype(np.int64), axis=1)
+    if not np.array_equal(chosen, want) or (values is not None and not np.allclose(values, want)):
+        raise KnownAnswerError(f"the {what} graph does not return the largest logits of its input")
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE (the checkpoint's canonical Q/K row order); x [heads, S, hd]."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def numpy_forward(checkpoint: Checkpoint, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Causal forward of `tokens` from position 0 -> logits [S, V] and K/V of every layer
+    [2 * layers, KV heads, S, head_dim] (K after RoPE), as the cache holds them. Float32, the
+    checkpoint's own dtype: float64 would copy every weight and agrees to ~1e-5 anyway."""
+    spec, t = checkpoint.spec, checkpoint.tensors
+    n, hd, kv_heads, group = len(tokens), spec.head_dim, spec.num_kv_heads, spec.group_size
+    angles = np.concatenate([np.outer(np.arange(n), spec.rope_inv_freq())] * 2, 1)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    causal = np.triu(np.full((n, n), -np.inf, np.float32), 1)
+    x = t["embed"][tokens]
+    caches = []
+    for i in range(spec.num_layers):
+        w = {name[len(f"layers.{i}."):]: value for name, value in t.items() if name.startswith(f"layers.{i}.")}
+        h = _rms_norm(x, w["attn_norm"], spec.rms_eps)
+        q, k, v = (h @ w[name].T + w.get(bias, 0) for name, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+        q = _rope(q.reshape(n, -1, hd).transpose(1, 0, 2), cos, sin)
+        k = _rope(k.reshape(n, kv_heads, hd).transpose(1, 0, 2), cos, sin)
+        v = v.reshape(n, kv_heads, hd).transpose(1, 0, 2)
+        caches += [k, v]
+        scores = q @ np.repeat(k, group, axis=0).transpose(0, 2, 1) / np.float32(np.sqrt(hd)) + causal
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attended = (probs @ np.repeat(v, group, axis=0)).transpose(1, 0, 2).reshape(n, -1)
+        x = x + attended @ w["wo"].T
+        h = _rms_norm(x, w["ffn_norm"], spec.rms_eps)
+        gate = h @ w["w_gate"].T
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ w["w_up"].T)) @ w["w_down"].T
+    head = t["embed"] if spec.tied_embeddings else t["lm_head"]
+    logits = _rms_norm(x, t["final_norm"], spec.rms_eps) @ head.T
+    return logits, np.stack(caches)
