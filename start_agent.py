@@ -5,9 +5,12 @@
 import argparse
 import sys
 
-from agent.launcher import AgentLauncher, LaunchError
-from config import ConfigError, load_config
-from config.logs import setup_logging
+from agent.process_env import set_process_defaults
+
+set_process_defaults()  # before MindSpore loads (the launcher imports it) and before agents spawn
+from agent.launcher import AgentLauncher, LaunchError  # noqa: E402
+from config import ConfigError, load_config  # noqa: E402
+from config.logs import setup_logging  # noqa: E402
 
 
 def _indexes(text: str) -> list[int]:

@@ -6,13 +6,12 @@ import argparse
 import logging
 import sys
 
-from agent.checkpoint import CheckpointError
+from agent.model.tokenizer import TokenizerError, load_tokenizer
 from config import ConfigError, load_config
 from config.logs import setup_logging
 from server.app import create_app
 from server.http_server import serve
 from server.llm_server import LLMServer
-from server.tokenizer import load_tokenizer
 
 
 def main() -> int:
@@ -22,7 +21,7 @@ def main() -> int:
     try:
         config = load_config(args.config)
         tokenizer = load_tokenizer(config.model.path)
-    except (ConfigError, CheckpointError) as exc:
+    except (ConfigError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.logging, "server_app.log", console=True, secrets=config.server.api_keys)

@@ -1,9 +1,9 @@
-"""Agent side: the model, its runner and graphs, and the agent processes."""
-import os
+"""Agent side, in three parts:
 
-# MindSpore prints framework warnings (deprecations, compile-cache misses) to stderr at level 2;
-# keep operator consoles readable unless the user asks for them with GLOG_v=2 or lower.
-os.environ.setdefault("GLOG_v", "3")
-# The matmul kernel's OpenMP workers must sleep between kernels, not spin on the two cores
-# MindSpore's own kernel threads need (spinning cost 50 ms a step at batch 1, measured).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+- agent.contract: what the processes exchange (the agent wire protocol and transport, sampling
+  parameters, the native HTTP request body); no MindSpore, no side effects: every process imports it;
+- agent.model: the model's files (spec, checkpoint formats, quantized blocks, tokenizer,
+  detokenizer); numpy only, read by the agents, the server and the tools;
+- the agent runtime (the other modules: graphs, runner, kernels, the agent process and launcher),
+  which needs MindSpore and is imported only by agent processes and the tools that run the model.
+"""

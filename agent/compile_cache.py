@@ -23,7 +23,7 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 
-from agent.checkpoint import Checkpoint
+from agent.model.checkpoint import Checkpoint
 from agent.kernels import build_id
 from config.schema import RuntimeSection
 

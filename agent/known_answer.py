@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.checkpoint import Checkpoint
+from agent.model.checkpoint import Checkpoint
 from config.schema import RuntimeSection
 
 FILE_NAME = "known_answer.npz"

@@ -18,8 +18,8 @@ import time
 import numpy as np
 import zmq
 
-from agent import protocol
-from agent.transport import secure_client_socket
+from agent.contract import protocol
+from agent.contract.transport import secure_client_socket
 from config.schema import CurveSection
 
 log = logging.getLogger(__name__)

@@ -26,10 +26,10 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from agent.checkpoint import Checkpoint
+from agent.model.checkpoint import Checkpoint
 from agent.kernels import DECODE_ATTENTION, ELEMENTWISE, FUSED_LAYER, SKINNY_MATMUL, op_path
-from agent.model_spec import ModelSpec
-from agent.quantized import Q4Matrix
+from agent.model.spec import ModelSpec
+from agent.model.quantized import Q4Matrix
 from config.schema import RuntimeSection
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from agent.model_spec import ModelSpec
+from agent.model.spec import ModelSpec
 from config.schema import RuntimeSection
 
 MB = 1 << 20

@@ -21,12 +21,12 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from agent.checkpoint import Checkpoint
+from agent.model.checkpoint import Checkpoint
 from agent.kernels import BUILD_ROOT, build_id
 from agent.known_answer import FILE_NAME as KNOWN_ANSWER_FILE
 from agent.known_answer import KnownAnswer
 from agent.llama_graphs import LlamaGraphs, LlamaModel, logits_and_argmax, topk_buckets
-from agent.model_spec import ModelSpec
+from agent.model.spec import ModelSpec
 from config.schema import ModelSection, RuntimeSection
 
 log = logging.getLogger(__name__)

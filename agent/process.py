@@ -15,7 +15,7 @@ import traceback
 
 import zmq
 
-from agent.checkpoint import load_checkpoint
+from agent.model.formats import load_checkpoint
 from agent.compile_cache import compile_cache_dir
 from agent.known_answer import KnownAnswer, KnownAnswerError
 from agent.kv_transfer import KVSender
@@ -24,7 +24,7 @@ from agent.memory_plan import resolve_runtime
 from agent.mindir import read_known_answer, read_spec
 from agent.runner import ModelRunner, configure_mindspore
 from agent.service import AgentService
-from agent.transport import secure_agent_socket
+from agent.contract.transport import secure_agent_socket
 from config.logs import setup_logging
 from config.schema import ServingConfig
 

@@ -29,11 +29,12 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from agent.checkpoint import Checkpoint
+from agent.model.checkpoint import Checkpoint
 from agent.known_answer import KnownAnswer, check_post_process, compare, probe_length, probe_tokens
 from agent.llama_graphs import LlamaGraphs, TensorSplit
-from agent.model_spec import ModelSpec
-from agent.sampling import SamplingParams, SlotSampler
+from agent.model.spec import ModelSpec
+from agent.contract.sampling import SamplingParams
+from agent.sampling import SlotSampler
 from config.schema import RuntimeSection
 
 log = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
-from agent import protocol
+from agent.contract import protocol
 from agent.kv_transfer import KVSender, TransferError
 from agent.runner import ModelRunner, RunnerError
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Iterator, Literal
 
 import httpx
 
-from client.request import ClientRequest, Parameters
+from agent.contract.native_request import ClientRequest, Parameters
 
 DEFAULT_URL = "http://127.0.0.1:9811"
 

@@ -20,9 +20,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from agent import protocol
-from agent.sampling import SamplingParams
-from agent.transport import secure_client_socket
+from agent.contract import protocol
+from agent.contract.sampling import SamplingParams
+from agent.contract.transport import secure_client_socket
 from config.schema import CurveSection
 
 HEARTBEAT_IVL_MS = 1000

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -23,8 +23,8 @@ from fastapi.responses import Response, StreamingResponse
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from agent.sampling import SamplingParams
-from client.request import ClientRequest
+from agent.contract.sampling import SamplingParams
+from agent.contract.native_request import ClientRequest
 from config.schema import ServingConfig
 from scheduler.batch_scheduler import AdmissionError
 from server.access import AccessMiddleware
@@ -33,7 +33,7 @@ from server.llm_server import AnswerStream, LLMServer
 from server.openai_api import openai_router
 from server.ops_api import ops_router
 from server.request_body import json_body
-from server.tokenizer import TextTokenizer, TokenizerError
+from agent.model.tokenizer import TextTokenizer, TokenizerError
 
 def sse_message(data) -> str:
     return json.dumps({"event": "message", "retry": 30000, "data": data}, ensure_ascii=False)

@@ -21,15 +21,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 from config.schema import ServingConfig
 from scheduler.agent_client import (AgentClient, AgentError, AgentIncompatible, AgentRequestError,
                                     AgentUnavailable, GroupClient)
 from scheduler.batch_scheduler import AdmissionError, AgentCapacity, BatchScheduler, StepPlan
 from scheduler.sequence import FinishReason, Sequence
-from server.detokenizer import IncrementalDetokenizer
+from agent.model.detokenizer import IncrementalDetokenizer
 from server.metrics import ServingMetrics
-from server.tokenizer import TextTokenizer
+from agent.model.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 

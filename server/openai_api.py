@@ -16,14 +16,14 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Depends
 from sse_starlette.sse import EventSourceResponse
 
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 from config.schema import ServingConfig
 from scheduler.batch_scheduler import AdmissionError
 from server.errors import ApiError
 from server.llm_server import AnswerStream, GenerationOutput, LLMServer
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
 from server.request_body import json_body
-from server.tokenizer import TextTokenizer, TokenizerError
+from agent.model.tokenizer import TextTokenizer, TokenizerError
 
 CREATED = int(time.time())
 

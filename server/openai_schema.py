@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from agent.sampling import MAX_SEED, MAX_TOP_K
+from agent.contract.sampling import MAX_SEED, MAX_TOP_K
 
 MAX_N = 8  # completions per request; each is one more sequence in the batch
 

@@ -15,7 +15,7 @@ import psutil
 import yaml
 import zmq
 
-from agent import protocol
+from agent.contract import protocol
 from config.schema import PROJECT_ROOT
 
 

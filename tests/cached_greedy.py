@@ -2,11 +2,11 @@
 runtime's compile cache, warm it up with the known-answer check, print its greedy tokens as JSON.
 (A file, not `python -c`: MindSpore's compile cache reads its entry script.)"""
 import json, sys
-from agent.checkpoint import load_checkpoint
+from agent.model.formats import load_checkpoint
 from agent.compile_cache import compile_cache_dir
 from agent.known_answer import KnownAnswer
 from agent.runner import ModelRunner, configure_mindspore
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 from config.schema import RuntimeSection
 
 model, runtime, prompt, steps = sys.argv[1], RuntimeSection.model_validate_json(sys.argv[2]), \

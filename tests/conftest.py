@@ -8,7 +8,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests' own helper modules
 
-from agent.checkpoint import load_checkpoint  # noqa: E402
+from agent.process_env import set_process_defaults  # noqa: E402
+
+set_process_defaults()  # as the agent processes run: before MindSpore loads
+
+from agent.model.formats import load_checkpoint  # noqa: E402
 from agent.runner import ModelRunner, configure_mindspore  # noqa: E402
 from config.schema import PROJECT_ROOT, RuntimeSection  # noqa: E402
 from tiny_models import write_tiny_checkpoint  # noqa: E402

@@ -6,10 +6,10 @@ import signal
 import numpy as np
 import pytest
 
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 from agent_harness import LauncherProcess, free_ports, write_config
 from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable
-from server.tokenizer import load_tokenizer
+from agent.model.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,12 @@ import psutil
 import pytest
 import zmq
 
-from agent import protocol
-from agent.sampling import SamplingParams
+from agent.contract import protocol
+from agent.contract.sampling import SamplingParams
 from agent_harness import AgentSocket, LauncherProcess, alive, free_ports, wait_gone, write_config
 from config import load_config
 from scheduler.agent_client import AgentClient, AgentUnavailable
-from server.tokenizer import load_tokenizer
+from agent.model.tokenizer import load_tokenizer
 
 START_TIMEOUT = 240
 

@@ -1,7 +1,7 @@
 """BatchScheduler as pure logic, driven against fake agents that enforce the runner's slot rules."""
 import pytest
 
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 from scheduler.batch_scheduler import AdmissionError, AgentCapacity, BatchScheduler
 from scheduler.sequence import FinishReason, Sequence
 

@@ -5,7 +5,9 @@ import shutil
 import numpy as np
 import pytest
 
-from agent.checkpoint import CheckpointError, load_checkpoint, unpermute_qk
+from agent.model.checkpoint import CheckpointError
+from agent.model.formats import load_checkpoint
+from agent.model.formats.gguf_file import unpermute_qk
 from tiny_models import write_tiny_checkpoint
 
 

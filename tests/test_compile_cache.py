@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
-from agent.checkpoint import load_checkpoint
+from agent.model.formats import load_checkpoint
 from agent.compile_cache import cache_key, compile_cache_dir
 from agent.known_answer import KnownAnswer, KnownAnswerError
 from agent.runner import ModelRunner
 from agent_harness import LauncherProcess, free_ports, write_config
 from config.schema import PROJECT_ROOT, RuntimeSection
 from conftest import TINY_RUNTIME
-from server.tokenizer import load_tokenizer
+from agent.model.tokenizer import load_tokenizer
 from tiny_models import write_tiny_checkpoint, write_tiny_gguf
 
 CACHED_GREEDY = Path(__file__).parent / "cached_greedy.py"

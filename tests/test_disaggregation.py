@@ -14,7 +14,7 @@ import httpx
 import pytest
 import zmq
 
-from agent.checkpoint import load_checkpoint
+from agent.model.formats import load_checkpoint
 from agent_harness import LauncherProcess, free_ports, serving_stack, write_config
 from config import load_config
 from config.schema import PROJECT_ROOT

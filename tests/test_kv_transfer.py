@@ -4,13 +4,14 @@ refused into a busy slot, in a wrong shape, after the scheduler cancelled it, or
 import numpy as np
 import pytest
 
-from agent import protocol
-from agent.checkpoint import load_checkpoint
+from agent.contract import protocol
+from agent.model.formats import load_checkpoint
 from agent.runner import ModelRunner, RunnerError
-from agent.sampling import SamplingParams, SlotSampler
+from agent.contract.sampling import SamplingParams
+from agent.sampling import SlotSampler
 from agent.service import AgentService
 from conftest import TINY_RUNTIME
-from server.tokenizer import load_tokenizer
+from agent.model.tokenizer import load_tokenizer
 
 SEEDED = SamplingParams(do_sample=True, top_k=20, temperature=0.9, repetition_penalty=1.3, seed=11)
 

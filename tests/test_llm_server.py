@@ -3,12 +3,12 @@ import asyncio
 
 import pytest
 
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 from agent_harness import LauncherProcess, free_ports, write_config
 from config import load_config
 from scheduler.batch_scheduler import AdmissionError
 from server.llm_server import LLMServer
-from server.tokenizer import load_tokenizer
+from agent.model.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams()
 TEXTS = ["The quick brown fox", "你好，世界！", "emoji 😀 🎉", "Numbers 0123", "café naïve",

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
-from agent.checkpoint import load_checkpoint
+from agent.model.formats import load_checkpoint
 from agent.memory_plan import MB, MemoryPlanError, plan_memory
 from agent.runner import ModelRunner
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 from config.schema import RuntimeSection
 from conftest import TINY_RUNTIME
-from server.tokenizer import load_tokenizer
+from agent.model.tokenizer import load_tokenizer
 
 BUDGETED = dict(prefill_buckets=[32, 64], decode_batch_buckets=[1, 4, 8, 16],
                 attend_buckets=[256, 512, 2048], compile_cache_dir=None)
@@ -90,7 +90,7 @@ def test_float16_runner_follows_the_reference(tiny_llama_dir):
 
 def test_shipped_ascend_example_plans_llama2_7b_into_its_budget():
     """config/llama2_7b_ascend.yaml with Llama-2-7B's published sizes (no NPU here to run it)."""
-    from agent.model_spec import ModelSpec
+    from agent.model.spec import ModelSpec
     from config import load_config
     from config.schema import PROJECT_ROOT
 

@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.checkpoint import load_checkpoint
+from agent.model.formats import load_checkpoint
 from agent.known_answer import KnownAnswerError
 from agent.mindir import EXPORT_FORMAT, MindIRError, read_known_answer
 from agent.runner import ModelRunner
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 from agent_harness import free_ports, serving_stack, write_config
 from config import ConfigError, load_config
 from config.schema import PROJECT_ROOT, ModelSection
 from conftest import TINY_RUNTIME
 from http_client import post
-from server.detokenizer import IncrementalDetokenizer
-from server.tokenizer import load_tokenizer
+from agent.model.detokenizer import IncrementalDetokenizer
+from agent.model.tokenizer import load_tokenizer
 from tiny_models import write_tiny_checkpoint
 
 PROMPTS = [[5, 17, 33, 90, 12], [7, 8, 9], list(range(20, 60))]

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
-from agent.checkpoint import CheckpointError, load_checkpoint
-from agent.formats import ms_ckpt
+from agent.model.checkpoint import CheckpointError
+from agent.model.formats import load_checkpoint
+from agent.model.formats import ms_ckpt
 from agent.runner import ModelRunner
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 from conftest import TINY_RUNTIME
-from server.tokenizer import load_tokenizer
+from agent.model.tokenizer import load_tokenizer
 from test_model_reference import compare_logits
 from tiny_models import write_tiny_checkpoint, write_tiny_gguf
 

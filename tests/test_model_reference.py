@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
-from agent.checkpoint import load_checkpoint
+from agent.model.formats import load_checkpoint
 from agent.runner import ModelRunner
-from agent.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams
 from conftest import TINY_RUNTIME
-from server.tokenizer import load_tokenizer
+from agent.model.tokenizer import load_tokenizer
 from tiny_models import write_tiny_checkpoint
 
 GREEDY = SamplingParams()

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, wait_gone, write_config
 from client import AsyncClient, Client, ServerError
 from config.schema import PROJECT_ROOT
-from server.tokenizer import load_tokenizer
+from agent.model.tokenizer import load_tokenizer
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -3,7 +3,7 @@ against the gguf package's own dequantizer and an unpacking by hand."""
 import numpy as np
 import pytest
 
-from agent.quantized import BLOCK, TILE, Q4Matrix
+from agent.model.quantized import BLOCK, TILE, Q4Matrix
 
 
 def random_q4(rows: int, blocks: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from agent.runner import RunnerError
-from agent.sampling import SamplingParams
-from server.tokenizer import load_tokenizer
+from agent.contract.sampling import SamplingParams
+from agent.model.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams()
 

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from agent.sampling import SamplingParams, SlotSampler
+from agent.contract.sampling import SamplingParams
+from agent.sampling import SlotSampler
 
 VOCAB = 1000
 

@@ -11,7 +11,7 @@ from config import load_config
 from config.schema import PROJECT_ROOT
 from conftest import DEFAULT_RUNTIME
 from http_client import post
-from server.tokenizer import load_tokenizer
+from agent.model.tokenizer import load_tokenizer
 from test_runner import generate_alone
 
 QUESTIONS = ["What is the capital of France?", "Say hello in three languages, please.",

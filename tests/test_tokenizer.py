@@ -1,8 +1,8 @@
 """Tokenizers from GGUF and tokenizer.json: exact round trips, chat templates, incremental decoding."""
 import pytest
 
-from server.detokenizer import IncrementalDetokenizer
-from server.tokenizer import TokenizerError, load_tokenizer
+from agent.model.detokenizer import IncrementalDetokenizer
+from agent.model.tokenizer import TokenizerError, load_tokenizer
 
 TEXTS = ["The capital of France is Paris.", "北京是中国的首都。你好，世界！", "emoji 😀🎉🚀 and 👩‍👩‍👧",
          "  leading, trailing  \n\n\ttabs and\r\nCRLF  ", "digits 0123456789 and 3.14159e-10",

@@ -12,11 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
+from agent.process_env import set_process_defaults
 
-from agent.checkpoint import CheckpointError, load_checkpoint
-from agent.formats import ms_ckpt
-from server.tokenizer import TokenizerError, load_tokenizer
+set_process_defaults()  # before MindSpore loads
+from tqdm import tqdm  # noqa: E402
+
+from agent.model.checkpoint import CheckpointError  # noqa: E402
+from agent.model.formats import load_checkpoint  # noqa: E402
+from agent.model.formats import ms_ckpt  # noqa: E402
+from agent.model.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
 
 
 def convert(source: Path, output: Path, dtype: ms_ckpt.StorageDtype = "float32") -> Path:

@@ -14,14 +14,18 @@ import sys
 import time
 from pathlib import Path
 
-from agent.checkpoint import CheckpointError, load_checkpoint
-from agent.known_answer import KnownAnswer
-from agent.memory_plan import MemoryPlanError, resolve_runtime
-from agent.mindir import GraphExporter
-from agent.runner import ModelRunner, configure_mindspore
-from config import ConfigError, load_config
-from config.schema import resolve_path
-from server.tokenizer import TokenizerError, load_tokenizer
+from agent.process_env import set_process_defaults
+
+set_process_defaults()  # before MindSpore loads
+from agent.model.checkpoint import CheckpointError  # noqa: E402
+from agent.model.formats import load_checkpoint  # noqa: E402
+from agent.known_answer import KnownAnswer  # noqa: E402
+from agent.memory_plan import MemoryPlanError, resolve_runtime  # noqa: E402
+from agent.mindir import GraphExporter  # noqa: E402
+from agent.runner import ModelRunner, configure_mindspore  # noqa: E402
+from config import ConfigError, load_config  # noqa: E402
+from config.schema import resolve_path  # noqa: E402
+from agent.model.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
 
 
 def export(config, output: Path, progress=print) -> dict[str, list[dict]]:

@@ -8,15 +8,19 @@ import argparse
 import sys
 import time
 
-from agent.checkpoint import CheckpointError, load_checkpoint
-from agent.memory_plan import MemoryPlanError, resolve_runtime
-from agent.compile_cache import compile_cache_dir
-from agent.known_answer import KnownAnswer, KnownAnswerError
-from agent.runner import ModelRunner, configure_mindspore
-from agent.sampling import SamplingParams
-from config import ConfigError, load_config
-from server.detokenizer import IncrementalDetokenizer
-from server.tokenizer import load_tokenizer
+from agent.process_env import set_process_defaults
+
+set_process_defaults()  # before MindSpore loads
+from agent.model.checkpoint import CheckpointError  # noqa: E402
+from agent.model.formats import load_checkpoint  # noqa: E402
+from agent.memory_plan import MemoryPlanError, resolve_runtime  # noqa: E402
+from agent.compile_cache import compile_cache_dir  # noqa: E402
+from agent.known_answer import KnownAnswer, KnownAnswerError  # noqa: E402
+from agent.runner import ModelRunner, configure_mindspore  # noqa: E402
+from agent.contract.sampling import SamplingParams  # noqa: E402
+from config import ConfigError, load_config  # noqa: E402
+from agent.model.detokenizer import IncrementalDetokenizer  # noqa: E402
+from agent.model.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
 
 
 def main() -> int:
@@ -38,7 +42,7 @@ def main() -> int:
         tokenizer = load_tokenizer(config.model.path)
         tokenizer.check_fits(checkpoint.spec.vocab_size)
         runtime = resolve_runtime(checkpoint.spec, config.runtime, print)
-    except (ConfigError, CheckpointError, MemoryPlanError) as exc:
+    except (ConfigError, CheckpointError, TokenizerError, MemoryPlanError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     cache = compile_cache_dir(checkpoint, runtime, "generate")

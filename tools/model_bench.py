@@ -15,14 +15,18 @@ import json
 import sys
 import time
 
-import numpy as np
+from agent.process_env import set_process_defaults
 
-from agent.checkpoint import CheckpointError, load_checkpoint
-from agent.memory_plan import MemoryPlanError, resolve_runtime
-from agent.compile_cache import compile_cache_dir
-from agent.known_answer import KnownAnswer
-from agent.runner import ModelRunner, configure_mindspore
-from config import PROJECT_ROOT, ConfigError, load_config
+set_process_defaults()  # before MindSpore loads
+import numpy as np  # noqa: E402
+
+from agent.model.checkpoint import CheckpointError  # noqa: E402
+from agent.model.formats import load_checkpoint  # noqa: E402
+from agent.memory_plan import MemoryPlanError, resolve_runtime  # noqa: E402
+from agent.compile_cache import compile_cache_dir  # noqa: E402
+from agent.known_answer import KnownAnswer  # noqa: E402
+from agent.runner import ModelRunner, configure_mindspore  # noqa: E402
+from config import PROJECT_ROOT, ConfigError, load_config  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:

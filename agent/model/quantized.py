@@ -40,7 +40,7 @@ class Q4Matrix:
         return Q4Matrix(self.d[index], self.m[index], self.q[index])
 
     def reorder_rows(self, reorder) -> "Q4Matrix":
-        """`reorder` (a function of an array over rows, like checkpoint.unpermute_qk) on every part."""
+        """`reorder` (a function of an array over rows, like formats.gguf_file.unpermute_qk) on every part."""
         return Q4Matrix(reorder(self.d), reorder(self.m), reorder(self.q))
 
     def scaled(self, factor: float) -> "Q4Matrix":

@@ -7,8 +7,8 @@ from typing import Literal
 
 import numpy as np
 
-from agent.checkpoint import Checkpoint, CheckpointError, Progress
-from agent.model_spec import ModelSpec
+from agent.model.checkpoint import Checkpoint, CheckpointError, Progress
+from agent.model.spec import ModelSpec
 
 FILE_NAME = "model.ckpt"  # in a directory written by tools.convert, beside the tokenizer files
 SPEC_KEY = "model_spec"

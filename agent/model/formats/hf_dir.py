@@ -11,8 +11,8 @@ from typing import Callable
 
 import numpy as np
 
-from agent.checkpoint import Checkpoint, CheckpointError, Progress, split_packed_qkv
-from agent.model_spec import ModelSpec, RopeScaling
+from agent.model.checkpoint import Checkpoint, CheckpointError, Progress
+from agent.model.spec import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
 
@@ -198,3 +198,13 @@ def _canonical_name(family: Family, name: str) -> str | None:
         if rest in family.layer_names:
             return f"layers.{index}.{family.layer_names[rest]}"
     return None
+
+
+def split_packed_qkv(w: np.ndarray, kv_heads: int, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """InternLM2's wqkv rows are (kv head, [group queries, key, value], head_dim) -> wq, wk, wv."""
+    rest = w.shape[1:]
+    head_dim = w.shape[0] // (kv_heads * (group + 2))
+    blocks = w.reshape(kv_heads, group + 2, head_dim, *rest)
+    return (blocks[:, :group].reshape(kv_heads * group * head_dim, *rest),
+            blocks[:, group].reshape(kv_heads * head_dim, *rest),
+            blocks[:, group + 1].reshape(kv_heads * head_dim, *rest))

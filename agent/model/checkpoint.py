@@ -7,7 +7,8 @@ A `Checkpoint` is the model's `ModelSpec` and fp32 numpy tensors under canonical
     layers.{i}.attn_norm [D], wq [H*hd, D], wk [KV*hd, D], wv [KV*hd, D], (bq, bk, bv with QKV bias),
     wo [D, H*hd], ffn_norm [D], w_gate [F, D], w_up [F, D], w_down [D, F]
 
-The readers live in agent/formats/: GGUF files, HuggingFace directories, MindSpore .ckpt files.
+The readers live in agent/model/formats/ (GGUF files, HuggingFace directories, MindSpore .ckpt
+files), with load_checkpoint() choosing one by the path.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
-from agent.model_spec import ModelSpec
-from agent.quantized import Q4Matrix
+from agent.model.spec import ModelSpec
+from agent.model.quantized import Q4Matrix
 
 T = TypeVar("T")
 Progress = Callable[[Iterable[T]], Iterable[T]]  # wraps the tensor loop (e.g. tqdm); identity by default
@@ -42,31 +43,8 @@ LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_u
 BIAS_TENSORS = ("bq", "bk", "bv")
 
 
-def _no_progress(items: Iterable[T]) -> Iterable[T]:
+def no_progress(items: Iterable[T]) -> Iterable[T]:
     return items
-
-
-def load_checkpoint(path: str | Path, progress: Progress = _no_progress) -> Checkpoint:
-    """Load a `.gguf` file, a HuggingFace directory (config.json + *.safetensors, sharded or not),
-    or a MindSpore `.ckpt` (a file, or a directory holding model.ckpt, as tools.convert writes)."""
-    from agent.formats import gguf_file, hf_dir, ms_ckpt
-
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"model path does not exist: {path}")
-    if path.is_file() and path.suffix == ".gguf":
-        checkpoint = gguf_file.load(path, progress)
-    elif path.is_file() and path.suffix == ".ckpt":
-        checkpoint = ms_ckpt.load(path, progress)
-    elif path.is_dir() and (path / "config.json").is_file():
-        checkpoint = hf_dir.load(path, progress)
-    elif path.is_dir() and (path / ms_ckpt.FILE_NAME).is_file():
-        checkpoint = ms_ckpt.load(path / ms_ckpt.FILE_NAME, progress)
-    else:
-        raise CheckpointError(f"unrecognised model path {path}: expected a .gguf file, a .ckpt file, "
-                              f"or a directory with config.json or {ms_ckpt.FILE_NAME}")
-    validate(checkpoint)
-    return checkpoint
 
 
 def expected_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -102,21 +80,3 @@ def validate(ckpt: Checkpoint) -> None:
         if tensor.shape != shape:
             raise CheckpointError(
                 f"{ckpt.source}: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
-
-
-def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaved-RoPE row order: rows (head, pair, 2) -> (head, 2, pair)."""
-    out_dim = w.shape[0]
-    rest = w.shape[1:]
-    head_dim = out_dim // n_heads
-    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(out_dim, *rest)
-
-
-def split_packed_qkv(w: np.ndarray, kv_heads: int, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """InternLM2's wqkv rows are (kv head, [group queries, key, value], head_dim) -> wq, wk, wv."""
-    rest = w.shape[1:]
-    head_dim = w.shape[0] // (kv_heads * (group + 2))
-    blocks = w.reshape(kv_heads, group + 2, head_dim, *rest)
-    return (blocks[:, :group].reshape(kv_heads * group * head_dim, *rest),
-            blocks[:, group].reshape(kv_heads * head_dim, *rest),
-            blocks[:, group + 1].reshape(kv_heads * head_dim, *rest))

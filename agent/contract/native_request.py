@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from agent.sampling import MAX_SEED, MAX_TOP_K
+from agent.contract.sampling import MAX_SEED, MAX_TOP_K
 
 
 class Parameters(BaseModel):

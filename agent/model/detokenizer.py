@@ -6,7 +6,7 @@ step (the vLLM prefix/read offsets), so a long answer costs O(length), not O(len
 """
 from __future__ import annotations
 
-from server.tokenizer import TextTokenizer
+from agent.model.tokenizer import TextTokenizer
 
 REPLACEMENT = "\ufffd"
 

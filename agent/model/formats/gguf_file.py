@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from agent.checkpoint import Checkpoint, CheckpointError, Progress, unpermute_qk
-from agent.quantized import Q4Matrix
-from agent.model_spec import ModelSpec, RopeScaling
+from agent.model.checkpoint import Checkpoint, CheckpointError, Progress
+from agent.model.quantized import Q4Matrix
+from agent.model.spec import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
 
@@ -142,3 +142,11 @@ def _canonical_name(name: str) -> str | None:
         if rest in LAYER_NAMES:
             return f"layers.{index}.{LAYER_NAMES[rest]}"
     return None
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved-RoPE row order: rows (head, pair, 2) -> (head, 2, pair)."""
+    out_dim = w.shape[0]
+    rest = w.shape[1:]
+    head_dim = out_dim // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(out_dim, *rest)

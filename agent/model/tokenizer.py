@@ -8,8 +8,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from agent.checkpoint import CheckpointError
-from agent.formats.gguf_file import gguf_field, read_gguf
+from agent.model.formats.gguf_file import gguf_field, read_gguf
 
 # GGUF pre-tokenizer names (tokenizer.ggml.pre) whose HuggingFace equivalent is known and tested.
 GGUF_PRE_TOKENIZERS = {
@@ -22,7 +21,7 @@ GGUF_PRE_TOKENIZERS = {
 GGUF_CONTROL_TOKEN = 3  # llama.cpp's token_type for special (control) tokens
 
 
-class TokenizerError(CheckpointError):
+class TokenizerError(Exception):
     """The model files carry no usable tokenizer or chat template."""
 
 
@@ -143,7 +142,7 @@ def _special_text(value) -> str | None:
 
 
 def _from_hf_dir(directory: Path) -> TextTokenizer:
-    from agent.formats.hf_dir import hf_eos_ids, read_json
+    from agent.model.formats.hf_dir import hf_eos_ids, read_json
 
     file = directory / "tokenizer.json"
     if not file.is_file():
