@@ -1,10 +1,10 @@
-# Set-up contract: `make setup` (idempotent), `make test` (set-up + whole suite), `make serve`.
+# Set-up contract: `make setup` (idempotent), `make test` (set-up, lint, whole suite), `make serve`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-long serve browser clean-venv
+.PHONY: setup lint unit test test-long serve browser clean-venv
 
 setup: $(STAMP)
 	@$(PY) -m tools.fetch_model
@@ -15,10 +15,20 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "==> installing pinned dependencies (MindSpore is ~800 MB; the first run takes a few minutes)"
 	@$(PY) -m pip install --upgrade --progress-bar off -q pip
-	@$(PY) -m pip install --progress-bar off -e '.[dev]'
+	@$(PY) -m pip install --progress-bar off -e '.[dev,bench]'
 	@touch $(STAMP)
 
-test: setup browser
+# The project's packages and tests: ruff's lint rules and format, mypy's types (pyproject.toml).
+lint: setup
+	@$(VENV)/bin/ruff check .
+	@$(VENV)/bin/ruff format --check .
+	@$(VENV)/bin/mypy
+
+# The tests that need neither MindSpore nor a process (tests/conftest.py proves MindSpore stays out).
+unit: setup
+	@$(PY) -m pytest -m unit
+
+test: lint browser
 	@$(PY) -m pytest
 
 # The long fault suite: 200 disconnecting clients and a soak (SOAK_S seconds, default 600).

@@ -13,6 +13,7 @@ below must hold everything the graphs are built from; parameter data need not be
 sampled fingerprint of the weights is, as a second line of defence behind the known-answer check
 (agent/known_answer.py) that runs every graph against a numpy forward at warm-up.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +24,8 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 
-from agent.model.checkpoint import Checkpoint
 from agent.kernels import build_id
+from agent.model.checkpoint import Checkpoint
 from config.schema import RuntimeSection
 
 AGENT_CODE = Path(__file__).resolve().parent
@@ -69,7 +70,9 @@ def weights_fingerprint(checkpoint: Checkpoint) -> str:
     the Q4_1 blocks' likewise): ~1 ms instead of ~0.4 s for hashing all 540 MB of the default model."""
     digest = hashlib.sha256()
     arrays = list(checkpoint.tensors.items())
-    arrays += [(f"{name}.{part}", getattr(m, part)) for name, m in checkpoint.q4.items() for part in ("d", "m", "q")]
+    arrays += [
+        (f"{name}.{part}", getattr(m, part)) for name, m in checkpoint.q4.items() for part in ("d", "m", "q")
+    ]
     for name, array in sorted(arrays, key=lambda item: item[0]):
         flat = array.reshape(-1)
         step = max(1, flat.size // FINGERPRINT_SAMPLES)

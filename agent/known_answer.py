@@ -11,6 +11,7 @@ at export time from the checkpoint.
 Cost for the default model: the numpy forward of 5 tokens takes ~0.1 s; the graph runs replace
 warm-up runs that happened anyway.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,19 +49,20 @@ class KnownAnswer:
         return int(self.tokens[-1])
 
     @classmethod
-    def of_checkpoint(cls, checkpoint: Checkpoint, runtime: RuntimeSection) -> "KnownAnswer":
+    def of_checkpoint(cls, checkpoint: Checkpoint, runtime: RuntimeSection) -> KnownAnswer:
         tokens = probe_tokens(checkpoint.spec.vocab_size, probe_length(runtime))
         logits, kv = numpy_forward(checkpoint, tokens)
         return cls(tokens, logits[-2], logits[-1], kv[:, :, :-1])
 
     def save(self, directory: Path) -> Path:
         path = directory / FILE_NAME
-        np.savez(path, tokens=self.tokens, prefill_logits=self.prefill_logits,
-                 decode_logits=self.decode_logits)
+        np.savez(
+            path, tokens=self.tokens, prefill_logits=self.prefill_logits, decode_logits=self.decode_logits
+        )
         return path
 
     @classmethod
-    def load(cls, directory: Path) -> "KnownAnswer":
+    def load(cls, directory: Path) -> KnownAnswer:
         with np.load(directory / FILE_NAME) as stored:
             return cls(stored["tokens"], stored["prefill_logits"], stored["decode_logits"])
 
@@ -83,11 +85,15 @@ def compare(what: str, got: np.ndarray, expected: np.ndarray, dtype: str) -> Non
     scale = max(1.0, float(np.abs(expected).max()))
     diff = float(np.abs(np.asarray(got, np.float32) - expected).max())
     if not np.isfinite(diff) or diff > TOLERANCE[dtype] * scale:
-        raise KnownAnswerError(f"the {what} graph disagrees with a numpy forward of the loaded weights "
-                               f"(max |difference| {diff:.3g}, allowed {TOLERANCE[dtype] * scale:.3g})")
+        raise KnownAnswerError(
+            f"the {what} graph disagrees with a numpy forward of the loaded weights "
+            f"(max |difference| {diff:.3g}, allowed {TOLERANCE[dtype] * scale:.3g})"
+        )
 
 
-def check_post_process(what: str, logits: np.ndarray, ids: np.ndarray, values: np.ndarray | None = None) -> None:
+def check_post_process(
+    what: str, logits: np.ndarray, ids: np.ndarray, values: np.ndarray | None = None
+) -> None:
     """argmax / top-k outputs: each chosen id holds the row's largest logits (ties may pick either)."""
     k = ids.shape[-1] if ids.ndim == 2 else 1
     ids = ids.reshape(len(logits), k)
@@ -120,9 +126,13 @@ def numpy_forward(checkpoint: Checkpoint, tokens: np.ndarray) -> tuple[np.ndarra
     x = t["embed"][tokens]
     caches = []
     for i in range(spec.num_layers):
-        w = {name[len(f"layers.{i}."):]: value for name, value in t.items() if name.startswith(f"layers.{i}.")}
+        w = {
+            name[len(f"layers.{i}.") :]: value for name, value in t.items() if name.startswith(f"layers.{i}.")
+        }
         h = _rms_norm(x, w["attn_norm"], spec.rms_eps)
-        q, k, v = (h @ w[name].T + w.get(bias, 0) for name, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+        q, k, v = (
+            h @ w[name].T + w.get(bias, 0) for name, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
+        )
         q = _rope(q.reshape(n, -1, hd).transpose(1, 0, 2), cos, sin)
         k = _rope(k.reshape(n, kv_heads, hd).transpose(1, 0, 2), cos, sin)
         v = v.reshape(n, kv_heads, hd).transpose(1, 0, 2)

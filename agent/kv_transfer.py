@@ -9,6 +9,7 @@ A transfer that fails or times out closes that connection with linger 0, so noth
 for it is delivered later; the scheduler then cancels the transfer's ticket at the decode agent, so
 a copy already on its way is refused there too.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -43,15 +44,17 @@ class KVSender:
         socket = self._socket(address)
         request_id = next(self._ids)
         start = time.perf_counter()
-        socket.send_multipart(protocol.encode({"op": "kv_receive", "id": request_id, **fields},
-                                              [blocks]), copy=False)
+        socket.send_multipart(
+            protocol.encode({"op": "kv_receive", "id": request_id, **fields}, [blocks]), copy=False
+        )
         deadline = time.monotonic() + self.timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not socket.poll(int(left * 1000)):
                 self._drop(address)
-                raise TransferError(f"the decode agent at {address} did not acknowledge the KV "
-                                    f"within {self.timeout_s:g}s")
+                raise TransferError(
+                    f"the decode agent at {address} did not acknowledge the KV within {self.timeout_s:g}s"
+                )
             try:
                 header, _ = protocol.decode(socket.recv_multipart())
             except protocol.ProtocolError as exc:

@@ -10,6 +10,7 @@ A tensor-parallel group also gets a MindSpore cluster scheduler process (dynamic
 MS_* environment variables below); its agents are workers of that cluster. The collectives inside
 their graphs need every rank, so when one dies the whole group (scheduler included) is restarted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,9 @@ import os
 import queue
 import signal
 import time
+from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agent.process import log_filename, run_agent, run_cluster_scheduler
 from config.schema import ServingConfig
@@ -34,12 +36,31 @@ class LaunchError(Exception):
 
 
 @dataclass
+class RestartBudget:
+    """At most `limit` restarts within any `window_s` seconds: a crash loop still stops the launcher,
+    while crashes far apart (one a day) never add up to it."""
+
+    limit: int
+    window_s: float
+    times: deque = field(default_factory=deque)
+
+    def take(self, now: float) -> bool:
+        """Whether a restart at `now` is within the budget (then it is counted)."""
+        while self.times and now - self.times[0] >= self.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.limit:
+            return False
+        self.times.append(now)
+        return True
+
+
+@dataclass
 class AgentHandle:
     rank: int
     port: int
+    budget: RestartBudget
     process: mp.process.BaseProcess | None = None
     ready: bool = False
-    restarts: int = 0
 
 
 class AgentLauncher:
@@ -53,18 +74,26 @@ class AgentLauncher:
         chosen = range(len(all_groups)) if groups is None else groups
         unknown = [g for g in chosen if not 0 <= g < len(all_groups)]
         if unknown:
-            raise LaunchError(f"no agent group {unknown[0]}: the config has groups "
-                              f"0..{len(all_groups) - 1}")
+            raise LaunchError(f"no agent group {unknown[0]}: the config has groups 0..{len(all_groups) - 1}")
         ranks = [rank for rank, group in enumerate(config.agents.group_of_rank) if group in chosen]
-        self.agents = {rank: AgentHandle(rank, config.agents.ports[rank]) for rank in ranks}
+        policy = config.agents
+        self.agents = {
+            rank: AgentHandle(
+                rank, policy.ports[rank], RestartBudget(policy.max_restarts, policy.restart_window_s)
+            )
+            for rank in ranks
+        }
         self.clusters: dict[int, mp.process.BaseProcess] = {}  # tensor-parallel group -> scheduler
         self.stop_signal: int | None = None
 
     def _cluster_env(self, group: int, role: str, node_id: int | None = None) -> dict[str, str]:
         section = self.config.agents.groups[group]
-        env = {"MS_ROLE": role, "MS_WORKER_NUM": str(section.tensor_parallel),
-               "MS_SCHED_HOST": section.host or self.config.agents.host,
-               "MS_SCHED_PORT": str(section.cluster_port)}
+        env = {
+            "MS_ROLE": role,
+            "MS_WORKER_NUM": str(section.tensor_parallel),
+            "MS_SCHED_HOST": section.host or self.config.agents.host,
+            "MS_SCHED_PORT": str(section.cluster_port),
+        }
         if node_id is not None:
             env["MS_NODE_ID"] = str(node_id)
         return env
@@ -72,12 +101,17 @@ class AgentLauncher:
     def _start_cluster(self, group: int) -> None:
         """The MindSpore cluster scheduler of a tensor-parallel group (before its workers)."""
         with _environment(self._cluster_env(group, "MS_SCHED")):
-            process = self.ctx.Process(target=run_cluster_scheduler, name=f"cluster-{group}",
-                                       args=(self.config, group, os.getpid()))
+            process = self.ctx.Process(
+                target=run_cluster_scheduler, name=f"cluster-{group}", args=(self.config, group, os.getpid())
+            )
             process.start()
         self.clusters[group] = process
-        log.info("group %d: MindSpore cluster scheduler (pid %d) on port %d", group, process.pid,
-                 self.config.agents.groups[group].cluster_port)
+        log.info(
+            "group %d: MindSpore cluster scheduler (pid %d) on port %d",
+            group,
+            process.pid,
+            self.config.agents.groups[group].cluster_port,
+        )
 
     # ------------------------------------------------------------------------------ start-up
 
@@ -93,8 +127,9 @@ class AgentLauncher:
                     raise LaunchError(f"interrupted by signal {self.stop_signal} during start-up")
                 if time.monotonic() > deadline:
                     waiting = [a.rank for a in self.agents.values() if not a.ready]
-                    raise LaunchError(f"agents {waiting} not ready after "
-                                      f"{self.config.agents.startup_timeout_s:.0f}s")
+                    raise LaunchError(
+                        f"agents {waiting} not ready after {self.config.agents.startup_timeout_s:.0f}s"
+                    )
                 self._take_reports(fail_on_error=True)
         except LaunchError:
             self.stop()
@@ -103,22 +138,31 @@ class AgentLauncher:
 
     def _tensor_parallel_groups(self) -> list[int]:
         agents = self.config.agents
-        return sorted({agents.group_of_rank[r] for r in self.agents
-                       if agents.group(r).tensor_parallel > 1})
+        return sorted({agents.group_of_rank[r] for r in self.agents if agents.group(r).tensor_parallel > 1})
 
     def _spawn(self, agent: AgentHandle) -> None:
         agent.ready = False
         agents = self.config.agents
         group = agents.group_of_rank[agent.rank]
-        env = (self._cluster_env(group, "MS_WORKER", agents.rank_in_group[agent.rank])
-               if agents.groups[group].tensor_parallel > 1 else {})
+        env = (
+            self._cluster_env(group, "MS_WORKER", agents.rank_in_group[agent.rank])
+            if agents.groups[group].tensor_parallel > 1
+            else {}
+        )
         with _environment(env):  # a spawned child starts with the parent's environment
             agent.process = self.ctx.Process(
-                target=run_agent, name=f"agent-{agent.rank}",
-                args=(self.config, agent.rank, self.startup_queue, os.getpid()))
+                target=run_agent,
+                name=f"agent-{agent.rank}",
+                args=(self.config, agent.rank, self.startup_queue, os.getpid()),
+            )
             agent.process.start()
-        log.info("agent rank %d starting (pid %d, port %d, device %d)", agent.rank,
-                 agent.process.pid, agent.port, self.config.agents.start_device_id + agent.rank)
+        log.info(
+            "agent rank %d starting (pid %d, port %d, device %d)",
+            agent.rank,
+            agent.process.pid,
+            agent.port,
+            self.config.agents.start_device_id + agent.rank,
+        )
 
     def _take_reports(self, fail_on_error: bool) -> None:
         """Read readiness reports; notice agents that died before reporting."""
@@ -132,15 +176,18 @@ class AgentLauncher:
             if kind == "ready":
                 _, _, port, pid, warm_up_s = report
                 agent.ready = True
-                line = (f"agent rank {rank} ready on {self.config.agents.hosts[rank]}:{port} "
-                        f"(pid {pid}, warm-up {warm_up_s:.1f}s, {self.config.agents.roles[rank]})")
+                line = (
+                    f"agent rank {rank} ready on {self.config.agents.hosts[rank]}:{port} "
+                    f"(pid {pid}, warm-up {warm_up_s:.1f}s, {self.config.agents.roles[rank]})"
+                )
                 log.info(line)
             else:
                 self._start_failed(agent, report[2], fail_on_error)
         for agent in self.agents.values():
             if not agent.ready and agent.process is not None and not agent.process.is_alive():
-                self._start_failed(agent, f"exited with code {agent.process.exitcode} "
-                                          f"before it was ready", fail_on_error)
+                self._start_failed(
+                    agent, f"exited with code {agent.process.exitcode} before it was ready", fail_on_error
+                )
 
     def _start_failed(self, agent: AgentHandle, reason: str, fail_on_error: bool) -> None:
         message = f"agent rank {agent.rank} failed to start: {reason}\n{self._log_tail(agent.rank)}"
@@ -175,16 +222,25 @@ class AgentLauncher:
                 if agent.process is not None and agent.process.is_alive():
                     continue
                 code = None if agent.process is None else agent.process.exitcode
-                if policy.restart_policy == "restart" and agent.restarts < policy.max_restarts:
-                    agent.restarts += 1
-                    log.warning("agent rank %d died (exit code %s); restarting (restart %d of %d)",
-                                agent.rank, code, agent.restarts, policy.max_restarts)
+                if policy.restart_policy == "restart" and agent.budget.take(time.monotonic()):
+                    log.warning(
+                        "agent rank %d died (exit code %s); restarting (restart %d of %d within %gs)",
+                        agent.rank,
+                        code,
+                        len(agent.budget.times),
+                        policy.max_restarts,
+                        policy.restart_window_s,
+                    )
                     self._restart(agent)
                 else:
-                    why = ("restart policy is 'exit'" if policy.restart_policy == "exit"
-                           else f"{policy.max_restarts} restarts used")
-                    log.error("agent rank %d died (exit code %s); %s: stopping all agents",
-                              agent.rank, code, why)
+                    why = (
+                        "restart policy is 'exit'"
+                        if policy.restart_policy == "exit"
+                        else f"{policy.max_restarts} restarts within {policy.restart_window_s:g}s used"
+                    )
+                    log.error(
+                        "agent rank %d died (exit code %s); %s: stopping all agents", agent.rank, code, why
+                    )
                     self.stop()
                     return 1
         log.info("signal %d received: stopping agents", self.stop_signal)
@@ -213,8 +269,11 @@ class AgentLauncher:
             process.join(max(0.0, deadline - time.monotonic()))
         for process in alive:
             if process.is_alive():
-                log.warning("agent pid %d ignored SIGTERM for %.0fs; killing it", process.pid,
-                            self.config.agents.shutdown_grace_s)
+                log.warning(
+                    "agent pid %d ignored SIGTERM for %.0fs; killing it",
+                    process.pid,
+                    self.config.agents.shutdown_grace_s,
+                )
                 process.kill()
                 process.join(5)
         return [p.pid for p in alive if p.is_alive()]

@@ -11,25 +11,27 @@ Layout choices come from measurements (../shared/MINDSPORE_CPU.md and our own on
 - the last slot is a scratch slot that padded batch rows write to.
 
 Every reshape has at most one unknown dimension, so the graphs compile with static shapes or with
-dynamic-shape inputs alike. The host (runner.py) computes all indices and masks.
+dynamic-shape inputs alike. The host computes all indices and masks (agent/graph_interface.py).
 
 Tensor parallelism (TensorSplit): each rank of a group holds a contiguous run of KV heads with their
 query heads (Q/K/V rows, the matching columns of wo, its own KV cache) and of FFN columns (gate/up
 rows, down columns); an AllReduce inside the graph sums the partial outputs of wo and w_down. The
 embedding, norms and lm_head are whole on every rank, so every rank computes the same logits.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from agent.model.checkpoint import Checkpoint
+from agent.graph_interface import GraphInputs
 from agent.kernels import DECODE_ATTENTION, ELEMENTWISE, FUSED_LAYER, SKINNY_MATMUL, op_path
-from agent.model.spec import ModelSpec
+from agent.model.checkpoint import Checkpoint
 from agent.model.quantized import Q4Matrix
+from agent.model.spec import ModelSpec
 from config.schema import RuntimeSection
 
 
@@ -50,6 +52,7 @@ def rope_tables(spec: ModelSpec, max_len: int) -> tuple[np.ndarray, np.ndarray, 
 @dataclass(frozen=True)
 class TensorSplit:
     """This process's share of a tensor-parallel group (rank of size); size 1: the whole model."""
+
     rank: int = 0
     size: int = 1
 
@@ -62,8 +65,9 @@ class TensorSplit:
 
 
 def _param(array: np.ndarray, name: str, dtype=ms.float32) -> Parameter:
-    return Parameter(Tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=dtype), name=name,
-                     requires_grad=False)
+    return Parameter(
+        Tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=dtype), name=name, requires_grad=False
+    )
 
 
 def rms_norm(x, weight, eps: float, dtype, half: bool, kernel=None, eps_tensor=None):
@@ -98,8 +102,9 @@ class CpuKernels:
 
     def __init__(self, attention: bool, matmul: bool, head_dim: int):
         def custom(kernel: str, function: str, out_shape):
-            return ops.Custom(op_path(kernel, function), out_shape=out_shape,
-                              out_dtype=lambda x, *_: x, func_type="aot")
+            return ops.Custom(
+                op_path(kernel, function), out_shape=out_shape, out_dtype=lambda x, *_: x, func_type="aot"
+            )
 
         self.attention = custom(DECODE_ATTENTION, "DecodeAttention", lambda q, *_: q) if attention else None
         self.layer = custom(FUSED_LAYER, "FusedLayer", lambda x, *_: x) if attention and matmul else None
@@ -116,9 +121,18 @@ class CpuKernels:
 class LlamaLayer(nn.Cell):
     """One decoder layer: its weights, its slice of the KV cache, and the prefill/decode bodies."""
 
-    def __init__(self, spec: ModelSpec, tensors: dict[str, np.ndarray], index: int, cache_rows: int,
-                 max_len: int, kernels: CpuKernels, dtype=ms.float32, split: TensorSplit = TensorSplit(),
-                 q4: dict[str, Q4Matrix] | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tensors: dict[str, np.ndarray],
+        index: int,
+        cache_rows: int,
+        max_len: int,
+        kernels: CpuKernels,
+        dtype=ms.float32,
+        split: TensorSplit = TensorSplit(),
+        q4: dict[str, Q4Matrix] | None = None,
+    ):
         super().__init__()
         self.attention = kernels.attention
         self.kernel_matmul, self.kernel_matmul_add = kernels.matmul, kernels.matmul_add
@@ -127,17 +141,25 @@ class LlamaLayer(nn.Cell):
         # Half precision (Ascend/GPU, or float16 on CPU): weights, activations and cache in `dtype`,
         # norms and softmax in float32. A constant: the float32 graphs have no casts at all.
         self.dtype, self.half = dtype, dtype != ms.float32
-        t = {name: tensors[f"layers.{index}.{name}"] for name in
-             ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")}
+        t = {
+            name: tensors[f"layers.{index}.{name}"]
+            for name in ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
+        }
         p = f"layers.{index}."
         hd, group = spec.head_dim, spec.group_size
         kv_start, kv_end = split.share(spec.num_kv_heads)
         q_rows = slice(kv_start * group * hd, kv_end * group * hd)  # this rank's heads' rows
         kv_rows = slice(kv_start * hd, kv_end * hd)
         ffn_start, ffn_end = split.share(spec.intermediate_size)
-        t.update(wq=t["wq"][q_rows], wk=t["wk"][kv_rows], wv=t["wv"][kv_rows], wo=t["wo"][:, q_rows],
-                 w_gate=t["w_gate"][ffn_start:ffn_end], w_up=t["w_up"][ffn_start:ffn_end],
-                 w_down=t["w_down"][:, ffn_start:ffn_end])
+        t.update(
+            wq=t["wq"][q_rows],
+            wk=t["wk"][kv_rows],
+            wv=t["wv"][kv_rows],
+            wo=t["wo"][:, q_rows],
+            w_gate=t["w_gate"][ffn_start:ffn_end],
+            w_up=t["w_up"][ffn_start:ffn_end],
+            w_down=t["w_down"][:, ffn_start:ffn_end],
+        )
         # The attention scale is folded into the Q rows (RoPE is linear, so this commutes).
         scale = 1.0 / np.sqrt(spec.head_dim)
         self.kv_heads, self.group = kv_end - kv_start, group
@@ -154,24 +176,33 @@ class LlamaLayer(nn.Cell):
         fused = kernels.layer is not None and not self.parallel and spec.hidden_size % MATMUL_TILE == 0
         self.kernel_layer = kernels.layer if fused else None
         # GGUF Q4_1 copies for the fused kernel's one- and two-row products (agent/quantized.py)
-        blocks = {name: (q4 or {}).get(f"layers.{index}.{name}")
-                  for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+        blocks = {
+            name: (q4 or {}).get(f"layers.{index}.{name}")
+            for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+        }
         self.quantized = fused and all(b is not None for b in blocks.values())
         if self.quantized:
             self.kernel_layer = kernels.layer_q4
-            packed = {"wqkv_q4": Q4Matrix.stack([blocks["wq"].scaled(scale), blocks["wk"], blocks["wv"]]),
-                      "wo_q4": blocks["wo"], "w_gate_up_q4": Q4Matrix.stack([blocks["w_gate"], blocks["w_up"]]),
-                      "w_down_q4": blocks["w_down"]}
+            packed = {
+                "wqkv_q4": Q4Matrix.stack([blocks["wq"].scaled(scale), blocks["wk"], blocks["wv"]]),
+                "wo_q4": blocks["wo"],
+                "w_gate_up_q4": Q4Matrix.stack([blocks["w_gate"], blocks["w_up"]]),
+                "w_down_q4": blocks["w_down"],
+            }
             for name, matrix in packed.items():
-                setattr(self, name, Parameter(Tensor(matrix.pack(), dtype=ms.uint8), name=p + name,
-                                              requires_grad=False))
+                setattr(
+                    self,
+                    name,
+                    Parameter(Tensor(matrix.pack(), dtype=ms.uint8), name=p + name, requires_grad=False),
+                )
         self.attn_norm = _param(t["attn_norm"], p + "attn_norm")
         weight = self._weight  # [in, out]; packed in tiles when the matmul kernel runs them
         self.wqkv = weight(np.concatenate([t["wq"] * scale, t["wk"], t["wv"]]).T, p + "wqkv")
         self.has_bias = spec.qkv_bias
         if spec.qkv_bias:
-            bias = np.concatenate([tensors[p + "bq"][q_rows] * scale, tensors[p + "bk"][kv_rows],
-                                   tensors[p + "bv"][kv_rows]])
+            bias = np.concatenate(
+                [tensors[p + "bq"][q_rows] * scale, tensors[p + "bk"][kv_rows], tensors[p + "bv"][kv_rows]]
+            )
         else:
             bias = np.zeros(self.q_size + 2 * self.kv_size, np.float32)
         self.bqkv = _param(bias, p + "bqkv", dtype)
@@ -221,8 +252,10 @@ class LlamaLayer(nn.Cell):
             return ops.split(heads, [self.heads, self.kv_heads, self.kv_heads], 1)
         qk, v = ops.split(qkv, [self.q_size + self.kv_size, self.kv_size], 1)
         # rotate-half as one 2-D product: a [N, heads, hd] @ [hd, hd] product broadcast R per layer
-        rotated = ops.reshape(self.matmul(ops.reshape(qk, (-1, self.head_dim)), rot),
-                              (-1, self.heads + self.kv_heads, self.head_dim))
+        rotated = ops.reshape(
+            self.matmul(ops.reshape(qk, (-1, self.head_dim)), rot),
+            (-1, self.heads + self.kv_heads, self.head_dim),
+        )
         qk = ops.reshape(qk, (-1, self.heads + self.kv_heads, self.head_dim))
         qk = qk * cos + rotated * sin
         q, k = ops.split(qk, [self.heads, self.kv_heads], 1)
@@ -241,12 +274,44 @@ class LlamaLayer(nn.Cell):
         lengths [N*KV] (row-major): each (row, KV head)'s cache row and positions attended, 0 for
         padding rows."""
         if self.quantized:
-            return self.kernel_layer(x, self.attn_norm, self.wqkv, self.bqkv, cos, sin, k_cache, v_cache,
-                                     write_idx, lengths, self.wo, self.ffn_norm, self.w_gate_up, self.w_down,
-                                     self.eps_tensor, self.wqkv_q4, self.wo_q4, self.w_gate_up_q4, self.w_down_q4)
-        return self.kernel_layer(x, self.attn_norm, self.wqkv, self.bqkv, cos, sin, k_cache, v_cache,
-                                 write_idx, lengths, self.wo, self.ffn_norm, self.w_gate_up, self.w_down,
-                                 self.eps_tensor)
+            return self.kernel_layer(
+                x,
+                self.attn_norm,
+                self.wqkv,
+                self.bqkv,
+                cos,
+                sin,
+                k_cache,
+                v_cache,
+                write_idx,
+                lengths,
+                self.wo,
+                self.ffn_norm,
+                self.w_gate_up,
+                self.w_down,
+                self.eps_tensor,
+                self.wqkv_q4,
+                self.wo_q4,
+                self.w_gate_up_q4,
+                self.w_down_q4,
+            )
+        return self.kernel_layer(
+            x,
+            self.attn_norm,
+            self.wqkv,
+            self.bqkv,
+            cos,
+            sin,
+            k_cache,
+            v_cache,
+            write_idx,
+            lengths,
+            self.wo,
+            self.ffn_norm,
+            self.w_gate_up,
+            self.w_down,
+            self.eps_tensor,
+        )
 
     def prefill(self, x, cos, sin, rot, write_idx, mask, k_cache, v_cache):
         """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S].
@@ -290,8 +355,15 @@ class LlamaLayer(nn.Cell):
 class LlamaModel(nn.Cell):
     """Weights, RoPE tables and KV cache, shared by the prefill and decode graphs."""
 
-    def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int, kernels: CpuKernels,
-                 dtype=ms.float32, split: TensorSplit = TensorSplit()):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        num_slots: int,
+        max_len: int,
+        kernels: CpuKernels,
+        dtype=ms.float32,
+        split: TensorSplit = TensorSplit(),
+    ):
         super().__init__()
         spec, tensors = checkpoint.spec, checkpoint.tensors
         self.spec, self.num_slots, self.max_len = spec, num_slots, max_len
@@ -301,16 +373,23 @@ class LlamaModel(nn.Cell):
         cache_rows = (num_slots + 1) * self.kv_heads * max_len
         self.kernel_norm = kernels.norm
         self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
-        self.layers = nn.CellList([LlamaLayer(spec, tensors, i, cache_rows, max_len, kernels, dtype, split,
-                                              checkpoint.q4) for i in range(spec.num_layers)])
+        self.layers = nn.CellList(
+            [
+                LlamaLayer(spec, tensors, i, cache_rows, max_len, kernels, dtype, split, checkpoint.q4)
+                for i in range(spec.num_layers)
+            ]
+        )
         self.dtype, self.half = dtype, dtype != ms.float32
         self.embed = _param(tensors["embed"], "embed", dtype)
         self.kernel_matmul = kernels.matmul
         if kernels.matmul is not None:  # a packed copy: the embedding lookup still needs [vocab, hidden]
-            self.lm_head = _param(pack_for_kernel(tensors["embed" if spec.tied_embeddings else "lm_head"].T),
-                                  "lm_head_packed")
+            self.lm_head = _param(
+                pack_for_kernel(tensors["embed" if spec.tied_embeddings else "lm_head"].T), "lm_head_packed"
+            )
         else:
-            self.lm_head = self.embed if spec.tied_embeddings else _param(tensors["lm_head"], "lm_head", dtype)
+            self.lm_head = (
+                self.embed if spec.tied_embeddings else _param(tensors["lm_head"], "lm_head", dtype)
+            )
         self.final_norm = _param(tensors["final_norm"], "final_norm")
         cos, sin, rot = rope_tables(spec, max_len)
         self.cos, self.sin = _param(cos, "rope_cos", dtype), _param(sin, "rope_sin", dtype)
@@ -350,8 +429,7 @@ class PrefillLayer(nn.Cell):
         self.layer = layer
 
     def construct(self, x, cos, sin, rot, write_idx, mask):
-        return self.layer.prefill(x, cos, sin, rot, write_idx, mask, self.layer.k_cache,
-                                  self.layer.v_cache)
+        return self.layer.prefill(x, cos, sin, rot, write_idx, mask, self.layer.k_cache, self.layer.v_cache)
 
 
 class DecodeLayer(nn.Cell):
@@ -363,8 +441,9 @@ class DecodeLayer(nn.Cell):
         self.layer = layer
 
     def construct(self, x, cos, sin, rot, write_idx, where, extent):
-        return self.layer.decode(x, cos, sin, rot, write_idx, where, extent, self.layer.k_cache,
-                                 self.layer.v_cache)
+        return self.layer.decode(
+            x, cos, sin, rot, write_idx, where, extent, self.layer.k_cache, self.layer.v_cache
+        )
 
 
 class PrefillGraph(nn.Cell):
@@ -456,18 +535,30 @@ def topk_buckets(vocab: int) -> list[int]:
     return sorted({k for k in (8, 64, 512, 4096) if k < vocab} | {vocab})
 
 
+def as_tensors(arrays: tuple[np.ndarray, ...]) -> tuple[Tensor, ...]:
+    return tuple(Tensor(a) for a in arrays)
+
+
 class LlamaGraphs:
-    """The four graphs built from code over one LlamaModel (weights and KV cache as Parameters).
-    ModelRunner calls them through this interface; agent/mindir.py has the same one over MindIR files."""
+    """The four graphs built from code over one LlamaModel (weights and KV cache as Parameters), and
+    the KV transfer graphs: agent.graph_interface.KVTransferGraphs for ModelRunner."""
 
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = TensorSplit()):
         self.spec = checkpoint.spec
-        self.model = LlamaModel(checkpoint, runtime.num_slots, runtime.max_seq_len,
-                                CpuKernels(runtime.attention_kernel, runtime.matmul_kernel, self.spec.head_dim),
-                                getattr(ms, runtime.dtype), split)
-        self.kv_heads = self.model.kv_heads  # of this rank
-        # each layer one kernel: the prefill graph takes row-major write rows and lengths, no mask
-        self.fused_layers = self.model.layers[0].kernel_layer is not None
+        self.model = LlamaModel(
+            checkpoint,
+            runtime.num_slots,
+            runtime.max_seq_len,
+            CpuKernels(runtime.attention_kernel, runtime.matmul_kernel, self.spec.head_dim),
+            getattr(ms, runtime.dtype),
+            split,
+        )
+        self.inputs = GraphInputs(
+            runtime,
+            self.model.kv_heads,
+            self.spec.group_size,
+            fused_layers=self.model.layers[0].kernel_layer is not None,
+        )
         self.prefill_graph = PrefillGraph(self.model)
         self.decode_graph = DecodeGraph(self.model)
         self.argmax_graph = ArgmaxGraph()
@@ -475,16 +566,20 @@ class LlamaGraphs:
         self.kv_import_graph = KVImportGraph(self.model)
         self.topk_buckets = topk_buckets(self.spec.vocab_size)
         self.topk_graphs = {k: TopKGraph(k) for k in self.topk_buckets}
-        dynamic_rows = Tensor(shape=[None, self.spec.vocab_size], dtype=ms.float32)  # one graph for every batch
+        dynamic_rows = Tensor(
+            shape=[None, self.spec.vocab_size], dtype=ms.float32
+        )  # one graph for every batch
         for graph in (self.argmax_graph, *self.topk_graphs.values()):
             graph.set_inputs(dynamic_rows)
 
-    def prefill(self, length: int, *inputs) -> Tensor:
-        """The prefill graph of bucket `length` (one cell: MindSpore compiles a graph per shape)."""
-        return self.prefill_graph(*inputs)
+    def prefill(self, slot: int, tokens: np.ndarray, length: int) -> Tensor:
+        """One cell for every bucket `length`: MindSpore compiles a graph per input shape."""
+        return self.prefill_graph(*as_tensors(self.inputs.prefill(slot, tokens, length)))
 
-    def decode(self, rows: int, attend: int, *inputs) -> tuple[Tensor, Tensor]:
-        return self.decode_graph(*inputs)
+    def decode(
+        self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        return self.decode_graph(*as_tensors(self.inputs.decode(slots, tokens, positions, rows, attend)))
 
     def argmax(self, logits: Tensor) -> Tensor:
         return self.argmax_graph(logits)
@@ -492,11 +587,13 @@ class LlamaGraphs:
     def topk(self, k: int, logits: Tensor) -> tuple[Tensor, Tensor]:
         return self.topk_graphs[k](logits)
 
-    def kv_export(self, rows: Tensor) -> Tensor:
-        return self.kv_export_graph(rows)
+    def kv_export(self, slot: int, length: int) -> np.ndarray:
+        blocks = self.kv_export_graph(Tensor(self.inputs.slot_rows(slot, length))).asnumpy()
+        return blocks.reshape(len(blocks), self.inputs.kv_heads, length, self.spec.head_dim)
 
-    def kv_import(self, rows: Tensor, blocks: Tensor) -> Tensor:
-        return self.kv_import_graph(rows, blocks)
+    def kv_import(self, slot: int, blocks: np.ndarray) -> None:
+        rows = Tensor(self.inputs.slot_rows(slot, blocks.shape[2]))
+        self.kv_import_graph(rows, Tensor(blocks.reshape(len(blocks), -1, self.spec.head_dim))).asnumpy()
 
     def cache_bytes(self) -> int:
         return self.model.cache_bytes()

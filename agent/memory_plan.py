@@ -1,17 +1,20 @@
 """Memory planning: how many KV slots of how many positions an agent holds, from the model's sizes
 and runtime.memory_budget_mb (or the numbers the config gives), with the plan in words for the log.
 
-    weights   parameters x dtype size (+ the matmul kernel's packed copy of a tied lm_head)
+    weights   parameters x dtype size (+ the matmul kernel's packed copy of a tied lm_head,
+              agent/graph_interface.py)
     KV / slot layers x 2 (K and V) x kv_heads x head_dim x dtype size x max_seq_len
     working   prefill attention scores of every layer at the largest prefill bucket (fp32),
               and logits of the largest decode batch
     total     weights + (num_slots + 1 scratch slot) x KV / slot + working
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
+from agent.graph_interface import packed_copy_bytes
 from agent.model.spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -39,16 +42,15 @@ class MemoryPlan:
 
     def describe(self) -> str:
         budget = f" of a {self.budget_mb} MB budget" if self.budget_mb else ""
-        return (f"memory plan: weights {self.weights_mb:.0f} MB, KV {self.kv_mb_per_slot:.1f} MB per slot "
-                f"of {self.max_seq_len} positions x {self.num_slots} slots (+1 scratch), working "
-                f"{self.working_mb:.0f} MB: {self.total_mb:.0f} MB{budget}")
+        return (
+            f"memory plan: weights {self.weights_mb:.0f} MB, KV {self.kv_mb_per_slot:.1f} MB per slot "
+            f"of {self.max_seq_len} positions x {self.num_slots} slots (+1 scratch), working "
+            f"{self.working_mb:.0f} MB: {self.total_mb:.0f} MB{budget}"
+        )
 
 
 def weights_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
-    size = spec.parameter_count() * DTYPE_BYTES[runtime.dtype]
-    if runtime.matmul_kernel and spec.tied_embeddings:
-        size += spec.vocab_size * spec.hidden_size * 4
-    return size
+    return spec.parameter_count() * DTYPE_BYTES[runtime.dtype] + packed_copy_bytes(spec, runtime)
 
 
 def working_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
@@ -67,7 +69,8 @@ def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSectio
     if free is not None and free <= 0:
         raise MemoryPlanError(
             f"memory_budget_mb {runtime.memory_budget_mb} does not hold the weights "
-            f"({weights / MB:.0f} MB) and working memory ({working / MB:.0f} MB)")
+            f"({weights / MB:.0f} MB) and working memory ({working / MB:.0f} MB)"
+        )
 
     max_len = runtime.max_seq_len
     if max_len == "auto":
@@ -79,7 +82,8 @@ def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSectio
             raise MemoryPlanError(
                 f"memory_budget_mb {runtime.memory_budget_mb} leaves {free / MB:.0f} MB for the KV "
                 f"cache: not {slots_wanted} slots of the longest prompt ({runtime.prefill_buckets[-1]} "
-                f"positions); raise the budget or lower num_slots or prefill_buckets")
+                f"positions); raise the budget or lower num_slots or prefill_buckets"
+            )
     per_slot = per_position * max_len
     slots = runtime.num_slots
     if slots == "auto":
@@ -88,13 +92,15 @@ def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSectio
             raise MemoryPlanError(
                 f"memory_budget_mb {runtime.memory_budget_mb} leaves {free / MB:.0f} MB for the KV "
                 f"cache: not two slots (one plus the scratch slot) of {max_len} positions at "
-                f"{per_slot / MB:.1f} MB each; raise the budget or lower max_seq_len")
+                f"{per_slot / MB:.1f} MB each; raise the budget or lower max_seq_len"
+            )
     elif free is not None and (slots + 1) * per_slot > free:
         raise MemoryPlanError(
             f"num_slots {slots} x max_seq_len {max_len} needs {(slots + 1) * per_slot / MB:.0f} MB of KV "
             f"cache (with the scratch slot), but memory_budget_mb {runtime.memory_budget_mb} leaves "
             f"{free / MB:.0f} MB after the weights ({weights / MB:.0f} MB) and working memory "
-            f"({working / MB:.0f} MB); set num_slots: auto or raise the budget")
+            f"({working / MB:.0f} MB); set num_slots: auto or raise the budget"
+        )
     update = {"num_slots": int(slots), "max_seq_len": int(max_len)}
     if runtime.max_seq_len == "auto":  # the attend buckets end at the planned length
         update["attend_buckets"] = sorted({b for b in runtime.attend_buckets if b < max_len} | {max_len})
@@ -102,8 +108,9 @@ def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSectio
         resolved = RuntimeSection.model_validate({**runtime.model_dump(), **update})
     except ValueError as exc:
         raise MemoryPlanError(f"the planned runtime ({update}) is not valid: {exc}") from exc
-    plan = MemoryPlan(weights / MB, per_slot / MB, working / MB, int(slots), int(max_len),
-                      runtime.memory_budget_mb)
+    plan = MemoryPlan(
+        weights / MB, per_slot / MB, working / MB, int(slots), int(max_len), runtime.memory_budget_mb
+    )
     return resolved, plan
 
 

@@ -9,23 +9,25 @@ weights; at load the copies are pointed at the first file's, so memory holds the
 An export directory holds the .mindir files, manifest.json (the model spec, the runtime shapes and
 which file is which graph) and the tokenizer files; tools.export writes it.
 """
+
 from __future__ import annotations
 
 import ctypes
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from agent.model.checkpoint import Checkpoint
+from agent.graph_interface import GraphInputs, shape_settings, uses_kernels
 from agent.kernels import BUILD_ROOT, build_id
 from agent.known_answer import FILE_NAME as KNOWN_ANSWER_FILE
 from agent.known_answer import KnownAnswer
-from agent.llama_graphs import LlamaGraphs, LlamaModel, logits_and_argmax, topk_buckets
+from agent.llama_graphs import LlamaGraphs, LlamaModel, as_tensors, logits_and_argmax, topk_buckets
+from agent.model.checkpoint import Checkpoint
 from agent.model.spec import ModelSpec
 from config.schema import ModelSection, RuntimeSection
 
@@ -36,24 +38,14 @@ MANIFEST = "manifest.json"
 # graphs of fused layers take write rows and lengths (manifest "fused_layers"); 3 = the export holds
 # its known answer (agent/known_answer.py) and the MindSpore version and kernel build it was made with.
 EXPORT_FORMAT = 3
-# The runtime settings an exported graph's shapes and host-side inputs depend on.
-SHAPE_FIELDS = ("num_slots", "max_seq_len", "prefill_buckets", "decode_batch_buckets", "attend_buckets",
-                "dtype")
 
 
 class MindIRError(ValueError):
     """MindIR files that cannot serve this configuration; the message says which and why."""
 
 
-def shape_settings(runtime: RuntimeSection) -> dict:
-    settings = {name: getattr(runtime, name) for name in SHAPE_FIELDS}
-    settings["attention_kernel"] = runtime.attention_kernel
-    if runtime.attention_kernel:
-        del settings["attend_buckets"]  # the kernel attends each sequence's own length
-    return settings
-
-
 # ------------------------------------------------------------------------------------- export
+
 
 class ExportPrefillGraph(nn.Cell):
     """PrefillGraph with the KV cache passed in."""
@@ -66,8 +58,9 @@ class ExportPrefillGraph(nn.Cell):
     def construct(self, tokens, positions, write_idx, mask, last_index, *caches):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         for i in range(self.num_layers):
-            x = self.model.layers[i].prefill(x, cos, sin, self.model.rot, write_idx, mask,
-                                             caches[2 * i], caches[2 * i + 1])
+            x = self.model.layers[i].prefill(
+                x, cos, sin, self.model.rot, write_idx, mask, caches[2 * i], caches[2 * i + 1]
+            )
         return self.model.logits(ms.ops.gather(x, last_index, 0))
 
 
@@ -82,25 +75,29 @@ class ExportDecodeGraph(nn.Cell):
     def construct(self, tokens, positions, write_idx, where, extent, *caches):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         for i in range(self.num_layers):
-            x = self.model.layers[i].decode(x, cos, sin, self.model.rot, write_idx, where, extent,
-                                            caches[2 * i], caches[2 * i + 1])
+            x = self.model.layers[i].decode(
+                x, cos, sin, self.model.rot, write_idx, where, extent, caches[2 * i], caches[2 * i + 1]
+            )
         return logits_and_argmax(self.model.logits(x))
 
 
 class GraphExporter:
-    """The ModelRunner graph interface, but each call exports its graph with the call's inputs as
+    """agent.graph_interface.ModelGraphs, but each call exports its graph with the call's inputs as
     the example shapes (ModelRunner.warm_up calls every shape once) and returns zeros."""
 
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, directory: Path):
         self.code = LlamaGraphs(checkpoint, runtime)
-        self.spec, self.topk_buckets = self.code.spec, self.code.topk_buckets
-        self.kv_heads, self.fused_layers = self.code.kv_heads, self.code.fused_layers
+        self.spec, self.topk_buckets, self.inputs = self.code.spec, self.code.topk_buckets, self.code.inputs
         self.directory = directory
         model = self.code.model
         self.caches = [c for layer in model.layers for c in (layer.k_cache, layer.v_cache)]
         self.prefill_cell, self.decode_cell = ExportPrefillGraph(model), ExportDecodeGraph(model)
-        self.files: dict[str, list[dict]] = {"prefill_model": [], "decode_model": [],
-                                             "argmax_model": [], "topk_model": []}
+        self.files: dict[str, list[dict]] = {
+            "prefill_model": [],
+            "decode_model": [],
+            "argmax_model": [],
+            "topk_model": [],
+        }
 
     def _export(self, cell: nn.Cell, inputs, name: str, kind: str, **shape) -> None:
         ms.export(cell, *inputs, file_name=str(self.directory / name), file_format="MINDIR")
@@ -109,15 +106,21 @@ class GraphExporter:
     def _logits(self, rows: int) -> Tensor:
         return Tensor(np.zeros((rows, self.spec.vocab_size), np.float32))
 
-    def prefill(self, length: int, *inputs) -> Tensor:
-        self._export(self.prefill_cell, (*inputs, *self.caches), f"prefill_{length}", "prefill_model",
-                     length=length)
+    def prefill(self, slot: int, tokens: np.ndarray, length: int) -> Tensor:
+        inputs = as_tensors(self.inputs.prefill(slot, tokens, length))
+        self._export(
+            self.prefill_cell, (*inputs, *self.caches), f"prefill_{length}", "prefill_model", length=length
+        )
         return self._logits(1)
 
-    def decode(self, rows: int, attend: int, *inputs) -> tuple[Tensor, Tensor]:
+    def decode(
+        self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        inputs = as_tensors(self.inputs.decode(slots, tokens, positions, rows, attend))
         name = f"decode_b{rows}" + (f"_a{attend}" if attend else "")
-        self._export(self.decode_cell, (*inputs, *self.caches), name, "decode_model", rows=rows,
-                     attend=attend)
+        self._export(
+            self.decode_cell, (*inputs, *self.caches), name, "decode_model", rows=rows, attend=attend
+        )
         return self._logits(rows), Tensor(np.zeros(rows, np.int32))
 
     def argmax(self, logits: Tensor) -> Tensor:
@@ -135,11 +138,20 @@ class GraphExporter:
         """manifest.json and the known answer the loaded graphs must reproduce."""
         known.save(self.directory)
         path = self.directory / MANIFEST
-        path.write_text(json.dumps({"format": EXPORT_FORMAT, "spec": json.loads(self.spec.model_dump_json()),
-                                    "runtime": shape_settings(runtime), "fused_layers": self.fused_layers,
-                                    "mindspore": ms.__version__,
-                                    "kernels": build_id() if runtime.attention_kernel or runtime.matmul_kernel else None,
-                                    "graphs": self.files}, indent=1))
+        path.write_text(
+            json.dumps(
+                {
+                    "format": EXPORT_FORMAT,
+                    "spec": json.loads(self.spec.model_dump_json()),
+                    "runtime": shape_settings(runtime),
+                    "fused_layers": self.inputs.fused_layers,
+                    "mindspore": ms.__version__,
+                    "kernels": build_id() if uses_kernels(runtime) else None,
+                    "graphs": self.files,
+                },
+                indent=1,
+            )
+        )
         return path
 
 
@@ -149,6 +161,7 @@ def _any_rows(logits: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------- load
+
 
 def read_manifest(files: ModelSection) -> dict:
     """manifest.json beside the configured files (tools.export writes it there)."""
@@ -170,47 +183,70 @@ def read_known_answer(files: ModelSection) -> KnownAnswer:
     try:
         return KnownAnswer.load(directory)
     except (OSError, ValueError, KeyError) as exc:
-        raise MindIRError(f"cannot read {directory / KNOWN_ANSWER_FILE} (tools.export writes it beside the "
-                          f"graphs; export again): {exc}") from exc
+        raise MindIRError(
+            f"cannot read {directory / KNOWN_ANSWER_FILE} (tools.export writes it beside the "
+            f"graphs; export again): {exc}"
+        ) from exc
 
 
 class MindIRGraphs:
-    """The ModelRunner graph interface over MindIR files, with the KV cache held here."""
+    """agent.graph_interface.ModelGraphs over MindIR files, with the KV cache held here."""
 
-    def __init__(self, files: ModelSection, runtime: RuntimeSection,
-                 progress: Callable[[str], None] = log.info):
+    def __init__(
+        self, files: ModelSection, runtime: RuntimeSection, progress: Callable[[str], None] = log.info
+    ):
         manifest = read_manifest(files)
         manifest_path = manifest["path"]
         if manifest.get("format") != EXPORT_FORMAT:
-            raise MindIRError(f"the MindIR graphs in {manifest_path.parent} were exported by another version "
-                              f"(format {manifest.get('format', 1)}, this one reads {EXPORT_FORMAT}): export "
-                              f"them again (python -m tools.export)")
+            raise MindIRError(
+                f"the MindIR graphs in {manifest_path.parent} were exported by another version "
+                f"(format {manifest.get('format', 1)}, this one reads {EXPORT_FORMAT}): export "
+                f"them again (python -m tools.export)"
+            )
         if manifest.get("mindspore") != ms.__version__:
-            raise MindIRError(f"the MindIR graphs in {manifest_path.parent} were exported with MindSpore "
-                              f"{manifest.get('mindspore')}, this is {ms.__version__}: export them again")
+            raise MindIRError(
+                f"the MindIR graphs in {manifest_path.parent} were exported with MindSpore "
+                f"{manifest.get('mindspore')}, this is {ms.__version__}: export them again"
+            )
         if manifest["kernels"] is not None and not (BUILD_ROOT / manifest["kernels"]).is_dir():
-            raise MindIRError(f"the MindIR graphs in {manifest_path.parent} call CPU kernels of build "
-                              f"{manifest['kernels']}, which {BUILD_ROOT} no longer holds: export them again")
+            raise MindIRError(
+                f"the MindIR graphs in {manifest_path.parent} call CPU kernels of build "
+                f"{manifest['kernels']}, which {BUILD_ROOT} no longer holds: export them again"
+            )
         self.spec = ModelSpec.model_validate(manifest["spec"])
         _check_runtime(manifest["runtime"], shape_settings(runtime), manifest_path)
         by_file = {g["file"]: (kind, g) for kind, graphs in manifest["graphs"].items() for g in graphs}
-        listed = {"prefill_model": files.prefill_model, "decode_model": files.decode_model,
-                  "argmax_model": [files.argmax_model], "topk_model": files.topk_model}
+        listed = {
+            "prefill_model": files.prefill_model,
+            "decode_model": files.decode_model,
+            "argmax_model": [files.argmax_model],
+            "topk_model": files.topk_model,
+        }
         for kind, paths in listed.items():
             for path in paths:
                 if by_file.get(path.name, (None,))[0] != kind:
                     raise MindIRError(f"{path}: not a {kind} graph of the export in {manifest_path.parent}")
-        self.kv_heads = self.spec.num_kv_heads
-        self.fused_layers = manifest["fused_layers"]  # how the prefill graphs take their inputs
-        rows = (self.kv_heads * (runtime.num_slots + 1) * runtime.max_seq_len, self.spec.head_dim)
-        self.caches = [Parameter(Tensor(np.zeros(rows, np.float32), dtype=getattr(ms, runtime.dtype)),
-                                 name=f"kv_cache_{i}", requires_grad=False)
-                       for i in range(2 * self.spec.num_layers)]
+        # how the prefill graphs take their inputs: the export's layers decided it
+        self.inputs = GraphInputs(
+            runtime, self.spec.num_kv_heads, self.spec.group_size, fused_layers=manifest["fused_layers"]
+        )
+        rows = (self.spec.num_kv_heads * (runtime.num_slots + 1) * runtime.max_seq_len, self.spec.head_dim)
+        self.caches = [
+            Parameter(
+                Tensor(np.zeros(rows, np.float32), dtype=getattr(ms, runtime.dtype)),
+                name=f"kv_cache_{i}",
+                requires_grad=False,
+            )
+            for i in range(2 * self.spec.num_layers)
+        ]
         shared: dict[str, Parameter] = {}
-        self.prefill_cells = {by_file[p.name][1]["length"]: self._load(p, shared, progress)
-                              for p in files.prefill_model}
-        self.decode_cells = {(by_file[p.name][1]["rows"], by_file[p.name][1]["attend"]):
-                             self._load(p, shared, progress) for p in files.decode_model}
+        self.prefill_cells = {
+            by_file[p.name][1]["length"]: self._load(p, shared, progress) for p in files.prefill_model
+        }
+        self.decode_cells = {
+            (by_file[p.name][1]["rows"], by_file[p.name][1]["attend"]): self._load(p, shared, progress)
+            for p in files.decode_model
+        }
         self.argmax_cell = self._load(files.argmax_model, shared, progress)
         self.topk_cells = {by_file[p.name][1]["k"]: self._load(p, shared, progress) for p in files.topk_model}
         self.topk_buckets = sorted(self.topk_cells)
@@ -233,10 +269,14 @@ class MindIRGraphs:
         progress(f"loaded {path.name}")
         return cell
 
-    def prefill(self, length: int, *inputs) -> Tensor:
+    def prefill(self, slot: int, tokens: np.ndarray, length: int) -> Tensor:
+        inputs = as_tensors(self.inputs.prefill(slot, tokens, length))
         return self.prefill_cells[length](*inputs, *self.caches)
 
-    def decode(self, rows: int, attend: int, *inputs) -> tuple[Tensor, Tensor]:
+    def decode(
+        self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        inputs = as_tensors(self.inputs.decode(slots, tokens, positions, rows, attend))
         return self.decode_cells[(rows, attend)](*inputs, *self.caches)
 
     def argmax(self, logits: Tensor) -> Tensor:
@@ -259,20 +299,30 @@ def _return_freed_memory() -> None:
 
 
 def _check_runtime(exported: dict, configured: dict, manifest_path: Path) -> None:
-    differences = [f"{name}: exported {exported.get(name)!r}, configured {value!r}"
-                   for name, value in configured.items() if exported.get(name) != value]
+    differences = [
+        f"{name}: exported {exported.get(name)!r}, configured {value!r}"
+        for name, value in configured.items()
+        if exported.get(name) != value
+    ]
     if differences:
-        raise MindIRError(f"the runtime section does not match the shapes the MindIR graphs in "
-                          f"{manifest_path.parent} were exported with ({'; '.join(differences)}): "
-                          f"export again with this config, or change the config")
+        raise MindIRError(
+            f"the runtime section does not match the shapes the MindIR graphs in "
+            f"{manifest_path.parent} were exported with ({'; '.join(differences)}): "
+            f"export again with this config, or change the config"
+        )
 
 
 def _check_coverage(graphs: MindIRGraphs, runtime: RuntimeSection, manifest_path: Path) -> None:
     missing = [f"prefill length {n}" for n in runtime.prefill_buckets if n not in graphs.prefill_cells]
-    attends = [0] if runtime.attention_kernel else runtime.attend_buckets
-    missing += [f"decode batch {b}" + (f" attend {a}" if a else "") for b in runtime.decode_batch_buckets
-                for a in attends if (b, a) not in graphs.decode_cells]
+    missing += [
+        f"decode batch {b}" + (f" attend {a}" if a else "")
+        for b in runtime.decode_batch_buckets
+        for a in graphs.inputs.decode_attends
+        if (b, a) not in graphs.decode_cells
+    ]
     missing += [f"top-k {k}" for k in topk_buckets(graphs.spec.vocab_size) if k not in graphs.topk_cells]
     if missing:
-        raise MindIRError(f"the configured MindIR files lack graphs for: {', '.join(missing)} "
-                          f"(all of them are in {manifest_path.parent}; list every file)")
+        raise MindIRError(
+            f"the configured MindIR files lack graphs for: {', '.join(missing)} "
+            f"(all of them are in {manifest_path.parent}; list every file)"
+        )

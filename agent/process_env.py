@@ -2,6 +2,7 @@
 tests that run it in-process). The process's entry calls set_process_defaults() before MindSpore or
 the CPU kernels load: GLOG_v is read when MindSpore is imported, the OpenMP policy when the kernels'
 runtime starts, and spawned agents inherit both."""
+
 import os
 
 

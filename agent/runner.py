@@ -1,7 +1,8 @@
 """ModelRunner: owns the model, its KV slots and its four graphs; the agent process calls it.
 
-    runner = ModelRunner(checkpoint, runtime)   # builds weights and the KV cache on the device
+    runner = ModelRunner.from_checkpoint(checkpoint, runtime)  # weights and KV cache on the device
     runner = ModelRunner.from_mindir(files, runtime)  # or runs graphs exported by tools.export
+    runner = ModelRunner(graphs, runtime)       # or over any graph set (agent/graph_interface.py)
     runner.warm_up(progress, known=answer)      # compiles every bucket, checks each against answer
     first = runner.prefill(slot, prompt_ids, sampling)
     nexts = runner.decode([slot, ...])          # one token for each slot, in order
@@ -16,26 +17,27 @@ names slots. Shapes are padded to the configured buckets: a padded decode row wr
 slot, a padded prefill position to the prompt's own slot beyond its length, where the mask hides it
 until a decode step overwrites it.
 """
+
 from __future__ import annotations
 
-import bisect
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from agent.model.checkpoint import Checkpoint
+from agent.contract.sampling import SamplingParams
+from agent.graph_interface import KVTransferGraphs, ModelGraphs, bucket
 from agent.known_answer import KnownAnswer, check_post_process, compare, probe_length, probe_tokens
 from agent.llama_graphs import LlamaGraphs, TensorSplit
-from agent.model.spec import ModelSpec
-from agent.contract.sampling import SamplingParams
+from agent.mindir import MindIRGraphs
+from agent.model.checkpoint import Checkpoint
 from agent.sampling import SlotSampler
-from config.schema import RuntimeSection
+from config.schema import ModelSection, RuntimeSection
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +53,9 @@ class SlotState:
     sampler: SlotSampler
 
 
-def configure_mindspore(runtime: RuntimeSection, device_id: int = 0,
-                        compile_cache: Path | None = None) -> None:
+def configure_mindspore(
+    runtime: RuntimeSection, device_id: int = 0, compile_cache: Path | None = None
+) -> None:
     """The process-wide MindSpore context; call once per process before building a runner."""
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device(runtime.device_target, device_id)
@@ -65,40 +68,30 @@ def configure_mindspore(runtime: RuntimeSection, device_id: int = 0,
         ms.set_context(enable_compile_cache=True, compile_cache_path=str(compile_cache))
 
 
-def _bucket(buckets: Sequence[int], n: int) -> int:
-    return buckets[bisect.bisect_left(buckets, n)]
-
-
 class ModelRunner:
-    def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = TensorSplit()):
-        """split: this process's share of a tensor-parallel group (every rank runs the same calls)."""
-        self._setup(checkpoint.spec, runtime, LlamaGraphs(checkpoint, runtime, split))
-
-    @classmethod
-    def from_mindir(cls, files, runtime: RuntimeSection) -> "ModelRunner":
-        """Run the graphs of MindIR files (config.schema.MindIRFiles) written by tools.export."""
-        from agent.mindir import MindIRGraphs
-
-        return cls.over(MindIRGraphs(files, runtime), runtime)
-
-    @classmethod
-    def over(cls, graphs, runtime: RuntimeSection) -> "ModelRunner":
-        """A runner over any graph set with LlamaGraphs' interface and a `spec` (MindIR files,
-        agent.mindir.GraphExporter)."""
-        runner = cls.__new__(cls)
-        runner._setup(graphs.spec, runtime, graphs)
-        return runner
-
-    def _setup(self, spec: ModelSpec, runtime: RuntimeSection, graphs) -> None:
-        self.spec = spec
+    def __init__(self, graphs: ModelGraphs, runtime: RuntimeSection):
+        """A runner over a graph set built for `runtime` (agent.mindir.GraphExporter: every warm-up
+        call exports its graph)."""
+        self.graphs = graphs
+        self.spec = graphs.spec
         self.runtime = runtime
         self.num_slots, self.max_len = runtime.num_slots, runtime.max_seq_len
-        self.graphs = graphs  # LlamaGraphs or MindIRGraphs
         self.topk_buckets = graphs.topk_buckets
         self.slots: dict[int, SlotState] = {}
-        kv, hd = graphs.kv_heads, self.spec.head_dim
-        self._head_rows = np.arange(kv, dtype=np.int64)  # per-slot base row = (slot*KV + h)*max_len
-        self._kv, self._group, self._hd = kv, self.spec.group_size, hd
+        self._kv, self._hd = graphs.inputs.kv_heads, self.spec.head_dim
+
+    @classmethod
+    def from_checkpoint(
+        cls, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = TensorSplit()
+    ) -> ModelRunner:
+        """Graphs built from the weights; split: this process's share of a tensor-parallel group
+        (every rank runs the same calls)."""
+        return cls(LlamaGraphs(checkpoint, runtime, split), runtime)
+
+    @classmethod
+    def from_mindir(cls, files: ModelSection, runtime: RuntimeSection) -> ModelRunner:
+        """Run the graphs of MindIR files (the model section's *_model files) written by tools.export."""
+        return cls(MindIRGraphs(files, runtime), runtime)
 
     # ----------------------------------------------------------------------------------- state
 
@@ -122,35 +115,46 @@ class ModelRunner:
         shapes = [] if role == "decode" else [("prefill", 1, s) for s in rt.prefill_buckets]
         if role == "decode":
             shapes += [("kv_import", 1, s) for s in rt.prefill_buckets]
-        # The attention kernel reads each sequence's own length: one decode graph per batch bucket.
-        attends = [0] if rt.attention_kernel else rt.attend_buckets
         if role != "prefill":
+            attends = self.graphs.inputs.decode_attends
             shapes += [("decode", b, a) for b in rt.decode_batch_buckets for a in attends]
         shapes += [("argmax", 0, 0)] + [("topk", 0, k) for k in self.topk_buckets]
         if role == "prefill":
             shapes += [("kv_export", 1, s) for s in rt.prefill_buckets]
         return shapes
 
-    def warm_up(self, progress: Callable[[str], None] = log.info, role: str = "mixed",
-                known: KnownAnswer | None = None) -> float:
+    def warm_up(
+        self,
+        progress: Callable[[str], None] = log.info,
+        role: str = "mixed",
+        known: KnownAnswer | None = None,
+    ) -> float:
         """Compile (or load from the compile cache) and run every graph once, on the scratch slot,
         with the known-answer probe as input; with `known`, each output is checked against it
         (agent/known_answer.py) and a graph that disagrees raises KnownAnswerError."""
         start = time.perf_counter()
         shapes = self.graph_shapes(role)
         zeros = np.zeros(self.spec.vocab_size, np.float32)
-        probe = known or KnownAnswer(probe_tokens(self.spec.vocab_size, probe_length(self.runtime)), zeros, zeros)
+        probe = known or KnownAnswer(
+            probe_tokens(self.spec.vocab_size, probe_length(self.runtime)), zeros, zeros
+        )
         for i, (kind, rows, length) in enumerate(shapes, 1):
             t0 = time.perf_counter()
-            label = {"prefill": f"prefill length {length}",
-                     "decode": f"decode batch {rows}" + (f" attend {length}" if length else ""),
-                     "argmax": "argmax", "topk": f"top-k {length}",
-                     "kv_export": f"KV export {length}", "kv_import": f"KV import {length}"}[kind]
+            label = {
+                "prefill": f"prefill length {length}",
+                "decode": f"decode batch {rows}" + (f" attend {length}" if length else ""),
+                "argmax": "argmax",
+                "topk": f"top-k {length}",
+                "kv_export": f"KV export {length}",
+                "kv_import": f"KV import {length}",
+            }[kind]
             self._run_probe(kind, rows, length, probe, label if known is not None else None)
             progress(f"graph {i}/{len(shapes)} {label}: {time.perf_counter() - t0:.1f}s")
         elapsed = time.perf_counter() - start
-        progress(f"warm-up done: {len(shapes)} graphs in {elapsed:.1f}s"
-                 + (", each agreeing with the numpy forward of the weights" if known is not None else ""))
+        progress(
+            f"warm-up done: {len(shapes)} graphs in {elapsed:.1f}s"
+            + (", each agreeing with the numpy forward of the weights" if known is not None else "")
+        )
         return elapsed
 
     def _run_probe(self, kind: str, rows: int, length: int, probe: KnownAnswer, check: str | None) -> None:
@@ -159,27 +163,26 @@ class ModelRunner:
         scratch, n, dtype = self.num_slots, len(probe.prompt), self.runtime.dtype
         expected = np.stack([probe.prefill_logits, probe.decode_logits])
         if kind == "prefill":
-            got = self.run_prefill_graph(scratch, probe.prompt, length).asnumpy()[0]
+            got = self.graphs.prefill(scratch, probe.prompt, length).asnumpy()[0]
             if check:
                 compare(check, got, probe.prefill_logits, dtype)
         elif kind == "decode":
-            logits, greedy = self.run_decode_graph(np.full(rows, scratch), np.full(rows, probe.decode_token),
-                                                   np.full(rows, n), rows, length)
+            logits, greedy = self.graphs.decode(
+                np.full(rows, scratch), np.full(rows, probe.decode_token), np.full(rows, n), rows, length
+            )
             if check:
                 for row in logits.asnumpy():
                     compare(check, row, probe.decode_logits, dtype)
                 check_post_process(check, np.tile(probe.decode_logits, (rows, 1)), greedy.asnumpy())
         elif kind == "kv_export":
-            blocks = self.graphs.kv_export(Tensor(self._slot_rows(scratch, length))).asnumpy()
+            blocks = self._kv_graphs().kv_export(scratch, length)
             if check and probe.kv is not None:
-                got = blocks.reshape(2 * self.spec.num_layers, self._kv, length, self._hd)[:, :, :n]
-                compare(check, got, probe.kv, dtype)
+                compare(check, blocks[:, :, :n], probe.kv, dtype)
         elif kind == "kv_import":
             blocks = np.zeros((2 * self.spec.num_layers, self._kv, length, self._hd), self._cache_dtype())
             if probe.kv is not None:  # the decode graphs then read it: a wrong import fails their check
                 blocks[:, :, :n] = probe.kv
-            self.graphs.kv_import(Tensor(self._slot_rows(scratch, length)),
-                                  Tensor(blocks.reshape(blocks.shape[0], -1, self._hd))).asnumpy()
+            self._kv_graphs().kv_import(scratch, blocks)
         elif kind == "argmax":
             ids = self.graphs.argmax(Tensor(expected)).asnumpy()
             if check:
@@ -198,9 +201,11 @@ class ModelRunner:
             raise RunnerError(f"slot {slot} is in use; release it first")
         tokens = self._check_tokens(prompt)
         if len(tokens) > self.runtime.max_prompt_len:
-            raise RunnerError(f"prompt of {len(tokens)} tokens exceeds the longest prompt this "
-                              f"agent accepts ({self.runtime.max_prompt_len} tokens)")
-        logits = self.run_prefill_graph(slot, tokens, _bucket(self.runtime.prefill_buckets, len(tokens)))
+            raise RunnerError(
+                f"prompt of {len(tokens)} tokens exceeds the longest prompt this "
+                f"agent accepts ({self.runtime.max_prompt_len} tokens)"
+            )
+        logits = self.graphs.prefill(slot, tokens, bucket(self.runtime.prefill_buckets, len(tokens)))
         sampler = SlotSampler(params, tokens.tolist(), self.spec.vocab_size)
         token = self._sample(logits, [sampler])[0]
         self.slots[slot] = SlotState(length=len(tokens), next_token=token, sampler=sampler)
@@ -217,12 +222,14 @@ class ModelRunner:
             if state.length >= self.max_len:
                 raise RunnerError(f"slot {slot} is full ({self.max_len} positions)")
         positions = np.array([s.length for s in states], np.int64)
-        rows = _bucket(self.runtime.decode_batch_buckets, len(slots))
-        attend = (0 if self.runtime.attention_kernel else
-                  _bucket(self.runtime.attend_buckets, int(positions.max()) + 1))
-        logits, greedy = self.run_decode_graph(np.asarray(slots, np.int64),
-                                               np.array([s.next_token for s in states], np.int64),
-                                               positions, rows, attend)
+        rows = bucket(self.runtime.decode_batch_buckets, len(slots))
+        logits, greedy = self.graphs.decode(
+            np.asarray(slots, np.int64),
+            np.array([s.next_token for s in states], np.int64),
+            positions,
+            rows,
+            self.graphs.inputs.attend(positions),
+        )
         tokens = self._sample(logits, [s.sampler for s in states], greedy)
         for state, token in zip(states, tokens):
             state.length += 1
@@ -233,12 +240,11 @@ class ModelRunner:
         """A just-prefilled slot's K/V [2 * layers, KV heads, length, head_dim] (K then V of each
         layer) and the state that goes with it (length, pending token, sampler)."""
         state = self._active(slot)
-        bucket = self._transfer_bucket(state.length)
-        blocks = self.graphs.kv_export(Tensor(self._slot_rows(slot, bucket))).asnumpy()
-        blocks = blocks.reshape(2 * self.spec.num_layers, self._kv, bucket, self._hd)
-        return (np.ascontiguousarray(blocks[:, :, :state.length]),
-                {"length": state.length, "next_token": state.next_token,
-                 "sampler": state.sampler.state()})
+        blocks = self._kv_graphs().kv_export(slot, self._transfer_bucket(state.length))
+        return (
+            np.ascontiguousarray(blocks[:, :, : state.length]),
+            {"length": state.length, "next_token": state.next_token, "sampler": state.sampler.state()},
+        )
 
     def import_kv(self, slot: int, blocks: np.ndarray, state: dict) -> None:
         """Another agent's export_kv into a free slot, which then decodes as if prefilled here."""
@@ -248,18 +254,19 @@ class ModelRunner:
         length, next_token = state.get("length"), state.get("next_token")
         if not isinstance(length, int) or not isinstance(next_token, int):
             raise RunnerError("the KV state needs integer length and next_token")
-        bucket = self._transfer_bucket(length)
+        padded_length = self._transfer_bucket(length)
         shape = (2 * self.spec.num_layers, self._kv, length, self._hd)
         if blocks.shape != shape or blocks.dtype != self._cache_dtype():
-            raise RunnerError(f"KV blocks of {blocks.dtype}{list(blocks.shape)} do not fit this "
-                              f"model's cache ({np.dtype(self._cache_dtype()).name}{list(shape)})")
+            raise RunnerError(
+                f"KV blocks of {blocks.dtype}{list(blocks.shape)} do not fit this "
+                f"model's cache ({np.dtype(self._cache_dtype()).name}{list(shape)})"
+            )
         if not 0 <= next_token < self.spec.vocab_size:
             raise RunnerError(f"next_token {next_token} is outside the vocabulary")
         sampler = SlotSampler.from_state(state.get("sampler"), self.spec.vocab_size)
-        padded = np.zeros((*shape[:2], bucket, self._hd), blocks.dtype)
+        padded = np.zeros((*shape[:2], padded_length, self._hd), blocks.dtype)
         padded[:, :, :length] = blocks
-        self.graphs.kv_import(Tensor(self._slot_rows(slot, bucket)),
-                              Tensor(padded.reshape(shape[0], -1, self._hd))).asnumpy()
+        self._kv_graphs().kv_import(slot, padded)
         self.slots[slot] = SlotState(length=length, next_token=next_token, sampler=sampler)
 
     # -------------------------------------------------------------------------------- internals
@@ -267,19 +274,20 @@ class ModelRunner:
     def _transfer_bucket(self, length: int) -> int:
         """KV moves in prefill buckets: a transferred sequence is at most a prompt long."""
         if not 1 <= length <= self.runtime.prefill_buckets[-1]:
-            raise RunnerError(f"a KV transfer holds 1..{self.runtime.prefill_buckets[-1]} positions, "
-                              f"not {length}")
+            raise RunnerError(
+                f"a KV transfer holds 1..{self.runtime.prefill_buckets[-1]} positions, not {length}"
+            )
         if self.runtime.dtype == "bfloat16":
             raise RunnerError("KV transfer of a bfloat16 cache is not supported (NumPy has no bfloat16)")
-        return _bucket(self.runtime.prefill_buckets, length)
+        return bucket(self.runtime.prefill_buckets, length)
+
+    def _kv_graphs(self) -> KVTransferGraphs:
+        if not isinstance(self.graphs, KVTransferGraphs):
+            raise RunnerError("these graphs do not transfer KV (MindIR exports hold no KV transfer graphs)")
+        return self.graphs
 
     def _cache_dtype(self):
         return np.float16 if self.runtime.dtype == "float16" else np.float32
-
-    def _slot_rows(self, slot: int, length: int) -> np.ndarray:
-        """Cache rows of positions 0..length-1 of a slot, head-major (as prefill writes them)."""
-        rows = self._base_rows(np.array([slot]))[0][:, None] + np.arange(length)[None, :]
-        return rows.reshape(-1).astype(np.int32)
 
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
@@ -300,56 +308,6 @@ class ModelRunner:
             raise RunnerError(f"token ids must lie in 0..{self.spec.vocab_size - 1}")
         return tokens
 
-    def _base_rows(self, slots: np.ndarray) -> np.ndarray:
-        """[len(slots), KV] first cache row of each (slot, kv head)."""
-        return (slots[:, None] * self._kv + self._head_rows[None, :]) * self.max_len
-
-    # Graph-level calls: logits on the device, no slot bookkeeping and no checks (tests and tools).
-
-    def run_prefill_graph(self, slot: int, tokens: np.ndarray, length: int) -> Tensor:
-        """Prompt `tokens` padded to `length` into `slot` -> logits [1, vocab] of its last token."""
-        n = len(tokens)
-        padded = np.zeros(length, np.int32)
-        padded[:n] = tokens
-        positions = np.arange(length, dtype=np.int32)
-        last = Tensor(np.array([n - 1], np.int32))
-        if self.graphs.fused_layers:  # row-major write rows, and lengths in place of the mask
-            write = self._base_rows(np.array([slot]))[0][None, :] + positions[:, None]  # [S, KV]
-            lengths = np.where(positions < n, positions + 1, 0)
-            return self.graphs.prefill(length, Tensor(padded), Tensor(positions),
-                                       Tensor(write.reshape(-1).astype(np.int32)),
-                                       Tensor(np.repeat(lengths, self._kv).astype(np.int32)), last)
-        write = self._slot_rows(slot, length)
-        causal = np.where(positions[None, :] > positions[:, None], -np.inf, 0.0).astype(np.float32)
-        mask = np.tile(causal, (self._group, 1))  # [G*S, S], query rows grouped per head
-        return self.graphs.prefill(length, Tensor(padded), Tensor(positions), Tensor(write),
-                                   Tensor(mask), last)
-
-    def run_decode_graph(self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
-                    rows: int, attend: int = 0) -> tuple[Tensor, Tensor]:
-        """Tokens at `positions` of `slots`, padded to `rows` -> logits [rows, V] and their argmax
-        [rows]. Each row attends to its positions 0..position; `attend` is the gather path's bucket
-        (ignored by the kernel)."""
-        pad = rows - len(slots)
-        lengths = np.concatenate([positions + 1, np.zeros(pad, np.int64)])  # padding attends nothing
-        slots = np.concatenate([slots, np.full(pad, self.num_slots)])  # scratch slot
-        tokens = np.concatenate([tokens, np.zeros(pad, np.int64)])
-        positions = np.concatenate([positions, np.zeros(pad, np.int64)])
-        base = self._base_rows(slots)  # [rows, KV]
-        write = (base + positions[:, None]).reshape(-1)
-        if self.runtime.attention_kernel:  # the fused layer computes nothing for padding rows
-            lengths = np.repeat(lengths, self._kv)
-            return self.graphs.decode(rows, attend, Tensor(tokens.astype(np.int32)),
-                                      Tensor(positions.astype(np.int32)), Tensor(write.astype(np.int32)),
-                                      Tensor(base.reshape(-1).astype(np.int32)),
-                                      Tensor(lengths.astype(np.int32)))
-        read = base.reshape(-1, 1) + np.arange(attend)[None, :]  # [rows*KV, attend]
-        visible = np.arange(attend)[None, :] <= positions[:, None]  # [rows, attend]
-        mask = np.where(visible, 0.0, -np.inf).astype(np.float32).repeat(self._kv, axis=0)
-        return self.graphs.decode(rows, attend, Tensor(tokens.astype(np.int32)),
-                                  Tensor(positions.astype(np.int32)), Tensor(write.astype(np.int32)),
-                                  Tensor(read.astype(np.int32)), Tensor(mask[:, None, :]))
-
     def _sample(self, logits: Tensor, samplers: list[SlotSampler], greedy: Tensor | None = None) -> list[int]:
         """Post-process on the device: argmax when every row is plain greedy (`greedy`: the decode
         graph's own, else the argmax graph), else top-k candidates for the host-side samplers. Only
@@ -357,7 +315,8 @@ class ModelRunner:
         if all(s.plain_greedy for s in samplers):
             ids = (self.graphs.argmax(logits) if greedy is None else greedy).asnumpy()
             return [int(t) for t in ids[: len(samplers)]]
-        k = _bucket(self.topk_buckets, max(s.candidates_needed() for s in samplers))
+        k = bucket(self.topk_buckets, max(s.candidates_needed() for s in samplers))
         values, ids = (t.asnumpy() for t in self.graphs.topk(k, logits))
-        return [int(ids[i, 0]) if s.plain_greedy else s.choose(values[i], ids[i])
-                for i, s in enumerate(samplers)]
+        return [
+            int(ids[i, 0]) if s.plain_greedy else s.choose(values[i], ids[i]) for i, s in enumerate(samplers)
+        ]

@@ -10,6 +10,7 @@ occurrence). Exactness: penalties only lower the logits of tokens already seen (
 values are refused), hence the true top-k after them lies within the top (k + number of seen tokens)
 before them; `candidates_needed` asks for that many, and the whole vocabulary when no top-k applies.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,7 @@ class SlotSampler:
             if self.seen:
                 seen = np.fromiter(self.seen, dtype=np.int64, count=len(self.seen))
                 hit = np.isin(ids, seen)
-                penalised = np.where(logits > 0, logits / p.repetition_penalty,
-                                     logits * p.repetition_penalty)
+                penalised = np.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
                 logits = np.where(hit, penalised, logits)
             if self.counts:
                 penalty = np.zeros(self.vocab_size)
@@ -85,12 +85,15 @@ class SlotSampler:
     def state(self) -> dict:
         """All a decode agent needs to go on choosing this sequence's tokens exactly as this one
         would (PD disaggregation), in msgpack's types: the RNG's 128-bit state travels as JSON."""
-        return {"params": self.params.model_dump(), "seen": sorted(self.seen),
-                "counts": [[token, n] for token, n in self.counts.items()],
-                "rng": json.dumps(self.rng.bit_generator.state)}
+        return {
+            "params": self.params.model_dump(),
+            "seen": sorted(self.seen),
+            "counts": [[token, n] for token, n in self.counts.items()],
+            "rng": json.dumps(self.rng.bit_generator.state),
+        }
 
     @classmethod
-    def from_state(cls, state: dict, vocab_size: int) -> "SlotSampler":
+    def from_state(cls, state: dict, vocab_size: int) -> SlotSampler:
         """The inverse of state(); a malformed state raises ValueError, TypeError or KeyError."""
         sampler = cls(SamplingParams.model_validate(state["params"]), [], vocab_size)
         sampler.seen = {int(t) for t in state["seen"]}

@@ -3,6 +3,7 @@
 No sockets here; agent/process.py moves the frames. Every failure becomes an error reply: a bad
 request never stops the agent.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,9 +15,9 @@ import numpy as np
 from pydantic import ValidationError
 
 from agent.contract import protocol
+from agent.contract.sampling import SamplingParams
 from agent.kv_transfer import KVSender, TransferError
 from agent.runner import ModelRunner, RunnerError
-from agent.contract.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -25,18 +26,33 @@ CANCELLED_TICKETS_KEPT = 4096
 
 
 class AgentService:
-    def __init__(self, runner: ModelRunner, *, model_name: str, rank: int, port: int,
-                 role: str = "mixed", sender: KVSender | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        model_name: str,
+        rank: int,
+        port: int,
+        role: str = "mixed",
+        sender: KVSender | None = None,
+    ):
         self.runner = runner
         self.sender = sender  # a prefill agent's connections to the decode agents
         self.facts = {
-            "protocol": protocol.PROTOCOL_VERSION, "model": model_name,
-            "vocab_size": runner.spec.vocab_size, "eos_ids": list(runner.spec.eos_ids),
-            "num_slots": runner.num_slots, "max_seq_len": runner.max_len,
+            "protocol": protocol.PROTOCOL_VERSION,
+            "model": model_name,
+            "vocab_size": runner.spec.vocab_size,
+            "eos_ids": list(runner.spec.eos_ids),
+            "num_slots": runner.num_slots,
+            "max_seq_len": runner.max_len,
             "max_prompt_len": runner.runtime.max_prompt_len,
             "prefill_buckets": runner.runtime.prefill_buckets,
             "decode_batch_buckets": runner.runtime.decode_batch_buckets,
-            "attend_buckets": runner.runtime.attend_buckets, "role": role, "rank": rank, "port": port}
+            "attend_buckets": runner.runtime.attend_buckets,
+            "role": role,
+            "rank": rank,
+            "port": port,
+        }
         self.shutdown_requested = False
         self.session: int | None = None  # set by `reset`; see protocol.py
         self.cancelled_tickets: deque[int] = deque(maxlen=CANCELLED_TICKETS_KEPT)
@@ -47,14 +63,26 @@ class AgentService:
             header, arrays = protocol.decode(frames)
         except protocol.ProtocolError as exc:
             return protocol.error_reply(None, str(exc))
+        except Exception as exc:  # a frame decode() did not foresee: a reply, never a dead agent
+            log.exception("undecodable request")
+            return protocol.error_reply(None, f"undecodable request: {type(exc).__name__}")
         op = header.get("op")
         handler = getattr(self, f"_op_{op}", None) if op in protocol.OPS else None
         if handler is None:
             return protocol.error_reply(header, f"unknown op {op!r} (known: {', '.join(protocol.OPS)})")
-        if op in protocol.SESSION_OPS and "session" in header and header["session"] != self.session:
-            return protocol.error_reply(header, f"{op}: session {header['session']} is not the "
-                                                f"current one (another server took over)",
-                                        kind="stale_session")
+        if op in protocol.SESSION_OPS and "session" not in header:
+            # Without this, any local process could release or decode another user's slot.
+            return protocol.error_reply(
+                header,
+                f"{op} needs the current session (a server opens one "
+                f"with reset and names it in every slot operation)",
+            )
+        if op in protocol.SESSION_OPS and header["session"] != self.session:
+            return protocol.error_reply(
+                header,
+                f"{op}: session {header['session']} is not the current one (another server took over)",
+                kind="stale_session",
+            )
         started = time.perf_counter()
         try:
             fields, out_arrays = handler(header, arrays)
@@ -65,8 +93,7 @@ class AgentService:
             return protocol.error_reply(header, f"{op}: {exc}")
         except Exception as exc:  # a real failure inside the runner: report it, keep serving
             log.exception("op %s failed", op)
-            return protocol.error_reply(header, f"{op} failed: {type(exc).__name__}: {exc}",
-                                        kind="internal")
+            return protocol.error_reply(header, f"{op} failed: {type(exc).__name__}: {exc}", kind="internal")
         # the op's own time, so the server can tell its share (ZeroMQ, (de)serialising) from the model's
         fields["compute_ms"] = round((time.perf_counter() - started) * 1000, 3)
         return protocol.ok_reply(header, fields, out_arrays)
@@ -98,8 +125,11 @@ class AgentService:
         slot = _int_field(header, "slot")
         transfer = header.get("transfer")
         if transfer is not None and (self.sender is None or not isinstance(transfer, dict)):
-            raise ValueError("this agent sends no KV (its role is not prefill)" if self.sender is None
-                             else "transfer must be a map")
+            raise ValueError(
+                "this agent sends no KV (its role is not prefill)"
+                if self.sender is None
+                else "transfer must be a map"
+            )
         token = self.runner.prefill(slot, tokens.tolist(), sampling)
         if transfer is None:
             return {"token": token}, []
@@ -110,11 +140,21 @@ class AgentService:
         address = transfer.get("address")
         if not isinstance(address, str):
             raise ValueError("transfer.address must be the decode agent's address")
-        fields = {"slot": _int_field(transfer, "slot"), "session": _int_field(transfer, "session"),
-                  "ticket": _int_field(transfer, "ticket"), "state": state}
+        fields = {
+            "slot": _int_field(transfer, "slot"),
+            "session": _int_field(transfer, "session"),
+            "ticket": _int_field(transfer, "ticket"),
+            "state": state,
+        }
         transfer_ms = self.sender.send(address, fields, blocks)
-        log.info("KV of %d tokens (%d bytes) sent to %s slot %d in %.1f ms", state["length"],
-                 blocks.nbytes, address, fields["slot"], transfer_ms)
+        log.info(
+            "KV of %d tokens (%d bytes) sent to %s slot %d in %.1f ms",
+            state["length"],
+            blocks.nbytes,
+            address,
+            fields["slot"],
+            transfer_ms,
+        )
         return {"token": token, "kv_bytes": blocks.nbytes, "transfer_ms": transfer_ms}, []
 
     def _op_kv_receive(self, header: dict, arrays: list) -> tuple[dict, list]:

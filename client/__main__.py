@@ -3,6 +3,7 @@
 Prints the answer (tokens as they arrive with --stream). Exit status 1 with the server's message
 on an error. The API key comes from --api-key or $LLM_SERVING_API_KEY.
 """
+
 import argparse
 import os
 import sys
@@ -30,9 +31,16 @@ def main(argv=None) -> int:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     args = p.parse_args(argv)
-    params = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                  seed=args.seed, chat_template=args.chat or None)
+    params = dict(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        chat_template=args.chat or None,
+    )
     client = Client(args.url, args.model, args.api_key)
     try:
         if args.stream:
@@ -42,7 +50,9 @@ def main(argv=None) -> int:
         else:
             print(client.generate(args.prompt, **params))
     except ValidationError as exc:
-        print(f"error: bad parameter: {exc.errors()[0]['loc'][-1]}: {exc.errors()[0]['msg']}", file=sys.stderr)
+        print(
+            f"error: bad parameter: {exc.errors()[0]['loc'][-1]}: {exc.errors()[0]['msg']}", file=sys.stderr
+        )
         return 2
     except ServerError as exc:
         print(f"\nerror: the server answered {exc}", file=sys.stderr)

@@ -11,11 +11,13 @@
 Parameters are checked by the same pydantic model the server uses, so a bad one fails here, before
 any request. A server error raises ServerError with the server's status and message.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Literal
+from typing import Literal
 
 import httpx
 
@@ -35,6 +37,7 @@ class ServerError(Exception):
 @dataclass
 class Piece:
     """One streamed piece of the answer."""
+
     text: str
     index: int
 
@@ -58,7 +61,7 @@ def parse_stream_line(line: str, protocol: str) -> Piece | None:
     """One line of either stream format; None for lines without a piece (blank, full-text line)."""
     if not line.startswith("data:"):
         return None
-    data = json.loads(line[len("data:"):])
+    data = json.loads(line[len("data:") :])
     if "error" in data:
         raise ServerError(None, str(data["error"]))
     if protocol == "sse":
@@ -71,8 +74,13 @@ def parse_stream_line(line: str, protocol: str) -> Piece | None:
 
 
 class _Base:
-    def __init__(self, url: str = DEFAULT_URL, model: str = "default", api_key: str | None = None,
-                 timeout: float = 600.0):
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        model: str = "default",
+        api_key: str | None = None,
+        timeout: float = 600.0,
+    ):
         self.url, self.model = url.rstrip("/"), model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
@@ -84,17 +92,27 @@ class _Base:
 class Client(_Base):
     def generate(self, inputs: str, **params) -> str:
         """The whole answer; params as in the API (max_new_tokens, do_sample, temperature, ...)."""
-        response = httpx.post(self._path("/generate"), json=_body(inputs, False, "sse", params),
-                              headers=self.headers, timeout=self.timeout)
+        response = httpx.post(
+            self._path("/generate"),
+            json=_body(inputs, False, "sse", params),
+            headers=self.headers,
+            timeout=self.timeout,
+        )
         _raise_for(response, response.content)
         return response.json()["generated_text"]
 
-    def generate_stream(self, inputs: str, protocol: Literal["sse", "plain"] = "sse",
-                        **params) -> Iterator[str]:
+    def generate_stream(
+        self, inputs: str, protocol: Literal["sse", "plain"] = "sse", **params
+    ) -> Iterator[str]:
         """The answer's pieces as they arrive; they join to exactly the full answer."""
         sse = protocol == "sse"
-        with httpx.stream("POST", self._path("/generate_stream"), json=_body(inputs, True, protocol, params),
-                          headers=self.headers, timeout=self.timeout) as response:
+        with httpx.stream(
+            "POST",
+            self._path("/generate_stream"),
+            json=_body(inputs, True, protocol, params),
+            headers=self.headers,
+            timeout=self.timeout,
+        ) as response:
             if response.status_code >= 400:
                 _raise_for(response, response.read())
             for line in response.iter_lines():
@@ -112,7 +130,7 @@ class Client(_Base):
         response = httpx.get(self.url + path, headers=self.headers, timeout=self.timeout)
         _raise_for(response, response.content)
         line = next(line for line in response.text.splitlines() if line.startswith("data:"))
-        return json.loads(line[len("data:"):])["data"]
+        return json.loads(line[len("data:") :])["data"]
 
 
 class AsyncClient(_Base):
@@ -120,7 +138,7 @@ class AsyncClient(_Base):
         super().__init__(*args, **kwargs)
         self._http = httpx.AsyncClient(timeout=self.timeout, headers=self.headers)
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -134,10 +152,12 @@ class AsyncClient(_Base):
         _raise_for(response, response.content)
         return response.json()["generated_text"]
 
-    async def generate_stream(self, inputs: str, protocol: Literal["sse", "plain"] = "sse",
-                              **params) -> AsyncIterator[str]:
-        async with self._http.stream("POST", self._path("/generate_stream"),
-                                     json=_body(inputs, True, protocol, params)) as response:
+    async def generate_stream(
+        self, inputs: str, protocol: Literal["sse", "plain"] = "sse", **params
+    ) -> AsyncIterator[str]:
+        async with self._http.stream(
+            "POST", self._path("/generate_stream"), json=_body(inputs, True, protocol, params)
+        ) as response:
             if response.status_code >= 400:
                 _raise_for(response, await response.aread())
             async for line in response.aiter_lines():

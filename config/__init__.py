@@ -1,4 +1,5 @@
 """Configuration: YAML files validated by typed models (schema.py), read by loader.py."""
+
 from config.loader import ConfigError, load_config
 from config.schema import PROJECT_ROOT, ServingConfig
 

@@ -5,11 +5,12 @@ LLM_SERVING__<SECTION>__<KEY>=<YAML value> override single keys, e.g.
 LLM_SERVING__AGENTS__PORTS="[9900, 9901]". LLM_SERVING_API_KEYS=key1,key2 adds API keys to
 server.api_keys (keys are better kept out of files).
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import yaml
 from pydantic import ValidationError
@@ -26,8 +27,7 @@ class ConfigError(Exception):
     """A config file that cannot be read or does not validate."""
 
 
-def load_config(path: str | Path | None = None,
-                environ: Mapping[str, str] = os.environ) -> ServingConfig:
+def load_config(path: str | Path | None = None, environ: Mapping[str, str] = os.environ) -> ServingConfig:
     path = Path(path or environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -48,8 +48,8 @@ def load_config(path: str | Path | None = None,
         return ServingConfig.model_validate(data)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
-            for err in exc.errors())
+            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
+        )
         raise ConfigError(f"invalid config {path}: {problems}") from exc
 
 
@@ -57,7 +57,7 @@ def _apply_overrides(data: dict, environ: Mapping[str, str]) -> None:
     for name, raw in environ.items():
         if not name.startswith(OVERRIDE_PREFIX):
             continue
-        keys = [k.lower() for k in name[len(OVERRIDE_PREFIX):].split("__")]
+        keys = [k.lower() for k in name[len(OVERRIDE_PREFIX) :].split("__")]
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as exc:

@@ -1,9 +1,11 @@
 """Process logging: a rotating file in the configured log dir, plus the console where asked."""
+
 from __future__ import annotations
 
 import logging
 import re
 import sys
+from collections.abc import Sequence
 from logging.handlers import RotatingFileHandler
 
 from config.schema import LoggingSection
@@ -31,14 +33,16 @@ class RedactSecrets(logging.Filter):
         return True
 
 
-def setup_logging(section: LoggingSection, filename: str, console: bool = False,
-                  secrets: list[str] = ()) -> logging.Logger:
+def setup_logging(
+    section: LoggingSection, filename: str, console: bool = False, secrets: Sequence[str] = ()
+) -> logging.Logger:
     """Log to {dir}/{filename}; the previous run's file is rolled to .1 first, never truncated.
     `secrets` (API keys) never reach a log line."""
     section.dir.mkdir(parents=True, exist_ok=True)
     path = section.dir / filename
-    handler = RotatingFileHandler(path, maxBytes=section.max_bytes,
-                                  backupCount=section.backup_count, encoding="utf-8")
+    handler = RotatingFileHandler(
+        path, maxBytes=section.max_bytes, backupCount=section.backup_count, encoding="utf-8"
+    )
     if path.stat().st_size > 0:
         handler.doRollover()
     handlers: list[logging.Handler] = [handler]

@@ -1,4 +1,5 @@
 """Typed configuration: every YAML file in config/ is validated by these models."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -45,12 +46,18 @@ class ModelSection(Section):
         return self.argmax_model is not None
 
     @model_validator(mode="after")
-    def _mindir_all_or_none(self) -> "ModelSection":
-        given = [bool(self.prefill_model), bool(self.decode_model), self.argmax_model is not None,
-                 bool(self.topk_model)]
+    def _mindir_all_or_none(self) -> ModelSection:
+        given = [
+            bool(self.prefill_model),
+            bool(self.decode_model),
+            self.argmax_model is not None,
+            bool(self.topk_model),
+        ]
         if any(given) and not all(given):
-            raise ValueError("prefill_model, decode_model, argmax_model and topk_model come together "
-                             "(python -m tools.export prints all four)")
+            raise ValueError(
+                "prefill_model, decode_model, argmax_model and topk_model come together "
+                "(python -m tools.export prints all four)"
+            )
         return self
 
 
@@ -80,8 +87,9 @@ class RuntimeSection(Section):
     def attention_kernel(self) -> bool:
         """Decode attention by the custom CPU kernel (reads each sequence's own positions from the
         cache) rather than gather + batched matmuls over an attend bucket."""
-        return self.decode_attention == "kernel" or (self.decode_attention == "auto"
-                                                     and self.device_target == "CPU")
+        return self.decode_attention == "kernel" or (
+            self.decode_attention == "auto" and self.device_target == "CPU"
+        )
 
     @property
     def matmul_kernel(self) -> bool:
@@ -91,30 +99,43 @@ class RuntimeSection(Section):
 
     device_target: Literal["CPU", "Ascend", "GPU"] = "CPU"
     dtype: Literal["float32", "float16", "bfloat16"] = Field(
-        "float32", description="weights, activations and KV cache; half types on Ascend/GPU (float16 "
-                               "also on CPU with matmul: mindspore and decode_attention: gather)")
+        "float32",
+        description="weights, activations and KV cache; half types on Ascend/GPU (float16 "
+        "also on CPU with matmul: mindspore and decode_attention: gather)",
+    )
     cpu_threads: int | None = Field(None, ge=1, description="MindSpore CPU op threads; None: its default")
     num_slots: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        16, description="KV-cache slots = most sequences decoded at once; auto: as many as "
-                        "memory_budget_mb holds (up to the largest decode batch bucket)")
+        16,
+        description="KV-cache slots = most sequences decoded at once; auto: as many as "
+        "memory_budget_mb holds (up to the largest decode batch bucket)",
+    )
     max_seq_len: Annotated[int, Field(ge=2)] | Literal["auto"] = Field(
-        2048, description="positions per slot: prompt + generated tokens; auto: the model's "
-                          "context length, shortened to what memory_budget_mb holds")
+        2048,
+        description="positions per slot: prompt + generated tokens; auto: the model's "
+        "context length, shortened to what memory_budget_mb holds",
+    )
     memory_budget_mb: int | None = Field(
-        None, ge=1, description="device memory for weights + KV cache + working memory per agent; "
-                                "the agent plans num_slots/max_seq_len from it and logs the plan")
+        None,
+        ge=1,
+        description="device memory for weights + KV cache + working memory per agent; "
+        "the agent plans num_slots/max_seq_len from it and logs the plan",
+    )
     # The largest prefill bucket is the longest prompt accepted. Prefill memory grows with its
     # square (the attention scores of all layers stay allocated), so keep it well below max_seq_len.
     prefill_buckets: list[int] = Field(default_factory=lambda: [32, 64, 128, 512])
     decode_batch_buckets: list[int] = Field(default_factory=lambda: [1, 4, 8, 16])
-    attend_buckets: list[int] = Field(default_factory=lambda: [256, 512, 2048],
-                                      description="attended lengths of the gather decode path")
+    attend_buckets: list[int] = Field(
+        default_factory=lambda: [256, 512, 2048], description="attended lengths of the gather decode path"
+    )
     decode_attention: Literal["auto", "kernel", "gather"] = Field(
-        "auto", description="auto: the custom kernel on CPU, gather elsewhere")
+        "auto", description="auto: the custom kernel on CPU, gather elsewhere"
+    )
     matmul: Literal["auto", "kernel", "mindspore"] = Field(
-        "auto", description="the layers' matmuls: auto: the custom kernel on CPU, MindSpore's elsewhere")
-    compile_cache_dir: Path | None = Field(Path("output/compile_cache"),
-                                           description="MindSpore compile cache; null disables it")
+        "auto", description="the layers' matmuls: auto: the custom kernel on CPU, MindSpore's elsewhere"
+    )
+    compile_cache_dir: Path | None = Field(
+        Path("output/compile_cache"), description="MindSpore compile cache; null disables it"
+    )
 
     @field_validator("prefill_buckets", "decode_batch_buckets", "attend_buckets")
     @classmethod
@@ -132,31 +153,40 @@ class RuntimeSection(Section):
         return self.num_slots != "auto" and self.max_seq_len != "auto"
 
     @model_validator(mode="after")
-    def _buckets_cover_limits(self) -> "RuntimeSection":
+    def _buckets_cover_limits(self) -> RuntimeSection:
         if self.decode_attention == "kernel" and self.device_target != "CPU":
-            raise ValueError("decode_attention: kernel is a CPU kernel; use gather on "
-                             f"{self.device_target}")
+            raise ValueError(f"decode_attention: kernel is a CPU kernel; use gather on {self.device_target}")
         if self.matmul == "kernel" and self.device_target != "CPU":
             raise ValueError(f"matmul: kernel is a CPU kernel; use mindspore on {self.device_target}")
         if self.device_target == "CPU" and self.dtype == "bfloat16":
             raise ValueError("dtype bfloat16 has no MindSpore CPU kernels; use float32 (or float16)")
-        if self.device_target == "CPU" and self.dtype == "float16" and (
-                self.attention_kernel or self.matmul_kernel):
-            raise ValueError("dtype float16 on CPU needs matmul: mindspore and decode_attention: gather "
-                             "(the custom CPU kernels compute in float32)")
+        if (
+            self.device_target == "CPU"
+            and self.dtype == "float16"
+            and (self.attention_kernel or self.matmul_kernel)
+        ):
+            raise ValueError(
+                "dtype float16 on CPU needs matmul: mindspore and decode_attention: gather "
+                "(the custom CPU kernels compute in float32)"
+            )
         if not self.planned:
             if self.memory_budget_mb is None:
                 raise ValueError("num_slots/max_seq_len auto need memory_budget_mb")
             return self  # checked again once planned
         if self.attend_buckets[-1] != self.max_seq_len:
-            raise ValueError(f"the largest of attend_buckets must equal max_seq_len "
-                             f"({self.max_seq_len}), got {self.attend_buckets}")
+            raise ValueError(
+                f"the largest of attend_buckets must equal max_seq_len "
+                f"({self.max_seq_len}), got {self.attend_buckets}"
+            )
         if self.prefill_buckets[-1] > self.max_seq_len:
-            raise ValueError(f"prefill_buckets may not exceed max_seq_len ({self.max_seq_len}), "
-                             f"got {self.prefill_buckets}")
+            raise ValueError(
+                f"prefill_buckets may not exceed max_seq_len ({self.max_seq_len}), got {self.prefill_buckets}"
+            )
         if self.decode_batch_buckets[-1] < self.num_slots:
-            raise ValueError(f"the largest of decode_batch_buckets must be at least num_slots "
-                             f"({self.num_slots}), got {self.decode_batch_buckets}")
+            raise ValueError(
+                f"the largest of decode_batch_buckets must be at least num_slots "
+                f"({self.num_slots}), got {self.decode_batch_buckets}"
+            )
         return self
 
 
@@ -173,8 +203,10 @@ class CurveSection(Section):
     @classmethod
     def _z85(cls, key: str, info) -> str:
         if len(key) != 40:
-            raise ValueError(f"{info.field_name} must be a 40-character Z85 key "
-                             f"(python -m tools.curve_keys makes them), got {len(key)} characters")
+            raise ValueError(
+                f"{info.field_name} must be a 40-character Z85 key "
+                f"(python -m tools.curve_keys makes them), got {len(key)} characters"
+            )
         return key
 
 
@@ -188,28 +220,45 @@ class GroupSection(Section):
     its scheduler on `cluster_port`)."""
 
     role: Role = "mixed"
-    ports: list[int] = Field(min_length=1, description="one per agent of the group; several: "
-                             "tensor parallelism, rank 0 first")
-    cluster_port: int | None = Field(None, gt=0, lt=65536, description="tensor parallelism: the port "
-                                     "of the group's MindSpore cluster scheduler (on the group's host)")
-    host: str | None = Field(None, description="address this group's agents bind and are reached "
-                                               "at (another machine's, for multi-host); none: agents.host")
-    num_slots: int | None = Field(None, ge=1, description="this group's KV slots (a prefill group "
-                                  "needs few: one per prompt in flight); none: runtime.num_slots")
+    ports: list[int] = Field(
+        min_length=1, description="one per agent of the group; several: tensor parallelism, rank 0 first"
+    )
+    cluster_port: int | None = Field(
+        None,
+        gt=0,
+        lt=65536,
+        description="tensor parallelism: the port "
+        "of the group's MindSpore cluster scheduler (on the group's host)",
+    )
+    host: str | None = Field(
+        None,
+        description="address this group's agents bind and are reached "
+        "at (another machine's, for multi-host); none: agents.host",
+    )
+    num_slots: int | None = Field(
+        None,
+        ge=1,
+        description="this group's KV slots (a prefill group "
+        "needs few: one per prompt in flight); none: runtime.num_slots",
+    )
 
     @property
     def tensor_parallel(self) -> int:
         return len(self.ports)
 
     @model_validator(mode="after")
-    def _tensor_parallel_needs(self) -> "GroupSection":
+    def _tensor_parallel_needs(self) -> GroupSection:
         if self.tensor_parallel > 1:
             if self.cluster_port is None:
-                raise ValueError(f"a group of {self.tensor_parallel} agents runs tensor-parallel: "
-                                 f"give it a cluster_port for MindSpore's cluster scheduler")
+                raise ValueError(
+                    f"a group of {self.tensor_parallel} agents runs tensor-parallel: "
+                    f"give it a cluster_port for MindSpore's cluster scheduler"
+                )
             if self.role != "mixed":
-                raise ValueError("a tensor-parallel group must be mixed (KV transfer between "
-                                 "split caches is not supported)")
+                raise ValueError(
+                    "a tensor-parallel group must be mixed (KV transfer between "
+                    "split caches is not supported)"
+                )
         return self
 
 
@@ -218,21 +267,36 @@ class AgentsSection(Section):
     place in `ports`, or in the groups' ports in order)."""
 
     host: str = Field("127.0.0.1", description="address the agents bind and the server connects to")
-    ports: list[int] = Field(default_factory=lambda: [9820], description="upstream agent_ports; "
-                             "without `groups`, each port is a mixed group of its own")
-    groups: list[GroupSection] | None = Field(None, description="agent groups with roles (they "
-                                              "give the ports); none: one mixed group per port")
+    ports: list[int] = Field(
+        default_factory=lambda: [9820],
+        description="upstream agent_ports; without `groups`, each port is a mixed group of its own",
+    )
+    groups: list[GroupSection] = Field(
+        default_factory=list,
+        description="agent groups with roles (they give the ports); empty: one mixed group per port",
+    )
     start_device_id: int = Field(0, ge=0)
     startup_timeout_s: float = Field(600.0, gt=0, description="longest a start-up may take")
-    kv_transfer_timeout_s: float = Field(10.0, gt=0, description="PD disaggregation: longest a "
-                                         "prefill agent waits for a decode agent to take a prompt's KV")
+    kv_transfer_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="PD disaggregation: longest a "
+        "prefill agent waits for a decode agent to take a prompt's KV",
+    )
     shutdown_grace_s: float = Field(10.0, gt=0, description="SIGTERM to SIGKILL, for each agent")
     restart_policy: Literal["restart", "exit"] = "restart"
-    max_restarts: int = Field(3, ge=0, description="restarts per agent before the launcher gives up")
-    curve: CurveSection | None = Field(None, description="CURVE encryption and authentication of "
-                                       "the agents' sockets; required off loopback")
+    max_restarts: int = Field(
+        3, ge=0, description="restarts per agent within restart_window_s; one more death stops the launcher"
+    )
+    restart_window_s: float = Field(
+        600.0, gt=0, description="the window max_restarts counts in: crashes further apart never add up"
+    )
+    curve: CurveSection | None = Field(
+        None, description="CURVE encryption and authentication of the agents' sockets; required off loopback"
+    )
     cpu_affinity: list[list[int]] | None = Field(
-        None, description="per agent (rank order), the CPU ids it may run on; none: all of them")
+        None, description="per agent (rank order), the CPU ids it may run on; none: all of them"
+    )
 
     @field_validator("ports")
     @classmethod
@@ -244,8 +308,8 @@ class AgentsSection(Section):
         return ports
 
     @model_validator(mode="after")
-    def _ports_from_groups(self) -> "AgentsSection":
-        if self.groups is None:
+    def _ports_from_groups(self) -> AgentsSection:
+        if not self.groups:
             self.groups = [GroupSection(ports=[port]) for port in self.ports]
             return self
         ports = [port for group in self.groups for port in group.ports]
@@ -285,20 +349,25 @@ class AgentsSection(Section):
         return f"tcp://{self.hosts[rank]}:{self.ports[rank]}"
 
     @model_validator(mode="after")
-    def _one_cpu_set_per_agent(self) -> "AgentsSection":
+    def _one_cpu_set_per_agent(self) -> AgentsSection:
         sets = self.cpu_affinity
-        if sets is not None and (len(sets) != len(self.ports) or not all(sets)
-                                 or any(cpu < 0 for cpus in sets for cpu in cpus)):
-            raise ValueError(f"cpu_affinity needs one non-empty list of CPU ids per agent port "
-                             f"({len(self.ports)}), got {sets}")
+        if sets is not None and (
+            len(sets) != len(self.ports) or not all(sets) or any(cpu < 0 for cpus in sets for cpu in cpus)
+        ):
+            raise ValueError(
+                f"cpu_affinity needs one non-empty list of CPU ids per agent port "
+                f"({len(self.ports)}), got {sets}"
+            )
         return self
 
     @model_validator(mode="after")
-    def _curve_off_loopback(self) -> "AgentsSection":
+    def _curve_off_loopback(self) -> AgentsSection:
         exposed = [host for host in [self.host, *self.hosts] if not is_loopback(host)]
         if self.curve is None and exposed:
-            raise ValueError(f"agents on {exposed[0]} are reachable from other machines: set "
-                             f"agents.curve (keys from `python -m tools.curve_keys`) or bind to 127.0.0.1")
+            raise ValueError(
+                f"agents on {exposed[0]} are reachable from other machines: set "
+                f"agents.curve (keys from `python -m tools.curve_keys`) or bind to 127.0.0.1"
+            )
         return self
 
 
@@ -321,18 +390,39 @@ class ServerSection(Section):
     agent_wait_s: float = Field(600.0, ge=0, description="how long start-up waits for the agents")
     max_waiting_requests: int = Field(64, ge=1, description="queue bound; beyond it: 503")
     max_tokens_in_flight: int | None = Field(
-        131072, ge=1, description="bound on prompt + max_new_tokens over all admitted requests; "
-                                  "beyond it: 503 (429 on the OpenAI API); null: no bound")
+        131072,
+        ge=1,
+        description="bound on prompt + max_new_tokens over all admitted requests; "
+        "beyond it: 503 (429 on the OpenAI API); null: no bound",
+    )
     max_prefills_per_step: int = Field(4, ge=1, description="prompts admitted per iteration")
-    drain_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, how long running "
-                                                           "requests may take to finish")
-    apply_chat_template: bool = Field(False, description="wrap `inputs` in the model's chat "
-                                                         "template (a request may override)")
-    api_keys: list[str] = Field(default_factory=list, description="if any: every endpoint but "
-                                "/health needs `Authorization: Bearer KEY` (also $LLM_SERVING_API_KEYS)")
+    drain_timeout_s: float = Field(
+        30.0, gt=0, description="on SIGTERM, how long running requests may take to finish"
+    )
+    apply_chat_template: bool = Field(
+        False, description="wrap `inputs` in the model's chat template (a request may override)"
+    )
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="if any: every endpoint but "
+        "/health needs `Authorization: Bearer KEY` (also $LLM_SERVING_API_KEYS)",
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
-    cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS "
-                                                                      "(none: CORS off)")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_empty_key(cls, keys: list[str]) -> list[str]:
+        # An empty key would match a request without one (a templated key whose variable is unset).
+        if any(not key.strip() for key in keys):
+            raise ValueError(
+                "an API key is empty or blank (an unset variable in a template?); "
+                "remove it, or give every key a value"
+            )
+        return keys
+
+    cors_origins: list[str] = Field(
+        default_factory=list, description="origins allowed by CORS (none: CORS off)"
+    )
 
 
 class ServingConfig(Section):
@@ -343,21 +433,27 @@ class ServingConfig(Section):
     server: ServerSection = Field(default_factory=ServerSection)
 
     @model_validator(mode="after")
-    def _groups_fit_the_runtime(self) -> "ServingConfig":
+    def _groups_fit_the_runtime(self) -> ServingConfig:
         largest = self.runtime.decode_batch_buckets[-1]
         for index, group in enumerate(self.agents.groups):
             if group.num_slots is not None and group.num_slots > largest:
-                raise ValueError(f"agents.groups[{index}].num_slots ({group.num_slots}) exceeds the "
-                                 f"largest of runtime.decode_batch_buckets ({largest})")
+                raise ValueError(
+                    f"agents.groups[{index}].num_slots ({group.num_slots}) exceeds the "
+                    f"largest of runtime.decode_batch_buckets ({largest})"
+                )
         return self
 
     @model_validator(mode="after")
-    def _disaggregation_needs_code_graphs(self) -> "ServingConfig":
+    def _disaggregation_needs_code_graphs(self) -> ServingConfig:
         roles = set(self.agents.roles)
         if self.model.uses_mindir and roles != {"mixed"}:
-            raise ValueError("prefill and decode groups run the KV transfer graphs, which MindIR "
-                             "exports do not hold: serve them from model.path")
+            raise ValueError(
+                "prefill and decode groups run the KV transfer graphs, which MindIR "
+                "exports do not hold: serve them from model.path"
+            )
         if self.model.uses_mindir and any(g.tensor_parallel > 1 for g in self.agents.groups):
-            raise ValueError("tensor-parallel groups build split graphs from model.path; MindIR "
-                             "exports hold the whole model")
+            raise ValueError(
+                "tensor-parallel groups build split graphs from model.path; MindIR "
+                "exports hold the whole model"
+            )
         return self

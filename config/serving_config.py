@@ -1,8 +1,9 @@
 """The MindSpore llm-serving names, read from the active config file, for users coming from upstream.
 
-    from config import serving_config
-    serving_config.agent_ports, serving_config.SERVER_APP_PORT, serving_config.ModelName
+from config import serving_config
+serving_config.agent_ports, serving_config.SERVER_APP_PORT, serving_config.ModelName
 """
+
 from __future__ import annotations
 
 from functools import lru_cache

@@ -7,13 +7,15 @@ that stopped answering (SIGSTOP, a dead machine) within HEARTBEAT_TIMEOUT_MS. Af
 client stays failed until `reconnect()`, which opens a fresh socket (nothing queued for the old
 connection is ever delivered) and a fresh session.
 """
+
 from __future__ import annotations
 
 import asyncio
 import itertools
 import random
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import zmq
@@ -27,8 +29,11 @@ from config.schema import CurveSection
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 class AgentError(Exception):
@@ -52,8 +57,13 @@ class AgentRequestError(AgentError):
 
 
 class AgentClient:
-    def __init__(self, address: str, timeout_s: float, curve: CurveSection | None = None,
-                 context: zmq.asyncio.Context | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        curve: CurveSection | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ):
         self.address = address
         self.timeout_s = timeout_s
         self.curve = curve
@@ -82,8 +92,9 @@ class AgentClient:
         self.close()
         self._open()
 
-    async def call(self, op: str, arrays: Sequence[np.ndarray] = (), timeout_s: float | None = None,
-                   **fields: Any) -> tuple[dict, list[np.ndarray]]:
+    async def call(
+        self, op: str, arrays: Sequence[np.ndarray] = (), timeout_s: float | None = None, **fields: Any
+    ) -> tuple[dict, list[np.ndarray]]:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         async with self._lock:
             if self.lost:
@@ -103,12 +114,13 @@ class AgentClient:
                     if event["event"] == zmq.EVENT_DISCONNECTED:
                         self.lost = "connection lost (the agent died or stopped answering heartbeats)"
                     else:
-                        self.lost = ("the agent refused the connection (ZeroMQ handshake failed: "
-                                     "do agents.curve keys match on both sides?)")
+                        self.lost = (
+                            "the agent refused the connection (ZeroMQ handshake failed: "
+                            "do agents.curve keys match on both sides?)"
+                        )
                     raise AgentUnavailable(f"agent {self.address}: {self.lost} during {op}")
                 if self.socket not in ready:
-                    raise AgentUnavailable(f"agent {self.address}: no reply to {op} "
-                                           f"within {timeout_s:g}s")
+                    raise AgentUnavailable(f"agent {self.address}: no reply to {op} within {timeout_s:g}s")
                 try:
                     header, out = protocol.decode(await self.socket.recv_multipart())
                 except protocol.ProtocolError as exc:
@@ -119,15 +131,18 @@ class AgentClient:
             if header.get("kind") == "stale_session":
                 self.lost = "another server took this agent over"
                 raise AgentUnavailable(f"agent {self.address}: {self.lost}")
-            raise AgentRequestError(f"agent {self.address}: {header.get('error')}",
-                                    header.get("kind", "bad_request"))
+            raise AgentRequestError(
+                f"agent {self.address}: {header.get('error')}", header.get("kind", "bad_request")
+            )
         return header, out
 
     async def info(self, timeout_s: float | None = None) -> dict:
         header, _ = await self.call("info", timeout_s=timeout_s)
         if header.get("protocol") != protocol.PROTOCOL_VERSION:
-            raise AgentIncompatible(f"agent {self.address} speaks protocol {header.get('protocol')}, "
-                                   f"this server {protocol.PROTOCOL_VERSION}")
+            raise AgentIncompatible(
+                f"agent {self.address} speaks protocol {header.get('protocol')}, "
+                f"this server {protocol.PROTOCOL_VERSION}"
+            )
         return header
 
     async def reset(self, timeout_s: float | None = None) -> None:
@@ -135,17 +150,28 @@ class AgentClient:
         await self.call("reset", timeout_s=timeout_s, session=self.session)
 
     async def prefill(self, slot: int, prompt: Sequence[int], sampling: SamplingParams) -> int:
-        header, _ = await self.call("prefill", [np.asarray(prompt, np.int32)], slot=slot,
-                                    sampling=sampling.model_dump(), session=self.session)
+        header, _ = await self.call(
+            "prefill",
+            [np.asarray(prompt, np.int32)],
+            slot=slot,
+            sampling=sampling.model_dump(),
+            session=self.session,
+        )
         return int(header["token"])
 
-    async def prefill_and_send(self, slot: int, prompt: Sequence[int], sampling: SamplingParams,
-                               transfer: dict) -> tuple[int, int, float]:
+    async def prefill_and_send(
+        self, slot: int, prompt: Sequence[int], sampling: SamplingParams, transfer: dict
+    ) -> tuple[int, int, float]:
         """A prefill agent's prefill whose KV goes to a decode agent's slot (`transfer`: address,
         slot, session, ticket) -> (first token, K/V bytes sent, transfer ms)."""
-        header, _ = await self.call("prefill", [np.asarray(prompt, np.int32)], slot=slot,
-                                    sampling=sampling.model_dump(), session=self.session,
-                                    transfer=transfer)
+        header, _ = await self.call(
+            "prefill",
+            [np.asarray(prompt, np.int32)],
+            slot=slot,
+            sampling=sampling.model_dump(),
+            session=self.session,
+            transfer=transfer,
+        )
         return int(header["token"]), int(header["kv_bytes"]), float(header["transfer_ms"])
 
     async def decode(self, slots: Sequence[int]) -> list[int]:
@@ -212,8 +238,9 @@ class GroupClient:
     async def _agreed(self, method: str, *args, **kwargs):
         results = await self._all(method, *args, **kwargs)
         if any(r != results[0] for r in results[1:]):
-            raise AgentUnavailable(f"tensor-parallel group {self.address}: the ranks disagree on "
-                                   f"{method} ({results})")
+            raise AgentUnavailable(
+                f"tensor-parallel group {self.address}: the ranks disagree on {method} ({results})"
+            )
         return results[0]
 
     async def info(self, timeout_s: float | None = None) -> dict:

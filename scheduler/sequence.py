@@ -1,4 +1,5 @@
 """Sequence: one request's prompt, parameters, generated ids and place in the batch."""
+
 from __future__ import annotations
 
 import enum
@@ -17,7 +18,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS id or a stop string
     LENGTH = "length"  # max_new_tokens or the slot's last position
     ABORT = "abort"  # the client went away or asked to stop
-    ERROR = "error"  # the agent failed
+    ERROR = "error"  # its group failed
 
 
 @dataclass
@@ -29,16 +30,16 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     output: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    agent: int | None = None
+    group: int | None = None
     slot: int | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
     token_budget: int = 0  # prompt + answer tokens counted against the in-flight bound
     # PD disaggregation: where the prompt is prefilled and the ticket of its KV transfer
-    prefill_agent: int | None = None
+    prefill_group: int | None = None
     prefill_slot: int | None = None
     ticket: int | None = None
-    transferring: bool = False  # until the decode agent holds its KV
+    transferring: bool = False  # until the decode group holds its KV
 
     @property
     def finished(self) -> bool:

@@ -1,13 +1,32 @@
 """Errors the HTTP layer answers with, in the shape each API's clients expect:
 native `{"error": message}`; OpenAI `{"error": {"message", "type", "param", "code"}}`."""
+
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from fastapi.responses import JSONResponse
 
+from scheduler.batch_scheduler import Refusal
+
 RETRY_AFTER_S = "1"
-OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-                503: "server_error"}
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
+REFUSAL_STATUS = {
+    Refusal.EMPTY_PROMPT: 400,
+    Refusal.TOO_LONG: 413,
+    Refusal.OVERLOADED: 503,
+    Refusal.NO_GROUP: 503,
+    Refusal.NOT_READY: 503,
+    Refusal.SHUTTING_DOWN: 503,
+}
 
 
 class ApiError(Exception):
@@ -16,11 +35,33 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_response(status: int, message: str, openai: bool = False, param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+def refusal_status(reason: Refusal, openai: bool = False) -> int:
+    """The HTTP status of a refused request. OpenAI's clients expect 429 for "no room now" (and
+    retry it); the native API's clients know 503 for it."""
+    return 429 if openai and reason is Refusal.OVERLOADED else REFUSAL_STATUS[reason]
+
+
+def error_response(
+    status: int,
+    message: str,
+    openai: bool = False,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
     headers = dict(headers or {})
     if status in (429, 503):
         headers["Retry-After"] = RETRY_AFTER_S
-    body = ({"error": {"message": message, "type": OPENAI_TYPES.get(status, "server_error"),
-                       "param": param, "code": code}} if openai else {"error": message})
+    body = (
+        {
+            "error": {
+                "message": message,
+                "type": OPENAI_TYPES.get(status, "server_error"),
+                "param": param,
+                "code": code,
+            }
+        }
+        if openai
+        else {"error": message}
+    )
     return JSONResponse(body, status_code=status, headers=headers or None)

@@ -7,6 +7,7 @@
 
 A second signal during the drain skips the wait (uvicorn's own fast exit).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,7 @@ import uvicorn
 from sse_starlette.sse import AppStatus
 
 from config.schema import ServingConfig, is_loopback
-from server.llm_server import LLMServer
+from server.output import OutputProcessor
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,9 @@ CLOSE_TIMEOUT_S = 5
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, llm_server: LLMServer, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, outputs: OutputProcessor, drain_timeout_s: float):
         super().__init__(config)
-        self.llm_server = llm_server
+        self.outputs = outputs
         self.drain_timeout_s = drain_timeout_s
         self._drain: asyncio.Task | None = None
 
@@ -41,7 +42,7 @@ class DrainingServer(uvicorn.Server):
         self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
-        await self.llm_server.drain(self.drain_timeout_s)
+        await self.outputs.drain(self.drain_timeout_s)
         AppStatus.should_exit = True  # lets sse-starlette close its streams now
         self.should_exit = True
 
@@ -50,17 +51,27 @@ def _log_signal(signum: int, _frame) -> None:
     log.info("stopped by %s", signal.Signals(signum).name)
 
 
-def serve(config: ServingConfig, app, llm_server: LLMServer) -> None:
+def serve(config: ServingConfig, app, outputs: OutputProcessor) -> None:
     s = config.server
-    log.info("serving %s on http://%s:%d (%s); API keys %s", config.model.name, s.host, s.port,
-             "this machine only" if is_loopback(s.host) else "reachable from other machines",
-             "required" if s.api_keys else "off")
+    log.info(
+        "serving %s on http://%s:%d (%s); API keys %s",
+        config.model.name,
+        s.host,
+        s.port,
+        "this machine only" if is_loopback(s.host) else "reachable from other machines",
+        "required" if s.api_keys else "off",
+    )
     # uvicorn re-raises the signal it caught under the handler it found: one that only logs makes
     # that a clean exit 0.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _log_signal)
     # sse-starlette would otherwise cut every stream the moment the signal arrives, without a final event.
     AppStatus.disable_automatic_graceful_drain()
-    uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_config=None,
-                               timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
-    DrainingServer(uv_config, llm_server, config.server.drain_timeout_s).run()
+    uv_config = uvicorn.Config(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_config=None,
+        timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
+    )
+    DrainingServer(uv_config, outputs, config.server.drain_timeout_s).run()

@@ -1,5 +1,6 @@
 """Request bodies of the OpenAI-compatible API. Parameters the server cannot honour are refused by
 `unsupported()` with a message naming them, never silently ignored."""
+
 from __future__ import annotations
 
 from typing import Literal

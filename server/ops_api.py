@@ -1,11 +1,12 @@
 """Operations endpoints: liveness, readiness, server facts, Prometheus metrics.
 
-    GET /health    200 while the process serves HTTP
-    GET /ready     200 when every agent answers a ping and the server admits requests; else 503 and why
-    GET /info      model, limits, slots, version (TGI-style)
-    GET /metrics   Prometheus text format
-    GET /dashboard a self-contained live page (batch size, queue, tokens/s, TTFT, agent health)
+GET /health    200 while the process serves HTTP
+GET /ready     200 when every agent answers a ping and the server admits requests; else 503 and why
+GET /info      model, limits, slots, version (TGI-style)
+GET /metrics   Prometheus text format
+GET /dashboard a self-contained live page (batch size, queue, tokens/s, TTFT, agent health)
 """
+
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
@@ -16,8 +17,8 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from config.schema import ServingConfig
+from scheduler.engine import Engine
 from server.errors import ApiError
-from server.llm_server import LLMServer
 
 DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"
 
@@ -29,7 +30,7 @@ def package_version() -> str:
         return "unknown"
 
 
-def ops_router(config: ServingConfig, llm_server: LLMServer) -> APIRouter:
+def ops_router(config: ServingConfig, engine: Engine) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
@@ -38,7 +39,7 @@ def ops_router(config: ServingConfig, llm_server: LLMServer) -> APIRouter:
 
     @router.get("/ready")
     async def ready():
-        reason = await llm_server.readiness()
+        reason = await engine.readiness()
         if reason:
             raise ApiError(503, f"not ready: {reason}")
         return {"status": "ready"}
@@ -46,20 +47,29 @@ def ops_router(config: ServingConfig, llm_server: LLMServer) -> APIRouter:
     @router.get("/info")
     async def info():
         return {
-            "model_id": config.model.name, "aliases": config.model.aliases, "version": package_version(),
-            "max_input_length": min((c.max_prompt_len for c in llm_server.capacities), default=None),
-            "max_total_tokens": min((c.max_seq_len for c in llm_server.capacities), default=None),
-            "slots": sum(c.num_slots for c in llm_server.capacities if c.decodes),
-            "agents": [a for c in llm_server.clients for a in c.address.split(",")],
-            "groups": [{"group": i, "role": config.agents.groups[i].role, "agents": client.address.split(","),
-                        "slots": llm_server.group_slots(i), "running": llm_server.get_bs_current(i)}
-                       for i, client in enumerate(llm_server.clients)],
+            "model_id": config.model.name,
+            "aliases": config.model.aliases,
+            "version": package_version(),
+            "max_input_length": min((c.max_prompt_len for c in engine.capacities), default=None),
+            "max_total_tokens": min((c.max_seq_len for c in engine.capacities), default=None),
+            "slots": sum(c.num_slots for c in engine.capacities if c.decodes),
+            "agents": [a for c in engine.clients for a in c.address.split(",")],
+            "groups": [
+                {
+                    "group": i,
+                    "role": config.agents.groups[i].role,
+                    "agents": client.address.split(","),
+                    "slots": engine.group_slots(i),
+                    "running": engine.get_bs_current(i),
+                }
+                for i, client in enumerate(engine.clients)
+            ],
             "max_waiting_requests": config.server.max_waiting_requests,
         }
 
     @router.get("/metrics")
     async def metrics():
-        return Response(generate_latest(llm_server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @router.get("/dashboard")
     async def dashboard():

@@ -1,7 +1,9 @@
 """Helpers to run `start_agent.py` as a real subprocess and talk to its agents over ZeroMQ."""
+
 from __future__ import annotations
 
 import contextlib
+import random
 import signal
 import socket
 import subprocess
@@ -30,17 +32,27 @@ def free_ports(n: int) -> list[int]:
 
 
 # Tiny-model runtime with 8 slots and room for long answers (streams that outlast a poll or a signal).
-LONG_ANSWERS_RUNTIME = {"num_slots": 8, "max_seq_len": 512, "prefill_buckets": [16, 64],
-                        "decode_batch_buckets": [1, 2, 4, 8], "attend_buckets": [64, 512],
-                        "compile_cache_dir": None}
+LONG_ANSWERS_RUNTIME = {
+    "num_slots": 8,
+    "max_seq_len": 512,
+    "prefill_buckets": [16, 64],
+    "decode_batch_buckets": [1, 2, 4, 8],
+    "attend_buckets": [64, 512],
+    "compile_cache_dir": None,
+}
 
 
 def write_config(directory: Path, model_path: Path, ports: list[int], **sections) -> Path:
     config = {
         "model": {"name": "tiny", "path": str(model_path)},
-        "runtime": {"num_slots": 4, "max_seq_len": 64, "prefill_buckets": [16, 64],
-                    "decode_batch_buckets": [1, 2, 4], "attend_buckets": [32, 64],
-                    "compile_cache_dir": None},
+        "runtime": {
+            "num_slots": 4,
+            "max_seq_len": 64,
+            "prefill_buckets": [16, 64],
+            "decode_batch_buckets": [1, 2, 4],
+            "attend_buckets": [32, 64],
+            "compile_cache_dir": None,
+        },
         "agents": {"ports": ports, "startup_timeout_s": 180, "shutdown_grace_s": 5},
         "logging": {"dir": str(directory / "logs")},
     }
@@ -56,12 +68,17 @@ class LauncherProcess:
     line by line. `args` follow the config; `prefix` runs it through another command (a network
     namespace: `ip netns exec NAME`)."""
 
-    def __init__(self, config_path: Path, script: str = "start_agent.py", args: tuple = (),
-                 prefix: tuple = ()):
+    def __init__(
+        self, config_path: Path, script: str = "start_agent.py", args: tuple = (), prefix: tuple = ()
+    ):
         self.config_path = config_path
         self.process = subprocess.Popen(
             [*prefix, sys.executable, str(PROJECT_ROOT / script), "--config", str(config_path), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PROJECT_ROOT)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=PROJECT_ROOT,
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -137,13 +154,17 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 class AgentSocket:
-    """A plain synchronous DEALER for tests: send one request, wait for its reply."""
+    """A plain synchronous DEALER for tests: send one request, wait for its reply. With `session`
+    it opens one (`reset`: every slot released) and names it in each slot operation, as a server does."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1"):
+    def __init__(self, port: int, host: str = "127.0.0.1", session: bool = True):
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(f"tcp://{host}:{port}")
         self.next_id = 0
+        self.session = random.getrandbits(62) if session else None
+        if self.session is not None:
+            assert self.call("reset", session=self.session)[0]["ok"]
 
     def raw(self, frames: list, timeout: float = 30.0):
         self.socket.send_multipart(frames)
@@ -152,9 +173,13 @@ class AgentSocket:
         return protocol.decode(self.socket.recv_multipart())
 
     def call(self, op: str, arrays=(), timeout: float = 30.0, **fields):
+        if self.session is not None and op in protocol.SESSION_OPS:
+            fields.setdefault("session", self.session)
         self.next_id += 1
-        header, out = self.raw(protocol.encode({"op": op, "id": self.next_id, **fields},
-                                               [np.asarray(a) for a in arrays]), timeout)
+        header, out = self.raw(
+            protocol.encode({"op": op, "id": self.next_id, **fields}, [np.asarray(a) for a in arrays]),
+            timeout,
+        )
         assert header["id"] == self.next_id
         return header, out
 

@@ -1,8 +1,15 @@
-"""Shared fixtures: MindSpore's process context, tiny checkpoints, and runners built once per session."""
+"""Shared fixtures: MindSpore's process context, tiny checkpoints, and runners built once per session.
+
+Tests marked `unit` (`make unit`: `pytest -m unit`) need neither MindSpore nor a process. This file
+imports MindSpore only where a fixture or a test that is not unit needs it, `-m unit` collects only
+the modules marked unit, and a run of unit tests fails where MindSpore gets imported all the same."""
+
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -13,23 +20,78 @@ from agent.process_env import set_process_defaults  # noqa: E402
 set_process_defaults()  # as the agent processes run: before MindSpore loads
 
 from agent.model.formats import load_checkpoint  # noqa: E402
-from agent.runner import ModelRunner, configure_mindspore  # noqa: E402
 from config.schema import PROJECT_ROOT, RuntimeSection  # noqa: E402
 from tiny_models import write_tiny_checkpoint  # noqa: E402
 
+if TYPE_CHECKING:
+    from agent.runner import ModelRunner
+
+UNIT_MARK_LINE = "pytestmark = pytest.mark.unit"
+UNIT_ONLY = pytest.StashKey[bool]()
 DEFAULT_MODEL = PROJECT_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-TINY_RUNTIME = RuntimeSection(num_slots=4, max_seq_len=64, prefill_buckets=[16, 64],
-                              decode_batch_buckets=[1, 2, 4], attend_buckets=[32, 64],
-                              compile_cache_dir=None)
-DEFAULT_RUNTIME = RuntimeSection(num_slots=4, max_seq_len=256, prefill_buckets=[64, 256],
-                                 decode_batch_buckets=[1, 4], attend_buckets=[256],
-                                 compile_cache_dir=None)
+TINY_RUNTIME = RuntimeSection(
+    num_slots=4,
+    max_seq_len=64,
+    prefill_buckets=[16, 64],
+    decode_batch_buckets=[1, 2, 4],
+    attend_buckets=[32, 64],
+    compile_cache_dir=None,
+)
+DEFAULT_RUNTIME = RuntimeSection(
+    num_slots=4,
+    max_seq_len=256,
+    prefill_buckets=[64, 256],
+    decode_batch_buckets=[1, 4],
+    attend_buckets=[256],
+    compile_cache_dir=None,
+)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def mindspore_context():
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under `-m unit`, skip the test modules not marked unit: pytest imports a module before it can
+    read its marks, and most of the others import MindSpore. The mark line is read from the source."""
+    if config.getoption("markexpr") != "unit" or not collection_path.name.startswith("test_"):
+        return None
+    lines = collection_path.read_text(encoding="utf-8").splitlines()
+    return True if UNIT_MARK_LINE not in lines else None  # None: --ignore and the others still apply
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """MindSpore's context, configured before the fixtures of the first test that may use it."""
+    if item.get_closest_marker("unit") is None:
+        _configure_mindspore()
+
+
+@functools.cache
+def _configure_mindspore() -> None:
+    from agent.runner import configure_mindspore
+
     configure_mindspore(TINY_RUNTIME)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A run of unit tests only (`make unit`) proves they need no MindSpore: their modules must not
+    import it, and the fixture below fails a test that does."""
+    unit_only = bool(session.items) and all(item.get_closest_marker("unit") for item in session.items)
+    session.config.stash[UNIT_ONLY] = unit_only
+    if unit_only and "mindspore" in sys.modules:
+        pytest.exit(
+            "MindSpore was imported while collecting unit tests: a module marked unit (or what "
+            "it imports) loads it",
+            returncode=pytest.ExitCode.TESTS_FAILED,
+        )
+
+
+@pytest.fixture(autouse=True)
+def _unit_runs_leave_mindspore_out(request: pytest.FixtureRequest):
+    loaded_before = "mindspore" in sys.modules
+    yield
+    if request.config.stash.get(UNIT_ONLY, False) and not loaded_before and "mindspore" in sys.modules:
+        pytest.fail(
+            "this unit test imported MindSpore: move it out of the unit modules or make the import lazy"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -51,12 +113,16 @@ def default_model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama_runner(tiny_llama_dir) -> ModelRunner:
-    return ModelRunner(load_checkpoint(tiny_llama_dir), TINY_RUNTIME)
+    from agent.runner import ModelRunner
+
+    return ModelRunner.from_checkpoint(load_checkpoint(tiny_llama_dir), TINY_RUNTIME)
 
 
 @pytest.fixture(scope="session")
 def default_runner(default_model_path) -> ModelRunner:
-    return ModelRunner(load_checkpoint(default_model_path), DEFAULT_RUNTIME)
+    from agent.runner import ModelRunner
+
+    return ModelRunner.from_checkpoint(load_checkpoint(default_model_path), DEFAULT_RUNTIME)
 
 
 @pytest.fixture

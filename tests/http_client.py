@@ -1,5 +1,6 @@
 """Test-side HTTP helpers: the three ways to ask the native API for an answer, each parsed the way
 its clients parse it (a real SSE client, `data:` line parsing, plain JSON)."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,7 @@ def one_event(url: str) -> int:
 
 def sse_messages(url: str, body: dict) -> list[dict]:
     """Every event of a streamed answer (return_protocol "sse"), read with the SSE client."""
-    with httpx.Client(timeout=TIMEOUT) as client, \
-            connect_sse(client, "POST", url, json=body) as source:
+    with httpx.Client(timeout=TIMEOUT) as client, connect_sse(client, "POST", url, json=body) as source:
         assert source.response.status_code == 200, source.response.read()
         return [json.loads(e.data) for e in source.iter_sse()]
 
@@ -36,7 +36,7 @@ def data_lines(url: str, body: dict) -> list[dict]:
     assert response.status_code == 200, response.text
     lines = response.text.splitlines()
     assert all(line.startswith("data:") for line in lines), lines
-    return [json.loads(line[len("data:"):]) for line in lines]
+    return [json.loads(line[len("data:") :]) for line in lines]
 
 
 def answer_three_ways(base: str, model: str, inputs: str, parameters: dict) -> tuple[str, str, str]:
@@ -47,14 +47,22 @@ def answer_three_ways(base: str, model: str, inputs: str, parameters: dict) -> t
     text = full.json()["generated_text"]
     assert post(f"{base}/models/{model}", {"inputs": inputs, "parameters": parameters}).json() == full.json()
 
-    events = sse_messages(f"{base}/models/{model}/generate_stream",
-                          {"inputs": inputs, "parameters": {**parameters, "return_full_text": True}})
+    events = sse_messages(
+        f"{base}/models/{model}/generate_stream",
+        {"inputs": inputs, "parameters": {**parameters, "return_full_text": True}},
+    )
     assert all(e["event"] == "message" and e["retry"] == 30000 for e in events), events
     sse_text = "".join(e["data"] for e in events[:-1])
     assert events[-1]["data"] == sse_text
 
-    lines = data_lines(f"{base}/models/{model}", {"inputs": inputs, "stream": True, "parameters": {
-        **parameters, "return_protocol": "plain", "return_full_text": True}})
+    lines = data_lines(
+        f"{base}/models/{model}",
+        {
+            "inputs": inputs,
+            "stream": True,
+            "parameters": {**parameters, "return_protocol": "plain", "return_full_text": True},
+        },
+    )
     tokens = [line["token"] for line in lines[:-1]]
     assert [t["index"] for t in tokens] == list(range(len(tokens)))
     plain_text = "".join(t["text"] for t in tokens)

@@ -5,6 +5,7 @@ the files' own layouts, and for GGUF applies RoPE in the interleaved (GPT-J) ord
 as llama.cpp does, instead of un-permuting them. Attention is computed per head with an explicit
 repeat of the KV heads, in float64, so that it checks the graphs' float32 arithmetic too.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,29 +46,41 @@ def load_gguf_reference(path: str | Path) -> RefModel:
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
     meta = lambda k: reader.fields[f"{arch}.{k}"].contents()  # noqa: E731
-    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
-           for t in reader.tensors}
+    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64) for t in reader.tensors}
     n_layers = meta("block_count")
     layers = []
     for i in range(n_layers):
         p = f"blk.{i}."
-        layers.append({
-            "attn_norm": raw[p + "attn_norm.weight"], "q": raw[p + "attn_q.weight"],
-            "k": raw[p + "attn_k.weight"], "v": raw[p + "attn_v.weight"],
-            "o": raw[p + "attn_output.weight"], "ffn_norm": raw[p + "ffn_norm.weight"],
-            "gate": raw[p + "ffn_gate.weight"], "up": raw[p + "ffn_up.weight"],
-            "down": raw[p + "ffn_down.weight"],
-            "bq": raw.get(p + "attn_q.bias"), "bk": raw.get(p + "attn_k.bias"),
-            "bv": raw.get(p + "attn_v.bias")})
+        layers.append(
+            {
+                "attn_norm": raw[p + "attn_norm.weight"],
+                "q": raw[p + "attn_q.weight"],
+                "k": raw[p + "attn_k.weight"],
+                "v": raw[p + "attn_v.weight"],
+                "o": raw[p + "attn_output.weight"],
+                "ffn_norm": raw[p + "ffn_norm.weight"],
+                "gate": raw[p + "ffn_gate.weight"],
+                "up": raw[p + "ffn_up.weight"],
+                "down": raw[p + "ffn_down.weight"],
+                "bq": raw.get(p + "attn_q.bias"),
+                "bk": raw.get(p + "attn_k.bias"),
+                "bv": raw.get(p + "attn_v.bias"),
+            }
+        )
     heads = meta("attention.head_count")
-    return RefModel(layers=layers, embed=raw["token_embd.weight"], norm=raw["output_norm.weight"],
-                    head=raw.get("output.weight", raw["token_embd.weight"]), n_heads=heads,
-                    n_kv=meta("attention.head_count_kv"),
-                    head_dim=meta("embedding_length") // heads,
-                    theta=float(meta("rope.freq_base")),
-                    eps=float(meta("attention.layer_norm_rms_epsilon")),
-                    interleaved_rope=(arch == "llama"),
-                    rope_scaling=_gguf_rope_scaling(reader, arch))
+    return RefModel(
+        layers=layers,
+        embed=raw["token_embd.weight"],
+        norm=raw["output_norm.weight"],
+        head=raw.get("output.weight", raw["token_embd.weight"]),
+        n_heads=heads,
+        n_kv=meta("attention.head_count_kv"),
+        head_dim=meta("embedding_length") // heads,
+        theta=float(meta("rope.freq_base")),
+        eps=float(meta("attention.layer_norm_rms_epsilon")),
+        interleaved_rope=(arch == "llama"),
+        rope_scaling=_gguf_rope_scaling(reader, arch),
+    )
 
 
 def _gguf_rope_scaling(reader, arch: str) -> dict | None:
@@ -90,23 +103,37 @@ def load_hf_reference(directory: str | Path) -> RefModel:
     layers = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        layers.append({
-            "attn_norm": raw[p + "input_layernorm.weight"], "q": raw[p + "self_attn.q_proj.weight"],
-            "k": raw[p + "self_attn.k_proj.weight"], "v": raw[p + "self_attn.v_proj.weight"],
-            "o": raw[p + "self_attn.o_proj.weight"],
-            "ffn_norm": raw[p + "post_attention_layernorm.weight"],
-            "gate": raw[p + "mlp.gate_proj.weight"], "up": raw[p + "mlp.up_proj.weight"],
-            "down": raw[p + "mlp.down_proj.weight"],
-            "bq": raw.get(p + "self_attn.q_proj.bias"), "bk": raw.get(p + "self_attn.k_proj.bias"),
-            "bv": raw.get(p + "self_attn.v_proj.bias")})
+        layers.append(
+            {
+                "attn_norm": raw[p + "input_layernorm.weight"],
+                "q": raw[p + "self_attn.q_proj.weight"],
+                "k": raw[p + "self_attn.k_proj.weight"],
+                "v": raw[p + "self_attn.v_proj.weight"],
+                "o": raw[p + "self_attn.o_proj.weight"],
+                "ffn_norm": raw[p + "post_attention_layernorm.weight"],
+                "gate": raw[p + "mlp.gate_proj.weight"],
+                "up": raw[p + "mlp.up_proj.weight"],
+                "down": raw[p + "mlp.down_proj.weight"],
+                "bq": raw.get(p + "self_attn.q_proj.bias"),
+                "bk": raw.get(p + "self_attn.k_proj.bias"),
+                "bv": raw.get(p + "self_attn.v_proj.bias"),
+            }
+        )
     embed = raw["model.embed_tokens.weight"]
     heads = cfg["num_attention_heads"]
-    return RefModel(layers=layers, embed=embed, norm=raw["model.norm.weight"],
-                    head=raw.get("lm_head.weight", embed), n_heads=heads,
-                    n_kv=cfg.get("num_key_value_heads", heads),
-                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                    theta=float(cfg.get("rope_theta", 10000.0)), eps=float(cfg["rms_norm_eps"]),
-                    interleaved_rope=False, rope_scaling=cfg.get("rope_scaling"))
+    return RefModel(
+        layers=layers,
+        embed=embed,
+        norm=raw["model.norm.weight"],
+        head=raw.get("lm_head.weight", embed),
+        n_heads=heads,
+        n_kv=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        theta=float(cfg.get("rope_theta", 10000.0)),
+        eps=float(cfg["rms_norm_eps"]),
+        interleaved_rope=False,
+        rope_scaling=cfg.get("rope_scaling"),
+    )
 
 
 def _from_internlm2(raw: dict, cfg: dict) -> dict:
@@ -114,8 +141,10 @@ def _from_internlm2(raw: dict, cfg: dict) -> dict:
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg["hidden_size"] // heads
     per_kv = heads // kv + 2
-    out = {"model.embed_tokens.weight": raw["model.tok_embeddings.weight"],
-           "model.norm.weight": raw["model.norm.weight"]}
+    out = {
+        "model.embed_tokens.weight": raw["model.tok_embeddings.weight"],
+        "model.norm.weight": raw["model.norm.weight"],
+    }
     if "output.weight" in raw:
         out["lm_head.weight"] = raw["output.weight"]
     for i in range(cfg["num_hidden_layers"]):
@@ -123,10 +152,10 @@ def _from_internlm2(raw: dict, cfg: dict) -> dict:
         wqkv = raw[src + "attention.wqkv.weight"]
         q_rows, k_rows, v_rows = [], [], []
         for h in range(kv):
-            block = wqkv[h * per_kv * hd:(h + 1) * per_kv * hd]
+            block = wqkv[h * per_kv * hd : (h + 1) * per_kv * hd]
             q_rows.append(block[: (per_kv - 2) * hd])
-            k_rows.append(block[(per_kv - 2) * hd:(per_kv - 1) * hd])
-            v_rows.append(block[(per_kv - 1) * hd:])
+            k_rows.append(block[(per_kv - 2) * hd : (per_kv - 1) * hd])
+            v_rows.append(block[(per_kv - 1) * hd :])
         out[dst + "self_attn.q_proj.weight"] = np.concatenate(q_rows)
         out[dst + "self_attn.k_proj.weight"] = np.concatenate(k_rows)
         out[dst + "self_attn.v_proj.weight"] = np.concatenate(v_rows)
@@ -178,7 +207,7 @@ def _rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray, interleaved: 
         out[..., 0::2] = a * cos - b * sin
         out[..., 1::2] = a * sin + b * cos
         return out
-    a, b = x[..., : hd // 2], x[..., hd // 2:]
+    a, b = x[..., : hd // 2], x[..., hd // 2 :]
     return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
 
 
@@ -197,10 +226,8 @@ def forward(model: RefModel, tokens: list[int], cache: RefCache) -> np.ndarray:
         q, k, v = h @ layer["q"].T, h @ layer["k"].T, h @ layer["v"].T
         if layer["bq"] is not None:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-        q = _rope(q.reshape(len(tokens), model.n_heads, hd), positions, freqs,
-                  model.interleaved_rope)
-        k = _rope(k.reshape(len(tokens), model.n_kv, hd), positions, freqs,
-                  model.interleaved_rope)
+        q = _rope(q.reshape(len(tokens), model.n_heads, hd), positions, freqs, model.interleaved_rope)
+        k = _rope(k.reshape(len(tokens), model.n_kv, hd), positions, freqs, model.interleaved_rope)
         v = v.reshape(len(tokens), model.n_kv, hd)
         cache.keys[li].extend(k)
         cache.values[li].extend(v)

@@ -1,15 +1,15 @@
 """AgentClient (zmq.asyncio) against a real agent process: calls, error replies, timeouts."""
+
 import asyncio
 import os
 import signal
 
-import numpy as np
 import pytest
 
 from agent.contract.sampling import SamplingParams
+from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, write_config
 from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable
-from agent.model.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
 """start_agent.py end to end: real agent processes, real ZeroMQ sockets, real signals."""
+
 import asyncio
 import os
 import pickle
@@ -13,10 +14,11 @@ import zmq
 
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
+from agent.launcher import RestartBudget
+from agent.model.tokenizer import load_tokenizer
 from agent_harness import AgentSocket, LauncherProcess, alive, free_ports, wait_gone, write_config
 from config import load_config
 from scheduler.agent_client import AgentClient, AgentUnavailable
-from agent.model.tokenizer import load_tokenizer
 
 START_TIMEOUT = 240
 
@@ -50,11 +52,11 @@ def two_agents(tmp_path_factory, tiny_llama_dir):
         launcher.close()
 
 
-def test_two_agents_report_ready_and_answer_like_the_runner(two_agents, tiny_llama_runner,
-                                                            tiny_llama_dir, release_all):
+def test_two_agents_report_ready_and_answer_like_the_runner(
+    two_agents, tiny_llama_runner, tiny_llama_dir, release_all
+):
     launcher, ports, directory = two_agents
-    ready = [launcher.wait_for(f"agent rank {r} ready on 127.0.0.1:{p} (pid", 1)
-             for r, p in enumerate(ports)]
+    ready = [launcher.wait_for(f"agent rank {r} ready on 127.0.0.1:{p} (pid", 1) for r, p in enumerate(ports)]
     assert launcher.wait_for("all agents started", 1) > max(ready)
     assert sum("ready on" in line for line in launcher.lines) == 2
     assert (directory / "logs" / "agent_0.log").is_file()
@@ -70,8 +72,9 @@ def test_two_agents_report_ready_and_answer_like_the_runner(two_agents, tiny_lla
         assert info["ok"] and info["rank"] == rank and info["port"] == port
         assert info["protocol"] == protocol.PROTOCOL_VERSION and info["num_slots"] == 4
         assert info["max_seq_len"] == 64 and info["role"] == "mixed" and info["model"] == "tiny"
-        reply, _ = client.call("prefill", [np.array(prompt, np.int32)], slot=1,
-                               sampling=SamplingParams().model_dump())
+        reply, _ = client.call(
+            "prefill", [np.array(prompt, np.int32)], slot=1, sampling=SamplingParams().model_dump()
+        )
         got = [reply["token"]]
         for _ in range(7):
             reply, arrays = client.call("decode", [np.array([1], np.int32)])
@@ -82,20 +85,43 @@ def test_two_agents_report_ready_and_answer_like_the_runner(two_agents, tiny_lla
         client.close()
 
 
-@pytest.mark.parametrize("frames_or_call, error", [
-    (lambda c: c.raw([b"\xff\x00 garbage"]), "header is not msgpack"),
-    # No pickle on the wire: a pickled request is refused as bytes, never unpickled.
-    (lambda c: c.raw([pickle.dumps({"op": "ping", "id": 1})]), "header is not msgpack"),
-    (lambda c: c.raw([b"\x93\x01\x02\x03"]), "header must be a msgpack map"),
-    (lambda c: c.call("fly"), "unknown op 'fly'"),
-    (lambda c: c.raw([protocol.encode({"op": "decode", "id": 1}, [np.array([0], np.int32)])[0],
-                      b"\x00" * 7]), "7 bytes do not match int32[1]"),
-    (lambda c: c.call("prefill", [np.array([1, 2], np.int32)], slot=99), "slot 99 is out of range"),
-    (lambda c: c.call("prefill", [np.ones(65, np.int32)], slot=0), "exceeds the longest prompt"),
-    (lambda c: c.call("prefill", [np.array([1], np.int32)], slot=0, sampling={"top_p": 7}), "top_p"),
-    (lambda c: c.call("decode", [np.array([3], np.int32)]), "slot 3 holds no sequence"),
-    (lambda c: c.call("release", slot="x"), "must be an integer"),
-])
+def spec_frames(spec, frame: bytes) -> list:
+    """A decode request whose one array is described by `spec`, as a hostile peer may send it."""
+    import msgpack
+
+    header = {"v": protocol.PROTOCOL_VERSION, "op": "decode", "id": 1, "arrays": [spec]}
+    return [msgpack.packb(header), frame]
+
+
+@pytest.mark.parametrize(
+    "frames_or_call, error",
+    [
+        (lambda c: c.raw([b"\xff\x00 garbage"]), "header is not msgpack"),
+        # No pickle on the wire: a pickled request is refused as bytes, never unpickled.
+        (lambda c: c.raw([pickle.dumps({"op": "ping", "id": 1})]), "header is not msgpack"),
+        (lambda c: c.raw([b"\x93\x01\x02\x03"]), "header must be a msgpack map"),
+        (lambda c: c.call("fly"), "unknown op 'fly'"),
+        (
+            lambda c: c.raw(
+                [protocol.encode({"op": "decode", "id": 1}, [np.array([0], np.int32)])[0], b"\x00" * 7]
+            ),
+            "7 bytes do not match int32[1]",
+        ),
+        (lambda c: c.call("prefill", [np.array([1, 2], np.int32)], slot=99), "slot 99 is out of range"),
+        (lambda c: c.call("prefill", [np.ones(65, np.int32)], slot=0), "exceeds the longest prompt"),
+        (lambda c: c.call("prefill", [np.array([1], np.int32)], slot=0, sampling={"top_p": 7}), "top_p"),
+        (lambda c: c.call("decode", [np.array([3], np.int32)]), "slot 3 holds no sequence"),
+        (lambda c: c.call("release", slot="x"), "must be an integer"),
+        # These three killed the agent (TypeError, OverflowError, an int64 product that wrapped to 0).
+        (lambda c: c.raw(spec_frames([["int32"], [1]], b"\x00" * 4)), "bad description"),
+        (lambda c: c.raw(spec_frames(["int32", [float("inf")]], b"")), "bad shape"),
+        (lambda c: c.raw(spec_frames(["int32", [2**32, 2**32]], b"")), "bad shape"),
+        (lambda c: c.raw(spec_frames(["int32", [2**20, 2**20]], b"")), "is larger than"),
+        (lambda c: c.raw(spec_frames(["int32", [-1]], b"")), "bad shape"),
+        (lambda c: c.raw(spec_frames(["int32", [1] * 64], b"\x00" * 4)), "bad description"),
+        (lambda c: c.raw(spec_frames("int32", b"")), "bad description"),
+    ],
+)
 def test_bad_messages_get_error_replies_and_the_agent_keeps_serving(two_agents, frames_or_call, error):
     _, ports, _ = two_agents
     client = AgentSocket(ports[0])
@@ -103,6 +129,38 @@ def test_bad_messages_get_error_replies_and_the_agent_keeps_serving(two_agents, 
     assert header["ok"] is False and error in header["error"], header
     assert client.call("ping")[0]["ok"]
     client.close()
+
+
+def test_agents_survive_every_bad_message(two_agents):
+    """Runs after the bad messages above: the same processes still serve (none died and was
+    restarted by the launcher)."""
+    launcher, ports, _ = two_agents
+    assert sum("restarting" in line for line in launcher.lines) == 0
+    assert all(AgentSocket(port).call("ping")[0]["ok"] for port in ports)
+
+
+def test_slot_operations_need_the_current_session(two_agents):
+    """A local process that never opened the session (or names another) can neither release nor
+    decode the server's slots, nor stop the agent; the session holder's sequence is untouched."""
+    _, ports, _ = two_agents
+    owner = AgentSocket(ports[0])
+    assert owner.call(
+        "prefill", [np.array([5, 6, 7], np.int32)], slot=2, sampling=SamplingParams().model_dump()
+    )[0]["ok"]
+    intruder = AgentSocket(ports[0], session=False)
+    for op, arrays, fields in [
+        ("release", (), {"slot": 2}),
+        ("decode", [np.array([2], np.int32)], {}),
+        ("prefill", [np.array([1], np.int32)], {"slot": 3}),
+        ("shutdown", (), {}),
+    ]:
+        header, _ = intruder.call(op, arrays, **fields)
+        assert not header["ok"] and "needs the current session" in header["error"], header
+        header, _ = intruder.call(op, arrays, session=owner.session + 1, **fields)
+        assert not header["ok"] and header["kind"] == "stale_session", header
+    header, arrays = owner.call("decode", [np.array([2], np.int32)])
+    assert header["ok"] and len(arrays[0]) == 1
+    assert owner.call("release", slot=2)[0]["ok"] and owner.call("ping")[0]["ok"]
 
 
 def test_version_mismatch_is_a_clear_error(two_agents):
@@ -166,8 +224,7 @@ def test_kill_9_of_the_launcher_takes_the_agents_down(launch, tiny_llama_dir):
 def test_killed_agent_is_restarted_by_policy(launch, tiny_llama_dir, tmp_path):
     launcher, ports = launch(tiny_llama_dir, 1, agents={"restart_policy": "restart"})
     first = launcher.wait_for("all agents started", START_TIMEOUT)
-    agent_pid = next(p for p in launcher.agent_pids()
-                     if "spawn" in " ".join(psutil.Process(p).cmdline()))
+    agent_pid = next(p for p in launcher.agent_pids() if "spawn" in " ".join(psutil.Process(p).cmdline()))
     os.kill(agent_pid, signal.SIGKILL)
     launcher.wait_for("agent rank 0 died (exit code -9); restarting", 30, start=first)
     launcher.wait_for("agent rank 0 ready on", START_TIMEOUT, start=first + 1)
@@ -176,7 +233,7 @@ def test_killed_agent_is_restarted_by_policy(launch, tiny_llama_dir, tmp_path):
     assert client.call("ping", timeout=30)[0]["ok"]
     client.close()
     log = (tmp_path / "logs" / "agent_launcher.log").read_text()
-    assert "agent rank 0 died (exit code -9); restarting (restart 1 of 3)" in log
+    assert "agent rank 0 died (exit code -9); restarting (restart 1 of 3 within 600s)" in log
 
 
 def test_killed_agent_with_exit_policy_stops_the_launcher(launch, tiny_llama_dir):
@@ -195,8 +252,12 @@ def test_curve_agent_serves_the_configured_server_key_only(launch, tiny_llama_di
     config: a plain client and a client with another keypair get nothing back."""
     agent_public, agent_secret = zmq.curve_keypair()
     server_public, server_secret = zmq.curve_keypair()
-    curve = {"agent_public_key": agent_public.decode(), "agent_secret_key": agent_secret.decode(),
-             "server_public_key": server_public.decode(), "server_secret_key": server_secret.decode()}
+    curve = {
+        "agent_public_key": agent_public.decode(),
+        "agent_secret_key": agent_secret.decode(),
+        "server_public_key": server_public.decode(),
+        "server_secret_key": server_secret.decode(),
+    }
     launcher, (port,) = launch(tiny_llama_dir, agents={"curve": curve})
     launcher.wait_for("all agents started", START_TIMEOUT)
     config = load_config(launcher.config_path)
@@ -213,12 +274,15 @@ def test_curve_agent_serves_the_configured_server_key_only(launch, tiny_llama_di
     with pytest.raises(AgentUnavailable, match="refused the connection"):
         asyncio.run(info(None))
     intruder_public, intruder_secret = zmq.curve_keypair()
-    intruder = config.agents.curve.model_copy(update={
-        "server_public_key": intruder_public.decode(), "server_secret_key": intruder_secret.decode()})
+    intruder = config.agents.curve.model_copy(
+        update={"server_public_key": intruder_public.decode(), "server_secret_key": intruder_secret.decode()}
+    )
     with pytest.raises(AgentUnavailable, match="refused the connection"):
         asyncio.run(info(intruder))
-    assert "refused a CURVE client with an unknown public key" in \
-        (launcher.config_path.parent / "logs" / "agent_0.log").read_text()
+    assert (
+        "refused a CURVE client with an unknown public key"
+        in (launcher.config_path.parent / "logs" / "agent_0.log").read_text()
+    )
 
 
 def test_agent_plans_its_slots_from_the_memory_budget_and_logs_the_plan(launch, tiny_llama_dir, tmp_path):
@@ -235,8 +299,10 @@ def test_agent_plans_its_slots_from_the_memory_budget_and_logs_the_plan(launch, 
     assert info["num_slots"] == slots
     launcher.close()
 
-    failing, _ = launch(tiny_llama_dir, runtime={"num_slots": 4, "max_seq_len": 8192, "memory_budget_mb": 1,
-                                                 "attend_buckets": [8192]})
+    failing, _ = launch(
+        tiny_llama_dir,
+        runtime={"num_slots": 4, "max_seq_len": 8192, "memory_budget_mb": 1, "attend_buckets": [8192]},
+    )
     assert failing.process.wait(START_TIMEOUT) != 0
     assert "num_slots 4 x max_seq_len 8192 needs 20 MB of KV cache" in failing.output()
 
@@ -256,3 +322,11 @@ def test_agents_run_on_their_configured_cpus(launch, tiny_llama_dir):
     failing, _ = launch(tiny_llama_dir, agents={"cpu_affinity": [[4096]]})
     assert failing.process.wait(START_TIMEOUT) != 0
     assert "cannot run agent rank 0 on CPUs [4096] (agents.cpu_affinity)" in failing.output()
+
+
+def test_restart_budget_counts_crashes_within_its_window():
+    budget = RestartBudget(limit=3, window_s=600)
+    assert [budget.take(t) for t in (0, 10, 20, 30)] == [True, True, True, False]  # a crash loop stops
+    daily = RestartBudget(limit=3, window_s=600)
+    assert all(daily.take(day * 86400) for day in range(30))  # a crash a day never adds up
+    assert budget.take(605) and not budget.take(606)  # the crash at 0 left the window, the others not

@@ -1,9 +1,13 @@
-"""BatchScheduler as pure logic, driven against fake agents that enforce the runner's slot rules."""
+"""BatchScheduler as pure logic, driven against fake agents (one per group) that enforce the runner's
+slot rules."""
+
 import pytest
 
 from agent.contract.sampling import SamplingParams
-from scheduler.batch_scheduler import AdmissionError, AgentCapacity, BatchScheduler
+from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal
 from scheduler.sequence import FinishReason, Sequence
+
+pytestmark = pytest.mark.unit
 
 EOS = 99
 
@@ -40,17 +44,17 @@ def seq(rid, prompt=(1, 2, 3), max_new=5, stop_ids=frozenset({EOS})):
 
 def step(scheduler, agents):
     plan = scheduler.schedule()
-    for agent, slot, _ticket in plan.releases:
-        agents[agent].release(slot)
+    for group, slot, _ticket in plan.releases:
+        agents[group].release(slot)
     for s in plan.prefills:
-        scheduler.prefilled(s, agents[s.agent].prefill(s.slot, s.prompt))
-    for agent, seqs in plan.decodes.items():
-        scheduler.decoded(seqs, agents[agent].decode([s.slot for s in seqs]))
+        scheduler.prefilled(s, agents[s.group].prefill(s.slot, s.prompt))
+    for group, seqs in plan.decodes.items():
+        scheduler.decoded(seqs, agents[group].decode([s.slot for s in seqs]))
     return plan
 
 
 def make(slots=(2,), max_waiting=8, max_seq_len=64, max_prompt_len=32, **kw):
-    caps = [AgentCapacity(n, max_seq_len, max_prompt_len) for n in slots]
+    caps = [GroupCapacity(n, max_seq_len, max_prompt_len) for n in slots]
     return BatchScheduler(caps, max_waiting, **kw), [FakeAgent(n) for n in slots]
 
 
@@ -91,15 +95,15 @@ def test_admission_errors():
     scheduler, _ = make(max_waiting=1, max_prompt_len=4)
     with pytest.raises(AdmissionError, match="empty") as e:
         scheduler.add(seq("e", prompt=()))
-    assert e.value.status == 400
+    assert e.value.reason is Refusal.EMPTY_PROMPT
     with pytest.raises(AdmissionError, match="5 tokens; the longest accepted is 4") as e:
         scheduler.add(seq("long", prompt=(1, 2, 3, 4, 5)))
-    assert e.value.status == 413
+    assert e.value.reason is Refusal.TOO_LONG
     for i in range(3):  # 2 free slots + 1 waiting place: a burst is not refused while slots are idle
         scheduler.add(seq(f"ok{i}"))
     with pytest.raises(AdmissionError, match="queue is full") as e:
         scheduler.add(seq("more"))
-    assert e.value.status == 503 and e.value.overload
+    assert e.value.reason is Refusal.OVERLOADED
 
 
 def test_tokens_in_flight_bound_counts_prompt_and_answer_until_the_end():
@@ -108,7 +112,7 @@ def test_tokens_in_flight_bound_counts_prompt_and_answer_until_the_end():
     scheduler.add(first)
     with pytest.raises(AdmissionError, match="needs up to 15 .* 10 of 40 are free") as e:
         scheduler.add(seq("second", prompt=(1, 2, 3, 4, 5), max_new=10))
-    assert e.value.status == 503 and e.value.overload
+    assert e.value.reason is Refusal.OVERLOADED
     scheduler.add(seq("small", prompt=(1, 2), max_new=8))
     assert scheduler.tokens_in_flight == 40
     while scheduler.num_running or scheduler.num_waiting:
@@ -116,26 +120,36 @@ def test_tokens_in_flight_bound_counts_prompt_and_answer_until_the_end():
     assert scheduler.tokens_in_flight == 0
 
 
-def test_no_healthy_agent_refuses_new_requests_and_fails_the_waiting():
+def one_running_one_waiting():
+    """One slot: a long answer running in it, a second request waiting."""
     scheduler, agents = make(slots=(1,))
-    running, waiting = seq("running", max_new=50), seq("waiting")
+    running, waiting = seq("run", max_new=50), seq("wait")
     scheduler.add(running)
     scheduler.add(waiting)
     step(scheduler, agents)
-    assert scheduler.agent_failed(0, "gone") == [running]
+    return scheduler, agents, running, waiting
+
+
+def test_no_healthy_group_refuses_new_requests_and_fails_the_waiting():
+    scheduler, _, running, waiting = one_running_one_waiting()
+    assert scheduler.group_failed(0, "gone") == [running]
     assert scheduler.fail_waiting("no agent") == [waiting] and waiting.error == "no agent"
     with pytest.raises(AdmissionError, match="no agent is available") as e:
         scheduler.add(seq("new"))
-    assert e.value.status == 503 and not e.value.overload
+    assert e.value.reason is Refusal.NO_GROUP
     assert scheduler.tokens_in_flight == 0
 
 
+def test_abort_all_ends_waiting_and_running_and_releases_the_slots():
+    scheduler, _, run, wait = one_running_one_waiting()
+    assert scheduler.abort_all("shutting down") == [wait, run]
+    assert all(s.finish_reason is FinishReason.ABORT and s.error == "shutting down" for s in (run, wait))
+    assert (scheduler.num_running, scheduler.num_waiting, scheduler.tokens_in_flight) == (0, 0, 0)
+    assert scheduler.schedule().releases == [(0, run.slot, None)]
+
+
 def test_abort_waiting_running_and_in_flight():
-    scheduler, agents = make(slots=(1,))
-    run, wait = seq("run", max_new=50), seq("wait")
-    scheduler.add(run)
-    scheduler.add(wait)
-    step(scheduler, agents)
+    scheduler, agents, run, wait = one_running_one_waiting()
     assert scheduler.abort("wait") is wait and wait.finish_reason is FinishReason.ABORT
     assert scheduler.num_waiting == 0
     plan = scheduler.schedule()
@@ -146,24 +160,38 @@ def test_abort_waiting_running_and_in_flight():
     assert scheduler.abort("unknown") is None
 
 
-def test_requests_spread_over_agents_and_a_failed_agent_fails_only_its_own():
+@pytest.mark.parametrize("max_new, first_token", [(1, 4), (5, EOS)])
+def test_abort_during_a_prefill_whose_token_ends_the_sequence_counts_it_once(max_new, first_token):
+    """The client left while the prefill ran, and the first token would end the sequence anyway
+    (max_new_tokens 1, or EOS): tokens_in_flight went negative and stopped bounding anything."""
+    scheduler, _ = make(max_tokens_in_flight=100)
+    request = seq("a", max_new=max_new)
+    scheduler.add(request)
+    plan = scheduler.schedule()
+    scheduler.abort("a")
+    scheduler.prefilled(plan.prefills[0], first_token)
+    assert scheduler.tokens_in_flight == 0 and request.finish_reason is FinishReason.ABORT
+    assert request.output == []
+
+
+def test_requests_spread_over_groups_and_a_failed_group_fails_only_its_own():
     scheduler, agents = make(slots=(2, 2))
     seqs = [seq(str(i), max_new=30) for i in range(4)]
     for s in seqs:
         scheduler.add(s)
     step(scheduler, agents)
-    assert sorted(s.agent for s in seqs) == [0, 0, 1, 1]
-    failed = scheduler.agent_failed(1, "agent 1 timed out")
-    assert {s.request_id for s in failed} == {s.request_id for s in seqs if s.agent == 1}
+    assert sorted(s.group for s in seqs) == [0, 0, 1, 1]
+    failed = scheduler.group_failed(1, "agent 1 timed out")
+    assert {s.request_id for s in failed} == {s.request_id for s in seqs if s.group == 1}
     assert all(s.finish_reason is FinishReason.ERROR and "timed out" in s.error for s in failed)
     newcomer = seq("new")
     scheduler.add(newcomer)
     plan = step(scheduler, agents)
-    assert 1 not in plan.decodes and newcomer not in plan.prefills  # agent 0 is full
-    scheduler.agent_recovered(1, AgentCapacity(2, 64, 32))
+    assert 1 not in plan.decodes and newcomer not in plan.prefills  # group 0 is full
+    scheduler.group_recovered(1, GroupCapacity(2, 64, 32))
     agents[1] = FakeAgent(2)
     plan = step(scheduler, agents)
-    assert plan.prefills == [newcomer] and newcomer.agent == 1
+    assert plan.prefills == [newcomer] and newcomer.group == 1
 
 
 def test_external_finish_releases_the_slot():
@@ -176,25 +204,25 @@ def test_external_finish_releases_the_slot():
 
 
 def disaggregated(decode_slots=(2,), prefill_slots=1):
-    caps = [AgentCapacity(prefill_slots, 64, 32, "prefill")]
-    caps += [AgentCapacity(n, 64, 32, "decode") for n in decode_slots]
+    caps = [GroupCapacity(prefill_slots, 64, 32, "prefill")]
+    caps += [GroupCapacity(n, 64, 32, "decode") for n in decode_slots]
     return BatchScheduler(caps, 8)
 
 
-def test_prefill_agent_slots_bound_transfers_and_transferring_sequences_are_not_decoded():
+def test_prefill_group_slots_bound_transfers_and_transferring_sequences_are_not_decoded():
     scheduler = disaggregated(decode_slots=(2, 2))
     a, b = seq("a", max_new=4), seq("b", max_new=4)
     scheduler.add(a)
     scheduler.add(b)
     plan = scheduler.schedule()
-    # One prefill slot: one transfer at a time; the decode agent with the most free slots.
-    assert plan.prefills == [a] and (a.prefill_agent, a.prefill_slot) == (0, 0)
-    assert a.agent in (1, 2) and a.transferring and a.ticket is not None and not plan.decodes
+    # One prefill slot: one transfer at a time; the decode group with the most free slots.
+    assert plan.prefills == [a] and (a.prefill_group, a.prefill_slot) == (0, 0)
+    assert a.group in (1, 2) and a.transferring and a.ticket is not None and not plan.decodes
     assert scheduler.schedule().prefills == []  # b waits for the prefill slot
     scheduler.transferred(a, 7)
     plan = scheduler.schedule()
-    assert plan.prefills == [b] and plan.decodes == {a.agent: [a]} and a.output == [7]
-    assert b.agent != a.agent  # now the other decode agent has more free slots
+    assert plan.prefills == [b] and plan.decodes == {a.group: [a]} and a.output == [7]
+    assert b.group != a.group  # now the other decode group has more free slots
 
 
 def test_failed_transfer_releases_the_decode_slot_with_its_ticket():
@@ -206,7 +234,7 @@ def test_failed_transfer_releases_the_decode_slot_with_its_ticket():
     assert a.finish_reason is FinishReason.ERROR and "acknowledge" in a.error
     plan = scheduler.schedule()
     assert plan.releases == [(1, a.slot, a.ticket)]
-    assert scheduler.free_slots[0] == [0]  # the prefill agent freed its own slot
+    assert scheduler.free_slots[0] == [0]  # the prefill group freed its own slot
 
 
 def test_aborted_during_transfer_cancels_the_ticket_and_ignores_the_late_token():
@@ -220,12 +248,12 @@ def test_aborted_during_transfer_cancels_the_ticket_and_ignores_the_late_token()
     assert a.output == [] and scheduler.free_slots[0] == [0]
 
 
-def test_prefill_agent_failure_fails_its_transfers_and_leaves_no_path():
+def test_prefill_group_failure_fails_its_transfers_and_leaves_no_path():
     scheduler = disaggregated()
     a = seq("a")
     scheduler.add(a)
     scheduler.schedule()
-    failed = scheduler.agent_failed(0, "prefill agent died")
+    failed = scheduler.group_failed(0, "prefill agent died")
     assert failed == [a] and a.finish_reason is FinishReason.ERROR
     assert scheduler.schedule().releases == [(1, a.slot, a.ticket)]
     assert not scheduler.can_serve

@@ -1,5 +1,6 @@
 """The benchmark tool's parts on synthetic input: stream parsing of both APIs, target URLs,
 statistics, and the files it writes. A real run against a server is in test_http_api.py."""
+
 import itertools
 import json
 
@@ -10,12 +11,16 @@ from tools.bench.__main__ import parse_args, request_bodies
 from tools.bench.stats import RequestRecord, median_of_runs, percentile, summarize
 from tools.bench.targets import Target, TargetError, parse_line
 
+pytestmark = pytest.mark.unit
+
 
 def test_native_stream_lines():
     assert parse_line("native", 'data:{"token": {"text": "Hi", "index": 0}}').text == "Hi"
     assert parse_line("native", 'data:{"generated_text": "Hi there"}').done
-    assert parse_line("native", 'data:{"error": "the server is shutting down"}').error == \
-        "the server is shutting down"
+    assert (
+        parse_line("native", 'data:{"error": "the server is shutting down"}').error
+        == "the server is shutting down"
+    )
     assert parse_line("native", "") is None
 
 
@@ -32,7 +37,11 @@ def test_openai_stream_lines():
 
 def test_target_urls():
     native = Target.parse("ours=http://127.0.0.1:9811/models/smollm2/generate_stream")
-    assert (native.label, native.url, native.api) == ("ours", "http://127.0.0.1:9811/models/smollm2", "native")
+    assert (native.label, native.url, native.api) == (
+        "ours",
+        "http://127.0.0.1:9811/models/smollm2",
+        "native",
+    )
     chat = Target.parse("http://localhost:8080/v1/chat/completions")
     assert (chat.label, chat.api) == ("localhost:8080", "chat")
     assert Target.parse("http://h:1/v1/completions").api == "completions"
@@ -50,8 +59,18 @@ def test_cli_needs_a_target_and_unique_labels():
         parse_args([])
     with pytest.raises(SystemExit):
         parse_args(["--target", "http://h:1/models/a", "--vs", "http://h:1/models/b"])
-    args = parse_args(["--target", "http://h:1/models/a", "--vs", "b=http://h:2/v1/completions",
-                       "--concurrency", "1,4", "--output-len", "16:32"])
+    args = parse_args(
+        [
+            "--target",
+            "http://h:1/models/a",
+            "--vs",
+            "b=http://h:2/v1/completions",
+            "--concurrency",
+            "1,4",
+            "--output-len",
+            "16:32",
+        ]
+    )
     assert [t.label for t in args.targets] == ["h:1", "b"] and args.concurrency == [1, 4]
     assert args.output_len == (16, 32)
 
@@ -74,11 +93,19 @@ def test_percentile_matches_a_hand_computation(values, q):
 
 def test_summary_of_synthetic_requests():
     def record(start, times, tokens=None):
-        return RequestRecord(start=start, first_token=times[0], end=times[-1] + 0.5, token_times=times,
-                             tokens=tokens or len(times))
+        return RequestRecord(
+            start=start,
+            first_token=times[0],
+            end=times[-1] + 0.5,
+            token_times=times,
+            tokens=tokens or len(times),
+        )
 
-    records = [record(0.0, [1.0, 1.1, 1.3]), record(0.0, [2.0, 2.2], tokens=5),
-               RequestRecord(start=0.0, end=0.1, error="HTTP 503: full")]
+    records = [
+        record(0.0, [1.0, 1.1, 1.3]),
+        record(0.0, [2.0, 2.2], tokens=5),
+        RequestRecord(start=0.0, end=0.1, error="HTTP 503: full"),
+    ]
     summary = summarize(records, wall_s=4.0)
     assert summary["requests"] == 3 and summary["errors"] == 1
     assert summary["error_messages"] == ["HTTP 503: full"]
@@ -92,9 +119,21 @@ def test_summary_of_synthetic_requests():
 
 
 def test_report_files(tmp_path):
-    summary = summarize([RequestRecord(start=0, first_token=0.5, end=1.0, token_times=[0.5, 0.6], tokens=2)], 1.0)
-    results = [{"target": t, "level": n, "x": n, "x_label": "concurrent streams", "summary": summary, "runs": [summary]}
-               for t in ("a", "b") for n in (1, 2)]
+    summary = summarize(
+        [RequestRecord(start=0, first_token=0.5, end=1.0, token_times=[0.5, 0.6], tokens=2)], 1.0
+    )
+    results = [
+        {
+            "target": t,
+            "level": n,
+            "x": n,
+            "x_label": "concurrent streams",
+            "summary": summary,
+            "runs": [summary],
+        }
+        for t in ("a", "b")
+        for n in (1, 2)
+    ]
     paths = report.write(results, {"seed": 0}, tmp_path / "bench", "run")
     assert json.loads(paths["json"].read_text())["results"][0]["summary"]["output_tokens"] == 2
     table = paths["md"].read_text().splitlines()

@@ -1,4 +1,5 @@
 """Loaders: the model spec comes from the files; bad files give clear errors."""
+
 import json
 import shutil
 
@@ -9,6 +10,8 @@ from agent.model.checkpoint import CheckpointError
 from agent.model.formats import load_checkpoint
 from agent.model.formats.gguf_file import unpermute_qk
 from tiny_models import write_tiny_checkpoint
+
+pytestmark = pytest.mark.unit
 
 
 def test_llama_spec_comes_from_config(tiny_llama_dir):
@@ -98,8 +101,11 @@ def test_bf16_safetensors_load(tmp_path, tiny_llama_dir):
     header, blobs, offset = {}, [], 0
     for name, array in tensors.items():
         bf16 = (array.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(bf16)]}
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(bf16)],
+        }
         blobs.append(bf16)
         offset += len(bf16)
     raw = json.dumps(header).encode()

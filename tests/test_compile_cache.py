@@ -3,6 +3,7 @@ known-answer check (agent/known_answer.py) behind it.
 
 MindSpore's compile cache is process-wide, so each cached run below is its own process
 (tests/cached_greedy.py)."""
+
 from __future__ import annotations
 
 import json
@@ -15,27 +16,39 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
-from agent.model.formats import load_checkpoint
 from agent.compile_cache import cache_key, compile_cache_dir
 from agent.known_answer import KnownAnswer, KnownAnswerError
+from agent.model.formats import load_checkpoint
+from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner
 from agent_harness import LauncherProcess, free_ports, write_config
 from config.schema import PROJECT_ROOT, RuntimeSection
 from conftest import TINY_RUNTIME
-from agent.model.tokenizer import load_tokenizer
 from tiny_models import write_tiny_checkpoint, write_tiny_gguf
 
 CACHED_GREEDY = Path(__file__).parent / "cached_greedy.py"
 
 # Few buckets, so that each process compiles quickly; rows 1 and 2 take the Q4_1 path of a GGUF.
-SMALL_DEFAULT_RUNTIME = dict(num_slots=2, max_seq_len=128, prefill_buckets=[64], decode_batch_buckets=[1, 2],
-                             attend_buckets=[128])
+SMALL_DEFAULT_RUNTIME = dict(
+    num_slots=2, max_seq_len=128, prefill_buckets=[64], decode_batch_buckets=[1, 2], attend_buckets=[128]
+)
 
 
 def cached_greedy(model: Path, runtime: RuntimeSection, prompt: list[int], steps: int) -> list[int]:
-    done = subprocess.run([sys.executable, str(CACHED_GREEDY), str(model), runtime.model_dump_json(),
-                           json.dumps(prompt), str(steps)], cwd=PROJECT_ROOT, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(CACHED_GREEDY),
+            str(model),
+            runtime.model_dump_json(),
+            json.dumps(prompt),
+            str(steps),
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -45,14 +58,20 @@ def key_folders(cache: Path) -> set[str]:
 
 
 def convert(source: Path, output: Path, dtype: str = "float32") -> Path:
-    done = subprocess.run([sys.executable, "-m", "tools.convert", str(source), str(output), "--dtype", dtype],
-                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.convert", str(source), str(output), "--dtype", dtype],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return output
 
 
 def rounded_to_float16(model: ref.RefModel) -> ref.RefModel:
     """The reference of a checkpoint stored in float16 (loaded back to float32)."""
+
     def r(a):
         return None if a is None else a.astype(np.float16).astype(np.float64)
 
@@ -102,8 +121,9 @@ def test_key_holds_what_changes_the_graphs(tmp_path, tiny_llama_dir):
     assert cache_key(hf, TINY_RUNTIME.model_copy(update={"matmul": "mindspore"}))["runtime"] != a["runtime"]
     runtime = TINY_RUNTIME.model_copy(update={"compile_cache_dir": tmp_path / "cache"})
     assert compile_cache_dir(hf, runtime, "x").parent != compile_cache_dir(q4, runtime, "x").parent
-    assert json.loads((compile_cache_dir(hf, runtime, "x").parent / "key.json").read_text()) == \
-        json.loads(json.dumps(a))
+    assert json.loads((compile_cache_dir(hf, runtime, "x").parent / "key.json").read_text()) == json.loads(
+        json.dumps(a)
+    )
 
 
 @pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
@@ -125,7 +145,7 @@ def test_graphs_of_other_weights_fail_the_check(tmp_path, tiny_llama_runner):
 def test_gather_and_op_by_op_paths_pass_the_check(tiny_qwen2_dir):
     checkpoint = load_checkpoint(tiny_qwen2_dir)
     runtime = TINY_RUNTIME.model_copy(update={"decode_attention": "gather", "matmul": "mindspore"})
-    runner = ModelRunner(checkpoint, runtime)
+    runner = ModelRunner.from_checkpoint(checkpoint, runtime)
     runner.warm_up(lambda _line: None, "mixed", KnownAnswer.of_checkpoint(checkpoint, runtime))
 
 
@@ -138,15 +158,18 @@ def test_agent_refuses_a_cache_entry_of_other_graphs(tmp_path, tiny_llama_dir):
     runtime = TINY_RUNTIME.model_copy(update={"compile_cache_dir": cache})
     ports = free_ports(1)
     (tmp_path / "gguf").mkdir()
-    first = LauncherProcess(write_config(tmp_path / "gguf", gguf, ports, runtime={"compile_cache_dir": str(cache)}))
+    first = LauncherProcess(
+        write_config(tmp_path / "gguf", gguf, ports, runtime={"compile_cache_dir": str(cache)})
+    )
     try:
         first.wait_for("all agents started", 180)
     finally:
         first.close()
     entry = compile_cache_dir(load_checkpoint(tiny_llama_dir), runtime, "rank_0")
     shutil.copytree(compile_cache_dir(load_checkpoint(gguf), runtime, "rank_0"), entry)
-    launcher = LauncherProcess(write_config(tmp_path, tiny_llama_dir, ports,
-                                            runtime={"compile_cache_dir": str(cache)}))
+    launcher = LauncherProcess(
+        write_config(tmp_path, tiny_llama_dir, ports, runtime={"compile_cache_dir": str(cache)})
+    )
     try:
         assert launcher.process.wait(180) != 0
         assert "disagrees with a numpy forward of the loaded weights" in launcher.output()
@@ -165,8 +188,11 @@ def test_truncated_cache_entry_is_recompiled_not_served(tmp_path, tiny_llama_dir
     for path in graphs:
         path.chmod(0o600)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    assert cached_greedy(tiny_llama_dir, runtime, prompt, 4) == want == ref.greedy(
-        ref.load_hf_reference(tiny_llama_dir), prompt, 4)
+    assert (
+        cached_greedy(tiny_llama_dir, runtime, prompt, 4)
+        == want
+        == ref.greedy(ref.load_hf_reference(tiny_llama_dir), prompt, 4)
+    )
 
 
 def test_kernel_builds_are_keyed_by_their_inputs(monkeypatch, tmp_path):
@@ -190,7 +216,9 @@ def test_kernel_builds_are_keyed_by_their_inputs(monkeypatch, tmp_path):
     assert kernels.build_id() == before
 
 
-def test_a_corrupted_default_model_of_the_right_size_is_fetched_again(monkeypatch, tmp_path, default_model_path):
+def test_a_corrupted_default_model_of_the_right_size_is_fetched_again(
+    monkeypatch, tmp_path, default_model_path
+):
     """The download itself is replaced by a failing one (no network in a test): what matters is that
     a same-size corrupted copy is not taken as present."""
     import tools.fetch_model as fetch

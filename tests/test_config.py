@@ -1,4 +1,5 @@
 """Config files: the shipped default validates; bad values name the key."""
+
 import subprocess
 import sys
 
@@ -6,6 +7,8 @@ import pytest
 
 from config import ConfigError, load_config
 from config.schema import PROJECT_ROOT, AgentsSection
+
+pytestmark = pytest.mark.unit
 
 
 def test_default_config_serves_the_embedded_model_on_cpu():
@@ -17,31 +20,56 @@ def test_default_config_serves_the_embedded_model_on_cpu():
     assert config.server.host == config.agents.host == "127.0.0.1" and config.agents.curve is None
 
 
-@pytest.mark.parametrize("body, message", [
-    ("runtime:\n  num_slots: 0\n", "runtime.num_slots"),
-    ("runtime:\n  bogus: 1\n", "runtime.bogus"),
-    ("runtime:\n  max_seq_len: 1024\n", "attend_buckets must equal max_seq_len"),
-    ("runtime:\n  prefill_buckets: [4096]\n", "prefill_buckets may not exceed max_seq_len"),
-    ("runtime:\n  num_slots: 32\n", "decode_batch_buckets must be at least num_slots"),
-    ("runtime:\n  device_target: TPU\n", "runtime.device_target"),
-    ("- a list\n", "mapping"),
-    ("runtime: [unclosed\n", "not valid YAML"),
-    ("agents:\n  host: 0.0.0.0\n", "reachable from other machines: set agents.curve"),
-    ("agents:\n  ports: [9820, 9821]\n  cpu_affinity: [[0]]\n", "one non-empty list of CPU ids per agent"),
-    ("agents:\n  groups: [{role: prefill, ports: [9820]}]\n", "a prefill group needs at least one decode group"),
-    ("agents:\n  groups: [{role: decode, ports: [9820]}, {ports: [9821]}]\n", "a decode group needs at least one prefill"),
-    ("agents:\n  groups: [{ports: [9820, 9821]}]\n", "give it a cluster_port"),
-    ("agents:\n  groups: [{role: prefill, ports: [1, 2], cluster_port: 3}, {role: decode, ports: [4]}]\n", "tensor-parallel group must be mixed"),
-    ("agents:\n  ports: [9820]\n  groups: [{ports: [9821]}]\n", "differ from the groups' ports"),
-    ("agents:\n  groups: [{ports: [9820]}, {ports: [9820]}]\n", "ports must be distinct"),
-    ("agents:\n  groups: [{ports: [9820], num_slots: 64}]\n", "num_slots \\(64\\) exceeds"),
-    ("agents:\n  groups: [{ports: [9820], host: 10.1.2.3}]\n", "10.1.2.3 are reachable from other machines"),
-    ("model:\n  prefill_model: [a]\n  decode_model: [b]\n  argmax_model: c\n  topk_model: [d]\n"
-     "agents:\n  groups: [{role: prefill, ports: [1]}, {role: decode, ports: [2]}]\n",
-     "MindIR exports do not hold"),
-    ("agents:\n  curve: {agent_public_key: short, agent_secret_key: x, server_public_key: x, "
-     "server_secret_key: x}\n", "40-character Z85 key"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("runtime:\n  num_slots: 0\n", "runtime.num_slots"),
+        ("runtime:\n  bogus: 1\n", "runtime.bogus"),
+        ("runtime:\n  max_seq_len: 1024\n", "attend_buckets must equal max_seq_len"),
+        ("runtime:\n  prefill_buckets: [4096]\n", "prefill_buckets may not exceed max_seq_len"),
+        ("runtime:\n  num_slots: 32\n", "decode_batch_buckets must be at least num_slots"),
+        ("runtime:\n  device_target: TPU\n", "runtime.device_target"),
+        ("- a list\n", "mapping"),
+        ("runtime: [unclosed\n", "not valid YAML"),
+        ("agents:\n  host: 0.0.0.0\n", "reachable from other machines: set agents.curve"),
+        (
+            "agents:\n  ports: [9820, 9821]\n  cpu_affinity: [[0]]\n",
+            "one non-empty list of CPU ids per agent",
+        ),
+        (
+            "agents:\n  groups: [{role: prefill, ports: [9820]}]\n",
+            "a prefill group needs at least one decode group",
+        ),
+        (
+            "agents:\n  groups: [{role: decode, ports: [9820]}, {ports: [9821]}]\n",
+            "a decode group needs at least one prefill",
+        ),
+        ("agents:\n  groups: [{ports: [9820, 9821]}]\n", "give it a cluster_port"),
+        (
+            "agents:\n  groups: [{role: prefill, ports: [1, 2], cluster_port: 3}, {role: decode, ports: [4]}]\n",
+            "tensor-parallel group must be mixed",
+        ),
+        ("agents:\n  ports: [9820]\n  groups: [{ports: [9821]}]\n", "differ from the groups' ports"),
+        ("agents:\n  groups: [{ports: [9820]}, {ports: [9820]}]\n", "ports must be distinct"),
+        ("agents:\n  groups: [{ports: [9820], num_slots: 64}]\n", "num_slots \\(64\\) exceeds"),
+        (
+            "agents:\n  groups: [{ports: [9820], host: 10.1.2.3}]\n",
+            "10.1.2.3 are reachable from other machines",
+        ),
+        (
+            "model:\n  prefill_model: [a]\n  decode_model: [b]\n  argmax_model: c\n  topk_model: [d]\n"
+            "agents:\n  groups: [{role: prefill, ports: [1]}, {role: decode, ports: [2]}]\n",
+            "MindIR exports do not hold",
+        ),
+        ("server:\n  api_keys: ['']\n", "an API key is empty or blank"),
+        ("server:\n  api_keys: [good-key, '  ']\n", "an API key is empty or blank"),
+        (
+            "agents:\n  curve: {agent_public_key: short, agent_secret_key: x, server_public_key: x, "
+            "server_secret_key: x}\n",
+            "40-character Z85 key",
+        ),
+    ],
+)
 def test_bad_config_names_the_problem(tmp_path, body, message):
     path = tmp_path / "bad.yaml"
     path.write_text(body)
@@ -52,8 +80,12 @@ def test_bad_config_names_the_problem(tmp_path, body, message):
 def test_groups_give_ports_roles_and_addresses():
     config = load_config(PROJECT_ROOT / "config" / "default.yaml")
     assert [(g.role, g.ports) for g in config.agents.groups] == [("mixed", [9820])]
-    agents = AgentsSection(groups=[{"role": "prefill", "ports": [7000]},
-                                   {"role": "decode", "ports": [7001], "host": "localhost"}])
+    agents = AgentsSection(
+        groups=[
+            {"role": "prefill", "ports": [7000]},
+            {"role": "decode", "ports": [7001], "host": "localhost"},
+        ]
+    )
     assert agents.ports == [7000, 7001] and agents.roles == ["prefill", "decode"]
     assert [agents.address(r) for r in (0, 1)] == ["tcp://127.0.0.1:7000", "tcp://localhost:7001"]
 
@@ -66,9 +98,13 @@ def test_missing_config_file(tmp_path):
 def test_environment_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("agents:\n  ports: [9900]\n")
-    config = load_config(environ={"LLM_SERVING_CONFIG": str(path),
-                                  "LLM_SERVING__AGENTS__PORTS": "[9901, 9902]",
-                                  "LLM_SERVING__RUNTIME__NUM_SLOTS": "8"})
+    config = load_config(
+        environ={
+            "LLM_SERVING_CONFIG": str(path),
+            "LLM_SERVING__AGENTS__PORTS": "[9901, 9902]",
+            "LLM_SERVING__RUNTIME__NUM_SLOTS": "8",
+        }
+    )
     assert config.agents.ports == [9901, 9902] and config.runtime.num_slots == 8
     with pytest.raises(ConfigError, match="agents.ports"):
         load_config(path, environ={"LLM_SERVING__AGENTS__PORTS": "[1, 1]"})
@@ -92,8 +128,13 @@ def test_upstream_names_are_reachable():
 
 
 def test_curve_keys_tool_prints_a_section_the_config_accepts(tmp_path):
-    printed = subprocess.run([sys.executable, "-m", "tools.curve_keys"], capture_output=True, text=True,
-                             cwd=PROJECT_ROOT, check=True).stdout
+    printed = subprocess.run(
+        [sys.executable, "-m", "tools.curve_keys"],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        check=True,
+    ).stdout
     path = tmp_path / "remote.yaml"
     path.write_text("agents:\n  host: 10.0.0.5\n" + printed)
     curve = load_config(path).agents.curve

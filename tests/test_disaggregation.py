@@ -1,5 +1,6 @@
 """PD disaggregation with real processes: one prefill agent and two decode agents behind one server
 (config groups with roles), against one mixed agent of the same tiny model."""
+
 import json
 import os
 import re
@@ -21,17 +22,29 @@ from config.schema import PROJECT_ROOT
 from http_client import post
 
 # Several lengths: 16, 64 and 64+ prompt buckets of the tiny runtime (prompts up to 64 tokens).
-TEXTS = ["Hi", "The quick brown fox", "你好，世界！ " * 3, "emoji 😀 🎉 " * 4,
-         "Numbers 0123456789 " * 5, "The capital of France is Paris. " * 4, "北京是中国的首都",
-         "café naïve résumé " * 6]
-GROUPS = [{"role": "prefill", "ports": None, "num_slots": 2}, {"role": "decode", "ports": None},
-          {"role": "decode", "ports": None}]
+TEXTS = [
+    "Hi",
+    "The quick brown fox",
+    "你好，世界！ " * 3,
+    "emoji 😀 🎉 " * 4,
+    "Numbers 0123456789 " * 5,
+    "The capital of France is Paris. " * 4,
+    "北京是中国的首都",
+    "café naïve résumé " * 6,
+]
+GROUPS = [
+    {"role": "prefill", "ports": None, "num_slots": 2},
+    {"role": "decode", "ports": None},
+    {"role": "decode", "ports": None},
+]
 TRANSFER_TIMEOUT_S = 3
 
 
 def generate(base: str, text: str, **parameters):
-    return post(f"{base}/models/tiny/generate", {"inputs": text, "parameters": {
-        "max_new_tokens": 20, "ignore_eos": True, **parameters}})
+    return post(
+        f"{base}/models/tiny/generate",
+        {"inputs": text, "parameters": {"max_new_tokens": 20, "ignore_eos": True, **parameters}},
+    )
 
 
 def answers(base: str, texts: list[str], concurrent: bool) -> list[str]:
@@ -39,6 +52,7 @@ def answers(base: str, texts: list[str], concurrent: bool) -> list[str]:
         response = generate(base, text)
         assert response.status_code == 200, response.text
         return response.json()["generated_text"]
+
     if not concurrent:
         return [one(t) for t in texts]
     with ThreadPoolExecutor(len(texts)) as pool:
@@ -48,8 +62,9 @@ def answers(base: str, texts: list[str], concurrent: bool) -> list[str]:
 @pytest.fixture(scope="module")
 def mixed_answers(tmp_path_factory, tiny_llama_dir):
     ports = free_ports(2)
-    path = write_config(tmp_path_factory.mktemp("mixed"), tiny_llama_dir, ports[:1],
-                        server={"port": ports[1]})
+    path = write_config(
+        tmp_path_factory.mktemp("mixed"), tiny_llama_dir, ports[:1], server={"port": ports[1]}
+    )
     with serving_stack(path):
         yield answers(f"http://127.0.0.1:{ports[1]}", TEXTS, concurrent=False)
 
@@ -58,12 +73,21 @@ def mixed_answers(tmp_path_factory, tiny_llama_dir):
 def disaggregated(tmp_path_factory, tiny_llama_dir):
     ports = free_ports(4)
     groups = [{**g, "ports": [p]} for g, p in zip(GROUPS, ports)]
-    path = write_config(tmp_path_factory.mktemp("disaggregated"), tiny_llama_dir, ports[:3],
-                        agents={"groups": groups, "kv_transfer_timeout_s": TRANSFER_TIMEOUT_S},
-                        server={"port": ports[3]})
+    path = write_config(
+        tmp_path_factory.mktemp("disaggregated"),
+        tiny_llama_dir,
+        ports[:3],
+        agents={"groups": groups, "kv_transfer_timeout_s": TRANSFER_TIMEOUT_S},
+        server={"port": ports[3]},
+    )
     with serving_stack(path) as (agents, server):
-        yield {"base": f"http://127.0.0.1:{ports[3]}", "agents": agents, "server": server,
-               "ports": ports[:3], "logs": path.parent / "logs"}
+        yield {
+            "base": f"http://127.0.0.1:{ports[3]}",
+            "agents": agents,
+            "server": server,
+            "ports": ports[:3],
+            "logs": path.parent / "logs",
+        }
 
 
 def metric(base: str, name: str) -> float:
@@ -151,13 +175,18 @@ class TwoHosts:
         self.names = [f"llmsA{tag}", f"llmsB{tag}"]
         self.addresses = [f"10.231.{tag % 250}.1", f"10.231.{tag % 250}.2"]
         veth = [f"llvA{tag}", f"llvB{tag}"]
-        run = [["ip", "netns", "add", self.names[0]], ["ip", "netns", "add", self.names[1]],
-               ["ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]]]
+        run = [
+            ["ip", "netns", "add", self.names[0]],
+            ["ip", "netns", "add", self.names[1]],
+            ["ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]],
+        ]
         for name, dev, address in zip(self.names, veth, self.addresses):
-            run += [["ip", "link", "set", dev, "netns", name],
-                    ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", dev],
-                    ["ip", "-n", name, "link", "set", dev, "up"],
-                    ["ip", "-n", name, "link", "set", "lo", "up"]]
+            run += [
+                ["ip", "link", "set", dev, "netns", name],
+                ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", dev],
+                ["ip", "-n", name, "link", "set", dev, "up"],
+                ["ip", "-n", name, "link", "set", "lo", "up"],
+            ]
         for command in run:
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
@@ -183,13 +212,24 @@ def test_prefill_and_decode_agents_on_two_hosts(tmp_path, tiny_llama_dir, mixed_
         pytest.skip(f"cannot create network namespaces here (needs root and iproute2): {exc}")
     agent_public, agent_secret = zmq.curve_keypair()
     server_public, server_secret = zmq.curve_keypair()
-    curve = {"agent_public_key": agent_public.decode(), "agent_secret_key": agent_secret.decode(),
-             "server_public_key": server_public.decode(), "server_secret_key": server_secret.decode()}
+    curve = {
+        "agent_public_key": agent_public.decode(),
+        "agent_secret_key": agent_secret.decode(),
+        "server_public_key": server_public.decode(),
+        "server_secret_key": server_secret.decode(),
+    }
     ports = free_ports(3)
-    groups = [{"role": "prefill", "ports": [ports[0]], "host": hosts.addresses[0]},
-              {"role": "decode", "ports": [ports[1]], "host": hosts.addresses[1]}]
-    path = write_config(tmp_path, tiny_llama_dir, ports[:2], agents={"groups": groups, "curve": curve},
-                        server={"port": ports[2]})
+    groups = [
+        {"role": "prefill", "ports": [ports[0]], "host": hosts.addresses[0]},
+        {"role": "decode", "ports": [ports[1]], "host": hosts.addresses[1]},
+    ]
+    path = write_config(
+        tmp_path,
+        tiny_llama_dir,
+        ports[:2],
+        agents={"groups": groups, "curve": curve},
+        server={"port": ports[2]},
+    )
     launchers = []
     try:
         for host in (0, 1):
@@ -198,12 +238,18 @@ def test_prefill_and_decode_agents_on_two_hosts(tmp_path, tiny_llama_dir, mixed_
             launcher.wait_for("all agents started", 240)
         launchers.append(LauncherProcess(path, script="start_server.py", prefix=hosts.prefix(0)))
         launchers[-1].wait_for("Application startup complete", 120)
-        client = (f"import httpx, json, sys; r = httpx.post('http://127.0.0.1:{ports[2]}/models/tiny/generate', "
-                  f"json={{'inputs': sys.argv[1], 'parameters': {{'max_new_tokens': 20, 'ignore_eos': True}}}}, "
-                  f"timeout=60); print(json.dumps([r.status_code, r.json()]))")
+        client = (
+            f"import httpx, json, sys; r = httpx.post('http://127.0.0.1:{ports[2]}/models/tiny/generate', "
+            f"json={{'inputs': sys.argv[1], 'parameters': {{'max_new_tokens': 20, 'ignore_eos': True}}}}, "
+            f"timeout=60); print(json.dumps([r.status_code, r.json()]))"
+        )
         for text, want in zip(TEXTS[:3], mixed_answers):
-            done = subprocess.run([*hosts.prefix(0), sys.executable, "-c", client, text],
-                                  capture_output=True, text=True, timeout=90)
+            done = subprocess.run(
+                [*hosts.prefix(0), sys.executable, "-c", client, text],
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
             assert json.loads(done.stdout) == [200, {"generated_text": want}], done.stderr
         log = (tmp_path / "logs" / "agent_0.log").read_text()
         assert f"sent to tcp://{hosts.addresses[1]}:{ports[1]}" in log

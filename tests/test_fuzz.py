@@ -3,6 +3,7 @@ endpoint gets malformed JSON, invalid UTF-8, wrong types, huge/negative/zero num
 infinity, control characters, special tokens, empty, enormous and 10 MB bodies. Each answer must be
 a JSON 4xx error or a valid answer (never a 500, a crash or a hang), and a valid request right
 after still works."""
+
 import json
 import math
 
@@ -13,21 +14,39 @@ from hypothesis import strategies as st
 
 from agent_harness import free_ports, serving_stack, write_config
 
-POST_PATHS = ["/models/tiny", "/models/tiny/generate", "/models/tiny/generate_stream",
-              "/v1/completions", "/v1/chat/completions"]
-GET_PATHS = ["/health", "/ready", "/info", "/metrics", "/v1/models", "/serving/get_bs",
-             "/serving/get_request_numbers", "/dashboard"]
+POST_PATHS = [
+    "/models/tiny",
+    "/models/tiny/generate",
+    "/models/tiny/generate_stream",
+    "/v1/completions",
+    "/v1/chat/completions",
+]
+GET_PATHS = [
+    "/health",
+    "/ready",
+    "/info",
+    "/metrics",
+    "/v1/models",
+    "/serving/get_bs",
+    "/serving/get_request_numbers",
+    "/dashboard",
+]
 ALLOWED = {200, 400, 404, 405, 413, 422, 429, 503}
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<s>", "</s>", "<unk>", "<pad>"]
-FUZZ = settings(max_examples=120, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=120,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_dir):
     agent_port, http_port = free_ports(2)
-    path = write_config(tmp_path_factory.mktemp("fuzz"), tiny_llama_dir, [agent_port],
-                        server={"port": http_port})
+    path = write_config(
+        tmp_path_factory.mktemp("fuzz"), tiny_llama_dir, [agent_port], server={"port": http_port}
+    )
     with serving_stack(path) as (_agents, process):
         with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=60) as client:
             yield client, process
@@ -55,38 +74,103 @@ def still_serving(client: httpx.Client) -> None:
 
 
 numbers = st.one_of(
-    st.integers(min_value=-(2 ** 70), max_value=2 ** 70),
-    st.sampled_from([0, -1, 1, 2 ** 31, 2 ** 63, 2 ** 64, -(2 ** 63)]),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, -1, 1, 2**31, 2**63, 2**64, -(2**63)]),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -0.0, 5e-324]))
+    st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -0.0, 5e-324]),
+)
 hostile_text = st.one_of(
     st.text(max_size=200),
-    st.text(alphabet=st.characters(max_codepoint=0x1f), max_size=50),  # control characters
+    st.text(alphabet=st.characters(max_codepoint=0x1F), max_size=50),  # control characters
     st.lists(st.sampled_from(SPECIAL_TOKENS), max_size=30).map("".join),
-    st.sampled_from(["", " ", "\x00", "\ud800".encode("utf-8", "surrogatepass").decode("utf-8", "replace"),
-                     "x" * 5000, "你好" * 300]))
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "\x00",
+            "\ud800".encode("utf-8", "surrogatepass").decode("utf-8", "replace"),
+            "x" * 5000,
+            "你好" * 300,
+        ]
+    ),
+)
 json_values = st.recursive(
     st.none() | st.booleans() | numbers | hostile_text,
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
-    max_leaves=12)
-native_parameters = st.fixed_dictionaries({}, optional={
-    name: st.one_of(numbers, json_values) for name in (
-        "do_sample", "top_k", "top_p", "temperature", "repetition_penalty", "max_new_tokens",
-        "return_full_text", "return_protocol", "seed", "stop", "truncate", "ignore_eos", "chat_template")})
-native_bodies = st.fixed_dictionaries({"inputs": st.one_of(hostile_text, json_values)}, optional={
-    "stream": st.one_of(st.booleans(), json_values), "parameters": st.one_of(native_parameters, json_values)})
-openai_fields = {name: st.one_of(numbers, json_values) for name in (
-    "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "presence_penalty",
-    "frequency_penalty", "logprobs", "stream_options", "top_k", "ignore_eos")}
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+native_parameters = st.fixed_dictionaries(
+    {},
+    optional={
+        name: st.one_of(numbers, json_values)
+        for name in (
+            "do_sample",
+            "top_k",
+            "top_p",
+            "temperature",
+            "repetition_penalty",
+            "max_new_tokens",
+            "return_full_text",
+            "return_protocol",
+            "seed",
+            "stop",
+            "truncate",
+            "ignore_eos",
+            "chat_template",
+        )
+    },
+)
+native_bodies = st.fixed_dictionaries(
+    {"inputs": st.one_of(hostile_text, json_values)},
+    optional={
+        "stream": st.one_of(st.booleans(), json_values),
+        "parameters": st.one_of(native_parameters, json_values),
+    },
+)
+openai_fields = {
+    name: st.one_of(numbers, json_values)
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "seed",
+        "stop",
+        "stream",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+        "stream_options",
+        "top_k",
+        "ignore_eos",
+    )
+}
 completion_bodies = st.fixed_dictionaries(
     {"model": st.one_of(st.just("tiny"), hostile_text), "prompt": st.one_of(hostile_text, json_values)},
-    optional=openai_fields)
+    optional=openai_fields,
+)
 chat_bodies = st.fixed_dictionaries(
-    {"model": st.one_of(st.just("tiny"), hostile_text),
-     "messages": st.one_of(st.lists(st.fixed_dictionaries(
-         {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]), hostile_text),
-          "content": st.one_of(hostile_text, json_values)}), max_size=4), json_values)},
-    optional=openai_fields)
+    {
+        "model": st.one_of(st.just("tiny"), hostile_text),
+        "messages": st.one_of(
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "role": st.one_of(
+                            st.sampled_from(["system", "user", "assistant", "tool"]), hostile_text
+                        ),
+                        "content": st.one_of(hostile_text, json_values),
+                    }
+                ),
+                max_size=4,
+            ),
+            json_values,
+        ),
+    },
+    optional=openai_fields,
+)
 
 
 def as_json(value) -> bytes:
@@ -126,14 +210,21 @@ def test_completions_with_hostile_fields(server, body):
 @given(body=chat_bodies)
 def test_chat_completions_with_hostile_fields(server, body):
     client, _ = server
-    check(client.post("/v1/chat/completions", content=as_json(body),
-                      headers={"content-type": "application/json"}))
+    check(
+        client.post(
+            "/v1/chat/completions", content=as_json(body), headers={"content-type": "application/json"}
+        )
+    )
 
 
-@settings(max_examples=40, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(path=st.sampled_from(GET_PATHS + POST_PATHS), query=st.dictionaries(st.text(max_size=8), st.text(max_size=20)),
-       method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]))
+@settings(
+    max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    path=st.sampled_from(GET_PATHS + POST_PATHS),
+    query=st.dictionaries(st.text(max_size=8), st.text(max_size=20)),
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]),
+)
 def test_any_method_and_query_string(server, path, query, method):
     client, _ = server
     check(client.request(method, path, params=query))
@@ -145,7 +236,7 @@ def test_ten_megabyte_bodies_are_413(server, path):
     big = b'{"inputs": "' + b"x" * (10 << 20) + b'"}'
     response = client.post(path, content=big, headers={"content-type": "application/json"})
     assert response.status_code == 413 and "larger than" in json.dumps(response.json())
-    chunked = client.post(path, content=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]))
+    chunked = client.post(path, content=iter([big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20)]))
     assert chunked.status_code == 413
 
 
@@ -155,27 +246,67 @@ def test_the_server_still_serves_and_logged_no_internal_error(server):
     assert " 500 " not in process.output() and "Traceback" not in process.output()
 
 
-EXTREMES = [2 ** 70, -(2 ** 70), 2 ** 64, 2 ** 63, 0, -1, math.inf, -math.inf, math.nan, 1e308, 5e-324]
+EXTREMES = [2**70, -(2**70), 2**64, 2**63, 0, -1, math.inf, -math.inf, math.nan, 1e308, 5e-324]
 
 
-@pytest.mark.parametrize("name", ["top_k", "top_p", "temperature", "repetition_penalty", "seed",
-                                  "max_new_tokens", "truncate"])
+@pytest.mark.parametrize(
+    "name", ["top_k", "top_p", "temperature", "repetition_penalty", "seed", "max_new_tokens", "truncate"]
+)
 def test_extreme_numbers_in_every_native_parameter(server, name):
     client, _ = server
     for value in EXTREMES:
         for sample in (False, True):
             body = {"inputs": "hi", "parameters": {name: value, "do_sample": sample}}
-            response = client.post("/models/tiny/generate", content=as_json(body),
-                                   headers={"content-type": "application/json"})
+            response = client.post(
+                "/models/tiny/generate", content=as_json(body), headers={"content-type": "application/json"}
+            )
             check(response)
     still_serving(client)
 
 
-@pytest.mark.parametrize("name", ["max_tokens", "temperature", "top_p", "n", "seed", "presence_penalty",
-                                  "frequency_penalty", "top_k", "repetition_penalty"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "top_k",
+        "repetition_penalty",
+    ],
+)
 def test_extreme_numbers_in_every_openai_parameter(server, name):
     client, _ = server
     for value in EXTREMES:
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, name: value}
-        check(client.post("/v1/completions", content=as_json(body), headers={"content-type": "application/json"}))
+        check(
+            client.post(
+                "/v1/completions", content=as_json(body), headers={"content-type": "application/json"}
+            )
+        )
+    still_serving(client)
+
+
+def test_chunked_body_behind_a_small_content_length_is_413(server):
+    """Content-Length: 5 with Transfer-Encoding: chunked: the server reads the chunks, so the limit
+    must count what is read (it trusted the header and read 2 MiB into memory)."""
+    import socket
+
+    client, _ = server
+    chunk = b"x" * (64 << 10)
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(32)) + b"0\r\n\r\n"
+    with socket.create_connection((client.base_url.host, client.base_url.port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /models/tiny/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        try:
+            sock.sendall(body)
+        except OSError:
+            pass  # the server may answer and close before reading it all
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     still_serving(client)

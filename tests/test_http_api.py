@@ -1,5 +1,6 @@
 """The HTTP front end on the tiny model: real agent, real `start_server.py` under uvicorn, real HTTP
 clients (httpx, and httpx-sse as the SSE client)."""
+
 import json
 import signal
 import threading
@@ -19,10 +20,13 @@ DRAIN_TIMEOUT_S = 60
 def stack(tmp_path_factory, tiny_llama_dir):
     """Agent + server on the tiny model, 8 slots and room for long answers; yields (base URL, server)."""
     agent_port, http_port = free_ports(2)
-    path = write_config(tmp_path_factory.mktemp("http"), tiny_llama_dir, [agent_port],
-                        runtime=LONG_ANSWERS_RUNTIME,
-                        server={"port": http_port, "max_waiting_requests": 8,
-                                "drain_timeout_s": DRAIN_TIMEOUT_S})
+    path = write_config(
+        tmp_path_factory.mktemp("http"),
+        tiny_llama_dir,
+        [agent_port],
+        runtime=LONG_ANSWERS_RUNTIME,
+        server={"port": http_port, "max_waiting_requests": 8, "drain_timeout_s": DRAIN_TIMEOUT_S},
+    )
     with serving_stack(path) as (_agents, server):
         yield f"http://127.0.0.1:{http_port}", server
 
@@ -39,9 +43,14 @@ class TimedStream(threading.Thread):
 
     def __init__(self, base: str, inputs: str, max_new_tokens: int):
         super().__init__()
-        self.url, self.body = f"{base}/models/tiny/generate_stream", {
-            "inputs": inputs, "stream": True,
-            "parameters": {"max_new_tokens": max_new_tokens, "return_protocol": "plain"}}
+        self.url, self.body = (
+            f"{base}/models/tiny/generate_stream",
+            {
+                "inputs": inputs,
+                "stream": True,
+                "parameters": {"max_new_tokens": max_new_tokens, "return_protocol": "plain"},
+            },
+        )
         self.pieces: list[dict] = []
         self.first = self.last = None
 
@@ -49,7 +58,7 @@ class TimedStream(threading.Thread):
         with httpx.stream("POST", self.url, json=self.body, timeout=120) as response:
             for line in response.iter_lines():
                 if line:
-                    self.pieces.append(json.loads(line[len("data:"):]))
+                    self.pieces.append(json.loads(line[len("data:") :]))
                     self.first = self.first or time.monotonic()
         self.last = time.monotonic()
 
@@ -64,9 +73,12 @@ def test_continuous_batching_over_http(stack):
     base, _ = stack
     early_prompts = [f"The quick brown fox {i}" for i in range(4)]
     late_prompts = [f"你好 {i}" for i in range(4)]
-    alone = {p: post(f"{base}/models/tiny/generate",
-                     {"inputs": p, "parameters": {"max_new_tokens": n}}).json()["generated_text"]
-             for p, n in [*((p, 300) for p in early_prompts), *((p, 20) for p in late_prompts)]}
+    alone = {
+        p: post(f"{base}/models/tiny/generate", {"inputs": p, "parameters": {"max_new_tokens": n}}).json()[
+            "generated_text"
+        ]
+        for p, n in [*((p, 300) for p in early_prompts), *((p, 20) for p in late_prompts)]
+    }
 
     early = [TimedStream(base, p, 300) for p in early_prompts]
     for s in early:
@@ -90,8 +102,12 @@ def test_continuous_batching_over_http(stack):
 
 def test_disconnect_frees_the_slot(stack):
     base, _ = stack
-    with httpx.stream("POST", f"{base}/models/tiny/generate_stream", timeout=60,
-                      json={"inputs": "The quick", "parameters": {"max_new_tokens": 300}}) as r:
+    with httpx.stream(
+        "POST",
+        f"{base}/models/tiny/generate_stream",
+        timeout=60,
+        json={"inputs": "The quick", "parameters": {"max_new_tokens": 300}},
+    ) as r:
         lines = r.iter_lines()  # kept: a dropped iterator closes the connection at once
         next(lines)
         assert one_event(f"{base}/serving/get_bs") == 1
@@ -101,22 +117,28 @@ def test_disconnect_frees_the_slot(stack):
     assert one_event(f"{base}/serving/get_bs") == 0
 
 
-@pytest.mark.parametrize("body, status, message", [
-    (b"{not json", 400, "not valid JSON"),
-    (b"[1, 2]", 422, "body"),
-    ({"parameters": {}}, 422, "inputs: Field required"),
-    ({"inputs": 5}, 422, "inputs"),
-    ({"inputs": "x", "parameters": {"max_new_tokens": -1}}, 422, "parameters.max_new_tokens"),
-    ({"inputs": "x", "parameters": {"top_p": "high"}}, 422, "parameters.top_p"),
-    ({"inputs": "x", "parameters": {"bogus": 1}}, 422, "parameters.bogus"),
-    ({"inputs": "word " * 80}, 413, "the longest accepted is 64"),
-    ({"inputs": ""}, 400, "empty"),
-])
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 422, "body"),
+        ({"parameters": {}}, 422, "inputs: Field required"),
+        ({"inputs": 5}, 422, "inputs"),
+        ({"inputs": "x", "parameters": {"max_new_tokens": -1}}, 422, "parameters.max_new_tokens"),
+        ({"inputs": "x", "parameters": {"top_p": "high"}}, 422, "parameters.top_p"),
+        ({"inputs": "x", "parameters": {"bogus": 1}}, 422, "parameters.bogus"),
+        ({"inputs": "word " * 80}, 413, "the longest accepted is 64"),
+        ({"inputs": ""}, 400, "empty"),
+    ],
+)
 def test_bad_input_gets_a_json_error_and_the_server_keeps_serving(stack, body, status, message):
     base, _ = stack
     url = f"{base}/models/tiny/generate"
-    response = (httpx.post(url, content=body, headers={"content-type": "application/json"})
-                if isinstance(body, bytes) else post(url, body))
+    response = (
+        httpx.post(url, content=body, headers={"content-type": "application/json"})
+        if isinstance(body, bytes)
+        else post(url, body)
+    )
     assert response.status_code == status and message in response.json()["error"], response.text
     assert post(url, {"inputs": "ok", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
@@ -124,8 +146,12 @@ def test_bad_input_gets_a_json_error_and_the_server_keeps_serving(stack, body, s
 def test_a_body_sent_as_curl_sends_it_is_read_as_json(stack):
     """`curl -d '{...}'` labels the body form-urlencoded; it is still the JSON request."""
     base, _ = stack
-    response = httpx.post(f"{base}/models/tiny/generate", content=b'{"inputs": "The quick"}',
-                          headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    response = httpx.post(
+        f"{base}/models/tiny/generate",
+        content=b'{"inputs": "The quick"}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+        timeout=60,
+    )
     assert response.status_code == 200 and response.json()["generated_text"]
 
 
@@ -140,9 +166,27 @@ def test_benchmark_tool_runs_against_the_server(stack, tmp_path):
     request stream its full length; the report files appear."""
     base, _ = stack
     from tools.bench.__main__ import main
-    code = main(["--target", f"tiny={base}/models/tiny", "--concurrency", "1,2", "--requests", "2",
-                 "--output-len", "12", "--warmup", "1", "--out", str(tmp_path), "--name", "run",
-                 "--prompts", str(write_prompts(tmp_path))])
+
+    code = main(
+        [
+            "--target",
+            f"tiny={base}/models/tiny",
+            "--concurrency",
+            "1,2",
+            "--requests",
+            "2",
+            "--output-len",
+            "12",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "run",
+            "--prompts",
+            str(write_prompts(tmp_path)),
+        ]
+    )
     assert code == 0
     results = json.loads((tmp_path / "run.json").read_text())["results"]
     assert [(r["target"], r["level"]) for r in results] == [("tiny", 1), ("tiny", 2)]
@@ -153,10 +197,30 @@ def test_benchmark_tool_runs_against_the_server(stack, tmp_path):
     assert (tmp_path / "run.png").stat().st_size > 0 and "| tiny | 2 |" in (tmp_path / "run.md").read_text()
 
     # Decoding streams under a steady stream of long prompts, reported apart.
-    code = main(["--target", f"tiny={base}/models/tiny", "--concurrency", "2", "--requests", "4",
-                 "--output-len", "20", "--warmup", "0", "--background-words", "6",
-                 "--background-interval", "0.2", "--out", str(tmp_path), "--name", "mixed",
-                 "--prompts", str(write_prompts(tmp_path))])
+    code = main(
+        [
+            "--target",
+            f"tiny={base}/models/tiny",
+            "--concurrency",
+            "2",
+            "--requests",
+            "4",
+            "--output-len",
+            "20",
+            "--warmup",
+            "0",
+            "--background-words",
+            "6",
+            "--background-interval",
+            "0.2",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "mixed",
+            "--prompts",
+            str(write_prompts(tmp_path)),
+        ]
+    )
     assert code == 0
     s = json.loads((tmp_path / "mixed.json").read_text())["results"][0]["summary"]
     assert s["requests"] == 4 and s["errors"] == 0 and 0 < s["output_tokens"] <= 4 * 20
@@ -174,9 +238,12 @@ def test_sigterm_drains_running_streams_then_exits_0(stack):
     """Last in this module. Streams admitted before SIGTERM run to their end; a request that
     arrives during the drain gets 503; the process exits 0."""
     base, server = stack
-    want = {f"drain {i}": post(f"{base}/models/tiny/generate", {
-        "inputs": f"drain {i}", "parameters": {"max_new_tokens": 300}}).json()["generated_text"]
-        for i in range(4)}
+    want = {
+        f"drain {i}": post(
+            f"{base}/models/tiny/generate", {"inputs": f"drain {i}", "parameters": {"max_new_tokens": 300}}
+        ).json()["generated_text"]
+        for i in range(4)
+    }
     streams = [TimedStream(base, p, 300) for p in want]
     for s in streams:
         s.start()

@@ -1,6 +1,7 @@
 """The HTTP front end on the embedded default model (SmolLM2-135M-Instruct): real answers through
 all three response styles, UTF-8-safe streaming, and SIGTERM cutting long streams at the drain
 timeout."""
+
 import json
 import re
 import signal
@@ -23,32 +24,46 @@ EMOJI = re.compile(r"[\U0001F300-\U0001FAFF\u2600-\u27BF]")
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, default_model_path):
     agent_port, http_port = free_ports(2)
-    path = write_config(tmp_path_factory.mktemp("http-default"), default_model_path, [agent_port],
-                        model={"name": "smollm2"},
-                        runtime={"num_slots": 4, "max_seq_len": 256, "prefill_buckets": [64],
-                                 "decode_batch_buckets": [1, 4], "attend_buckets": [256],
-                                 "compile_cache_dir": None},
-                        server={"port": http_port, "drain_timeout_s": DRAIN_TIMEOUT_S})
+    path = write_config(
+        tmp_path_factory.mktemp("http-default"),
+        default_model_path,
+        [agent_port],
+        model={"name": "smollm2"},
+        runtime={
+            "num_slots": 4,
+            "max_seq_len": 256,
+            "prefill_buckets": [64],
+            "decode_batch_buckets": [1, 4],
+            "attend_buckets": [256],
+            "compile_cache_dir": None,
+        },
+        server={"port": http_port, "drain_timeout_s": DRAIN_TIMEOUT_S},
+    )
     with serving_stack(path, agents_timeout=300) as (_agents, server):
         yield f"http://127.0.0.1:{http_port}", server
 
 
 def test_capital_of_france_is_paris_in_all_three_styles(stack):
     base, _ = stack
-    full, sse, plain = answer_three_ways(base, "smollm2", "What is the capital of France?",
-                                         {"max_new_tokens": 20, "chat_template": True})
+    full, sse, plain = answer_three_ways(
+        base, "smollm2", "What is the capital of France?", {"max_new_tokens": 20, "chat_template": True}
+    )
     assert "Paris" in full and full == sse == plain
 
 
-@pytest.mark.parametrize("prompt, expect", [
-    ("How do you say 'hello' in Chinese?", CJK),
-    ("Reply with three emoji that describe happiness.", EMOJI),
-    ("Write a haiku about the sea.", re.compile("\n")),
-])
+@pytest.mark.parametrize(
+    "prompt, expect",
+    [
+        ("How do you say 'hello' in Chinese?", CJK),
+        ("Reply with three emoji that describe happiness.", EMOJI),
+        ("Write a haiku about the sea.", re.compile("\n")),
+    ],
+)
 def test_streamed_pieces_join_to_the_full_text(stack, prompt, expect):
     base, _ = stack
-    full, sse, plain = answer_three_ways(base, "smollm2", prompt,
-                                         {"max_new_tokens": 40, "chat_template": True})
+    full, sse, plain = answer_three_ways(
+        base, "smollm2", prompt, {"max_new_tokens": 40, "chat_template": True}
+    )
     assert expect.search(full), full
     assert "\ufffd" not in full and full == sse == plain
 
@@ -61,11 +76,20 @@ def test_sigterm_ends_unfinished_streams_with_a_final_event(stack):
     started = threading.Barrier(5)
 
     def stream(seed: int):
-        body = {"inputs": "Tell me a long story about a dragon.", "parameters": {
-            "max_new_tokens": 200, "do_sample": True, "temperature": 1.2, "seed": seed,
-            "chat_template": True}}
-        with httpx.Client(timeout=60) as client, \
-                connect_sse(client, "POST", f"{base}/models/smollm2/generate_stream", json=body) as source:
+        body = {
+            "inputs": "Tell me a long story about a dragon.",
+            "parameters": {
+                "max_new_tokens": 200,
+                "do_sample": True,
+                "temperature": 1.2,
+                "seed": seed,
+                "chat_template": True,
+            },
+        }
+        with (
+            httpx.Client(timeout=60) as client,
+            connect_sse(client, "POST", f"{base}/models/smollm2/generate_stream", json=body) as source,
+        ):
             events = source.iter_sse()
             next(events)
             started.wait()

@@ -5,6 +5,7 @@
   nothing in the environment;
 - no import cycle anywhere in the project (imports inside functions included).
 """
+
 from __future__ import annotations
 
 import ast
@@ -38,8 +39,13 @@ print(json.dumps({{"mindspore": sorted(m for m in sys.modules if m.split(".")[0]
 
 
 def test_front_end_processes_import_neither_mindspore_nor_the_agent_runtime():
-    done = subprocess.run([sys.executable, "-c", PROBE.format(packages=list(FRONT_END))], cwd=PROJECT_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(packages=list(FRONT_END))],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["mindspore"] == []

@@ -1,17 +1,18 @@
 """PD disaggregation at the runner and agent-service level: a prefilled slot moved to another
 runner (its own KV cache) decodes exactly as it would have where it was prefilled; the transfer is
 refused into a busy slot, in a wrong shape, after the scheduler cancelled it, or from a stale session."""
+
 import numpy as np
 import pytest
 
 from agent.contract import protocol
-from agent.model.formats import load_checkpoint
-from agent.runner import ModelRunner, RunnerError
 from agent.contract.sampling import SamplingParams
+from agent.model.formats import load_checkpoint
+from agent.model.tokenizer import load_tokenizer
+from agent.runner import ModelRunner, RunnerError
 from agent.sampling import SlotSampler
 from agent.service import AgentService
 from conftest import TINY_RUNTIME
-from agent.model.tokenizer import load_tokenizer
 
 SEEDED = SamplingParams(do_sample=True, top_k=20, temperature=0.9, repetition_penalty=1.3, seed=11)
 
@@ -19,7 +20,7 @@ SEEDED = SamplingParams(do_sample=True, top_k=20, temperature=0.9, repetition_pe
 @pytest.fixture(scope="module")
 def receiver(tiny_llama_dir) -> ModelRunner:
     """A second runner of the tiny model: another cache, like a decode agent's."""
-    runner = ModelRunner(load_checkpoint(tiny_llama_dir), TINY_RUNTIME)
+    runner = ModelRunner.from_checkpoint(load_checkpoint(tiny_llama_dir), TINY_RUNTIME)
     runner.warm_up(lambda _line: None, role="decode")
     return runner
 
@@ -32,8 +33,9 @@ def continue_decoding(runner, slot, n):
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SEEDED], ids=["greedy", "seeded"])
-def test_moved_slot_decodes_as_it_would_have_at_home(tiny_llama_runner, tiny_llama_dir, receiver,
-                                                     release_all, params):
+def test_moved_slot_decodes_as_it_would_have_at_home(
+    tiny_llama_runner, tiny_llama_dir, receiver, release_all, params
+):
     release_all(tiny_llama_runner)
     release_all(receiver)
     tok = load_tokenizer(tiny_llama_dir)
@@ -77,15 +79,17 @@ def test_import_refuses_busy_slot_wrong_shape_and_bad_state(tiny_llama_runner, r
     with pytest.raises(RunnerError, match="do not fit"):
         receiver.import_kv(1, blocks[:, :, :3], state)
     with pytest.raises(RunnerError, match="outside the vocabulary"):
-        receiver.import_kv(1, blocks, {**state, "next_token": 10 ** 6})
+        receiver.import_kv(1, blocks, {**state, "next_token": 10**6})
     with pytest.raises(RunnerError, match="1..64 positions"):
         receiver.import_kv(1, np.zeros((1, 1, 65, 1), np.float32), {**state, "length": 65})
     assert 1 not in receiver.slots
 
 
 def receive_frames(session, slot, ticket, blocks, state):
-    return protocol.encode({"op": "kv_receive", "id": 1, "session": session, "slot": slot,
-                            "ticket": ticket, "state": state}, [blocks])
+    return protocol.encode(
+        {"op": "kv_receive", "id": 1, "session": session, "slot": slot, "ticket": ticket, "state": state},
+        [blocks],
+    )
 
 
 def test_service_refuses_a_cancelled_or_stale_transfer(tiny_llama_runner, receiver, release_all):

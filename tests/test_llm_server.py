@@ -1,25 +1,35 @@
-"""LLMServer over a real agent process: streams, continuous batching, aborts, stop strings, limits."""
+"""The engine and its answer streams (OutputProcessor) over a real agent process: streams, continuous
+batching, aborts, stop strings, limits."""
+
 import asyncio
 
 import pytest
 
 from agent.contract.sampling import SamplingParams
+from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, write_config
 from config import load_config
-from scheduler.batch_scheduler import AdmissionError
-from server.llm_server import LLMServer
-from agent.model.tokenizer import load_tokenizer
+from scheduler.batch_scheduler import AdmissionError, Refusal
+from server.errors import refusal_status
+from server.output import OutputProcessor
 
 GREEDY = SamplingParams()
-TEXTS = ["The quick brown fox", "你好，世界！", "emoji 😀 🎉", "Numbers 0123", "café naïve",
-         "The capital of France"]
+TEXTS = [
+    "The quick brown fox",
+    "你好，世界！",
+    "emoji 😀 🎉",
+    "Numbers 0123",
+    "café naïve",
+    "The capital of France",
+]
 
 
 @pytest.fixture(scope="module")
 def agent_config(tmp_path_factory, tiny_llama_dir):
     directory = tmp_path_factory.mktemp("llm-server")
-    path = write_config(directory, tiny_llama_dir, free_ports(1),
-                        server={"max_waiting_requests": 8, "agent_timeout_s": 20})
+    path = write_config(
+        directory, tiny_llama_dir, free_ports(1), server={"max_waiting_requests": 8, "agent_timeout_s": 20}
+    )
     launcher = LauncherProcess(path)
     try:
         launcher.wait_for("all agents started", 240)
@@ -51,31 +61,31 @@ def alone(runner, prompt, n, stop_ids):
     return [t for t in tokens if t not in stop_ids]
 
 
-def test_answers_under_load_equal_answers_alone(agent_config, tokenizer, tiny_llama_runner,
-                                                release_all):
+def test_answers_under_load_equal_answers_alone(agent_config, tokenizer, tiny_llama_runner, release_all):
     release_all(tiny_llama_runner)
     prompts = [tokenizer.encode(t) for t in TEXTS]
     stop_ids = set(tokenizer.eos_ids)
     want = [tokenizer.decode(alone(tiny_llama_runner, p, 20, stop_ids)) for p in prompts]
 
     async def scenario():
-        server = LLMServer(agent_config, tokenizer)
-        await server.start()
+        server = OutputProcessor(agent_config, tokenizer)
+        await server.engine.start()
         seen = {"bs": 0, "queue": 0}
 
         async def watch():
             while True:
-                seen["bs"] = max(seen["bs"], server.get_bs_current())
-                seen["queue"] = max(seen["queue"], server.get_queue_current())
+                seen["bs"] = max(seen["bs"], server.engine.get_bs_current())
+                seen["queue"] = max(seen["queue"], server.engine.get_queue_current())
                 await asyncio.sleep(0.005)
 
         watcher = asyncio.create_task(watch())
         # 6 requests, 4 slots: two must wait in the queue and enter as slots free up.
-        results = await asyncio.gather(*(
-            collect(server.generate_answer(f"r{i}", p, GREEDY, 20)) for i, p in enumerate(prompts[:3])),
-            *(collect(server.generate_answer(f"s{i}", p, GREEDY, 20)) for i, p in enumerate(prompts[3:])))
+        results = await asyncio.gather(
+            *(collect(server.generate_answer(f"r{i}", p, GREEDY, 20)) for i, p in enumerate(prompts[:3])),
+            *(collect(server.generate_answer(f"s{i}", p, GREEDY, 20)) for i, p in enumerate(prompts[3:])),
+        )
         watcher.cancel()
-        await server.stop()
+        await server.engine.stop()
         return results, seen
 
     results, seen = run(scenario())
@@ -89,21 +99,22 @@ def test_answers_under_load_equal_answers_alone(agent_config, tokenizer, tiny_ll
 
 def test_closing_a_stream_aborts_and_frees_the_slot(agent_config, tokenizer):
     async def scenario():
-        server = LLMServer(agent_config, tokenizer)
-        await server.start()
+        server = OutputProcessor(agent_config, tokenizer)
+        await server.engine.start()
         stream = server.generate_answer("gone", tokenizer.encode("The quick"), GREEDY, 60)
         await stream.__anext__()
-        assert server.get_bs_current() == 1
+        assert server.engine.get_bs_current() == 1
         await stream.aclose()  # what a disconnecting HTTP client does to its generator
         for _ in range(200):
-            if server.get_bs_current() == 0:
+            if server.engine.get_bs_current() == 0:
                 break
             await asyncio.sleep(0.01)
-        bs = server.get_bs_current()
+        bs = server.engine.get_bs_current()
         # The freed slot is usable again: four new requests fill all four slots.
-        texts = await asyncio.gather(*(collect(server.generate_answer(f"n{i}", [5 + i], GREEDY, 5))
-                                       for i in range(4)))
-        await server.stop()
+        texts = await asyncio.gather(
+            *(collect(server.generate_answer(f"n{i}", [5 + i], GREEDY, 5)) for i in range(4))
+        )
+        await server.engine.stop()
         return bs, texts
 
     bs, texts = run(scenario())
@@ -114,27 +125,28 @@ def test_stop_string_truncates_and_finishes(agent_config, tokenizer, tiny_llama_
     release_all(tiny_llama_runner)
     prompt = tokenizer.encode("The capital of France")
     full = tokenizer.decode(alone(tiny_llama_runner, prompt, 30, set(tokenizer.eos_ids)))
-    stop = full[len(full) // 2: len(full) // 2 + 4]  # likely spans tokens: its start is held back
+    stop = full[len(full) // 2 : len(full) // 2 + 4]  # likely spans tokens: its start is held back
     assert stop.strip() and stop in full
 
     async def scenario():
-        server = LLMServer(agent_config, tokenizer)
-        await server.start()
+        server = OutputProcessor(agent_config, tokenizer)
+        await server.engine.start()
         text, outputs = await collect(server.generate_answer("st", prompt, GREEDY, 30, (stop,)))
-        await server.stop()
+        await server.engine.stop()
         return text, outputs
 
     text, outputs = run(scenario())
-    assert text == full[:full.index(stop)] and outputs[-1].finish_reason == "stop"
+    assert text == full[: full.index(stop)] and outputs[-1].finish_reason == "stop"
 
 
 def test_queue_bound_and_prompt_bound(agent_config, tokenizer):
-    config = agent_config.model_copy(update={
-        "server": agent_config.server.model_copy(update={"max_waiting_requests": 3})})
+    config = agent_config.model_copy(
+        update={"server": agent_config.server.model_copy(update={"max_waiting_requests": 3})}
+    )
 
     async def scenario():
-        server = LLMServer(config, tokenizer)
-        await server.start()
+        server = OutputProcessor(config, tokenizer)
+        await server.engine.start()
         # 4 free slots + 3 waiting places.
         streams = [server.generate_answer(f"q{i}", [7], GREEDY, 3) for i in range(7)]
         with pytest.raises(AdmissionError, match="queue is full") as full:
@@ -142,9 +154,11 @@ def test_queue_bound_and_prompt_bound(agent_config, tokenizer):
         with pytest.raises(AdmissionError, match="65 tokens; the longest accepted is 64") as long:
             server.generate_answer("long", [7] * 65, GREEDY, 3)
         await asyncio.gather(*(collect(s) for s in streams))
-        await server.stop()
+        await server.engine.stop()
         with pytest.raises(AdmissionError, match="shutting down"):
             server.generate_answer("late", [7], GREEDY, 3)
-        return full.value.status, long.value.status
+        return full.value.reason, long.value.reason
 
-    assert run(scenario()) == (503, 413)
+    full, long = run(scenario())
+    assert (full, long) == (Refusal.OVERLOADED, Refusal.TOO_LONG)
+    assert [refusal_status(full), refusal_status(long), refusal_status(full, openai=True)] == [503, 413, 429]

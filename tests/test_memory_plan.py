@@ -1,19 +1,24 @@
 """Memory planning (agent/memory_plan.py) and half precision: sizes from the model's spec, slots and
 lengths from a budget, clear refusals, and a float16 runner against the numpy reference."""
+
 import numpy as np
 import pytest
 
 import reference_numpy as ref
-from agent.model.formats import load_checkpoint
-from agent.memory_plan import MB, MemoryPlanError, plan_memory
-from agent.runner import ModelRunner
 from agent.contract.sampling import SamplingParams
+from agent.memory_plan import MB, MemoryPlanError, plan_memory
+from agent.model.formats import load_checkpoint
+from agent.model.tokenizer import load_tokenizer
+from agent.runner import ModelRunner
 from config.schema import RuntimeSection
 from conftest import TINY_RUNTIME
-from agent.model.tokenizer import load_tokenizer
 
-BUDGETED = dict(prefill_buckets=[32, 64], decode_batch_buckets=[1, 4, 8, 16],
-                attend_buckets=[256, 512, 2048], compile_cache_dir=None)
+BUDGETED = dict(
+    prefill_buckets=[32, 64],
+    decode_batch_buckets=[1, 4, 8, 16],
+    attend_buckets=[256, 512, 2048],
+    compile_cache_dir=None,
+)
 
 
 def test_plan_sizes_come_from_the_spec(default_model_path):
@@ -72,15 +77,17 @@ def test_float16_is_half_the_memory():
 def test_float16_runner_follows_the_reference(tiny_llama_dir):
     """The half-precision graphs (what Ascend runs) on CPU: logits within fp16 rounding of the fp64
     reference, the same greedy tokens, and a KV cache of half the bytes."""
-    runtime = TINY_RUNTIME.model_copy(update={"dtype": "float16", "matmul": "mindspore",
-                                              "decode_attention": "gather"})
+    runtime = TINY_RUNTIME.model_copy(
+        update={"dtype": "float16", "matmul": "mindspore", "decode_attention": "gather"}
+    )
     checkpoint = load_checkpoint(tiny_llama_dir)
-    half = ModelRunner(checkpoint, runtime)
-    full = ModelRunner(checkpoint, TINY_RUNTIME.model_copy(update={"decode_attention": "gather"}))
+    half = ModelRunner.from_checkpoint(checkpoint, runtime)
+    gather = TINY_RUNTIME.model_copy(update={"decode_attention": "gather"})
+    full = ModelRunner.from_checkpoint(checkpoint, gather)
     assert half.graphs.cache_bytes() * 2 == full.graphs.cache_bytes()
     prompt = load_tokenizer(tiny_llama_dir).encode("The capital of France is Paris.")
     reference = ref.load_hf_reference(tiny_llama_dir)
-    got = half.run_prefill_graph(0, np.asarray(prompt), 64).asnumpy()[0]
+    got = half.graphs.prefill(0, np.asarray(prompt), 64).asnumpy()[0]
     want = ref.forward(reference, prompt, ref.RefCache())[-1]
     assert got.dtype == np.float32
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
@@ -96,10 +103,24 @@ def test_shipped_ascend_example_plans_llama2_7b_into_its_budget():
 
     config = load_config(PROJECT_ROOT / "config" / "llama2_7b_ascend.yaml")
     assert (config.runtime.device_target, config.runtime.dtype) == ("Ascend", "float16")
-    llama2_7b = ModelSpec(architecture="llama", name="Llama-2-7b", num_layers=32, hidden_size=4096,
-                          num_heads=32, num_kv_heads=32, head_dim=128, intermediate_size=11008,
-                          vocab_size=32000, rope_theta=10000.0, rms_eps=1e-5, tied_embeddings=False,
-                          qkv_bias=False, max_context=4096, bos_id=1, eos_ids=(2,))
+    llama2_7b = ModelSpec(
+        architecture="llama",
+        name="Llama-2-7b",
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        intermediate_size=11008,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        tied_embeddings=False,
+        qkv_bias=False,
+        max_context=4096,
+        bos_id=1,
+        eos_ids=(2,),
+    )
     resolved, plan = plan_memory(llama2_7b, config.runtime)
     assert plan.weights_mb == pytest.approx(6738.4e6 * 2 / MB, rel=1e-3)  # 6.74B parameters
     assert plan.kv_mb_per_slot == 1024  # 32 layers x 2 x 4096 x 2 bytes x 2048 positions

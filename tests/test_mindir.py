@@ -1,4 +1,5 @@
 """MindIR export (tools.export) and agents running the exported files instead of graphs from code."""
+
 import json
 import shutil
 import subprocess
@@ -8,18 +9,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.model.formats import load_checkpoint
+from agent.contract.sampling import SamplingParams
 from agent.known_answer import KnownAnswerError
 from agent.mindir import EXPORT_FORMAT, MindIRError, read_known_answer
+from agent.model.detokenizer import IncrementalDetokenizer
+from agent.model.formats import load_checkpoint
+from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner
-from agent.contract.sampling import SamplingParams
 from agent_harness import free_ports, serving_stack, write_config
 from config import ConfigError, load_config
 from config.schema import PROJECT_ROOT, ModelSection
 from conftest import TINY_RUNTIME
 from http_client import post
-from agent.model.detokenizer import IncrementalDetokenizer
-from agent.model.tokenizer import load_tokenizer
 from tiny_models import write_tiny_checkpoint
 
 PROMPTS = [[5, 17, 33, 90, 12], [7, 8, 9], list(range(20, 60))]
@@ -31,12 +32,16 @@ def exported(tmp_path_factory, tiny_llama_dir):
     directory = tmp_path_factory.mktemp("mindir")
     config_path = write_config(directory, tiny_llama_dir, free_ports(1))
     output = directory / "graphs"
-    done = subprocess.run([sys.executable, "-m", "tools.export", "--config", str(config_path),
-                           "--output", str(output)], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.export", "--config", str(config_path), "--output", str(output)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert "graph 9/9 top-k 400" in done.stdout  # one progress line per graph
-    section = yaml.safe_load(done.stdout[done.stdout.index("model:"):])["model"]
+    section = yaml.safe_load(done.stdout[done.stdout.index("model:") :])["model"]
     return config_path, section
 
 
@@ -58,7 +63,7 @@ def test_exported_graphs_give_the_tokens_of_the_graphs_from_code(exported, tiny_
     files = ModelSection(**section)
     assert len(files.prefill_model) == 2 and len(files.decode_model) == 3 and len(files.topk_model) == 3
     from_files = ModelRunner.from_mindir(files, TINY_RUNTIME)
-    from_code = ModelRunner(load_checkpoint(tiny_llama_dir), TINY_RUNTIME)
+    from_code = ModelRunner.from_checkpoint(load_checkpoint(tiny_llama_dir), TINY_RUNTIME)
     assert run(from_files) == run(from_code)
     assert from_files.graphs.cache_bytes() == from_code.graphs.cache_bytes()
 
@@ -68,17 +73,17 @@ def test_agents_serve_from_mindir_files(exported, tmp_path, tiny_llama_dir):
     equals the one of graphs built from code."""
     agent_port, http_port = free_ports(2)
     _, section = exported
-    path = write_config(tmp_path, tiny_llama_dir, [agent_port], model=section,
-                        server={"port": http_port})
-    runner = ModelRunner(load_checkpoint(tiny_llama_dir), TINY_RUNTIME)
+    path = write_config(tmp_path, tiny_llama_dir, [agent_port], model=section, server={"port": http_port})
+    runner = ModelRunner.from_checkpoint(load_checkpoint(tiny_llama_dir), TINY_RUNTIME)
     tokenizer = load_tokenizer(tiny_llama_dir)
     prompt = tokenizer.encode("The capital of France is")
     expected = [runner.prefill(0, prompt, SamplingParams())] + [runner.decode([0])[0] for _ in range(9)]
     with serving_stack(path) as (agents, _server):
         assert "MindIR graphs loaded" in (tmp_path / "logs" / "agent_0.log").read_text()
-        answer = post(f"http://127.0.0.1:{http_port}/models/tiny/generate",
-                      {"inputs": "The capital of France is",
-                       "parameters": {"max_new_tokens": 10, "ignore_eos": True}})
+        answer = post(
+            f"http://127.0.0.1:{http_port}/models/tiny/generate",
+            {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 10, "ignore_eos": True}},
+        )
     assert answer.status_code == 200, answer.text
     detokenizer = IncrementalDetokenizer(tokenizer)  # the server's text of those tokens
     for token in expected:
@@ -104,7 +109,9 @@ def test_graphs_of_an_older_export_format_are_refused(exported, tmp_path):
     del manifest["format"]
     manifest_path.write_text(json.dumps(manifest))
     try:
-        with pytest.raises(MindIRError, match=rf"exported by another version \(format 1, this one reads {EXPORT_FORMAT}\)"):
+        with pytest.raises(
+            MindIRError, match=rf"exported by another version \(format 1, this one reads {EXPORT_FORMAT}\)"
+        ):
             ModelRunner.from_mindir(files, TINY_RUNTIME)
     finally:
         manifest["format"] = EXPORT_FORMAT
@@ -112,11 +119,15 @@ def test_graphs_of_an_older_export_format_are_refused(exported, tmp_path):
 
 
 def export_files(config_path: Path, output: Path) -> ModelSection:
-    done = subprocess.run([sys.executable, "-m", "tools.export", "--config", str(config_path),
-                           "--output", str(output)], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.export", "--config", str(config_path), "--output", str(output)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
-    return ModelSection(**yaml.safe_load(done.stdout[done.stdout.index("model:"):])["model"])
+    return ModelSection(**yaml.safe_load(done.stdout[done.stdout.index("model:") :])["model"])
 
 
 def test_files_of_another_export_fail_the_known_answer_check(exported, tmp_path, tiny_llama_dir):
@@ -131,18 +142,29 @@ def test_files_of_another_export_fail_the_known_answer_check(exported, tmp_path,
     shutil.copytree(files.argmax_model.parent, mixed)
     for path in other.argmax_model.parent.glob("*.mindir"):
         shutil.copy(path, mixed / path.name)
-    mixed_files = ModelSection(**{**section, **{kind: [str(mixed / Path(p).name) for p in section[kind]]
-                                                for kind in ("prefill_model", "decode_model", "topk_model")},
-                                  "argmax_model": str(mixed / Path(section["argmax_model"]).name)})
+    mixed_files = ModelSection(
+        **{
+            **section,
+            **{
+                kind: [str(mixed / Path(p).name) for p in section[kind]]
+                for kind in ("prefill_model", "decode_model", "topk_model")
+            },
+            "argmax_model": str(mixed / Path(section["argmax_model"]).name),
+        }
+    )
     runner = ModelRunner.from_mindir(mixed_files, TINY_RUNTIME)
     with pytest.raises(KnownAnswerError, match="the prefill length 16 graph disagrees"):
         runner.warm_up(lambda _line: None, known=read_known_answer(mixed_files))
     ModelRunner.from_mindir(files, TINY_RUNTIME).warm_up(lambda _line: None, known=read_known_answer(files))
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("mindspore", "2.0.0", "exported with MindSpore 2.0.0"),
-    ("kernels", "0123456789abcdef", "call CPU kernels of build 0123456789abcdef")])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("mindspore", "2.0.0", "exported with MindSpore 2.0.0"),
+        ("kernels", "0123456789abcdef", "call CPU kernels of build 0123456789abcdef"),
+    ],
+)
 def test_exports_of_another_mindspore_or_kernel_build_are_refused(exported, field, value, message):
     _, section = exported
     files = ModelSection(**section)

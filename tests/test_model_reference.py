@@ -1,49 +1,55 @@
 """The MindSpore graphs against the independent numpy reference (tests/reference_numpy.py)."""
+
 import numpy as np
 import pytest
 
 import reference_numpy as ref
-from agent.model.formats import load_checkpoint
-from agent.runner import ModelRunner
 from agent.contract.sampling import SamplingParams
-from conftest import TINY_RUNTIME
+from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
+from agent.runner import ModelRunner
+from conftest import TINY_RUNTIME
 from tiny_models import write_tiny_checkpoint
 
 GREEDY = SamplingParams()
-CHAT_PROMPTS = ["What is the capital of France?",
-                "Write a haiku about the sea.",
-                "List three prime numbers and explain why they are prime."]
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+]
 
 
-def compare_logits(runner: ModelRunner, reference: ref.RefModel, prompt: list[int], slot: int,
-                   steps: int = 4) -> list[float]:
+def compare_logits(
+    runner: ModelRunner, reference: ref.RefModel, prompt: list[int], slot: int, steps: int = 4
+) -> list[float]:
     """Max |logit difference| at prefill and after each of `steps` decode steps."""
     bucket = next(b for b in runner.runtime.prefill_buckets if b >= len(prompt))
     cache = ref.RefCache()
-    got = runner.run_prefill_graph(slot, np.asarray(prompt), bucket).asnumpy()[0]
+    got = runner.graphs.prefill(slot, np.asarray(prompt), bucket).asnumpy()[0]
     want = ref.forward(reference, prompt, cache)[-1]
     diffs = [float(np.abs(got - want).max())]
     token, position = int(np.argmax(want)), len(prompt)
     for _ in range(steps):
         attend = next(a for a in runner.runtime.attend_buckets if a > position)  # gather path only
-        got = runner.run_decode_graph(np.array([slot]), np.array([token]), np.array([position]),
-                                      1, attend)[0].asnumpy()[0]
+        got = runner.graphs.decode(np.array([slot]), np.array([token]), np.array([position]), 1, attend)[
+            0
+        ].asnumpy()[0]
         want = ref.forward(reference, [token], cache)[-1]
         diffs.append(float(np.abs(got - want).max()))
         token, position = int(np.argmax(want)), position + 1
     return diffs
 
 
-@pytest.mark.parametrize("attention, matmul", [("kernel", "kernel"), ("gather", "kernel"),
-                                               ("kernel", "mindspore")])
+@pytest.mark.parametrize(
+    "attention, matmul", [("kernel", "kernel"), ("gather", "kernel"), ("kernel", "mindspore")]
+)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_tiny_checkpoint_logits_match_reference(family, attention, matmul, tiny_llama_dir, tiny_qwen2_dir):
     """Both decode attention paths (the custom CPU kernel; gather + batched matmuls) and both
     matmul paths (the custom kernel on packed weights; MindSpore's MatMul)."""
     directory = tiny_llama_dir if family == "llama" else tiny_qwen2_dir
     runtime = TINY_RUNTIME.model_copy(update={"decode_attention": attention, "matmul": matmul})
-    runner = ModelRunner(load_checkpoint(directory), runtime)
+    runner = ModelRunner.from_checkpoint(load_checkpoint(directory), runtime)
     # with both kernels each decode layer is one fused op (agent/kernels/decode_layer.cc)
     fused = runner.graphs.model.layers[0].kernel_layer is not None
     assert fused == (attention == matmul == "kernel")
@@ -56,7 +62,7 @@ def test_tiny_checkpoint_logits_match_reference(family, attention, matmul, tiny_
 def test_widths_off_the_kernel_tile_match_reference(tmp_path):
     """Hidden 48 and FFN 80: output widths that are not a multiple of the matmul kernel's tile."""
     directory = write_tiny_checkpoint(tmp_path, "llama", seed=3, hidden=48, intermediate=80)
-    runner = ModelRunner(load_checkpoint(directory), TINY_RUNTIME)
+    runner = ModelRunner.from_checkpoint(load_checkpoint(directory), TINY_RUNTIME)
     assert runner.graphs.model.layers[0].kernel_layer is None  # op by op: hidden is not whole tiles
     prompt = load_tokenizer(directory).encode("odd widths")
     diffs = compare_logits(runner, ref.load_hf_reference(directory), prompt, slot=0, steps=3)
@@ -75,8 +81,9 @@ def test_default_model_logits_match_reference(default_runner, default_model_path
 
 
 @pytest.mark.default_model
-def test_default_model_greedy_matches_reference_and_says_paris(default_runner, default_model_path,
-                                                              release_all):
+def test_default_model_greedy_matches_reference_and_says_paris(
+    default_runner, default_model_path, release_all
+):
     release_all(default_runner)
     reference = ref.load_gguf_reference(default_model_path)
     tokenizer = load_tokenizer(default_model_path)

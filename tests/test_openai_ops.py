@@ -1,5 +1,6 @@
 """OpenAI-compatible API (driven by the official `openai` package), ops endpoints, access control and
 the Python client, against a real agent + `start_server.py` on the tiny model with an API key on."""
+
 import asyncio
 import shutil
 import subprocess
@@ -12,10 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from agent.model.tokenizer import load_tokenizer
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, wait_gone, write_config
 from client import AsyncClient, Client, ServerError
 from config.schema import PROJECT_ROOT
-from agent.model.tokenizer import load_tokenizer
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -25,10 +26,14 @@ MAX_BODY = 4096
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_llama_dir):
     agent_port, http_port = free_ports(2)
-    path = write_config(tmp_path_factory.mktemp("openai"), tiny_llama_dir, [agent_port],
-                        runtime=LONG_ANSWERS_RUNTIME,
-                        agents={"restart_policy": "exit"},
-                        server={"port": http_port, "api_keys": [KEY], "max_body_bytes": MAX_BODY})
+    path = write_config(
+        tmp_path_factory.mktemp("openai"),
+        tiny_llama_dir,
+        [agent_port],
+        runtime=LONG_ANSWERS_RUNTIME,
+        agents={"restart_policy": "exit"},
+        server={"port": http_port, "api_keys": [KEY], "max_body_bytes": MAX_BODY},
+    )
     with serving_stack(path) as (agents, server):
         yield f"http://127.0.0.1:{http_port}", agents, server
 
@@ -47,6 +52,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 
 # ------------------------------------------------------------------------------------ access
+
 
 def test_api_key_is_required_everywhere_but_health(stack):
     base = stack[0]
@@ -72,7 +78,8 @@ def test_log_lines_never_contain_api_keys(stack, tmp_path):
     assert httpx.get(f"{base}/info", headers=AUTH).status_code == 200
     server.wait_for("GET /info", 10)
     logs = server.output() + "".join(
-        p.read_text() for p in (server.config_path.parent / "logs").glob("server_app.log*"))
+        p.read_text() for p in (server.config_path.parent / "logs").glob("server_app.log*")
+    )
     assert "/dashboard?api_key=***" in logs
     assert KEY not in logs and wrong not in logs
 
@@ -82,12 +89,14 @@ def test_request_body_limit(stack):
     big = {"inputs": "x" * (MAX_BODY + 10)}
     response = httpx.post(f"{base}/models/tiny/generate", json=big, headers=AUTH)
     assert response.status_code == 413 and f"larger than {MAX_BODY}" in response.json()["error"]
-    chunked = httpx.post(f"{base}/v1/completions", content=iter([b'{"prompt": "', b"x" * MAX_BODY, b'"}']),
-                         headers=AUTH)
+    chunked = httpx.post(
+        f"{base}/v1/completions", content=iter([b'{"prompt": "', b"x" * MAX_BODY, b'"}']), headers=AUTH
+    )
     assert chunked.status_code == 413 and chunked.json()["error"]["type"] == "invalid_request_error"
 
 
 # ------------------------------------------------------------------------------------ OpenAI
+
 
 def test_models_lists_the_served_name(sdk):
     assert [m.id for m in sdk.models.list().data] == ["tiny"]
@@ -104,8 +113,16 @@ def test_chat_completion_stream_and_not_agree_with_usage(sdk, tokenizer):
         assert reply.usage.completion_tokens == 12
     assert reply.usage.total_tokens == prompt_tokens + reply.usage.completion_tokens
 
-    chunks = list(sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0,
-                                              stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        sdk.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
@@ -117,18 +134,24 @@ def test_completion_stop_strings(sdk):
     text = full.choices[0].text
     stop = text[6:9]
     assert len(text) > 9 and stop.strip()
-    cut = sdk.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=20, temperature=0,
-                                 stop=[stop, "never-there"])
-    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in sdk.completions.create(
-        model="tiny", prompt="The quick brown fox", max_tokens=20, temperature=0, stop=stop, stream=True))
+    cut = sdk.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=20, temperature=0, stop=[stop, "never-there"]
+    )
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].text
+        for c in sdk.completions.create(
+            model="tiny", prompt="The quick brown fox", max_tokens=20, temperature=0, stop=stop, stream=True
+        )
+    )
     assert streamed == cut.choices[0].text
 
 
 def test_seed_reproducibility_and_n(sdk):
     def sample(seed, n=1):
-        reply = sdk.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16,
-                                       temperature=1.0, seed=seed, n=n)
+        reply = sdk.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=seed, n=n
+        )
         return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
 
     first = sample(7)
@@ -137,11 +160,20 @@ def test_seed_reproducibility_and_n(sdk):
 
 
 def test_penalties_are_honoured_and_unsupported_parameters_refused(sdk):
-    reply = sdk.completions.create(model="tiny", prompt="a b a b", max_tokens=8, temperature=0,
-                                   presence_penalty=1.5, frequency_penalty=0.5)
+    reply = sdk.completions.create(
+        model="tiny",
+        prompt="a b a b",
+        max_tokens=8,
+        temperature=0,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+    )
     assert reply.choices[0].text
-    for kwargs, word in [({"logprobs": True}, "logprobs"), ({"presence_penalty": -1.0}, "negative"),
-                         ({"logit_bias": {"5": 10}}, "logit_bias")]:
+    for kwargs, word in [
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": -1.0}, "negative"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ]:
         with pytest.raises(openai.BadRequestError, match=word):
             sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, **kwargs)
     with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -152,6 +184,7 @@ def test_penalties_are_honoured_and_unsupported_parameters_refused(sdk):
 
 # ------------------------------------------------------------------------------------ ops
 
+
 def metrics(base) -> dict:
     families = text_string_to_metric_families(httpx.get(f"{base}/metrics", headers=AUTH).text)
     return {s.name + str(sorted(s.labels.items())): s.value for f in families for s in f.samples}
@@ -160,23 +193,32 @@ def metrics(base) -> dict:
 def test_metrics_move_as_requests_run(stack):
     base = stack[0]
     before = metrics(base)
-    reply = httpx.post(f"{base}/models/tiny/generate", headers=AUTH,
-                       json={"inputs": "The quick", "parameters": {"max_new_tokens": 5, "ignore_eos": True}})
+    reply = httpx.post(
+        f"{base}/models/tiny/generate",
+        headers=AUTH,
+        json={"inputs": "The quick", "parameters": {"max_new_tokens": 5, "ignore_eos": True}},
+    )
     assert reply.status_code == 200
     after = metrics(base)
     ok = "llm_serving_requests_total[('outcome', 'ok')]"
     assert after[ok] == before[ok] + 1
     assert after["llm_serving_generated_tokens_total[]"] == before["llm_serving_generated_tokens_total[]"] + 5
-    assert after["llm_serving_time_to_first_token_seconds_count[]"] == \
-        before["llm_serving_time_to_first_token_seconds_count[]"] + 1
-    assert after["llm_serving_inter_token_latency_seconds_count[]"] >= \
-        before["llm_serving_inter_token_latency_seconds_count[]"] + 4
+    assert (
+        after["llm_serving_time_to_first_token_seconds_count[]"]
+        == before["llm_serving_time_to_first_token_seconds_count[]"] + 1
+    )
+    assert (
+        after["llm_serving_inter_token_latency_seconds_count[]"]
+        >= before["llm_serving_inter_token_latency_seconds_count[]"] + 4
+    )
     assert after["llm_serving_slots[]"] == 8 and after["llm_serving_running_sequences[]"] == 0
     decode = [k for k in after if k.startswith("llm_serving_agent_step_seconds_count") and "decode" in k]
     assert decode and after[decode[0]] > 0
     # the agent's own time of each decode, within the time the server saw the call take
-    step, compute = (sorted(k for k in after if k.startswith(f"llm_serving_agent_{kind}_seconds_sum")
-                            and "decode" in k) for kind in ("step", "compute"))
+    step, compute = (
+        sorted(k for k in after if k.startswith(f"llm_serving_agent_{kind}_seconds_sum") and "decode" in k)
+        for kind in ("step", "compute")
+    )
     assert len(compute) == 1 and after[compute[0].replace("_sum", "_count")] == after[decode[0]]
     assert 0 < after[compute[0]] < after[step[0]]
     rejected = "llm_serving_requests_total[('outcome', 'rejected')]"
@@ -190,6 +232,7 @@ def test_info(stack):
 
 
 # ------------------------------------------------------------------------------------ client
+
 
 def test_python_client_sync_and_async(stack):
     base = stack[0]
@@ -217,8 +260,9 @@ def test_python_client_sync_and_async(stack):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "client", *args], capture_output=True, text=True,
-                          cwd=PROJECT_ROOT, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "client", *args], capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=60
+    )
 
 
 def test_command_line(stack):
@@ -234,15 +278,19 @@ def test_command_line(stack):
 
 # ------------------------------------------------------------------------------------ dashboard
 
+
 def chromium_driver():
     """Headless Chromium through chromium-driver (Debian packages; `make test` installs them when
     it runs as root)."""
     chromedriver, chromium = shutil.which("chromedriver"), shutil.which("chromium")
     if not (chromedriver and chromium):
-        pytest.skip("Chromium is not installed (Debian packages chromium, chromium-driver; `make test` "
-                    "installs them when run as root)")
+        pytest.skip(
+            "Chromium is not installed (Debian packages chromium, chromium-driver; `make test` "
+            "installs them when run as root)"
+        )
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
+
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,900"):
@@ -253,19 +301,32 @@ def chromium_driver():
 def test_dashboard_in_a_real_browser_under_load(stack):
     base = stack[0]
     driver = chromium_driver()
-    load = [threading.Thread(target=httpx.post, args=(f"{base}/models/tiny/generate",), kwargs={
-        "headers": AUTH, "timeout": 120,
-        "json": {"inputs": f"load {i}", "parameters": {"max_new_tokens": 440, "ignore_eos": True}}})
-        for i in range(6)]
+    load = [
+        threading.Thread(
+            target=httpx.post,
+            args=(f"{base}/models/tiny/generate",),
+            kwargs={
+                "headers": AUTH,
+                "timeout": 120,
+                "json": {"inputs": f"load {i}", "parameters": {"max_new_tokens": 440, "ignore_eos": True}},
+            },
+        )
+        for i in range(6)
+    ]
     try:
         driver.get(f"{base}/dashboard?api_key={KEY}")
         for t in load:
             t.start()
         from selenium.webdriver.support.ui import WebDriverWait
+
         chart = lambda name: driver.find_element("id", "chart-" + name)  # noqa: E731
         WebDriverWait(driver, 60, 0.2).until(lambda d: float(chart("bs").get_attribute("data-max")) > 1)
-        WebDriverWait(driver, 60, 0.2).until(lambda d: float(chart("tps").get_attribute("data-max")) > 0
-                                             and int(chart("tps").get_attribute("data-points")) >= 4)
+        WebDriverWait(driver, 60, 0.2).until(
+            lambda d: (
+                float(chart("tps").get_attribute("data-max")) > 0
+                and int(chart("tps").get_attribute("data-points")) >= 4
+            )
+        )
         assert driver.find_element("id", "ready").text == "ready"
         assert "up" in driver.find_element("id", "agents").text
         screenshot = PROJECT_ROOT / "output" / "dashboard.png"
@@ -279,6 +340,7 @@ def test_dashboard_in_a_real_browser_under_load(stack):
 
 
 # ------------------------------------------------------------------------------------ last
+
 
 def test_ready_goes_503_when_the_agent_dies(stack):
     """Last in this module: kills the agent (restart_policy exit stops the launcher too)."""

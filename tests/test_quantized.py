@@ -1,9 +1,12 @@
 """GGUF Q4_1 blocks kept quantized (agent/quantized.py): the values, and the kernel's packed layout,
 against the gguf package's own dequantizer and an unpacking by hand."""
+
 import numpy as np
 import pytest
 
 from agent.model.quantized import BLOCK, TILE, Q4Matrix
+
+pytestmark = pytest.mark.unit
 
 
 def random_q4(rows: int, blocks: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -33,9 +36,9 @@ def test_packed_layout_unpacks_to_the_matrix(rows):
     packed = Q4Matrix.from_gguf(raw).pack()
     tiles = -(-rows // TILE)
     assert packed.shape == (tiles, 2, 768) and packed.dtype == np.uint8
-    d = packed[..., :4 * TILE].copy().view(np.float32)  # [tiles, blocks, TILE]
-    m = packed[..., 4 * TILE:8 * TILE].copy().view(np.float32)
-    nibbles = packed[..., 8 * TILE:].reshape(tiles, 2, BLOCK // 2, TILE)
+    d = packed[..., : 4 * TILE].copy().view(np.float32)  # [tiles, blocks, TILE]
+    m = packed[..., 4 * TILE : 8 * TILE].copy().view(np.float32)
+    nibbles = packed[..., 8 * TILE :].reshape(tiles, 2, BLOCK // 2, TILE)
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=2)  # [tiles, blocks, k, TILE]
     dense = d[:, :, None, :] * q + m[:, :, None, :]  # weight (k, column) per tile and block
     unpacked = dense.transpose(0, 3, 1, 2).reshape(tiles * TILE, 2 * BLOCK)

@@ -1,4 +1,5 @@
 """Replicas: two mixed agents (groups) behind one server, as config/replicas.yaml runs them."""
+
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,22 +11,33 @@ from config import load_config
 from config.schema import PROJECT_ROOT
 from http_client import one_event, post
 
-TEXTS = ["The quick brown fox", "你好，世界！", "emoji 😀 🎉", "Numbers 0123456789", "The capital of",
-         "café naïve résumé", "symbols !?#%&*()", "北京是中国的首都"]
+TEXTS = [
+    "The quick brown fox",
+    "你好，世界！",
+    "emoji 😀 🎉",
+    "Numbers 0123456789",
+    "The capital of",
+    "café naïve résumé",
+    "symbols !?#%&*()",
+    "北京是中国的首都",
+]
 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory, tiny_llama_dir):
     ports = free_ports(3)
-    path = write_config(tmp_path_factory.mktemp("replicas"), tiny_llama_dir, ports[:2],
-                        server={"port": ports[2]})
+    path = write_config(
+        tmp_path_factory.mktemp("replicas"), tiny_llama_dir, ports[:2], server={"port": ports[2]}
+    )
     with serving_stack(path):
         yield f"http://127.0.0.1:{ports[2]}", ports[:2]
 
 
 def generate(base: str, text: str) -> str:
-    response = post(f"{base}/models/tiny/generate", {"inputs": text, "parameters": {
-        "max_new_tokens": 24, "ignore_eos": True}})
+    response = post(
+        f"{base}/models/tiny/generate",
+        {"inputs": text, "parameters": {"max_new_tokens": 24, "ignore_eos": True}},
+    )
     assert response.status_code == 200, response.text
     return response.json()["generated_text"]
 
@@ -34,8 +46,11 @@ def prefill_counts(base: str, ports: list[int]) -> list[float]:
     text = httpx.get(f"{base}/metrics").text
     counts = []
     for port in ports:
-        match = re.search(r'llm_serving_agent_step_seconds_count\{agent="tcp://127\.0\.0\.1:%d",'
-                          r'op="prefill"\} (\S+)' % port, text)
+        match = re.search(
+            r'llm_serving_agent_step_seconds_count\{agent="tcp://127\.0\.0\.1:%d",'
+            r'op="prefill"\} (\S+)' % port,
+            text,
+        )
         counts.append(float(match.group(1)) if match else 0.0)
     return counts
 

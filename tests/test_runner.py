@@ -1,10 +1,11 @@
 """ModelRunner behaviour: batching, slot reuse, sampling through the graphs, and request errors."""
+
 import numpy as np
 import pytest
 
-from agent.runner import RunnerError
 from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import load_tokenizer
+from agent.runner import RunnerError
 
 GREEDY = SamplingParams()
 
@@ -44,9 +45,10 @@ def test_batch_invariance_tiny(tiny_llama_runner, tiny_llama_dir, release_all):
 @pytest.mark.default_model
 def test_batch_invariance_default_model(default_runner, default_model_path, release_all):
     release_all(default_runner)
-    prompts = chat_prompts(default_model_path, ["What is the capital of France?",
-                                                "Say hello in three languages, please.",
-                                                "Why is the sky blue?"])
+    prompts = chat_prompts(
+        default_model_path,
+        ["What is the capital of France?", "Say hello in three languages, please.", "Why is the sky blue?"],
+    )
     assert len({len(p) for p in prompts}) == 3  # different lengths, different positions
     alone = [generate_alone(default_runner, p, 16) for p in prompts]
     assert generate_together(default_runner, prompts, 16) == alone
@@ -77,8 +79,7 @@ def test_greedy_rows_stay_greedy_beside_sampled_rows(tiny_llama_runner, tiny_lla
     assert seqs[1] != greedy  # a hot sampler over a ~400-token vocabulary does not copy greedy
 
 
-def test_seeded_sampling_reproduces_and_top_k_1_is_greedy(tiny_llama_runner, tiny_llama_dir,
-                                                          release_all):
+def test_seeded_sampling_reproduces_and_top_k_1_is_greedy(tiny_llama_runner, tiny_llama_dir, release_all):
     release_all(tiny_llama_runner)
     prompt = load_tokenizer(tiny_llama_dir).encode("The quick brown fox")
     params = SamplingParams(do_sample=True, temperature=1.2, top_k=50, top_p=0.95, seed=1234)
@@ -87,12 +88,14 @@ def test_seeded_sampling_reproduces_and_top_k_1_is_greedy(tiny_llama_runner, tin
     other = generate_alone(tiny_llama_runner, prompt, 16, params=params.model_copy(update={"seed": 99}))
     assert other != first
     top1 = SamplingParams(do_sample=True, temperature=0.7, top_k=1, seed=5)
-    assert generate_alone(tiny_llama_runner, prompt, 12, params=top1) == \
-        generate_alone(tiny_llama_runner, prompt, 12)
+    assert generate_alone(tiny_llama_runner, prompt, 12, params=top1) == generate_alone(
+        tiny_llama_runner, prompt, 12
+    )
 
 
-def test_repetition_penalty_matches_full_vocabulary_computation(tiny_llama_runner, tiny_llama_dir,
-                                                                release_all):
+def test_repetition_penalty_matches_full_vocabulary_computation(
+    tiny_llama_runner, tiny_llama_dir, release_all
+):
     """Greedy with a penalty through the top-k graph equals the penalty applied to all logits."""
     release_all(tiny_llama_runner)
     runner = tiny_llama_runner
@@ -100,27 +103,34 @@ def test_repetition_penalty_matches_full_vocabulary_computation(tiny_llama_runne
     penalty = 1.8
     got = generate_alone(runner, prompt, 8, params=SamplingParams(repetition_penalty=penalty))
     seen, want, tokens = set(prompt), [], list(prompt)
-    logits = runner.run_prefill_graph(0, np.asarray(tokens), 16).asnumpy()[0]
+    logits = runner.graphs.prefill(0, np.asarray(tokens), 16).asnumpy()[0]
     for step in range(8):
         ids = np.array(sorted(seen))
         logits[ids] = np.where(logits[ids] > 0, logits[ids] / penalty, logits[ids] * penalty)
         token = int(np.argmax(logits))
         want.append(token)
         seen.add(token)
-        logits = runner.run_decode_graph(np.array([0]), np.array([token]),
-                                         np.array([len(prompt) + step]), 1, 32)[0].asnumpy()[0]
+        logits = runner.graphs.decode(
+            np.array([0]), np.array([token]), np.array([len(prompt) + step]), 1, 32
+        )[0].asnumpy()[0]
     assert got == want
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda r: r.prefill(9, [1, 2], GREEDY), "slot 9 is out of range"),
-    (lambda r: r.prefill(0, [], GREEDY), "non-empty"),
-    (lambda r: r.prefill(0, [1, 10_000], GREEDY), "token ids must lie in"),
-    (lambda r: r.prefill(0, [1] * 65, GREEDY), "prompt of 65 tokens exceeds the longest prompt this agent accepts \\(64 tokens\\)"),
-    (lambda r: r.decode([2]), "slot 2 holds no sequence"),
-    (lambda r: r.decode([]), "at least one slot"),
-    (lambda r: r.release(-1), "out of range"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda r: r.prefill(9, [1, 2], GREEDY), "slot 9 is out of range"),
+        (lambda r: r.prefill(0, [], GREEDY), "non-empty"),
+        (lambda r: r.prefill(0, [1, 10_000], GREEDY), "token ids must lie in"),
+        (
+            lambda r: r.prefill(0, [1] * 65, GREEDY),
+            "prompt of 65 tokens exceeds the longest prompt this agent accepts \\(64 tokens\\)",
+        ),
+        (lambda r: r.decode([2]), "slot 2 holds no sequence"),
+        (lambda r: r.decode([]), "at least one slot"),
+        (lambda r: r.release(-1), "out of range"),
+    ],
+)
 def test_bad_requests_raise_clear_errors(tiny_llama_runner, call, message, release_all):
     release_all(tiny_llama_runner)
     with pytest.raises(RunnerError, match=message):

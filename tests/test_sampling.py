@@ -1,9 +1,12 @@
 """SlotSampler on fixed candidate lists: distributions, top-k/top-p truncation, seeds, penalties."""
+
 import numpy as np
 import pytest
 
 from agent.contract.sampling import SamplingParams
 from agent.sampling import SlotSampler
+
+pytestmark = pytest.mark.unit
 
 VOCAB = 1000
 
@@ -34,8 +37,9 @@ def expected(logits, temperature=1.0, top_k=0, top_p=1.0):
     return out
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6),
-                                                       (1.0, 8, 0.8)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (1.0, 8, 0.8)]
+)
 def test_empirical_distribution_matches(temperature, top_k, top_p):
     rng = np.random.default_rng(0)
     logits = np.full(VOCAB, -20.0)
@@ -81,7 +85,7 @@ def test_presence_and_frequency_penalties_follow_openai():
     params = SamplingParams(presence_penalty=0.4, frequency_penalty=0.5)
     sampler = SlotSampler(params, [6], VOCAB)  # the prompt is not penalised
     values, ids = candidates(logits)
-    picks = [sampler.choose(values[:3 + i], ids[:3 + i]) for i in range(4)]
+    picks = [sampler.choose(values[: 3 + i], ids[: 3 + i]) for i in range(4)]
     scores = {5: 4.0, 6: 3.5, 7: 2.0}
     counts = {}
     want = []
@@ -94,9 +98,19 @@ def test_presence_and_frequency_penalties_follow_openai():
     assert sampler.counts == counts and sampler.candidates_needed() == 1 + len(counts)
 
 
-@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
-                                 {"repetition_penalty": 0}, {"seed": -1}, {"presence_penalty": -0.5},
-                                 {"frequency_penalty": 2.5}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -2},
+        {"repetition_penalty": 0},
+        {"seed": -1},
+        {"presence_penalty": -0.5},
+        {"frequency_penalty": 2.5},
+    ],
+)
 def test_invalid_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

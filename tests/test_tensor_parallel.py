@@ -1,21 +1,25 @@
 """Tensor parallelism with real processes: one group of two agents runs the default model split
 across them (MindSpore's dynamic cluster, AllReduce inside the graphs) and answers greedily with
 exactly the tokens of one whole model."""
+
 import re
 
 import httpx
 import pytest
 
+from agent.model.tokenizer import load_tokenizer
 from agent_harness import free_ports, serving_stack, wait_gone, write_config
 from config import load_config
 from config.schema import PROJECT_ROOT
 from conftest import DEFAULT_RUNTIME
 from http_client import post
-from agent.model.tokenizer import load_tokenizer
 from test_runner import generate_alone
 
-QUESTIONS = ["What is the capital of France?", "Say hello in three languages, please.",
-             "Why is the sky blue?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Say hello in three languages, please.",
+    "Why is the sky blue?",
+]
 NEW_TOKENS = 32
 
 pytestmark = pytest.mark.default_model
@@ -25,16 +29,22 @@ pytestmark = pytest.mark.default_model
 def tensor_parallel(tmp_path_factory, default_model_path):
     ports = free_ports(4)
     runtime = DEFAULT_RUNTIME.model_dump(mode="json")
-    path = write_config(tmp_path_factory.mktemp("tensor-parallel"), default_model_path, ports[:2],
-                        runtime=runtime, model={"name": "smollm2"},
-                        agents={"ports": ports[:2], "groups": [{"ports": ports[:2], "cluster_port": ports[2]}]},
-                        server={"port": ports[3]})
+    path = write_config(
+        tmp_path_factory.mktemp("tensor-parallel"),
+        default_model_path,
+        ports[:2],
+        runtime=runtime,
+        model={"name": "smollm2"},
+        agents={"ports": ports[:2], "groups": [{"ports": ports[:2], "cluster_port": ports[2]}]},
+        server={"port": ports[3]},
+    )
     with serving_stack(path) as (agents, server):
         yield {"base": f"http://127.0.0.1:{ports[3]}", "agents": agents, "logs": path.parent / "logs"}
 
 
-def test_two_ranks_answer_with_the_whole_models_greedy_tokens(tensor_parallel, default_runner,
-                                                             default_model_path, release_all):
+def test_two_ranks_answer_with_the_whole_models_greedy_tokens(
+    tensor_parallel, default_runner, default_model_path, release_all
+):
     release_all(default_runner)
     tokenizer = load_tokenizer(default_model_path)
     for question in QUESTIONS:
@@ -42,13 +52,20 @@ def test_two_ranks_answer_with_the_whole_models_greedy_tokens(tensor_parallel, d
         tokens = generate_alone(default_runner, prompt, NEW_TOKENS)
         ends = [i for i, t in enumerate(tokens) if t in tokenizer.eos_ids]
         # The server never sends half a UTF-8 character: a cut-off emoji at the end is dropped.
-        want = tokenizer.decode(tokens[:ends[0]] if ends else tokens).rstrip("\ufffd")
-        response = post(f"{tensor_parallel['base']}/models/smollm2/generate", {
-            "inputs": question, "parameters": {"max_new_tokens": NEW_TOKENS, "chat_template": True}})
+        want = tokenizer.decode(tokens[: ends[0]] if ends else tokens).rstrip("\ufffd")
+        response = post(
+            f"{tensor_parallel['base']}/models/smollm2/generate",
+            {"inputs": question, "parameters": {"max_new_tokens": NEW_TOKENS, "chat_template": True}},
+        )
         assert response.status_code == 200, response.text
         assert response.json()["generated_text"] == want
-    assert "Paris" in post(f"{tensor_parallel['base']}/models/smollm2/generate", {
-        "inputs": QUESTIONS[0], "parameters": {"max_new_tokens": 20, "chat_template": True}}).json()["generated_text"]
+    assert (
+        "Paris"
+        in post(
+            f"{tensor_parallel['base']}/models/smollm2/generate",
+            {"inputs": QUESTIONS[0], "parameters": {"max_new_tokens": 20, "chat_template": True}},
+        ).json()["generated_text"]
+    )
 
     # Each rank holds its share: 3 KV heads are 2 + 1, the FFN columns half each.
     logs = tensor_parallel["logs"]

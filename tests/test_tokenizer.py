@@ -1,12 +1,20 @@
 """Tokenizers from GGUF and tokenizer.json: exact round trips, chat templates, incremental decoding."""
+
 import pytest
 
 from agent.model.detokenizer import IncrementalDetokenizer
 from agent.model.tokenizer import TokenizerError, load_tokenizer
 
-TEXTS = ["The capital of France is Paris.", "北京是中国的首都。你好，世界！", "emoji 😀🎉🚀 and 👩‍👩‍👧",
-         "  leading, trailing  \n\n\ttabs and\r\nCRLF  ", "digits 0123456789 and 3.14159e-10",
-         "mixed: café naïve — «quotes» ß ∑ ∫"]
+pytestmark = pytest.mark.unit
+
+TEXTS = [
+    "The capital of France is Paris.",
+    "北京是中国的首都。你好，世界！",
+    "emoji 😀🎉🚀 and 👩‍👩‍👧",
+    "  leading, trailing  \n\n\ttabs and\r\nCRLF  ",
+    "digits 0123456789 and 3.14159e-10",
+    "mixed: café naïve — «quotes» ß ∑ ∫",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +38,9 @@ def test_gguf_chat_template(default_tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     text = default_tokenizer.apply_chat_template(messages)
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
-                         "<|im_start|>assistant\n")
+    assert text.endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert len(default_tokenizer.encode_chat(messages)) == 37
     with_system = [{"role": "system", "content": "Be brief."}] + messages
     assert "SmolLM" not in default_tokenizer.apply_chat_template(with_system)

@@ -1,5 +1,6 @@
 """Tiny random checkpoints written by the tests themselves: HuggingFace directories (Llama, Qwen2,
 InternLM2; one file or shards with an index) and GGUF files (F32 to Q6_K) of the same weights."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,11 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
-          "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
@@ -25,20 +28,34 @@ def write_tokenizer(directory: Path, vocab_size: int = 400) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(CORPUS, trainer)
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHATML, "bos_token": None, "eos_token": "<|im_end|>"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "bos_token": None, "eos_token": "<|im_end|>"})
+    )
     return tokenizer
 
 
-def write_tiny_checkpoint(directory: Path, model_type: str = "llama", *, seed: int = 0,
-                          layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                          intermediate: int = 128, tied: bool = False, shards: int = 1,
-                          extra_config: dict | None = None) -> Path:
+def write_tiny_checkpoint(
+    directory: Path,
+    model_type: str = "llama",
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    tied: bool = False,
+    shards: int = 1,
+    extra_config: dict | None = None,
+) -> Path:
     """config.json + model.safetensors (or `shards` files and model.safetensors.index.json) +
     tokenizer files; weights scaled so logits spread widely (near-ties would make greedy
     comparisons flaky). model_type "internlm2" packs Q/K/V into wqkv under InternLM2's names."""
@@ -54,47 +71,70 @@ def write_tiny_checkpoint(directory: Path, model_type: str = "llama", *, seed: i
     def norm(dim: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
 
-    tensors = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden)).astype(np.float32),
-               "model.norm.weight": norm(hidden)}
+    tensors = {
+        "model.embed_tokens.weight": rng.standard_normal((vocab, hidden)).astype(np.float32),
+        "model.norm.weight": norm(hidden),
+    }
     if not tied:
         tensors["lm_head.weight"] = matrix(vocab, hidden) * 4
     for i in range(layers):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": norm(hidden),
-            p + "self_attn.q_proj.weight": matrix(heads * head_dim, hidden) * 2,
-            p + "self_attn.k_proj.weight": matrix(kv_heads * head_dim, hidden) * 2,
-            p + "self_attn.v_proj.weight": matrix(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": matrix(hidden, heads * head_dim),
-            p + "post_attention_layernorm.weight": norm(hidden),
-            p + "mlp.gate_proj.weight": matrix(intermediate, hidden),
-            p + "mlp.up_proj.weight": matrix(intermediate, hidden),
-            p + "mlp.down_proj.weight": matrix(hidden, intermediate)})
+        tensors.update(
+            {
+                p + "input_layernorm.weight": norm(hidden),
+                p + "self_attn.q_proj.weight": matrix(heads * head_dim, hidden) * 2,
+                p + "self_attn.k_proj.weight": matrix(kv_heads * head_dim, hidden) * 2,
+                p + "self_attn.v_proj.weight": matrix(kv_heads * head_dim, hidden),
+                p + "self_attn.o_proj.weight": matrix(hidden, heads * head_dim),
+                p + "post_attention_layernorm.weight": norm(hidden),
+                p + "mlp.gate_proj.weight": matrix(intermediate, hidden),
+                p + "mlp.up_proj.weight": matrix(intermediate, hidden),
+                p + "mlp.down_proj.weight": matrix(hidden, intermediate),
+            }
+        )
         if model_type == "qwen2":
             for name, dim in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
-                tensors[p + f"self_attn.{name}_proj.bias"] = \
-                    (0.5 * rng.standard_normal(dim * head_dim)).astype(np.float32)
+                tensors[p + f"self_attn.{name}_proj.bias"] = (
+                    0.5 * rng.standard_normal(dim * head_dim)
+                ).astype(np.float32)
     if model_type == "internlm2":
         tensors = _internlm2_layout(tensors, layers, heads // kv_heads, kv_heads, head_dim)
     _save_shards(tensors, directory, shards)
-    config = {"model_type": model_type, "hidden_size": hidden, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "num_hidden_layers": layers,
-              "intermediate_size": intermediate, "vocab_size": vocab, "rope_theta": 10000.0,
-              "rms_norm_eps": 1e-6, "tie_word_embeddings": tied, "max_position_embeddings": 512,
-              "bos_token_id": None, "eos_token_id": tokenizer.token_to_id("<|im_end|>")}
+    config = {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "vocab_size": vocab,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tied,
+        "max_position_embeddings": 512,
+        "bos_token_id": None,
+        "eos_token_id": tokenizer.token_to_id("<|im_end|>"),
+    }
     config.update(extra_config or {})
     (directory / "config.json").write_text(json.dumps(config))
     return directory
 
 
 def _internlm2_layout(tensors: dict, layers: int, group: int, kv_heads: int, head_dim: int) -> dict:
-    renames = {"model.embed_tokens.weight": "model.tok_embeddings.weight",
-               "lm_head.weight": "output.weight"}
-    layer_renames = {"input_layernorm": "attention_norm", "self_attn.o_proj": "attention.wo",
-                     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "feed_forward.w1",
-                     "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2"}
-    out = {renames.get(k, k): v for k, v in tensors.items() if "self_attn.q_proj" not in k
-           and "self_attn.k_proj" not in k and "self_attn.v_proj" not in k}
+    renames = {"model.embed_tokens.weight": "model.tok_embeddings.weight", "lm_head.weight": "output.weight"}
+    layer_renames = {
+        "input_layernorm": "attention_norm",
+        "self_attn.o_proj": "attention.wo",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "feed_forward.w1",
+        "mlp.up_proj": "feed_forward.w3",
+        "mlp.down_proj": "feed_forward.w2",
+    }
+    out = {
+        renames.get(k, k): v
+        for k, v in tensors.items()
+        if "self_attn.q_proj" not in k and "self_attn.k_proj" not in k and "self_attn.v_proj" not in k
+    }
     for old, new in layer_renames.items():
         for i in range(layers):
             key = f"model.layers.{i}.{old}.weight"
@@ -105,7 +145,8 @@ def _internlm2_layout(tensors: dict, layers: int, group: int, kv_heads: int, hea
         k = tensors[p + "k_proj.weight"].reshape(kv_heads, 1, head_dim, -1)
         v = tensors[p + "v_proj.weight"].reshape(kv_heads, 1, head_dim, -1)
         out[f"model.layers.{i}.attention.wqkv.weight"] = np.ascontiguousarray(
-            np.concatenate([q, k, v], axis=1).reshape(-1, q.shape[-1]))
+            np.concatenate([q, k, v], axis=1).reshape(-1, q.shape[-1])
+        )
     return out
 
 
@@ -119,20 +160,30 @@ def _save_shards(tensors: dict, directory: Path, shards: int) -> None:
         file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         part = names[s::shards]
         save_file({n: tensors[n] for n in part}, str(directory / file))
-        weight_map.update({n: file for n in part})
-    (directory / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}))
+        weight_map.update(dict.fromkeys(part, file))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+        )
+    )
 
 
 # ------------------------------------------------------------------------------------------ GGUF
 
-GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-              "self_attn.o_proj.weight": "attn_output.weight",
-              "post_attention_layernorm.weight": "ffn_norm.weight",
-              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-              "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
-              "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias"}
+GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+}
 
 
 def _llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -195,17 +246,19 @@ def write_tiny_gguf(hf_dir: Path, path: Path, qtype_name: str = "F32", seed: int
     writer.add_tokenizer_pre("default")
     writer.add_token_list([t for t, _ in tokens])
     writer.add_token_types([3 if t in specials else 1 for t, _ in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
-                             for m in tokenizer["model"]["merges"]])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
 
     for hf_name, array in sorted(tensors.items()):
         if hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-                    "output_norm.weight", "lm_head.weight": "output.weight"}[hf_name]
+            name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[hf_name]
         else:
-            index, rest = hf_name[len("model.layers."):].split(".", 1)
+            index, rest = hf_name[len("model.layers.") :].split(".", 1)
             name = f"blk.{index}.{GGUF_NAMES[rest]}"
         if arch == "llama" and ".attn_q." in name:
             array = _llamacpp_permute(array, heads)

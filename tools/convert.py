@@ -5,6 +5,7 @@ directory: model.ckpt (canonical tensor names + the model spec) and the tokenize
 
 Serve the result by pointing model.path at the output directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,15 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
+from agent.model.checkpoint import CheckpointError
+from agent.model.formats import load_checkpoint, ms_ckpt
+from agent.model.tokenizer import TokenizerError, load_tokenizer
 from agent.process_env import set_process_defaults
-
-set_process_defaults()  # before MindSpore loads
-from tqdm import tqdm  # noqa: E402
-
-from agent.model.checkpoint import CheckpointError  # noqa: E402
-from agent.model.formats import load_checkpoint  # noqa: E402
-from agent.model.formats import ms_ckpt  # noqa: E402
-from agent.model.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
 
 
 def convert(source: Path, output: Path, dtype: ms_ckpt.StorageDtype = "float32") -> Path:
@@ -30,8 +28,9 @@ def convert(source: Path, output: Path, dtype: ms_ckpt.StorageDtype = "float32")
     tokenizer.check_fits(checkpoint.spec.vocab_size)
     output.mkdir(parents=True, exist_ok=True)
     target = output / ms_ckpt.FILE_NAME
-    ms_ckpt.save(checkpoint, target, progress=lambda items: tqdm(items, desc="write", unit="tensor"),
-                 dtype=dtype)
+    ms_ckpt.save(
+        checkpoint, target, progress=lambda items: tqdm(items, desc="write", unit="tensor"), dtype=dtype
+    )
     tokenizer.save(output)
     return target
 
@@ -40,17 +39,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path, help=".gguf file, HuggingFace directory or .ckpt")
     parser.add_argument("output", type=Path, help="directory to write (created if missing)")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                        help="storage type of the weights (the CPU runtime computes in float32)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float32",
+        help="storage type of the weights (the CPU runtime computes in float32)",
+    )
     args = parser.parse_args()
+    set_process_defaults()  # before MindSpore loads (ms_ckpt imports it when it writes)
     start = time.perf_counter()
     try:
         target = convert(args.source, args.output, args.dtype)
     except (CheckpointError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {target} ({target.stat().st_size / 1e6:.1f} MB) and the tokenizer files in "
-          f"{time.perf_counter() - start:.1f}s")
+    print(
+        f"wrote {target} ({target.stat().st_size / 1e6:.1f} MB) and the tokenizer files in "
+        f"{time.perf_counter() - start:.1f}s"
+    )
     return 0
 
 

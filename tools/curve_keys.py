@@ -4,6 +4,7 @@
 
 Both the agents and the server read the same section; keep the file private (chmod 600).
 """
+
 import zmq
 
 
@@ -11,8 +12,12 @@ def main() -> None:
     agent_public, agent_secret = zmq.curve_keypair()
     server_public, server_secret = zmq.curve_keypair()
     print("  curve:")
-    for name, key in (("agent_public_key", agent_public), ("agent_secret_key", agent_secret),
-                      ("server_public_key", server_public), ("server_secret_key", server_secret)):
+    for name, key in (
+        ("agent_public_key", agent_public),
+        ("agent_secret_key", agent_secret),
+        ("server_public_key", server_public),
+        ("server_secret_key", server_secret),
+    ):
         print(f"    {name}: '{key.decode()}'")
 
 

@@ -7,6 +7,7 @@ MindSpore's own deployment tools).
 The runtime section fixes the shapes (num_slots/max_seq_len "auto" are planned first): an agent
 runs the files only with the same num_slots, max_seq_len and buckets. The command prints the model-section lines that select the files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,26 +18,25 @@ from pathlib import Path
 from agent.process_env import set_process_defaults
 
 set_process_defaults()  # before MindSpore loads
-from agent.model.checkpoint import CheckpointError  # noqa: E402
-from agent.model.formats import load_checkpoint  # noqa: E402
+from agent.bootstrap import Placement, prepare_checkpoint  # noqa: E402
 from agent.known_answer import KnownAnswer  # noqa: E402
-from agent.memory_plan import MemoryPlanError, resolve_runtime  # noqa: E402
+from agent.memory_plan import MemoryPlanError  # noqa: E402
 from agent.mindir import GraphExporter  # noqa: E402
-from agent.runner import ModelRunner, configure_mindspore  # noqa: E402
+from agent.model.checkpoint import CheckpointError  # noqa: E402
+from agent.model.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
+from agent.runner import ModelRunner  # noqa: E402
 from config import ConfigError, load_config  # noqa: E402
 from config.schema import resolve_path  # noqa: E402
-from agent.model.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
 
 
 def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
     """Write every graph of `config` into `output`; returns the manifest's file lists."""
-    checkpoint = load_checkpoint(config.model.path)
     tokenizer = load_tokenizer(config.model.path)
-    runtime = resolve_runtime(checkpoint.spec, config.runtime, progress)
+    # no compile cache: the export traces every graph afresh
+    checkpoint, runtime, _ = prepare_checkpoint(config, Placement(cache_user=None), progress)
     output.mkdir(parents=True, exist_ok=True)
-    configure_mindspore(runtime)
     exporter = GraphExporter(checkpoint, runtime, output)
-    ModelRunner.over(exporter, runtime).warm_up(progress)  # the warm-up calls every graph shape once
+    ModelRunner(exporter, runtime).warm_up(progress)  # the warm-up calls every graph shape once
     exporter.write_manifest(runtime, KnownAnswer.of_checkpoint(checkpoint, runtime))
     tokenizer.save(output)
     return exporter.files
@@ -45,8 +45,12 @@ def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="config file (default: config/default.yaml)")
-    parser.add_argument("--output", type=Path, default=Path("output/mindir"),
-                        help="directory to write (relative paths: to the project root)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("output/mindir"),
+        help="directory to write (relative paths: to the project root)",
+    )
     args = parser.parse_args()
     output = resolve_path(args.output)
     start = time.perf_counter()
@@ -56,8 +60,10 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     size = sum(p.stat().st_size for p in output.rglob("*") if p.is_file())
-    print(f"exported to {output} ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f}s; "
-          f"serve them with this model section:\n")
+    print(
+        f"exported to {output} ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f}s; "
+        f"serve them with this model section:\n"
+    )
     print(f"model:\n  path: {output}  # tokenizer files")
     for kind, graphs in files.items():
         names = [str(output / g["file"]) for g in graphs]

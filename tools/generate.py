@@ -1,7 +1,8 @@
 """One-shot generation in this process, no server: load the model, answer a prompt, print it.
 
-    python -m tools.generate "What is the capital of France?" [--max-new-tokens 64] [--raw]
+python -m tools.generate "What is the capital of France?" [--max-new-tokens 64] [--raw]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,16 +12,15 @@ import time
 from agent.process_env import set_process_defaults
 
 set_process_defaults()  # before MindSpore loads
-from agent.model.checkpoint import CheckpointError  # noqa: E402
-from agent.model.formats import load_checkpoint  # noqa: E402
-from agent.memory_plan import MemoryPlanError, resolve_runtime  # noqa: E402
-from agent.compile_cache import compile_cache_dir  # noqa: E402
-from agent.known_answer import KnownAnswer, KnownAnswerError  # noqa: E402
-from agent.runner import ModelRunner, configure_mindspore  # noqa: E402
+from agent.bootstrap import Placement, build_runner  # noqa: E402
 from agent.contract.sampling import SamplingParams  # noqa: E402
-from config import ConfigError, load_config  # noqa: E402
+from agent.known_answer import KnownAnswerError  # noqa: E402
+from agent.memory_plan import MemoryPlanError  # noqa: E402
+from agent.model.checkpoint import CheckpointError  # noqa: E402
 from agent.model.detokenizer import IncrementalDetokenizer  # noqa: E402
+from agent.model.formats import load_checkpoint  # noqa: E402
 from agent.model.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
+from config import ConfigError, load_config  # noqa: E402
 
 
 def main() -> int:
@@ -36,28 +36,25 @@ def main() -> int:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
     args = parser.parse_args()
-    try:
+    try:  # every graph compiled (or read from the cache) and checked against the weights
         config = load_config(args.config)
         checkpoint = load_checkpoint(config.model.path)
         tokenizer = load_tokenizer(config.model.path)
         tokenizer.check_fits(checkpoint.spec.vocab_size)
-        runtime = resolve_runtime(checkpoint.spec, config.runtime, print)
-    except (ConfigError, CheckpointError, TokenizerError, MemoryPlanError) as exc:
+        runner, _ = build_runner(
+            config, Placement("generate"), lambda line: print(line, file=sys.stderr), checkpoint
+        )
+    except (ConfigError, CheckpointError, TokenizerError, MemoryPlanError, KnownAnswerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    cache = compile_cache_dir(checkpoint, runtime, "generate")
-    configure_mindspore(runtime, compile_cache=cache)
-    runner = ModelRunner(checkpoint, runtime)
-    try:  # every graph compiled (or read from the cache) and checked against the weights
-        runner.warm_up(lambda line: print(line, file=sys.stderr),
-                       known=KnownAnswer.of_checkpoint(checkpoint, runtime))
-    except KnownAnswerError as exc:
-        print(f"error: {exc}" + (f"; delete the compile cache {cache.parent} and try again" if cache else ""),
-              file=sys.stderr)
-        return 1
-    sampling = SamplingParams(do_sample=args.do_sample, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p,
-                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    sampling = SamplingParams(
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
     messages = [{"role": "user", "content": args.prompt}]
     prompt = tokenizer.encode(args.prompt) if args.raw else tokenizer.encode_chat(messages)
     stop_ids = set(tokenizer.eos_ids) | set(checkpoint.spec.eos_ids)
@@ -69,13 +66,15 @@ def main() -> int:
     while token not in stop_ids and generated < args.max_new_tokens:
         print(detok.add(token), end="", flush=True)
         generated += 1
-        if generated == args.max_new_tokens or runner.slot_length(0) >= runtime.max_seq_len:
+        if generated == args.max_new_tokens or runner.slot_length(0) >= runner.max_len:
             break
         token = runner.decode([0])[0]
     print(detok.flush())
     total = time.perf_counter() - start
-    print(f"[{len(prompt)} prompt tokens, {generated} generated, first token {first:.2f}s, "
-          f"total {total:.2f}s]", file=sys.stderr)
+    print(
+        f"[{len(prompt)} prompt tokens, {generated} generated, first token {first:.2f}s, total {total:.2f}s]",
+        file=sys.stderr,
+    )
     return 0
 
 

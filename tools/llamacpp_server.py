@@ -8,6 +8,7 @@ xllamacpp is not a dependency of this project; install it in a separate environm
 
 It serves until Ctrl-C or SIGTERM (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models).
 """
+
 import argparse
 import signal
 import sys
@@ -19,7 +20,9 @@ DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="GGUF file (default: the embedded model)")
+    parser.add_argument(
+        "--model", type=Path, default=DEFAULT_MODEL, help="GGUF file (default: the embedded model)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--parallel", type=int, default=16, help="slots (concurrent sequences)")
@@ -29,7 +32,9 @@ def main() -> int:
     try:
         import xllamacpp
     except ImportError:
-        print("error: xllamacpp is not installed in this python; see this script's docstring", file=sys.stderr)
+        print(
+            "error: xllamacpp is not installed in this python; see this script's docstring", file=sys.stderr
+        )
         return 2
     if not args.model.is_file():
         print(f"error: {args.model} not found (run `make setup` for the embedded model)", file=sys.stderr)
@@ -44,8 +49,11 @@ def main() -> int:
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
     server = xllamacpp.Server(params)
-    print(f"llama.cpp server (xllamacpp) on http://{args.host}:{args.port}/v1 "
-          f"({args.parallel} slots, {args.threads} threads)", flush=True)
+    print(
+        f"llama.cpp server (xllamacpp) on http://{args.host}:{args.port}/v1 "
+        f"({args.parallel} slots, {args.threads} threads)",
+        flush=True,
+    )
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())

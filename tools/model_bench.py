@@ -8,6 +8,7 @@ Decode at context C: the attention kernel reads C positions; the gather path
 (runtime.decode_attention: gather) attends over C rounded up to the next multiple of 256.
 Results go to the console and to output/model_bench.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,11 +21,10 @@ from agent.process_env import set_process_defaults
 set_process_defaults()  # before MindSpore loads
 import numpy as np  # noqa: E402
 
+from agent.bootstrap import Placement, build_runner  # noqa: E402
+from agent.memory_plan import MemoryPlanError  # noqa: E402
 from agent.model.checkpoint import CheckpointError  # noqa: E402
 from agent.model.formats import load_checkpoint  # noqa: E402
-from agent.memory_plan import MemoryPlanError, resolve_runtime  # noqa: E402
-from agent.compile_cache import compile_cache_dir  # noqa: E402
-from agent.known_answer import KnownAnswer  # noqa: E402
 from agent.runner import ModelRunner, configure_mindspore  # noqa: E402
 from config import PROJECT_ROOT, ConfigError, load_config  # noqa: E402
 
@@ -46,7 +46,8 @@ def run_grid(runner: ModelRunner, args) -> dict:
     for n in args.prompts:
         tokens = rng.integers(0, vocab, n)
         results["prefill_ms"][n] = ms = median_ms(
-            lambda: runner.run_prefill_graph(0, tokens, n).asnumpy(), args.repeats)
+            lambda: runner.graphs.prefill(0, tokens, n).asnumpy(), args.repeats
+        )
         print(f"prefill {n:5d} tokens: {ms:8.1f} ms", flush=True)
     for context in args.contexts:
         attend = -(-(context + 1) // 256) * 256
@@ -54,12 +55,17 @@ def run_grid(runner: ModelRunner, args) -> dict:
             slots = np.arange(batch)
             tokens = rng.integers(0, vocab, batch)
             positions = np.full(batch, context)
-            ms = median_ms(lambda: runner.run_decode_graph(slots, tokens, positions, batch,
-                                                          attend)[1].asnumpy(), args.repeats)
+            ms = median_ms(
+                lambda: runner.graphs.decode(slots, tokens, positions, batch, attend)[1].asnumpy(),
+                args.repeats,
+            )
             results["decode_ms"][f"B={batch},context={context}"] = ms
             how = "kernel" if runner.runtime.attention_kernel else f"attend {attend}"
-            print(f"decode B={batch:3d} context {context:5d} ({how}): {ms:8.1f} ms "
-                  f"= {batch * 1000 / ms:7.1f} tok/s", flush=True)
+            print(
+                f"decode B={batch:3d} context {context:5d} ({how}): {ms:8.1f} ms "
+                f"= {batch * 1000 / ms:7.1f} tok/s",
+                flush=True,
+            )
     return results
 
 
@@ -70,8 +76,9 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--prompts", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--warm-up", action="store_true",
-                        help="time the configured runner's warm-up (all buckets) instead")
+    parser.add_argument(
+        "--warm-up", action="store_true", help="time the configured runner's warm-up (all buckets) instead"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     try:
@@ -84,24 +91,27 @@ def main() -> int:
     print(f"loaded {checkpoint.spec.name} in {load_s:.1f}s", flush=True)
     if args.warm_up:
         try:
-            runtime = resolve_runtime(checkpoint.spec, config.runtime, print)
+            _, warm_up_s = build_runner(config, Placement("bench"), print, checkpoint)
         except MemoryPlanError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        configure_mindspore(runtime, compile_cache=compile_cache_dir(checkpoint, runtime, "bench"))
-        runner = ModelRunner(checkpoint, runtime)
-        known = KnownAnswer.of_checkpoint(checkpoint, runtime)
-        results = {"load_s": load_s, "warm_up_s": runner.warm_up(print, known=known)}
+        results = {"load_s": load_s, "warm_up_s": warm_up_s}
     else:
         # The grid's own shapes: slots for the largest batch, room for the longest context.
         longest = max(max(args.contexts) + 1, max(args.prompts))
         max_len = -(-longest // 256) * 256
-        runtime = config.runtime.model_copy(update={
-            "num_slots": max(args.batches), "max_seq_len": max_len,
-            "prefill_buckets": [max_len], "attend_buckets": [max_len],
-            "decode_batch_buckets": [max(args.batches)], "compile_cache_dir": None})
+        runtime = config.runtime.model_copy(
+            update={
+                "num_slots": max(args.batches),
+                "max_seq_len": max_len,
+                "prefill_buckets": [max_len],
+                "attend_buckets": [max_len],
+                "decode_batch_buckets": [max(args.batches)],
+                "compile_cache_dir": None,
+            }
+        )
         configure_mindspore(runtime)
-        results = {"load_s": load_s, **run_grid(ModelRunner(checkpoint, runtime), args)}
+        results = {"load_s": load_s, **run_grid(ModelRunner.from_checkpoint(checkpoint, runtime), args)}
     out = PROJECT_ROOT / "output" / "model_bench.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

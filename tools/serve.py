@@ -3,6 +3,7 @@ Ctrl-C or SIGTERM (the server first, so it drains, then the agents).
 
     python -m tools.serve [--config PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,12 +26,17 @@ def main() -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
 
-    agents = subprocess.Popen([sys.executable, str(PROJECT_ROOT / "start_agent.py"), *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)  # our signal handling decides, not the tty's
+    agents = subprocess.Popen(
+        [sys.executable, str(PROJECT_ROOT / "start_agent.py"), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # our signal handling decides, not the tty's
+    )
     ready = threading.Event()
 
-    def relay():
+    def relay() -> None:
+        assert agents.stdout is not None  # stdout=PIPE
         for line in agents.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
@@ -42,8 +48,9 @@ def main() -> int:
         if stop.is_set() or agents.poll() is not None:
             return _shutdown(None, agents)
         ready.wait(0.2)
-    server = subprocess.Popen([sys.executable, str(PROJECT_ROOT / "start_server.py"), *extra],
-                              start_new_session=True)
+    server = subprocess.Popen(
+        [sys.executable, str(PROJECT_ROOT / "start_server.py"), *extra], start_new_session=True
+    )
     while not stop.is_set() and server.poll() is None and agents.poll() is None:
         stop.wait(0.2)
     return _shutdown(server, agents)

@@ -1,4 +1,5 @@
 """Request bodies of the native API, named as the MindSpore llm-serving names them."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -11,6 +12,7 @@ from agent.contract.sampling import MAX_SEED, MAX_TOP_K
 class Parameters(BaseModel):
     """Generation parameters with upstream's defaults; top_k is clamped to [0, 2^31 - 1] and top_p
     to [0.01, 1]; NaN and infinity are refused."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     do_sample: bool = False
@@ -24,10 +26,14 @@ class Parameters(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] = Field(default_factory=list)
     truncate: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
-    ignore_eos: bool = Field(False, description="keep generating past EOS up to max_new_tokens "
-                                                "(benchmarks; vLLM and llama.cpp name it so)")
-    chat_template: bool | None = Field(None, description="apply the model's chat template; "
-                                                         "default from server.apply_chat_template")
+    ignore_eos: bool = Field(
+        False,
+        description="keep generating past EOS up to max_new_tokens "
+        "(benchmarks; vLLM and llama.cpp name it so)",
+    )
+    chat_template: bool | None = Field(
+        None, description="apply the model's chat template; default from server.apply_chat_template"
+    )
     # Accepted for TGI clients; they change nothing here.
     details: bool = False
     decoder_input_details: bool = False

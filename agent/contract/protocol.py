@@ -21,28 +21,37 @@ Requests (op: fields -> reply fields):
               arrays [K/V float32|float16 [2 * layers, kv_heads, length, head_dim]]  -> -
     reset:    session                                      -> - (every slot released)
     ping:     -                                            -> -
-    shutdown: -                                            -> - (the agent exits after replying)
+    shutdown: session                                      -> - (the agent exits after replying)
 A reply carries the request's op and id, and "ok": true, or "ok": false with "error" (a message)
 and "kind" ("bad_request": the request was wrong; "internal": the agent failed; "transfer_failed":
 the prefill ran but its KV did not reach the decode agent; "stale_session": see below).
 
 Sessions: a server opens one with `reset` (a random integer of its choosing) and puts it in every
-prefill, decode and release. The agent refuses those ops from any other session, so a request
-still queued from a connection the server has given up on (a hung agent resumed, a previous
-server) can never touch the slots of the current one.
+prefill, decode, release and shutdown (kv_receive carries the decode agent's). The agent refuses
+those ops without a session or from any other one, so a request still queued from a connection the
+server has given up on (a hung agent resumed, a previous server), or a local process that never
+opened one, can never touch the slots of the current server. (`reset` itself opens a new session:
+with CURVE off, any local user can still do that; agents.curve admits only the server's key.)
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+import math
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
 
 PROTOCOL_VERSION = 3
 OPS = ("info", "prefill", "decode", "release", "kv_receive", "reset", "ping", "shutdown")
-SESSION_OPS = ("prefill", "decode", "release", "kv_receive")
+SESSION_OPS = ("prefill", "decode", "release", "kv_receive", "shutdown")
 ALLOWED_DTYPES = {"int32", "int64", "float32", "float16"}
 MAX_ARRAY_BYTES = 1 << 30
+MAX_ARRAY_DIMS = 8
+# The largest frame a peer may send (an array; headers are small): the agents' ZeroMQ MAXMSGSIZE,
+# so a larger one is dropped by ZeroMQ before it is ever held in memory.
+MAX_FRAME_BYTES = MAX_ARRAY_BYTES
 
 
 class ProtocolError(ValueError):
@@ -52,9 +61,8 @@ class ProtocolError(ValueError):
 def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list:
     """Header + arrays -> frames. Arrays go out as their own buffers (zero-copy in pyzmq)."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
-    header = {**header, "v": PROTOCOL_VERSION,
-              "arrays": [[a.dtype.name, list(a.shape)] for a in arrays]}
-    return [msgpack.packb(header, use_bin_type=True), *(memoryview(a).cast("B") for a in arrays)]
+    header = {**header, "v": PROTOCOL_VERSION, "arrays": [[a.dtype.name, list(a.shape)] for a in arrays]}
+    return [msgpack.packb(header, use_bin_type=True), *(a.data.cast("B") for a in arrays)]
 
 
 def decode(frames: Sequence[bytes]) -> tuple[dict[str, Any], list[np.ndarray]]:
@@ -69,39 +77,56 @@ def decode(frames: Sequence[bytes]) -> tuple[dict[str, Any], list[np.ndarray]]:
         raise ProtocolError("header must be a msgpack map")
     version = header.get("v")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version mismatch: got {version!r}, "
-                            f"this side speaks {PROTOCOL_VERSION}")
+        raise ProtocolError(
+            f"protocol version mismatch: got {version!r}, this side speaks {PROTOCOL_VERSION}"
+        )
     specs = header.get("arrays", [])
     if not isinstance(specs, list) or len(specs) != len(frames) - 1:
-        raise ProtocolError(f"header describes {len(specs) if isinstance(specs, list) else '?'} "
-                            f"arrays but {len(frames) - 1} array frames follow")
+        raise ProtocolError(
+            f"header describes {len(specs) if isinstance(specs, list) else '?'} "
+            f"arrays but {len(frames) - 1} array frames follow"
+        )
     arrays = []
     for i, (spec, frame) in enumerate(zip(specs, frames[1:])):
-        try:
-            dtype_name, shape = spec
-            shape = tuple(int(d) for d in shape)
-        except (TypeError, ValueError) as exc:
-            raise ProtocolError(f"array {i}: bad description {spec!r}") from exc
-        if dtype_name not in ALLOWED_DTYPES:
-            raise ProtocolError(f"array {i}: dtype {dtype_name!r} is not allowed")
+        dtype_name, shape = _array_spec(i, spec)
         dtype = np.dtype(dtype_name)
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if any(d < 0 for d in shape) or expected > MAX_ARRAY_BYTES:
-            raise ProtocolError(f"array {i}: bad shape {list(shape)}")
+        expected = math.prod(shape) * dtype.itemsize  # Python ints: no int64 product that wraps
+        if expected > MAX_ARRAY_BYTES:
+            raise ProtocolError(f"array {i}: {list(shape)} is larger than {MAX_ARRAY_BYTES} bytes")
         buffer = memoryview(frame)
         if buffer.nbytes != expected:
-            raise ProtocolError(f"array {i}: {buffer.nbytes} bytes do not match "
-                                f"{dtype_name}{list(shape)} ({expected} bytes)")
+            raise ProtocolError(
+                f"array {i}: {buffer.nbytes} bytes do not match {dtype_name}{list(shape)} ({expected} bytes)"
+            )
         arrays.append(np.frombuffer(buffer, dtype=dtype).reshape(shape))
     return header, arrays
 
 
+def _array_spec(i: int, spec: Any) -> tuple[str, tuple[int, ...]]:
+    """[dtype name, [dim, ...]] from a peer: checked for type, not just converted (int(inf) raises
+    OverflowError, a list as dtype name is unhashable)."""
+    if not (
+        isinstance(spec, (list, tuple))
+        and len(spec) == 2
+        and isinstance(spec[0], str)
+        and isinstance(spec[1], (list, tuple))
+        and len(spec[1]) <= MAX_ARRAY_DIMS
+    ):
+        raise ProtocolError(f"array {i}: bad description {str(spec)[:200]} (want [dtype, [dims]])")
+    dtype_name, shape = spec
+    if dtype_name not in ALLOWED_DTYPES:
+        raise ProtocolError(f"array {i}: dtype {dtype_name[:50]!r} is not allowed")
+    if not all(type(d) is int and 0 <= d <= MAX_ARRAY_BYTES for d in shape):
+        raise ProtocolError(f"array {i}: bad shape {str(shape)[:200]}")
+    return dtype_name, tuple(shape)
+
+
 def ok_reply(request: dict, fields: dict | None = None, arrays: Sequence[np.ndarray] = ()) -> list:
-    return encode({"op": request.get("op"), "id": request.get("id"), "ok": True, **(fields or {})},
-                  arrays)
+    return encode({"op": request.get("op"), "id": request.get("id"), "ok": True, **(fields or {})}, arrays)
 
 
 def error_reply(request: dict | None, message: str, kind: str = "bad_request") -> list:
     request = request or {}
-    return encode({"op": request.get("op"), "id": request.get("id"), "ok": False,
-                   "error": message, "kind": kind})
+    return encode(
+        {"op": request.get("op"), "id": request.get("id"), "ok": False, "error": message, "kind": kind}
+    )

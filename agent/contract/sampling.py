@@ -1,13 +1,14 @@
 """Sampling parameters of one sequence and their limits: part of the prefill message and of both HTTP
 APIs' requests. The agent applies them (agent/sampling.py)."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
 # Beyond these an int no longer fits the wire's msgpack or NumPy's types; a larger top_k would
 # mean the whole vocabulary anyway.
-MAX_TOP_K = 2 ** 31 - 1
-MAX_SEED = 2 ** 63 - 1
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**63 - 1
 
 
 class SamplingParams(BaseModel):

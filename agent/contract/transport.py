@@ -4,6 +4,7 @@ server) whose public key the config names. Off loopback the config requires it (
     authenticator = secure_agent_socket(router, curve)   # before bind; stop it on close
     secure_client_socket(dealer, curve)                  # before connect
 """
+
 from __future__ import annotations
 
 import logging

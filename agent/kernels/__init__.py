@@ -7,11 +7,12 @@ machine code (sources, headers, flags, the compiler's version, the CPU's instruc
 -march=native picks from), so a changed input never loads an old library (an mtime check does not
 hold across copies, checkouts with preserved times, compiler upgrades or another machine's folder).
 """
+
 from __future__ import annotations
 
 import functools
-import os
 import hashlib
+import os
 import platform
 import shutil
 import subprocess
@@ -40,8 +41,10 @@ def source(name: str) -> Path:
 def _compiler() -> str:
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        raise KernelBuildError("no C++ compiler (g++) to build the CPU kernels; install g++ (Debian: "
-                               "apt-get install g++) or set runtime.decode_attention: gather")
+        raise KernelBuildError(
+            "no C++ compiler (g++) to build the CPU kernels; install g++ (Debian: "
+            "apt-get install g++) or set runtime.decode_attention: gather"
+        )
     return compiler
 
 
@@ -60,7 +63,9 @@ def _cpu_flags() -> str:
 def build_id() -> str:
     """The identity of the kernels' machine code on this machine (see the module docstring)."""
     compiler = shutil.which("g++") or shutil.which("c++")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout if compiler else ""
+    version = (
+        subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout if compiler else ""
+    )
     digest = hashlib.sha256()
     for part in (" ".join(FLAGS), version, platform.machine(), _cpu_flags()):
         digest.update(part.encode() + b"\0")

@@ -1,4 +1,5 @@
 """python -m agent.kernels: build the custom CPU kernels (part of `make setup`)."""
+
 import sys
 
 from agent.kernels import KERNELS, KernelBuildError, build

@@ -4,6 +4,7 @@ A byte-level BPE token may end in the middle of a multi-byte character; its deco
 Such a piece is held back until the character completes. Only a window of recent ids is decoded each
 step (the vLLM prefix/read offsets), so a long answer costs O(length), not O(length^2).
 """
+
 from __future__ import annotations
 
 from agent.model.tokenizer import TextTokenizer
@@ -23,11 +24,11 @@ class IncrementalDetokenizer:
         """Append one token id; returns the new text that is safe to emit (may be empty)."""
         self.ids.append(token)
         decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset])
-        window_text = decode(self.ids[self.prefix_offset:])
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
+        window_text = decode(self.ids[self.prefix_offset :])
         if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT):
             return ""
-        piece = window_text[len(prefix_text):]
+        piece = window_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += piece
         return piece
@@ -35,9 +36,9 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of a sequence: what is still held back, less a character the end cut in half
         (max_new_tokens reached mid-emoji); its bytes would only decode to U+FFFD."""
-        tail = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        piece = tail[len(prefix_text):].rstrip(REPLACEMENT)
+        tail = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        piece = tail[len(prefix_text) :].rstrip(REPLACEMENT)
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += piece
         return piece

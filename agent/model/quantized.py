@@ -1,6 +1,7 @@
 """GGUF's Q4_1 matrices kept quantized, for the fused layer kernel's few-row products
 (agent/kernels/packed_matmul.h, namespace q4): a decode step of one sequence reads 0.75 bytes a
 weight instead of fp32's 4. The values are exactly gguf.quants.dequantize's: weight = d * q + m."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,12 +17,13 @@ Q4_1_BYTES = 20  # d and m as float16, 16 bytes of nibbles
 class Q4Matrix:
     """A [rows, cols] matrix as Q4_1 blocks along cols: scales d and offsets m [rows, cols / 32]
     (float32), quants q [rows, cols / 32, 32] (0..15, in column order)."""
+
     d: np.ndarray
     m: np.ndarray
     q: np.ndarray
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray) -> "Q4Matrix":
+    def from_gguf(cls, raw: np.ndarray) -> Q4Matrix:
         """GGUF Q4_1 tensor data [rows, blocks * 20] uint8 -> the blocks unpacked."""
         blocks = raw.reshape(raw.shape[0], -1, Q4_1_BYTES)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -36,18 +38,18 @@ class Q4Matrix:
     def dequantize(self) -> np.ndarray:
         return (self.d[..., None] * self.q + self.m[..., None]).reshape(self.shape)
 
-    def rows(self, index) -> "Q4Matrix":
+    def rows(self, index) -> Q4Matrix:
         return Q4Matrix(self.d[index], self.m[index], self.q[index])
 
-    def reorder_rows(self, reorder) -> "Q4Matrix":
+    def reorder_rows(self, reorder) -> Q4Matrix:
         """`reorder` (a function of an array over rows, like formats.gguf_file.unpermute_qk) on every part."""
         return Q4Matrix(reorder(self.d), reorder(self.m), reorder(self.q))
 
-    def scaled(self, factor: float) -> "Q4Matrix":
+    def scaled(self, factor: float) -> Q4Matrix:
         return Q4Matrix(self.d * np.float32(factor), self.m * np.float32(factor), self.q)
 
     @staticmethod
-    def stack(parts: list["Q4Matrix"]) -> "Q4Matrix":
+    def stack(parts: list[Q4Matrix]) -> Q4Matrix:
         return Q4Matrix(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("d", "m", "q")))
 
     def pack(self) -> np.ndarray:
@@ -56,10 +58,21 @@ class Q4Matrix:
         rows, blocks = self.d.shape
         tiles = -(-rows // TILE)
         pad = tiles * TILE - rows
-        d, m = (np.pad(a, ((0, pad), (0, 0))).reshape(tiles, TILE, blocks).transpose(0, 2, 1)
-                for a in (self.d, self.m))
-        q = np.pad(self.q, ((0, pad), (0, 0), (0, 0))).reshape(tiles, TILE, blocks, BLOCK).transpose(0, 2, 3, 1)
-        nibbles = (q[:, :, :BLOCK // 2] | (q[:, :, BLOCK // 2:] << 4)).astype(np.uint8)
-        return np.concatenate([np.ascontiguousarray(d, np.float32).view(np.uint8),
-                               np.ascontiguousarray(m, np.float32).view(np.uint8),
-                               nibbles.reshape(tiles, blocks, -1)], axis=-1)
+        d, m = (
+            np.pad(a, ((0, pad), (0, 0))).reshape(tiles, TILE, blocks).transpose(0, 2, 1)
+            for a in (self.d, self.m)
+        )
+        q = (
+            np.pad(self.q, ((0, pad), (0, 0), (0, 0)))
+            .reshape(tiles, TILE, blocks, BLOCK)
+            .transpose(0, 2, 3, 1)
+        )
+        nibbles = (q[:, :, : BLOCK // 2] | (q[:, :, BLOCK // 2 :] << 4)).astype(np.uint8)
+        return np.concatenate(
+            [
+                np.ascontiguousarray(d, np.float32).view(np.uint8),
+                np.ascontiguousarray(m, np.float32).view(np.uint8),
+                nibbles.reshape(tiles, blocks, -1),
+            ],
+            axis=-1,
+        )

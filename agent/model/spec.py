@@ -1,4 +1,5 @@
 """Hyperparameters of a LLaMA-family checkpoint, read from its files (never hard-coded per model)."""
+
 from __future__ import annotations
 
 import math
@@ -14,6 +15,7 @@ class RopeScaling(BaseModel):
     linear: every frequency divided by `factor` (position interpolation);
     llama3: low frequencies divided by `factor`, high ones kept, a smooth blend between (Llama 3.1);
     freq_factors: each frequency divided by its own factor (llama.cpp's `rope_freqs` tensor)."""
+
     model_config = ConfigDict(frozen=True)
 
     type: Literal["linear", "llama3", "freq_factors"]
@@ -32,10 +34,12 @@ class RopeScaling(BaseModel):
         low_wavelen = self.original_max_position / self.low_freq_factor
         high_wavelen = self.original_max_position / self.high_freq_factor
         smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor)
+            self.high_freq_factor - self.low_freq_factor
+        )
         blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
-        return np.where(wavelen > low_wavelen, inv_freq / self.factor,
-                        np.where(wavelen < high_wavelen, inv_freq, blended))
+        return np.where(
+            wavelen > low_wavelen, inv_freq / self.factor, np.where(wavelen < high_wavelen, inv_freq, blended)
+        )
 
 
 class ModelSpec(BaseModel):

@@ -1,4 +1,5 @@
 """Tokenizer and chat template from the model's own files (GGUF vocabulary or tokenizer.json)."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,12 @@ from agent.model.formats.gguf_file import gguf_field, read_gguf
 
 # GGUF pre-tokenizer names (tokenizer.ggml.pre) whose HuggingFace equivalent is known and tested.
 GGUF_PRE_TOKENIZERS = {
-    "smollm": lambda: pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    ),
     "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
 }
@@ -28,19 +32,25 @@ class TokenizerError(Exception):
 class TextTokenizer:
     """Text <-> token ids, and messages -> prompt text through the model's chat template."""
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None, bos_token: str | None,
-                 eos_token: str | None, eos_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        eos_ids: tuple[int, ...],
+    ):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
         self.eos_ids = eos_ids
         self._template = None
         if chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.globals["raise_exception"] = _raise_template_error
-            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
-                                                                      indent=indent)
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
             self._template = env.from_string(chat_template)
 
     @property
@@ -58,8 +68,12 @@ class TextTokenizer:
         if self._template is None:
             raise TokenizerError("this model has no chat template")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
         except TemplateError as exc:
             raise TokenizerError(f"the chat template refused these messages: {exc}") from exc
 
@@ -70,16 +84,22 @@ class TextTokenizer:
     def save(self, directory: Path) -> None:
         """tokenizer.json + tokenizer_config.json, which `load_tokenizer(directory)` reads back."""
         self.tokenizer.save(str(directory / "tokenizer.json"))
-        config = {"chat_template": self.chat_template, "bos_token": self.bos_token,
-                  "eos_token": self.eos_token}
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1),
-                                                         encoding="utf-8")
+        config = {
+            "chat_template": self.chat_template,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+        }
+        (directory / "tokenizer_config.json").write_text(
+            json.dumps(config, ensure_ascii=False, indent=1), encoding="utf-8"
+        )
 
     def check_fits(self, vocab_size: int) -> None:
         """The tokenizer may not produce ids the model has no embedding for."""
         if self.vocab_size > vocab_size:
-            raise TokenizerError(f"vocab/weight mismatch: the tokenizer has {self.vocab_size} "
-                                 f"tokens but the model's embedding has {vocab_size} rows")
+            raise TokenizerError(
+                f"vocab/weight mismatch: the tokenizer has {self.vocab_size} "
+                f"tokens but the model's embedding has {vocab_size} rows"
+            )
 
 
 def _raise_template_error(message: str):
@@ -103,12 +123,14 @@ def _from_gguf(path: Path) -> TextTokenizer:
     reader = read_gguf(path)
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise TokenizerError(f"{path}: tokenizer model {kind!r} is not supported (supported: gpt2 "
-                             f"byte-level BPE)")
+        raise TokenizerError(
+            f"{path}: tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE)"
+        )
     pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
-        raise TokenizerError(f"{path}: pre-tokenizer {pre!r} is not supported "
-                             f"(supported: {', '.join(GGUF_PRE_TOKENIZERS)})")
+        raise TokenizerError(
+            f"{path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(GGUF_PRE_TOKENIZERS)})"
+        )
     tokens = gguf_field(reader, "tokenizer.ggml.tokens")
     merges = gguf_field(reader, "tokenizer.ggml.merges") or []
     types = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -117,8 +139,13 @@ def _from_gguf(path: Path) -> TextTokenizer:
     tokenizer = Tokenizer(bpe)
     tokenizer.pre_tokenizer = GGUF_PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                  for i, t in enumerate(types) if t == GGUF_CONTROL_TOKEN])
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, t in enumerate(types)
+            if t == GGUF_CONTROL_TOKEN
+        ]
+    )
 
     def token_at(key: str) -> str | None:
         index = gguf_field(reader, key)
@@ -127,11 +154,16 @@ def _from_gguf(path: Path) -> TextTokenizer:
     bos = token_at("tokenizer.ggml.bos_token_id")
     if gguf_field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+        )
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return TextTokenizer(tokenizer, gguf_field(reader, "tokenizer.chat_template"),
-                         bos_token=bos, eos_token=token_at("tokenizer.ggml.eos_token_id"),
-                         eos_ids=() if eos is None else (int(eos),))
+    return TextTokenizer(
+        tokenizer,
+        gguf_field(reader, "tokenizer.chat_template"),
+        bos_token=bos,
+        eos_token=token_at("tokenizer.ggml.eos_token_id"),
+        eos_ids=() if eos is None else (int(eos),),
+    )
 
 
 def _special_text(value) -> str | None:
@@ -160,7 +192,10 @@ def _from_hf_dir(directory: Path) -> TextTokenizer:
     if template is None and template_file.is_file():
         template = template_file.read_text(encoding="utf-8")
     model_config = read_json(directory / "config.json") if (directory / "config.json").is_file() else {}
-    return TextTokenizer(tokenizer, template,
-                         bos_token=_special_text(config.get("bos_token")),
-                         eos_token=_special_text(config.get("eos_token")),
-                         eos_ids=hf_eos_ids(directory, model_config))
+    return TextTokenizer(
+        tokenizer,
+        template,
+        bos_token=_special_text(config.get("bos_token")),
+        eos_token=_special_text(config.get("eos_token")),
+        eos_ids=hf_eos_ids(directory, model_config),
+    )

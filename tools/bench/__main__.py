@@ -8,6 +8,7 @@ runs alternate target by target at each level, so drift on a shared machine hits
 seconds during each timed run: decoding streams under a steady stream of prefills (their TTFT is
 reported as background_ttft_*). Results go to output/bench/<name>.{json,md,png}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from tqdm import tqdm
@@ -41,42 +43,83 @@ def float_list(text: str) -> list[float]:
 
 
 def output_lengths(spec: str) -> tuple[int, int]:
-    low, _, high = spec.partition(":")
-    low, high = int(low), int(high or low)
+    low_text, _, high_text = spec.partition(":")
+    low, high = int(low_text), int(high_text or low_text)
     if not 1 <= low <= high:
         raise argparse.ArgumentTypeError(f"output length {spec!r}: want N or MIN:MAX with 1 <= MIN <= MAX")
     return low, high
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--target", action="append", default=[], metavar="[LABEL=]URL",
-                   help="a server: http://H:P/models/NAME (native), .../v1/completions or "
-                        ".../v1/chat/completions (OpenAI); repeatable")
-    p.add_argument("--vs", action="append", default=[], metavar="[LABEL=]URL",
-                   help="another server to run in alternation with the first (same as --target)")
-    p.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16, 32],
-                   help="closed-loop levels, comma-separated (default 1,2,4,8,16,32)")
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="[LABEL=]URL",
+        help="a server: http://H:P/models/NAME (native), .../v1/completions or "
+        ".../v1/chat/completions (OpenAI); repeatable",
+    )
+    p.add_argument(
+        "--vs",
+        action="append",
+        default=[],
+        metavar="[LABEL=]URL",
+        help="another server to run in alternation with the first (same as --target)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int_list,
+        default=[1, 2, 4, 8, 16, 32],
+        help="closed-loop levels, comma-separated (default 1,2,4,8,16,32)",
+    )
     p.add_argument("--rate", type=float_list, help="open loop instead: Poisson arrival rates, req/s")
-    p.add_argument("--requests", type=int,
-                   help="requests per run (default: 2 x the concurrency, at least 4; open loop 32)")
-    p.add_argument("--output-len", type=output_lengths, default=(128, 128), metavar="N|MIN:MAX",
-                   help="new tokens per request, fixed or sampled uniformly (default 128)")
-    p.add_argument("--unique-prompts", action=argparse.BooleanOptionalAction, default=True,
-                   help="number each request's prompt (\"[run.17] ...\") so no server answers from a "
-                        "cache of an earlier identical prompt (llama.cpp's server keeps one per slot); "
-                        "--no-unique-prompts sends the prompt file's texts as they are")
-    p.add_argument("--stop-at-eos", action="store_true",
-                   help="let answers end at EOS (default: ignore_eos, so every request makes N tokens)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per (target, level); the report "
-                                                          "shows each metric's median")
+    p.add_argument(
+        "--requests",
+        type=int,
+        help="requests per run (default: 2 x the concurrency, at least 4; open loop 32)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=output_lengths,
+        default=(128, 128),
+        metavar="N|MIN:MAX",
+        help="new tokens per request, fixed or sampled uniformly (default 128)",
+    )
+    p.add_argument(
+        "--unique-prompts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help='number each request\'s prompt ("[run.17] ...") so no server answers from a '
+        "cache of an earlier identical prompt (llama.cpp's server keeps one per slot); "
+        "--no-unique-prompts sends the prompt file's texts as they are",
+    )
+    p.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="let answers end at EOS (default: ignore_eos, so every request makes N tokens)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per (target, level); the report shows each metric's median",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed requests per target first")
     p.add_argument("--model", help="the `model` field for OpenAI targets (default: their first /v1/models)")
-    p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with a \"prompt\" per line")
-    p.add_argument("--background-words", type=int, metavar="N",
-                   help="during each run, also send a prompt of N words (1 new token) every "
-                        "--background-interval seconds; they are reported apart")
+    p.add_argument("--prompts", type=Path, default=PROMPTS, help='JSONL with a "prompt" per line')
+    p.add_argument(
+        "--background-words",
+        type=int,
+        metavar="N",
+        help="during each run, also send a prompt of N words (1 new token) every "
+        "--background-interval seconds; they are reported apart",
+    )
     p.add_argument("--background-interval", type=float, default=2.0, metavar="S")
     p.add_argument("--seed", type=int, default=0, help="prompt order and sampled lengths")
     p.add_argument("--out", type=Path, default=PROJECT_ROOT / "output" / "bench")
@@ -129,8 +172,9 @@ def background_prompt(prompts: list[str], words: int) -> str:
     return " ".join(itertools.islice(itertools.cycle(pool), words))
 
 
-def timed_run(target: Target, args, level, bodies, per_run: int, done, background: str | None,
-              model: str | None) -> dict:
+def timed_run(
+    target: Target, args, level, bodies, per_run: int, done, background: str | None, model: str | None
+) -> dict:
     """One timed run at `level` -> its summary (with the background prompts' if any)."""
     if args.rate:
         load = open_loop(target, bodies, level, per_run, args.seed, done)
@@ -142,8 +186,12 @@ def timed_run(target: Target, args, level, bodies, per_run: int, done, backgroun
     (records, wall), extra = asyncio.run(with_background(load, target, body, args.background_interval))
     summary = summarize(records, wall)
     side = summarize(extra, wall)
-    summary.update({f"background_{key}": side[key] for key in
-                    ("requests", "errors", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s")})
+    summary.update(
+        {
+            f"background_{key}": side[key]
+            for key in ("requests", "errors", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
+        }
+    )
     return summary
 
 
@@ -160,8 +208,9 @@ def main(argv=None) -> int:
 
     background = background_prompt(prompts, args.background_words) if args.background_words else None
     invocation = secrets.token_hex(3)  # prompts differ from those of earlier invocations too
-    results = []
+    results: list[dict[str, Any]] = []
     with tqdm(total=total, unit="req", file=sys.stderr) as bar:
+
         def done():
             bar.update()
 
@@ -172,7 +221,10 @@ def main(argv=None) -> int:
                 records, _ = asyncio.run(closed_loop(target, bodies, 1, args.warmup, done))
                 failed = [r.error for r in records if r.error]
                 if failed:
-                    print(f"error: {target.label} ({target.url}) failed its warm-up: {failed[0]}", file=sys.stderr)
+                    print(
+                        f"error: {target.label} ({target.url}) failed its warm-up: {failed[0]}",
+                        file=sys.stderr,
+                    )
                     return 1
         runs: dict[tuple[str, float], list[dict]] = {}
         run_tags = (f"{invocation}-{i}" for i in itertools.count())
@@ -182,12 +234,29 @@ def main(argv=None) -> int:
                 for target in args.targets:  # alternate: every target sees the same drift
                     bar.set_description(f"{target.label} @ {level:g}{' req/s' if open_mode else ' streams'}")
                     bodies = request_bodies(target, args, prompts, models[target.label], run)
-                    runs.setdefault((target.label, level), []).append(timed_run(
-                        target, args, level, bodies, per_run[level], done, background, models[target.label]))
+                    runs.setdefault((target.label, level), []).append(
+                        timed_run(
+                            target,
+                            args,
+                            level,
+                            bodies,
+                            per_run[level],
+                            done,
+                            background,
+                            models[target.label],
+                        )
+                    )
         for (label, level), level_runs in runs.items():
-            results.append({"target": label, "level": level, "x": level,
-                            "x_label": "arrival rate (req/s)" if open_mode else "concurrent streams",
-                            "summary": median_of_runs(level_runs), "runs": level_runs})
+            results.append(
+                {
+                    "target": label,
+                    "level": level,
+                    "x": level,
+                    "x_label": "arrival rate (req/s)" if open_mode else "concurrent streams",
+                    "summary": median_of_runs(level_runs),
+                    "runs": level_runs,
+                }
+            )
     results.sort(key=lambda r: (r["level"], [t.label for t in args.targets].index(r["target"])))
     paths = report.write(results, settings, args.out, args.name)
     print(report.markdown_table(results))

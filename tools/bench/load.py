@@ -1,12 +1,13 @@
 """Load generation: one streaming request timed piece by piece, closed-loop levels and open-loop
 Poisson arrivals."""
+
 from __future__ import annotations
 
 import asyncio
 import itertools
 import random
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 
@@ -47,8 +48,9 @@ async def one_request(client: httpx.AsyncClient, target: Target, body: dict) -> 
     return record
 
 
-async def closed_loop(target: Target, bodies: Iterator[dict], concurrency: int, num_requests: int,
-                      on_done: Callable[[], None]) -> tuple[list[RequestRecord], float]:
+async def closed_loop(
+    target: Target, bodies: Iterator[dict], concurrency: int, num_requests: int, on_done: Callable[[], None]
+) -> tuple[list[RequestRecord], float]:
     """`concurrency` clients, each sending its next request as soon as the last one ends."""
     records: list[RequestRecord] = []
     remaining = itertools.islice(bodies, num_requests)
@@ -76,7 +78,7 @@ async def with_background(timed, target: Target, body: dict, interval_s: float):
             tasks.append(asyncio.create_task(one_request(client, target, body)))
             try:
                 await asyncio.wait_for(stop.wait(), interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return list(await asyncio.gather(*tasks))
 
@@ -87,12 +89,19 @@ async def with_background(timed, target: Target, body: dict, interval_s: float):
         return result, await feeder
 
 
-async def open_loop(target: Target, bodies: Iterator[dict], rate: float, num_requests: int,
-                    seed: int, on_done: Callable[[], None]) -> tuple[list[RequestRecord], float]:
+async def open_loop(
+    target: Target,
+    bodies: Iterator[dict],
+    rate: float,
+    num_requests: int,
+    seed: int,
+    on_done: Callable[[], None],
+) -> tuple[list[RequestRecord], float]:
     """Requests arrive as a Poisson process of `rate` per second, whatever the server's pace."""
     rng = random.Random(seed)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0),
-                                 limits=httpx.Limits(max_connections=None)) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=None)
+    ) as client:
         start = time.monotonic()
         tasks = []
         for body in itertools.islice(bodies, num_requests):

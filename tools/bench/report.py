@@ -1,4 +1,5 @@
 """Writes a benchmark's results: JSON (everything), a markdown table, a PNG plot (one line per target)."""
+
 from __future__ import annotations
 
 import json
@@ -10,11 +11,16 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLUMNS = [  # (header, key, scale, format)
-    ("TTFT p50 ms", "ttft_p50_s", 1000, "{:.0f}"), ("TTFT p90 ms", "ttft_p90_s", 1000, "{:.0f}"),
-    ("TTFT p99 ms", "ttft_p99_s", 1000, "{:.0f}"), ("ITL p50 ms", "itl_p50_s", 1000, "{:.1f}"),
-    ("ITL p99 ms", "itl_p99_s", 1000, "{:.1f}"), ("E2E p50 s", "latency_p50_s", 1, "{:.2f}"),
-    ("E2E p99 s", "latency_p99_s", 1, "{:.2f}"), ("out tok/s", "output_tok_s", 1, "{:.1f}"),
-    ("req/s", "requests_per_s", 1, "{:.2f}"), ("errors", "errors", 1, "{:.0f}"),
+    ("TTFT p50 ms", "ttft_p50_s", 1000, "{:.0f}"),
+    ("TTFT p90 ms", "ttft_p90_s", 1000, "{:.0f}"),
+    ("TTFT p99 ms", "ttft_p99_s", 1000, "{:.0f}"),
+    ("ITL p50 ms", "itl_p50_s", 1000, "{:.1f}"),
+    ("ITL p99 ms", "itl_p99_s", 1000, "{:.1f}"),
+    ("E2E p50 s", "latency_p50_s", 1, "{:.2f}"),
+    ("E2E p99 s", "latency_p99_s", 1, "{:.2f}"),
+    ("out tok/s", "output_tok_s", 1, "{:.1f}"),
+    ("req/s", "requests_per_s", 1, "{:.2f}"),
+    ("errors", "errors", 1, "{:.0f}"),
 ]
 
 
@@ -33,15 +39,19 @@ def markdown_table(results: list[dict]) -> str:
 
 def plot(results: list[dict], path: Path) -> None:
     """Output tok/s, TTFT p50 and inter-token p50 against the load level, one line per target."""
-    panels = [("output tok/s", "output_tok_s", 1), ("TTFT p50 (ms)", "ttft_p50_s", 1000),
-              ("inter-token p50 (ms)", "itl_p50_s", 1000)]
+    panels = [
+        ("output tok/s", "output_tok_s", 1),
+        ("TTFT p50 (ms)", "ttft_p50_s", 1000),
+        ("inter-token p50 (ms)", "itl_p50_s", 1000),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
     targets = list(dict.fromkeys(r["target"] for r in results))
     for ax, (title, key, scale) in zip(axes, panels):
         for target in targets:
             rows = [r for r in results if r["target"] == target and r["summary"][key] is not None]
-            ax.plot([r["x"] for r in rows], [r["summary"][key] * scale for r in rows], marker="o",
-                    label=target)
+            ax.plot(
+                [r["x"] for r in rows], [r["summary"][key] * scale for r in rows], marker="o", label=target
+            )
         ax.set_title(title)
         ax.set_xlabel(results[0]["x_label"])
         ax.grid(alpha=0.3)
@@ -58,8 +68,9 @@ def plot(results: list[dict], path: Path) -> None:
 def write(results: list[dict], settings: dict, out_dir: Path, stem: str) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {kind: out_dir / f"{stem}.{kind}" for kind in ("json", "md", "png")}
-    paths["json"].write_text(json.dumps({"settings": settings, "results": results}, indent=2,
-                                        ensure_ascii=False))
+    paths["json"].write_text(
+        json.dumps({"settings": settings, "results": results}, indent=2, ensure_ascii=False)
+    )
     paths["md"].write_text(markdown_table(results))
     plot(results, paths["png"])
     return paths

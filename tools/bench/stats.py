@@ -1,8 +1,10 @@
 """Per-request timings and the statistics of a run."""
+
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -48,17 +50,20 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "output_tokens": tokens,
         "output_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
         "ttft_p99_s": percentile(ttft, 99),
-        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
-        "latency_p50_s": percentile(latency, 50), "latency_p90_s": percentile(latency, 90),
+        "itl_p50_s": percentile(itl, 50),
+        "itl_p99_s": percentile(itl, 99),
+        "latency_p50_s": percentile(latency, 50),
+        "latency_p90_s": percentile(latency, 90),
         "latency_p99_s": percentile(latency, 99),
     }
 
 
 def median_of_runs(runs: list[dict]) -> dict:
     """Each numeric metric's median over repeated runs of the same level (noise on a shared box)."""
-    out = {}
+    out: dict[str, Any] = {}
     for key in runs[0]:
         values = [r[key] for r in runs if r[key] is not None]
         if values and all(isinstance(v, list) for v in values):

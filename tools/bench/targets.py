@@ -6,6 +6,7 @@ A target is a URL; its path says the API:
     http://HOST:PORT/v1/chat/completions    OpenAI chat completions
 `label=URL` names it in the report; otherwise the label is the host:port.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ class Target:
     api: str  # "native", "completions" or "chat"
 
     @classmethod
-    def parse(cls, spec: str) -> "Target":
+    def parse(cls, spec: str) -> Target:
         label, _, url = spec.rpartition("=") if "=" in spec.split("://")[0] else ("", "", spec)
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -40,17 +41,30 @@ class Target:
             for suffix in ("/generate_stream", "/generate"):
                 url = url.removesuffix(suffix)
         else:
-            raise TargetError(f"target {spec!r}: the path must be /models/NAME, /v1/completions "
-                              "or /v1/chat/completions")
+            raise TargetError(
+                f"target {spec!r}: the path must be /models/NAME, /v1/completions or /v1/chat/completions"
+            )
         return cls(label or parsed.netloc, url, api)
 
     def request_body(self, prompt: str, max_tokens: int, ignore_eos: bool, model: str | None) -> dict:
         """A greedy streaming request for `max_tokens` new tokens."""
         if self.api == "native":
-            return {"inputs": prompt, "stream": True, "parameters": {
-                "max_new_tokens": max_tokens, "return_protocol": "plain", "ignore_eos": ignore_eos}}
-        body = {"max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+            return {
+                "inputs": prompt,
+                "stream": True,
+                "parameters": {
+                    "max_new_tokens": max_tokens,
+                    "return_protocol": "plain",
+                    "ignore_eos": ignore_eos,
+                },
+            }
+        body = {
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": ignore_eos,
+        }
         if model:
             body["model"] = model
         if self.api == "chat":
@@ -73,7 +87,7 @@ def parse_line(api: str, line: str) -> StreamEvent | None:
     line = line.strip()
     if not line.startswith("data:"):
         return None
-    payload = line[len("data:"):].strip()
+    payload = line[len("data:") :].strip()
     if payload == "[DONE]":
         return StreamEvent(done=True)
     data = json.loads(payload)

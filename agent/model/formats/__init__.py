@@ -1,4 +1,5 @@
 """The checkpoint readers, one module per format, and load_checkpoint() that picks one by the path."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,7 +23,9 @@ def load_checkpoint(path: str | Path, progress: Progress = no_progress) -> Check
     elif path.is_dir() and (path / ms_ckpt.FILE_NAME).is_file():
         checkpoint = ms_ckpt.load(path / ms_ckpt.FILE_NAME, progress)
     else:
-        raise CheckpointError(f"unrecognised model path {path}: expected a .gguf file, a .ckpt file, "
-                              f"or a directory with config.json or {ms_ckpt.FILE_NAME}")
+        raise CheckpointError(
+            f"unrecognised model path {path}: expected a .gguf file, a .ckpt file, "
+            f"or a directory with config.json or {ms_ckpt.FILE_NAME}"
+        )
     validate(checkpoint)
     return checkpoint

@@ -1,6 +1,8 @@
 """GGUF files (llama.cpp's format): metadata -> ModelSpec, tensors dequantized by the `gguf` package."""
+
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -15,15 +17,26 @@ log = logging.getLogger(__name__)
 
 # Architectures this code runs, and whether llama.cpp's converter stored their Q/K rows permuted
 # into the interleaved (GPT-J) RoPE order; those are un-permuted at load.
-ARCHITECTURES = {"llama": {"permuted_qk": True, "qkv_bias": False},
-                 "qwen2": {"permuted_qk": False, "qkv_bias": True}}
+ARCHITECTURES = {
+    "llama": {"permuted_qk": True, "qkv_bias": False},
+    "qwen2": {"permuted_qk": False, "qkv_bias": True},
+}
 
-LAYER_NAMES = {"attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
-               "attn_v.weight": "wv", "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm",
-               "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
-               "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
-GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
-                "output.weight": "lm_head"}
+LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "wq",
+    "attn_k.weight": "wk",
+    "attn_v.weight": "wv",
+    "attn_output.weight": "wo",
+    "ffn_norm.weight": "ffn_norm",
+    "ffn_gate.weight": "w_gate",
+    "ffn_up.weight": "w_up",
+    "ffn_down.weight": "w_down",
+    "attn_q.bias": "bq",
+    "attn_k.bias": "bk",
+    "attn_v.bias": "bv",
+}
+GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3.1 scaling)
 Q4_MATRICES = (".wq", ".wk", ".wv", ".wo", ".w_gate", ".w_up", ".w_down")
 
@@ -51,8 +64,10 @@ def _dequantize(path: Path, tensor) -> np.ndarray:
     try:
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
-        raise CheckpointError(f"{path}: tensor {tensor.name} uses quantization type "
-                              f"{tensor.tensor_type.name}, which cannot be dequantized") from exc
+        raise CheckpointError(
+            f"{path}: tensor {tensor.name} uses quantization type "
+            f"{tensor.tensor_type.name}, which cannot be dequantized"
+        ) from exc
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
@@ -65,16 +80,19 @@ def _rope_scaling(path: Path, reader, arch: str, tensors_by_name: dict) -> RopeS
         return None
     if kind == "linear":
         return RopeScaling(type="linear", factor=float(gguf_field(reader, f"{arch}.rope.scaling.factor")))
-    raise CheckpointError(f"{path}: RoPE scaling type {kind!r} is not supported (supported: linear, "
-                          f"llama3 through {ROPE_FREQS})")
+    raise CheckpointError(
+        f"{path}: RoPE scaling type {kind!r} is not supported (supported: linear, "
+        f"llama3 through {ROPE_FREQS})"
+    )
 
 
 def load(path: Path, progress: Progress) -> Checkpoint:
     reader = read_gguf(path)
     arch = gguf_field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise CheckpointError(f"{path}: unsupported architecture {arch!r} "
-                              f"(supported: {', '.join(ARCHITECTURES)})")
+        raise CheckpointError(
+            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})"
+        )
     traits = ARCHITECTURES[arch]
 
     def meta(key: str, default=None, required: bool = True):
@@ -83,8 +101,9 @@ def load(path: Path, progress: Progress) -> Checkpoint:
             raise CheckpointError(f"{path}: missing GGUF metadata {arch}.{key}")
         return value
 
-    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) \
-        if "tokenizer.ggml.tokens" in reader.fields else None
+    n_tokens = (
+        len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+    )
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     kv_heads = meta("attention.head_count_kv", heads)
     head_dim = meta("attention.key_length", hidden // heads, required=False) or hidden // heads
@@ -120,14 +139,22 @@ def load(path: Path, progress: Progress) -> Checkpoint:
             continue
         array = _dequantize(path, t)
         # the layer matrices' Q4_1 blocks too: the fused kernel multiplies them for one or two rows
-        blocks = Q4Matrix.from_gguf(np.asarray(t.data)) \
-            if t.tensor_type == GGMLQuantizationType.Q4_1 and name.endswith(Q4_MATRICES) else None
-        heads = spec.num_heads if name.endswith((".wq", ".bq")) else \
-            spec.num_kv_heads if name.endswith((".wk", ".bk")) else None
+        blocks = (
+            Q4Matrix.from_gguf(np.asarray(t.data))
+            if t.tensor_type == GGMLQuantizationType.Q4_1 and name.endswith(Q4_MATRICES)
+            else None
+        )
+        heads = (
+            spec.num_heads
+            if name.endswith((".wq", ".bq"))
+            else spec.num_kv_heads
+            if name.endswith((".wk", ".bk"))
+            else None
+        )
         if traits["permuted_qk"] and heads is not None:
             array = unpermute_qk(array, heads)
             if blocks is not None:
-                blocks = blocks.reorder_rows(lambda a: unpermute_qk(a, heads))
+                blocks = blocks.reorder_rows(functools.partial(unpermute_qk, n_heads=heads))
         tensors[name] = array
         if blocks is not None:
             q4[name] = blocks

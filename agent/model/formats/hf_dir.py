@@ -1,13 +1,15 @@
 """HuggingFace model directories: config.json, generation_config.json, *.safetensors (one file or
 shards listed in model.safetensors.index.json). Families: Llama (2, 3, SmolLM2), Qwen2 (QKV bias),
 InternLM2 (packed wqkv), one code path with per-family tensor names."""
+
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -18,14 +20,25 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 
-LLAMA_LAYER_NAMES = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq",
-                     "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
-                     "self_attn.o_proj.weight": "wo", "post_attention_layernorm.weight": "ffn_norm",
-                     "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
-                     "mlp.down_proj.weight": "w_down", "self_attn.q_proj.bias": "bq",
-                     "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"}
-LLAMA_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
-                      "lm_head.weight": "lm_head"}
+LLAMA_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+    "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk",
+    "self_attn.v_proj.bias": "bv",
+}
+LLAMA_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "final_norm",
+    "lm_head.weight": "lm_head",
+}
 
 
 @dataclass(frozen=True)
@@ -40,13 +53,24 @@ FAMILIES = {
     "llama": Family(LLAMA_LAYER_NAMES, LLAMA_GLOBAL_NAMES, qkv_bias=False),
     "qwen2": Family(LLAMA_LAYER_NAMES, LLAMA_GLOBAL_NAMES, qkv_bias=True),
     "internlm2": Family(
-        {"attention_norm.weight": "attn_norm", "attention.wqkv.weight": "wqkv",
-         "attention.wqkv.bias": "bqkv", "attention.wo.weight": "wo", "ffn_norm.weight": "ffn_norm",
-         "feed_forward.w1.weight": "w_gate", "feed_forward.w3.weight": "w_up",
-         "feed_forward.w2.weight": "w_down"},
-        {"model.tok_embeddings.weight": "embed", "model.norm.weight": "final_norm",
-         "output.weight": "lm_head"},
-        qkv_bias=False, packed_qkv=True),
+        {
+            "attention_norm.weight": "attn_norm",
+            "attention.wqkv.weight": "wqkv",
+            "attention.wqkv.bias": "bqkv",
+            "attention.wo.weight": "wo",
+            "ffn_norm.weight": "ffn_norm",
+            "feed_forward.w1.weight": "w_gate",
+            "feed_forward.w3.weight": "w_up",
+            "feed_forward.w2.weight": "w_down",
+        },
+        {
+            "model.tok_embeddings.weight": "embed",
+            "model.norm.weight": "final_norm",
+            "output.weight": "lm_head",
+        },
+        qkv_bias=False,
+        packed_qkv=True,
+    ),
 }
 
 
@@ -81,14 +105,18 @@ def rope_scaling(config: dict, source: Path) -> RopeScaling | None:
         if kind == "linear":
             return RopeScaling(type="linear", factor=float(scaling["factor"]))
         if kind == "llama3":
-            return RopeScaling(type="llama3", factor=float(scaling["factor"]),
-                               low_freq_factor=float(scaling["low_freq_factor"]),
-                               high_freq_factor=float(scaling["high_freq_factor"]),
-                               original_max_position=int(scaling["original_max_position_embeddings"]))
+            return RopeScaling(
+                type="llama3",
+                factor=float(scaling["factor"]),
+                low_freq_factor=float(scaling["low_freq_factor"]),
+                high_freq_factor=float(scaling["high_freq_factor"]),
+                original_max_position=int(scaling["original_max_position_embeddings"]),
+            )
     except KeyError as exc:
         raise CheckpointError(f"{source}: rope_scaling {kind!r} lacks {exc.args[0]}") from exc
-    raise CheckpointError(f"{source}: rope_scaling type {kind!r} is not supported "
-                          f"(supported: linear, llama3)")
+    raise CheckpointError(
+        f"{source}: rope_scaling type {kind!r} is not supported (supported: linear, llama3)"
+    )
 
 
 def load(directory: Path, progress: Progress) -> Checkpoint:
@@ -96,8 +124,9 @@ def load(directory: Path, progress: Progress) -> Checkpoint:
     config = read_json(config_path)
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
-        raise CheckpointError(f"{directory}: unsupported architecture {model_type!r} "
-                              f"(supported: {', '.join(FAMILIES)})")
+        raise CheckpointError(
+            f"{directory}: unsupported architecture {model_type!r} (supported: {', '.join(FAMILIES)})"
+        )
     family = FAMILIES[model_type]
     try:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
@@ -156,8 +185,10 @@ def _weight_files(directory: Path) -> list[Path]:
 
 def _unpack_qkv(tensors: dict[str, np.ndarray], spec: ModelSpec) -> None:
     for i in range(spec.num_layers):
-        for packed, parts in ((f"layers.{i}.wqkv", ("wq", "wk", "wv")),
-                              (f"layers.{i}.bqkv", ("bq", "bk", "bv"))):
+        for packed, parts in (
+            (f"layers.{i}.wqkv", ("wq", "wk", "wv")),
+            (f"layers.{i}.bqkv", ("bq", "bk", "bv")),
+        ):
             if packed in tensors:
                 split = split_packed_qkv(tensors.pop(packed), spec.num_kv_heads, spec.group_size)
                 tensors.update({f"layers.{i}.{part}": t for part, t in zip(parts, split)})
@@ -172,12 +203,12 @@ def _safetensors_entries(file: Path) -> list[tuple[str, Callable[[], np.ndarray]
         handle = safe_open(str(file), framework="np")
     except Exception as exc:
         raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
-    entries = []
+    entries: list[tuple[str, Callable[[], np.ndarray]]] = []
     for name in handle.keys():
         if handle.get_slice(name).get_dtype() == "BF16":
-            entries.append((name, lambda name=name: _read_bf16(file, name)))
+            entries.append((name, functools.partial(_read_bf16, file, name)))
         else:
-            entries.append((name, lambda name=name: handle.get_tensor(name)))
+            entries.append((name, functools.partial(handle.get_tensor, name)))
     return entries
 
 
@@ -194,7 +225,7 @@ def _canonical_name(family: Family, name: str) -> str | None:
     if name in family.global_names:
         return family.global_names[name]
     if name.startswith("model.layers."):
-        index, rest = name[len("model.layers."):].split(".", 1)
+        index, rest = name[len("model.layers.") :].split(".", 1)
         if rest in family.layer_names:
             return f"layers.{index}.{family.layer_names[rest]}"
     return None
@@ -205,6 +236,8 @@ def split_packed_qkv(w: np.ndarray, kv_heads: int, group: int) -> tuple[np.ndarr
     rest = w.shape[1:]
     head_dim = w.shape[0] // (kv_heads * (group + 2))
     blocks = w.reshape(kv_heads, group + 2, head_dim, *rest)
-    return (blocks[:, :group].reshape(kv_heads * group * head_dim, *rest),
-            blocks[:, group].reshape(kv_heads * head_dim, *rest),
-            blocks[:, group + 1].reshape(kv_heads * head_dim, *rest))
+    return (
+        blocks[:, :group].reshape(kv_heads * group * head_dim, *rest),
+        blocks[:, group].reshape(kv_heads * head_dim, *rest),
+        blocks[:, group + 1].reshape(kv_heads * head_dim, *rest),
+    )

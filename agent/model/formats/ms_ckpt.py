@@ -1,5 +1,6 @@
 """MindSpore checkpoints (.ckpt): canonical tensor names plus the model spec as a JSON entry, so a
 checkpoint is self-describing. tools.convert writes them from any other format."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +20,10 @@ def save(checkpoint: Checkpoint, path: Path, progress: Progress, dtype: StorageD
     import mindspore as ms
 
     ms_dtype = getattr(ms, dtype)
-    items = [{"name": name, "data": ms.Tensor(tensor, dtype=ms_dtype)}
-             for name, tensor in progress(sorted(checkpoint.tensors.items()))]
+    items = [
+        {"name": name, "data": ms.Tensor(tensor, dtype=ms_dtype)}
+        for name, tensor in progress(sorted(checkpoint.tensors.items()))
+    ]
     ms.save_checkpoint(items, str(path), append_dict={SPEC_KEY: checkpoint.spec.model_dump_json()})
 
 
@@ -36,13 +39,16 @@ def load(path: Path, progress: Progress) -> Checkpoint:
         raise CheckpointError(
             f"{path}: no {SPEC_KEY!r} entry; this server reads the checkpoints `python -m tools.convert` "
             f"writes (canonical tensor names and the model's hyperparameters); convert the original "
-            f"HuggingFace or GGUF files with it")
+            f"HuggingFace or GGUF files with it"
+        )
     try:
         spec = ModelSpec.model_validate_json(spec_json)
     except ValueError as exc:
         raise CheckpointError(f"{path}: the {SPEC_KEY!r} entry is invalid ({exc})") from exc
     # Widened on the host: a MindSpore cast would run a kernel, which starts MindSpore's runtime
     # before the agent has chosen its device (set_device then fails).
-    tensors = {name: np.ascontiguousarray(param.asnumpy(), dtype=np.float32)
-               for name, param in progress(list(params.items()))}
+    tensors = {
+        name: np.ascontiguousarray(param.asnumpy(), dtype=np.float32)
+        for name, param in progress(list(params.items()))
+    }
     return Checkpoint(spec=spec, tensors=tensors, source=path, format="ckpt")

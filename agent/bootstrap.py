@@ -1,0 +1,162 @@
+"""From a config to a ModelRunner whose graphs passed the known-answer check: what the agent process
+and the tools that run the model in-process (generate, model_bench, export) all do, in this order:
+
+    weights (a checkpoint, or an export's MindIR files)
+    -> runtime (the memory plan resolves num_slots / max_seq_len "auto")
+    -> MindSpore context (device, threads, the compile cache keyed by agent/compile_cache.py)
+    -> ModelRunner (after joining the tensor-parallel cluster when the model is split)
+    -> warm-up, every graph checked against a numpy forward of the weights (agent/known_answer.py)
+
+The process's entry calls agent.process_env.set_process_defaults() before importing this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.compile_cache import compile_cache_dir
+from agent.known_answer import KnownAnswer, KnownAnswerError
+from agent.llama_graphs import TensorSplit
+from agent.memory_plan import resolve_runtime
+from agent.mindir import read_known_answer, read_spec
+from agent.model.checkpoint import Checkpoint
+from agent.model.formats import load_checkpoint
+from agent.model.spec import ModelSpec
+from agent.runner import ModelRunner, configure_mindspore
+from config.schema import RuntimeSection, ServingConfig
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one runner runs: its device, its share of a tensor-parallel group, its role, its group's
+    own slot count (none: runtime.num_slots) and its compile cache folder's name (none: no cache)."""
+
+    cache_user: str | None
+    device_id: int = 0
+    split: TensorSplit = TensorSplit()
+    role: str = "mixed"
+    num_slots: int | None = None
+
+    @classmethod
+    def of_agent(cls, config: ServingConfig, rank: int) -> Placement:
+        agents, group = config.agents, config.agents.group(rank)
+        split = TensorSplit(agents.rank_in_group[rank], group.tensor_parallel)
+        return cls(
+            cache_user=f"rank_{rank}" + (f"_tp{split.rank}of{split.size}" if split.size > 1 else ""),
+            device_id=agents.start_device_id + rank,
+            split=split,
+            role=agents.roles[rank],
+            num_slots=group.num_slots,
+        )
+
+    def runtime(self, configured: RuntimeSection) -> RuntimeSection:
+        if self.num_slots is None:
+            return configured
+        return configured.model_copy(update={"num_slots": self.num_slots})
+
+
+def build_runner(
+    config: ServingConfig,
+    place: Placement,
+    progress: Progress = log.info,
+    checkpoint: Checkpoint | None = None,
+) -> tuple[ModelRunner, float]:
+    """The runner of `config` at `place` (from `checkpoint` when already loaded), warmed up and
+    checked, and the warm-up's seconds. A graph that disagrees with the weights raises
+    KnownAnswerError saying what to do."""
+    if config.model.uses_mindir:
+        runner, known = _mindir_runner(config, place, progress)
+        remedy = f"the MindIR files of {config.model.path} do not fit their own manifest: export them again"
+    else:
+        runner, known, cache = _checkpoint_runner(config, place, progress, checkpoint)
+        remedy = (
+            f"the compile cache {cache.parent} holds graphs that do not fit this model: delete that "
+            f"folder and start again (if this persists with an empty cache, it is a bug: report it)"
+            if cache is not None
+            else "no cache was used: this is a bug, please report it"
+        )
+    progress(
+        f"KV cache: {runner.num_slots} slots x {runner.max_len} positions, "
+        f"{runner.graphs.cache_bytes() / 1e6:.0f} MB"
+    )
+    try:
+        return runner, runner.warm_up(progress, place.role, known)
+    except KnownAnswerError as exc:
+        raise KnownAnswerError(f"{exc}; {remedy}") from exc
+
+
+def prepare_checkpoint(
+    config: ServingConfig, place: Placement, progress: Progress, checkpoint: Checkpoint | None = None
+) -> tuple[Checkpoint, RuntimeSection, Path | None]:
+    """The weights (loaded unless given), the planned runtime and the MindSpore context with the
+    compile cache (its folder returned): what every runner built from a checkpoint needs first."""
+    if checkpoint is None:
+        start = time.perf_counter()
+        checkpoint = load_checkpoint(config.model.path)
+        progress(
+            f"weights loaded in {time.perf_counter() - start:.1f}s ({checkpoint.format}, "
+            f"{checkpoint.spec.parameter_count() / 1e6:.1f}M parameters)"
+        )
+    runtime = resolve_runtime(checkpoint.spec, place.runtime(config.runtime), progress)
+    cache = None if place.cache_user is None else compile_cache_dir(checkpoint, runtime, place.cache_user)
+    configure_mindspore(runtime, place.device_id, cache)
+    return checkpoint, runtime, cache
+
+
+def _checkpoint_runner(
+    config: ServingConfig, place: Placement, progress: Progress, checkpoint: Checkpoint | None
+) -> tuple[ModelRunner, KnownAnswer, Path | None]:
+    checkpoint, runtime, cache = prepare_checkpoint(config, place, progress, checkpoint)
+    if place.split.size > 1:
+        _join_cluster(place.split, checkpoint.spec, progress)
+    runner = ModelRunner.from_checkpoint(checkpoint, runtime, place.split)
+    start = time.perf_counter()
+    known = KnownAnswer.of_checkpoint(checkpoint, runtime)
+    progress(f"known answer for the warm-up check computed in {time.perf_counter() - start:.2f}s")
+    return runner, known, cache
+
+
+def _mindir_runner(
+    config: ServingConfig, place: Placement, progress: Progress
+) -> tuple[ModelRunner, KnownAnswer]:
+    start = time.perf_counter()
+    runtime = resolve_runtime(read_spec(config.model), place.runtime(config.runtime), progress)
+    configure_mindspore(runtime, place.device_id)
+    runner = ModelRunner.from_mindir(config.model, runtime)
+    progress(
+        f"MindIR graphs loaded in {time.perf_counter() - start:.1f}s "
+        f"({runner.spec.parameter_count() / 1e6:.1f}M parameters)"
+    )
+    return runner, read_known_answer(config.model)
+
+
+def _join_cluster(split: TensorSplit, spec: ModelSpec, progress: Progress) -> None:
+    """Tensor parallelism: join the group's MindSpore cluster (the launcher set MS_ROLE=MS_WORKER,
+    MS_NODE_ID and the scheduler's address); its collectives then run inside the graphs."""
+    from mindspore.communication import get_group_size, get_rank, init
+
+    if spec.num_kv_heads < split.size:
+        raise RuntimeError(f"{spec.num_kv_heads} KV heads cannot be split over {split.size} agents")
+    progress(
+        f"joining the tensor-parallel cluster as rank {split.rank} of {split.size} (scheduler "
+        f"{os.environ.get('MS_SCHED_HOST')}:{os.environ.get('MS_SCHED_PORT')})"
+    )
+    init()
+    if (get_rank(), get_group_size()) != (split.rank, split.size):
+        raise RuntimeError(
+            f"the cluster made this agent rank {get_rank()} of {get_group_size()}, "
+            f"the config rank {split.rank} of {split.size}"
+        )
+    start, end = split.share(spec.num_kv_heads)
+    progress(
+        f"tensor-parallel rank {split.rank} of {split.size}: KV heads {start}..{end - 1}, "
+        f"FFN columns {split.share(spec.intermediate_size)}"
+    )

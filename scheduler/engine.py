@@ -1,0 +1,404 @@
+"""Engine: the loop that drives the agent groups (a background asyncio task), as vLLM's EngineCore.
+
+    engine = Engine(config, vocab_size, eos_ids, on_update)
+    await engine.start()                        # connects to every group and checks `info`
+    seq = engine.add_request(request_id, prompt, sampling, max_new_tokens)   # or AdmissionError
+    ... on_update(seq) after each of its new tokens, and at its end ...
+    engine.get_bs_current(), engine.get_queue_current()
+    engine.refuse_new_requests(); await engine.stop()
+
+The loop never blocks the event loop: agent calls are awaited ZeroMQ round trips. Each iteration
+runs one plan of the BatchScheduler: releases, prefills, then one decode step per group (groups in
+parallel). A prefill on a prefill group (PD disaggregation) runs as a task of its own beside the
+loop, so decode steps never wait for it. The engine knows token ids only: text, stop strings and
+the answer streams are the server's (server/output.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+
+from agent.contract.sampling import SamplingParams
+from config.schema import ServingConfig
+from scheduler.agent_client import (
+    AgentClient,
+    AgentError,
+    AgentIncompatible,
+    AgentRequestError,
+    AgentUnavailable,
+    GroupClient,
+)
+from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal, StepPlan
+from scheduler.metrics import ServingMetrics
+from scheduler.sequence import FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+RECOVERY_PROBE_S = 2.0  # a failed group is asked for `info` with this timeout ...
+RECOVERY_INTERVAL_S = 1.0  # ... this long apart, until it answers (the launcher restarted it)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: ServingConfig,
+        vocab_size: int,
+        eos_ids: Iterable[int],
+        on_update: Callable[[Sequence], None],
+        metrics: ServingMetrics | None = None,
+    ):
+        self.config = config
+        self.vocab_size = vocab_size  # the tokenizer's: every group must cover it
+        self.on_update = on_update  # called with a sequence after its new tokens and at its end
+        self.metrics = metrics or ServingMetrics()
+        self.clients = [self._group_client(group) for group in range(len(config.agents.groups))]
+        self.scheduler: BatchScheduler  # built by start(), over the capacities the groups report
+        self.stop_ids: frozenset[int] = frozenset(eos_ids)  # the groups' EOS ids join at connection
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._recoveries: dict[int, asyncio.Task] = {}
+        self._transfers: set[asyncio.Task] = set()  # prefills that send their KV to a decode group
+        self._draining = False
+        self._stopping = False
+        self.capacities: list[GroupCapacity] = []
+        self._bind_gauges()
+
+    def _bind_gauges(self) -> None:
+        m = self.metrics
+        m.running.set_function(self.get_bs_current)
+        m.waiting.set_function(self.get_queue_current)
+        m.slots_used.set_function(self.get_bs_current)
+        m.tokens_in_flight.set_function(lambda: self.scheduler.tokens_in_flight if self.started else 0)
+        m.slots_total.set_function(
+            lambda: (
+                sum(c.num_slots for c, ok in zip(self.capacities, self.scheduler.healthy) if ok and c.decodes)
+                if self.started
+                else 0
+            )
+        )
+        for group in range(len(self.clients)):
+            m.group_running.labels(str(group)).set_function(partial(self.get_bs_current, group))
+            m.group_slots.labels(str(group)).set_function(partial(self.group_slots, group))
+
+    def _group_client(self, group: int) -> AgentClient | GroupClient:
+        agents = self.config.agents
+        clients = [
+            AgentClient(agents.address(rank), self.config.server.agent_timeout_s, agents.curve)
+            for rank, g in enumerate(agents.group_of_rank)
+            if g == group
+        ]
+        return clients[0] if len(clients) == 1 else GroupClient(clients)
+
+    @property
+    def started(self) -> bool:
+        """Connected to every group, the loop running."""
+        return self._task is not None
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence any group holds (their runtime may have planned it)."""
+        return max(c.max_seq_len for c in self.capacities)
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self.capacities = [await self._wait_for_group(i, c) for i, c in enumerate(self.clients)]
+        for client in self.clients:
+            self.metrics.agent_up.labels(client.address).set(1)
+        s = self.config.server
+        self.scheduler = BatchScheduler(
+            self.capacities, s.max_waiting_requests, s.max_prefills_per_step, s.max_tokens_in_flight
+        )
+        self._task = asyncio.create_task(self._run(), name="scheduler-loop")
+
+    async def _wait_for_group(self, group: int, client: AgentClient | GroupClient) -> GroupCapacity:
+        deadline = time.monotonic() + self.config.server.agent_wait_s
+        while True:
+            try:
+                return await self._connect(group, client)
+            except AgentUnavailable as exc:
+                if time.monotonic() > deadline:
+                    raise AgentError(
+                        f"agent {client.address} not answering after "
+                        f"{self.config.server.agent_wait_s:g}s: {exc}"
+                    ) from exc
+                log.info("waiting for agent %s (%s)", client.address, exc)
+                if client.lost:
+                    client.reconnect()
+
+    async def _connect(
+        self, group: int, client: AgentClient | GroupClient, timeout_s: float | None = None
+    ) -> GroupCapacity:
+        """Check the group serves our model, then open this server's session on it (every slot
+        released: this server owns them all)."""
+        info = await client.info(timeout_s)
+        if info["vocab_size"] < self.vocab_size:
+            raise AgentIncompatible(
+                f"agent {client.address} serves a vocabulary of {info['vocab_size']} "
+                f"tokens; the tokenizer has {self.vocab_size}"
+            )
+        role = self.config.agents.groups[group].role
+        if info.get("role") != role:
+            raise AgentIncompatible(
+                f"agent {client.address} runs as a {info.get('role')} agent; this "
+                f"server's config makes it {role} (start both from one config)"
+            )
+        await client.reset(timeout_s)
+        self.stop_ids |= frozenset(info["eos_ids"])
+        log.info(
+            "agent %d at %s: %s, model %s, %d slots, max length %d",
+            group,
+            client.address,
+            role,
+            info["model"],
+            info["num_slots"],
+            info["max_seq_len"],
+        )
+        return GroupCapacity(info["num_slots"], info["max_seq_len"], info["max_prompt_len"], role)
+
+    def refuse_new_requests(self) -> None:
+        """The start of a drain: new requests are refused (503) while the admitted ones finish."""
+        self._draining = True
+
+    async def stop(self) -> None:
+        """Idempotent: a SIGTERM drain stops the engine, then uvicorn's lifespan exit calls it again.
+        Sequences still open end with an output saying the server is shutting down."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._wake.set()
+        for task in [*self._recoveries.values(), *self._transfers]:
+            task.cancel()
+        if self._task is not None:
+            await self._task
+        await asyncio.gather(*self._transfers, return_exceptions=True)
+        for client in self.clients:
+            client.close()
+
+    async def readiness(self, ping_timeout_s: float = 2.0) -> str | None:
+        """Why the engine cannot take requests now (every group is pinged); None when it can."""
+        if not self.started:
+            return "not started: waiting for the agents"
+        if self._draining or self._stopping:
+            return "shutting down"
+        pings = await asyncio.gather(*(c.ping(ping_timeout_s) for c in self.clients), return_exceptions=True)
+        down = []
+        for client, ok, ping in zip(self.clients, self.scheduler.healthy, pings):
+            answering = ok and not isinstance(ping, BaseException)
+            self.metrics.agent_up.labels(client.address).set(int(answering))
+            if not answering:
+                down.append(client.address)
+        return f"agents not answering: {', '.join(down)}" if down else None
+
+    def get_bs_current(self, group: int | None = None) -> int:
+        """Running sequences, in total or of one group."""
+        if not self.started:
+            return 0
+        if group is None:
+            return self.scheduler.num_running
+        return sum(1 for seq in self.scheduler.running.values() if seq.group == group)
+
+    def group_slots(self, group: int) -> int:
+        """KV slots of a group while it is healthy, else 0."""
+        if not self.started or not self.scheduler.healthy[group]:
+            return 0
+        return self.capacities[group].num_slots
+
+    def get_queue_current(self) -> int:
+        return self.scheduler.num_waiting if self.started else 0
+
+    # -------------------------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        ignore_eos: bool = False,
+    ) -> Sequence:
+        """Queues the request's sequence at once, or raises AdmissionError if it is refused."""
+        if not self.started:
+            raise AdmissionError("the server is not ready", Refusal.NOT_READY)
+        if self._draining or self._stopping:
+            raise AdmissionError("the server is shutting down", Refusal.SHUTTING_DOWN)
+        seq = Sequence(
+            request_id, list(prompt), sampling, max_new_tokens, frozenset() if ignore_eos else self.stop_ids
+        )
+        try:
+            self.scheduler.add(seq)
+        except AdmissionError:
+            self.metrics.requests.labels("rejected").inc()
+            raise
+        self.metrics.prompt_tokens.inc(len(seq.prompt))
+        self._wake.set()
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """The client is gone: the sequence ends and its slot is freed."""
+        self.scheduler.abort(request_id)
+        self._wake.set()
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish from outside the token rules (a stop string found in the text)."""
+        self.scheduler.finish(seq, reason)
+
+    # ---------------------------------------------------------------------------- the loop
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._step(plan)
+            except Exception as exc:  # a bug must not leave every request hanging
+                log.exception("scheduler step failed")
+                self._fail(
+                    plan.prefills + [s for seqs in plan.decodes.values() for s in seqs],
+                    f"internal error: {type(exc).__name__}: {exc}",
+                )
+        for seq in self.scheduler.abort_all("the server is shutting down"):  # stop(): end what is open
+            self.on_update(seq)
+
+    async def _step(self, plan: StepPlan) -> None:
+        """Run one plan: releases, then prefills, then one decode per group (groups in parallel)."""
+        for group, slot, ticket in plan.releases:
+            await self._call(group, self.clients[group].release(slot, ticket))
+        for seq in plan.prefills:
+            if seq.prefill_group is not None and seq.finished:  # aborted before its prefill ran
+                self.scheduler.transfer_failed(seq, "aborted")
+            elif seq.prefill_group is not None:
+                task = asyncio.create_task(self._prefill_elsewhere(seq), name=f"prefill-{seq.request_id}")
+                self._transfers.add(task)
+                task.add_done_callback(self._transfers.discard)
+                continue
+            if seq.finished:  # aborted, or its group failed earlier in this plan
+                continue
+            await self._prefill(seq)
+        decodes = [(group, seqs) for group, seqs in plan.decodes.items() if self.scheduler.healthy[group]]
+        results = await asyncio.gather(
+            *(self._decode(group, seqs) for group, seqs in decodes), return_exceptions=True
+        )
+        for (group, seqs), result in zip(decodes, results):
+            if isinstance(result, BaseException):
+                self._group_failed(group, result)
+                continue
+            self.scheduler.decoded(seqs, result)
+            for seq in seqs:
+                self.on_update(seq)
+
+    async def _prefill(self, seq: Sequence) -> None:
+        client = self.clients[seq.group]
+        try:
+            with self.metrics.agent_step.labels(client.address, "prefill").time():
+                token = await client.prefill(seq.slot, seq.prompt, seq.sampling)
+        except AgentRequestError as exc:  # this request was bad; the group is fine
+            self._fail([seq], str(exc))
+            return
+        except AgentError as exc:
+            self._group_failed(seq.group, exc)
+            return
+        self.scheduler.prefilled(seq, token)
+        self.on_update(seq)
+
+    async def _prefill_elsewhere(self, seq: Sequence) -> None:
+        """PD disaggregation: the prefill group computes the prompt and sends its KV straight to
+        the decode group's slot; the sequence decodes there from the next step on."""
+        prefill, decode = self.clients[seq.prefill_group], self.clients[seq.group]
+        transfer = {
+            "address": decode.address,
+            "slot": seq.slot,
+            "session": decode.session,
+            "ticket": seq.ticket,
+        }
+        try:
+            with self.metrics.agent_step.labels(prefill.address, "prefill").time():
+                token, kv_bytes, transfer_ms = await prefill.prefill_and_send(
+                    seq.prefill_slot, seq.prompt, seq.sampling, transfer
+                )
+        except AgentRequestError as exc:  # this request failed (its KV did not arrive); the group is fine
+            log.warning("request %s failed on %s: %s", seq.request_id, prefill.address, exc)
+            self.scheduler.transfer_failed(seq, str(exc))
+            self.on_update(seq)
+        except AgentError as exc:
+            self._group_failed(seq.prefill_group, exc)  # fails seq too
+            self.scheduler.transfer_failed(seq, str(exc))
+        else:
+            self.metrics.kv_transfer_bytes.inc(kv_bytes)
+            self.metrics.kv_transfer.observe(transfer_ms / 1000)
+            log.debug(
+                "request %s: KV of %d tokens (%d bytes) moved to %s slot %d in %.1f ms",
+                seq.request_id,
+                len(seq.prompt),
+                kv_bytes,
+                decode.address,
+                seq.slot,
+                transfer_ms,
+            )
+            self.scheduler.transferred(seq, token)
+            self.on_update(seq)
+        self._wake.set()
+
+    def _fail(self, seqs: list[Sequence], error: str) -> None:
+        for seq in seqs:
+            if not seq.finished:
+                seq.error = error
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                self.on_update(seq)
+
+    async def _decode(self, group: int, seqs: list[Sequence]) -> list[int]:
+        client = self.clients[group]
+        with self.metrics.agent_step.labels(client.address, "decode").time():
+            tokens = await client.decode([s.slot for s in seqs])
+        self.metrics.agent_compute.labels(client.address, "decode").observe(client.decode_compute_s)
+        return tokens
+
+    async def _call(self, group: int, call) -> None:
+        try:
+            await call
+        except AgentError as exc:
+            self._group_failed(group, exc)
+
+    def _group_failed(self, group: int, exc: BaseException) -> None:
+        if not self.scheduler.healthy[group]:
+            return
+        address = self.clients[group].address
+        log.error("agent %s failed: %s", address, exc)
+        self.metrics.agent_up.labels(address).set(0)
+        failed = self.scheduler.group_failed(group, f"agent {address} failed: {exc}")
+        if not self.scheduler.can_serve:
+            failed += self.scheduler.fail_waiting(f"no agent is available: {address} failed: {exc}")
+        for seq in failed:
+            self.on_update(seq)
+        if not self._stopping:
+            self._recoveries[group] = asyncio.create_task(self._recover(group), name=f"recover-group-{group}")
+
+    async def _recover(self, group: int) -> None:
+        """Probe a failed group until it answers (restarted by the launcher, or resumed), then
+        give its slots back to the scheduler. Fresh socket per probe: nothing queued for a dead
+        connection is ever delivered."""
+        client, last_reason = self.clients[group], None
+        while not self._stopping:
+            client.reconnect()
+            try:
+                capacity = await self._connect(group, client, RECOVERY_PROBE_S)
+            except AgentError as exc:
+                if str(exc) != last_reason:
+                    last_reason = str(exc)
+                    log.warning("agent %s not back yet: %s", client.address, exc)
+                await asyncio.sleep(RECOVERY_INTERVAL_S)
+                continue
+            self.capacities[group] = capacity
+            self.scheduler.group_recovered(group, capacity)
+            self.metrics.agent_up.labels(client.address).set(1)
+            log.info("agent %s is back: serving on it again", client.address)
+            self._recoveries.pop(group, None)
+            self._wake.set()
+            return

@@ -1,0 +1,79 @@
+"""Prometheus metrics of one serving process (its own registry, so several apps can live in one
+process): the engine's (batch, slots, agent calls) and the answer streams' (tokens, latencies,
+outcomes). Every name starts with `llm_serving_`."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
+OUTCOMES = ("ok", "aborted", "rejected", "error")
+
+
+class ServingMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        p = "llm_serving_"
+        self.running = Gauge(p + "running_sequences", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge(p + "waiting_requests", "Requests waiting for a slot", registry=r)
+        self.slots_used = Gauge(p + "slots_used", "KV-cache slots holding a sequence", registry=r)
+        self.slots_total = Gauge(p + "slots", "KV-cache slots on healthy agents", registry=r)
+        # Per group (group N: agents.groups[N], or the agent of port N in agents.ports).
+        self.group_running = Gauge(
+            p + "group_running_sequences", "Sequences in a group's batch", ["group"], registry=r
+        )
+        self.group_slots = Gauge(
+            p + "group_slots", "KV-cache slots of a group while it is healthy", ["group"], registry=r
+        )
+        self.open_streams = Gauge(
+            p + "open_streams",
+            "Answer streams their clients have not yet finished reading or closed",
+            registry=r,
+        )
+        self.tokens_in_flight = Gauge(
+            p + "tokens_in_flight",
+            "Prompt + max_new_tokens of every admitted request (bounded by server.max_tokens_in_flight)",
+            registry=r,
+        )
+        self.requests = Counter(p + "requests", "Finished requests by outcome", ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generated_tokens = Counter(p + "generated_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "Admission to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token = Histogram(
+            p + "inter_token_latency_seconds", "Between a stream's tokens", buckets=STEP_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            p + "request_duration_seconds", "Admission to the last token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.agent_step = Histogram(
+            p + "agent_step_seconds",
+            "One agent call, as the server sees it",
+            ["agent", "op"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.agent_compute = Histogram(
+            p + "agent_compute_seconds",
+            "One agent call's time inside the agent (its model work; agent_step minus this is the wire's)",
+            ["agent", "op"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            p + "kv_transfer_bytes",
+            "K/V bytes sent from prefill to decode agents (PD disaggregation)",
+            registry=r,
+        )
+        self.kv_transfer = Histogram(
+            p + "kv_transfer_seconds",
+            "One prompt's K/V from the prefill agent to the decode agent's acknowledgement",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.agent_up = Gauge(p + "agent_up", "1 while the agent answers", ["agent"], registry=r)

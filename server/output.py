@@ -1,0 +1,203 @@
+"""OutputProcessor: the server's side of the engine, one async stream of text per request.
+
+    outputs = OutputProcessor(config, tokenizer)    # builds its Engine (outputs.engine)
+    await outputs.engine.start()
+    async for out in outputs.generate_answer(request_id, prompt_ids, sampling, max_new_tokens):
+        out.text ...                            # pieces join to the full answer; last one: finished
+    await outputs.drain(timeout_s)              # SIGTERM: refuse new requests, let the rest finish
+
+The engine reports a sequence after each of its new tokens and at its end; here they become text:
+incremental UTF-8-safe detokenization, stop strings (with the text that could start one held
+back), and the per-request metrics (time to first token, inter-token latency, outcome).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from agent.contract.sampling import SamplingParams
+from agent.model.detokenizer import IncrementalDetokenizer
+from agent.model.tokenizer import TextTokenizer
+from config.schema import ServingConfig
+from scheduler.engine import Engine
+from scheduler.metrics import ServingMetrics
+from scheduler.sequence import FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationOutput:
+    text: str  # new text since the previous output (may be empty)
+    token_id: int | None
+    index: int  # number of tokens generated so far
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Stream:
+    seq: Sequence
+    queue: asyncio.Queue
+    detokenizer: IncrementalDetokenizer
+    stop: tuple[str, ...]
+    hold: int = 0  # characters held back: the longest stop string but one
+    consumed: int = 0  # tokens of seq.output already detokenized
+    sent: int = 0  # characters of detokenizer.text already handed out
+    admitted: float = field(default_factory=time.monotonic)
+    last_token: float | None = None  # when the previous token went out
+    counted: bool = False  # its outcome is in the metrics
+
+
+class AnswerStream:
+    """One request's outputs, as an async iterator. aclose() aborts an unfinished request and frees
+    its slot, also when the stream was never iterated (a client gone before the first byte)."""
+
+    def __init__(self, outputs: OutputProcessor, stream: _Stream):
+        self._outputs, self._stream, self._done = outputs, stream, False
+
+    def __aiter__(self) -> AnswerStream:
+        return self
+
+    async def __anext__(self) -> GenerationOutput:
+        if self._done:
+            raise StopAsyncIteration
+        output = await self._stream.queue.get()
+        if output.finished:
+            self._done = True
+            self._outputs._close(self._stream)
+        return output
+
+    async def aclose(self) -> None:
+        self._done = True
+        self._outputs._close(self._stream)
+
+    def __del__(self) -> None:
+        # Safety net: a response dropped before it ever iterated (nor closed) this stream.
+        if not self._done:
+            self._outputs._close(self._stream)
+
+
+class OutputProcessor:
+    def __init__(
+        self, config: ServingConfig, tokenizer: TextTokenizer, metrics: ServingMetrics | None = None
+    ):
+        self.tokenizer = tokenizer
+        self.metrics = metrics or ServingMetrics()
+        self.engine = Engine(config, tokenizer.vocab_size, tokenizer.eos_ids, self._update, self.metrics)
+        self.streams: dict[str, _Stream] = {}
+        self.metrics.open_streams.set_function(lambda: len(self.streams))
+
+    def generate_answer(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        stop: tuple[str, ...] = (),
+        ignore_eos: bool = False,
+    ) -> AnswerStream:
+        """Registers the request at once (AdmissionError if it is refused) and returns its stream.
+        Closing the stream early (client gone) aborts the request and frees its slot."""
+        seq = self.engine.add_request(request_id, prompt, sampling, max_new_tokens, ignore_eos)
+        stop = tuple(s for s in stop if s)
+        stream = _Stream(
+            seq,
+            asyncio.Queue(),
+            IncrementalDetokenizer(self.tokenizer),
+            stop,
+            hold=max((len(s) for s in stop), default=1) - 1,
+        )
+        self.streams[request_id] = stream
+        return AnswerStream(self, stream)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (503) and wait up to `timeout_s` for every open stream to end;
+        stopping the engine then ends whatever is left with a final output saying so."""
+        self.engine.refuse_new_requests()
+        deadline = time.monotonic() + timeout_s
+        if self.streams:
+            log.info("draining %d request(s), up to %gs", len(self.streams), timeout_s)
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.streams:
+            log.warning("drain timeout: ending %d unfinished request(s)", len(self.streams))
+        await self.engine.stop()
+
+    def _close(self, stream: _Stream) -> None:
+        """The reader is done with the stream: an unfinished request is aborted, its slot freed."""
+        if not stream.seq.finished:
+            self.engine.abort(stream.seq.request_id)
+            self._count(stream)
+        self.streams.pop(stream.seq.request_id, None)
+
+    def _update(self, seq: Sequence) -> None:
+        """Hand the sequence's newest token (as text) and/or its end to its stream."""
+        stream = self.streams.get(seq.request_id)
+        if stream is None:
+            return
+        new_tokens = seq.output[stream.consumed :]
+        stream.consumed = len(seq.output)
+        for token in new_tokens:
+            if token not in self.engine.stop_ids:  # EOS ends the answer; it is not part of the text
+                stream.detokenizer.add(token)
+        if seq.finished:
+            stream.detokenizer.flush()
+        piece = self._next_piece(stream)
+        if new_tokens:
+            self._time_tokens(stream, len(new_tokens))
+        if seq.finished:
+            self._count(stream)
+        stream.queue.put_nowait(
+            GenerationOutput(
+                text=piece,
+                token_id=new_tokens[-1] if new_tokens else None,
+                index=len(seq.output),
+                finished=seq.finished,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                error=seq.error,
+            )
+        )
+
+    def _next_piece(self, stream: _Stream) -> str:
+        """The text not yet handed out, up to a stop string (which finishes the sequence)."""
+        seq, text = stream.seq, stream.detokenizer.text
+        hits = [i for i in (text.find(s, max(0, stream.sent - len(s))) for s in stream.stop) if i >= 0]
+        if hits:
+            text = text[: min(hits)]
+            self.engine.finish(seq, FinishReason.STOP)
+        elif stream.hold and not seq.finished:
+            # Hold back what could be the start of a stop string: once sent it cannot be taken back.
+            text = text[: max(stream.sent, len(text) - stream.hold)]
+        piece, stream.sent = text[stream.sent :], len(text)
+        return piece
+
+    def _time_tokens(self, stream: _Stream, count: int) -> None:
+        now = time.monotonic()
+        self.metrics.generated_tokens.inc(count)
+        if stream.last_token is None:
+            self.metrics.ttft.observe(now - stream.admitted)
+        else:
+            self.metrics.inter_token.observe(now - stream.last_token)
+        stream.last_token = now
+
+    def _count(self, stream: _Stream) -> None:
+        """A request's outcome and duration, once."""
+        if stream.counted:
+            return
+        stream.counted = True
+        reason = stream.seq.finish_reason
+        outcome = (
+            "ok"
+            if reason in (FinishReason.STOP, FinishReason.LENGTH)
+            else "error"
+            if reason is FinishReason.ERROR or stream.seq.error
+            else "aborted"
+        )
+        self.metrics.requests.labels(outcome).inc()
+        if outcome == "ok":
+            self.metrics.e2e.observe(time.monotonic() - stream.admitted)
