@@ -70,7 +70,7 @@ class KnownAnswer:
 def probe_length(runtime: RuntimeSection) -> int:
     """The probe prompt fits the smallest prefill bucket, and with its decode token the smallest
     attended length of the gather path."""
-    limits = [PROBE_LENGTH, runtime.prefill_buckets[0], runtime.max_seq_len - 1]
+    limits = [PROBE_LENGTH, runtime.prefill_buckets[0], runtime.planned_max_seq_len - 1]
     if not runtime.attention_kernel:
         limits.append(runtime.attend_buckets[0] - 1)
     return max(1, min(limits))

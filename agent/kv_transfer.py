@@ -34,7 +34,7 @@ class KVSender:
     def __init__(self, curve: CurveSection | None, timeout_s: float):
         self.curve = curve
         self.timeout_s = timeout_s
-        self.context = zmq.Context.instance()
+        self.context: zmq.Context = zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket] = {}
         self._ids = itertools.count(1)
 

@@ -22,6 +22,7 @@ embedding, norms and lm_head are whole on every rank, so every rank computes the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mindspore as ms
 import numpy as np
@@ -170,17 +171,17 @@ class LlamaLayer(nn.Cell):
         self.ffn = ffn_end - ffn_start
         self.kv_heads_tensor = Tensor(np.array([self.kv_heads], np.int32))  # for the RoPE kernel
         self.parallel = split.size > 1
-        self.all_reduce = ops.AllReduce() if self.parallel else None
+        # MindSpore ops (untyped), None where unused: the graph code (compiled by MindSpore, where
+        # narrowing would add ops) calls them only under the condition that set them.
+        self.all_reduce: Any = ops.AllReduce() if self.parallel else None
         # The fused layer adds wo's and w_down's outputs to the residual itself, so it needs
         # the whole layer (no tensor parallelism) and a hidden size of whole kernel tiles.
         fused = kernels.layer is not None and not self.parallel and spec.hidden_size % MATMUL_TILE == 0
-        self.kernel_layer = kernels.layer if fused else None
+        self.kernel_layer: Any = kernels.layer if fused else None
         # GGUF Q4_1 copies for the fused kernel's one- and two-row products (agent/quantized.py)
-        blocks = {
-            name: (q4 or {}).get(f"layers.{index}.{name}")
-            for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-        }
-        self.quantized = fused and all(b is not None for b in blocks.values())
+        names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+        blocks = {name: b for name in names if (b := (q4 or {}).get(f"layers.{index}.{name}")) is not None}
+        self.quantized = fused and len(blocks) == len(names)
         if self.quantized:
             self.kernel_layer = kernels.layer_q4
             packed = {
@@ -547,8 +548,8 @@ class LlamaGraphs:
         self.spec = checkpoint.spec
         self.model = LlamaModel(
             checkpoint,
-            runtime.num_slots,
-            runtime.max_seq_len,
+            runtime.planned_num_slots,
+            runtime.planned_max_seq_len,
             CpuKernels(runtime.attention_kernel, runtime.matmul_kernel, self.spec.head_dim),
             getattr(ms, runtime.dtype),
             split,
@@ -569,7 +570,8 @@ class LlamaGraphs:
         dynamic_rows = Tensor(
             shape=[None, self.spec.vocab_size], dtype=ms.float32
         )  # one graph for every batch
-        for graph in (self.argmax_graph, *self.topk_graphs.values()):
+        post_process: list[nn.Cell] = [self.argmax_graph, *self.topk_graphs.values()]
+        for graph in post_process:
             graph.set_inputs(dynamic_rows)
 
     def prefill(self, slot: int, tokens: np.ndarray, length: int) -> Tensor:

@@ -59,6 +59,14 @@ def working_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2
 
 
+def _budgeted(free: int | None) -> int:
+    """The bytes the budget leaves for the KV cache; "auto" sizes need a budget (the runtime's
+    validation makes sure of it)."""
+    if free is None:
+        raise MemoryPlanError('num_slots/max_seq_len "auto" need memory_budget_mb')
+    return free
+
+
 def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSection, MemoryPlan]:
     """The runtime with num_slots and max_seq_len resolved, and the plan. Raises MemoryPlanError
     when the budget is too small, naming the sizes."""
@@ -72,21 +80,22 @@ def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSectio
             f"({weights / MB:.0f} MB) and working memory ({working / MB:.0f} MB)"
         )
 
-    max_len = runtime.max_seq_len
-    if max_len == "auto":
-        max_len = spec.max_context
+    if runtime.max_seq_len == "auto":
+        free = _budgeted(free)
         slots_wanted = 2 if runtime.num_slots == "auto" else runtime.num_slots + 1
         fitting = free // (slots_wanted * per_position) // LENGTH_STEP * LENGTH_STEP
-        max_len = min(max_len, fitting)
+        max_len = min(spec.max_context, fitting)
         if max_len < runtime.prefill_buckets[-1]:
             raise MemoryPlanError(
                 f"memory_budget_mb {runtime.memory_budget_mb} leaves {free / MB:.0f} MB for the KV "
                 f"cache: not {slots_wanted} slots of the longest prompt ({runtime.prefill_buckets[-1]} "
                 f"positions); raise the budget or lower num_slots or prefill_buckets"
             )
+    else:
+        max_len = runtime.max_seq_len
     per_slot = per_position * max_len
-    slots = runtime.num_slots
-    if slots == "auto":
+    if runtime.num_slots == "auto":
+        free = _budgeted(free)
         slots = min(free // per_slot - 1, runtime.decode_batch_buckets[-1])
         if slots < 1:
             raise MemoryPlanError(
@@ -94,14 +103,16 @@ def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSectio
                 f"cache: not two slots (one plus the scratch slot) of {max_len} positions at "
                 f"{per_slot / MB:.1f} MB each; raise the budget or lower max_seq_len"
             )
-    elif free is not None and (slots + 1) * per_slot > free:
-        raise MemoryPlanError(
-            f"num_slots {slots} x max_seq_len {max_len} needs {(slots + 1) * per_slot / MB:.0f} MB of KV "
-            f"cache (with the scratch slot), but memory_budget_mb {runtime.memory_budget_mb} leaves "
-            f"{free / MB:.0f} MB after the weights ({weights / MB:.0f} MB) and working memory "
-            f"({working / MB:.0f} MB); set num_slots: auto or raise the budget"
-        )
-    update = {"num_slots": int(slots), "max_seq_len": int(max_len)}
+    else:
+        slots = runtime.num_slots
+        if free is not None and (slots + 1) * per_slot > free:
+            raise MemoryPlanError(
+                f"num_slots {slots} x max_seq_len {max_len} needs {(slots + 1) * per_slot / MB:.0f} MB "
+                f"of KV cache (with the scratch slot), but memory_budget_mb {runtime.memory_budget_mb} "
+                f"leaves {free / MB:.0f} MB after the weights ({weights / MB:.0f} MB) and working memory "
+                f"({working / MB:.0f} MB); set num_slots: auto or raise the budget"
+            )
+    update: dict[str, int | list[int]] = {"num_slots": int(slots), "max_seq_len": int(max_len)}
     if runtime.max_seq_len == "auto":  # the attend buckets end at the planned length
         update["attend_buckets"] = sorted({b for b in runtime.attend_buckets if b < max_len} | {max_len})
     try:

@@ -163,9 +163,16 @@ def _any_rows(logits: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------- load
 
 
+def argmax_file(files: ModelSection) -> Path:
+    """The configured argmax graph: the model section names one where it selects MindIR files."""
+    if files.argmax_model is None:
+        raise MindIRError("model.argmax_model is not set: no MindIR export is configured")
+    return files.argmax_model
+
+
 def read_manifest(files: ModelSection) -> dict:
     """manifest.json beside the configured files (tools.export writes it there)."""
-    path = files.argmax_model.parent / MANIFEST
+    path = argmax_file(files).parent / MANIFEST
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -179,7 +186,7 @@ def read_spec(files: ModelSection) -> ModelSpec:
 
 
 def read_known_answer(files: ModelSection) -> KnownAnswer:
-    directory = files.argmax_model.parent
+    directory = argmax_file(files).parent
     try:
         return KnownAnswer.load(directory)
     except (OSError, ValueError, KeyError) as exc:
@@ -219,7 +226,7 @@ class MindIRGraphs:
         listed = {
             "prefill_model": files.prefill_model,
             "decode_model": files.decode_model,
-            "argmax_model": [files.argmax_model],
+            "argmax_model": [argmax_file(files)],
             "topk_model": files.topk_model,
         }
         for kind, paths in listed.items():
@@ -230,7 +237,8 @@ class MindIRGraphs:
         self.inputs = GraphInputs(
             runtime, self.spec.num_kv_heads, self.spec.group_size, fused_layers=manifest["fused_layers"]
         )
-        rows = (self.spec.num_kv_heads * (runtime.num_slots + 1) * runtime.max_seq_len, self.spec.head_dim)
+        slot_rows = (runtime.planned_num_slots + 1) * runtime.planned_max_seq_len
+        rows = (self.spec.num_kv_heads * slot_rows, self.spec.head_dim)
         self.caches = [
             Parameter(
                 Tensor(np.zeros(rows, np.float32), dtype=getattr(ms, runtime.dtype)),
@@ -247,7 +255,7 @@ class MindIRGraphs:
             (by_file[p.name][1]["rows"], by_file[p.name][1]["attend"]): self._load(p, shared, progress)
             for p in files.decode_model
         }
-        self.argmax_cell = self._load(files.argmax_model, shared, progress)
+        self.argmax_cell = self._load(argmax_file(files), shared, progress)
         self.topk_cells = {by_file[p.name][1]["k"]: self._load(p, shared, progress) for p in files.topk_model}
         self.topk_buckets = sorted(self.topk_cells)
         _check_coverage(self, runtime, manifest_path)

@@ -8,6 +8,7 @@ itself when its parent dies (PR_SET_PDEATHSIG, and a parent-pid check for non-Li
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -68,7 +69,7 @@ def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) 
     except Exception as exc:
         log.error("start-up failed: %s\n%s", exc, traceback.format_exc())
         startup_queue.put(("failed", rank, f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
     startup_queue.put(("ready", rank, port, os.getpid(), warm_up_s))
     log.info("ready on %s", config.agents.address(rank))
     try:
@@ -108,7 +109,7 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         config.model.path,
     )
     runner, warm_up_s = build_runner(config, place, log.info)
-    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     curve = config.agents.curve
     authenticator = secure_agent_socket(socket, curve) if curve is not None else None
@@ -137,7 +138,7 @@ def _serve(socket, service: AgentService, stopping: dict, parent_pid: int, log: 
         try:
             ready = poller.poll(POLL_MS)
         except zmq.ZMQError as exc:
-            if exc.errno == zmq.EINTR or stopping["signal"] is not None:
+            if exc.errno == errno.EINTR or stopping["signal"] is not None:
                 continue
             raise
         if not ready:

@@ -41,6 +41,8 @@ from config.schema import ModelSection, RuntimeSection
 
 log = logging.getLogger(__name__)
 
+WHOLE_MODEL = TensorSplit()  # no tensor parallelism: this process runs the whole model
+
 
 class RunnerError(ValueError):
     """A request the runner cannot serve (bad slot, prompt too long...); the message says why."""
@@ -75,14 +77,14 @@ class ModelRunner:
         self.graphs = graphs
         self.spec = graphs.spec
         self.runtime = runtime
-        self.num_slots, self.max_len = runtime.num_slots, runtime.max_seq_len
+        self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
         self.topk_buckets = graphs.topk_buckets
         self.slots: dict[int, SlotState] = {}
         self._kv, self._hd = graphs.inputs.kv_heads, self.spec.head_dim
 
     @classmethod
     def from_checkpoint(
-        cls, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = TensorSplit()
+        cls, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = WHOLE_MODEL
     ) -> ModelRunner:
         """Graphs built from the weights; split: this process's share of a tensor-parallel group
         (every rank runs the same calls)."""
@@ -263,7 +265,10 @@ class ModelRunner:
             )
         if not 0 <= next_token < self.spec.vocab_size:
             raise RunnerError(f"next_token {next_token} is outside the vocabulary")
-        sampler = SlotSampler.from_state(state.get("sampler"), self.spec.vocab_size)
+        sampler_state = state.get("sampler")
+        if not isinstance(sampler_state, dict):
+            raise RunnerError("the KV state needs a sampler map")
+        sampler = SlotSampler.from_state(sampler_state, self.spec.vocab_size)
         padded = np.zeros((*shape[:2], padded_length, self._hd), blocks.dtype)
         padded[:, :, :length] = blocks
         self._kv_graphs().kv_import(slot, padded)

@@ -124,14 +124,13 @@ class AgentService:
         sampling = SamplingParams.model_validate(header.get("sampling") or {})
         slot = _int_field(header, "slot")
         transfer = header.get("transfer")
-        if transfer is not None and (self.sender is None or not isinstance(transfer, dict)):
-            raise ValueError(
-                "this agent sends no KV (its role is not prefill)"
-                if self.sender is None
-                else "transfer must be a map"
-            )
+        if transfer is not None:
+            if self.sender is None:
+                raise ValueError("this agent sends no KV (its role is not prefill)")
+            if not isinstance(transfer, dict):
+                raise ValueError("transfer must be a map")
         token = self.runner.prefill(slot, tokens.tolist(), sampling)
-        if transfer is None:
+        if transfer is None or self.sender is None:  # with a transfer there is a sender (checked above)
             return {"token": token}, []
         try:  # the slot is free again whatever happens to the transfer
             blocks, state = self.runner.export_kv(slot)

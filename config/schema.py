@@ -76,6 +76,12 @@ def _bucket_list(values: list[int], name: str) -> list[int]:
     return sorted(set(values))
 
 
+_UNPLANNED = (
+    'runtime.{field} is still "auto": plan the runtime first '
+    "(agent.memory_plan.resolve_runtime resolves it from memory_budget_mb)"
+)
+
+
 class RuntimeSection(Section):
     """How each agent builds and runs its graphs (shapes, KV slots, MindSpore context)."""
 
@@ -152,6 +158,20 @@ class RuntimeSection(Section):
         """num_slots and max_seq_len are numbers (agent.memory_plan resolves "auto")."""
         return self.num_slots != "auto" and self.max_seq_len != "auto"
 
+    @property
+    def planned_num_slots(self) -> int:
+        """num_slots once planned: what everything that builds or runs graphs reads."""
+        if self.num_slots == "auto":
+            raise ValueError(_UNPLANNED.format(field="num_slots"))
+        return self.num_slots
+
+    @property
+    def planned_max_seq_len(self) -> int:
+        """max_seq_len once planned: what everything that builds or runs graphs reads."""
+        if self.max_seq_len == "auto":
+            raise ValueError(_UNPLANNED.format(field="max_seq_len"))
+        return self.max_seq_len
+
     @model_validator(mode="after")
     def _buckets_cover_limits(self) -> RuntimeSection:
         if self.decode_attention == "kernel" and self.device_target != "CPU":
@@ -173,16 +193,17 @@ class RuntimeSection(Section):
             if self.memory_budget_mb is None:
                 raise ValueError("num_slots/max_seq_len auto need memory_budget_mb")
             return self  # checked again once planned
-        if self.attend_buckets[-1] != self.max_seq_len:
+        max_seq_len, num_slots = self.planned_max_seq_len, self.planned_num_slots
+        if self.attend_buckets[-1] != max_seq_len:
             raise ValueError(
                 f"the largest of attend_buckets must equal max_seq_len "
                 f"({self.max_seq_len}), got {self.attend_buckets}"
             )
-        if self.prefill_buckets[-1] > self.max_seq_len:
+        if self.prefill_buckets[-1] > max_seq_len:
             raise ValueError(
                 f"prefill_buckets may not exceed max_seq_len ({self.max_seq_len}), got {self.prefill_buckets}"
             )
-        if self.decode_batch_buckets[-1] < self.num_slots:
+        if self.decode_batch_buckets[-1] < num_slots:
             raise ValueError(
                 f"the largest of decode_batch_buckets must be at least num_slots "
                 f"({self.num_slots}), got {self.decode_batch_buckets}"

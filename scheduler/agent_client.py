@@ -15,7 +15,7 @@ import itertools
 import random
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
@@ -54,6 +54,40 @@ class AgentRequestError(AgentError):
     def __init__(self, message: str, kind: str):
         super().__init__(message)
         self.kind = kind
+
+
+class ModelClient(Protocol):
+    """What the engine calls on a group's client, whichever it is: an AgentClient (one agent) or a
+    GroupClient (a tensor-parallel group). Only an AgentClient has `prefill_and_send`: a prefill
+    group is one agent (the config makes tensor-parallel groups mixed)."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def session(self) -> int: ...
+
+    @property
+    def lost(self) -> str | None: ...
+
+    @property
+    def decode_compute_s(self) -> float: ...
+
+    def reconnect(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    async def info(self, timeout_s: float | None = None) -> dict: ...
+
+    async def reset(self, timeout_s: float | None = None) -> None: ...
+
+    async def prefill(self, slot: int, prompt: Sequence[int], sampling: SamplingParams) -> int: ...
+
+    async def decode(self, slots: Sequence[int]) -> list[int]: ...
+
+    async def release(self, slot: int, ticket: int | None = None) -> None: ...
+
+    async def ping(self, timeout_s: float | None = None) -> None: ...
 
 
 class AgentClient:
@@ -181,7 +215,7 @@ class AgentClient:
 
     async def release(self, slot: int, ticket: int | None = None) -> None:
         """ticket: a KV transfer into this slot that is given up; the agent refuses it from now on."""
-        fields = {} if ticket is None else {"ticket": ticket}
+        fields: dict[str, Any] = {} if ticket is None else {"ticket": ticket}
         await self.call("release", slot=slot, session=self.session, **fields)
 
     async def ping(self, timeout_s: float | None = None) -> None:

@@ -167,10 +167,10 @@ class BatchScheduler:
                 self.waiting.remove(seq)
                 self._finish(seq, FinishReason.ABORT)
                 return seq
-        seq = self.running.get(request_id)
-        if seq is not None:
-            self._finish(seq, FinishReason.ABORT)
-        return seq
+        running = self.running.get(request_id)
+        if running is not None:
+            self._finish(running, FinishReason.ABORT)
+        return running
 
     @property
     def num_running(self) -> int:
@@ -206,7 +206,8 @@ class BatchScheduler:
             # Just-admitted sequences decode from the next step, once their prefill has run (or
             # their KV has arrived).
             if id(seq) not in newly and not seq.transferring:
-                plan.decodes.setdefault(seq.group, []).append(seq)
+                group, _ = seq.placement
+                plan.decodes.setdefault(group, []).append(seq)
         return plan
 
     def _place(self, seq: Sequence) -> tuple[int, int | None] | None:
@@ -259,7 +260,10 @@ class BatchScheduler:
         """The prefill group frees its slot itself once the transfer is over, either way."""
         group, slot = seq.prefill_group, seq.prefill_slot
         seq.prefill_slot = None
-        if slot is not None and self.healthy[group] and slot not in self.free_slots[group]:
+        if slot is None:
+            return
+        assert group is not None, "a prefill slot comes with its prefill group"
+        if self.healthy[group] and slot not in self.free_slots[group]:
             self.free_slots[group].append(slot)
             self.free_slots[group].sort()
 
@@ -318,7 +322,7 @@ class BatchScheduler:
             self._finish(seq, FinishReason.STOP)
         elif len(seq.output) >= seq.max_new_tokens:
             self._finish(seq, FinishReason.LENGTH)
-        elif seq.positions_used >= self.groups[seq.group].max_seq_len:
+        elif seq.positions_used >= self.groups[seq.placement[0]].max_seq_len:
             self._finish(seq, FinishReason.LENGTH)  # no position left to write the pending token
 
     def _finish(self, seq: Sequence, reason: FinishReason, release: bool = True) -> None:
@@ -327,6 +331,5 @@ class BatchScheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self.tokens_in_flight -= seq.token_budget
         if self.running.pop(seq.request_id, None) is not None and release:
-            self.pending_releases.append(
-                Release(seq.group, seq.slot, seq.ticket if seq.transferring else None)
-            )
+            group, slot = seq.placement  # it ran, so it was placed
+            self.pending_releases.append(Release(group, slot, seq.ticket if seq.transferring else None))

@@ -31,6 +31,7 @@ from scheduler.agent_client import (
     AgentRequestError,
     AgentUnavailable,
     GroupClient,
+    ModelClient,
 )
 from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal, StepPlan
 from scheduler.metrics import ServingMetrics
@@ -84,7 +85,7 @@ class Engine:
             m.group_running.labels(str(group)).set_function(partial(self.get_bs_current, group))
             m.group_slots.labels(str(group)).set_function(partial(self.group_slots, group))
 
-    def _group_client(self, group: int) -> AgentClient | GroupClient:
+    def _group_client(self, group: int) -> ModelClient:
         agents = self.config.agents
         clients = [
             AgentClient(agents.address(rank), self.config.server.agent_timeout_s, agents.curve)
@@ -115,7 +116,7 @@ class Engine:
         )
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
 
-    async def _wait_for_group(self, group: int, client: AgentClient | GroupClient) -> GroupCapacity:
+    async def _wait_for_group(self, group: int, client: ModelClient) -> GroupCapacity:
         deadline = time.monotonic() + self.config.server.agent_wait_s
         while True:
             try:
@@ -131,7 +132,7 @@ class Engine:
                     client.reconnect()
 
     async def _connect(
-        self, group: int, client: AgentClient | GroupClient, timeout_s: float | None = None
+        self, group: int, client: ModelClient, timeout_s: float | None = None
     ) -> GroupCapacity:
         """Check the group serves our model, then open this server's session on it (every slot
         released: this server owns them all)."""
@@ -295,15 +296,16 @@ class Engine:
                 self.on_update(seq)
 
     async def _prefill(self, seq: Sequence) -> None:
-        client = self.clients[seq.group]
+        group, slot = seq.placement
+        client = self.clients[group]
         try:
             with self.metrics.agent_step.labels(client.address, "prefill").time():
-                token = await client.prefill(seq.slot, seq.prompt, seq.sampling)
+                token = await client.prefill(slot, seq.prompt, seq.sampling)
         except AgentRequestError as exc:  # this request was bad; the group is fine
             self._fail([seq], str(exc))
             return
         except AgentError as exc:
-            self._group_failed(seq.group, exc)
+            self._group_failed(group, exc)
             return
         self.scheduler.prefilled(seq, token)
         self.on_update(seq)
@@ -311,24 +313,27 @@ class Engine:
     async def _prefill_elsewhere(self, seq: Sequence) -> None:
         """PD disaggregation: the prefill group computes the prompt and sends its KV straight to
         the decode group's slot; the sequence decodes there from the next step on."""
-        prefill, decode = self.clients[seq.prefill_group], self.clients[seq.group]
+        (prefill_group, prefill_slot), (group, slot) = seq.prefill_placement, seq.placement
+        prefill, decode = self.clients[prefill_group], self.clients[group]
+        # A prefill group is one agent: the config makes tensor-parallel groups mixed.
+        assert isinstance(prefill, AgentClient), f"prefill group {prefill.address} is not one agent"
         transfer = {
             "address": decode.address,
-            "slot": seq.slot,
+            "slot": slot,
             "session": decode.session,
             "ticket": seq.ticket,
         }
         try:
             with self.metrics.agent_step.labels(prefill.address, "prefill").time():
                 token, kv_bytes, transfer_ms = await prefill.prefill_and_send(
-                    seq.prefill_slot, seq.prompt, seq.sampling, transfer
+                    prefill_slot, seq.prompt, seq.sampling, transfer
                 )
         except AgentRequestError as exc:  # this request failed (its KV did not arrive); the group is fine
             log.warning("request %s failed on %s: %s", seq.request_id, prefill.address, exc)
             self.scheduler.transfer_failed(seq, str(exc))
             self.on_update(seq)
         except AgentError as exc:
-            self._group_failed(seq.prefill_group, exc)  # fails seq too
+            self._group_failed(prefill_group, exc)  # fails seq too
             self.scheduler.transfer_failed(seq, str(exc))
         else:
             self.metrics.kv_transfer_bytes.inc(kv_bytes)
@@ -339,7 +344,7 @@ class Engine:
                 len(seq.prompt),
                 kv_bytes,
                 decode.address,
-                seq.slot,
+                slot,
                 transfer_ms,
             )
             self.scheduler.transferred(seq, token)
@@ -356,7 +361,7 @@ class Engine:
     async def _decode(self, group: int, seqs: list[Sequence]) -> list[int]:
         client = self.clients[group]
         with self.metrics.agent_step.labels(client.address, "decode").time():
-            tokens = await client.decode([s.slot for s in seqs])
+            tokens = await client.decode([s.placement[1] for s in seqs])
         self.metrics.agent_compute.labels(client.address, "decode").observe(client.decode_compute_s)
         return tokens
 

@@ -46,6 +46,22 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def placement(self) -> tuple[int, int]:
+        """(group, slot) of a sequence the scheduler placed: every running sequence, and every
+        finished one that ran."""
+        assert self.group is not None and self.slot is not None, f"{self.request_id} was never placed"
+        return self.group, self.slot
+
+    @property
+    def prefill_placement(self) -> tuple[int, int]:
+        """(prefill group, prefill slot) of a placed sequence whose prompt is prefilled elsewhere
+        (PD disaggregation), until its KV transfer is over."""
+        assert self.prefill_group is not None and self.prefill_slot is not None, (
+            f"{self.request_id} has no prefill slot"
+        )
+        return self.prefill_group, self.prefill_slot
+
+    @property
     def positions_used(self) -> int:
         """KV positions written: the prompt and every output token but the last (still pending)."""
         return len(self.prompt) + max(0, len(self.output) - 1)

@@ -27,7 +27,7 @@ from agent.contract.native_request import ClientRequest
 from agent.model.tokenizer import TextTokenizer, TokenizerError
 from config.schema import ServingConfig
 from server.access import AccessMiddleware
-from server.assembly import admit, check_served, sampling_params, served_models
+from server.assembly import admit, check_answer_fits, check_served, sampling_params, served_models
 from server.errors import ApiError, error_response
 from server.openai_api import openai_router
 from server.ops_api import ops_router
@@ -103,6 +103,10 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputP
             raise ApiError(400, str(exc)) from exc
         if p.truncate is not None:
             prompt = prompt[-p.truncate :]
+        if "max_new_tokens" in p.model_fields_set:  # the upstream default (300) still just ends early
+            check_answer_fits(
+                len(prompt), p.max_new_tokens, outputs.engine.max_seq_len, False, "max_new_tokens"
+            )
         sampling = sampling_params(p, p.do_sample, p.seed)
         [stream] = await admit(
             outputs, prompt, [sampling], p.max_new_tokens, p.stop, p.ignore_eos, openai=False

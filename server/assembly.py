@@ -36,6 +36,18 @@ def sampling_params(request: BaseModel, do_sample: bool, seed: int | None) -> Sa
     return SamplingParams(do_sample=do_sample, seed=seed, **request.model_dump(include=SAMPLING_FIELDS))
 
 
+def check_answer_fits(prompt_len: int, max_new_tokens: int, context: int, openai: bool, param: str) -> None:
+    """An explicit answer length that can never fit is refused, naming the limit (TGI answers 422,
+    vLLM 400), instead of a silently shortened answer."""
+    if prompt_len + max_new_tokens > context:
+        raise ApiError(
+            400 if openai else 422,
+            f"the prompt ({prompt_len} tokens) + {param} ({max_new_tokens}) exceeds the "
+            f"context of {context} tokens: ask for at most {max(0, context - prompt_len)}",
+            param=param,
+        )
+
+
 async def admit(
     outputs: OutputProcessor,
     prompt: list[int],

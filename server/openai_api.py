@@ -19,7 +19,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from agent.model.tokenizer import TextTokenizer, TokenizerError
 from config.schema import ServingConfig
-from server.assembly import admit, check_served, sampling_params, served_models
+from server.assembly import admit, check_answer_fits, check_served, sampling_params, served_models
 from server.errors import ApiError
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
 from server.output import AnswerStream, GenerationOutput, OutputProcessor
@@ -160,11 +160,21 @@ def openai_router(config: ServingConfig, tokenizer: TextTokenizer, outputs: Outp
 
     completion_request, chat_request = json_body(CompletionRequest), json_body(ChatCompletionRequest)
 
+    def answer_length(prompt_len: int, asked: int | None, param: str) -> int:
+        """No max_tokens: up to the context (as OpenAI); one that can never fit: 400 naming it."""
+        context = outputs.engine.max_seq_len
+        if asked is None:
+            return context
+        check_answer_fits(prompt_len, asked, context, True, param)
+        return asked
+
     @router.post("/completions")
     async def completions(req: CompletionRequest = Depends(completion_request)):
         check(req)
         prompt = tokenizer.encode(req.text)
-        return await respond(req, prompt, req.max_tokens or outputs.engine.max_seq_len, chat=False)
+        return await respond(
+            req, prompt, answer_length(len(prompt), req.max_tokens, "max_tokens"), chat=False
+        )
 
     @router.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest = Depends(chat_request)):
@@ -173,7 +183,11 @@ def openai_router(config: ServingConfig, tokenizer: TextTokenizer, outputs: Outp
             prompt = tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
         except TokenizerError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
-        max_tokens = req.max_completion_tokens or req.max_tokens or outputs.engine.max_seq_len
-        return await respond(req, prompt, max_tokens, chat=True)
+        asked, param = (
+            (req.max_completion_tokens, "max_completion_tokens")
+            if req.max_completion_tokens
+            else (req.max_tokens, "max_tokens")
+        )
+        return await respond(req, prompt, answer_length(len(prompt), asked, param), chat=True)
 
     return router

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from agent.contract.sampling import MAX_SEED, MAX_TOP_K
+from agent.contract.sampling import MAX_SEED, MAX_TOP_K, check_stop_strings
 
 MAX_N = 8  # completions per request; each is one more sequence in the batch
 
@@ -45,6 +45,19 @@ class _Common(BaseModel):
             return []
         return [value] if isinstance(value, str) else value
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, value: list[str]) -> list[str]:
+        return check_stop_strings(value)
+
+    @model_validator(mode="after")
+    def _seeds_of_every_choice_fit(self) -> Self:
+        # Choice i samples with seed + i: each must be a valid seed, or choice 0 would be admitted
+        # before choice 1 is refused.
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(f"seed + n - 1 must be at most {MAX_SEED} (choice i samples with seed + i)")
+        return self
+
     def unsupported(self) -> str | None:
         """The first parameter this server cannot honour, as a message; None if all are fine."""
         if self.presence_penalty < 0 or self.frequency_penalty < 0:
@@ -78,17 +91,32 @@ class CompletionRequest(_Common):
         return self.prompt[0] if isinstance(self.prompt, list) else self.prompt
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are served (others are refused by name)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_part_has_text(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text content part needs a string `text`")
+        return self
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         """The message as plain text; content parts other than text are refused upstream."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.get("text", "") for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -107,6 +135,6 @@ class ChatCompletionRequest(_Common):
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             return "response_format other than text is not supported"
         for message in self.messages:
-            if isinstance(message.content, list) and any(p.get("type") != "text" for p in message.content):
+            if isinstance(message.content, list) and any(p.type != "text" for p in message.content):
                 return "only text content parts are supported"
         return super().unsupported()

@@ -46,7 +46,8 @@ def test_default_config_serves_the_embedded_model_on_cpu():
         ),
         ("agents:\n  groups: [{ports: [9820, 9821]}]\n", "give it a cluster_port"),
         (
-            "agents:\n  groups: [{role: prefill, ports: [1, 2], cluster_port: 3}, {role: decode, ports: [4]}]\n",
+            "agents:\n  groups: [{role: prefill, ports: [1, 2], cluster_port: 3}, "
+            "{role: decode, ports: [4]}]\n",
             "tensor-parallel group must be mixed",
         ),
         ("agents:\n  ports: [9820]\n  groups: [{ports: [9821]}]\n", "differ from the groups' ports"),

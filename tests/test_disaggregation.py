@@ -101,7 +101,8 @@ def test_answers_equal_the_mixed_agent_under_8_streams(disaggregated, mixed_answ
     before_tokens = metric(base, "llm_serving_prompt_tokens_total")
     assert answers(base, TEXTS, concurrent=True) == mixed_answers
 
-    # Every prompt's K/V went over the wire, exactly its size: 2 x layers x KV heads x head_dim floats a token.
+    # Every prompt's K/V went over the wire, exactly its size: 2 x layers x KV heads x head_dim
+    # floats a token.
     spec = load_checkpoint(tiny_llama_dir).spec
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
     prompt_tokens = metric(base, "llm_serving_prompt_tokens_total") - before_tokens

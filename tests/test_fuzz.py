@@ -310,3 +310,68 @@ def test_chunked_body_behind_a_small_content_length_is_413(server):
         reply = sock.recv(65536)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     still_serving(client)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/models/tiny/generate", {"inputs": "hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}),
+        ("/models/tiny/generate", {"inputs": "hi", "parameters": {"stop": "x" * 257}}),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": "x" * (512 << 10)},
+        ),
+    ],
+)
+def test_stop_string_floods_are_refused_naming_the_limit(server, path, body):
+    """Each token of a stream is checked against every stop string over the held-back text: one
+    1 MiB stop string made that half a second a token. At most 4 strings of 256 characters."""
+    client, _ = server
+    response = client.post(path, json=body)
+    assert response.status_code in (400, 422), response.text[:300]
+    assert "stop" in response.text and (
+        "at most 4 stop strings" in response.text or "256 characters" in response.text
+    )
+    assert (
+        client.post(
+            path,
+            json={**body, "stop": ["a"]}
+            if "model" in body
+            else {**body, "parameters": {"stop": ["a"], "max_new_tokens": 2}},
+        ).status_code
+        == 200
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 2**63 - 1},
+    ],
+)
+def test_bad_content_parts_and_seeds_past_the_limit_are_4xx_and_admit_nothing(server, body):
+    """Both were 500s with a plain-text body; the second left choice 0 running with no reader."""
+    client, _ = server
+    response = client.post("/v1/chat/completions", json={**body, "max_tokens": 4})
+    assert response.status_code == 400, response.text[:300]
+    assert response.json()["error"]["message"]
+    assert client.get("/serving/get_bs").text.count('"data": 0') == 1  # nothing left running
+
+
+def test_an_answer_that_can_never_fit_is_refused_naming_the_limit(server):
+    """max_new_tokens 10**12 was a 200 with a silently shortened answer. The upstream default (300)
+    and OpenAI's absent max_tokens (up to the context) still answer."""
+    client, _ = server
+    native = client.post(
+        "/models/tiny/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 10**12}}
+    )
+    assert native.status_code == 422 and "exceeds the context of 64 tokens" in native.json()["error"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    refused = client.post("/v1/chat/completions", json={**chat, "max_tokens": 10**9})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    assert "ask for at most" in refused.json()["error"]["message"]
+    assert client.post("/models/tiny/generate", json={"inputs": "hi"}).status_code == 200
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200

@@ -26,12 +26,8 @@ from tiny_models import write_tiny_checkpoint
 PROMPTS = [[5, 17, 33, 90, 12], [7, 8, 9], list(range(20, 60))]
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory, tiny_llama_dir):
-    """`python -m tools.export` on the tiny model; yields (config path, the model section it printed)."""
-    directory = tmp_path_factory.mktemp("mindir")
-    config_path = write_config(directory, tiny_llama_dir, free_ports(1))
-    output = directory / "graphs"
+def run_export(config_path: Path, output: Path) -> tuple[str, dict]:
+    """`python -m tools.export`; returns its output and the model section it printed."""
     done = subprocess.run(
         [sys.executable, "-m", "tools.export", "--config", str(config_path), "--output", str(output)],
         cwd=PROJECT_ROOT,
@@ -40,8 +36,16 @@ def exported(tmp_path_factory, tiny_llama_dir):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr
-    assert "graph 9/9 top-k 400" in done.stdout  # one progress line per graph
-    section = yaml.safe_load(done.stdout[done.stdout.index("model:") :])["model"]
+    return done.stdout, yaml.safe_load(done.stdout[done.stdout.index("model:") :])["model"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tiny_llama_dir):
+    """`python -m tools.export` on the tiny model; yields (config path, the model section it printed)."""
+    directory = tmp_path_factory.mktemp("mindir")
+    config_path = write_config(directory, tiny_llama_dir, free_ports(1))
+    stdout, section = run_export(config_path, directory / "graphs")
+    assert "graph 9/9 top-k 400" in stdout  # one progress line per graph
     return config_path, section
 
 
@@ -118,18 +122,6 @@ def test_graphs_of_an_older_export_format_are_refused(exported, tmp_path):
         manifest_path.write_text(json.dumps(manifest))
 
 
-def export_files(config_path: Path, output: Path) -> ModelSection:
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.export", "--config", str(config_path), "--output", str(output)],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr
-    return ModelSection(**yaml.safe_load(done.stdout[done.stdout.index("model:") :])["model"])
-
-
 def test_files_of_another_export_fail_the_known_answer_check(exported, tmp_path, tiny_llama_dir):
     """The graph files of a model of the same shapes (other weights) under this export's manifest and
     tokenizer: the warm-up refuses them instead of serving the other model's answers. (Mixing single
@@ -137,7 +129,9 @@ def test_files_of_another_export_fail_the_known_answer_check(exported, tmp_path,
     _, section = exported
     files = ModelSection(**section)
     other_dir = write_tiny_checkpoint(tmp_path / "other", "llama", seed=7)
-    other = export_files(write_config(tmp_path, other_dir, free_ports(1)), tmp_path / "other-graphs")
+    other = ModelSection(
+        **run_export(write_config(tmp_path, other_dir, free_ports(1)), tmp_path / "other-graphs")[1]
+    )
     mixed = tmp_path / "mixed"
     shutil.copytree(files.argmax_model.parent, mixed)
     for path in other.argmax_model.parent.glob("*.mindir"):

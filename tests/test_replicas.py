@@ -47,8 +47,8 @@ def prefill_counts(base: str, ports: list[int]) -> list[float]:
     counts = []
     for port in ports:
         match = re.search(
-            r'llm_serving_agent_step_seconds_count\{agent="tcp://127\.0\.0\.1:%d",'
-            r'op="prefill"\} (\S+)' % port,
+            rf'llm_serving_agent_step_seconds_count\{{agent="tcp://127\.0\.0\.1:{port}",'
+            rf'op="prefill"\}} (\S+)',
             text,
         )
         counts.append(float(match.group(1)) if match else 0.0)

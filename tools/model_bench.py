@@ -40,13 +40,13 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def run_grid(runner: ModelRunner, args) -> dict:
-    results = {"prefill_ms": {}, "decode_ms": {}}
+    results: dict[str, dict] = {"prefill_ms": {}, "decode_ms": {}}
     vocab = runner.spec.vocab_size
     rng = np.random.default_rng(0)
     for n in args.prompts:
         tokens = rng.integers(0, vocab, n)
         results["prefill_ms"][n] = ms = median_ms(
-            lambda: runner.graphs.prefill(0, tokens, n).asnumpy(), args.repeats
+            lambda tokens=tokens, n=n: runner.graphs.prefill(0, tokens, n).asnumpy(), args.repeats
         )
         print(f"prefill {n:5d} tokens: {ms:8.1f} ms", flush=True)
     for context in args.contexts:
@@ -56,7 +56,9 @@ def run_grid(runner: ModelRunner, args) -> dict:
             tokens = rng.integers(0, vocab, batch)
             positions = np.full(batch, context)
             ms = median_ms(
-                lambda: runner.graphs.decode(slots, tokens, positions, batch, attend)[1].asnumpy(),
+                lambda slots=slots, tokens=tokens, positions=positions, batch=batch, attend=attend: (
+                    runner.graphs.decode(slots, tokens, positions, batch, attend)[1].asnumpy()
+                ),
                 args.repeats,
             )
             results["decode_ms"][f"B={batch},context={context}"] = ms

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from agent.contract.sampling import MAX_SEED, MAX_TOP_K
+from agent.contract.sampling import MAX_SEED, MAX_TOP_K, check_stop_strings
 
 
 class Parameters(BaseModel):
@@ -55,6 +55,11 @@ class Parameters(BaseModel):
     @classmethod
     def _stop(cls, value):
         return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, value: list[str]) -> list[str]:
+        return check_stop_strings(value)
 
 
 class ClientRequest(BaseModel):

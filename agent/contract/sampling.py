@@ -9,6 +9,20 @@ from pydantic import BaseModel, ConfigDict, Field
 # mean the whole vocabulary anyway.
 MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63 - 1
+# Stop strings: every new token of a stream is checked against each, over the held-back text (up to
+# the longest one): bounded so that no request can make that cost more than a few hundred
+# characters a token. OpenAI allows 4; TGI 4 as well.
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+
+
+def check_stop_strings(stop: list[str]) -> list[str]:
+    """The request's stop strings within the bounds (ValueError naming them otherwise)."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ValueError(f"a stop string may hold at most {MAX_STOP_CHARS} characters")
+    return stop
 
 
 class SamplingParams(BaseModel):
