@@ -25,6 +25,9 @@ from config.schema import CurveSection
 
 log = logging.getLogger(__name__)
 
+# A decode agent answers a transfer with a header only: a larger frame on this socket is no reply.
+LARGEST_REPLY_BYTES = 1 << 20
+
 
 class TransferError(Exception):
     """The K/V did not reach the decode agent (dead, hung, refused); the message says which."""
@@ -71,6 +74,7 @@ class KVSender:
         if socket is None:
             socket = self.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, LARGEST_REPLY_BYTES)
             if self.curve is not None:
                 secure_client_socket(socket, self.curve)
             socket.connect(address)

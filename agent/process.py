@@ -20,7 +20,7 @@ import zmq
 from agent.bootstrap import Placement, build_runner
 from agent.contract.transport import secure_agent_socket
 from agent.kv_transfer import KVSender
-from agent.service import AgentService
+from agent.service import AgentService, largest_frame_bytes
 from config.logs import setup_logging
 from config.schema import ServingConfig
 
@@ -111,6 +111,7 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
     runner, warm_up_s = build_runner(config, place, log.info)
     socket: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, largest_frame_bytes(runner, place.role))
     curve = config.agents.curve
     authenticator = secure_agent_socket(socket, curve) if curve is not None else None
     socket.bind(config.agents.address(rank))  # after warm-up: connecting means ready

@@ -274,6 +274,10 @@ class ModelRunner:
         self._kv_graphs().kv_import(slot, padded)
         self.slots[slot] = SlotState(length=length, next_token=next_token, sampler=sampler)
 
+    def largest_kv_transfer_bytes(self) -> int:
+        """The K/V frame of the longest transfer (a whole prompt bucket, float32 at most)."""
+        return 2 * self.spec.num_layers * self._kv * self.runtime.prefill_buckets[-1] * self._hd * 4
+
     # -------------------------------------------------------------------------------- internals
 
     def _transfer_bucket(self, length: int) -> int:
@@ -316,12 +320,25 @@ class ModelRunner:
     def _sample(self, logits: Tensor, samplers: list[SlotSampler], greedy: Tensor | None = None) -> list[int]:
         """Post-process on the device: argmax when every row is plain greedy (`greedy`: the decode
         graph's own, else the argmax graph), else top-k candidates for the host-side samplers. Only
-        token ids (and k candidates) leave the device."""
+        token ids (and k candidates) leave the device, except the logits of a row whose candidates
+        would be the whole vocabulary: that row samples from them on the host, so the batch never
+        runs the whole-vocabulary top-k (agent/sampling.py)."""
         if all(s.plain_greedy for s in samplers):
             ids = (self.graphs.argmax(logits) if greedy is None else greedy).asnumpy()
             return [int(t) for t in ids[: len(samplers)]]
-        k = bucket(self.topk_buckets, max(s.candidates_needed() for s in samplers))
-        values, ids = (t.asnumpy() for t in self.graphs.topk(k, logits))
-        return [
-            int(ids[i, 0]) if s.plain_greedy else s.choose(values[i], ids[i]) for i, s in enumerate(samplers)
-        ]
+        vocab = self.spec.vocab_size
+        whole = {
+            i for i, s in enumerate(samplers) if bucket(self.topk_buckets, s.candidates_needed()) >= vocab
+        }
+        tokens = {}
+        if whole:
+            rows = logits.asnumpy()
+            tokens = {i: samplers[i].choose_from_logits(rows[i]) for i in whole}
+        rest = [i for i in range(len(samplers)) if i not in whole]
+        if rest:
+            k = bucket(self.topk_buckets, max(samplers[i].candidates_needed() for i in rest))
+            values, ids = (t.asnumpy() for t in self.graphs.topk(k, logits))
+            for i in rest:
+                s = samplers[i]
+                tokens[i] = int(ids[i, 0]) if s.plain_greedy else s.choose(values[i], ids[i])
+        return [tokens[i] for i in range(len(samplers))]

@@ -23,6 +23,21 @@ log = logging.getLogger(__name__)
 
 
 CANCELLED_TICKETS_KEPT = 4096
+# Room for any header (small fields; a KV state lists at most a sequence's tokens) and any token or
+# slot array, whatever the model: the floor of an agent's largest legal frame.
+HEADER_AND_TOKENS_BYTES = 1 << 20
+
+
+def largest_frame_bytes(runner: ModelRunner, role: str) -> int:
+    """The largest frame a peer may legally send this agent: its ZeroMQ MAXMSGSIZE, so a larger one
+    is dropped (with its connection) before it is held in memory. Only a decode agent takes K/V."""
+    tokens = 16 * runner.max_len + HEADER_AND_TOKENS_BYTES
+    kv = runner.largest_kv_transfer_bytes() if role == "decode" else 0
+    return min(protocol.MAX_FRAME_BYTES, max(tokens, kv))
+
+
+class StaleSession(Exception):
+    """A request from a server that no longer holds (or may not take) this agent."""
 
 
 class AgentService:
@@ -52,9 +67,11 @@ class AgentService:
             "role": role,
             "rank": rank,
             "port": port,
+            "max_frame_bytes": largest_frame_bytes(runner, role),
         }
         self.shutdown_requested = False
         self.session: int | None = None  # set by `reset`; see protocol.py
+        self.epoch = 0  # the start time of the server holding the session: an older one cannot reset
         self.cancelled_tickets: deque[int] = deque(maxlen=CANCELLED_TICKETS_KEPT)
 
     def handle(self, frames: list) -> list:
@@ -86,6 +103,8 @@ class AgentService:
         started = time.perf_counter()
         try:
             fields, out_arrays = handler(header, arrays)
+        except StaleSession as exc:
+            return protocol.error_reply(header, str(exc), kind="stale_session")
         except TransferError as exc:
             log.warning("KV transfer failed: %s", exc)
             return protocol.error_reply(header, f"{op}: {exc}", kind="transfer_failed")
@@ -112,11 +131,18 @@ class AgentService:
 
     def _op_reset(self, header: dict, arrays: list) -> tuple[dict, list]:
         session = _int_field(header, "session")
+        epoch = _int_field(header, "epoch") if "epoch" in header else 0
+        if epoch < self.epoch:
+            # A server started before the one holding the session (its recovery, say) must not
+            # take the agent back: the two would alternate, each failing the other's requests.
+            raise StaleSession(
+                f"reset: a newer server holds this agent (started at epoch {self.epoch}, yours at {epoch})"
+            )
         for slot in list(self.runner.slots):
             self.runner.release(slot)
         if session != self.session:
             log.info("session %d opened: every slot released", session)
-        self.session = session
+        self.session, self.epoch = session, epoch
         return {}, []
 
     def _op_prefill(self, header: dict, arrays: list) -> tuple[dict, list]:

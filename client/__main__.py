@@ -11,6 +11,7 @@ import sys
 import httpx
 from pydantic import ValidationError
 
+from agent.contract.sampling import add_sampling_options, sampling_options
 from client.native import DEFAULT_URL, Client, ServerError
 
 
@@ -24,22 +25,10 @@ def main(argv=None) -> int:
     p.add_argument("--protocol", choices=["sse", "plain"], default="sse", help="stream format")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--do-sample", action="store_true")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=3)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
+    add_sampling_options(p, top_k=3)  # the native API's default
     args = p.parse_args(argv)
     params = dict(
-        max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        chat_template=args.chat or None,
+        max_new_tokens=args.max_new_tokens, chat_template=args.chat or None, **sampling_options(args)
     )
     client = Client(args.url, args.model, args.api_key)
     try:

@@ -429,6 +429,16 @@ class ServerSection(Section):
         "/health needs `Authorization: Bearer KEY` (also $LLM_SERVING_API_KEYS)",
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
+    max_connections: int = Field(
+        256, ge=1, description="open connections (or requests) beyond which a request gets 503"
+    )
+    read_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a request's head, and then its body, must each arrive within this "
+        "(slow clients): else the connection is closed (408 for a body)",
+    )
+    keep_alive_s: int = Field(5, ge=1, description="an idle connection is closed after this")
 
     @field_validator("api_keys")
     @classmethod
@@ -442,7 +452,9 @@ class ServerSection(Section):
         return keys
 
     cors_origins: list[str] = Field(
-        default_factory=list, description="origins allowed by CORS (none: CORS off)"
+        default_factory=list,
+        description="origins allowed by CORS (none: CORS off); a request from any other "
+        "web page (its Origin header) gets 403",
     )
 
 

@@ -5,7 +5,9 @@ timed out is dropped instead of being taken for the next call's answer. A lost c
 the call in flight at once: a killed agent's socket closes, and ZeroMQ heartbeats notice an agent
 that stopped answering (SIGSTOP, a dead machine) within HEARTBEAT_TIMEOUT_MS. After a failure the
 client stays failed until `reconnect()`, which opens a fresh socket (nothing queued for the old
-connection is ever delivered) and a fresh session.
+connection is ever delivered) and a fresh session; a call still waiting on the old socket then
+ends with AgentUnavailable (that call closes it). A refused session (`stale_session`) on the current
+connection raises AgentTakenOver: another server opened its own session on the agent.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from config.schema import CurveSection
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
+RETIRED_CHECK_S = 0.2  # how soon a call waiting on a connection that reconnect() replaced ends
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -90,6 +93,47 @@ class ModelClient(Protocol):
     async def ping(self, timeout_s: float | None = None) -> None: ...
 
 
+class AgentTakenOver(AgentUnavailable):
+    """The agent refused this client's current session: another server opened its own (the newer
+    one wins; this one must leave the agent alone)."""
+
+
+class _Connection:
+    """One socket to the agent and the session opened over it. reconnect() retires it for a fresh
+    one: a call in flight on it (the only one that may still use it) ends and closes it."""
+
+    def __init__(self, context: zmq.asyncio.Context, address: str, curve: CurveSection | None):
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        if curve is not None:
+            secure_client_socket(self.socket, curve)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+        self.poller = zmq.asyncio.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.socket.connect(address)
+        self.session = random.getrandbits(62)
+        self.lock = asyncio.Lock()  # one call in flight per connection
+        self.lost: str | None = None  # why the connection is unusable, until reconnect()
+        self.retired = False
+
+    def retire(self) -> None:
+        """Closed now if no call uses it, else by that call once it wakes (closing a socket under
+        a pending poll would cancel the caller's await from inside)."""
+        self.retired = True
+        if not self.lock.locked():
+            self.close()
+
+    def close(self) -> None:
+        if self.socket.closed:
+            return
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        self.socket.close(linger=0)
+
+
 class AgentClient:
     def __init__(
         self,
@@ -97,78 +141,95 @@ class AgentClient:
         timeout_s: float,
         curve: CurveSection | None = None,
         context: zmq.asyncio.Context | None = None,
+        epoch: int | None = None,
     ):
         self.address = address
         self.timeout_s = timeout_s
         self.curve = curve
         self.context = context or zmq.asyncio.Context.instance()
         self._ids = itertools.count(1)
-        self._lock = asyncio.Lock()  # one call in flight per agent
-        self._open()
-
-    def _open(self) -> None:
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        if self.curve is not None:
-            secure_client_socket(self.socket, self.curve)
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-        self.poller = zmq.asyncio.Poller()
-        self.poller.register(self.socket, zmq.POLLIN)
-        self.poller.register(self.monitor, zmq.POLLIN)
-        self.socket.connect(self.address)
-        self.session = random.getrandbits(62)
-        self.lost: str | None = None  # why the connection is unusable, until reconnect()
+        self._connection = _Connection(self.context, address, curve)
+        # When this server started: an agent lets a newer server take it over, never an older one.
+        self.epoch = epoch if epoch is not None else time.time_ns()
         self.decode_compute_s = 0.0  # the last decode's time inside the agent, by its own clock
 
+    @property
+    def session(self) -> int:
+        return self._connection.session
+
+    @property
+    def lost(self) -> str | None:
+        return self._connection.lost
+
     def reconnect(self) -> None:
-        self.close()
-        self._open()
+        self._connection.retire()
+        self._connection = _Connection(self.context, self.address, self.curve)
 
     async def call(
         self, op: str, arrays: Sequence[np.ndarray] = (), timeout_s: float | None = None, **fields: Any
     ) -> tuple[dict, list[np.ndarray]]:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        async with self._lock:
-            if self.lost:
-                raise AgentUnavailable(f"agent {self.address}: {self.lost}")
-            request_id = next(self._ids)
+        connection = self._connection
+        async with connection.lock:
             try:
-                frames = protocol.encode({"op": op, "id": request_id, **fields}, arrays)
-            except (TypeError, ValueError, OverflowError) as exc:  # a field msgpack cannot carry
-                raise AgentRequestError(f"{op}: cannot encode the request: {exc}", "bad_request") from exc
-            await self.socket.send_multipart(frames, copy=False)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                left = deadline - time.monotonic()
-                ready = dict(await self.poller.poll(int(left * 1000))) if left > 0 else {}
-                if self.monitor in ready:
-                    event = parse_monitor_message(await self.monitor.recv_multipart())
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
-                        self.lost = "connection lost (the agent died or stopped answering heartbeats)"
-                    else:
-                        self.lost = (
-                            "the agent refused the connection (ZeroMQ handshake failed: "
-                            "do agents.curve keys match on both sides?)"
-                        )
-                    raise AgentUnavailable(f"agent {self.address}: {self.lost} during {op}")
-                if self.socket not in ready:
-                    raise AgentUnavailable(f"agent {self.address}: no reply to {op} within {timeout_s:g}s")
-                try:
-                    header, out = protocol.decode(await self.socket.recv_multipart())
-                except protocol.ProtocolError as exc:
-                    raise AgentUnavailable(f"agent {self.address}: {exc}") from exc
-                if header.get("id") == request_id:
-                    break  # anything else is a late answer to an earlier call that timed out
+                header, out = await self._exchange(connection, op, arrays, timeout_s, fields)
+            finally:
+                if connection.retired:
+                    connection.close()
         if not header.get("ok"):
             if header.get("kind") == "stale_session":
-                self.lost = "another server took this agent over"
-                raise AgentUnavailable(f"agent {self.address}: {self.lost}")
+                connection.lost = "another server took this agent over"
+                raise AgentTakenOver(f"agent {self.address}: {connection.lost}")
             raise AgentRequestError(
                 f"agent {self.address}: {header.get('error')}", header.get("kind", "bad_request")
             )
         return header, out
+
+    async def _exchange(
+        self, connection: _Connection, op: str, arrays: Sequence[np.ndarray], timeout_s: float, fields: dict
+    ) -> tuple[dict, list[np.ndarray]]:
+        """Send one request and wait for its reply (header, arrays) on `connection`."""
+        if connection.retired:  # queued behind a call on a connection replaced meanwhile
+            raise AgentUnavailable(f"agent {self.address}: reconnected before {op} was sent")
+        if connection.lost:
+            raise AgentUnavailable(f"agent {self.address}: {connection.lost}")
+        request_id = next(self._ids)
+        try:
+            frames = protocol.encode({"op": op, "id": request_id, **fields}, arrays)
+        except (TypeError, ValueError, OverflowError) as exc:  # a field msgpack cannot carry
+            raise AgentRequestError(f"{op}: cannot encode the request: {exc}", "bad_request") from exc
+        await connection.socket.send_multipart(frames, copy=False)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            # In slices, so that a reconnect() ends this wait soon instead of at the timeout.
+            wait_ms = int(min(left, RETIRED_CHECK_S) * 1000)
+            ready = dict(await connection.poller.poll(wait_ms)) if left > 0 else {}
+            if connection.retired:
+                raise AgentUnavailable(f"agent {self.address}: reconnected during {op}")
+            if connection.monitor in ready:
+                connection.lost = self._why_lost(await connection.monitor.recv_multipart())
+                raise AgentUnavailable(f"agent {self.address}: {connection.lost} during {op}")
+            if connection.socket not in ready:
+                if time.monotonic() < deadline:
+                    continue
+                raise AgentUnavailable(f"agent {self.address}: no reply to {op} within {timeout_s:g}s")
+            try:
+                header, out = protocol.decode(await connection.socket.recv_multipart())
+            except protocol.ProtocolError as exc:
+                raise AgentUnavailable(f"agent {self.address}: {exc}") from exc
+            if header.get("id") == request_id:
+                return header, out
+            # anything else is a late answer to an earlier call that timed out
+
+    @staticmethod
+    def _why_lost(monitor_frames: list) -> str:
+        if parse_monitor_message(monitor_frames)["event"] == zmq.EVENT_DISCONNECTED:
+            return "connection lost (the agent died or stopped answering heartbeats)"
+        return (
+            "the agent refused the connection (ZeroMQ handshake failed: "
+            "do agents.curve keys match on both sides?)"
+        )
 
     async def info(self, timeout_s: float | None = None) -> dict:
         header, _ = await self.call("info", timeout_s=timeout_s)
@@ -181,7 +242,7 @@ class AgentClient:
 
     async def reset(self, timeout_s: float | None = None) -> None:
         """Open this client's session on the agent: every slot is released."""
-        await self.call("reset", timeout_s=timeout_s, session=self.session)
+        await self.call("reset", timeout_s=timeout_s, session=self.session, epoch=self.epoch)
 
     async def prefill(self, slot: int, prompt: Sequence[int], sampling: SamplingParams) -> int:
         header, _ = await self.call(
@@ -222,11 +283,7 @@ class AgentClient:
         await self.call("ping", timeout_s=timeout_s)
 
     def close(self) -> None:
-        if self.socket.closed:
-            return
-        self.socket.disable_monitor()
-        self.monitor.close(linger=0)
-        self.socket.close(linger=0)
+        self._connection.retire()
 
 
 class GroupClient:
@@ -259,6 +316,8 @@ class GroupClient:
             client.close()
 
     async def _all(self, method: str, *args, **kwargs) -> list:
+        if self.lost:  # before any rank is sent to: the others would wait in their AllReduce forever
+            raise AgentUnavailable(f"tensor-parallel group {self.address}: {self.lost}")
         tasks = [asyncio.ensure_future(getattr(c, method)(*args, **kwargs)) for c in self.clients]
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in pending:

@@ -4,6 +4,7 @@ groups and reports the results back. A group is one model instance: one agent, o
 tensor-parallel group, which the scheduler sees as one.
 
     plan = scheduler.schedule()     # releases, then prefills (admitted from the FIFO queue), decodes
+    plan = scheduler.schedule(busy={1})   # the same, leaving out groups whose step is in flight
     ... run plan.releases, then plan.prefills, then plan.decodes on the groups, in that order ...
     scheduler.prefilled(seq, token); scheduler.decoded(seqs, tokens)
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import enum
 import random
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -82,6 +84,18 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not (self.releases or self.prefills or self.decodes)
+
+    def by_group(self) -> dict[int, StepPlan]:
+        """The plan split into one plan per group it touches (a prefill belongs to the group that
+        decodes it), in the same order within each group."""
+        parts: dict[int, StepPlan] = {}
+        for release in self.releases:
+            parts.setdefault(release.group, StepPlan()).releases.append(release)
+        for seq in self.prefills:
+            parts.setdefault(seq.placement[0], StepPlan()).prefills.append(seq)
+        for group, seqs in self.decodes.items():
+            parts.setdefault(group, StepPlan()).decodes[group] = seqs
+        return parts
 
 
 class BatchScheduler:
@@ -182,14 +196,16 @@ class BatchScheduler:
 
     # -------------------------------------------------------------------------------- planning
 
-    def schedule(self) -> StepPlan:
-        plan = StepPlan(releases=self.pending_releases)
-        self.pending_releases = []
+    def schedule(self, busy: Collection[int] = ()) -> StepPlan:
+        """The next plan, leaving out the `busy` groups (their step is still in flight): their
+        releases stay pending, nothing is placed on them, none of theirs decodes."""
+        plan = StepPlan(releases=[r for r in self.pending_releases if r.group not in busy])
+        self.pending_releases = [r for r in self.pending_releases if r.group in busy]
         for release in plan.releases:  # released before this plan's prefills run
             self.free_slots[release.group].append(release.slot)
             self.free_slots[release.group].sort()
         while self.waiting and len(plan.prefills) < self.max_prefills_per_step:
-            placement = self._place(self.waiting[0])
+            placement = self._place(self.waiting[0], busy)
             if placement is None:
                 break
             seq = self.waiting.popleft()
@@ -205,12 +221,12 @@ class BatchScheduler:
         for seq in self.running.values():
             # Just-admitted sequences decode from the next step, once their prefill has run (or
             # their KV has arrived).
-            if id(seq) not in newly and not seq.transferring:
-                group, _ = seq.placement
+            group, _ = seq.placement
+            if id(seq) not in newly and not seq.transferring and group not in busy:
                 plan.decodes.setdefault(group, []).append(seq)
         return plan
 
-    def _place(self, seq: Sequence) -> tuple[int, int | None] | None:
+    def _place(self, seq: Sequence, busy: Collection[int]) -> tuple[int, int | None] | None:
         """(group to decode on, prefill group or None): the healthy decode-capable group with the
         most free slots that can take this prompt; a decode group needs a prefill group with a
         free slot, the one with the most."""
@@ -218,6 +234,7 @@ class BatchScheduler:
         def fits(i: int) -> bool:
             return (
                 self.healthy[i]
+                and i not in busy
                 and bool(self.free_slots[i])
                 and len(seq.prompt) <= self.groups[i].max_prompt_len
             )

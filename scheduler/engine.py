@@ -8,10 +8,16 @@
     engine.refuse_new_requests(); await engine.stop()
 
 The loop never blocks the event loop: agent calls are awaited ZeroMQ round trips. Each iteration
-runs one plan of the BatchScheduler: releases, prefills, then one decode step per group (groups in
-parallel). A prefill on a prefill group (PD disaggregation) runs as a task of its own beside the
-loop, so decode steps never wait for it. The engine knows token ids only: text, stop strings and
-the answer streams are the server's (server/output.py).
+asks the BatchScheduler for a plan over the groups with no step in flight and starts one step task
+per group it touches (that group's releases, prefills, then one decode step), so a slow or stuck
+group holds only its own requests. A prefill on a prefill group (PD disaggregation) runs as a task
+of its own beside the loop, so decode steps never wait for it. The engine knows token ids only:
+text, stop strings and the answer streams are the server's (server/output.py).
+
+Should the loop die anyway (a bug), `engine.failure` says why and `engine.dead` is set: every open
+request ends with an error, new ones are refused, readiness() reports it. A group whose agent
+refuses this server's session (another server opened its own: the newer server wins) is left to
+that server: its requests end with an error and it is never reclaimed.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from scheduler.agent_client import (
     AgentError,
     AgentIncompatible,
     AgentRequestError,
+    AgentTakenOver,
     AgentUnavailable,
     GroupClient,
     ModelClient,
@@ -56,12 +63,17 @@ class Engine:
         self.vocab_size = vocab_size  # the tokenizer's: every group must cover it
         self.on_update = on_update  # called with a sequence after its new tokens and at its end
         self.metrics = metrics or ServingMetrics()
+        self.epoch = time.time_ns()  # this server's start: agents let only a newer server take them over
         self.clients = [self._group_client(group) for group in range(len(config.agents.groups))]
         self.scheduler: BatchScheduler  # built by start(), over the capacities the groups report
         self.stop_ids: frozenset[int] = frozenset(eos_ids)  # the groups' EOS ids join at connection
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._recoveries: dict[int, asyncio.Task] = {}
+        self._steps: dict[int, asyncio.Task] = {}  # group -> its step in flight (one at a time)
+        self._taken_over: set[int] = set()  # groups another server took over: never reclaimed
+        self.failure: str | None = None  # why the loop died, if it did
+        self.dead = asyncio.Event()  # set when it did: the server process should exit
         self._transfers: set[asyncio.Task] = set()  # prefills that send their KV to a decode group
         self._draining = False
         self._stopping = False
@@ -88,7 +100,9 @@ class Engine:
     def _group_client(self, group: int) -> ModelClient:
         agents = self.config.agents
         clients = [
-            AgentClient(agents.address(rank), self.config.server.agent_timeout_s, agents.curve)
+            AgentClient(
+                agents.address(rank), self.config.server.agent_timeout_s, agents.curve, epoch=self.epoch
+            )
             for rank, g in enumerate(agents.group_of_rank)
             if g == group
         ]
@@ -115,6 +129,7 @@ class Engine:
             self.capacities, s.max_waiting_requests, s.max_prefills_per_step, s.max_tokens_in_flight
         )
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
+        self._task.add_done_callback(self._loop_ended)
 
     async def _wait_for_group(self, group: int, client: ModelClient) -> GroupCapacity:
         deadline = time.monotonic() + self.config.server.agent_wait_s
@@ -175,7 +190,7 @@ class Engine:
         for task in [*self._recoveries.values(), *self._transfers]:
             task.cancel()
         if self._task is not None:
-            await self._task
+            await asyncio.gather(self._task, return_exceptions=True)
         await asyncio.gather(*self._transfers, return_exceptions=True)
         for client in self.clients:
             client.close()
@@ -184,16 +199,24 @@ class Engine:
         """Why the engine cannot take requests now (every group is pinged); None when it can."""
         if not self.started:
             return "not started: waiting for the agents"
+        if self.failure is not None:
+            return self.failure
         if self._draining or self._stopping:
             return "shutting down"
         pings = await asyncio.gather(*(c.ping(ping_timeout_s) for c in self.clients), return_exceptions=True)
         down = []
-        for client, ok, ping in zip(self.clients, self.scheduler.healthy, pings):
+        for group, (client, ok, ping) in enumerate(zip(self.clients, self.scheduler.healthy, pings)):
             answering = ok and not isinstance(ping, BaseException)
             self.metrics.agent_up.labels(client.address).set(int(answering))
-            if not answering:
+            if not answering and group not in self._taken_over:
                 down.append(client.address)
-        return f"agents not answering: {', '.join(down)}" if down else None
+        reasons = [self._taken_over_reason()] if self._taken_over else []
+        reasons += [f"agents not answering: {', '.join(down)}"] if down else []
+        return "; ".join(reasons) or None
+
+    def _taken_over_reason(self) -> str:
+        addresses = ", ".join(self.clients[group].address for group in sorted(self._taken_over))
+        return f"another server took these agents over: {addresses} (this server no longer uses them)"
 
     def get_bs_current(self, group: int | None = None) -> int:
         """Running sequences, in total or of one group."""
@@ -225,8 +248,12 @@ class Engine:
         """Queues the request's sequence at once, or raises AdmissionError if it is refused."""
         if not self.started:
             raise AdmissionError("the server is not ready", Refusal.NOT_READY)
+        if self.failure is not None:
+            raise AdmissionError(f"the server cannot serve: {self.failure}", Refusal.NOT_READY)
         if self._draining or self._stopping:
             raise AdmissionError("the server is shutting down", Refusal.SHUTTING_DOWN)
+        if self._taken_over and not self.scheduler.can_serve:
+            raise AdmissionError(self._taken_over_reason(), Refusal.NO_GROUP)
         seq = Sequence(
             request_id, list(prompt), sampling, max_new_tokens, frozenset() if ignore_eos else self.stop_ids
         )
@@ -251,49 +278,106 @@ class Engine:
     # ---------------------------------------------------------------------------- the loop
 
     async def _run(self) -> None:
-        while not self._stopping:
-            plan = self.scheduler.schedule()
-            if plan.empty:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            try:
-                await self._step(plan)
-            except Exception as exc:  # a bug must not leave every request hanging
-                log.exception("scheduler step failed")
-                self._fail(
-                    plan.prefills + [s for seqs in plan.decodes.values() for s in seqs],
-                    f"internal error: {type(exc).__name__}: {exc}",
-                )
-        for seq in self.scheduler.abort_all("the server is shutting down"):  # stop(): end what is open
-            self.on_update(seq)
+        while not self._stopping and self.failure is None:
+            plan = self.scheduler.schedule(busy=self._steps.keys())
+            for group, part in plan.by_group().items():
+                task = asyncio.create_task(self._group_step(group, part), name=f"step-group-{group}")
+                self._steps[group] = task
+                task.add_done_callback(partial(self._step_ended, group))
+            self._wake.clear()  # set again by a new request, an abort, a finished step or transfer
+            await self._wake.wait()
+        for task in self._steps.values():  # stop(): the drain is over; a step in flight is moot
+            task.cancel()
+        await asyncio.gather(*self._steps.values(), return_exceptions=True)
+        self._end_all("the server is shutting down")
 
-    async def _step(self, plan: StepPlan) -> None:
-        """Run one plan: releases, then prefills, then one decode per group (groups in parallel)."""
-        for group, slot, ticket in plan.releases:
-            await self._call(group, self.clients[group].release(slot, ticket))
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The loop's task is over: after stop() that is the plan; anything else kills the engine."""
+        if task.cancelled():
+            self._die("the scheduler loop was cancelled")
+        elif task.exception() is not None:
+            exc = task.exception()
+            log.error("scheduler loop failed", exc_info=exc)
+            self._die(f"the scheduler loop failed: {type(exc).__name__}: {exc}")
+        elif not self._stopping:
+            self._die("the scheduler loop ended")
+
+    def _step_ended(self, group: int, task: asyncio.Task) -> None:
+        self._steps.pop(group, None)
+        self._wake.set()
+        if not task.cancelled() and task.exception() is not None:  # its own failure handler failed
+            exc = task.exception()
+            log.error("step of group %d failed while handling a failure", group, exc_info=exc)
+            self._die(f"a scheduler step failed: {type(exc).__name__}: {exc}")
+
+    def _die(self, reason: str) -> None:
+        """The engine cannot go on: say why, end every open request with an error, refuse the rest."""
+        if self.failure is not None:
+            return
+        self.failure = f"internal error, the server must restart: {reason}"
+        log.critical("%s", self.failure)
+        for task in [*self._steps.values(), *self._recoveries.values(), *self._transfers]:
+            task.cancel()
+        self._end_all(self.failure)
+        self.dead.set()
+        self._wake.set()  # the loop, if it still runs, ends
+
+    def _end_all(self, error: str) -> None:
+        """End every open sequence, each reported on its own (one failing report ends no other)."""
+        try:
+            ended = self.scheduler.abort_all(error)
+        except Exception:
+            log.exception("ending the open requests failed")
+            return
+        for seq in ended:
+            try:
+                self.on_update(seq)
+            except Exception:
+                log.exception("reporting the end of request %s failed", seq.request_id)
+
+    async def _group_step(self, group: int, plan: StepPlan) -> None:
+        try:
+            await self._step(group, plan)
+        except Exception as exc:  # a bug must not leave the step's requests hanging
+            log.exception("scheduler step of group %d failed", group)
+            self._fail(
+                plan.prefills + [s for seqs in plan.decodes.values() for s in seqs],
+                f"internal error: {type(exc).__name__}: {exc}",
+            )
+
+    async def _step(self, group: int, plan: StepPlan) -> None:
+        """Run one group's plan: releases, then prefills, then one decode."""
+        for release_group, slot, ticket in plan.releases:
+            await self._call(release_group, self.clients[release_group].release(slot, ticket))
         for seq in plan.prefills:
             if seq.prefill_group is not None and seq.finished:  # aborted before its prefill ran
                 self.scheduler.transfer_failed(seq, "aborted")
             elif seq.prefill_group is not None:
                 task = asyncio.create_task(self._prefill_elsewhere(seq), name=f"prefill-{seq.request_id}")
                 self._transfers.add(task)
-                task.add_done_callback(self._transfers.discard)
+                task.add_done_callback(self._transfer_ended)
                 continue
             if seq.finished:  # aborted, or its group failed earlier in this plan
                 continue
             await self._prefill(seq)
-        decodes = [(group, seqs) for group, seqs in plan.decodes.items() if self.scheduler.healthy[group]]
-        results = await asyncio.gather(
-            *(self._decode(group, seqs) for group, seqs in decodes), return_exceptions=True
-        )
-        for (group, seqs), result in zip(decodes, results):
-            if isinstance(result, BaseException):
-                self._group_failed(group, result)
-                continue
-            self.scheduler.decoded(seqs, result)
-            for seq in seqs:
-                self.on_update(seq)
+        seqs = plan.decodes.get(group)
+        if not seqs or not self.scheduler.healthy[group]:
+            return
+        try:
+            tokens = await self._decode(group, seqs)
+        except Exception as exc:
+            self._group_failed(group, exc)
+            return
+        self.scheduler.decoded(seqs, tokens)
+        for seq in seqs:
+            self.on_update(seq)
+
+    def _transfer_ended(self, task: asyncio.Task) -> None:
+        self._transfers.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # its own failure handler failed
+            exc = task.exception()
+            log.error("a KV transfer failed while handling a failure", exc_info=exc)
+            self._die(f"a KV transfer failed: {type(exc).__name__}: {exc}")
 
     async def _prefill(self, seq: Sequence) -> None:
         group, slot = seq.placement
@@ -335,6 +419,10 @@ class Engine:
         except AgentError as exc:
             self._group_failed(prefill_group, exc)  # fails seq too
             self.scheduler.transfer_failed(seq, str(exc))
+        except Exception as exc:  # a bug must not leave the request hanging
+            log.exception("request %s: prefill on %s failed", seq.request_id, prefill.address)
+            self.scheduler.transfer_failed(seq, f"internal error: {type(exc).__name__}: {exc}")
+            self.on_update(seq)
         else:
             self.metrics.kv_transfer_bytes.inc(kv_bytes)
             self.metrics.kv_transfer.observe(transfer_ms / 1000)
@@ -375,14 +463,18 @@ class Engine:
         if not self.scheduler.healthy[group]:
             return
         address = self.clients[group].address
-        log.error("agent %s failed: %s", address, exc)
+        if isinstance(exc, AgentTakenOver):
+            self._taken_over.add(group)
+            log.error("agent %s: another server took it over; this server no longer uses it", address)
+        else:
+            log.error("agent %s failed: %s", address, exc)
         self.metrics.agent_up.labels(address).set(0)
         failed = self.scheduler.group_failed(group, f"agent {address} failed: {exc}")
         if not self.scheduler.can_serve:
             failed += self.scheduler.fail_waiting(f"no agent is available: {address} failed: {exc}")
         for seq in failed:
             self.on_update(seq)
-        if not self._stopping:
+        if not self._stopping and group not in self._taken_over:  # the newer server keeps it
             self._recoveries[group] = asyncio.create_task(self._recover(group), name=f"recover-group-{group}")
 
     async def _recover(self, group: int) -> None:
@@ -394,6 +486,11 @@ class Engine:
             client.reconnect()
             try:
                 capacity = await self._connect(group, client, RECOVERY_PROBE_S)
+            except AgentTakenOver:  # a newer server holds it now (the agent refused our reset)
+                self._taken_over.add(group)
+                log.error("agent %s: a newer server holds it; this server no longer uses it", client.address)
+                self._recoveries.pop(group, None)
+                return
             except AgentError as exc:
                 if str(exc) != last_reason:
                     last_reason = str(exc)

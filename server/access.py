@@ -1,25 +1,47 @@
 """Access control in front of every route, as plain ASGI middleware (it must not buffer streams):
-API keys (`Authorization: Bearer KEY`; every path but /health; the dashboard page also takes
-`?api_key=` since a browser cannot set the header for a page load) and the request body limit (413,
-on the bytes read: a request body is read here, within the limit, and handed on).
+
+- the Host header, when the server listens on loopback only: localhost, 127.0.0.1 or [::1], with
+  the server's port or none (DNS rebinding: a web page whose name resolves to 127.0.0.1 is refused, 403);
+- the Origin header a browser sends with a page's requests: only the server's own pages and
+  `server.cors_origins` (a page elsewhere may POST a text/plain body, read as JSON, with no CORS
+  preflight: 403 before anything runs);
+- API keys (`Authorization: Bearer KEY`; every path but /health; the dashboard page also takes
+  `?api_key=` since a browser cannot set the header for a page load);
+- the request body limit (413, on the bytes read: a request body is read here, within the limit
+  and within `server.read_timeout_s` (408), and handed on).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from urllib.parse import parse_qs
 
+from config.schema import ServerSection, is_loopback
 from server.errors import error_response
 
 OPEN_PATHS = {"/health"}
 QUERY_KEY_PATHS = {"/dashboard"}
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+
+
+def loopback_hosts(port: int) -> set[bytes]:
+    """The Host headers that name this machine's loopback server: a rebinding page's Host names
+    its own domain. (A bare name, as some hand-written clients send, names no other port.)"""
+    return {f"{name}{suffix}".encode() for name in LOOPBACK_NAMES for suffix in ("", f":{port}")}
+
+
 class AccessMiddleware:
-    def __init__(self, app, api_keys: list[str], max_body_bytes: int):
+    def __init__(self, app, server: ServerSection):
         self.app = app
-        self.api_keys = [k.encode() for k in api_keys]
-        self.max_body_bytes = max_body_bytes
+        self.api_keys = [k.encode() for k in server.api_keys]
+        self.max_body_bytes = server.max_body_bytes
+        self.read_timeout_s = server.read_timeout_s
+        self.port = server.port
+        self.hosts = loopback_hosts(server.port) if is_loopback(server.host) else None
+        self.origins = {o.encode() for o in server.cors_origins}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -27,6 +49,9 @@ class AccessMiddleware:
         path = scope["path"]
         openai = path.startswith("/v1/")
         headers = dict(scope["headers"])
+        refusal = self._refusal(headers)
+        if refusal:
+            return await error_response(403, refusal, openai, code="forbidden")(scope, receive, send)
         if self.api_keys and path not in OPEN_PATHS and not self._authorized(scope, headers):
             response = error_response(
                 401,
@@ -43,15 +68,16 @@ class AccessMiddleware:
             return await self.app(scope, receive, send)
         # Count what is actually read, whatever Content-Length says: with Transfer-Encoding:
         # chunked beside it, the server reads the chunks (h11 lets chunked win), of any size.
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_body_bytes:
-                return await self._too_large(scope, receive, send, openai)
+        try:
+            async with asyncio.timeout(self.read_timeout_s):  # a body trickled in (slow POST)
+                body = await self._read_body(receive)
+        except TimeoutError:
+            message = f"the request body did not arrive within {self.read_timeout_s:g}s"
+            return await error_response(408, message, openai)(scope, receive, send)
+        if body is None:
+            return None  # the client is gone
+        if len(body) > self.max_body_bytes:
+            return await self._too_large(scope, receive, send, openai)
         replayed = False
 
         async def replay():
@@ -62,6 +88,35 @@ class AccessMiddleware:
             return {"type": "http.request", "body": body, "more_body": False}
 
         return await self.app(scope, replay, send)
+
+    async def _read_body(self, receive) -> bytes | None:
+        """The body, or as much of it as passes the limit; None if the client disconnected."""
+        body, more = b"", True
+        while more and len(body) <= self.max_body_bytes:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        return body
+
+    def _refusal(self, headers: dict) -> str | None:
+        """Why a request is refused for where it comes from (its Host and Origin headers), if it is."""
+        host = headers.get(b"host")
+        if self.hosts is not None and host is not None and host.lower() not in self.hosts:
+            return (
+                f"Host {host.decode(errors='replace')!r} is not this server: it listens on "
+                f"loopback only; use {', '.join(LOOPBACK_NAMES)} (port {self.port})"
+            )
+        origin = headers.get(b"origin")
+        if origin is None or origin in self.origins or b"*" in self.origins:
+            return None
+        if host is not None and origin in (b"http://" + host, b"https://" + host):
+            return None  # the server's own page (the dashboard)
+        return (
+            f"requests from web pages at {origin.decode(errors='replace')!r} are not allowed "
+            "(server.cors_origins lists the origins that are)"
+        )
 
     def _authorized(self, scope, headers: dict) -> bool:
         auth = headers.get(b"authorization", b"")

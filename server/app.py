@@ -24,10 +24,18 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from agent.contract.native_request import ClientRequest
-from agent.model.tokenizer import TextTokenizer, TokenizerError
+from agent.model.tokenizer import TextTokenizer
 from config.schema import ServingConfig
 from server.access import AccessMiddleware
-from server.assembly import admit, check_answer_fits, check_served, sampling_params, served_models
+from server.assembly import (
+    PromptEncoder,
+    admit,
+    check_answer_fits,
+    check_served,
+    sampling_params,
+    served_models,
+    unless_disconnected,
+)
 from server.errors import ApiError, error_response
 from server.openai_api import openai_router
 from server.ops_api import ops_router
@@ -44,7 +52,8 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputP
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        await engine.start()
+        # The engine is started by the server before this (server/http_server.py), where a
+        # signal can cut the wait for the agents short.
         yield
         await engine.stop()
 
@@ -76,11 +85,10 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputP
             400 if is_openai(request) else 422, problems, is_openai(request), param=fields[0]
         )
 
-    app.include_router(openai_router(config, tokenizer, outputs))
+    encoder = PromptEncoder(tokenizer, engine)
+    app.include_router(openai_router(config, outputs, encoder))
     app.include_router(ops_router(config, engine))
-    app.add_middleware(
-        AccessMiddleware, api_keys=config.server.api_keys, max_body_bytes=config.server.max_body_bytes
-    )
+    app.add_middleware(AccessMiddleware, server=config.server)
     if config.server.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -93,14 +101,12 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputP
         check_served(model, served)
         p = request.parameters
         chat = config.server.apply_chat_template if p.chat_template is None else p.chat_template
-        try:
-            prompt = (
-                tokenizer.encode_chat([{"role": "user", "content": request.inputs}])
-                if chat
-                else tokenizer.encode(request.inputs)
-            )
-        except TokenizerError as exc:
-            raise ApiError(400, str(exc)) from exc
+        bounded = p.truncate is None  # else cut to its last tokens: any length may fit
+        prompt = await (
+            encoder.encode_chat([{"role": "user", "content": request.inputs}], bounded)
+            if chat
+            else encoder.encode(request.inputs, bounded)
+        )
         if p.truncate is not None:
             prompt = prompt[-p.truncate :]
         if "max_new_tokens" in p.model_fields_set:  # the upstream default (300) still just ends early
@@ -122,9 +128,13 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputP
                 text.append(out.text)
         return "".join(text)
 
-    async def respond_full(answer) -> Response:
-        body = json.dumps({"generated_text": await full_text(answer)}, ensure_ascii=False) + "\n"
-        return Response(body, media_type="application/json")
+    async def respond_full(http: Request, answer: AnswerStream) -> Response:
+        text = await unless_disconnected(http, [answer], full_text(answer))
+        if isinstance(text, Response):  # the client is gone
+            return text
+        return Response(
+            json.dumps({"generated_text": text}, ensure_ascii=False) + "\n", media_type="application/json"
+        )
 
     async def stream_pieces(answer, return_full_text: bool, piece, error, full) -> AsyncIterator:
         """The answer's pieces in one protocol's framing: piece(text, index), error(message), full(text)."""
@@ -167,13 +177,13 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputP
         return StreamingResponse(data_lines(answer, p.return_full_text), media_type="text/plain")
 
     @app.post("/models/{model}")
-    async def generate_any(model: str, request: ClientRequest = Depends(client_request)):
+    async def generate_any(http: Request, model: str, request: ClientRequest = Depends(client_request)):
         answer = await start(model, request)
-        return respond_stream(answer, request) if request.stream else await respond_full(answer)
+        return respond_stream(answer, request) if request.stream else await respond_full(http, answer)
 
     @app.post("/models/{model}/generate")
-    async def generate(model: str, request: ClientRequest = Depends(client_request)):
-        return await respond_full(await start(model, request))
+    async def generate(http: Request, model: str, request: ClientRequest = Depends(client_request)):
+        return await respond_full(http, await start(model, request))
 
     @app.post("/models/{model}/generate_stream")
     async def generate_stream(model: str, request: ClientRequest = Depends(client_request)):

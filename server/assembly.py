@@ -1,17 +1,33 @@
-"""Request assembly, shared by the native and the OpenAI APIs: the served-model check, the sampling
-parameters of a request, and its admission into the engine (a refusal becomes an ApiError)."""
+"""Request assembly, shared by the native and the OpenAI APIs: the served-model check, the prompt's
+tokens (off the event loop), the sampling parameters of a request, its admission into the engine (a
+refusal becomes an ApiError), and the wait for a whole answer that ends when the client goes."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
+from fastapi import Request
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from agent.contract.sampling import SamplingParams
+from agent.model.tokenizer import TextTokenizer, TokenizerError
 from config.schema import ServingConfig
 from scheduler.batch_scheduler import AdmissionError
+from scheduler.engine import Engine
 from server.errors import ApiError, refusal_status
 from server.output import AnswerStream, OutputProcessor
+
+T = TypeVar("T")
+# Prompts up to this many characters are tokenized on the event loop (well under a millisecond);
+# longer ones in a small pool, where a flood of big prompts queues instead of stalling every stream.
+INLINE_PROMPT_CHARS = 4096
+TOKENIZER_THREADS = 2
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it; the access log shows it
 
 # The fields both APIs' requests name as SamplingParams does; do_sample and the seed are per API.
 SAMPLING_FIELDS = set(SamplingParams.model_fields) - {"do_sample", "seed"}
@@ -71,3 +87,87 @@ async def admit(
             await stream.aclose()
         raise ApiError(refusal_status(exc.reason, openai), str(exc)) from exc
     return streams
+
+
+class PromptEncoder:
+    """Prompt text -> token ids without stalling the event loop. A prompt of more characters than
+    the longest accepted prompt's tokens could hold (each at most the vocabulary's longest token)
+    is refused (413) before any work; a long one is tokenized, chat template included, in a small
+    thread pool. The token bound follows in `admit`."""
+
+    def __init__(self, tokenizer: TextTokenizer, engine: Engine):
+        self.tokenizer, self.engine = tokenizer, engine
+        vocabulary = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+        # A byte-level token's string has one character per byte: never fewer than its text's.
+        self.longest_token_chars = max(map(len, vocabulary), default=1)
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    async def encode(self, text: str, bounded: bool = True, param: str | None = None) -> list[int]:
+        """bounded=False: the prompt is cut to its last tokens afterwards (the native `truncate`),
+        so any length may fit."""
+        return await self._off_loop(len(text), bounded, param, lambda: self._ids(text, True))
+
+    async def encode_chat(
+        self, messages: list[dict], bounded: bool = True, param: str | None = None
+    ) -> list[int]:
+        def render() -> list[int]:  # the template writes BOS itself where the model wants one
+            return self._ids(self.tokenizer.apply_chat_template(messages), False)
+
+        return await self._off_loop(sum(len(m["content"]) for m in messages), bounded, param, render)
+
+    async def _off_loop(
+        self, chars: int, bounded: bool, param: str | None, tokenize: Callable[[], list[int]]
+    ) -> list[int]:
+        if bounded:
+            self._check_chars(chars)
+        try:
+            if chars <= INLINE_PROMPT_CHARS:
+                return tokenize()
+            return await asyncio.get_running_loop().run_in_executor(self.pool, tokenize)
+        except TokenizerError as exc:
+            raise ApiError(400, str(exc), param=param) from exc
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch runs without the GIL (encode holds it: 1 s for 900 000 characters, during
+        # which the event loop would stand still).
+        return self.tokenizer.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _check_chars(self, chars: int) -> None:
+        if not self.engine.capacities:
+            return  # not connected to the agents yet: admission refuses the request
+        most_tokens = max(c.max_prompt_len for c in self.engine.capacities)
+        most_chars = most_tokens * self.longest_token_chars
+        if chars > most_chars:
+            raise ApiError(
+                413,
+                f"the prompt has {chars} characters; the longest accepted is {most_tokens} tokens, "
+                f"which never hold more than {most_chars} characters",
+            )
+
+
+async def unless_disconnected(
+    request: Request, streams: list[AnswerStream], work: Awaitable[T]
+) -> T | Response:
+    """The result of `work` (which reads `streams` to their end), unless the client disconnects
+    first: then `work` is cancelled and the streams closed, which aborts their requests and frees
+    their slots. (Streaming responses watch for the disconnect themselves.)"""
+    working = asyncio.ensure_future(work)
+    watching = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((working, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not working.done():
+            working.cancel()
+            await asyncio.gather(working, return_exceptions=True)
+        for stream in streams:  # work cancelled before its first step never opened them
+            await stream.aclose()
+    if working.cancelled():
+        return Response(status_code=CLIENT_GONE)
+    return working.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was read: nothing else arrives before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

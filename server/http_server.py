@@ -5,7 +5,10 @@
 3. end what is left with a final event saying the server is shutting down;
 4. then uvicorn closes the connections and the process exits 0.
 
-A second signal during the drain skips the wait (uvicorn's own fast exit).
+A second signal during the drain skips the wait (uvicorn's own fast exit). A signal while the
+server still waits for its agents (before it listens) ends the wait at once: exit 0. If the
+engine's loop dies, the open requests get their error, then the process exits 1 so that a
+supervisor restarts it. Slow clients are bounded by `SlowClientGuard` (the connection's protocol).
 """
 
 from __future__ import annotations
@@ -13,17 +16,55 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 import uvicorn
 from sse_starlette.sse import AppStatus
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from config.schema import ServingConfig, is_loopback
+from scheduler.agent_client import AgentError
 from server.output import OutputProcessor
 
 log = logging.getLogger(__name__)
 
 # After the drain every response has had its final event; this only bounds the socket close.
 CLOSE_TIMEOUT_S = 5
+EXIT_OK, EXIT_ENGINE_DEAD, EXIT_NO_AGENTS = 0, 1, 3  # 3: uvicorn's own "startup failed"
+
+
+class SlowClientGuard(H11Protocol):
+    """h11 with a deadline for each request head (slowloris): from the connection's start, and from
+    the end of its previous response, the request line and headers must arrive within
+    `head_timeout_s`, else the connection is closed. uvicorn bounds only the idle wait between
+    requests (timeout_keep_alive), and any byte resets that."""
+
+    head_timeout_s = 10.0  # set from the config by serve()
+    _head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._expect_head()
+
+    def on_response_complete(self) -> None:
+        self._expect_head()  # before uvicorn handles a pipelined request's head, which counts
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _expect_head(self) -> None:
+        """Close the connection unless a new request (a new cycle) has begun by the deadline."""
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        last_cycle = self.cycle
+        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._close_if_idle, last_cycle)
+
+    def _close_if_idle(self, last_cycle) -> None:
+        if self.cycle is last_cycle and not self.transport.is_closing():
+            self.transport.close()
 
 
 class DrainingServer(uvicorn.Server):
@@ -31,9 +72,38 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.outputs = outputs
         self.drain_timeout_s = drain_timeout_s
+        self.exit_code = EXIT_OK
         self._drain: asyncio.Task | None = None
+        self._agents_wait: asyncio.Task | None = None
+        self._engine_watch: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        """Connect to the agents first (up to server.agent_wait_s), in a task a signal can cancel:
+        uvicorn would only look at its exit flag once the app's startup is over."""
+        engine = self.outputs.engine
+        self._agents_wait = asyncio.create_task(engine.start())
+        try:
+            await self._agents_wait
+        except asyncio.CancelledError:
+            if not self.should_exit:
+                raise
+            log.info("stopped while waiting for the agents")
+            await engine.stop()
+            return
+        except AgentError as exc:
+            log.error("%s", exc)
+            self.exit_code, self.should_exit = EXIT_NO_AGENTS, True
+            await engine.stop()
+            return
+        await super().startup(sockets)
+        self._engine_watch = asyncio.create_task(self._exit_when_engine_dies())
 
     def handle_exit(self, sig: int, frame) -> None:
+        if not self.started and self._agents_wait is not None and not self._agents_wait.done():
+            super().handle_exit(sig, frame)
+            # Called between bytecodes of the loop's thread: wake the loop's select() too.
+            self._agents_wait.get_loop().call_soon_threadsafe(self._agents_wait.cancel)
+            return
         if self._drain is not None or not self.started:
             super().handle_exit(sig, frame)
             return
@@ -46,12 +116,36 @@ class DrainingServer(uvicorn.Server):
         AppStatus.should_exit = True  # lets sse-starlette close its streams now
         self.should_exit = True
 
+    async def _exit_when_engine_dies(self) -> None:
+        """A dead scheduler loop serves nothing again: once its open requests have had their
+        error (bounded by CLOSE_TIMEOUT_S), exit non-zero so that a supervisor starts a fresh server."""
+        engine = self.outputs.engine
+        await engine.dead.wait()
+        log.error(
+            "exiting with code %d so that a supervisor restarts the server: %s",
+            EXIT_ENGINE_DEAD,
+            engine.failure,
+        )
+        self.exit_code = EXIT_ENGINE_DEAD
+        engine.refuse_new_requests()
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        while self.outputs.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        AppStatus.should_exit = True
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        if self._engine_watch is not None:
+            self._engine_watch.cancel()
+        await super().shutdown(sockets)
+
 
 def _log_signal(signum: int, _frame) -> None:
     log.info("stopped by %s", signal.Signals(signum).name)
 
 
-def serve(config: ServingConfig, app, outputs: OutputProcessor) -> None:
+def serve(config: ServingConfig, app, outputs: OutputProcessor) -> int:
+    """Serves until SIGTERM/SIGINT (exit code 0) or a dead engine (1); 3 if the agents never answered."""
     s = config.server
     log.info(
         "serving %s on http://%s:%d (%s); API keys %s",
@@ -67,11 +161,17 @@ def serve(config: ServingConfig, app, outputs: OutputProcessor) -> None:
         signal.signal(signum, _log_signal)
     # sse-starlette would otherwise cut every stream the moment the signal arrives, without a final event.
     AppStatus.disable_automatic_graceful_drain()
+    SlowClientGuard.head_timeout_s = s.read_timeout_s
     uv_config = uvicorn.Config(
         app,
-        host=config.server.host,
-        port=config.server.port,
+        host=s.host,
+        port=s.port,
         log_config=None,
+        http=SlowClientGuard,
+        limit_concurrency=s.max_connections,
+        timeout_keep_alive=s.keep_alive_s,
         timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
     )
-    DrainingServer(uv_config, outputs, config.server.drain_timeout_s).run()
+    server = DrainingServer(uv_config, outputs, s.drain_timeout_s)
+    server.run()
+    return server.exit_code

@@ -14,12 +14,19 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from sse_starlette.sse import EventSourceResponse
 
-from agent.model.tokenizer import TextTokenizer, TokenizerError
 from config.schema import ServingConfig
-from server.assembly import admit, check_answer_fits, check_served, sampling_params, served_models
+from server.assembly import (
+    PromptEncoder,
+    admit,
+    check_answer_fits,
+    check_served,
+    sampling_params,
+    served_models,
+    unless_disconnected,
+)
 from server.errors import ApiError
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
 from server.output import AnswerStream, GenerationOutput, OutputProcessor
@@ -55,7 +62,7 @@ async def _merged(streams: list[AnswerStream]) -> AsyncGenerator[tuple[int, Gene
             await stream.aclose()
 
 
-def openai_router(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputProcessor) -> APIRouter:
+def openai_router(config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder) -> APIRouter:
     router = APIRouter(prefix="/v1")
     served = served_models(config)
 
@@ -75,7 +82,7 @@ def openai_router(config: ServingConfig, tokenizer: TextTokenizer, outputs: Outp
         if problem:
             raise ApiError(400, problem, code="unsupported_parameter")
 
-    async def respond(req, prompt: list[int], max_tokens: int, chat: bool):
+    async def respond(http: Request, req, prompt: list[int], max_tokens: int, chat: bool):
         # Temperature 0 is greedy; choice i samples with seed + i.
         samplings = [
             sampling_params(req, req.temperature > 0, None if req.seed is None else req.seed + i)
@@ -101,7 +108,7 @@ def openai_router(config: ServingConfig, tokenizer: TextTokenizer, outputs: Outp
                 "total_tokens": len(prompt) + completion_tokens,
             }
 
-        if not req.stream:
+        async def whole() -> dict:
             texts, tokens = [""] * req.n, [0] * req.n
             reasons: list[str | None] = [None] * req.n
             async with contextlib.aclosing(_merged(streams)) as merged:
@@ -120,6 +127,9 @@ def openai_router(config: ServingConfig, tokenizer: TextTokenizer, outputs: Outp
             for i, choice in enumerate(choices):
                 choice["finish_reason"] = reasons[i]
             return {**envelope(choices, False), "usage": usage(sum(tokens))}
+
+        if not req.stream:
+            return await unless_disconnected(http, streams, whole())
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -169,25 +179,23 @@ def openai_router(config: ServingConfig, tokenizer: TextTokenizer, outputs: Outp
         return asked
 
     @router.post("/completions")
-    async def completions(req: CompletionRequest = Depends(completion_request)):
+    async def completions(http: Request, req: CompletionRequest = Depends(completion_request)):
         check(req)
-        prompt = tokenizer.encode(req.text)
+        prompt = await encoder.encode(req.text, param="prompt")
         return await respond(
-            req, prompt, answer_length(len(prompt), req.max_tokens, "max_tokens"), chat=False
+            http, req, prompt, answer_length(len(prompt), req.max_tokens, "max_tokens"), chat=False
         )
 
     @router.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest = Depends(chat_request)):
+    async def chat_completions(http: Request, req: ChatCompletionRequest = Depends(chat_request)):
         check(req)
-        try:
-            prompt = tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
-        except TokenizerError as exc:
-            raise ApiError(400, str(exc), param="messages") from exc
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompt = await encoder.encode_chat(messages, param="messages")
         asked, param = (
             (req.max_completion_tokens, "max_completion_tokens")
             if req.max_completion_tokens
             else (req.max_tokens, "max_tokens")
         )
-        return await respond(req, prompt, answer_length(len(prompt), asked, param), chat=True)
+        return await respond(http, req, prompt, answer_length(len(prompt), asked, param), chat=True)
 
     return router

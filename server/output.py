@@ -57,8 +57,11 @@ class AnswerStream:
     """One request's outputs, as an async iterator. aclose() aborts an unfinished request and frees
     its slot, also when the stream was never iterated (a client gone before the first byte)."""
 
+    _done = True  # until __init__ is through, __del__ has nothing to close
+
     def __init__(self, outputs: OutputProcessor, stream: _Stream):
         self._outputs, self._stream, self._done = outputs, stream, False
+        self._loop = asyncio.get_running_loop()  # where the engine runs: the close goes there
 
     def __aiter__(self) -> AnswerStream:
         return self
@@ -77,9 +80,14 @@ class AnswerStream:
         self._outputs._close(self._stream)
 
     def __del__(self) -> None:
-        # Safety net: a response dropped before it ever iterated (nor closed) this stream.
+        # Safety net: a response dropped before it ever iterated (nor closed) this stream. Garbage
+        # collection can run in the middle of any scheduler code (or on another thread), so the
+        # close runs later on the event loop; a closed loop has no engine left to tell.
         if not self._done:
-            self._outputs._close(self._stream)
+            try:
+                self._loop.call_soon_threadsafe(self._outputs._close, self._stream)
+            except RuntimeError:
+                pass
 
 
 class OutputProcessor:

@@ -29,5 +29,4 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(config.logging, "server_app.log", console=True, secrets=config.server.api_keys)
     outputs = OutputProcessor(config, tokenizer)
     app = create_app(config, tokenizer, outputs)
-    serve(config, app, outputs)
-    return 0
+    return serve(config, app, outputs)

@@ -3,13 +3,17 @@
 import asyncio
 import os
 import signal
+import time
 
 import pytest
+import zmq
+import zmq.asyncio
 
+from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, write_config
-from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable
+from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable, GroupClient
 
 
 @pytest.fixture(scope="module")
@@ -103,5 +107,81 @@ def test_a_second_session_takes_over_and_the_first_is_refused(agent, tiny_llama_
         finally:
             old.close()
             new.close()
+
+    asyncio.run(run())
+
+
+class SilentAgent:
+    """A ROUTER socket that takes requests and answers only when told: an agent whose op never
+    returns while its ZeroMQ I/O thread still answers heartbeats, which a real agent cannot be made
+    to do from outside (SIGSTOP stops its heartbeats too)."""
+
+    def __init__(self):
+        self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+
+    async def received(self, timeout_s: float) -> list[dict]:
+        """The request headers that arrive within `timeout_s`."""
+        headers = []
+        while await self.socket.poll(int(timeout_s * 1000)):
+            frames = await self.socket.recv_multipart()
+            headers.append(protocol.decode(frames[1:])[0])
+            timeout_s = 0.05
+        return headers
+
+    async def answer_all(self) -> None:
+        """Answer every request (ok, no fields) until cancelled."""
+        while True:
+            frames = await self.socket.recv_multipart()
+            header, _ = protocol.decode(frames[1:])
+            await self.socket.send_multipart([frames[0], *protocol.ok_reply(header, {}, [])])
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def test_reconnect_while_a_call_polls_ends_that_call_cleanly():
+    async def run():
+        agent = SilentAgent()
+        client = AgentClient(agent.address, timeout_s=30)
+        try:
+            call = asyncio.create_task(client.ping())
+            await asyncio.sleep(0.3)  # the ping is sent and its reply awaited
+            client.reconnect()
+            started = time.monotonic()
+            with pytest.raises(AgentUnavailable, match="reconnected"):
+                await call
+            assert time.monotonic() - started < 1.0
+            answering = asyncio.create_task(agent.answer_all())
+            await client.ping(5)  # the fresh connection works
+            answering.cancel()
+        finally:
+            client.close()
+            agent.close()
+
+    asyncio.run(run())
+
+
+def test_a_tensor_parallel_group_with_a_lost_rank_sends_nothing_to_the_others():
+    """A call that reached only some ranks would leave them waiting in the AllReduce forever."""
+
+    async def run():
+        rank0, rank1 = SilentAgent(), SilentAgent()
+        group = GroupClient(
+            [AgentClient(rank0.address, timeout_s=5), AgentClient(rank1.address, timeout_s=5)]
+        )
+        try:
+            await asyncio.sleep(0.3)  # both connected
+            rank1.close()  # rank 1's agent dies: its client learns it on its next call
+            with pytest.raises(AgentUnavailable, match="connection lost"):
+                await group.clients[1].ping()
+            with pytest.raises(AgentUnavailable, match="connection lost"):
+                await group.decode([0])
+            assert await rank0.received(0.5) == []
+        finally:
+            group.close()
+            rank0.close()
 
     asyncio.run(run())

@@ -131,6 +131,21 @@ def test_bad_messages_get_error_replies_and_the_agent_keeps_serving(two_agents, 
     client.close()
 
 
+def test_a_frame_over_the_largest_legal_one_is_dropped_unread(two_agents):
+    """ZeroMQ MAXMSGSIZE from the largest legal frame (a mixed agent takes no K/V: tokens and headers
+    only): a larger frame closes that connection before the agent holds it; no reply, no crash."""
+    launcher, ports, _ = two_agents
+    pids = launcher.agent_pids()
+    limit = AgentSocket(ports[0]).call("info")[0]["max_frame_bytes"]
+    assert limit == 16 * 64 + (1 << 20)  # max_seq_len 64
+    oversized = AgentSocket(ports[0], session=False)
+    tokens = np.zeros(limit // 4 + 1, np.int32)  # a well-formed decode, one frame too large
+    with pytest.raises(TimeoutError):
+        oversized.raw(protocol.encode({"op": "decode", "id": 1}, [tokens]), timeout=3)
+    oversized.close()
+    assert launcher.agent_pids() == pids and AgentSocket(ports[0]).call("ping")[0]["ok"]
+
+
 def test_agents_survive_every_bad_message(two_agents):
     """Runs after the bad messages above: the same processes still serve (none died and was
     restarted by the launcher)."""

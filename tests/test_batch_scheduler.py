@@ -259,3 +259,26 @@ def test_prefill_group_failure_fails_its_transfers_and_leaves_no_path():
     assert not scheduler.can_serve
     with pytest.raises(AdmissionError, match="no agent is available"):
         scheduler.add(seq("b"))
+
+
+def test_a_busy_group_is_left_out_of_the_plan_until_its_step_is_over():
+    """Groups progress independently: while group 1's step is in flight, a plan holds only group 0's
+    work, and group 1's release waits for the plan after its step, before any prefill into the slot."""
+    scheduler, agents = make(slots=(1, 1))
+    a, b = seq("a", max_new=50), seq("b", max_new=50)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler, agents)
+    assert (a.group, b.group) == (0, 1)
+    scheduler.abort("b")
+    c = seq("c")
+    scheduler.add(c)
+    plan = scheduler.schedule(busy={1})
+    assert plan.releases == [] and plan.prefills == [] and list(plan.decodes) == [0]
+    assert [s.request_id for s in plan.decodes[0]] == ["a"]
+    plan = scheduler.schedule()
+    assert plan.releases == [(1, 0, None)] and plan.prefills == [c] and c.group == 1
+    parts = plan.by_group()
+    assert sorted(parts) == [0, 1]
+    assert parts[1].releases == plan.releases and parts[1].prefills == [c] and parts[1].decodes == {}
+    assert parts[0].decodes == {0: [a]} and not parts[0].releases and not parts[0].prefills

@@ -113,3 +113,21 @@ def test_service_refuses_a_cancelled_or_stale_transfer(tiny_llama_runner, receiv
 
     header, _ = protocol.decode(service.handle(receive_frames(7, 1, 102, blocks, state)))
     assert header["ok"] and receiver.slot_length(1) == 4
+
+
+def test_an_older_server_cannot_take_the_agent_back(receiver, release_all):
+    """Sessions carry the server's start time (epoch): a newer server's reset wins; an older one's
+    (its recovery after the agent came back, say) is refused, so two servers never alternate."""
+    release_all(receiver)
+    service = AgentService(receiver, model_name="tiny", rank=0, port=0, role="decode")
+
+    def reset(session: int, epoch: int) -> dict:
+        return protocol.decode(
+            service.handle(protocol.encode({"op": "reset", "id": 0, "session": session, "epoch": epoch}))
+        )[0]
+
+    assert reset(1, epoch=100)["ok"] and reset(2, epoch=200)["ok"]  # the newer server takes over
+    refused = reset(3, epoch=150)
+    assert not refused["ok"] and refused["kind"] == "stale_session" and "newer server" in refused["error"]
+    assert service.session == 2
+    assert reset(4, epoch=200)["ok"]  # the same server reconnecting opens a fresh session

@@ -2,6 +2,8 @@
 batching, aborts, stop strings, limits."""
 
 import asyncio
+import gc
+import sys
 
 import pytest
 
@@ -10,6 +12,7 @@ from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, write_config
 from config import load_config
 from scheduler.batch_scheduler import AdmissionError, Refusal
+from scheduler.sequence import FinishReason
 from server.errors import refusal_status
 from server.output import OutputProcessor
 
@@ -162,3 +165,59 @@ def test_queue_bound_and_prompt_bound(agent_config, tokenizer):
     full, long = run(scenario())
     assert (full, long) == (Refusal.OVERLOADED, Refusal.TOO_LONG)
     assert [refusal_status(full), refusal_status(long), refusal_status(full, openai=True)] == [503, 413, 429]
+
+
+def test_a_dropped_stream_is_closed_on_the_event_loop_not_inside_garbage_collection(agent_config, tokenizer):
+    """__del__ runs wherever garbage collection strikes, maybe in the middle of scheduler code: the
+    abort it asks for must run later, on the event loop, and a closed loop must not make it raise."""
+    unraisable = []
+
+    async def scenario():
+        server = OutputProcessor(agent_config, tokenizer)
+        await server.engine.start()
+        stream = server.generate_answer("dropped", tokenizer.encode("The quick"), GREEDY, 60)
+        seq = stream._stream.seq
+        del stream  # the last reference: __del__ runs here
+        finished_inside_del = seq.finished
+        for _ in range(10):
+            await asyncio.sleep(0)
+        left_open = server.generate_answer("left", [7], GREEDY, 3)  # outlives the loop
+        await server.engine.stop()
+        return finished_inside_del, seq.finish_reason, left_open
+
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        finished_inside_del, reason, left_open = run(scenario())
+        del left_open
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert not finished_inside_del and reason is FinishReason.ABORT
+    assert unraisable == []
+
+
+def test_a_dead_scheduler_loop_ends_every_request_refuses_new_ones_and_says_why(agent_config, tokenizer):
+    async def scenario():
+        server = OutputProcessor(agent_config, tokenizer)
+        engine = server.engine
+        await engine.start()
+        running = server.generate_answer("running", tokenizer.encode("The quick"), GREEDY, 60)
+        await running.__anext__()
+
+        def broken(busy=()):
+            raise RuntimeError("a bug in the policy")
+
+        # A bug in the pure policy cannot be caused from outside: this one is injected.
+        engine.scheduler.schedule = broken
+        rest = await asyncio.wait_for(collect(running), 10)
+        await asyncio.wait_for(engine.dead.wait(), 1)
+        reason = await engine.readiness()
+        with pytest.raises(AdmissionError) as refused:
+            server.generate_answer("late", [7], GREEDY, 3)
+        await engine.stop()
+        return rest[1][-1], engine.failure, reason, refused.value
+
+    last, failure, reason, refused = run(scenario())
+    assert last.finished and "a bug in the policy" in last.error
+    assert "RuntimeError: a bug in the policy" in failure and reason == failure
+    assert failure in str(refused) and refusal_status(refused.reason) == 503

@@ -160,3 +160,36 @@ def test_warm_up_compiles_every_bucket(tiny_llama_runner):
     assert len(shapes) == 2 + 3 + 1 + len(tiny_llama_runner.topk_buckets)
     assert len(lines) == len(shapes) + 1 and lines[-1].startswith("warm-up done")
     assert elapsed > 0 and np.all([f"{i}/{len(shapes)}" in lines[i - 1] for i in range(1, len(shapes) + 1)])
+
+
+def test_whole_vocabulary_rows_skip_the_whole_vocabulary_top_k(
+    tiny_llama_runner, tiny_llama_dir, release_all
+):
+    """A sampled row without top_k no longer makes the batch run a top-k over the whole vocabulary
+    (its cost grows with the vocabulary and is paid by every row); it samples on the host, by seed.
+    The graph set is wrapped to record which top-k graphs run: nothing else observes that."""
+    release_all(tiny_llama_runner)
+    prompt = load_tokenizer(tiny_llama_dir).encode("The quick brown fox")
+    hot = SamplingParams(do_sample=True, temperature=1.3, top_p=0.9, seed=11)
+    first = generate_alone(tiny_llama_runner, prompt, 12, params=hot)
+    graphs, ks = tiny_llama_runner.graphs, []
+    original_topk = graphs.topk
+
+    def recording_topk(k, logits):
+        ks.append(k)
+        return original_topk(k, logits)
+
+    graphs.topk = recording_topk
+    try:
+        alone = generate_alone(tiny_llama_runner, prompt, 12, params=hot)
+        topk_row = SamplingParams(do_sample=True, top_k=5, seed=1)
+        batch = [tiny_llama_runner.prefill(0, prompt, hot), tiny_llama_runner.prefill(1, prompt, topk_row)]
+        seqs = [[batch[0]], [batch[1]]]
+        for _ in range(11):
+            for seq, token in zip(seqs, tiny_llama_runner.decode([0, 1])):
+                seq.append(token)
+        release_all(tiny_llama_runner)
+    finally:
+        del graphs.topk
+    assert alone == first == seqs[0]  # same tokens alone, again, and beside a top-k row
+    assert ks and tiny_llama_runner.spec.vocab_size not in ks, ks  # only the top-k row's small graph

@@ -114,3 +114,54 @@ def test_presence_and_frequency_penalties_follow_openai():
 def test_invalid_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def draw_from_logits(params, logits, n, prompt=()):
+    sampler = SlotSampler(params, list(prompt), VOCAB)
+    return np.array([sampler.choose_from_logits(logits.astype(np.float32)) for _ in range(n)])
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (1.0, 8, 0.8), (1.0, 0, 0.9999)],
+)
+def test_whole_vocabulary_draws_on_the_host_match_the_distribution(temperature, top_k, top_p):
+    """The host path (rows that would need a top-k over the whole vocabulary on the device) draws
+    from the same distribution as the candidate path."""
+    rng = np.random.default_rng(0)
+    logits = np.full(VOCAB, -20.0)
+    logits[rng.choice(VOCAB, 12, replace=False)] = rng.normal(0, 1.0, 12)  # scattered ids: no id order
+    params = SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+    n = 20_000
+    counts = np.bincount(draw_from_logits(params, logits, n), minlength=VOCAB) / n
+    want = expected(logits, temperature, top_k, top_p)
+    assert np.all(counts[want == 0] == 0), "a token outside top-k/top-p was drawn"
+    assert np.abs(counts - want).max() < 0.015
+
+
+def test_whole_vocabulary_draws_reproduce_by_seed_and_use_one_number_each():
+    logits = np.random.default_rng(1).normal(0, 2, VOCAB)
+    params = SamplingParams(do_sample=True, seed=42, top_p=0.9)
+    a, b = draw_from_logits(params, logits, 50), draw_from_logits(params, logits, 50)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, draw_from_logits(params.model_copy(update={"seed": 43}), logits, 50))
+    sampler = SlotSampler(params, [], VOCAB)
+    sampler.choose_from_logits(logits)
+    # one RNG number per token, as choose() uses: a PD transfer's sampler state carries on either path
+    assert sampler.rng.bit_generator.state == _after_draws(42, 1)
+
+
+def _after_draws(seed: int, n: int) -> dict:
+    rng = np.random.default_rng(seed)
+    rng.random(n)
+    return rng.bit_generator.state
+
+
+def test_penalties_on_the_host_path_equal_the_candidate_path():
+    logits = np.random.default_rng(2).normal(0, 2, VOCAB)
+    prompt = list(np.argsort(-logits)[:5])  # the best tokens are penalised: the answer moves
+    params = SamplingParams(repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=0.3)
+    on_candidates, on_logits = SlotSampler(params, prompt, VOCAB), SlotSampler(params, prompt, VOCAB)
+    values, ids = candidates(logits)
+    for _ in range(8):
+        assert on_logits.choose_from_logits(logits.astype(np.float32)) == on_candidates.choose(values, ids)

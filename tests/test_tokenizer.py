@@ -1,9 +1,10 @@
 """Tokenizers from GGUF and tokenizer.json: exact round trips, chat templates, incremental decoding."""
 
 import pytest
+from tokenizers import Tokenizer, decoders, models
 
 from agent.model.detokenizer import IncrementalDetokenizer
-from agent.model.tokenizer import TokenizerError, load_tokenizer
+from agent.model.tokenizer import BYTE_OF_CHAR, TextTokenizer, TokenizerError, load_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -89,3 +90,41 @@ def test_a_character_cut_by_the_end_is_dropped(default_tokenizer):
     detok = IncrementalDetokenizer(default_tokenizer)
     pieces = [detok.add(t) for t in ids[:-1]] + [detok.flush()]
     assert "".join(pieces) == detok.text == "ok "
+
+
+def _byte_level_tokenizer_with_a_replacement_token() -> tuple[TextTokenizer, dict[str, int]]:
+    """A byte-level BPE vocabulary: the 256 single bytes, one token for U+FFFD (EF BF BD), one for
+    the first two bytes of "€" (E2 82; its last byte AC is a single-byte token), and a special."""
+    to_chars = {b: c for c, b in BYTE_OF_CHAR.items()}
+    vocab = {c: i for i, c in enumerate(sorted(to_chars.values()))}
+    named = {
+        "replacement": "".join(to_chars[b] for b in "\ufffd".encode()),
+        "euro_head": "".join(to_chars[b] for b in "€".encode()[:2]),
+        "euro_tail": to_chars["€".encode()[2]],
+        "a": "a",
+    }
+    for text in named.values():
+        vocab.setdefault(text, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|end|>"])
+    ids = {name: vocab[text] for name, text in named.items()}
+    ids["end"] = tokenizer.token_to_id("<|end|>")
+    return TextTokenizer(tokenizer, None, None, "<|end|>", (ids["end"],)), ids
+
+
+@pytest.mark.parametrize(
+    "names, pieces",
+    [
+        (["a", "replacement"], ["a", "\ufffd", ""]),  # a real U+FFFD at the end survives flush
+        (["replacement", "replacement"], ["\ufffd", "\ufffd", ""]),  # and is not held back
+        (["euro_head", "euro_tail", "replacement"], ["", "€", "\ufffd", ""]),
+        (["replacement", "euro_head"], ["\ufffd", "", ""]),  # "€" cut by the end: dropped
+        (["a", "end", "replacement"], ["a", "", "\ufffd", ""]),  # a special token adds nothing
+    ],
+)
+def test_a_generated_replacement_character_is_kept(names, pieces):
+    tokenizer, ids = _byte_level_tokenizer_with_a_replacement_token()
+    detok = IncrementalDetokenizer(tokenizer)
+    got = [detok.add(ids[name]) for name in names] + [detok.flush()]
+    assert got == pieces and detok.text == "".join(pieces)

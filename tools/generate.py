@@ -13,7 +13,7 @@ from agent.process_env import set_process_defaults
 
 set_process_defaults()  # before MindSpore loads
 from agent.bootstrap import Placement, build_runner  # noqa: E402
-from agent.contract.sampling import SamplingParams  # noqa: E402
+from agent.contract.sampling import SamplingParams, add_sampling_options, sampling_options  # noqa: E402
 from agent.known_answer import KnownAnswerError  # noqa: E402
 from agent.memory_plan import MemoryPlanError  # noqa: E402
 from agent.model.checkpoint import CheckpointError  # noqa: E402
@@ -29,12 +29,7 @@ def main() -> int:
     parser.add_argument("--config", help="config file (default: config/default.yaml)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
-    parser.add_argument("--do-sample", action="store_true")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int)
+    add_sampling_options(parser, top_k=0)
     args = parser.parse_args()
     try:  # every graph compiled (or read from the cache) and checked against the weights
         config = load_config(args.config)
@@ -47,14 +42,7 @@ def main() -> int:
     except (ConfigError, CheckpointError, TokenizerError, MemoryPlanError, KnownAnswerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    sampling = SamplingParams(
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-    )
+    sampling = SamplingParams(**sampling_options(args))
     messages = [{"role": "user", "content": args.prompt}]
     prompt = tokenizer.encode(args.prompt) if args.raw else tokenizer.encode_chat(messages)
     stop_ids = set(tokenizer.eos_ids) | set(checkpoint.spec.eos_ids)

@@ -19,7 +19,9 @@ Requests (op: fields -> reply fields):
                                                               refused if it still arrives)
     kv_receive (agent to agent): slot, ticket, state {length, next_token, sampler};
               arrays [K/V float32|float16 [2 * layers, kv_heads, length, head_dim]]  -> -
-    reset:    session                                      -> - (every slot released)
+    reset:    session, [epoch]                             -> - (every slot released; epoch: the
+                                                              server's start time, refused with
+                                                              stale_session below the holder's)
     ping:     -                                            -> -
     shutdown: session                                      -> - (the agent exits after replying)
 A reply carries the request's op and id, and "ok": true, or "ok": false with "error" (a message)

@@ -3,6 +3,8 @@ APIs' requests. The agent applies them (agent/sampling.py)."""
 
 from __future__ import annotations
 
+import argparse
+
 from pydantic import BaseModel, ConfigDict, Field
 
 # Beyond these an int no longer fits the wire's msgpack or NumPy's types; a larger top_k would
@@ -40,3 +42,22 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0.0 or self.top_k == 1
+
+
+# The command lines that sample (the client's, tools.generate) take the same options.
+SAMPLING_OPTIONS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, top_k: int) -> None:
+    """--do-sample, --temperature, --top-k (default `top_k`), --top-p, --repetition-penalty, --seed."""
+    parser.add_argument("--do-sample", action="store_true")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=top_k)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The options add_sampling_options() parsed, named as SamplingParams' fields."""
+    return {name: getattr(args, name) for name in SAMPLING_OPTIONS}

@@ -1,11 +1,18 @@
 """Incremental, UTF-8-safe detokenization: text pieces that join to exactly the full decode.
 
-A byte-level BPE token may end in the middle of a multi-byte character; its decode then ends in U+FFFD.
-Such a piece is held back until the character completes. Only a window of recent ids is decoded each
-step (the vLLM prefix/read offsets), so a long answer costs O(length), not O(length^2).
+A byte-level BPE token may end in the middle of a multi-byte character. For byte-level tokenizers
+(GPT-2 style: every GGUF vocabulary this project reads) each token's bytes go through an incremental
+UTF-8 decoder, which holds back exactly the bytes of an unfinished character; a U+FFFD the model
+generates as a character (its bytes EF BF BD) is text like any other and is emitted.
+
+Other tokenizers decode a window of recent ids each step (the vLLM prefix/read offsets), so a long
+answer costs O(length), not O(length^2); there a piece whose decode ends in U+FFFD is held back, as
+the text cannot tell a real U+FFFD from an unfinished character.
 """
 
 from __future__ import annotations
+
+import codecs
 
 from agent.model.tokenizer import TextTokenizer
 
@@ -15,30 +22,41 @@ REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
+        # errors="replace": invalid bytes become U+FFFD, as in the full decode
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if tokenizer.byte_level else None
         self.ids: list[int] = []
-        self.prefix_offset = 0  # start of the decode window
-        self.read_offset = 0  # ids up to here have been emitted as text
+        self.prefix_offset = 0  # start of the decode window (other tokenizers)
+        self.read_offset = 0  # ids up to here have been emitted as text (other tokenizers)
         self.text = ""  # everything emitted so far
 
     def add(self, token: int) -> str:
         """Append one token id; returns the new text that is safe to emit (may be empty)."""
         self.ids.append(token)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
-        window_text = decode(self.ids[self.prefix_offset :])
-        if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT):
-            return ""
-        piece = window_text[len(prefix_text) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self.utf8 is not None:
+            piece = self.utf8.decode(self.tokenizer.token_bytes(token))
+        else:
+            piece = self._window_piece()
         self.text += piece
         return piece
 
     def flush(self) -> str:
         """At the end of a sequence: what is still held back, less a character the end cut in half
         (max_new_tokens reached mid-emoji); its bytes would only decode to U+FFFD."""
+        if self.utf8 is not None:
+            self.utf8.reset()  # drops the bytes of the cut character, nothing else is held
+            return ""
         tail = self.tokenizer.decode(self.ids[self.prefix_offset :])
         prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         piece = tail[len(prefix_text) :].rstrip(REPLACEMENT)
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += piece
         return piece
+
+    def _window_piece(self) -> str:
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
+        window_text = decode(self.ids[self.prefix_offset :])
+        if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return window_text[len(prefix_text) :]

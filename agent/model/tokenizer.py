@@ -25,6 +25,22 @@ GGUF_PRE_TOKENIZERS = {
 GGUF_CONTROL_TOKEN = 3  # llama.cpp's token_type for special (control) tokens
 
 
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable bytes stand for themselves, the other
+    bytes for the characters from U+0100 on, in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
+    return {char: byte for byte, char in chars.items()}
+
+
+BYTE_OF_CHAR = _byte_of_char()
+
+
 class TokenizerError(Exception):
     """The model files carry no usable tokenizer or chat template."""
 
@@ -45,6 +61,8 @@ class TextTokenizer:
         self.bos_token, self.eos_token = bos_token, eos_token
         self.eos_ids = eos_ids
         self._template = None
+        self._added = tokenizer.get_added_tokens_decoder()
+        self._bytes: dict[int, bytes] = {}
         if chat_template:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -63,6 +81,28 @@ class TextTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def byte_level(self) -> bool:
+        """Whether every token stands for bytes (token_bytes), as in GPT-2 style BPE."""
+        return isinstance(self.tokenizer.decoder, decoders.ByteLevel)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A byte-level token's bytes (b"" for a special token, which decode skips); unlike decode,
+        a token that holds part of a character keeps its bytes. Cached: the vocabulary is fixed."""
+        cached = self._bytes.get(token)
+        if cached is None:
+            cached = self._bytes[token] = self._uncached_token_bytes(token)
+        return cached
+
+    def _uncached_token_bytes(self, token: int) -> bytes:
+        added = self._added.get(token)
+        if added is not None:  # added tokens are their text, not byte-level characters
+            return b"" if added.special else added.content.encode()
+        text = self.tokenizer.id_to_token(token)
+        if text is None:
+            return b""  # decode skips an unknown id too
+        return bytes(BYTE_OF_CHAR[char] for char in text if char in BYTE_OF_CHAR)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
