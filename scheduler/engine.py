@@ -24,30 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Iterable
 from functools import partial
 
 from agent.contract.sampling import SamplingParams
 from config.schema import ServingConfig
-from scheduler.agent_client import (
-    AgentClient,
-    AgentError,
-    AgentIncompatible,
-    AgentRequestError,
-    AgentTakenOver,
-    AgentUnavailable,
-    GroupClient,
-    ModelClient,
-)
+from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, AgentTakenOver
 from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal, StepPlan
+from scheduler.group_links import GroupLinks
 from scheduler.metrics import ServingMetrics
 from scheduler.sequence import FinishReason, Sequence
 
 log = logging.getLogger(__name__)
-
-RECOVERY_PROBE_S = 2.0  # a failed group is asked for `info` with this timeout ...
-RECOVERY_INTERVAL_S = 1.0  # ... this long apart, until it answers (the launcher restarted it)
 
 
 class Engine:
@@ -60,18 +48,16 @@ class Engine:
         metrics: ServingMetrics | None = None,
     ):
         self.config = config
-        self.vocab_size = vocab_size  # the tokenizer's: every group must cover it
         self.on_update = on_update  # called with a sequence after its new tokens and at its end
         self.metrics = metrics or ServingMetrics()
-        self.epoch = time.time_ns()  # this server's start: agents let only a newer server take them over
-        self.clients = [self._group_client(group) for group in range(len(config.agents.groups))]
+        self.links = GroupLinks(config, vocab_size)
+        self.clients = self.links.clients
         self.scheduler: BatchScheduler  # built by start(), over the capacities the groups report
         self.stop_ids: frozenset[int] = frozenset(eos_ids)  # the groups' EOS ids join at connection
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._recoveries: dict[int, asyncio.Task] = {}
         self._steps: dict[int, asyncio.Task] = {}  # group -> its step in flight (one at a time)
-        self._taken_over: set[int] = set()  # groups another server took over: never reclaimed
         self.failure: str | None = None  # why the loop died, if it did
         self.dead = asyncio.Event()  # set when it did: the server process should exit
         self._transfers: set[asyncio.Task] = set()  # prefills that send their KV to a decode group
@@ -97,17 +83,6 @@ class Engine:
             m.group_running.labels(str(group)).set_function(partial(self.get_bs_current, group))
             m.group_slots.labels(str(group)).set_function(partial(self.group_slots, group))
 
-    def _group_client(self, group: int) -> ModelClient:
-        agents = self.config.agents
-        clients = [
-            AgentClient(
-                agents.address(rank), self.config.server.agent_timeout_s, agents.curve, epoch=self.epoch
-            )
-            for rank, g in enumerate(agents.group_of_rank)
-            if g == group
-        ]
-        return clients[0] if len(clients) == 1 else GroupClient(clients)
-
     @property
     def started(self) -> bool:
         """Connected to every group, the loop running."""
@@ -121,7 +96,8 @@ class Engine:
     # ------------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        self.capacities = [await self._wait_for_group(i, c) for i, c in enumerate(self.clients)]
+        self.capacities = await self.links.connect_all()
+        self.stop_ids |= frozenset(self.links.eos_ids)
         for client in self.clients:
             self.metrics.agent_up.labels(client.address).set(1)
         s = self.config.server
@@ -130,51 +106,6 @@ class Engine:
         )
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         self._task.add_done_callback(self._loop_ended)
-
-    async def _wait_for_group(self, group: int, client: ModelClient) -> GroupCapacity:
-        deadline = time.monotonic() + self.config.server.agent_wait_s
-        while True:
-            try:
-                return await self._connect(group, client)
-            except AgentUnavailable as exc:
-                if time.monotonic() > deadline:
-                    raise AgentError(
-                        f"agent {client.address} not answering after "
-                        f"{self.config.server.agent_wait_s:g}s: {exc}"
-                    ) from exc
-                log.info("waiting for agent %s (%s)", client.address, exc)
-                if client.lost:
-                    client.reconnect()
-
-    async def _connect(
-        self, group: int, client: ModelClient, timeout_s: float | None = None
-    ) -> GroupCapacity:
-        """Check the group serves our model, then open this server's session on it (every slot
-        released: this server owns them all)."""
-        info = await client.info(timeout_s)
-        if info["vocab_size"] < self.vocab_size:
-            raise AgentIncompatible(
-                f"agent {client.address} serves a vocabulary of {info['vocab_size']} "
-                f"tokens; the tokenizer has {self.vocab_size}"
-            )
-        role = self.config.agents.groups[group].role
-        if info.get("role") != role:
-            raise AgentIncompatible(
-                f"agent {client.address} runs as a {info.get('role')} agent; this "
-                f"server's config makes it {role} (start both from one config)"
-            )
-        await client.reset(timeout_s)
-        self.stop_ids |= frozenset(info["eos_ids"])
-        log.info(
-            "agent %d at %s: %s, model %s, %d slots, max length %d",
-            group,
-            client.address,
-            role,
-            info["model"],
-            info["num_slots"],
-            info["max_seq_len"],
-        )
-        return GroupCapacity(info["num_slots"], info["max_seq_len"], info["max_prompt_len"], role)
 
     def refuse_new_requests(self) -> None:
         """The start of a drain: new requests are refused (503) while the admitted ones finish."""
@@ -192,8 +123,7 @@ class Engine:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         await asyncio.gather(*self._transfers, return_exceptions=True)
-        for client in self.clients:
-            client.close()
+        self.links.close()
 
     async def readiness(self, ping_timeout_s: float = 2.0) -> str | None:
         """Why the engine cannot take requests now (every group is pinged); None when it can."""
@@ -203,20 +133,15 @@ class Engine:
             return self.failure
         if self._draining or self._stopping:
             return "shutting down"
-        pings = await asyncio.gather(*(c.ping(ping_timeout_s) for c in self.clients), return_exceptions=True)
+        answering = await self.links.answering(self.scheduler.healthy, ping_timeout_s)
         down = []
-        for group, (client, ok, ping) in enumerate(zip(self.clients, self.scheduler.healthy, pings)):
-            answering = ok and not isinstance(ping, BaseException)
-            self.metrics.agent_up.labels(client.address).set(int(answering))
-            if not answering and group not in self._taken_over:
+        for group, (client, up) in enumerate(zip(self.clients, answering)):
+            self.metrics.agent_up.labels(client.address).set(int(up))
+            if not up and group not in self.links.taken_over:
                 down.append(client.address)
-        reasons = [self._taken_over_reason()] if self._taken_over else []
+        reasons = [self.links.taken_over_reason()] if self.links.taken_over else []
         reasons += [f"agents not answering: {', '.join(down)}"] if down else []
         return "; ".join(reasons) or None
-
-    def _taken_over_reason(self) -> str:
-        addresses = ", ".join(self.clients[group].address for group in sorted(self._taken_over))
-        return f"another server took these agents over: {addresses} (this server no longer uses them)"
 
     def get_bs_current(self, group: int | None = None) -> int:
         """Running sequences, in total or of one group."""
@@ -252,8 +177,8 @@ class Engine:
             raise AdmissionError(f"the server cannot serve: {self.failure}", Refusal.NOT_READY)
         if self._draining or self._stopping:
             raise AdmissionError("the server is shutting down", Refusal.SHUTTING_DOWN)
-        if self._taken_over and not self.scheduler.can_serve:
-            raise AdmissionError(self._taken_over_reason(), Refusal.NO_GROUP)
+        if self.links.taken_over and not self.scheduler.can_serve:
+            raise AdmissionError(self.links.taken_over_reason(), Refusal.NO_GROUP)
         seq = Sequence(
             request_id, list(prompt), sampling, max_new_tokens, frozenset() if ignore_eos else self.stop_ids
         )
@@ -464,7 +389,7 @@ class Engine:
             return
         address = self.clients[group].address
         if isinstance(exc, AgentTakenOver):
-            self._taken_over.add(group)
+            self.links.taken_over.add(group)
             log.error("agent %s: another server took it over; this server no longer uses it", address)
         else:
             log.error("agent %s failed: %s", address, exc)
@@ -474,33 +399,17 @@ class Engine:
             failed += self.scheduler.fail_waiting(f"no agent is available: {address} failed: {exc}")
         for seq in failed:
             self.on_update(seq)
-        if not self._stopping and group not in self._taken_over:  # the newer server keeps it
+        if not self._stopping and group not in self.links.taken_over:  # the newer server keeps it
             self._recoveries[group] = asyncio.create_task(self._recover(group), name=f"recover-group-{group}")
 
     async def _recover(self, group: int) -> None:
-        """Probe a failed group until it answers (restarted by the launcher, or resumed), then
-        give its slots back to the scheduler. Fresh socket per probe: nothing queued for a dead
-        connection is ever delivered."""
-        client, last_reason = self.clients[group], None
-        while not self._stopping:
-            client.reconnect()
-            try:
-                capacity = await self._connect(group, client, RECOVERY_PROBE_S)
-            except AgentTakenOver:  # a newer server holds it now (the agent refused our reset)
-                self._taken_over.add(group)
-                log.error("agent %s: a newer server holds it; this server no longer uses it", client.address)
-                self._recoveries.pop(group, None)
-                return
-            except AgentError as exc:
-                if str(exc) != last_reason:
-                    last_reason = str(exc)
-                    log.warning("agent %s not back yet: %s", client.address, exc)
-                await asyncio.sleep(RECOVERY_INTERVAL_S)
-                continue
-            self.capacities[group] = capacity
-            self.scheduler.group_recovered(group, capacity)
-            self.metrics.agent_up.labels(client.address).set(1)
-            log.info("agent %s is back: serving on it again", client.address)
-            self._recoveries.pop(group, None)
-            self._wake.set()
+        """Give a failed group's slots back to the scheduler once it answers again."""
+        capacity = await self.links.recover(group, lambda: self._stopping)
+        self._recoveries.pop(group, None)
+        if capacity is None:  # a newer server holds it, or this engine stops
             return
+        self.capacities[group] = capacity
+        self.scheduler.group_recovered(group, capacity)
+        self.metrics.agent_up.labels(self.clients[group].address).set(1)
+        log.info("agent %s is back: serving on it again", self.clients[group].address)
+        self._wake.set()

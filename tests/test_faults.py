@@ -157,10 +157,16 @@ def test_agent_killed_mid_stream_fails_its_requests_fast_then_comes_back(stack):
     want = post(f"{base}/models/tiny/generate", body("after the crash", 24)).json()["generated_text"]
     requests = start_mixed_load(base, n_streams=6, n_plain=2)
     (victim,) = agents.agent_pids()
-    os.kill(victim, signal.SIGKILL)
-    delays = assert_all_failed_fast(requests, time.monotonic())
-    print(f"kill -9: requests ended {min(delays):.2f}-{max(delays):.2f}s after the kill")
-    assert_refused_while_down(stack)
+    # The launcher is held while the test looks at the server with its agent down: a restart can
+    # otherwise be complete (the tiny model starts in ~3 s) before the test sends its request.
+    os.kill(agents.process.pid, signal.SIGSTOP)
+    try:
+        os.kill(victim, signal.SIGKILL)
+        delays = assert_all_failed_fast(requests, time.monotonic())
+        print(f"kill -9: requests ended {min(delays):.2f}-{max(delays):.2f}s after the kill")
+        assert_refused_while_down(stack)
+    finally:
+        os.kill(agents.process.pid, signal.SIGCONT)
     # The launcher restarts the agent; the server finds it by itself.
     agents.wait_for("restarting (restart 1 of 3 within 600s)", 30)
     down_at = time.monotonic()

@@ -8,7 +8,7 @@ import pytest
 
 from agent_harness import LauncherProcess, free_ports, serving_stack, write_config
 from http_client import post
-from scheduler.engine import RECOVERY_INTERVAL_S
+from scheduler.group_links import RECOVERY_INTERVAL_S
 
 
 def body(inputs: str) -> dict:

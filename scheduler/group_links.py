@@ -1,0 +1,131 @@
+"""GroupLinks: the engine's connections to its agent groups. Connecting (with the start-up wait),
+the compatibility check and this server's session, the readiness pings, probing a failed group
+until it is back, and the groups another server took over (never reclaimed: the newer server wins).
+The engine (scheduler/engine.py) decides what a failure means for the requests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from config.schema import ServingConfig
+from scheduler.agent_client import (
+    AgentClient,
+    AgentError,
+    AgentIncompatible,
+    AgentTakenOver,
+    AgentUnavailable,
+    GroupClient,
+    ModelClient,
+)
+from scheduler.batch_scheduler import GroupCapacity
+
+log = logging.getLogger(__name__)
+
+RECOVERY_PROBE_S = 2.0  # a failed group is asked for `info` with this timeout ...
+RECOVERY_INTERVAL_S = 1.0  # ... this long apart, until it answers (the launcher restarted it)
+
+
+class GroupLinks:
+    def __init__(self, config: ServingConfig, vocab_size: int):
+        self.config = config
+        self.vocab_size = vocab_size  # the tokenizer's: every group must cover it
+        self.epoch = time.time_ns()  # this server's start: agents let only a newer server take them over
+        self.clients = [self._group_client(group) for group in range(len(config.agents.groups))]
+        self.eos_ids: set[int] = set()  # the groups' own, learnt at connection
+        self.taken_over: set[int] = set()  # groups another server took over: never reclaimed
+
+    def _group_client(self, group: int) -> ModelClient:
+        agents = self.config.agents
+        clients = [
+            AgentClient(
+                agents.address(rank), self.config.server.agent_timeout_s, agents.curve, epoch=self.epoch
+            )
+            for rank, g in enumerate(agents.group_of_rank)
+            if g == group
+        ]
+        return clients[0] if len(clients) == 1 else GroupClient(clients)
+
+    async def connect_all(self) -> list[GroupCapacity]:
+        """Every group, waiting up to server.agent_wait_s for each."""
+        return [await self._wait_for_group(group) for group in range(len(self.clients))]
+
+    async def _wait_for_group(self, group: int) -> GroupCapacity:
+        client = self.clients[group]
+        deadline = time.monotonic() + self.config.server.agent_wait_s
+        while True:
+            try:
+                return await self.connect(group)
+            except AgentUnavailable as exc:
+                if time.monotonic() > deadline:
+                    raise AgentError(
+                        f"agent {client.address} not answering after "
+                        f"{self.config.server.agent_wait_s:g}s: {exc}"
+                    ) from exc
+                log.info("waiting for agent %s (%s)", client.address, exc)
+                if client.lost:
+                    client.reconnect()
+
+    async def connect(self, group: int, timeout_s: float | None = None) -> GroupCapacity:
+        """Check the group serves our model, then open this server's session on it (every slot
+        released: this server owns them all)."""
+        client = self.clients[group]
+        info = await client.info(timeout_s)
+        if info["vocab_size"] < self.vocab_size:
+            raise AgentIncompatible(
+                f"agent {client.address} serves a vocabulary of {info['vocab_size']} "
+                f"tokens; the tokenizer has {self.vocab_size}"
+            )
+        role = self.config.agents.groups[group].role
+        if info.get("role") != role:
+            raise AgentIncompatible(
+                f"agent {client.address} runs as a {info.get('role')} agent; this "
+                f"server's config makes it {role} (start both from one config)"
+            )
+        await client.reset(timeout_s)
+        self.eos_ids |= set(info["eos_ids"])
+        log.info(
+            "agent %d at %s: %s, model %s, %d slots, max length %d",
+            group,
+            client.address,
+            role,
+            info["model"],
+            info["num_slots"],
+            info["max_seq_len"],
+        )
+        return GroupCapacity(info["num_slots"], info["max_seq_len"], info["max_prompt_len"], role)
+
+    async def recover(self, group: int, stopping: Callable[[], bool]) -> GroupCapacity | None:
+        """Probe a failed group until it answers (restarted by the launcher, or resumed): its
+        capacity, or None when a newer server holds it now or the engine stops. Fresh socket per
+        probe: nothing queued for a dead connection is ever delivered."""
+        client, last_reason = self.clients[group], None
+        while not stopping():
+            client.reconnect()
+            try:
+                return await self.connect(group, RECOVERY_PROBE_S)
+            except AgentTakenOver:  # the agent refused our reset
+                self.taken_over.add(group)
+                log.error("agent %s: a newer server holds it; this server no longer uses it", client.address)
+                return None
+            except AgentError as exc:
+                if str(exc) != last_reason:
+                    last_reason = str(exc)
+                    log.warning("agent %s not back yet: %s", client.address, exc)
+                await asyncio.sleep(RECOVERY_INTERVAL_S)
+        return None
+
+    async def answering(self, healthy: list[bool], timeout_s: float) -> list[bool]:
+        """Each group: healthy here and answering a ping now."""
+        pings = await asyncio.gather(*(c.ping(timeout_s) for c in self.clients), return_exceptions=True)
+        return [ok and not isinstance(ping, BaseException) for ok, ping in zip(healthy, pings)]
+
+    def taken_over_reason(self) -> str:
+        addresses = ", ".join(self.clients[group].address for group in sorted(self.taken_over))
+        return f"another server took these agents over: {addresses} (this server no longer uses them)"
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
