@@ -2,7 +2,7 @@
 decode agent (a DEALER per decode agent, kept open; the K/V go as one raw frame, no pickle, no copy
 through the server) and waits for that agent's acknowledgement.
 
-    sender = KVSender(curve, timeout_s)
+    sender = KVSender(keys, timeout_s)   # keys: decode agent address -> ClientKeys, None without CURVE
     transfer_ms = sender.send(address, fields, blocks)   # raises TransferError; never hangs
 
 A transfer that fails or times out closes that connection with linger 0, so nothing still queued
@@ -20,8 +20,7 @@ import numpy as np
 import zmq
 
 from agent.contract import protocol
-from agent.contract.transport import secure_client_socket
-from config.schema import CurveSection
+from agent.contract.transport import ClientKeys, secure_client_socket
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +33,8 @@ class TransferError(Exception):
 
 
 class KVSender:
-    def __init__(self, curve: CurveSection | None, timeout_s: float):
-        self.curve = curve
+    def __init__(self, keys: dict[str, ClientKeys] | None, timeout_s: float):
+        self.keys = keys
         self.timeout_s = timeout_s
         self.context: zmq.Context = zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket] = {}
@@ -72,11 +71,14 @@ class KVSender:
     def _socket(self, address: str) -> zmq.Socket:
         socket = self._sockets.get(address)
         if socket is None:
+            keys = None if self.keys is None else self.keys.get(address)
+            if self.keys is not None and keys is None:
+                raise TransferError(f"{address} is not a decode agent of this config (agents.curve)")
             socket = self.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.MAXMSGSIZE, LARGEST_REPLY_BYTES)
-            if self.curve is not None:
-                secure_client_socket(socket, self.curve)
+            if keys is not None:
+                secure_client_socket(socket, keys)
             socket.connect(address)
             self._sockets[address] = socket
         return socket

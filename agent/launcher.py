@@ -76,6 +76,12 @@ class AgentLauncher:
         if unknown:
             raise LaunchError(f"no agent group {unknown[0]}: the config has groups 0..{len(all_groups) - 1}")
         ranks = [rank for rank, group in enumerate(config.agents.group_of_rank) if group in chosen]
+        curve = config.agents.curve
+        missing = [rank for rank in ranks if curve is not None and curve.agents[rank].secret_key is None]
+        if missing:
+            raise LaunchError(
+                f"agents.curve.agents[{missing[0]}] has no secret_key: this machine runs that agent"
+            )
         policy = config.agents
         self.agents = {
             rank: AgentHandle(

@@ -18,11 +18,11 @@ import traceback
 import zmq
 
 from agent.bootstrap import Placement, build_runner
-from agent.contract.transport import secure_agent_socket
+from agent.contract.transport import ClientKeys, is_peer, secure_agent_socket
 from agent.kv_transfer import KVSender
 from agent.service import AgentService, largest_frame_bytes
 from config.logs import setup_logging
-from config.schema import ServingConfig
+from config.schema import CurveSection, ServingConfig
 
 POLL_MS = 200
 PR_SET_PDEATHSIG = 1
@@ -73,7 +73,7 @@ def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) 
     startup_queue.put(("ready", rank, port, os.getpid(), warm_up_s))
     log.info("ready on %s", config.agents.address(rank))
     try:
-        _serve(socket, service, stopping, parent_pid, log)
+        _serve(socket, service, config.agents.curve, stopping, parent_pid, log)
     finally:
         socket.close(linger=0)
         if service.sender is not None:
@@ -112,16 +112,26 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
     socket: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, largest_frame_bytes(runner, place.role))
-    curve = config.agents.curve
-    authenticator = secure_agent_socket(socket, curve) if curve is not None else None
-    socket.bind(config.agents.address(rank))  # after warm-up: connecting means ready
-    log.info(
-        "socket %s",
-        "CURVE-encrypted, only the configured server key accepted"
-        if curve is not None
-        else "not encrypted (loopback)",
+    agents = config.agents
+    curve = agents.curve
+    authenticator = None
+    if curve is not None:
+        # a decode agent also admits the prefill agents' keys, for kv_receive alone
+        peers = (
+            [r for r, role in enumerate(agents.roles) if role == "prefill"] if place.role == "decode" else []
+        )
+        authenticator = secure_agent_socket(socket, curve, rank, peers)
+        log.info(
+            "socket CURVE-encrypted: the server's key accepted, and %d prefill agents' for KV", len(peers)
+        )
+    else:
+        log.info("socket not encrypted (loopback)")
+    socket.bind(agents.address(rank))  # after warm-up: connecting means ready
+    sender = (
+        KVSender(_sender_keys(config, rank), agents.kv_transfer_timeout_s)
+        if place.role == "prefill"
+        else None
     )
-    sender = KVSender(curve, config.agents.kv_transfer_timeout_s) if place.role == "prefill" else None
     service = AgentService(
         runner, model_name=config.model.name, rank=rank, port=port, role=place.role, sender=sender
     )
@@ -129,7 +139,27 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
     return socket, service, warm_up_s, authenticator
 
 
-def _serve(socket, service: AgentService, stopping: dict, parent_pid: int, log: logging.Logger) -> None:
+def _sender_keys(config: ServingConfig, rank: int) -> dict[str, ClientKeys] | None:
+    """A prefill agent's keys for each decode agent: its own keypair, that agent's public key."""
+    agents = config.agents
+    if agents.curve is None:
+        return None
+    own = agents.curve.own_agent_keypair(rank)
+    return {
+        agents.address(r): ClientKeys(*own, agent_public_key=agents.curve.agents[r].public_key)
+        for r, role in enumerate(agents.roles)
+        if role == "decode"
+    }
+
+
+def _serve(
+    socket,
+    service: AgentService,
+    curve: CurveSection | None,
+    stopping: dict,
+    parent_pid: int,
+    log: logging.Logger,
+) -> None:
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
     while stopping["signal"] is None:
@@ -146,7 +176,8 @@ def _serve(socket, service: AgentService, stopping: dict, parent_pid: int, log: 
             continue
         identity, *frames = socket.recv_multipart(copy=False)
         start = time.perf_counter()
-        reply = service.handle([f.buffer for f in frames])
+        from_peer = curve is not None and is_peer(frames[0], curve)
+        reply = service.handle([f.buffer for f in frames], from_peer=from_peer)
         socket.send_multipart([identity, *reply], copy=False)
         log.debug("request served in %.1f ms", (time.perf_counter() - start) * 1000)
         if service.shutdown_requested:

@@ -74,8 +74,9 @@ class AgentService:
         self.epoch = 0  # the start time of the server holding the session: an older one cannot reset
         self.cancelled_tickets: deque[int] = deque(maxlen=CANCELLED_TICKETS_KEPT)
 
-    def handle(self, frames: list) -> list:
-        """Request frames -> reply frames."""
+    def handle(self, frames: list, from_peer: bool = False) -> list:
+        """Request frames -> reply frames. `from_peer`: sent with another agent's CURVE key, which
+        may ask only protocol.PEER_OPS."""
         try:
             header, arrays = protocol.decode(frames)
         except protocol.ProtocolError as exc:
@@ -87,6 +88,11 @@ class AgentService:
         handler = getattr(self, f"_op_{op}", None) if op in protocol.OPS else None
         if handler is None:
             return protocol.error_reply(header, f"unknown op {op!r} (known: {', '.join(protocol.OPS)})")
+        if from_peer and op not in protocol.PEER_OPS:
+            log.warning("refused %s from another agent's key", op)
+            return protocol.error_reply(
+                header, f"{op}: another agent may only send {', '.join(protocol.PEER_OPS)}"
+            )
         if op in protocol.SESSION_OPS and "session" not in header:
             # Without this, any local process could release or decode another user's slot.
             return protocol.error_reply(

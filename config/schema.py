@@ -211,24 +211,48 @@ class RuntimeSection(Section):
         return self
 
 
+Z85Key = Annotated[str, Field(min_length=40, max_length=40, description="40-character Z85 key")]
+
+
+class AgentKeys(Section):
+    """One agent's CURVE keypair. The secret is needed only where that agent runs: a config file
+    for another machine may leave it out."""
+
+    public_key: Z85Key
+    secret_key: Z85Key | None = None
+
+
 class CurveSection(Section):
-    """ZeroMQ CURVE keys (Z85 text, made by `python -m tools.curve_keys`). The agents encrypt with
-    their keypair and accept only a client that holds the server's keypair."""
+    """ZeroMQ CURVE keys (Z85 text, made by `python -m tools.curve_keys --agents N`). Every agent
+    has its own keypair; an agent accepts the server's public key, and a decode agent also the
+    prefill agents' keys, for KV transfers only. The server pins each agent's public key."""
 
-    agent_public_key: str
-    agent_secret_key: str
-    server_public_key: str
-    server_secret_key: str
+    server_public_key: Z85Key
+    server_secret_key: Z85Key | None = Field(None, description="needed where the server runs")
+    agents: list[AgentKeys] = Field(min_length=1, description="one per agent port, in rank order")
 
-    @field_validator("*")
+    @model_validator(mode="before")
     @classmethod
-    def _z85(cls, key: str, info) -> str:
-        if len(key) != 40:
+    def _shared_agent_keypair(cls, data):
+        if isinstance(data, dict) and ("agent_public_key" in data or "agent_secret_key" in data):
             raise ValueError(
-                f"{info.field_name} must be a 40-character Z85 key "
-                f"(python -m tools.curve_keys makes them), got {len(key)} characters"
+                "agents.curve has changed: one shared agent keypair let every agent act as the "
+                "server. Give each agent its own: `python -m tools.curve_keys --agents N` prints a "
+                "new section (N: the number of agent ports)"
             )
-        return key
+        return data
+
+    def own_agent_keypair(self, rank: int) -> tuple[str, str]:
+        """(public, secret) of the agent at `rank`, for that agent's own process."""
+        keys = self.agents[rank]
+        if keys.secret_key is None:
+            raise ValueError(f"agents.curve.agents[{rank}] has no secret_key: this machine runs that agent")
+        return keys.public_key, keys.secret_key
+
+    def server_keypair(self) -> tuple[str, str]:
+        if self.server_secret_key is None:
+            raise ValueError("agents.curve has no server_secret_key: this machine runs the server")
+        return self.server_public_key, self.server_secret_key
 
 
 Role = Literal["mixed", "prefill", "decode"]
@@ -382,12 +406,21 @@ class AgentsSection(Section):
         return self
 
     @model_validator(mode="after")
+    def _one_keypair_per_agent(self) -> AgentsSection:
+        if self.curve is not None and len(self.curve.agents) != len(self.ports):
+            raise ValueError(
+                f"agents.curve.agents needs one keypair per agent port ({len(self.ports)}), "
+                f"got {len(self.curve.agents)}: `python -m tools.curve_keys --agents {len(self.ports)}`"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _curve_off_loopback(self) -> AgentsSection:
         exposed = [host for host in [self.host, *self.hosts] if not is_loopback(host)]
         if self.curve is None and exposed:
             raise ValueError(
                 f"agents on {exposed[0]} are reachable from other machines: set "
-                f"agents.curve (keys from `python -m tools.curve_keys`) or bind to 127.0.0.1"
+                f"agents.curve (keys from `python -m tools.curve_keys --agents N`) or bind to 127.0.0.1"
             )
         return self
 

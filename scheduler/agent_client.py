@@ -26,8 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
-from agent.contract.transport import secure_client_socket
-from config.schema import CurveSection
+from agent.contract.transport import ClientKeys, secure_client_socket
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
@@ -102,13 +101,13 @@ class _Connection:
     """One socket to the agent and the session opened over it. reconnect() retires it for a fresh
     one: a call in flight on it (the only one that may still use it) ends and closes it."""
 
-    def __init__(self, context: zmq.asyncio.Context, address: str, curve: CurveSection | None):
+    def __init__(self, context: zmq.asyncio.Context, address: str, keys: ClientKeys | None):
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        if curve is not None:
-            secure_client_socket(self.socket, curve)
+        if keys is not None:
+            secure_client_socket(self.socket, keys)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.poller = zmq.asyncio.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
@@ -139,16 +138,16 @@ class AgentClient:
         self,
         address: str,
         timeout_s: float,
-        curve: CurveSection | None = None,
+        keys: ClientKeys | None = None,
         context: zmq.asyncio.Context | None = None,
         epoch: int | None = None,
     ):
         self.address = address
         self.timeout_s = timeout_s
-        self.curve = curve
+        self.keys = keys  # CURVE: this server's keypair and the agent's public key
         self.context = context or zmq.asyncio.Context.instance()
         self._ids = itertools.count(1)
-        self._connection = _Connection(self.context, address, curve)
+        self._connection = _Connection(self.context, address, keys)
         # When this server started: an agent lets a newer server take it over, never an older one.
         self.epoch = epoch if epoch is not None else time.time_ns()
         self.decode_compute_s = 0.0  # the last decode's time inside the agent, by its own clock
@@ -163,7 +162,7 @@ class AgentClient:
 
     def reconnect(self) -> None:
         self._connection.retire()
-        self._connection = _Connection(self.context, self.address, self.curve)
+        self._connection = _Connection(self.context, self.address, self.keys)
 
     async def call(
         self, op: str, arrays: Sequence[np.ndarray] = (), timeout_s: float | None = None, **fields: Any

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from agent.contract.transport import ClientKeys
 from config.schema import ServingConfig
 from scheduler.agent_client import (
     AgentClient,
@@ -41,12 +42,18 @@ class GroupLinks:
         agents = self.config.agents
         clients = [
             AgentClient(
-                agents.address(rank), self.config.server.agent_timeout_s, agents.curve, epoch=self.epoch
+                agents.address(rank), self.config.server.agent_timeout_s, self._keys(rank), epoch=self.epoch
             )
             for rank, g in enumerate(agents.group_of_rank)
             if g == group
         ]
         return clients[0] if len(clients) == 1 else GroupClient(clients)
+
+    def _keys(self, rank: int) -> ClientKeys | None:
+        curve = self.config.agents.curve
+        if curve is None:
+            return None
+        return ClientKeys(*curve.server_keypair(), agent_public_key=curve.agents[rank].public_key)
 
     async def connect_all(self) -> list[GroupCapacity]:
         """Every group, waiting up to server.agent_wait_s for each."""

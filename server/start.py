@@ -22,8 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        if config.agents.curve is not None:
+            config.agents.curve.server_keypair()  # this machine runs the server: its secret is needed
         tokenizer = load_tokenizer(config.model.path)
-    except (ConfigError, TokenizerError) as exc:
+    except (ConfigError, TokenizerError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.logging, "server_app.log", console=True, secrets=config.server.api_keys)

@@ -31,6 +31,17 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def curve_keys(agents: int) -> dict:
+    """A fresh agents.curve section: the server's keypair and one per agent."""
+    server_public, server_secret = zmq.curve_keypair()
+    keypairs = [zmq.curve_keypair() for _ in range(agents)]
+    return {
+        "server_public_key": server_public.decode(),
+        "server_secret_key": server_secret.decode(),
+        "agents": [{"public_key": p.decode(), "secret_key": s.decode()} for p, s in keypairs],
+    }
+
+
 # Tiny-model runtime with 8 slots and room for long answers (streams that outlast a poll or a signal).
 LONG_ANSWERS_RUNTIME = {
     "num_slots": 8,

@@ -4,6 +4,8 @@ import asyncio
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,10 +16,20 @@ import zmq
 
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
+from agent.contract.transport import ClientKeys
 from agent.launcher import RestartBudget
 from agent.model.tokenizer import load_tokenizer
-from agent_harness import AgentSocket, LauncherProcess, alive, free_ports, wait_gone, write_config
+from agent_harness import (
+    AgentSocket,
+    LauncherProcess,
+    alive,
+    curve_keys,
+    free_ports,
+    wait_gone,
+    write_config,
+)
 from config import load_config
+from config.schema import PROJECT_ROOT
 from scheduler.agent_client import AgentClient, AgentUnavailable
 
 START_TIMEOUT = 240
@@ -263,41 +275,58 @@ def test_killed_agent_with_exit_policy_stops_the_launcher(launch, tiny_llama_dir
 
 
 def test_curve_agent_serves_the_configured_server_key_only(launch, tiny_llama_dir):
-    """An agent with agents.curve set accepts only a client holding the server keypair from the
-    config: a plain client and a client with another keypair get nothing back."""
-    agent_public, agent_secret = zmq.curve_keypair()
-    server_public, server_secret = zmq.curve_keypair()
-    curve = {
-        "agent_public_key": agent_public.decode(),
-        "agent_secret_key": agent_secret.decode(),
-        "server_public_key": server_public.decode(),
-        "server_secret_key": server_secret.decode(),
-    }
-    launcher, (port,) = launch(tiny_llama_dir, agents={"curve": curve})
+    """An agent with agents.curve set accepts only a client holding the server keypair and pinning
+    this agent's own public key: a plain client, a client with another keypair, and one that
+    expects another agent's key get nothing back."""
+    launcher, (port,) = launch(tiny_llama_dir, agents={"curve": curve_keys(1)})
     launcher.wait_for("all agents started", START_TIMEOUT)
-    config = load_config(launcher.config_path)
+    curve = load_config(launcher.config_path).agents.curve
     address = f"tcp://127.0.0.1:{port}"
+    server = ClientKeys(*curve.server_keypair(), agent_public_key=curve.agents[0].public_key)
 
-    async def info(curve_section) -> dict:
-        client = AgentClient(address, timeout_s=3, curve=curve_section)
+    async def info(keys) -> dict:
+        client = AgentClient(address, timeout_s=3, keys=keys)
         try:
             return await client.info()
         finally:
             client.close()
 
-    assert asyncio.run(info(config.agents.curve))["num_slots"] == 4
+    assert asyncio.run(info(server))["num_slots"] == 4
     with pytest.raises(AgentUnavailable, match="refused the connection"):
         asyncio.run(info(None))
     intruder_public, intruder_secret = zmq.curve_keypair()
-    intruder = config.agents.curve.model_copy(
-        update={"server_public_key": intruder_public.decode(), "server_secret_key": intruder_secret.decode()}
-    )
     with pytest.raises(AgentUnavailable, match="refused the connection"):
-        asyncio.run(info(intruder))
+        asyncio.run(
+            info(ClientKeys(intruder_public.decode(), intruder_secret.decode(), server.agent_public_key))
+        )
+    other_agent_public, _ = zmq.curve_keypair()  # a server that pins another agent's key
+    with pytest.raises(AgentUnavailable, match="refused the connection"):
+        asyncio.run(info(ClientKeys(server.public_key, server.secret_key, other_agent_public.decode())))
     assert (
         "refused a CURVE client with an unknown public key"
         in (launcher.config_path.parent / "logs" / "agent_0.log").read_text()
     )
+
+
+def test_each_machine_needs_only_the_secret_of_what_it_runs(tmp_path, tiny_llama_dir):
+    """A config copy without the server's secret cannot start the server, one without agent 0's
+    secret cannot start agent 0: each exits at once naming the missing key."""
+    curve = curve_keys(1)
+    curve["server_secret_key"] = None
+    curve["agents"][0]["secret_key"] = None
+    path = write_config(tmp_path, tiny_llama_dir, free_ports(1), agents={"curve": curve})
+    for script, message in (
+        ("start_server.py", "agents.curve has no server_secret_key"),
+        ("start_agent.py", "agents.curve.agents[0] has no secret_key"),
+    ):
+        done = subprocess.run(
+            [sys.executable, script, "--config", str(path)],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode != 0 and message in done.stdout + done.stderr, (script, done)
 
 
 def test_agent_plans_its_slots_from_the_memory_budget_and_logs_the_plan(launch, tiny_llama_dir, tmp_path):

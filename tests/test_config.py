@@ -67,7 +67,16 @@ def test_default_config_serves_the_embedded_model_on_cpu():
         (
             "agents:\n  curve: {agent_public_key: short, agent_secret_key: x, server_public_key: x, "
             "server_secret_key: x}\n",
-            "40-character Z85 key",
+            "Give each agent its own: `python -m tools.curve_keys --agents N`",
+        ),
+        (
+            "agents:\n  curve: {server_public_key: short, agents: [{public_key: short}]}\n",
+            "at least 40 characters",
+        ),
+        (
+            f"agents:\n  ports: [1, 2]\n  curve: {{server_public_key: '{'k' * 40}', "
+            f"agents: [{{public_key: '{'a' * 40}'}}]}}\n",
+            r"one keypair per agent port \(2\), got 1",
         ),
     ],
 )
@@ -130,13 +139,14 @@ def test_upstream_names_are_reachable():
 
 def test_curve_keys_tool_prints_a_section_the_config_accepts(tmp_path):
     printed = subprocess.run(
-        [sys.executable, "-m", "tools.curve_keys"],
+        [sys.executable, "-m", "tools.curve_keys", "--agents", "2"],
         capture_output=True,
         text=True,
         cwd=PROJECT_ROOT,
         check=True,
     ).stdout
     path = tmp_path / "remote.yaml"
-    path.write_text("agents:\n  host: 10.0.0.5\n" + printed)
+    path.write_text("agents:\n  host: 10.0.0.5\n  ports: [9820, 9821]\n" + printed)
     curve = load_config(path).agents.curve
-    assert curve is not None and curve.agent_public_key != curve.server_public_key
+    assert curve is not None and curve.server_keypair()[1] != curve.own_agent_keypair(0)[1]
+    assert len({curve.server_public_key, *(keys.public_key for keys in curve.agents)}) == 3

@@ -1,6 +1,7 @@
 """PD disaggregation with real processes: one prefill agent and two decode agents behind one server
 (config groups with roles), against one mixed agent of the same tiny model."""
 
+import asyncio
 import json
 import os
 import re
@@ -13,13 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import zmq
 
+from agent.contract.transport import ClientKeys
 from agent.model.formats import load_checkpoint
-from agent_harness import LauncherProcess, free_ports, serving_stack, write_config
+from agent_harness import LauncherProcess, curve_keys, free_ports, serving_stack, write_config
 from config import load_config
 from config.schema import PROJECT_ROOT
 from http_client import post
+from scheduler.agent_client import AgentClient, AgentError
 
 # Several lengths: 16, 64 and 64+ prompt buckets of the tiny runtime (prompts up to 64 tokens).
 TEXTS = [
@@ -71,13 +73,16 @@ def mixed_answers(tmp_path_factory, tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def disaggregated(tmp_path_factory, tiny_llama_dir):
+    """With CURVE on, as a multi-host set-up has it: the KV goes agent to agent under the prefill
+    agent's own key."""
     ports = free_ports(4)
     groups = [{**g, "ports": [p]} for g, p in zip(GROUPS, ports)]
+    curve = curve_keys(len(GROUPS))
     path = write_config(
         tmp_path_factory.mktemp("disaggregated"),
         tiny_llama_dir,
         ports[:3],
-        agents={"groups": groups, "kv_transfer_timeout_s": TRANSFER_TIMEOUT_S},
+        agents={"groups": groups, "kv_transfer_timeout_s": TRANSFER_TIMEOUT_S, "curve": curve},
         server={"port": ports[3]},
     )
     with serving_stack(path) as (agents, server):
@@ -86,6 +91,7 @@ def disaggregated(tmp_path_factory, tiny_llama_dir):
             "agents": agents,
             "server": server,
             "ports": ports[:3],
+            "curve": load_config(path).agents.curve,
             "logs": path.parent / "logs",
         }
 
@@ -122,6 +128,37 @@ def test_seeded_sampling_continues_on_the_decode_agent(disaggregated, tmp_path_f
     first = generate(base, "The quick brown fox", **params).json()["generated_text"]
     assert generate(base, "The quick brown fox", **params).json()["generated_text"] == first
     assert first != generate(base, "The quick brown fox", **{**params, "seed": 6}).json()["generated_text"]
+
+
+def test_a_prefill_agents_key_may_only_send_kv(disaggregated):
+    """The prefill agent holds its own keypair, not the server's: a decode agent takes only
+    kv_receive from it (not info, reset, decode or release), and the prefill agent does not admit
+    a decode agent's key at all."""
+    curve, ports = disaggregated["curve"], disaggregated["ports"]
+    prefill_keypair = (curve.agents[0].public_key, curve.agents[0].secret_key)
+
+    async def call(rank: int, keypair: tuple[str, str], op: str, **fields) -> dict:
+        keys = ClientKeys(*keypair, agent_public_key=curve.agents[rank].public_key)
+        client = AgentClient(f"tcp://127.0.0.1:{ports[rank]}", timeout_s=3, keys=keys)
+        try:
+            header, _ = await client.call(op, **fields)
+            return header
+        except AgentError as exc:
+            return {"error": str(exc)}
+        finally:
+            client.close()
+
+    for op, fields in (("info", {}), ("reset", {"session": 1}), ("release", {"slot": 0, "session": 1})):
+        answer = asyncio.run(call(1, prefill_keypair, op, **fields))
+        assert "another agent may only send kv_receive" in answer["error"], (op, answer)
+    answer = asyncio.run(call(1, prefill_keypair, "kv_receive", slot=0, ticket=1, session=1))
+    # past the key check, refused for its (made-up) session: kind stale_session
+    assert "took this agent over" in answer["error"], answer
+    decode_keypair = (curve.agents[1].public_key, curve.agents[1].secret_key)
+    assert "refused the connection" in asyncio.run(call(0, decode_keypair, "info"))["error"]
+    # the server's keys still work, and the stack still answers
+    assert asyncio.run(call(1, curve.server_keypair(), "info"))["role"] == "decode"
+    assert generate(disaggregated["base"], "Hi").status_code == 200
 
 
 def agent_pid(agents, rank: int) -> int:
@@ -211,14 +248,7 @@ def test_prefill_and_decode_agents_on_two_hosts(tmp_path, tiny_llama_dir, mixed_
         hosts = TwoHosts()
     except OSError as exc:
         pytest.skip(f"cannot create network namespaces here (needs root and iproute2): {exc}")
-    agent_public, agent_secret = zmq.curve_keypair()
-    server_public, server_secret = zmq.curve_keypair()
-    curve = {
-        "agent_public_key": agent_public.decode(),
-        "agent_secret_key": agent_secret.decode(),
-        "server_public_key": server_public.decode(),
-        "server_secret_key": server_secret.decode(),
-    }
+    curve = curve_keys(2)
     ports = free_ports(3)
     groups = [
         {"role": "prefill", "ports": [ports[0]], "host": hosts.addresses[0]},

@@ -33,7 +33,8 @@ prefill, decode, release and shutdown (kv_receive carries the decode agent's). T
 those ops without a session or from any other one, so a request still queued from a connection the
 server has given up on (a hung agent resumed, a previous server), or a local process that never
 opened one, can never touch the slots of the current server. (`reset` itself opens a new session:
-with CURVE off, any local user can still do that; agents.curve admits only the server's key.)
+with CURVE off, any local user can still do that; agents.curve admits only the server's key, and
+a decode agent the prefill agents' keys for PEER_OPS alone.)
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import numpy as np
 PROTOCOL_VERSION = 3
 OPS = ("info", "prefill", "decode", "release", "kv_receive", "reset", "ping", "shutdown")
 SESSION_OPS = ("prefill", "decode", "release", "kv_receive", "shutdown")
+PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent
 ALLOWED_DTYPES = {"int32", "int64", "float32", "float16"}
 MAX_ARRAY_BYTES = 1 << 30
 MAX_ARRAY_DIMS = 8
