@@ -244,13 +244,7 @@ class AgentClient:
         await self.call("reset", timeout_s=timeout_s, session=self.session, epoch=self.epoch)
 
     async def prefill(self, slot: int, prompt: Sequence[int], sampling: SamplingParams) -> int:
-        header, _ = await self.call(
-            "prefill",
-            [np.asarray(prompt, np.int32)],
-            slot=slot,
-            sampling=sampling.model_dump(),
-            session=self.session,
-        )
+        header = await self._prefill(slot, prompt, sampling)
         return int(header["token"])
 
     async def prefill_and_send(
@@ -258,15 +252,19 @@ class AgentClient:
     ) -> tuple[int, int, float]:
         """A prefill agent's prefill whose KV goes to a decode agent's slot (`transfer`: address,
         slot, session, ticket) -> (first token, K/V bytes sent, transfer ms)."""
+        header = await self._prefill(slot, prompt, sampling, transfer=transfer)
+        return int(header["token"]), int(header["kv_bytes"]), float(header["transfer_ms"])
+
+    async def _prefill(self, slot: int, prompt: Sequence[int], sampling: SamplingParams, **fields) -> dict:
         header, _ = await self.call(
             "prefill",
             [np.asarray(prompt, np.int32)],
             slot=slot,
             sampling=sampling.model_dump(),
             session=self.session,
-            transfer=transfer,
+            **fields,
         )
-        return int(header["token"]), int(header["kv_bytes"]), float(header["transfer_ms"])
+        return header
 
     async def decode(self, slots: Sequence[int]) -> list[int]:
         header, arrays = await self.call("decode", [np.asarray(slots, np.int32)], session=self.session)
