@@ -59,7 +59,8 @@ async def respond_full(http: Request, answer: AnswerStream) -> Response:
 
 
 async def stream_pieces(answer, return_full_text: bool, piece, error, full) -> AsyncIterator:
-    """The answer's pieces in one protocol's framing: piece(text, index), error(message), full(text)."""
+    """The answer's pieces in one protocol's framing: piece(text, index), error(message), full(text).
+    An error is the stream's last event: the full text would read as a finished answer."""
     text = []
     async with contextlib.aclosing(answer):
         async for out in answer:
@@ -68,6 +69,7 @@ async def stream_pieces(answer, return_full_text: bool, piece, error, full) -> A
                 yield piece(out.text, len(text) - 1)
             if out.error:
                 yield error(out.error)
+                return
     if return_full_text:
         yield full("".join(text))
 

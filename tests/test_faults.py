@@ -63,11 +63,17 @@ class Request(threading.Thread):
     Records what came back and when it ended."""
 
     def __init__(
-        self, base: str, inputs: str, stream: bool, max_new_tokens: int = LONG, path: str = "/models/tiny"
+        self,
+        base: str,
+        inputs: str,
+        stream: bool,
+        max_new_tokens: int = LONG,
+        path: str = "/models/tiny",
+        **parameters,
     ):
         super().__init__(daemon=True)
         self.url, self.stream = base + path, stream
-        self.body = body(inputs, max_new_tokens)
+        self.body = body(inputs, max_new_tokens, **parameters)
         self.body["stream"] = stream
         self.events: list[dict] = []
         self.status = self.json = self.ended = None
@@ -116,7 +122,12 @@ def ready(base: str) -> httpx.Response:
 
 
 def start_mixed_load(base: str, n_streams: int, n_plain: int) -> list[Request]:
-    requests = [Request(base, f"fault {i}", stream=i < n_streams) for i in range(n_streams + n_plain)]
+    # Half the streams end with the whole text (return_full_text): after a failure, the error
+    # must still be their last event, or the partial text would read as a finished answer.
+    requests = [
+        Request(base, f"fault {i}", stream=i < n_streams, return_full_text=i % 2 == 1)
+        for i in range(n_streams + n_plain)
+    ]
     for r in requests:
         r.start()
     for r in requests[:n_streams]:
