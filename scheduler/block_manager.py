@@ -1,0 +1,218 @@
+"""BlockManager: the paged KV cache of one group, as block tables, with automatic prefix caching.
+
+The group's KV is a pool of `num_blocks` blocks of `block_size` positions; a sequence's position p
+lives in block table[p // block_size] at offset p % block_size. The scheduler owns the tables and
+sends them to the agents, which only index. Pure logic, like nano-vllm's block manager and vLLM v1's
+KVCacheManager/BlockPool:
+
+    hit = blocks.allocate(seq_id, tokens)      # None: no room (preempt or wait); else cached positions
+    ... prefill tokens[hit:] ...;  blocks.computed(seq_id, tokens, len(tokens))
+    blocks.append(seq_id, len(tokens) + 1)     # False: no room, preempt someone
+    blocks.free(seq_id)
+
+Prefix caching: once a FULL block's KV is computed, the block is registered under its content, the
+hash chain (parent content, this block's tokens), so a later sequence with the same prefix reuses it
+instead of recomputing. The key is exact, never a digest: the parent is named by a serial number
+given to each registered content and never reused, so equal keys mean equal token prefixes and a
+hash collision can only cost a dict probe, never wrong KV. Only full, computed blocks are shared;
+a sequence writes from its hit on, which starts at a block boundary, into blocks it alone holds.
+
+A freed registered block keeps its KV and stays hit-able until it is needed for a new allocation:
+free uncached blocks go first, then cached ones least recently freed first (a freed table goes tail
+first, so a prefix outlives its continuations).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+_ROOT = 0  # the parent serial of a sequence's first block
+
+ContentKey = tuple[int, tuple[int, ...]]  # (parent content's serial, this block's tokens)
+
+
+@dataclass(eq=False)
+class _Content:
+    """One registered block content: its key, its serial (the parent of the next block's key) and
+    the blocks holding it (several when sequences computed the same prefix concurrently)."""
+
+    key: ContentKey
+    serial: int
+    holders: dict[int, None] = field(default_factory=dict)
+
+
+@dataclass
+class _Progress:
+    """How far a sequence's blocks are registered: the first `blocks` of its table, the last of which
+    has content serial `serial`."""
+
+    blocks: int = 0
+    serial: int = _ROOT
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.query_tokens = 0  # cumulative: prompt tokens looked up in the cache
+        self.hit_tokens = 0  # cumulative: of those, the ones found computed
+        self.reset()
+
+    def reset(self) -> None:
+        """Free every table and forget the cache: the group's KV is gone (an agent restarted)."""
+        self._refs = [0] * self.num_blocks
+        self._free_plain = list(range(self.num_blocks - 1, -1, -1))  # a stack; block 0 goes first
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: first = least recently freed
+        self._contents: dict[ContentKey, _Content] = {}
+        self._content_of: dict[int, _Content] = {}  # registered block -> its content
+        self._next_serial = _ROOT + 1
+        self._tables: dict[Hashable, list[int]] = {}
+        self._progress: dict[Hashable, _Progress] = {}
+
+    # --- gauges and queries ---
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation may take: unused, or cached with no holder (evicted on use)."""
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding registered (hit-able) KV, in use or not."""
+        return len(self._content_of)
+
+    def blocks_for(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    def table(self, key: Hashable) -> list[int]:
+        return list(self._tables[key])
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._tables
+
+    def blocks_needed(self, tokens: Sequence[int]) -> int:
+        """Free blocks `allocate(key, tokens)` would take now (hits on blocks in use cost none)."""
+        hits = self._lookup(tokens)
+        return self.blocks_for(len(tokens)) - sum(1 for _, block in hits if self._refs[block])
+
+    def can_allocate(self, tokens: Sequence[int]) -> bool:
+        return self.blocks_needed(tokens) <= self.num_free
+
+    def can_append(self, key: Hashable, length: int) -> bool:
+        return self.blocks_for(length) - len(self._tables[key]) <= self.num_free
+
+    # --- changes ---
+
+    def allocate(self, key: Hashable, tokens: Sequence[int]) -> int | None:
+        """Give `key` a table covering len(tokens) positions, reusing the longest cached prefix of
+        full blocks but leaving at least the last token to compute (its logits are needed). Returns
+        the positions already computed (a multiple of block_size), or None, changing nothing, when
+        the free blocks do not suffice."""
+        if key in self._tables:
+            raise ValueError(f"{key!r} already has a block table")
+        hits = self._lookup(tokens)
+        total = self.blocks_for(len(tokens))
+        if total - sum(1 for _, block in hits if self._refs[block]) > self.num_free:
+            return None
+        table = []
+        for _, block in hits:  # claim the hits first: a free one is revived, not evicted below
+            if self._refs[block] == 0:
+                del self._free_cached[block]
+            self._refs[block] += 1
+            table.append(block)
+        table.extend(self._take() for _ in range(total - len(hits)))
+        self._tables[key] = table
+        self._progress[key] = _Progress(len(hits), hits[-1][0].serial if hits else _ROOT)
+        hit = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.query_tokens += len(tokens)
+            self.hit_tokens += hit
+        return hit
+
+    def append(self, key: Hashable, length: int) -> bool:
+        """Grow `key`'s table to cover `length` positions; False, changing nothing, if the free
+        blocks do not suffice (the scheduler then preempts)."""
+        table = self._tables[key]
+        missing = self.blocks_for(length) - len(table)
+        if missing > self.num_free:
+            return False
+        table.extend(self._take() for _ in range(missing))
+        return True
+
+    def computed(self, key: Hashable, tokens: Sequence[int], upto: int) -> None:
+        """Positions [0, upto) of `key` now hold the KV of tokens[:upto]: register the full blocks
+        among them so later sequences can hit them. A content some other block already holds gets
+        this block as one more holder; the existing registration stays as it is."""
+        table = self._tables[key]
+        if upto > len(tokens) or upto > len(table) * self.block_size:
+            raise ValueError(f"computed up to {upto} beyond the tokens or the table of {key!r}")
+        if not self.enable_prefix_caching:
+            return
+        progress = self._progress[key]
+        size = self.block_size
+        for i in range(progress.blocks, upto // size):
+            content_key = (progress.serial, tuple(tokens[i * size : (i + 1) * size]))
+            content = self._contents.get(content_key)
+            if content is None:
+                content = self._contents[content_key] = _Content(content_key, self._next_serial)
+                self._next_serial += 1
+            block = table[i]
+            assert block not in self._content_of, f"block {block} is registered twice"
+            content.holders[block] = None
+            self._content_of[block] = content
+            progress.blocks, progress.serial = i + 1, content.serial
+
+    def free(self, key: Hashable) -> None:
+        """Drop `key`'s table (no-op if it has none). Its blocks with no other holder become free;
+        registered ones keep their KV, hit-able until evicted, the table's tail first in line."""
+        table = self._tables.pop(key, None)
+        self._progress.pop(key, None)
+        for block in reversed(table or ()):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._content_of:
+                    self._free_cached[block] = None
+                else:
+                    self._free_plain.append(block)
+
+    # --- internals ---
+
+    def _lookup(self, tokens: Sequence[int]) -> list[tuple[_Content, int]]:
+        """The cached run of full blocks matching tokens' prefix, at most len(tokens) - 1 positions:
+        (content, block) per block, preferring a holder in use (it costs no free block)."""
+        if not self.enable_prefix_caching:
+            return []
+        size = self.block_size
+        hits: list[tuple[_Content, int]] = []
+        serial = _ROOT
+        for i in range(max(len(tokens) - 1, 0) // size):
+            content = self._contents.get((serial, tuple(tokens[i * size : (i + 1) * size])))
+            if content is None:
+                break
+            block = next((b for b in content.holders if self._refs[b]), next(iter(content.holders)))
+            hits.append((content, block))
+            serial = content.serial
+        return hits
+
+    def _take(self) -> int:
+        """A free block for new KV: an uncached one if any, else the least recently freed cached one,
+        whose registration goes (its content stays registered while another block holds it)."""
+        if self._free_plain:
+            block = self._free_plain.pop()
+        else:
+            block, _ = self._free_cached.popitem(last=False)
+            content = self._content_of.pop(block)
+            del content.holders[block]
+            if not content.holders:
+                del self._contents[content.key]
+        self._refs[block] = 1
+        return block
