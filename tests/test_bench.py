@@ -1,14 +1,19 @@
 """The benchmark tool's parts on synthetic input: stream parsing of both APIs, target URLs,
-statistics, and the files it writes. A real run against a server is in test_http_api.py."""
+statistics, and the files it writes; --hostile against a stand-in server in a thread. A real run
+against a server is in test_http_api.py."""
 
+import contextlib
 import itertools
 import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tools.bench import report
-from tools.bench.__main__ import parse_args, request_bodies
-from tools.bench.stats import RequestRecord, median_of_runs, percentile, summarize
+from tools.bench.__main__ import HUGE_PROMPT_BYTES, hostile_requests, main, parse_args, request_bodies
+from tools.bench.stats import RequestRecord, median_of_runs, percentile, summarize, summarize_hostile
 from tools.bench.targets import Target, TargetError, parse_line
 
 pytestmark = pytest.mark.unit
@@ -156,3 +161,136 @@ def test_every_target_gets_the_same_numbered_prompts():
     plain = parse_args(["--target", "http://h:1/models/a", "--no-unique-prompts"])
     texts = [b["inputs"] for b in itertools.islice(request_bodies(plain.targets[0], plain, prompts, None), 4)]
     assert set(texts) == set(prompts)
+
+
+def test_hostile_requests_of_each_kind():
+    args = parse_args(["--target", "http://h:1/models/a", "--vs", "b=http://h:2/v1/chat/completions"])
+    assert args.hostile == 0 and args.hostile_kinds == ["stop_flood", "huge_prompt", "full_vocab"]
+    native, chat = args.targets
+    flood, huge, vocab, again = itertools.islice(hostile_requests(native, args, ["hi"], None, "r"), 4)
+    assert [r.kind for r in (flood, huge, vocab, again)] == [*args.hostile_kinds, "stop_flood"]
+    assert (flood.expect, huge.expect, vocab.expect) == (200, 413, 200)
+    stops = flood.body["parameters"]["stop"]
+    assert len(stops) == 4 and {len(s) for s in stops} == {256} and flood.body["inputs"] == "[r.h0] hi"
+    assert flood.body["parameters"]["ignore_eos"] and flood.body["parameters"]["max_new_tokens"] == 256
+    sampled = vocab.body["parameters"]
+    assert sampled["do_sample"] and sampled["temperature"] == 1.0 and sampled["top_k"] == 0
+    assert sampled["top_p"] == 1.0 and "stop" not in sampled
+    assert isinstance(huge.body, bytes) and len(json.loads(huge.body)["inputs"].encode()) == HUGE_PROMPT_BYTES
+    chat_args = parse_args(
+        ["--target", chat.url, "--hostile-kinds", "full_vocab,stop_flood", "--hostile-len", "9"]
+    )
+    sampled_chat, flood_chat = itertools.islice(hostile_requests(chat, chat_args, ["hi"], "m"), 2)
+    assert sampled_chat.body["temperature"] == 1.0 and sampled_chat.body["top_k"] == 0
+    assert len(flood_chat.body["stop"]) == 4 and flood_chat.body["temperature"] == 0.0
+    assert flood_chat.body["max_tokens"] == 9 and flood_chat.body["messages"][0]["content"] == "[0.h1] hi"
+    with pytest.raises(SystemExit):
+        parse_args(["--target", "http://h:1/models/a", "--hostile-kinds", "stop_flood,nonsense"])
+
+
+def test_hostile_summary_counts_by_kind_and_status():
+    def record(status, error=None, tokens=0):
+        return RequestRecord(start=0.0, end=1.0, status=status, error=error, tokens=tokens)
+
+    outcomes = [
+        ("huge_prompt", 413, record(413, "HTTP 413: too large")),
+        ("huge_prompt", 413, record(None, "WriteError: reset")),
+        ("stop_flood", 200, record(200, tokens=7)),
+        ("stop_flood", 200, record(200, "the server is shutting down", tokens=3)),
+    ]
+    summary = summarize_hostile(outcomes, ["stop_flood", "huge_prompt", "full_vocab"])
+    assert summary["hostile_requests"] == 4 and summary["hostile_unexpected"] == 2
+    assert summary["hostile_huge_prompt_http_413"] == 1 and summary["hostile_huge_prompt_no_response"] == 1
+    assert summary["hostile_stop_flood_http_200"] == 2 and summary["hostile_stop_flood_output_tokens"] == 7
+    assert summary["hostile_full_vocab_requests"] == 0 and summary["hostile_full_vocab_latency_p50_s"] is None
+    assert summary["hostile_error_messages"] == [
+        "huge_prompt: WriteError: reset",
+        "stop_flood: the server is shutting down",
+    ]
+    median = median_of_runs([summary, summary])
+    assert median["hostile_stop_flood_http_200"] == 2 and median["hostile_full_vocab_latency_p50_s"] is None
+
+
+@contextlib.contextmanager
+def stand_in_server():
+    """A native-API stand-in in a thread: each answer streams max_new_tokens pieces, 2 ms apart; a
+    body over 1 MiB is 413. Yields its base URL and the JSON bodies it answered."""
+    seen: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            if len(raw) > HUGE_PROMPT_BYTES:
+                self.send_response(413)
+                self.end_headers()
+                self.wfile.write(b'{"error": "the request body is too large"}')
+                return
+            body = json.loads(raw)
+            seen.append(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            for i in range(body["parameters"]["max_new_tokens"]):
+                time.sleep(0.002)
+                self.wfile.write(b'data:{"token": {"text": "a", "index": %d}}\n' % i)
+                self.wfile.flush()
+            self.wfile.write(b'data:{"generated_text": "aaaa"}\n')
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_hostile_clients_run_beside_the_timed_streams_and_are_reported_apart(tmp_path):
+    with stand_in_server() as (base, seen):
+        code = main(
+            [
+                "--target",
+                f"fake={base}/models/m",
+                "--concurrency",
+                "1",
+                "--requests",
+                "3",
+                "--output-len",
+                "4",
+                "--warmup",
+                "0",
+                "--hostile",
+                "3",
+                "--hostile-len",
+                "6",
+                "--out",
+                str(tmp_path),
+                "--name",
+                "run",
+            ]
+        )
+    assert code == 0
+    [result] = json.loads((tmp_path / "run.json").read_text())["results"]
+    s = result["summary"]
+    # The timed stream's metrics are its own: 3 requests of 4 tokens, whatever ran beside them.
+    assert s["requests"] == 3 and s["errors"] == 0 and s["output_tokens"] == 12
+    for kind in ("stop_flood", "huge_prompt", "full_vocab"):
+        assert s[f"hostile_{kind}_requests"] >= 1
+    assert s["hostile_huge_prompt_http_413"] == s["hostile_huge_prompt_requests"]
+    assert s["hostile_stop_flood_http_200"] == s["hostile_stop_flood_requests"]
+    assert s["hostile_unexpected"] == 0 and s["hostile_stop_flood_output_tokens"] >= 6
+    assert s["hostile_huge_prompt_latency_p50_s"] > 0  # a refusal's turnaround is timed too
+    timed = [b for b in seen if b["parameters"]["max_new_tokens"] == 4]
+    assert len(timed) == 3 and not any(
+        "stop" in b["parameters"] or "do_sample" in b["parameters"] for b in timed
+    )
+    assert any(len(b["parameters"].get("stop", [])) == 4 for b in seen)
+    assert any(b["parameters"].get("do_sample") for b in seen)
+    md = (tmp_path / "run.md").read_text()
+    assert "Hostile requests" in md and "| fake | 1 | huge_prompt |" in md

@@ -6,7 +6,13 @@ runs alternate target by target at each level, so drift on a shared machine hits
 --repeats runs each (target, level) several times and reports the median of each metric.
 --background-words N sends a long prompt (N words, one new token) every --background-interval
 seconds during each timed run: decoding streams under a steady stream of prefills (their TTFT is
-reported as background_ttft_*). Results go to output/bench/<name>.{json,md,png}.
+reported as background_ttft_*). --hostile N keeps N hostile clients busy during each timed run,
+cycling --hostile-kinds: stop_flood (the most stop strings a server accepts, 4 of 256 characters,
+never matching, a long answer), huge_prompt (a 1 MiB prompt: a defended server answers 413 at
+once), full_vocab (temperature 1 over the whole vocabulary, a long answer); greedy (a plain long
+answer) is a control of the same size. Hostile requests are counted by kind and status apart
+(hostile_* in the JSON, a second table in the markdown); the timed streams' metrics are their own.
+Results go to output/bench/<name>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -19,19 +25,24 @@ import random
 import secrets
 import sys
 import time
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 from tqdm import tqdm
 
+from agent.contract.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from config.schema import PROJECT_ROOT
 from tools.bench import report
-from tools.bench.load import closed_loop, open_loop, with_background
-from tools.bench.stats import median_of_runs, summarize
+from tools.bench.load import HostileRequest, closed_loop, open_loop, with_background, with_hostile
+from tools.bench.stats import RequestRecord, median_of_runs, summarize, summarize_hostile
 from tools.bench.targets import Target, TargetError
 
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
+HOSTILE_KINDS = ("stop_flood", "huge_prompt", "full_vocab", "greedy")  # greedy: the control
+DEFAULT_HOSTILE_KINDS = "stop_flood,huge_prompt,full_vocab"
+HUGE_PROMPT_BYTES = 1 << 20
 
 
 def int_list(text: str) -> list[int]:
@@ -40,6 +51,14 @@ def int_list(text: str) -> list[int]:
 
 def float_list(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
+
+
+def hostile_kinds(text: str) -> list[str]:
+    kinds = [v for v in text.split(",") if v]
+    unknown = [k for k in kinds if k not in HOSTILE_KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"hostile kinds {text!r}: choose from {','.join(HOSTILE_KINDS)}")
+    return kinds
 
 
 def output_lengths(spec: str) -> tuple[int, int]:
@@ -121,6 +140,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--background-interval seconds; they are reported apart",
     )
     p.add_argument("--background-interval", type=float, default=2.0, metavar="S")
+    p.add_argument(
+        "--hostile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="during each run, also keep N hostile clients busy, back to back, cycling "
+        "--hostile-kinds; they are reported apart, by kind and status",
+    )
+    p.add_argument(
+        "--hostile-kinds",
+        type=hostile_kinds,
+        default=hostile_kinds(DEFAULT_HOSTILE_KINDS),
+        metavar="K,K",
+        help=f"from {','.join(HOSTILE_KINDS)} (default {DEFAULT_HOSTILE_KINDS}; greedy is a "
+        "benign control of the same length)",
+    )
+    p.add_argument(
+        "--hostile-len",
+        type=int,
+        default=256,
+        metavar="N",
+        help="new tokens per hostile answer (default 256)",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt order and sampled lengths")
     p.add_argument("--out", type=Path, default=PROJECT_ROOT / "output" / "bench")
     p.add_argument("--name", default=time.strftime("bench-%Y%m%d-%H%M%S"), help="output file stem")
@@ -134,6 +176,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(exc))
     if len({t.label for t in args.targets}) != len(args.targets):
         p.error("two targets share a label; name them with LABEL=URL")
+    if args.hostile < 0 or args.hostile_len < 1:
+        p.error("--hostile must be 0 or more and --hostile-len at least 1")
     return args
 
 
@@ -172,26 +216,99 @@ def background_prompt(prompts: list[str], words: int) -> str:
     return " ".join(itertools.islice(itertools.cycle(pool), words))
 
 
+def never_matching_stops() -> list[str]:
+    """The most stop strings a request may carry (agent.contract.sampling: 4, of 256 characters
+    each, as OpenAI and TGI allow), each ending in U+241E (SYMBOL FOR RECORD SEPARATOR), which no
+    answer writes: the server scans for them after every token and never finds one."""
+    return [
+        (f"{i}: and so the answer goes on " * 16)[: MAX_STOP_CHARS - 1] + "\u241e"
+        for i in range(MAX_STOP_STRINGS)
+    ]
+
+
+def huge_prompt_body(target: Target, prompts: list[str], max_tokens: int, model: str | None) -> bytes:
+    """A request whose prompt is HUGE_PROMPT_BYTES of UTF-8 text (so its body is larger still),
+    encoded once: it is sent many times."""
+    text = " ".join(prompts).encode()
+    while len(text) < HUGE_PROMPT_BYTES:
+        text += b" " + text
+    prompt = text[:HUGE_PROMPT_BYTES].decode(errors="ignore")
+    body = target.request_body(prompt, max_tokens, True, model)
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def hostile_requests(
+    target: Target, args, prompts: list[str], model: str | None, run: str = "0"
+) -> Iterator[HostileRequest]:
+    """An endless stream of hostile requests, cycling args.hostile_kinds (numbered prompts, as
+    request_bodies() numbers them, with an `h`)."""
+    stops = never_matching_stops()
+    huge = (
+        huge_prompt_body(target, prompts, args.hostile_len, model)
+        if "huge_prompt" in args.hostile_kinds
+        else b""
+    )
+    pairs = zip(itertools.cycle(args.hostile_kinds), itertools.cycle(prompts))
+    for number, (kind, prompt) in enumerate(pairs):
+        if kind == "huge_prompt":
+            yield HostileRequest(kind, huge, 413)
+            continue
+        body = target.request_body(
+            f"[{run}.h{number}] {prompt}",
+            args.hostile_len,
+            True,
+            model,
+            stop=stops if kind == "stop_flood" else None,
+            full_vocab=kind == "full_vocab",
+        )
+        yield HostileRequest(kind, body, 200)
+
+
 def timed_run(
-    target: Target, args, level, bodies, per_run: int, done, background: str | None, model: str | None
+    target: Target,
+    args,
+    level,
+    bodies,
+    per_run: int,
+    done,
+    background: str | None,
+    model: str | None,
+    hostile: Iterator[HostileRequest] | None = None,
 ) -> dict:
-    """One timed run at `level` -> its summary (with the background prompts' if any)."""
+    """One timed run at `level` -> its summary (with the background prompts' and the hostile
+    requests' apart, if any)."""
     if args.rate:
         load = open_loop(target, bodies, level, per_run, args.seed, done)
     else:
         load = closed_loop(target, bodies, level, per_run, done)
-    if background is None:
-        return summarize(*asyncio.run(load))
-    body = target.request_body(background, 1, True, model)
-    (records, wall), extra = asyncio.run(with_background(load, target, body, args.background_interval))
+    sides: dict[str, Any] = {}
+
+    async def keep(key: str, together: Awaitable[tuple[Any, Any]]) -> Any:
+        result, sides[key] = await together
+        return result
+
+    timed: Awaitable[tuple[list[RequestRecord], float]] = load
+    if background is not None:
+        body = target.request_body(background, 1, True, model)
+        timed = keep("background", with_background(timed, target, body, args.background_interval))
+    if hostile is not None and args.hostile:
+        timed = keep("hostile", with_hostile(timed, target, hostile, args.hostile))
+
+    async def measured() -> tuple[list[RequestRecord], float]:
+        return await timed
+
+    records, wall = asyncio.run(measured())
     summary = summarize(records, wall)
-    side = summarize(extra, wall)
-    summary.update(
-        {
-            f"background_{key}": side[key]
-            for key in ("requests", "errors", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
-        }
-    )
+    if "background" in sides:
+        side = summarize(sides["background"], wall)
+        summary.update(
+            {
+                f"background_{key}": side[key]
+                for key in ("requests", "errors", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
+            }
+        )
+    if "hostile" in sides:
+        summary.update(summarize_hostile(sides["hostile"], args.hostile_kinds))
     return summary
 
 
@@ -234,6 +351,11 @@ def main(argv=None) -> int:
                 for target in args.targets:  # alternate: every target sees the same drift
                     bar.set_description(f"{target.label} @ {level:g}{' req/s' if open_mode else ' streams'}")
                     bodies = request_bodies(target, args, prompts, models[target.label], run)
+                    hostile = (
+                        hostile_requests(target, args, prompts, models[target.label], run)
+                        if args.hostile
+                        else None
+                    )
                     runs.setdefault((target.label, level), []).append(
                         timed_run(
                             target,
@@ -244,6 +366,7 @@ def main(argv=None) -> int:
                             done,
                             background,
                             models[target.label],
+                            hostile,
                         )
                     )
         for (label, level), level_runs in runs.items():
@@ -260,6 +383,8 @@ def main(argv=None) -> int:
     results.sort(key=lambda r: (r["level"], [t.label for t in args.targets].index(r["target"])))
     paths = report.write(results, settings, args.out, args.name)
     print(report.markdown_table(results))
+    if args.hostile:
+        print(report.hostile_table(results))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 1 if any(r["summary"]["errors"] for r in results) else 0
 

@@ -1,5 +1,5 @@
 """Load generation: one streaming request timed piece by piece, closed-loop levels and open-loop
-Poisson arrivals."""
+Poisson arrivals, and side loads beside a timed run (long prompts, hostile clients) kept apart."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, NamedTuple, TypeVar
 
 import httpx
 
@@ -15,15 +16,23 @@ from tools.bench.stats import RequestRecord
 from tools.bench.targets import Target, parse_line
 
 
-async def one_request(client: httpx.AsyncClient, target: Target, body: dict) -> RequestRecord:
+async def one_request(client: httpx.AsyncClient, target: Target, body: dict | bytes) -> RequestRecord:
+    """`body`: a JSON object, or one already encoded (bytes: a large body is encoded once)."""
     record = RequestRecord(start=time.monotonic())
     pieces = 0
     server_count = None
+    payload: dict[str, Any] = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     try:
-        async with client.stream("POST", target.url, json=body) as response:
+        async with client.stream("POST", target.url, **payload) as response:
+            record.status = response.status_code
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:200]}"
+                record.end = time.monotonic()  # how soon a refusal came (hostile requests expect one)
                 return record
             async for line in response.aiter_lines():
                 event = parse_line(target.api, line)
@@ -67,26 +76,75 @@ async def closed_loop(
         return records, time.monotonic() - start
 
 
+T = TypeVar("T")
+S = TypeVar("S")
+
+
+async def beside(timed: Awaitable[T], side: Callable[[asyncio.Event], Awaitable[S]]) -> tuple[T, S]:
+    """Await the timed load `timed` while `side(stop)` runs beside it; `stop` is set once the timed
+    load is done, and the side load's own result is awaited after -> (the load's, the side's)."""
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(side(stop))
+    try:
+        result = await timed
+    except BaseException:
+        task.cancel()
+        raise
+    stop.set()
+    return result, await task
+
+
 async def with_background(timed, target: Target, body: dict, interval_s: float):
     """Await the timed load `timed` while `body` (a long prompt) arrives every `interval_s`
     seconds beside it -> (the load's result, the background requests' records)."""
-    stop = asyncio.Event()
 
-    async def feed(client: httpx.AsyncClient) -> list[RequestRecord]:
-        tasks = []
-        while not stop.is_set():
-            tasks.append(asyncio.create_task(one_request(client, target, body)))
-            try:
-                await asyncio.wait_for(stop.wait(), interval_s)
-            except TimeoutError:
-                pass
-        return list(await asyncio.gather(*tasks))
+    async def feed(stop: asyncio.Event) -> list[RequestRecord]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+            tasks = []
+            while not stop.is_set():
+                tasks.append(asyncio.create_task(one_request(client, target, body)))
+                try:
+                    await asyncio.wait_for(stop.wait(), interval_s)
+                except TimeoutError:
+                    pass
+            return list(await asyncio.gather(*tasks))
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        feeder = asyncio.create_task(feed(client))
-        result = await timed
-        stop.set()
-        return result, await feeder
+    return await beside(timed, feed)
+
+
+class HostileRequest(NamedTuple):
+    kind: str  # e.g. "stop_flood", "huge_prompt", "full_vocab"
+    body: dict | bytes
+    expect: int  # the HTTP status a well-defended server answers
+
+
+async def with_hostile(timed, target: Target, requests: Iterator[HostileRequest], clients: int):
+    """Await the timed load `timed` while `clients` hostile clients send `requests` back to back
+    (each takes the next one as soon as its last one ends) -> (the load's result, a (kind, expected
+    status, record) per hostile request). Once the timed load is done no new hostile request starts
+    and those under way are awaited, so the next run starts on a quiet server. A client whose request
+    did not get its expected status waits 0.1 s (no busy loop against a server that is down)."""
+
+    async def client_loop(client: httpx.AsyncClient, stop: asyncio.Event, out: list) -> None:
+        for request in requests:
+            if stop.is_set():
+                return
+            record = await one_request(client, target, request.body)
+            out.append((request.kind, request.expect, record))
+            if record.status != request.expect:
+                try:
+                    await asyncio.wait_for(stop.wait(), 0.1)
+                except TimeoutError:
+                    pass
+
+    async def side(stop: asyncio.Event) -> list[tuple[str, int, RequestRecord]]:
+        out: list[tuple[str, int, RequestRecord]] = []
+        limits = httpx.Limits(max_connections=clients + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+            await asyncio.gather(*(client_loop(client, stop, out) for _ in range(clients)))
+        return out
+
+    return await beside(timed, side)
 
 
 async def open_loop(

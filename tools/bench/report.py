@@ -37,6 +37,43 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+HOSTILE_COLUMNS = [  # (header, key suffix, scale, format)
+    ("requests", "requests", 1, "{:.0f}"),
+    ("HTTP 200", "http_200", 1, "{:.0f}"),
+    ("HTTP 413", "http_413", 1, "{:.0f}"),
+    ("other HTTP", "http_other", 1, "{:.0f}"),
+    ("no response", "no_response", 1, "{:.0f}"),
+    ("unexpected", "unexpected", 1, "{:.0f}"),
+    ("out tokens", "output_tokens", 1, "{:.0f}"),
+    ("E2E p50 s", "latency_p50_s", 1, "{:.2f}"),
+]
+
+
+def hostile_kinds(summary: dict) -> list[str]:
+    return [
+        key[len("hostile_") : -len("_requests")]
+        for key in summary
+        if key.startswith("hostile_") and key.endswith("_requests") and key != "hostile_requests"
+    ]
+
+
+def hostile_table(results: list[dict]) -> str:
+    """The hostile requests beside each (target, level), one row per kind (medians over the runs;
+    unexpected: another status than the kind's expected one, 413 for huge_prompt, else 200); ""
+    if there were none."""
+    head = ["target", "level", "hostile kind", *(c[0] for c in HOSTILE_COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in results:
+        summary = row["summary"]
+        for kind in hostile_kinds(summary):
+            cells = [row["target"], row["level"], kind]
+            for _, suffix, scale, fmt in HOSTILE_COLUMNS:
+                value = summary[f"hostile_{kind}_{suffix}"]
+                cells.append("-" if value is None else fmt.format(value * scale))
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 def plot(results: list[dict], path: Path) -> None:
     """Output tok/s, TTFT p50 and inter-token p50 against the load level, one line per target."""
     panels = [
@@ -71,6 +108,9 @@ def write(results: list[dict], settings: dict, out_dir: Path, stem: str) -> dict
     paths["json"].write_text(
         json.dumps({"settings": settings, "results": results}, indent=2, ensure_ascii=False)
     )
-    paths["md"].write_text(markdown_table(results))
+    hostile = hostile_table(results)
+    paths["md"].write_text(
+        markdown_table(results) + (f"\nHostile requests beside the runs:\n\n{hostile}" if hostile else "")
+    )
     plot(results, paths["png"])
     return paths

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)  # arrival of each output piece
     tokens: int = 0  # output tokens: the server's count if it gave one, else pieces received
     error: str | None = None
+    status: int | None = None  # the HTTP status; None when no response came (a connection error)
 
     @property
     def ttft(self) -> float | None:
@@ -73,4 +75,40 @@ def median_of_runs(runs: list[dict]) -> dict:
         else:
             out[key] = None
     out["runs"] = len(runs)
+    return out
+
+
+def is_unexpected(expect: int, record: RequestRecord) -> bool:
+    """Another status than `expect`, or an error inside a 200 stream (a 413's error is its answer)."""
+    return record.status != expect or (record.status == 200 and record.error is not None)
+
+
+def summarize_hostile(outcomes: Sequence[tuple[str, int, RequestRecord]], kinds: Sequence[str]) -> dict:
+    """The hostile requests beside a run, (kind, expected status, record) each -> flat counts by kind
+    and status (`hostile_KIND_http_200`, `_http_413`, `_http_other`, `_no_response`), `_unexpected`
+    (another status than the kind's expected one, or an error inside a 200 stream), output tokens
+    and median latency; every kind has every key, so repeated runs line up for median_of_runs()."""
+    out: dict[str, Any] = {"hostile_requests": len(outcomes)}
+    unexpected_total = 0
+    for kind in kinds:
+        mine = [(expect, r) for k, expect, r in outcomes if k == kind]
+        unexpected = sum(1 for expect, r in mine if is_unexpected(expect, r))
+        unexpected_total += unexpected
+        latency = [r.latency for _, r in mine if r.latency is not None]
+        out.update(
+            {
+                f"hostile_{kind}_requests": len(mine),
+                f"hostile_{kind}_http_200": sum(1 for _, r in mine if r.status == 200),
+                f"hostile_{kind}_http_413": sum(1 for _, r in mine if r.status == 413),
+                f"hostile_{kind}_http_other": sum(1 for _, r in mine if r.status not in (None, 200, 413)),
+                f"hostile_{kind}_no_response": sum(1 for _, r in mine if r.status is None),
+                f"hostile_{kind}_unexpected": unexpected,
+                f"hostile_{kind}_output_tokens": sum(r.tokens for _, r in mine if r.error is None),
+                f"hostile_{kind}_latency_p50_s": percentile(latency, 50),
+            }
+        )
+    out["hostile_unexpected"] = unexpected_total
+    out["hostile_error_messages"] = sorted(
+        {f"{k}: {r.error}" for k, expect, r in outcomes if r.error and is_unexpected(expect, r)}
+    )[:5]
     return out

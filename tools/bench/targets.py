@@ -46,18 +46,28 @@ class Target:
             )
         return cls(label or parsed.netloc, url, api)
 
-    def request_body(self, prompt: str, max_tokens: int, ignore_eos: bool, model: str | None) -> dict:
-        """A greedy streaming request for `max_tokens` new tokens."""
+    def request_body(
+        self,
+        prompt: str,
+        max_tokens: int,
+        ignore_eos: bool,
+        model: str | None,
+        stop: list[str] | None = None,
+        full_vocab: bool = False,
+    ) -> dict:
+        """A streaming request for `max_tokens` new tokens: greedy, or with `full_vocab` sampled at
+        temperature 1 from the whole vocabulary (no top-k, no top-p); `stop`: its stop strings."""
         if self.api == "native":
-            return {
-                "inputs": prompt,
-                "stream": True,
-                "parameters": {
-                    "max_new_tokens": max_tokens,
-                    "return_protocol": "plain",
-                    "ignore_eos": ignore_eos,
-                },
+            parameters: dict = {
+                "max_new_tokens": max_tokens,
+                "return_protocol": "plain",
+                "ignore_eos": ignore_eos,
             }
+            if stop:
+                parameters["stop"] = stop
+            if full_vocab:  # the native API's top_k defaults to 3: 0 turns it off
+                parameters.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+            return {"inputs": prompt, "stream": True, "parameters": parameters}
         body = {
             "max_tokens": max_tokens,
             "temperature": 0.0,
@@ -65,6 +75,10 @@ class Target:
             "stream_options": {"include_usage": True},
             "ignore_eos": ignore_eos,
         }
+        if stop:
+            body["stop"] = stop
+        if full_vocab:  # top_k: the vLLM / llama.cpp extension, 0 = off
+            body.update(temperature=1.0, top_p=1.0, top_k=0)
         if model:
             body["model"] = model
         if self.api == "chat":
