@@ -8,8 +8,14 @@ through its GraphInputs. This module is the one place outside the graphs' own co
 kernel choice (runtime.attention_kernel, runtime.matmul_kernel): what it changes in the inputs, in
 the decode shapes, in an export's settings and in the weights' memory. NumPy only.
 
-KV cache rows: one flat cache per layer and kind, row (slot * kv_heads + head) * max_len + position;
-slot num_slots is the scratch slot that padded batch rows write to.
+KV cache rows: one flat cache per layer and kind, paged in blocks of runtime.block_size (B)
+positions: [blocks * kv_heads * B, head_dim], position p of KV head h of a sequence with block table
+T at row (T[p // B] * kv_heads + h) * B + p % B (a block holds B consecutive positions of each head,
+one head after the other). Each slot has a fixed table of MB = ceil(max_seq_len / B) blocks,
+slot s: blocks s * MB .. s * MB + MB - 1 (slot_table); slot num_slots is the scratch slot that
+padded batch rows and prompt padding write to. The graphs take block tables, not slots: the host
+computes write rows (and, for the gather path, read rows) from them and checks every index,
+since the kernels check none of what they are given beyond refusing a call.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ if TYPE_CHECKING:
 SHAPE_FIELDS = (
     "num_slots",
     "max_seq_len",
+    "block_size",
     "prefill_buckets",
     "decode_batch_buckets",
     "attend_buckets",
@@ -57,6 +64,13 @@ def shape_settings(runtime: RuntimeSection) -> dict:
     return settings
 
 
+def pool_blocks(runtime: RuntimeSection) -> int:
+    """Blocks of the KV cache: each slot's fixed table of ceil(max_seq_len / block_size) blocks, and
+    the scratch slot's."""
+    per_slot = -(-runtime.planned_max_seq_len // runtime.block_size)
+    return (runtime.planned_num_slots + 1) * per_slot
+
+
 def uses_kernels(runtime: RuntimeSection) -> bool:
     """Whether the graphs call the custom CPU kernels (agent/kernels)."""
     return runtime.attention_kernel or runtime.matmul_kernel
@@ -69,80 +83,181 @@ def packed_copy_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
 
 
 class GraphInputs:
-    """Host-side inputs of one graph set's prefill and decode graphs, as NumPy arrays in graph order.
+    """Host-side inputs of one graph set's prefill and decode graphs, as NumPy arrays in graph order,
+    from block tables (int arrays of MB block ids, position p in block table[p // B]).
 
     Prefill: tokens, positions, write rows, the mask [G*S, S] (or, with fused layers, the kernel's
-    row-major write rows and lengths [S*KV]), the last real token's index. Decode: tokens, positions,
-    write rows [B*KV], then with the attention kernel each row's first cache row and length [B*KV],
-    else the rows it attends [B*KV, attend] and their mask [B*KV, 1, attend]."""
+    row-major write rows and lengths [S*KV]), the last real token's index, the block table [1, MB]
+    and each row's table row [S] (zeros). Decode: tokens, positions, write rows [B*KV], then with
+    the attention kernel the block tables [B, MB] and each (row, head)'s length [B*KV], else the rows
+    it attends [B*KV, attend] and their mask [B*KV, 1, attend]; then each row's table row [B]
+    (0..B-1). Indices are checked here: a table entry outside the pool, a position beyond a table
+    or the rope tables is a ValueError."""
 
     def __init__(self, runtime: RuntimeSection, kv_heads: int, group: int, fused_layers: bool):
         """kv_heads: this rank's; fused_layers: each layer is one kernel, which takes row-major
-        write rows and lengths in place of the prefill mask."""
-        self.num_slots, self.max_len = runtime.num_slots, runtime.max_seq_len
+        write rows and lengths in place of the prefill mask, and reads earlier positions from the
+        cache (a prompt chunk may start after position 0)."""
+        self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
+        self.block_size = runtime.block_size
+        self.blocks_per_seq = -(-self.max_len // self.block_size)  # MB: a table's length
+        self.num_blocks = pool_blocks(runtime)  # the pool, the scratch slot's blocks included
         self.kv_heads, self.group, self.fused_layers = kv_heads, group, fused_layers
         self.attention_kernel = runtime.attention_kernel
         self.decode_attends = decode_attends(runtime)
         self._head_rows = np.arange(kv_heads, dtype=np.int64)
+        self.scratch_table = self.slot_table(self.num_slots)
+
+    @property
+    def cache_rows(self) -> int:
+        """Rows of each layer's K (and V) cache."""
+        return self.num_blocks * self.kv_heads * self.block_size
+
+    def slot_table(self, slot: int) -> np.ndarray:
+        """The fixed block table [MB] int32 of `slot` (num_slots: the scratch slot)."""
+        if not 0 <= slot <= self.num_slots:
+            raise ValueError(f"slot {slot} is out of range 0..{self.num_slots}")
+        mb = self.blocks_per_seq
+        return np.arange(slot * mb, (slot + 1) * mb, dtype=np.int32)
 
     def attend(self, positions: np.ndarray) -> int:
         """The decode graph's attended length for rows writing at `positions` (0: the kernel's)."""
         return 0 if self.attention_kernel else bucket(self.decode_attends, int(positions.max()) + 1)
 
-    def base_rows(self, slots: np.ndarray) -> np.ndarray:
-        """[len(slots), KV] first cache row of each (slot, kv head)."""
-        return (slots[:, None] * self.kv_heads + self._head_rows[None, :]) * self.max_len
+    def rows(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Cache rows [n, P, KV] of `positions` [n, P] of the sequences with block `tables` [n, MB]
+        (unchecked: check_tables and check_positions first)."""
+        positions = np.asarray(positions, np.int64)
+        blocks = np.take_along_axis(np.asarray(tables, np.int64), positions // self.block_size, axis=1)
+        offsets = positions % self.block_size
+        return (blocks[..., None] * self.kv_heads + self._head_rows) * self.block_size + offsets[..., None]
 
-    def slot_rows(self, slot: int, length: int) -> np.ndarray:
-        """Cache rows of positions 0..length-1 of a slot, head-major (as prefill writes them)."""
-        rows = self.base_rows(np.array([slot]))[0][:, None] + np.arange(length)[None, :]
-        return rows.reshape(-1).astype(np.int32)
+    def kv_rows(self, table: np.ndarray, length: int) -> np.ndarray:
+        """Cache rows of positions 0..length-1 of the sequence with block `table`, head-major
+        [KV * length] int32 (the order of a K/V transfer)."""
+        tables = self.check_tables(table)
+        positions = np.arange(length)[None, :]
+        self.check_positions(positions, "a KV transfer")
+        return self.rows(tables[:1], positions)[0].T.reshape(-1).astype(np.int32)
 
-    def prefill(self, slot: int, tokens: np.ndarray, length: int) -> tuple[np.ndarray, ...]:
-        """Prompt `tokens` padded to `length`, written into `slot`."""
+    def check_tables(self, tables: np.ndarray) -> np.ndarray:
+        """`tables` ([MB] or [n, MB]) as int32 [n, MB], each entry a block of the pool."""
+        tables = np.asarray(tables)
+        if tables.ndim == 1:
+            tables = tables[None, :]
+        mb = self.blocks_per_seq
+        if tables.ndim != 2 or tables.shape[1] != mb or not np.issubdtype(tables.dtype, np.integer):
+            raise ValueError(
+                f"block tables must be integers of shape [n, {mb}] ({mb} blocks of {self.block_size} "
+                f"positions each), got {tables.dtype}{list(tables.shape)}"
+            )
+        if tables.size and (tables.min() < 0 or tables.max() >= self.num_blocks):
+            bad = tables[(tables < 0) | (tables >= self.num_blocks)][0]
+            raise ValueError(
+                f"block table entry {bad} is outside the pool of blocks 0..{self.num_blocks - 1}"
+            )
+        return tables.astype(np.int32)
+
+    def check_positions(self, positions: np.ndarray, what: str) -> None:
+        """Positions within a table's blocks and the rope tables (max_seq_len)."""
+        positions = np.asarray(positions)
+        if positions.size and (positions.min() < 0 or positions.max() >= self.max_len):
+            raise ValueError(
+                f"{what} writes positions up to {int(positions.max())}: positions lie in "
+                f"0..{self.max_len - 1} (max_seq_len {self.max_len})"
+            )
+
+    def prefill(
+        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0
+    ) -> tuple[np.ndarray, ...]:
+        """Prompt `tokens` padded to `length`, at positions start..start+n-1 of the sequence with block
+        `table`; positions 0..start-1 must already be in the cache (chunked prefill, prefix hits).
+        Padding rows write to the scratch slot (the mask path) or nowhere (fused layers)."""
         n = len(tokens)
+        tables = self.check_tables(table)
+        if tables.shape[0] != 1:
+            raise ValueError(f"a prefill takes one block table, got {tables.shape[0]}")
+        if not 1 <= n <= length:
+            raise ValueError(f"a prefill of {n} tokens does not fit its bucket of {length}")
+        if start < 0:
+            raise ValueError(f"a prefill starts at a position >= 0, not {start}")
+        if start > 0 and not self.fused_layers:
+            raise ValueError(
+                "a prefill after position 0 (a chunk after cached positions) needs the fused layers "
+                "(runtime.decode_attention and runtime.matmul: kernel, no tensor parallelism); these "
+                "graphs attend within the prompt only"
+            )
+        index = np.arange(length)
+        real = index < n
+        positions = np.where(real, start + index, index)  # padding: the scratch slot's positions
+        self.check_positions(positions[real], "the prefill")
+        self.check_positions(positions, "the prefill's padding")
         padded = np.zeros(length, np.int32)
         padded[:n] = tokens
-        positions = np.arange(length, dtype=np.int32)
+        write = np.where(
+            real[:, None],
+            self.rows(tables, (positions * real)[None, :])[0],
+            self.rows(self.scratch_table[None, :], index[None, :])[0],
+        )  # [S, KV]
         last = np.array([n - 1], np.int32)
+        paging = (tables, np.zeros(length, np.int32))
         if self.fused_layers:  # row-major write rows, and lengths in place of the mask
-            write = self.base_rows(np.array([slot]))[0][None, :] + positions[:, None]  # [S, KV]
-            lengths = np.where(positions < n, positions + 1, 0)
+            lengths = np.where(real, positions + 1, 0)
             return (
                 padded,
-                positions,
+                positions.astype(np.int32),
                 write.reshape(-1).astype(np.int32),
                 np.repeat(lengths, self.kv_heads).astype(np.int32),
                 last,
+                *paging,
             )
-        causal = np.where(positions[None, :] > positions[:, None], -np.inf, 0.0).astype(np.float32)
+        causal = np.where(index[None, :] > index[:, None], -np.inf, 0.0).astype(np.float32)
         mask = np.tile(causal, (self.group, 1))  # [G*S, S], query rows grouped per head
-        return padded, positions, self.slot_rows(slot, length), mask, last
+        return padded, positions.astype(np.int32), write.T.reshape(-1).astype(np.int32), mask, last, *paging
 
     def decode(
-        self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int
+        self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int
     ) -> tuple[np.ndarray, ...]:
-        """Tokens at `positions` of `slots`, padded to `rows` (padding writes to the scratch slot and
-        attends nothing); `attend`: the gather path's bucket, ignored by the kernel."""
-        pad = rows - len(slots)
+        """Tokens at `positions` of the sequences with block `tables` [n, MB], padded to `rows`
+        (padding rows write to the scratch slot and attend nothing); `attend`: the gather path's
+        bucket, ignored by the kernel."""
+        tables = self.check_tables(tables)
+        positions = np.asarray(positions, np.int64)
+        if not len(tables) == len(tokens) == len(positions) <= rows:
+            raise ValueError(
+                f"decode of {len(tables)} tables, {len(tokens)} tokens, {len(positions)} positions in "
+                f"{rows} rows"
+            )
+        self.check_positions(positions, "the decode step")
+        pad = rows - len(tables)
         lengths = np.concatenate([positions + 1, np.zeros(pad, np.int64)])  # padding attends nothing
-        slots = np.concatenate([slots, np.full(pad, self.num_slots)])  # scratch slot
+        tables = np.concatenate([tables, np.repeat(self.scratch_table[None, :], pad, 0)])
         tokens = np.concatenate([tokens, np.zeros(pad, np.int64)]).astype(np.int32)
         positions = np.concatenate([positions, np.zeros(pad, np.int64)])
-        base = self.base_rows(slots)  # [rows, KV]
-        write = (base + positions[:, None]).reshape(-1).astype(np.int32)
+        write = self.rows(tables, positions[:, None])[:, 0]  # [rows, KV]
+        row_table = np.arange(rows, dtype=np.int32)
         if self.attention_kernel:  # the fused layer computes nothing for padding rows
             return (
                 tokens,
                 positions.astype(np.int32),
-                write,
-                base.reshape(-1).astype(np.int32),
+                write.reshape(-1).astype(np.int32),
+                tables,
                 np.repeat(lengths, self.kv_heads).astype(np.int32),
+                row_table,
             )
-        read = base.reshape(-1, 1) + np.arange(attend)[None, :]  # [rows*KV, attend]
+        if attend > self.max_len:
+            raise ValueError(f"attend bucket {attend} exceeds max_seq_len {self.max_len}")
+        read = self.rows(tables, np.tile(np.arange(attend), (rows, 1))).transpose(0, 2, 1)  # [rows, KV, A]
         visible = np.arange(attend)[None, :] <= positions[:, None]  # [rows, attend]
         mask = np.where(visible, 0.0, -np.inf).astype(np.float32).repeat(self.kv_heads, axis=0)
-        return tokens, positions.astype(np.int32), write, read.astype(np.int32), mask[:, None, :]
+        return (
+            tokens,
+            positions.astype(np.int32),
+            write.reshape(-1).astype(np.int32),
+            read.reshape(rows * self.kv_heads, attend).astype(np.int32),
+            mask[:, None, :],
+            row_table,
+        )
 
 
 class ModelGraphs(Protocol):
@@ -152,14 +267,17 @@ class ModelGraphs(Protocol):
     inputs: GraphInputs  # how this set takes its prefill and decode inputs, and its cache rows
     topk_buckets: list[int]  # the k of each top-k graph
 
-    def prefill(self, slot: int, tokens: np.ndarray, length: int) -> Tensor:
-        """Prompt `tokens` padded to bucket `length` into `slot` -> logits [1, vocab] of its last token."""
+    def prefill(self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0) -> Tensor:
+        """Prompt `tokens` padded to bucket `length`, at positions start.. of the sequence with block
+        `table` [MB] -> logits [1, vocab] of its last token. Positions 0..start-1 are read from the
+        cache (GraphInputs.prefill: fused layers only)."""
 
     def decode(
-        self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+        self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
     ) -> tuple[Tensor, Tensor]:
-        """Tokens at `positions` of `slots`, padded to `rows` -> logits [rows, V] and their argmax
-        [rows]. Each row attends to its positions 0..position; `attend`: the gather path's bucket."""
+        """Tokens at `positions` of the sequences with block `tables` [n, MB], padded to `rows` ->
+        logits [rows, V] and their argmax [rows]. Each row attends to its positions 0..position;
+        `attend`: the gather path's bucket."""
 
     def argmax(self, logits: Tensor) -> Tensor:
         """Logits [B, V] -> token ids [B]."""
@@ -176,8 +294,10 @@ class KVTransferGraphs(ModelGraphs, Protocol):
     """Graphs that also move a slot's K/V between agents (PD disaggregation); MindIR exports do not
     hold them, so the config serves those with mixed groups only."""
 
-    def kv_export(self, slot: int, length: int) -> np.ndarray:
-        """Positions 0..length-1 of `slot` -> K/V [2 * layers, KV heads, length, head_dim]."""
+    def kv_export(self, table: np.ndarray, length: int) -> np.ndarray:
+        """Positions 0..length-1 of the sequence with block `table` -> K/V [2 * layers, KV heads,
+        length, head_dim]."""
 
-    def kv_import(self, slot: int, blocks: np.ndarray) -> None:
-        """K/V [2 * layers, KV heads, length, head_dim] written into positions 0..length-1 of `slot`."""
+    def kv_import(self, table: np.ndarray, blocks: np.ndarray) -> None:
+        """K/V [2 * layers, KV heads, length, head_dim] written into positions 0..length-1 of the
+        sequence with block `table`."""

@@ -4,11 +4,13 @@ Layout choices come from measurements (../shared/MINDSPORE_CPU.md and our own on
 - Q/K/V are one fused matmul and gate/up another; layer weights are stored [in, out] (on the Xeon,
   1.5-2.5x faster than [out, in] with transpose_b at B >= 4, slightly slower at B = 1), the lm_head
   stays [vocab, hidden] with transpose_b (2x faster there, and it is the embedding when tied);
-- the KV cache is one flat Parameter per layer and kind, [(slots + 1) * kv_heads * max_len, head_dim],
-  row (slot * kv_heads + head) * max_len + position; graphs write it with scatter_update and read
-  only the rows they attend to with gather, so the cache never leaves the device and is never
-  reshaped (a reshape of the updated cache copied all of it every layer);
-- the last slot is a scratch slot that padded batch rows write to.
+- the KV cache is one flat Parameter per layer and kind, paged in blocks of B positions:
+  [blocks * kv_heads * B, head_dim], position p of head h of a sequence with block table T at row
+  (T[p // B] * kv_heads + h) * B + p % B (agent/graph_interface.py); graphs write it with
+  scatter_update (or the fused kernel) and read only the rows they attend to (gather, or the kernels
+  through the block tables), so the cache never leaves the device and is never reshaped (a reshape
+  of the updated cache copied all of it every layer);
+- the last slot's blocks are scratch that padded batch rows write to.
 
 Every reshape has at most one unknown dimension, so the graphs compile with static shapes or with
 dynamic-shape inputs alike. The host computes all indices and masks (agent/graph_interface.py).
@@ -28,7 +30,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from agent.graph_interface import GraphInputs
+from agent.graph_interface import GraphInputs, pool_blocks
 from agent.kernels import DECODE_ATTENTION, ELEMENTWISE, FUSED_LAYER, SKINNY_MATMUL, op_path
 from agent.model.checkpoint import Checkpoint
 from agent.model.quantized import Q4Matrix
@@ -128,7 +130,7 @@ class LlamaLayer(nn.Cell):
         tensors: dict[str, np.ndarray],
         index: int,
         cache_rows: int,
-        max_len: int,
+        block_size: int,
         kernels: CpuKernels,
         dtype=ms.float32,
         split: TensorSplit = TensorSplit(),
@@ -165,7 +167,8 @@ class LlamaLayer(nn.Cell):
         scale = 1.0 / np.sqrt(spec.head_dim)
         self.kv_heads, self.group = kv_end - kv_start, group
         self.heads = self.kv_heads * group
-        self.head_dim, self.eps, self.max_len = hd, spec.rms_eps, max_len
+        self.head_dim, self.eps = hd, spec.rms_eps
+        self.block_size = Tensor(np.array([block_size], np.int32))  # for the attention kernels
         self.q_size = self.heads * hd
         self.kv_size = self.kv_heads * hd
         self.ffn = ffn_end - ffn_start
@@ -270,10 +273,10 @@ class LlamaLayer(nn.Cell):
         gate, up = ops.split(gate_up, self.ffn, 1)
         return self.add_projected(x, ops.silu(gate) * up, self.w_down, self.hidden)
 
-    def fused(self, x, cos, sin, write_idx, lengths, k_cache, v_cache):
+    def fused(self, x, cos, sin, write_idx, lengths, tables, row_table, k_cache, v_cache):
         """The whole layer in one kernel (agent/kernels/fused_layer.cc): x [N, D]; write_idx and
         lengths [N*KV] (row-major): each (row, KV head)'s cache row and positions attended, 0 for
-        padding rows."""
+        padding rows; tables [T, MB] block tables, row_table [N] each row's table."""
         if self.quantized:
             return self.kernel_layer(
                 x,
@@ -295,6 +298,9 @@ class LlamaLayer(nn.Cell):
                 self.wo_q4,
                 self.w_gate_up_q4,
                 self.w_down_q4,
+                tables,
+                row_table,
+                self.block_size,
             )
         return self.kernel_layer(
             x,
@@ -312,14 +318,20 @@ class LlamaLayer(nn.Cell):
             self.w_gate_up,
             self.w_down,
             self.eps_tensor,
+            tables,
+            row_table,
+            self.block_size,
         )
 
-    def prefill(self, x, cos, sin, rot, write_idx, mask, k_cache, v_cache):
-        """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S].
-        Fused: write_idx and mask are the kernel's row-major write rows and lengths [S*KV].
-        The caches are this layer's own Parameters, or graph inputs in an exported MindIR graph."""
+    def prefill(self, x, cos, sin, rot, write_idx, mask, tables, row_table, k_cache, v_cache):
+        """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S]: the
+        prompt attends to itself (it starts at position 0). Fused: write_idx and mask are the
+        kernel's row-major write rows and lengths [S*KV], and the rows attend through the block
+        table (tables [1, MB], row_table [S] zeros), so a prompt chunk sees the positions cached
+        before it. The caches are this layer's own Parameters, or graph inputs in an exported
+        MindIR graph."""
         if self.kernel_layer is not None:
-            return self.fused(x, cos, sin, write_idx, mask, k_cache, v_cache)
+            return self.fused(x, cos, sin, write_idx, mask, tables, row_table, k_cache, v_cache)
         q, k, v = self.qkv(x, cos, sin, rot)
         k = ops.transpose(k, (1, 0, 2))  # [KV, S, hd]
         v = ops.transpose(v, (1, 0, 2))
@@ -332,12 +344,12 @@ class LlamaLayer(nn.Cell):
         out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (-1, self.q_size))
         return self.mlp(self.add_projected(x, out, self.wo, self.hidden))
 
-    def decode(self, x, cos, sin, rot, write_idx, where, extent, k_cache, v_cache):
-        """x: [B, D]; write_idx: [B*KV]. With the attention kernel: where = first cache row [B*KV],
-        extent = positions to attend [B*KV]. Without: where = rows to attend [B*KV, L], extent =
-        mask [B*KV, 1, L] over an attend bucket."""
+    def decode(self, x, cos, sin, rot, write_idx, where, extent, row_table, k_cache, v_cache):
+        """x: [B, D]; write_idx: [B*KV]. With the attention kernel: where = block tables [B, MB],
+        extent = positions to attend [B*KV], row_table [B] = 0..B-1. Without: where = rows to
+        attend [B*KV, L], extent = mask [B*KV, 1, L] over an attend bucket (row_table unused)."""
         if self.kernel_layer is not None:
-            return self.fused(x, cos, sin, write_idx, extent, k_cache, v_cache)
+            return self.fused(x, cos, sin, write_idx, extent, where, row_table, k_cache, v_cache)
         q, k, v = self.qkv(x, cos, sin, rot)
         ops.scatter_update(k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
         ops.scatter_update(v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))
@@ -348,7 +360,7 @@ class LlamaLayer(nn.Cell):
             probs = self.softmax(self.bmm_t(q, keys), extent)  # [B*KV, G, L]
             out = self.bmm(probs, values)
         else:
-            out = self.attention(q, k_cache, v_cache, where, extent)
+            out = self.attention(q, k_cache, v_cache, where, self.block_size, extent)
         out = ops.reshape(out, (-1, self.q_size))
         return self.mlp(self.add_projected(x, out, self.wo, self.hidden))
 
@@ -359,24 +371,26 @@ class LlamaModel(nn.Cell):
     def __init__(
         self,
         checkpoint: Checkpoint,
-        num_slots: int,
+        num_blocks: int,
+        block_size: int,
         max_len: int,
         kernels: CpuKernels,
         dtype=ms.float32,
         split: TensorSplit = TensorSplit(),
     ):
+        """num_blocks of block_size positions in the KV cache (agent/graph_interface.py); max_len:
+        the positions of the RoPE tables."""
         super().__init__()
         spec, tensors = checkpoint.spec, checkpoint.tensors
-        self.spec, self.num_slots, self.max_len = spec, num_slots, max_len
-        self.scratch_slot = num_slots  # padded batch rows write here
+        self.spec = spec
         start, end = split.share(spec.num_kv_heads)
         self.kv_heads = end - start  # this rank's
-        cache_rows = (num_slots + 1) * self.kv_heads * max_len
+        cache_rows = num_blocks * self.kv_heads * block_size
         self.kernel_norm = kernels.norm
         self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
         self.layers = nn.CellList(
             [
-                LlamaLayer(spec, tensors, i, cache_rows, max_len, kernels, dtype, split, checkpoint.q4)
+                LlamaLayer(spec, tensors, i, cache_rows, block_size, kernels, dtype, split, checkpoint.q4)
                 for i in range(spec.num_layers)
             ]
         )
@@ -429,8 +443,10 @@ class PrefillLayer(nn.Cell):
         super().__init__()
         self.layer = layer
 
-    def construct(self, x, cos, sin, rot, write_idx, mask):
-        return self.layer.prefill(x, cos, sin, rot, write_idx, mask, self.layer.k_cache, self.layer.v_cache)
+    def construct(self, x, cos, sin, rot, write_idx, mask, tables, row_table):
+        return self.layer.prefill(
+            x, cos, sin, rot, write_idx, mask, tables, row_table, self.layer.k_cache, self.layer.v_cache
+        )
 
 
 class DecodeLayer(nn.Cell):
@@ -441,24 +457,25 @@ class DecodeLayer(nn.Cell):
         super().__init__()
         self.layer = layer
 
-    def construct(self, x, cos, sin, rot, write_idx, where, extent):
+    def construct(self, x, cos, sin, rot, write_idx, where, extent, row_table):
         return self.layer.decode(
-            x, cos, sin, rot, write_idx, where, extent, self.layer.k_cache, self.layer.v_cache
+            x, cos, sin, rot, write_idx, where, extent, row_table, self.layer.k_cache, self.layer.v_cache
         )
 
 
 class PrefillGraph(nn.Cell):
-    """One prompt padded to a bucket -> its K/V written into one slot, the last real token's logits."""
+    """One prompt (or chunk) padded to a bucket -> its K/V written through its block table, the last
+    real token's logits."""
 
     def __init__(self, model: LlamaModel):
         super().__init__()
         self.model = model
         self.layers = nn.CellList([PrefillLayer(layer) for layer in model.layers])
 
-    def construct(self, tokens, positions, write_idx, mask, last_index):
+    def construct(self, tokens, positions, write_idx, mask, last_index, tables, row_table):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         for layer in self.layers:
-            x = layer(x, cos, sin, self.model.rot, write_idx, mask)
+            x = layer(x, cos, sin, self.model.rot, write_idx, mask, tables, row_table)
         return self.model.logits(ops.gather(x, last_index, 0))
 
 
@@ -469,17 +486,17 @@ def logits_and_argmax(logits):
 
 
 class DecodeGraph(nn.Cell):
-    """One new token for each of B slots -> K/V written, logits [B, vocab] and their argmax [B]."""
+    """One new token for each of B sequences -> K/V written, logits [B, vocab] and their argmax [B]."""
 
     def __init__(self, model: LlamaModel):
         super().__init__()
         self.model = model
         self.layers = nn.CellList([DecodeLayer(layer) for layer in model.layers])
 
-    def construct(self, tokens, positions, write_idx, where, extent):
+    def construct(self, tokens, positions, write_idx, where, extent, row_table):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         for layer in self.layers:
-            x = layer(x, cos, sin, self.model.rot, write_idx, where, extent)
+            x = layer(x, cos, sin, self.model.rot, write_idx, where, extent, row_table)
         return logits_and_argmax(self.model.logits(x))
 
 
@@ -548,7 +565,8 @@ class LlamaGraphs:
         self.spec = checkpoint.spec
         self.model = LlamaModel(
             checkpoint,
-            runtime.planned_num_slots,
+            pool_blocks(runtime),
+            runtime.block_size,
             runtime.planned_max_seq_len,
             CpuKernels(runtime.attention_kernel, runtime.matmul_kernel, self.spec.head_dim),
             getattr(ms, runtime.dtype),
@@ -574,14 +592,14 @@ class LlamaGraphs:
         for graph in post_process:
             graph.set_inputs(dynamic_rows)
 
-    def prefill(self, slot: int, tokens: np.ndarray, length: int) -> Tensor:
+    def prefill(self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0) -> Tensor:
         """One cell for every bucket `length`: MindSpore compiles a graph per input shape."""
-        return self.prefill_graph(*as_tensors(self.inputs.prefill(slot, tokens, length)))
+        return self.prefill_graph(*as_tensors(self.inputs.prefill(table, tokens, length, start)))
 
     def decode(
-        self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+        self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
     ) -> tuple[Tensor, Tensor]:
-        return self.decode_graph(*as_tensors(self.inputs.decode(slots, tokens, positions, rows, attend)))
+        return self.decode_graph(*as_tensors(self.inputs.decode(tables, tokens, positions, rows, attend)))
 
     def argmax(self, logits: Tensor) -> Tensor:
         return self.argmax_graph(logits)
@@ -589,12 +607,12 @@ class LlamaGraphs:
     def topk(self, k: int, logits: Tensor) -> tuple[Tensor, Tensor]:
         return self.topk_graphs[k](logits)
 
-    def kv_export(self, slot: int, length: int) -> np.ndarray:
-        blocks = self.kv_export_graph(Tensor(self.inputs.slot_rows(slot, length))).asnumpy()
+    def kv_export(self, table: np.ndarray, length: int) -> np.ndarray:
+        blocks = self.kv_export_graph(Tensor(self.inputs.kv_rows(table, length))).asnumpy()
         return blocks.reshape(len(blocks), self.inputs.kv_heads, length, self.spec.head_dim)
 
-    def kv_import(self, slot: int, blocks: np.ndarray) -> None:
-        rows = Tensor(self.inputs.slot_rows(slot, blocks.shape[2]))
+    def kv_import(self, table: np.ndarray, blocks: np.ndarray) -> None:
+        rows = Tensor(self.inputs.kv_rows(table, blocks.shape[2]))
         self.kv_import_graph(rows, Tensor(blocks.reshape(len(blocks), -1, self.spec.head_dim))).asnumpy()
 
     def cache_bytes(self) -> int:

@@ -3,7 +3,8 @@ and runtime.memory_budget_mb (or the numbers the config gives), with the plan in
 
     weights   parameters x dtype size (+ the matmul kernel's packed copy of a tied lm_head,
               agent/graph_interface.py)
-    KV / slot layers x 2 (K and V) x kv_heads x head_dim x dtype size x max_seq_len
+    KV / slot layers x 2 (K and V) x kv_heads x head_dim x dtype size x max_seq_len (rounded up to
+              whole blocks of runtime.block_size positions)
     working   prefill attention scores of every layer at the largest prefill bucket (fp32),
               and logits of the largest decode batch
     total     weights + (num_slots + 1 scratch slot) x KV / slot + working
@@ -93,7 +94,7 @@ def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSectio
             )
     else:
         max_len = runtime.max_seq_len
-    per_slot = per_position * max_len
+    per_slot = per_position * -(-max_len // runtime.block_size) * runtime.block_size
     if runtime.num_slots == "auto":
         free = _budgeted(free)
         slots = min(free // per_slot - 1, runtime.decode_batch_buckets[-1])

@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 # Version of what the graphs take and return: 2 = decode graphs return (logits, argmax), and prefill
 # graphs of fused layers take write rows and lengths (manifest "fused_layers"); 3 = the export holds
-# its known answer (agent/known_answer.py) and the MindSpore version and kernel build it was made with.
-EXPORT_FORMAT = 3
+# its known answer (agent/known_answer.py) and the MindSpore version and kernel build it was made with;
+# 4 = a paged KV cache (runtime.block_size): prefill and decode graphs take block tables.
+EXPORT_FORMAT = 4
 
 
 class MindIRError(ValueError):
@@ -55,11 +56,12 @@ class ExportPrefillGraph(nn.Cell):
         self.model = model
         self.num_layers = len(model.layers)
 
-    def construct(self, tokens, positions, write_idx, mask, last_index, *caches):
+    def construct(self, tokens, positions, write_idx, mask, last_index, tables, row_table, *caches):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         for i in range(self.num_layers):
+            k_cache, v_cache = caches[2 * i], caches[2 * i + 1]
             x = self.model.layers[i].prefill(
-                x, cos, sin, self.model.rot, write_idx, mask, caches[2 * i], caches[2 * i + 1]
+                x, cos, sin, self.model.rot, write_idx, mask, tables, row_table, k_cache, v_cache
             )
         return self.model.logits(ms.ops.gather(x, last_index, 0))
 
@@ -72,11 +74,12 @@ class ExportDecodeGraph(nn.Cell):
         self.model = model
         self.num_layers = len(model.layers)
 
-    def construct(self, tokens, positions, write_idx, where, extent, *caches):
+    def construct(self, tokens, positions, write_idx, where, extent, row_table, *caches):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         for i in range(self.num_layers):
+            k_cache, v_cache = caches[2 * i], caches[2 * i + 1]
             x = self.model.layers[i].decode(
-                x, cos, sin, self.model.rot, write_idx, where, extent, caches[2 * i], caches[2 * i + 1]
+                x, cos, sin, self.model.rot, write_idx, where, extent, row_table, k_cache, v_cache
             )
         return logits_and_argmax(self.model.logits(x))
 
@@ -106,17 +109,17 @@ class GraphExporter:
     def _logits(self, rows: int) -> Tensor:
         return Tensor(np.zeros((rows, self.spec.vocab_size), np.float32))
 
-    def prefill(self, slot: int, tokens: np.ndarray, length: int) -> Tensor:
-        inputs = as_tensors(self.inputs.prefill(slot, tokens, length))
+    def prefill(self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0) -> Tensor:
+        inputs = as_tensors(self.inputs.prefill(table, tokens, length, start))
         self._export(
             self.prefill_cell, (*inputs, *self.caches), f"prefill_{length}", "prefill_model", length=length
         )
         return self._logits(1)
 
     def decode(
-        self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+        self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
     ) -> tuple[Tensor, Tensor]:
-        inputs = as_tensors(self.inputs.decode(slots, tokens, positions, rows, attend))
+        inputs = as_tensors(self.inputs.decode(tables, tokens, positions, rows, attend))
         name = f"decode_b{rows}" + (f"_a{attend}" if attend else "")
         self._export(
             self.decode_cell, (*inputs, *self.caches), name, "decode_model", rows=rows, attend=attend
@@ -237,8 +240,7 @@ class MindIRGraphs:
         self.inputs = GraphInputs(
             runtime, self.spec.num_kv_heads, self.spec.group_size, fused_layers=manifest["fused_layers"]
         )
-        slot_rows = (runtime.planned_num_slots + 1) * runtime.planned_max_seq_len
-        rows = (self.spec.num_kv_heads * slot_rows, self.spec.head_dim)
+        rows = (self.inputs.cache_rows, self.spec.head_dim)
         self.caches = [
             Parameter(
                 Tensor(np.zeros(rows, np.float32), dtype=getattr(ms, runtime.dtype)),
@@ -277,14 +279,14 @@ class MindIRGraphs:
         progress(f"loaded {path.name}")
         return cell
 
-    def prefill(self, slot: int, tokens: np.ndarray, length: int) -> Tensor:
-        inputs = as_tensors(self.inputs.prefill(slot, tokens, length))
+    def prefill(self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0) -> Tensor:
+        inputs = as_tensors(self.inputs.prefill(table, tokens, length, start))
         return self.prefill_cells[length](*inputs, *self.caches)
 
     def decode(
-        self, slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+        self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
     ) -> tuple[Tensor, Tensor]:
-        inputs = as_tensors(self.inputs.decode(slots, tokens, positions, rows, attend))
+        inputs = as_tensors(self.inputs.decode(tables, tokens, positions, rows, attend))
         return self.decode_cells[(rows, attend)](*inputs, *self.caches)
 
     def argmax(self, logits: Tensor) -> Tensor:

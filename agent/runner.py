@@ -13,9 +13,9 @@ PD disaggregation moves a prefilled slot to another agent's runner:
     other.import_kv(slot2, blocks, state)       # decode agent: written into its cache in the graph
 
 The runner keeps each slot's length and its sampled-but-not-yet-written token, so a decode call only
-names slots. Shapes are padded to the configured buckets: a padded decode row writes to the scratch
-slot, a padded prefill position to the prompt's own slot beyond its length, where the mask hides it
-until a decode step overwrites it.
+names slots. The graphs take block tables (agent/graph_interface.py); each slot has a fixed one
+(GraphInputs.slot_table). Shapes are padded to the configured buckets: padded decode rows and padded
+prefill positions write to the scratch slot.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class ModelRunner:
     def _run_probe(self, kind: str, rows: int, length: int, probe: KnownAnswer, check: str | None) -> None:
         """One graph on the probe (the prompt at positions 0..n-1 of the scratch slot, the decode token
         at n); `check`: the graph's label, to compare its output with `probe`."""
-        scratch, n, dtype = self.num_slots, len(probe.prompt), self.runtime.dtype
+        scratch, n, dtype = self.graphs.inputs.scratch_table, len(probe.prompt), self.runtime.dtype
         expected = np.stack([probe.prefill_logits, probe.decode_logits])
         if kind == "prefill":
             got = self.graphs.prefill(scratch, probe.prompt, length).asnumpy()[0]
@@ -170,7 +170,7 @@ class ModelRunner:
                 compare(check, got, probe.prefill_logits, dtype)
         elif kind == "decode":
             logits, greedy = self.graphs.decode(
-                np.full(rows, scratch), np.full(rows, probe.decode_token), np.full(rows, n), rows, length
+                np.tile(scratch, (rows, 1)), np.full(rows, probe.decode_token), np.full(rows, n), rows, length
             )
             if check:
                 for row in logits.asnumpy():
@@ -207,7 +207,9 @@ class ModelRunner:
                 f"prompt of {len(tokens)} tokens exceeds the longest prompt this "
                 f"agent accepts ({self.runtime.max_prompt_len} tokens)"
             )
-        logits = self.graphs.prefill(slot, tokens, bucket(self.runtime.prefill_buckets, len(tokens)))
+        logits = self.graphs.prefill(
+            self._table(slot), tokens, bucket(self.runtime.prefill_buckets, len(tokens))
+        )
         sampler = SlotSampler(params, tokens.tolist(), self.spec.vocab_size)
         token = self._sample(logits, [sampler])[0]
         self.slots[slot] = SlotState(length=len(tokens), next_token=token, sampler=sampler)
@@ -226,7 +228,7 @@ class ModelRunner:
         positions = np.array([s.length for s in states], np.int64)
         rows = bucket(self.runtime.decode_batch_buckets, len(slots))
         logits, greedy = self.graphs.decode(
-            np.asarray(slots, np.int64),
+            np.stack([self._table(s) for s in slots]),
             np.array([s.next_token for s in states], np.int64),
             positions,
             rows,
@@ -242,7 +244,7 @@ class ModelRunner:
         """A just-prefilled slot's K/V [2 * layers, KV heads, length, head_dim] (K then V of each
         layer) and the state that goes with it (length, pending token, sampler)."""
         state = self._active(slot)
-        blocks = self._kv_graphs().kv_export(slot, self._transfer_bucket(state.length))
+        blocks = self._kv_graphs().kv_export(self._table(slot), self._transfer_bucket(state.length))
         return (
             np.ascontiguousarray(blocks[:, :, : state.length]),
             {"length": state.length, "next_token": state.next_token, "sampler": state.sampler.state()},
@@ -271,7 +273,7 @@ class ModelRunner:
         sampler = SlotSampler.from_state(sampler_state, self.spec.vocab_size)
         padded = np.zeros((*shape[:2], padded_length, self._hd), blocks.dtype)
         padded[:, :, :length] = blocks
-        self._kv_graphs().kv_import(slot, padded)
+        self._kv_graphs().kv_import(self._table(slot), padded)
         self.slots[slot] = SlotState(length=length, next_token=next_token, sampler=sampler)
 
     def largest_kv_transfer_bytes(self) -> int:
@@ -289,6 +291,10 @@ class ModelRunner:
         if self.runtime.dtype == "bfloat16":
             raise RunnerError("KV transfer of a bfloat16 cache is not supported (NumPy has no bfloat16)")
         return bucket(self.runtime.prefill_buckets, length)
+
+    def _table(self, slot: int) -> np.ndarray:
+        """The slot's block table: fixed, the slot's own blocks."""
+        return self.graphs.inputs.slot_table(int(slot))
 
     def _kv_graphs(self) -> KVTransferGraphs:
         if not isinstance(self.graphs, KVTransferGraphs):

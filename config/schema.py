@@ -126,6 +126,11 @@ class RuntimeSection(Section):
         description="device memory for weights + KV cache + working memory per agent; "
         "the agent plans num_slots/max_seq_len from it and logs the plan",
     )
+    block_size: int = Field(
+        16,
+        description="positions per KV-cache block (a power of two, 1..256): the cache is paged in "
+        "blocks, each sequence reads its positions through a table of its blocks",
+    )
     # The largest prefill bucket is the longest prompt accepted. Prefill memory grows with its
     # square (the attention scores of all layers stay allocated), so keep it well below max_seq_len.
     prefill_buckets: list[int] = Field(default_factory=lambda: [32, 64, 128, 512])
@@ -147,6 +152,13 @@ class RuntimeSection(Section):
     @classmethod
     def _buckets(cls, values: list[int], info) -> list[int]:
         return _bucket_list(values, info.field_name)
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, value: int) -> int:
+        if not 1 <= value <= 256 or value & (value - 1):
+            raise ValueError(f"block_size must be a power of two from 1 to 256, got {value}")
+        return value
 
     @field_validator("compile_cache_dir")
     @classmethod

@@ -119,6 +119,7 @@ def test_key_holds_what_changes_the_graphs(tmp_path, tiny_llama_dir):
     assert a["format"] != b["format"] and a["weights"] != b["weights"]
     assert {"kernels", "mindspore", "agent_code", "tensors"} <= a.keys()
     assert cache_key(hf, TINY_RUNTIME.model_copy(update={"matmul": "mindspore"}))["runtime"] != a["runtime"]
+    assert cache_key(hf, TINY_RUNTIME.model_copy(update={"block_size": 8}))["runtime"] != a["runtime"]
     runtime = TINY_RUNTIME.model_copy(update={"compile_cache_dir": tmp_path / "cache"})
     assert compile_cache_dir(hf, runtime, "x").parent != compile_cache_dir(q4, runtime, "x").parent
     assert json.loads((compile_cache_dir(hf, runtime, "x").parent / "key.json").read_text()) == json.loads(

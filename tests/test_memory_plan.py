@@ -87,7 +87,7 @@ def test_float16_runner_follows_the_reference(tiny_llama_dir):
     assert half.graphs.cache_bytes() * 2 == full.graphs.cache_bytes()
     prompt = load_tokenizer(tiny_llama_dir).encode("The capital of France is Paris.")
     reference = ref.load_hf_reference(tiny_llama_dir)
-    got = half.graphs.prefill(0, np.asarray(prompt), 64).asnumpy()[0]
+    got = half.graphs.prefill(half.graphs.inputs.slot_table(0), np.asarray(prompt), 64).asnumpy()[0]
     want = ref.forward(reference, prompt, ref.RefCache())[-1]
     assert got.dtype == np.float32
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()

@@ -102,6 +102,8 @@ def test_mismatched_runtime_is_refused_naming_the_setting(exported):
     runtime = TINY_RUNTIME.model_copy(update={"num_slots": 2, "decode_batch_buckets": [1, 2]})
     with pytest.raises(MindIRError, match="num_slots: exported 4, configured 2"):
         ModelRunner.from_mindir(ModelSection(**section), runtime)
+    with pytest.raises(MindIRError, match="block_size: exported 16, configured 8"):
+        ModelRunner.from_mindir(ModelSection(**section), TINY_RUNTIME.model_copy(update={"block_size": 8}))
 
 
 def test_graphs_of_an_older_export_format_are_refused(exported, tmp_path):

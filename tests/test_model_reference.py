@@ -25,13 +25,14 @@ def compare_logits(
     """Max |logit difference| at prefill and after each of `steps` decode steps."""
     bucket = next(b for b in runner.runtime.prefill_buckets if b >= len(prompt))
     cache = ref.RefCache()
-    got = runner.graphs.prefill(slot, np.asarray(prompt), bucket).asnumpy()[0]
+    table = runner.graphs.inputs.slot_table(slot)
+    got = runner.graphs.prefill(table, np.asarray(prompt), bucket).asnumpy()[0]
     want = ref.forward(reference, prompt, cache)[-1]
     diffs = [float(np.abs(got - want).max())]
     token, position = int(np.argmax(want)), len(prompt)
     for _ in range(steps):
         attend = next(a for a in runner.runtime.attend_buckets if a > position)  # gather path only
-        got = runner.graphs.decode(np.array([slot]), np.array([token]), np.array([position]), 1, attend)[
+        got = runner.graphs.decode(table[None, :], np.array([token]), np.array([position]), 1, attend)[
             0
         ].asnumpy()[0]
         want = ref.forward(reference, [token], cache)[-1]

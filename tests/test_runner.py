@@ -103,7 +103,8 @@ def test_repetition_penalty_matches_full_vocabulary_computation(
     penalty = 1.8
     got = generate_alone(runner, prompt, 8, params=SamplingParams(repetition_penalty=penalty))
     seen, want, tokens = set(prompt), [], list(prompt)
-    logits = runner.graphs.prefill(0, np.asarray(tokens), 16).asnumpy()[0]
+    table = runner.graphs.inputs.slot_table(0)
+    logits = runner.graphs.prefill(table, np.asarray(tokens), 16).asnumpy()[0]
     for step in range(8):
         ids = np.array(sorted(seen))
         logits[ids] = np.where(logits[ids] > 0, logits[ids] / penalty, logits[ids] * penalty)
@@ -111,7 +112,7 @@ def test_repetition_penalty_matches_full_vocabulary_computation(
         want.append(token)
         seen.add(token)
         logits = runner.graphs.decode(
-            np.array([0]), np.array([token]), np.array([len(prompt) + step]), 1, 32
+            table[None, :], np.array([token]), np.array([len(prompt) + step]), 1, 32
         )[0].asnumpy()[0]
     assert got == want
 

@@ -43,21 +43,23 @@ def run_grid(runner: ModelRunner, args) -> dict:
     results: dict[str, dict] = {"prefill_ms": {}, "decode_ms": {}}
     vocab = runner.spec.vocab_size
     rng = np.random.default_rng(0)
+    inputs = runner.graphs.inputs
     for n in args.prompts:
         tokens = rng.integers(0, vocab, n)
         results["prefill_ms"][n] = ms = median_ms(
-            lambda tokens=tokens, n=n: runner.graphs.prefill(0, tokens, n).asnumpy(), args.repeats
+            lambda tokens=tokens, n=n: runner.graphs.prefill(inputs.slot_table(0), tokens, n).asnumpy(),
+            args.repeats,
         )
         print(f"prefill {n:5d} tokens: {ms:8.1f} ms", flush=True)
     for context in args.contexts:
         attend = -(-(context + 1) // 256) * 256
         for batch in args.batches:
-            slots = np.arange(batch)
+            tables = np.stack([inputs.slot_table(s) for s in range(batch)])
             tokens = rng.integers(0, vocab, batch)
             positions = np.full(batch, context)
             ms = median_ms(
-                lambda slots=slots, tokens=tokens, positions=positions, batch=batch, attend=attend: (
-                    runner.graphs.decode(slots, tokens, positions, batch, attend)[1].asnumpy()
+                lambda tables=tables, tokens=tokens, positions=positions, batch=batch, attend=attend: (
+                    runner.graphs.decode(tables, tokens, positions, batch, attend)[1].asnumpy()
                 ),
                 args.repeats,
             )

@@ -1,9 +1,14 @@
-// Decode attention straight from the flat KV cache: for each (sequence, KV head) row n and each of
-// its G query heads, softmax(q . K[base[n] .. base[n] + len[n]]) . V over the same rows. It reads
-// only the positions a sequence has (no gather copy, no padded attend bucket, no mask).
+// Decode attention straight from the paged KV cache: for each (sequence, KV head) row n and each of
+// its G query heads, softmax(q . K) . V over the sequence's positions 0 .. len[n] - 1, read block by
+// block through its block table. It reads only the positions a sequence has (no gather copy, no
+// padded attend bucket, no mask).
 //
 // MindSpore AOT custom-op interface (CPU): inputs q [N, G, hd], k_cache [R, hd], v_cache [R, hd],
-// base [N] int32, len [N] int32; output [N, G, hd]; all float32. The attention scale is already in q.
+// tables [rows, MB] int32 (row b's block table; N = rows * KV, n = b * KV + head), block_size [1]
+// int32 (B), len [N] int32; output [N, G, hd]; all float32 unless said. The cache is paged as in
+// fused_layer.cc: position p of head h is row (table[p / B] * KV + h) * B + p % B, R = blocks * KV * B.
+// The attention scale is already in q. A call whose tables or len would read outside the cache is
+// refused (returns 1); the host checks them first (agent/graph_interface.py).
 #include <cstdint>
 
 #include "row_ops.h"
@@ -18,14 +23,25 @@ constexpr int64_t PARALLEL_ROWS = 8;  // (sequence, KV head) rows from which the
 extern "C" int DecodeAttention(int nparam, void **params, int *ndims, int64_t **shapes,
                                const char **dtypes, void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
-  if (nparam != 6 || ndims[0] != 3) return 1;
+  if (nparam != 7 || ndims[0] != 3 || ndims[1] != 2 || ndims[3] != 2 || ndims[4] != 1 || ndims[5] != 1)
+    return 1;
   const float *q = static_cast<const float *>(params[0]);
   const float *k = static_cast<const float *>(params[1]);
   const float *v = static_cast<const float *>(params[2]);
-  const int32_t *base = static_cast<const int32_t *>(params[3]);
-  const int32_t *len = static_cast<const int32_t *>(params[4]);
-  float *out = static_cast<float *>(params[5]);
+  const int32_t *tables = static_cast<const int32_t *>(params[3]);
+  const int64_t block = *static_cast<const int32_t *>(params[4]);
+  const int32_t *len = static_cast<const int32_t *>(params[5]);
+  float *out = static_cast<float *>(params[6]);
   const int64_t n_rows = shapes[0][0], groups = shapes[0][1], hd = shapes[0][2];
+  const int64_t rows = shapes[3][0], entries = shapes[3][1], cache_rows = shapes[1][0];
+  if (rows <= 0 || n_rows % rows != 0 || shapes[5][0] != n_rows || shapes[4][0] != 1 || block <= 0 ||
+      shapes[2][0] != cache_rows)
+    return 1;
+  const int64_t kv = n_rows / rows;
+  if (kv <= 0 || cache_rows % (kv * block) != 0) return 1;
+  const int64_t blocks = cache_rows / (kv * block);
+  for (int64_t n = 0; n < n_rows; ++n)
+    if (!rowwise::table_covers(tables + (n / kv) * entries, entries, block, len[n], blocks)) return 1;
 
   // Rows over one OpenMP thread per usable CPU once there are enough of them (at 16 sequences x 3
   // KV heads, 17.6 -> ~9 ms a step on 2 cores); a few rows stay on this thread, where waking the
@@ -33,8 +49,8 @@ extern "C" int DecodeAttention(int nparam, void **params, int *ndims, int64_t **
   static const int threads = usable_cpus();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n_rows >= PARALLEL_ROWS)
   for (int64_t n = 0; n < n_rows; ++n) {
-    const int64_t first = static_cast<int64_t>(base[n]) * hd;
-    rowwise::attend(q + n * groups * hd, k + first, v + first, len[n], groups, hd, out + n * groups * hd);
+    const rowwise::Paged at{tables + (n / kv) * entries, kv, block, n % kv};
+    rowwise::attend_paged(q + n * groups * hd, k, v, at, len[n], groups, hd, out + n * groups * hd);
   }
   return 0;
 }

@@ -9,16 +9,23 @@
 // MindSpore AOT custom-op interface (CPU), float32 unless said:
 //   0 x [N, D]             1 attn_norm [D]           2 wqkv [Tq, D, TILE] (packed_matmul.h)
 //   3 bqkv [(H + 2 KV) hd] 4 cos [N, 1, hd]          5 sin [N, 1, hd] (rotate-half sign folded in)
-//   6 k_cache [R, hd]      7 v_cache [R, hd]
+//   6 k_cache [R, hd]      7 v_cache [R, hd]: paged, R = blocks * KV * B; position p of KV head h
+//     of a sequence with block table T is row (T[p / B] * KV + h) * B + p % B (row_ops.h Paged);
 //   8 write [N KV] int32: cache row of each (row, KV head)'s new K/V, row-major;
-//   9 len [N KV] int32: positions that (row, head) attends, its own included: the cache rows
-//     write - len + 1 .. write. Rows whose len is 0 are padding (batch or prompt bucket), all at the
-//     end: nothing is computed for them and their output is their input;
+//   9 len [N KV] int32: positions that (row, head) attends, its own included: positions
+//     0 .. len - 1 of its sequence, read through its block table. Rows whose len is 0 are padding
+//     (batch or prompt bucket), all at the end: nothing is computed for them and their output is
+//     their input;
 //   10 wo [D / TILE, H hd, TILE]   11 ffn_norm [D]   12 w_gate_up [Tg, D, TILE] (gate columns, then
 //   up)   13 w_down [D / TILE, F, TILE]   14 eps [1]
+//   15 tables [T, MB] int32: block tables, MB blocks each   16 row_table [N] int32: the table of
+//   each row (a decode step: row b's own, 0..N-1; a prompt chunk: all 0, one sequence)
+//   17 block_size [1] int32: B
 //   output [N, D]. The attention scale is folded into the Q rows of wqkv and bqkv.
 // The K/V caches are written in place: they are the layer's cache Parameters (or, in an exported
-// MindIR graph, the cache inputs), which no other op of the graph reads.
+// MindIR graph, the cache inputs), which no other op of the graph reads. The host computes `write`
+// from the tables and checks every index; the kernel refuses (returns 1) a call whose tables,
+// row_table or len would read outside the cache.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -40,7 +47,30 @@ int64_t padded(int64_t n) { return (n + TILE - 1) / TILE * TILE; }
 // 14, 2 rows 13.0 against ~14, 4 rows 21.0 against ~15).
 constexpr int64_t Q4_ROWS = 2;
 
-int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], float *out) {
+// The block tables of a call: inputs tables, row_table and block_size (at `first`, `first` + 1, + 2).
+struct Paging {
+  const int32_t *tables, *row_table;
+  int64_t table_rows, entries, block;
+
+  const int32_t *table(int64_t row) const {
+    return tables + static_cast<int64_t>(row_table[row]) * entries;
+  }
+};
+
+bool read_paging(void **params, int *ndims, int64_t **shapes, int first, Paging &paging) {
+  if (ndims[first] != 2 || ndims[first + 1] != 1 || ndims[first + 2] != 1 ||
+      shapes[first + 1][0] != shapes[0][0] || shapes[first + 2][0] != 1)
+    return false;
+  paging.tables = static_cast<const int32_t *>(params[first]);
+  paging.row_table = static_cast<const int32_t *>(params[first + 1]);
+  paging.table_rows = shapes[first][0];
+  paging.entries = shapes[first][1];
+  paging.block = *static_cast<const int32_t *>(params[first + 2]);
+  return paging.block > 0;
+}
+
+int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], const Paging &paging,
+              float *out) {
   const int64_t batch = shapes[0][0], dim = shapes[0][1], hd = shapes[6][1];
   const int64_t kv_rows = shapes[8][0], kv = kv_rows / batch;
   const int64_t q_width = shapes[10][1], heads = q_width / hd, groups = heads / kv;
@@ -71,6 +101,14 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], floa
 
   int64_t live = 0;  // rows before the padding
   while (live < batch && len[live * kv] > 0) ++live;
+  const int64_t cache_rows = shapes[6][0], blocks = cache_rows / (kv * paging.block);
+  if (shapes[7][0] != cache_rows || cache_rows % (kv * paging.block) != 0) return 1;
+  for (int64_t n = 0; n < live * kv; ++n) {  // every block read and row written lies in the cache
+    const int32_t table_row = paging.row_table[n / kv];
+    if (table_row < 0 || table_row >= paging.table_rows || write[n] < 0 || write[n] >= cache_rows ||
+        !rowwise::table_covers(paging.table(n / kv), paging.entries, paging.block, len[n], blocks))
+      return 1;
+  }
   const bool quantized = q4w[0] != nullptr && live <= Q4_ROWS;
   // tile j of x @ W (+ residual) into out (rows of n_dim), from weights `which` (0 qkv, 1 wo, 2 gate/up, 3 down)
   auto product = [&](int which, const float *w, const float *in, const float *residual, float *to,
@@ -123,9 +161,9 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], floa
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < live_rows; ++n) {
-      const int64_t first = (static_cast<int64_t>(write[n]) - len[n] + 1) * hd;
-      rowwise::attend(q + n * groups * hd, k_cache + first, v_cache + first, len[n], groups, hd,
-                      attn + n * groups * hd);
+      const rowwise::Paged at{paging.table(n / kv), kv, paging.block, n % kv};
+      rowwise::attend_paged(q + n * groups * hd, k_cache, v_cache, at, len[n], groups, hd,
+                            attn + n * groups * hd);
     }
 
 #pragma omp for schedule(dynamic, 2)
@@ -155,17 +193,19 @@ bool valid(int *ndims) { return ndims[0] == 2 && ndims[6] == 2 && ndims[10] == 3
 extern "C" int FusedLayer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                           void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
-  if (nparam != 16 || !valid(ndims)) return 1;
+  Paging paging;
+  if (nparam != 19 || !valid(ndims) || !read_paging(params, ndims, shapes, 15, paging)) return 1;
   const uint8_t *const none[4] = {nullptr, nullptr, nullptr, nullptr};
-  return run_layer(params, shapes, none, static_cast<float *>(params[15]));
+  return run_layer(params, shapes, none, paging, static_cast<float *>(params[18]));
 }
 
 // The same with the Q4_1 copies as inputs 15-18 (wqkv, wo, w_gate_up, w_down; each
-// [N / TILE, K / 32, q4::TILE_BYTES] uint8); output 19.
+// [N / TILE, K / 32, q4::TILE_BYTES] uint8); tables, row_table and block_size 19-21; output 22.
 extern "C" int FusedLayerQ4(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
-  if (nparam != 20 || !valid(ndims)) return 1;
+  Paging paging;
+  if (nparam != 23 || !valid(ndims) || !read_paging(params, ndims, shapes, 19, paging)) return 1;
   const int64_t k_dims[4] = {shapes[0][1], shapes[10][1], shapes[0][1], shapes[13][1]};
   const int64_t tiles[4] = {shapes[2][0], shapes[10][0], shapes[12][0], shapes[13][0]};
   const uint8_t *q4w[4];
@@ -176,5 +216,5 @@ extern "C" int FusedLayerQ4(int nparam, void **params, int *ndims, int64_t **sha
       return 1;
     q4w[i] = static_cast<const uint8_t *>(params[15 + i]);
   }
-  return run_layer(params, shapes, q4w, static_cast<float *>(params[19]));
+  return run_layer(params, shapes, q4w, paging, static_cast<float *>(params[22]));
 }

@@ -1,6 +1,7 @@
-// Per-row steps of a decoder layer, shared by elementwise.cc, decode_attention.cc and decode_layer.cc.
+// Per-row steps of a decoder layer, shared by elementwise.cc, decode_attention.cc and fused_layer.cc.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -59,10 +60,16 @@ inline v8f exp8(v8f x) {
 
 // scores[l] = query . keys[l] for l < length. Eight keys at a time with independent accumulators:
 // one dot product after another is a chain of dependent FMAs (4 cycles each) that idles the units.
-inline void dot_keys(const float *query, const float *keys, int64_t length, int64_t hd, float *scores) {
+// `ahead`: rows read next (the next block of a paged cache), prefetched row for row alongside: the
+// hardware prefetchers do not follow a jump to another block (measured, 48 rows of 1024 positions
+// from memory, blocks of 16: 1.84 ms without, 1.63 with, 1.56 reading contiguous rows).
+inline void dot_keys(const float *query, const float *keys, int64_t length, int64_t hd, float *scores,
+                     const float *ahead = nullptr) {
   int64_t l = 0;
   if (hd % 8 == 0) {
     for (; l + 8 <= length; l += 8) {
+      if (ahead != nullptr)
+        for (int64_t at = l * hd; at < (l + 8) * hd; at += 16) __builtin_prefetch(ahead + at);
       v8f acc[8] = {};
       for (int64_t c = 0; c < hd; c += 8) {
         const v8f qc = vec8::load(query + c);
@@ -80,54 +87,105 @@ inline void dot_keys(const float *query, const float *keys, int64_t length, int6
   }
 }
 
-// out[:hd] = sum_l probs[l] * values[l]; 64 columns at a time in registers (8 accumulators).
-inline void weigh_values(const float *probs, const float *values, int64_t length, int64_t hd, float *out) {
+// A sequence's cached positions in a paged cache [blocks * kv * block, hd] (agent/graph_interface.py):
+// position p of KV head `head` is row (table[p / block] * kv + head) * block + p % block, so each
+// block holds `block` consecutive positions of one head in consecutive rows.
+struct Paged {
+  const int32_t *table;  // the sequence's blocks, position order
+  int64_t kv, block, head;
+
+  // The first row of the sequence's j-th block, in `cache`.
+  const float *rows(const float *cache, int64_t j, int64_t hd) const {
+    return cache + ((static_cast<int64_t>(table[j]) * kv + head) * block) * hd;
+  }
+};
+
+// Whether the `entries` blocks of `table` hold `length` positions in a pool of `blocks` blocks.
+inline bool table_covers(const int32_t *table, int64_t entries, int64_t block, int64_t length,
+                         int64_t blocks) {
+  if (length < 0 || length > entries * block) return false;
+  for (int64_t j = 0; j * block < length; ++j)
+    if (table[j] < 0 || table[j] >= blocks) return false;
+  return true;
+}
+
+// out[:hd] = sum_l probs[l] * values[l] over the `length` positions of a paged cache, block by
+// block; 64 columns at a time in registers (8 accumulators), kept across the blocks, the next
+// block's row prefetched with each row (as in dot_keys).
+inline void weigh_values_paged(const float *probs, const float *v_cache, const Paged &at, int64_t length,
+                               int64_t hd, float *out) {
+  const int64_t blocks = (length + at.block - 1) / at.block;
   if (hd % 64 != 0) {
     std::memset(out, 0, sizeof(float) * hd);
-    for (int64_t l = 0; l < length; ++l) {
-      const float p = probs[l];
-      const float *value = values + l * hd;
+    for (int64_t j = 0; j < blocks; ++j) {
+      const float *values = at.rows(v_cache, j, hd);
+      const int64_t first = j * at.block, n = std::min(at.block, length - first);
+      for (int64_t l = 0; l < n; ++l) {
+        const float p = probs[first + l];
+        const float *value = values + l * hd;
 #pragma omp simd
-      for (int64_t d = 0; d < hd; ++d) out[d] += p * value[d];
+        for (int64_t d = 0; d < hd; ++d) out[d] += p * value[d];
+      }
     }
     return;
   }
   for (int64_t c0 = 0; c0 < hd; c0 += 64) {
     v8f acc[8] = {};
-    for (int64_t l = 0; l < length; ++l) {
-      const float *value = values + l * hd + c0;
-      const float p = probs[l];
-      for (int c = 0; c < 8; ++c) acc[c] += p * vec8::load(value + 8 * c);
+    for (int64_t j = 0; j < blocks; ++j) {
+      const float *values = at.rows(v_cache, j, hd) + c0;
+      const float *next = j + 1 < blocks ? at.rows(v_cache, j + 1, hd) + c0 : nullptr;
+      const int64_t first = j * at.block, n = std::min(at.block, length - first);
+      for (int64_t l = 0; l < n; ++l) {
+        const float *value = values + l * hd;
+        if (next != nullptr)
+          for (int c = 0; c < 64; c += 16) __builtin_prefetch(next + l * hd + c);
+        const float p = probs[first + l];
+        for (int c = 0; c < 8; ++c) acc[c] += p * vec8::load(value + 8 * c);
+      }
     }
     std::memcpy(out + c0, acc, sizeof acc);
   }
 }
 
-// Attention of `groups` query heads [groups, hd] over `length` cached positions (keys and values
-// [length, hd], consecutive rows): out [groups, hd] = softmax(q . K) . V; the scale is already in q.
-inline void attend(const float *q, const float *keys, const float *values, int64_t length,
-                   int64_t groups, int64_t hd, float *out) {
+// scores[:length] <- softmax(scores[:length]); all zeros when length is 0.
+inline void softmax(float *s, int64_t length) {
+  float best = -INFINITY;
+  for (int64_t l = 0; l < length; ++l) best = s[l] > best ? s[l] : best;
+  float total = 0.f;
+  int64_t l = 0;
+  for (; l + 8 <= length; l += 8) {
+    const v8f e = exp8(vec8::load(s + l) - best);
+    std::memcpy(s + l, &e, sizeof e);
+    total += vec8::sum(e);
+  }
+  for (; l < length; ++l) {
+    s[l] = std::exp(s[l] - best);
+    total += s[l];
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  for (int64_t l = 0; l < length; ++l) s[l] *= inv;
+}
+
+// Attention of `groups` query heads [groups, hd] over the `length` cached positions of one
+// (sequence, KV head) in a paged cache: out [groups, hd] = softmax(q . K) . V; the scale is already
+// in q. Keys are dotted block by block, each block with every query head while its rows are in L1
+// (one pass over K instead of one per head: per layer, 48 rows of 1024 positions 1.60 -> 1.50 ms,
+// a 445-token prompt's rows 4.8 -> 4.1 ms, against 4.0 reading contiguous rows head by head).
+inline void attend_paged(const float *q, const float *k_cache, const float *v_cache, const Paged &at,
+                         int64_t length, int64_t groups, int64_t hd, float *out) {
   thread_local std::vector<float> scores;
-  scores.resize(length);
-  float *s = scores.data();
+  scores.resize(groups * length);
+  float *s = scores.data();  // [groups, length]
+  for (int64_t first = 0, j = 0; first < length; first += at.block, ++j) {
+    const float *keys = at.rows(k_cache, j, hd);
+    const float *ahead = first + at.block < length ? at.rows(k_cache, j + 1, hd) : nullptr;
+    const int64_t n = std::min(at.block, length - first);
+    for (int64_t g = 0; g < groups; ++g)
+      dot_keys(q + g * hd, keys, n, hd, s + g * length + first, g == 0 ? ahead : nullptr);
+  }
   for (int64_t g = 0; g < groups; ++g) {
-    dot_keys(q + g * hd, keys, length, hd, s);
-    float best = -INFINITY;
-    for (int64_t l = 0; l < length; ++l) best = s[l] > best ? s[l] : best;
-    float total = 0.f;
-    int64_t l = 0;
-    for (; l + 8 <= length; l += 8) {
-      const v8f e = exp8(vec8::load(s + l) - best);
-      std::memcpy(s + l, &e, sizeof e);
-      total += vec8::sum(e);
-    }
-    for (; l < length; ++l) {
-      s[l] = std::exp(s[l] - best);
-      total += s[l];
-    }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    for (int64_t l = 0; l < length; ++l) s[l] *= inv;
-    weigh_values(s, values, length, hd, out + g * hd);
+    softmax(s + g * length, length);
+    weigh_values_paged(s + g * length, v_cache, at, length, hd, out + g * hd);
   }
 }
 
