@@ -2,7 +2,7 @@
 and the tools that run the model in-process (generate, model_bench, export) all do, in this order:
 
     weights (a checkpoint, or an export's MindIR files)
-    -> runtime (the memory plan resolves num_slots / max_seq_len "auto")
+    -> runtime (the memory plan resolves num_slots / max_seq_len / num_blocks "auto")
     -> MindSpore context (device, threads, the compile cache keyed by agent/compile_cache.py)
     -> ModelRunner (after joining the tensor-parallel cluster when the model is split)
     -> warm-up, every graph checked against a numpy forward of the weights (agent/known_answer.py)
@@ -84,8 +84,8 @@ def build_runner(
             else "no cache was used: this is a bug, please report it"
         )
     progress(
-        f"KV cache: {runner.num_slots} slots x {runner.max_len} positions, "
-        f"{runner.graphs.cache_bytes() / 1e6:.0f} MB"
+        f"KV cache: {runner.num_blocks} blocks of {runner.runtime.block_size} positions shared by "
+        f"{runner.num_slots} seats (max_seq_len {runner.max_len}), {runner.graphs.cache_bytes() / 1e6:.0f} MB"
     )
     try:
         return runner, runner.warm_up(progress, place.role, known)

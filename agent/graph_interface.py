@@ -11,11 +11,13 @@ the decode shapes, in an export's settings and in the weights' memory. NumPy onl
 KV cache rows: one flat cache per layer and kind, paged in blocks of runtime.block_size (B)
 positions: [blocks * kv_heads * B, head_dim], position p of KV head h of a sequence with block table
 T at row (T[p // B] * kv_heads + h) * B + p % B (a block holds B consecutive positions of each head,
-one head after the other). Each slot has a fixed table of MB = ceil(max_seq_len / B) blocks,
-slot s: blocks s * MB .. s * MB + MB - 1 (slot_table); slot num_slots is the scratch slot that
-padded batch rows and prompt padding write to. The graphs take block tables, not slots: the host
-computes write rows (and, for the gather path, read rows) from them and checks every index,
-since the kernels check none of what they are given beyond refusing a call.
+one head after the other). A table lists MB = ceil(max_seq_len / B) blocks. The pool holds
+runtime.num_blocks blocks that the server hands out, then the scratch blocks that padded batch rows
+and prompt padding write to (scratch_table: as many as the largest prefill bucket needs, its last
+one repeated). Where the pool holds every seat's whole length, slot s has a fixed table, blocks
+s * MB .. s * MB + MB - 1 (slot_table: tools and tests). The graphs take block tables, not slots:
+the host computes write rows (and, for the gather path, read rows) from them and checks every
+index, since the kernels check none of what they are given beyond refusing a call.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 SHAPE_FIELDS = (
     "num_slots",
     "max_seq_len",
+    "num_blocks",
     "block_size",
     "prefill_buckets",
     "decode_batch_buckets",
@@ -58,17 +61,21 @@ def decode_attends(runtime: RuntimeSection) -> list[int]:
 def shape_settings(runtime: RuntimeSection) -> dict:
     """What an export records of the runtime, and what a configuration must match to run it."""
     settings = {name: getattr(runtime, name) for name in SHAPE_FIELDS}
+    settings["num_blocks"] = runtime.planned_num_blocks
     settings["attention_kernel"] = runtime.attention_kernel
     if runtime.attention_kernel:
         del settings["attend_buckets"]  # the kernel attends each sequence's own length
     return settings
 
 
+def scratch_blocks(runtime: RuntimeSection) -> int:
+    """Blocks that padding writes to: the positions of the largest prefill bucket."""
+    return -(-runtime.prefill_buckets[-1] // runtime.block_size)
+
+
 def pool_blocks(runtime: RuntimeSection) -> int:
-    """Blocks of the KV cache: each slot's fixed table of ceil(max_seq_len / block_size) blocks, and
-    the scratch slot's."""
-    per_slot = -(-runtime.planned_max_seq_len // runtime.block_size)
-    return (runtime.planned_num_slots + 1) * per_slot
+    """Blocks of the KV cache: the pool the server hands out, then the scratch blocks."""
+    return runtime.planned_num_blocks + scratch_blocks(runtime)
 
 
 def uses_kernels(runtime: RuntimeSection) -> bool:
@@ -101,12 +108,14 @@ class GraphInputs:
         self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
         self.block_size = runtime.block_size
         self.blocks_per_seq = -(-self.max_len // self.block_size)  # MB: a table's length
-        self.num_blocks = pool_blocks(runtime)  # the pool, the scratch slot's blocks included
+        self.num_blocks = pool_blocks(runtime)  # the pool, the scratch blocks included
+        self.pool = runtime.planned_num_blocks  # the blocks a server hands out
         self.kv_heads, self.group, self.fused_layers = kv_heads, group, fused_layers
         self.attention_kernel = runtime.attention_kernel
         self.decode_attends = decode_attends(runtime)
         self._head_rows = np.arange(kv_heads, dtype=np.int64)
-        self.scratch_table = self.slot_table(self.num_slots)
+        scratch = self.pool + np.minimum(np.arange(self.blocks_per_seq), scratch_blocks(runtime) - 1)
+        self.scratch_table = scratch.astype(np.int32)
 
     @property
     def cache_rows(self) -> int:
@@ -114,10 +123,14 @@ class GraphInputs:
         return self.num_blocks * self.kv_heads * self.block_size
 
     def slot_table(self, slot: int) -> np.ndarray:
-        """The fixed block table [MB] int32 of `slot` (num_slots: the scratch slot)."""
-        if not 0 <= slot <= self.num_slots:
-            raise ValueError(f"slot {slot} is out of range 0..{self.num_slots}")
+        """The fixed block table [MB] int32 of `slot`, where the pool holds every seat's whole
+        length (tools and tests; a server sends tables)."""
         mb = self.blocks_per_seq
+        if not 0 <= slot < self.num_slots or (slot + 1) * mb > self.pool:
+            raise ValueError(
+                f"slot {slot} has no fixed block table (seats 0..{self.num_slots - 1}, "
+                f"{self.pool // mb} whole sequences in the pool of {self.pool} blocks): send a table"
+            )
         return np.arange(slot * mb, (slot + 1) * mb, dtype=np.int32)
 
     def attend(self, positions: np.ndarray) -> int:

@@ -3,7 +3,7 @@ decode agent (a DEALER per decode agent, kept open; the K/V go as one raw frame,
 through the server) and waits for that agent's acknowledgement.
 
     sender = KVSender(keys, timeout_s)   # keys: decode agent address -> ClientKeys, None without CURVE
-    transfer_ms = sender.send(address, fields, blocks)   # raises TransferError; never hangs
+    transfer_ms = sender.send(address, fields, arrays)   # K/V and the decode agent's block table
 
 A transfer that fails or times out closes that connection with linger 0, so nothing still queued
 for it is delivered later; the scheduler then cancels the transfer's ticket at the decode agent, so
@@ -40,14 +40,15 @@ class KVSender:
         self._sockets: dict[str, zmq.Socket] = {}
         self._ids = itertools.count(1)
 
-    def send(self, address: str, fields: dict, blocks: np.ndarray) -> float:
-        """kv_receive to `address` with `fields` (slot, session, ticket, state); returns the time
-        until the decode agent acknowledged, in ms."""
+    def send(self, address: str, fields: dict, arrays: list[np.ndarray]) -> float:
+        """kv_receive to `address` with `fields` (slot, session, ticket, state) and `arrays` (K/V,
+        block table); returns the time until the decode agent acknowledged, in ms. Raises
+        TransferError; never hangs."""
         socket = self._socket(address)
         request_id = next(self._ids)
         start = time.perf_counter()
         socket.send_multipart(
-            protocol.encode({"op": "kv_receive", "id": request_id, **fields}, [blocks]), copy=False
+            protocol.encode({"op": "kv_receive", "id": request_id, **fields}, arrays), copy=False
         )
         deadline = time.monotonic() + self.timeout_s
         while True:

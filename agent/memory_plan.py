@@ -1,13 +1,18 @@
-"""Memory planning: how many KV slots of how many positions an agent holds, from the model's sizes
-and runtime.memory_budget_mb (or the numbers the config gives), with the plan in words for the log.
+"""Memory planning: the KV block pool an agent holds, and how long a sequence may be, from the
+model's sizes and runtime.memory_budget_mb (or the numbers the config gives), with the plan in
+words for the log.
 
     weights   parameters x dtype size (+ the matmul kernel's packed copy of a tied lm_head,
               agent/graph_interface.py)
-    KV / slot layers x 2 (K and V) x kv_heads x head_dim x dtype size x max_seq_len (rounded up to
-              whole blocks of runtime.block_size positions)
+    KV block  layers x 2 (K and V) x kv_heads x head_dim x dtype size x block_size positions
+    pool      num_blocks (what the budget leaves, or num_slots x ceil(max_seq_len / block_size)
+              without one) + the scratch blocks that padding writes to
     working   prefill attention scores of every layer at the largest prefill bucket (fp32),
               and logits of the largest decode batch
-    total     weights + (num_slots + 1 scratch slot) x KV / slot + working
+    total     weights + pool x KV block + working
+
+Seats (num_slots: sequences placed at once) cost no KV: their sequences take blocks as they grow,
+so a pool smaller than every seat's whole length serves many short sequences and a few long ones.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agent.graph_interface import packed_copy_bytes
+from agent.graph_interface import packed_copy_bytes, scratch_blocks
 from agent.model.spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -31,22 +36,32 @@ class MemoryPlanError(ValueError):
 @dataclass(frozen=True)
 class MemoryPlan:
     weights_mb: float
-    kv_mb_per_slot: float
+    block_mb: float  # one block of every layer's K and V
     working_mb: float
     num_slots: int
     max_seq_len: int
+    num_blocks: int
+    scratch_blocks: int
+    block_size: int
     budget_mb: int | None
 
     @property
+    def kv_mb(self) -> float:
+        return (self.num_blocks + self.scratch_blocks) * self.block_mb
+
+    @property
     def total_mb(self) -> float:
-        return self.weights_mb + (self.num_slots + 1) * self.kv_mb_per_slot + self.working_mb
+        return self.weights_mb + self.kv_mb + self.working_mb
 
     def describe(self) -> str:
         budget = f" of a {self.budget_mb} MB budget" if self.budget_mb else ""
+        positions = self.num_blocks * self.block_size
         return (
-            f"memory plan: weights {self.weights_mb:.0f} MB, KV {self.kv_mb_per_slot:.1f} MB per slot "
-            f"of {self.max_seq_len} positions x {self.num_slots} slots (+1 scratch), working "
-            f"{self.working_mb:.0f} MB: {self.total_mb:.0f} MB{budget}"
+            f"memory plan: weights {self.weights_mb:.0f} MB, KV cache {self.kv_mb:.0f} MB: "
+            f"{self.num_blocks} blocks of {self.block_size} positions ({positions} positions, "
+            f"{positions / self.max_seq_len:.1f} sequences of max_seq_len {self.max_seq_len}) "
+            f"shared by {self.num_slots} seats, working {self.working_mb:.0f} MB: "
+            f"{self.total_mb:.0f} MB{budget}"
         )
 
 
@@ -60,60 +75,58 @@ def working_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2
 
 
-def _budgeted(free: int | None) -> int:
-    """The bytes the budget leaves for the KV cache; "auto" sizes need a budget (the runtime's
-    validation makes sure of it)."""
-    if free is None:
-        raise MemoryPlanError('num_slots/max_seq_len "auto" need memory_budget_mb')
-    return free
-
-
 def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSection, MemoryPlan]:
-    """The runtime with num_slots and max_seq_len resolved, and the plan. Raises MemoryPlanError
-    when the budget is too small, naming the sizes."""
+    """The runtime with num_slots, max_seq_len and num_blocks resolved, and the plan. Raises
+    MemoryPlanError when the budget is too small, naming the sizes."""
     weights, working = weights_bytes(spec, runtime), working_bytes(spec, runtime)
-    per_position = spec.kv_bytes_per_token * DTYPE_BYTES[runtime.dtype] // 4
+    per_block = spec.kv_bytes_per_token * DTYPE_BYTES[runtime.dtype] // 4 * runtime.block_size
+    scratch = scratch_blocks(runtime)
     budget = None if runtime.memory_budget_mb is None else runtime.memory_budget_mb * MB
-    free = None if budget is None else budget - weights - working
-    if free is not None and free <= 0:
+    # blocks the budget leaves for the pool (None: no budget)
+    room = None if budget is None else (budget - weights - working) // per_block - scratch
+    if room is not None and room <= 0:
         raise MemoryPlanError(
             f"memory_budget_mb {runtime.memory_budget_mb} does not hold the weights "
-            f"({weights / MB:.0f} MB) and working memory ({working / MB:.0f} MB)"
+            f"({weights / MB:.0f} MB), working memory ({working / MB:.0f} MB) and a KV cache"
         )
+    slots = runtime.decode_batch_buckets[-1] if runtime.num_slots == "auto" else runtime.num_slots
 
     if runtime.max_seq_len == "auto":
-        free = _budgeted(free)
-        slots_wanted = 2 if runtime.num_slots == "auto" else runtime.num_slots + 1
-        fitting = free // (slots_wanted * per_position) // LENGTH_STEP * LENGTH_STEP
-        max_len = min(spec.max_context, fitting)
+        assert room is not None, "the runtime's validation asks a budget of max_seq_len auto"
+        max_len = min(spec.max_context, room * runtime.block_size // LENGTH_STEP * LENGTH_STEP)
         if max_len < runtime.prefill_buckets[-1]:
             raise MemoryPlanError(
-                f"memory_budget_mb {runtime.memory_budget_mb} leaves {free / MB:.0f} MB for the KV "
-                f"cache: not {slots_wanted} slots of the longest prompt ({runtime.prefill_buckets[-1]} "
-                f"positions); raise the budget or lower num_slots or prefill_buckets"
+                f"memory_budget_mb {runtime.memory_budget_mb} leaves {room} KV blocks of "
+                f"{runtime.block_size} positions: not one sequence of the largest prefill bucket "
+                f"({runtime.prefill_buckets[-1]} positions); raise the budget or lower prefill_buckets"
             )
     else:
         max_len = runtime.max_seq_len
-    per_slot = per_position * -(-max_len // runtime.block_size) * runtime.block_size
-    if runtime.num_slots == "auto":
-        free = _budgeted(free)
-        slots = min(free // per_slot - 1, runtime.decode_batch_buckets[-1])
-        if slots < 1:
-            raise MemoryPlanError(
-                f"memory_budget_mb {runtime.memory_budget_mb} leaves {free / MB:.0f} MB for the KV "
-                f"cache: not two slots (one plus the scratch slot) of {max_len} positions at "
-                f"{per_slot / MB:.1f} MB each; raise the budget or lower max_seq_len"
-            )
+    per_seq = -(-max_len // runtime.block_size)
+    if runtime.num_blocks != "auto":
+        blocks = runtime.num_blocks
+    elif room is not None:
+        blocks = room
     else:
-        slots = runtime.num_slots
-        if free is not None and (slots + 1) * per_slot > free:
-            raise MemoryPlanError(
-                f"num_slots {slots} x max_seq_len {max_len} needs {(slots + 1) * per_slot / MB:.0f} MB "
-                f"of KV cache (with the scratch slot), but memory_budget_mb {runtime.memory_budget_mb} "
-                f"leaves {free / MB:.0f} MB after the weights ({weights / MB:.0f} MB) and working memory "
-                f"({working / MB:.0f} MB); set num_slots: auto or raise the budget"
+        blocks = slots * per_seq  # no budget: each seat its whole length
+    if blocks < per_seq or (room is not None and blocks > room):
+        need = f"{per_seq} blocks (one sequence of max_seq_len {max_len})"
+        raise MemoryPlanError(
+            f"num_blocks {blocks} of {runtime.block_size} positions: a pool needs at least {need}"
+            + (
+                f" and memory_budget_mb {runtime.memory_budget_mb} holds at most {room} "
+                f"({per_block / MB:.2f} MB each after the weights ({weights / MB:.0f} MB) and "
+                f"working memory ({working / MB:.0f} MB))"
+                if room is not None
+                else ""
             )
-    update: dict[str, int | list[int]] = {"num_slots": int(slots), "max_seq_len": int(max_len)}
+            + "; raise the budget or lower max_seq_len"
+        )
+    update: dict[str, int | list[int]] = {
+        "num_slots": int(slots),
+        "max_seq_len": int(max_len),
+        "num_blocks": int(blocks),
+    }
     if runtime.max_seq_len == "auto":  # the attend buckets end at the planned length
         update["attend_buckets"] = sorted({b for b in runtime.attend_buckets if b < max_len} | {max_len})
     try:
@@ -121,7 +134,15 @@ def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSectio
     except ValueError as exc:
         raise MemoryPlanError(f"the planned runtime ({update}) is not valid: {exc}") from exc
     plan = MemoryPlan(
-        weights / MB, per_slot / MB, working / MB, int(slots), int(max_len), runtime.memory_budget_mb
+        weights / MB,
+        per_block / MB,
+        working / MB,
+        int(slots),
+        int(max_len),
+        int(blocks),
+        scratch,
+        runtime.block_size,
+        runtime.memory_budget_mb,
     )
     return resolved, plan
 

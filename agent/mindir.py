@@ -37,8 +37,9 @@ MANIFEST = "manifest.json"
 # Version of what the graphs take and return: 2 = decode graphs return (logits, argmax), and prefill
 # graphs of fused layers take write rows and lengths (manifest "fused_layers"); 3 = the export holds
 # its known answer (agent/known_answer.py) and the MindSpore version and kernel build it was made with;
-# 4 = a paged KV cache (runtime.block_size): prefill and decode graphs take block tables.
-EXPORT_FORMAT = 4
+# 4 = a paged KV cache (runtime.block_size): prefill and decode graphs take block tables; 5 = a pool
+# of runtime.num_blocks blocks shared by the seats, then the scratch blocks.
+EXPORT_FORMAT = 5
 
 
 class MindIRError(ValueError):

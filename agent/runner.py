@@ -4,18 +4,21 @@
     runner = ModelRunner.from_mindir(files, runtime)  # or runs graphs exported by tools.export
     runner = ModelRunner(graphs, runtime)       # or over any graph set (agent/graph_interface.py)
     runner.warm_up(progress, known=answer)      # compiles every bucket, checks each against answer
-    first = runner.prefill(slot, prompt_ids, sampling)
-    nexts = runner.decode([slot, ...])          # one token for each slot, in order
+    first = runner.prefill(slot, prompt_ids, sampling, table)          # the whole prompt
+    runner.prefill(slot, ids[:end], sampling, table, start, sample=False)  # or a chunk of it
+    nexts = runner.decode([slot, ...], [table, ...])  # one token for each slot, in order
     runner.release(slot)
 
 PD disaggregation moves a prefilled slot to another agent's runner:
     blocks, state = runner.export_kv(slot)      # prefill agent: K/V [2 * layers, KV, n, hd] + state
-    other.import_kv(slot2, blocks, state)       # decode agent: written into its cache in the graph
+    other.import_kv(slot2, blocks, state, table)  # decode agent: written into its cache in the graph
 
-The runner keeps each slot's length and its sampled-but-not-yet-written token, so a decode call only
-names slots. The graphs take block tables (agent/graph_interface.py); each slot has a fixed one
-(GraphInputs.slot_table). Shapes are padded to the configured buckets: padded decode rows and padded
-prefill positions write to the scratch slot.
+A slot is a seat: the runner keeps its length, its table, its sampler and its sampled-but-not-yet-
+written token. The KV cache is a pool of blocks (agent/graph_interface.py) that the server hands out:
+every call names the blocks of each sequence (its block table), and a table may grow between calls.
+Without a table, a slot uses its fixed one (GraphInputs.slot_table: tools and tests). Shapes are
+padded to the configured buckets: padded decode rows and padded prefill positions write to the
+scratch blocks, which are not part of the pool the server hands out (`num_blocks`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from config.schema import ModelSection, RuntimeSection
 log = logging.getLogger(__name__)
 
 WHOLE_MODEL = TensorSplit()  # no tensor parallelism: this process runs the whole model
+# A sequence's blocks, position p in block table[p // block_size].
+BlockTable = Sequence[int] | np.ndarray
 
 
 class RunnerError(ValueError):
@@ -51,8 +56,9 @@ class RunnerError(ValueError):
 @dataclass
 class SlotState:
     length: int  # positions written to the KV cache
-    next_token: int  # sampled, to be written by the next decode step
-    sampler: SlotSampler
+    table: np.ndarray  # its block table [MB], as of the last call
+    next_token: int | None = None  # sampled, to be written by the next decode step
+    sampler: SlotSampler | None = None  # none until the prompt's last chunk samples
 
 
 def configure_mindspore(
@@ -103,6 +109,26 @@ class ModelRunner:
 
     def slot_length(self, slot: int) -> int:
         return self._active(slot).length
+
+    @property
+    def num_blocks(self) -> int:
+        """The pool's blocks a server may hand out: 0..num_blocks-1 (the scratch blocks follow)."""
+        return self.graphs.inputs.pool
+
+    @property
+    def max_chunk(self) -> int:
+        """The most prompt positions one prefill graph call computes (a longer chunk is split)."""
+        return self.runtime.prefill_buckets[-1]
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether a prefill may start after cached positions (chunks, prefix-cache hits)."""
+        return self.graphs.inputs.fused_layers
+
+    @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt: one position stays for an answer; without chunks, one graph call."""
+        return self.max_len - 1 if self.chunked_prefill else min(self.max_len - 1, self.max_chunk)
 
     def release(self, slot: int) -> None:
         self._check_slot(slot)
@@ -196,45 +222,91 @@ class ModelRunner:
 
     # -------------------------------------------------------------------------------- requests
 
-    def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
-        """Write the prompt's K/V into a free slot; returns the first generated token."""
-        self._check_slot(slot)
-        if slot in self.slots:
-            raise RunnerError(f"slot {slot} is in use; release it first")
-        tokens = self._check_tokens(prompt)
-        if len(tokens) > self.runtime.max_prompt_len:
-            raise RunnerError(
-                f"prompt of {len(tokens)} tokens exceeds the longest prompt this "
-                f"agent accepts ({self.runtime.max_prompt_len} tokens)"
-            )
-        logits = self.graphs.prefill(
-            self._table(slot), tokens, bucket(self.runtime.prefill_buckets, len(tokens))
-        )
-        sampler = SlotSampler(params, tokens.tolist(), self.spec.vocab_size)
-        token = self._sample(logits, [sampler])[0]
-        self.slots[slot] = SlotState(length=len(tokens), next_token=token, sampler=sampler)
-        return token
+    def prefill(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        params: SamplingParams,
+        table: BlockTable | None = None,
+        start: int = 0,
+    ) -> int:
+        """A prompt's last (or only) chunk: positions start..len(tokens)-1 (`tokens`: the ids from
+        position 0; positions before `start` are in the blocks of `table` already: earlier chunks,
+        a prefix-cache hit). Seats a free slot; returns the first generated token."""
+        state, logits = self._compute(slot, tokens, table, start, sample=True)
+        state.sampler = SlotSampler(params, list(tokens), self.spec.vocab_size)
+        state.next_token = self._sample(logits, [state.sampler])[0]
+        return state.next_token
 
-    def decode(self, slots: Sequence[int]) -> list[int]:
-        """One step for each slot: write its pending token, return its next token (same order)."""
+    def prefill_chunk(self, slot: int, tokens: Sequence[int], table: BlockTable, start: int = 0) -> None:
+        """Positions start..len(tokens)-1 without sampling: a prompt's chunk before its last, or
+        the recompute of a preempted sequence (which keeps its sampler and pending token)."""
+        self._compute(slot, tokens, table, start, sample=False)
+
+    def _compute(
+        self, slot: int, tokens: Sequence[int], table: BlockTable | None, start: int, sample: bool
+    ) -> tuple[SlotState, Tensor]:
+        """Checks, then the positions start.. through the prefill graphs in pieces of at most the
+        largest bucket (a free slot is seated): the slot's state and the last piece's logits."""
+        self._check_slot(slot)
+        ids = self._check_tokens(tokens)
+        end = len(ids)
+        if end > self.max_prompt_len and (sample or not self.chunked_prefill):
+            raise RunnerError(
+                f"prompt of {end} tokens exceeds the longest prompt this agent accepts "
+                f"({self.max_prompt_len} tokens)"
+            )
+        if end >= self.max_len:
+            raise RunnerError(f"{end} positions do not fit max_seq_len {self.max_len}")
+        state = self.slots.get(slot)
+        if state is not None and sample and state.sampler is not None:
+            raise RunnerError(f"slot {slot} has sampled already; release it first")
+        # A free slot may start anywhere (a prefix-cache hit); a seated one not past what it holds.
+        if not 0 <= start < end or (state is not None and start > state.length):
+            raise RunnerError(
+                f"a prefill computes positions start..{end - 1} after the "
+                f"{0 if state is None else state.length} the slot holds, not from {start}"
+            )
+        padded = self._padded_table(slot, table, end)
+        pieces = range(start, end, self.max_chunk)
+        for piece_start in pieces:
+            piece = ids[piece_start : piece_start + self.max_chunk]
+            logits = self.graphs.prefill(
+                padded, piece, bucket(self.runtime.prefill_buckets, len(piece)), start=piece_start
+            )
+        if state is None:
+            state = self.slots[slot] = SlotState(length=end, table=padded)
+        state.length, state.table = end, padded
+        return state, logits
+
+    def decode(self, slots: Sequence[int], tables: Sequence[BlockTable] | None = None) -> list[int]:
+        """One step for each slot: write its pending token, return its next token (same order).
+        `tables`: each slot's block table, covering its next position (none: as last time)."""
         if not slots:
             raise RunnerError("decode needs at least one slot")
         if len(set(slots)) != len(slots):
             raise RunnerError(f"decode slots repeat: {list(slots)}")
+        if tables is not None and len(tables) != len(slots):
+            raise RunnerError(f"decode of {len(slots)} slots got {len(tables)} block tables")
         states = [self._active(s) for s in slots]
         for slot, state in zip(slots, states):
             if state.length >= self.max_len:
                 raise RunnerError(f"slot {slot} is full ({self.max_len} positions)")
+            if state.sampler is None or state.next_token is None:
+                raise RunnerError(f"slot {slot} has not finished its prompt")
+        if tables is not None:
+            for slot, state, table in zip(slots, states, tables):
+                state.table = self._padded_table(slot, table, state.length + 1)
         positions = np.array([s.length for s in states], np.int64)
         rows = bucket(self.runtime.decode_batch_buckets, len(slots))
         logits, greedy = self.graphs.decode(
-            np.stack([self._table(s) for s in slots]),
+            np.stack([s.table for s in states]),
             np.array([s.next_token for s in states], np.int64),
             positions,
             rows,
             self.graphs.inputs.attend(positions),
         )
-        tokens = self._sample(logits, [s.sampler for s in states], greedy)
+        tokens = self._sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
         for state, token in zip(states, tokens):
             state.length += 1
             state.next_token = token
@@ -244,21 +316,28 @@ class ModelRunner:
         """A just-prefilled slot's K/V [2 * layers, KV heads, length, head_dim] (K then V of each
         layer) and the state that goes with it (length, pending token, sampler)."""
         state = self._active(slot)
-        blocks = self._kv_graphs().kv_export(self._table(slot), self._transfer_bucket(state.length))
+        if state.sampler is None or state.next_token is None:
+            raise RunnerError(f"slot {slot} has not finished its prompt")
+        self._check_transfer(state.length)
+        pieces = [
+            self._kv_graphs().kv_export(sub_table, size)[:, :, :n]
+            for sub_table, n, size in self._transfer_pieces(state.table, state.length)
+        ]
         return (
-            np.ascontiguousarray(blocks[:, :, : state.length]),
+            np.ascontiguousarray(np.concatenate(pieces, axis=2)),
             {"length": state.length, "next_token": state.next_token, "sampler": state.sampler.state()},
         )
 
-    def import_kv(self, slot: int, blocks: np.ndarray, state: dict) -> None:
-        """Another agent's export_kv into a free slot, which then decodes as if prefilled here."""
+    def import_kv(self, slot: int, blocks: np.ndarray, state: dict, table: BlockTable | None = None) -> None:
+        """Another agent's export_kv into a free slot and the blocks of `table`, which then
+        decodes as if prefilled here."""
         self._check_slot(slot)
         if slot in self.slots:
             raise RunnerError(f"slot {slot} is in use; release it first")
         length, next_token = state.get("length"), state.get("next_token")
         if not isinstance(length, int) or not isinstance(next_token, int):
             raise RunnerError("the KV state needs integer length and next_token")
-        padded_length = self._transfer_bucket(length)
+        self._check_transfer(length)
         shape = (2 * self.spec.num_layers, self._kv, length, self._hd)
         if blocks.shape != shape or blocks.dtype != self._cache_dtype():
             raise RunnerError(
@@ -271,30 +350,68 @@ class ModelRunner:
         if not isinstance(sampler_state, dict):
             raise RunnerError("the KV state needs a sampler map")
         sampler = SlotSampler.from_state(sampler_state, self.spec.vocab_size)
-        padded = np.zeros((*shape[:2], padded_length, self._hd), blocks.dtype)
-        padded[:, :, :length] = blocks
-        self._kv_graphs().kv_import(self._table(slot), padded)
-        self.slots[slot] = SlotState(length=length, next_token=next_token, sampler=sampler)
+        padded_table = self._padded_table(slot, table, length + 1)
+        done = 0
+        for sub_table, n, size in self._transfer_pieces(padded_table, length):
+            padded = np.zeros((*shape[:2], size, self._hd), blocks.dtype)
+            padded[:, :, :n] = blocks[:, :, done : done + n]
+            self._kv_graphs().kv_import(sub_table, padded)
+            done += n
+        self.slots[slot] = SlotState(length, padded_table, next_token, sampler)
 
     def largest_kv_transfer_bytes(self) -> int:
-        """The K/V frame of the longest transfer (a whole prompt bucket, float32 at most)."""
-        return 2 * self.spec.num_layers * self._kv * self.runtime.prefill_buckets[-1] * self._hd * 4
+        """The K/V frame of the longest transfer (a whole sequence, float32 at most)."""
+        return 2 * self.spec.num_layers * self._kv * self.max_len * self._hd * 4
 
     # -------------------------------------------------------------------------------- internals
 
-    def _transfer_bucket(self, length: int) -> int:
-        """KV moves in prefill buckets: a transferred sequence is at most a prompt long."""
-        if not 1 <= length <= self.runtime.prefill_buckets[-1]:
-            raise RunnerError(
-                f"a KV transfer holds 1..{self.runtime.prefill_buckets[-1]} positions, not {length}"
-            )
+    def _check_transfer(self, length: int) -> None:
+        if not 1 <= length < self.max_len:
+            raise RunnerError(f"a KV transfer holds 1..{self.max_len - 1} positions, not {length}")
         if self.runtime.dtype == "bfloat16":
             raise RunnerError("KV transfer of a bfloat16 cache is not supported (NumPy has no bfloat16)")
-        return bucket(self.runtime.prefill_buckets, length)
 
-    def _table(self, slot: int) -> np.ndarray:
-        """The slot's block table: fixed, the slot's own blocks."""
-        return self.graphs.inputs.slot_table(int(slot))
+    def _transfer_pieces(self, table: np.ndarray, length: int) -> list[tuple[np.ndarray, int, int]]:
+        """Positions 0..length-1 of the sequence with `table` as the KV graphs move them: pieces of
+        at most the largest prefill bucket, each starting on a block boundary, given as (the table
+        from the piece's first block on, its positions, its bucket)."""
+        block_size, largest = self.graphs.inputs.block_size, self.runtime.prefill_buckets[-1]
+        step = largest // block_size * block_size or largest
+        if step < length and step % block_size:
+            raise RunnerError(
+                f"a KV transfer of {length} positions needs the largest prefill bucket ({largest}) "
+                f"to hold a whole block ({block_size} positions)"
+            )
+        pieces = []
+        for start in range(0, length, step):
+            n = min(step, length - start)
+            first = start // block_size  # the table from this block on, scratch blocks after
+            sub_table = np.concatenate([table[first:], self.graphs.inputs.scratch_table[:first]])
+            pieces.append((sub_table, n, bucket(self.runtime.prefill_buckets, n)))
+        return pieces
+
+    def _padded_table(self, slot: int, table: BlockTable | None, positions: int) -> np.ndarray:
+        """`table` (the server's, as long as the sequence needs) checked and padded to MB blocks
+        with scratch blocks; none: the slot's fixed table. It must cover `positions`."""
+        inputs = self.graphs.inputs
+        if table is None:
+            return inputs.slot_table(int(slot))
+        given = np.asarray(table)
+        if given.ndim != 1 or len(given) > inputs.blocks_per_seq or given.dtype.kind not in "iu":
+            raise RunnerError(
+                f"a block table lists at most {inputs.blocks_per_seq} integer blocks, "
+                f"got {given.dtype}{list(given.shape)}"
+            )
+        if len(given) * inputs.block_size < positions:
+            raise RunnerError(
+                f"a block table of {len(given)} blocks of {inputs.block_size} does not cover "
+                f"{positions} positions"
+            )
+        if given.size and (given.min() < 0 or given.max() >= self.num_blocks):
+            raise RunnerError(f"block table entries lie in 0..{self.num_blocks - 1}")
+        padded = inputs.scratch_table.copy()
+        padded[: len(given)] = given
+        return padded
 
     def _kv_graphs(self) -> KVTransferGraphs:
         if not isinstance(self.graphs, KVTransferGraphs):

@@ -60,7 +60,11 @@ class AgentService:
             "eos_ids": list(runner.spec.eos_ids),
             "num_slots": runner.num_slots,
             "max_seq_len": runner.max_len,
-            "max_prompt_len": runner.runtime.max_prompt_len,
+            "max_prompt_len": runner.max_prompt_len,
+            "num_blocks": runner.num_blocks,
+            "block_size": runner.runtime.block_size,
+            "max_chunk": runner.max_chunk,
+            "chunked_prefill": runner.chunked_prefill,
             "prefill_buckets": runner.runtime.prefill_buckets,
             "decode_batch_buckets": runner.runtime.decode_batch_buckets,
             "attend_buckets": runner.runtime.attend_buckets,
@@ -152,32 +156,42 @@ class AgentService:
         return {}, []
 
     def _op_prefill(self, header: dict, arrays: list) -> tuple[dict, list]:
-        tokens = _one_int_array(arrays, "prefill", "prompt token ids")
+        tokens, table = _int_arrays(arrays, "prefill", ("token ids", "block table"))
         sampling = SamplingParams.model_validate(header.get("sampling") or {})
-        slot = _int_field(header, "slot")
+        slot, start = _int_field(header, "slot"), _int_field(header, "start")
+        sample = header.get("sample")
+        if not isinstance(sample, bool):
+            raise ValueError(f"field 'sample' must be true or false, got {sample!r}")
         transfer = header.get("transfer")
         if transfer is not None:
             if self.sender is None:
                 raise ValueError("this agent sends no KV (its role is not prefill)")
             if not isinstance(transfer, dict):
                 raise ValueError("transfer must be a map")
-        token = self.runner.prefill(slot, tokens.tolist(), sampling)
+            if not sample:
+                raise ValueError("a prefill that sends its KV computes the whole prompt (sample: true)")
+        if not sample:
+            self.runner.prefill_chunk(slot, tokens.tolist(), table, start)
+            return {"token": None}, []
+        token = self.runner.prefill(slot, tokens.tolist(), sampling, table, start)
         if transfer is None or self.sender is None:  # with a transfer there is a sender (checked above)
             return {"token": token}, []
         try:  # the slot is free again whatever happens to the transfer
             blocks, state = self.runner.export_kv(slot)
         finally:
             self.runner.release(slot)
-        address = transfer.get("address")
+        address, decode_table = transfer.get("address"), transfer.get("table")
         if not isinstance(address, str):
             raise ValueError("transfer.address must be the decode agent's address")
+        if not isinstance(decode_table, list) or not all(type(b) is int for b in decode_table):
+            raise ValueError("transfer.table must be the decode agent's block table (integers)")
         fields = {
             "slot": _int_field(transfer, "slot"),
             "session": _int_field(transfer, "session"),
             "ticket": _int_field(transfer, "ticket"),
             "state": state,
         }
-        transfer_ms = self.sender.send(address, fields, blocks)
+        transfer_ms = self.sender.send(address, fields, [blocks, np.asarray(decode_table, np.int32)])
         log.info(
             "KV of %d tokens (%d bytes) sent to %s slot %d in %.1f ms",
             state["length"],
@@ -192,15 +206,29 @@ class AgentService:
         ticket = _int_field(header, "ticket")
         if ticket in self.cancelled_tickets:
             raise ValueError(f"transfer {ticket} was cancelled by the scheduler (it came too late)")
-        if len(arrays) != 1 or not isinstance(header.get("state"), dict):
-            raise ValueError("kv_receive takes one K/V array and a state map")
-        self.runner.import_kv(_int_field(header, "slot"), arrays[0], header["state"])
+        if len(arrays) != 2 or not isinstance(header.get("state"), dict):
+            raise ValueError("kv_receive takes a K/V array, a block table and a state map")
+        blocks, table = arrays
+        if table.ndim != 1 or table.dtype.kind != "i":
+            raise ValueError("kv_receive's second array is the block table: 1-D integers")
+        self.runner.import_kv(_int_field(header, "slot"), blocks, header["state"], table)
         return {}, []
 
     def _op_decode(self, header: dict, arrays: list) -> tuple[dict, list]:
-        slots = _one_int_array(arrays, "decode", "slot ids")
-        tokens = self.runner.decode(slots.tolist())
+        if len(arrays) != 2 or arrays[1].ndim != 2 or arrays[1].dtype.kind != "i":
+            raise ValueError("decode takes slot ids [n] and block tables [n, blocks]")
+        (slots,) = _int_arrays(arrays[:1], "decode", ("slot ids",))
+        tables = arrays[1]
+        if len(tables) != len(slots):
+            raise ValueError(f"decode of {len(slots)} slots got {len(tables)} block tables")
+        # The server pads tables with zeros to the longest; each slot needs its length's blocks.
+        tokens = self.runner.decode(slots.tolist(), [self._used_blocks(s, t) for s, t in zip(slots, tables)])
         return {}, [np.asarray(tokens, dtype=np.int32)]
+
+    def _used_blocks(self, slot: int, table: np.ndarray) -> np.ndarray:
+        """The blocks of `table` a decode step of `slot` reads: those of its positions so far and next."""
+        length = self.runner.slot_length(int(slot))
+        return table[: length // self.runner.runtime.block_size + 1]
 
     def _op_release(self, header: dict, arrays: list) -> tuple[dict, list]:
         if "ticket" in header:
@@ -216,7 +244,7 @@ def _int_field(header: dict[str, Any], name: str) -> int:
     return value
 
 
-def _one_int_array(arrays: list, op: str, what: str) -> np.ndarray:
-    if len(arrays) != 1 or arrays[0].ndim != 1 or arrays[0].dtype.kind != "i":
-        raise ValueError(f"{op} takes one 1-D integer array of {what}")
-    return arrays[0]
+def _int_arrays(arrays: list, op: str, what: tuple[str, ...]) -> list[np.ndarray]:
+    if len(arrays) != len(what) or any(a.ndim != 1 or a.dtype.kind != "i" for a in arrays):
+        raise ValueError(f"{op} takes {len(what)} 1-D integer arrays: {', '.join(what)}")
+    return arrays

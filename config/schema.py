@@ -86,10 +86,6 @@ class RuntimeSection(Section):
     """How each agent builds and runs its graphs (shapes, KV slots, MindSpore context)."""
 
     @property
-    def max_prompt_len(self) -> int:
-        return self.prefill_buckets[-1]
-
-    @property
     def attention_kernel(self) -> bool:
         """Decode attention by the custom CPU kernel (reads each sequence's own positions from the
         cache) rather than gather + batched matmuls over an attend bucket."""
@@ -112,27 +108,35 @@ class RuntimeSection(Section):
     cpu_threads: int | None = Field(None, ge=1, description="MindSpore CPU op threads; None: its default")
     num_slots: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         16,
-        description="KV-cache slots = most sequences decoded at once; auto: as many as "
-        "memory_budget_mb holds (up to the largest decode batch bucket)",
+        description="most sequences placed at once (each a seat with its sampling state; their "
+        "KV comes from the block pool, so free blocks bound them too); auto: the largest decode "
+        "batch bucket",
     )
     max_seq_len: Annotated[int, Field(ge=2)] | Literal["auto"] = Field(
         2048,
-        description="positions per slot: prompt + generated tokens; auto: the model's "
+        description="positions of one sequence: prompt + generated tokens; auto: the model's "
         "context length, shortened to what memory_budget_mb holds",
+    )
+    num_blocks: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="KV-cache blocks shared by every sequence; auto: what memory_budget_mb leaves "
+        "after weights and working memory, or without a budget num_slots x ceil(max_seq_len / "
+        "block_size) (each seat its whole length)",
     )
     memory_budget_mb: int | None = Field(
         None,
         ge=1,
         description="device memory for weights + KV cache + working memory per agent; "
-        "the agent plans num_slots/max_seq_len from it and logs the plan",
+        "the agent plans num_blocks (and num_slots/max_seq_len auto) from it and logs the plan",
     )
     block_size: int = Field(
         16,
         description="positions per KV-cache block (a power of two, 1..256): the cache is paged in "
         "blocks, each sequence reads its positions through a table of its blocks",
     )
-    # The largest prefill bucket is the longest prompt accepted. Prefill memory grows with its
-    # square (the attention scores of all layers stay allocated), so keep it well below max_seq_len.
+    # The largest prefill bucket is the most positions one prefill call computes: a longer prompt
+    # runs in chunks (fused layers), else it is the longest prompt accepted. Prefill memory grows
+    # with its square (the attention scores of all layers stay allocated).
     prefill_buckets: list[int] = Field(default_factory=lambda: [32, 64, 128, 512])
     decode_batch_buckets: list[int] = Field(default_factory=lambda: [1, 4, 8, 16])
     attend_buckets: list[int] = Field(
@@ -167,8 +171,18 @@ class RuntimeSection(Section):
 
     @property
     def planned(self) -> bool:
-        """num_slots and max_seq_len are numbers (agent.memory_plan resolves "auto")."""
-        return self.num_slots != "auto" and self.max_seq_len != "auto"
+        """num_slots, max_seq_len and num_blocks are numbers (agent.memory_plan resolves "auto")."""
+        seats_and_length = self.num_slots != "auto" and self.max_seq_len != "auto"
+        return seats_and_length and (self.num_blocks != "auto" or self.memory_budget_mb is None)
+
+    @property
+    def planned_num_blocks(self) -> int:
+        """num_blocks once planned: the KV pool's blocks (the scratch blocks beyond them)."""
+        if self.num_blocks != "auto":
+            return self.num_blocks
+        if self.memory_budget_mb is not None or self.num_slots == "auto" or self.max_seq_len == "auto":
+            raise ValueError(_UNPLANNED.format(field="num_blocks"))
+        return self.num_slots * -(-self.max_seq_len // self.block_size)  # each seat its whole length
 
     @property
     def planned_num_slots(self) -> int:
@@ -202,10 +216,15 @@ class RuntimeSection(Section):
                 "(the custom CPU kernels compute in float32)"
             )
         if not self.planned:
-            if self.memory_budget_mb is None:
+            if self.memory_budget_mb is None and "auto" in (self.num_slots, self.max_seq_len):
                 raise ValueError("num_slots/max_seq_len auto need memory_budget_mb")
             return self  # checked again once planned
         max_seq_len, num_slots = self.planned_max_seq_len, self.planned_num_slots
+        if self.planned_num_blocks * self.block_size < max_seq_len:
+            raise ValueError(
+                f"num_blocks {self.planned_num_blocks} of {self.block_size} positions do not hold one "
+                f"sequence of max_seq_len {max_seq_len}"
+            )
         if self.attend_buckets[-1] != max_seq_len:
             raise ValueError(
                 f"the largest of attend_buckets must equal max_seq_len "
@@ -462,6 +481,14 @@ class ServerSection(Section):
         "beyond it: 503 (429 on the OpenAI API); null: no bound",
     )
     max_prefills_per_step: int = Field(4, ge=1, description="prompts admitted per iteration")
+    max_num_batched_tokens: int = Field(
+        512,
+        ge=1,
+        description="positions one group's step computes: its decode rows first, then prompt chunks",
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV of full blocks of earlier prompts with the same prefix"
+    )
     drain_timeout_s: float = Field(
         30.0, gt=0, description="on SIGTERM, how long running requests may take to finish"
     )

@@ -58,6 +58,16 @@ class AgentRequestError(AgentError):
         self.kind = kind
 
 
+def block_tables(tables: Sequence[Sequence[int]]) -> np.ndarray:
+    """Rows of block ids as one int32 array, padded with -1 to the longest (the agent reads only
+    the blocks of each row's positions, and refuses -1 among them)."""
+    width = max((len(t) for t in tables), default=0)
+    out = np.full((len(tables), width), -1, np.int32)
+    for row, table in enumerate(tables):
+        out[row, : len(table)] = table
+    return out
+
+
 class ModelClient(Protocol):
     """What the engine calls on a group's client, whichever it is: an AgentClient (one agent) or a
     GroupClient (a tensor-parallel group). Only an AgentClient has `prefill_and_send`: a prefill
@@ -83,9 +93,17 @@ class ModelClient(Protocol):
 
     async def reset(self, timeout_s: float | None = None) -> None: ...
 
-    async def prefill(self, slot: int, prompt: Sequence[int], sampling: SamplingParams) -> int: ...
+    async def prefill(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        table: Sequence[int],
+        start: int,
+        sample: bool,
+        sampling: SamplingParams,
+    ) -> int | None: ...
 
-    async def decode(self, slots: Sequence[int]) -> list[int]: ...
+    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[int]: ...
 
     async def release(self, slot: int, ticket: int | None = None) -> None: ...
 
@@ -243,31 +261,60 @@ class AgentClient:
         """Open this client's session on the agent: every slot is released."""
         await self.call("reset", timeout_s=timeout_s, session=self.session, epoch=self.epoch)
 
-    async def prefill(self, slot: int, prompt: Sequence[int], sampling: SamplingParams) -> int:
-        header = await self._prefill(slot, prompt, sampling)
-        return int(header["token"])
+    async def prefill(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        table: Sequence[int],
+        start: int,
+        sample: bool,
+        sampling: SamplingParams,
+    ) -> int | None:
+        """Positions start..len(tokens)-1 computed into the blocks of `table`; `sample`: the
+        prompt's last chunk, whose first token is returned (and the slot seated)."""
+        header = await self._prefill(slot, tokens, table, start, sample, sampling)
+        return int(header["token"]) if sample else None
 
     async def prefill_and_send(
-        self, slot: int, prompt: Sequence[int], sampling: SamplingParams, transfer: dict
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        table: Sequence[int],
+        start: int,
+        sampling: SamplingParams,
+        transfer: dict,
     ) -> tuple[int, int, float]:
-        """A prefill agent's prefill whose KV goes to a decode agent's slot (`transfer`: address,
-        slot, session, ticket) -> (first token, K/V bytes sent, transfer ms)."""
-        header = await self._prefill(slot, prompt, sampling, transfer=transfer)
+        """A prefill agent's whole prompt whose KV goes to a decode agent's slot (`transfer`:
+        address, slot, session, ticket, table) -> (first token, K/V bytes sent, transfer ms)."""
+        header = await self._prefill(slot, tokens, table, start, True, sampling, transfer=transfer)
         return int(header["token"]), int(header["kv_bytes"]), float(header["transfer_ms"])
 
-    async def _prefill(self, slot: int, prompt: Sequence[int], sampling: SamplingParams, **fields) -> dict:
+    async def _prefill(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        table: Sequence[int],
+        start: int,
+        sample: bool,
+        sampling: SamplingParams,
+        **fields,
+    ) -> dict:
         header, _ = await self.call(
             "prefill",
-            [np.asarray(prompt, np.int32)],
+            [np.asarray(tokens, np.int32), np.asarray(table, np.int32)],
             slot=slot,
+            start=start,
+            sample=sample,
             sampling=sampling.model_dump(),
             session=self.session,
             **fields,
         )
         return header
 
-    async def decode(self, slots: Sequence[int]) -> list[int]:
-        header, arrays = await self.call("decode", [np.asarray(slots, np.int32)], session=self.session)
+    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[int]:
+        header, arrays = await self.call(
+            "decode", [np.asarray(slots, np.int32), block_tables(tables)], session=self.session
+        )
         self.decode_compute_s = float(header.get("compute_ms", 0.0)) / 1000
         return arrays[0].tolist()
 
@@ -339,11 +386,19 @@ class GroupClient:
     async def reset(self, timeout_s: float | None = None) -> None:
         await self._all("reset", timeout_s)
 
-    async def prefill(self, slot: int, prompt: Sequence[int], sampling: SamplingParams) -> int:
-        return await self._agreed("prefill", slot, prompt, sampling)
+    async def prefill(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        table: Sequence[int],
+        start: int,
+        sample: bool,
+        sampling: SamplingParams,
+    ) -> int | None:
+        return await self._agreed("prefill", slot, tokens, table, start, sample, sampling)
 
-    async def decode(self, slots: Sequence[int]) -> list[int]:
-        return await self._agreed("decode", slots)
+    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[int]:
+        return await self._agreed("decode", slots, tables)
 
     async def release(self, slot: int, ticket: int | None = None) -> None:
         await self._all("release", slot, ticket)

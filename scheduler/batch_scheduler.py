@@ -1,22 +1,33 @@
-"""BatchScheduler: continuous batching of sequences over the groups' KV slots. Pure logic: no
-sockets, no asyncio; the engine loop (scheduler/engine.py) asks it for a plan, runs the plan on the
-groups and reports the results back. A group is one model instance: one agent, or the agents of a
-tensor-parallel group, which the scheduler sees as one.
+"""BatchScheduler: continuous batching of sequences over the groups' paged KV caches. Pure logic:
+no sockets, no asyncio; the engine loop (scheduler/engine.py) asks it for a plan, runs the plan on
+the groups and reports the results back. A group is one model instance: one agent, or the agents of
+a tensor-parallel group, which the scheduler sees as one.
 
-    plan = scheduler.schedule()     # releases, then prefills (admitted from the FIFO queue), decodes
+    plan = scheduler.schedule()     # releases, decodes, then prompt chunks within the token budget
     plan = scheduler.schedule(busy={1})   # the same, leaving out groups whose step is in flight
-    ... run plan.releases, then plan.prefills, then plan.decodes on the groups, in that order ...
-    scheduler.prefilled(seq, token); scheduler.decoded(seqs, tokens)
+    ... run plan.releases, then plan.decodes, then plan.prefills on the groups, in that order ...
+    scheduler.decoded(seqs, tokens); scheduler.prefilled(chunk, token or None)
+
+A group holds a sequence in a slot (its seat: sampling state on the agent, at most num_slots) and
+its KV in blocks (scheduler/block_manager.py: the tables are the scheduler's, sent with each call).
+Each step of a group spends at most `max_batched_tokens` positions: every decode row first (a
+decode never waits for a prompt), then prompt chunks, oldest first: a long prompt spans several
+steps, short ones share one. A prompt reuses the longest cached run of full blocks with the same
+prefix (prefix caching) and computes the rest. When a decode needs a block and none is free, the
+most recently admitted sequence of the group is preempted: its blocks go, it keeps its slot and its
+tokens, and it is recomputed (a prompt chunk) before new admissions, losing nothing.
 
 A finished sequence's slot goes into the next plan's releases, and only that plan may give it to a
 waiting sequence: the release runs first, so a slot is never prefilled while the group still holds
-the previous sequence, and the next request enters on the very next iteration.
+the previous sequence, and the next request enters on the very next iteration. Its blocks are free
+at once: a group's blocks are handed out only by a plan for that group, which runs after its step.
 
-PD disaggregation: a sequence placed on a `decode` group also gets a slot of a `prefill` group and
-a transfer ticket. Its prefill runs there and sends the KV to the decode slot, outside the plan's
-order (decode steps never wait for it); `transferred()` or `transfer_failed()` reports the outcome.
-Until then it is not decoded. A sequence that ends before its KV arrived releases its decode slot
-with the ticket, which the decode group then refuses should the KV still come.
+PD disaggregation: a sequence placed on a `decode` group also gets a slot and blocks of a `prefill`
+group and a transfer ticket. Its whole prompt is computed there (the prefill group's prefix cache
+helping) and sent to the decode slot's blocks, outside the plan's order (decode steps never wait for
+it); `transferred()` or `transfer_failed()` reports the outcome. Until then it is not decoded and
+its decode blocks are never preempted. A sequence that ends before its KV arrived releases its
+decode slot with the ticket, which the decode group then refuses should the KV still come.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from scheduler.block_manager import BlockManager
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -54,10 +66,36 @@ class AdmissionError(Exception):
 class GroupCapacity:
     """What the scheduler needs to know of one group (from its `info` reply)."""
 
-    num_slots: int
-    max_seq_len: int
-    max_prompt_len: int
+    num_slots: int  # sequences placed at once
+    max_seq_len: int  # positions of one sequence
+    num_blocks: int  # the KV pool, in blocks of block_size positions
+    block_size: int
+    max_chunk: int  # the most prompt positions one prefill call computes
     role: str = "mixed"
+    # whether a prefill may start past position 0 (chunks after the first, prefix-cache hits)
+    chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len > self.num_blocks * self.block_size:
+            # one sequence alone must always fit, or preempting every other could not save it
+            raise ValueError(
+                f"max_seq_len {self.max_seq_len} exceeds the KV pool "
+                f"({self.num_blocks} blocks of {self.block_size} positions)"
+            )
+
+    @property
+    def seats(self) -> int:
+        """Slots the scheduler fills. A group that cannot recompute a preempted sequence in chunks
+        (no chunked prefill; a decode group, which gets whole prompts from elsewhere) gets no more
+        sequences than its pool holds at their longest, so it never needs to preempt."""
+        if self.chunked_prefill and self.role != "decode":
+            return self.num_slots
+        return max(1, min(self.num_slots, self.num_blocks // -(-self.max_seq_len // self.block_size)))
+
+    @property
+    def max_prompt_len(self) -> int:
+        """One position must stay free for an answer; without chunks, one call takes the prompt."""
+        return self.max_seq_len - 1 if self.chunked_prefill else min(self.max_seq_len - 1, self.max_chunk)
 
     @property
     def prefills(self) -> bool:
@@ -74,12 +112,22 @@ class Release(NamedTuple):
     ticket: int | None = None  # a KV transfer into the slot that will never be used
 
 
+class Chunk(NamedTuple):
+    """Positions [start, end) of a sequence's tokens to compute; `sample`: the prompt's last chunk,
+    whose logits give the first output token. With seq.prefill_group set, the whole prompt is
+    computed on that group, which sends the KV to the sequence's decode group."""
+
+    seq: Sequence
+    start: int
+    end: int
+    sample: bool
+
+
 @dataclass
 class StepPlan:
     releases: list[Release] = field(default_factory=list)
-    # seq.group / seq.slot assigned; with seq.prefill_group set, a prefill there sends the KV
-    prefills: list[Sequence] = field(default_factory=list)
-    decodes: dict[int, list[Sequence]] = field(default_factory=dict)  # group -> its running seqs
+    prefills: list[Chunk] = field(default_factory=list)
+    decodes: dict[int, list[Sequence]] = field(default_factory=dict)  # group -> its decoding seqs
 
     @property
     def empty(self) -> bool:
@@ -91,8 +139,8 @@ class StepPlan:
         parts: dict[int, StepPlan] = {}
         for release in self.releases:
             parts.setdefault(release.group, StepPlan()).releases.append(release)
-        for seq in self.prefills:
-            parts.setdefault(seq.placement[0], StepPlan()).prefills.append(seq)
+        for chunk in self.prefills:
+            parts.setdefault(chunk.seq.placement[0], StepPlan()).prefills.append(chunk)
         for group, seqs in self.decodes.items():
             parts.setdefault(group, StepPlan()).decodes[group] = seqs
         return parts
@@ -105,18 +153,31 @@ class BatchScheduler:
         max_waiting: int,
         max_prefills_per_step: int = 4,
         max_tokens_in_flight: int | None = None,
+        max_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
     ):
         self.groups = groups
         self.max_waiting = max_waiting
-        self.max_prefills_per_step = max_prefills_per_step
+        self.max_prefills_per_step = max_prefills_per_step  # admissions per step
         # Bound on prompt + answer tokens of every admitted request (waiting and running).
         self.max_tokens_in_flight = max_tokens_in_flight
+        self.max_batched_tokens = max_batched_tokens  # positions one group's step computes
+        self.enable_prefix_caching = enable_prefix_caching
         self.tokens_in_flight = 0
-        self.free_slots = [list(range(g.num_slots)) for g in groups]
+        self.free_slots = [list(range(g.seats)) for g in groups]
+        self.blocks = [self._block_manager(g) for g in groups]
         self.healthy = [True] * len(groups)
         self.waiting: deque[Sequence] = deque()
-        self.running: dict[str, Sequence] = {}
+        self.running: dict[str, Sequence] = {}  # admission order: the newest is preempted first
         self.pending_releases: list[Release] = []
+        self.preemptions = 0  # cumulative, for the metrics
+        self.prefix_query_tokens = 0  # cumulative: prompt tokens looked up in a prefix cache
+        self.prefix_hit_tokens = 0  # of those, found computed
+
+    def _block_manager(self, capacity: GroupCapacity) -> BlockManager:
+        # A decode group's blocks are written by transfers of whole prompts: no hits there.
+        caching = self.enable_prefix_caching and capacity.chunked_prefill and capacity.role != "decode"
+        return BlockManager(capacity.num_blocks, capacity.block_size, caching)
 
     # ------------------------------------------------------------------------------- requests
 
@@ -144,7 +205,10 @@ class BatchScheduler:
             raise AdmissionError(
                 "no agent is available (every agent failed; waiting for it to come back)", Refusal.NO_GROUP
             )
-        longest = max(g.max_prompt_len for g in usable if g.prefills)
+        longest = min(
+            max(g.max_prompt_len for g in usable if g.prefills),
+            max(g.max_prompt_len for g in usable if g.decodes),
+        )
         if len(seq.prompt) > longest:
             raise AdmissionError(
                 f"the prompt has {len(seq.prompt)} tokens; the longest accepted is {longest}",
@@ -198,56 +262,148 @@ class BatchScheduler:
 
     def schedule(self, busy: Collection[int] = ()) -> StepPlan:
         """The next plan, leaving out the `busy` groups (their step is still in flight): their
-        releases stay pending, nothing is placed on them, none of theirs decodes."""
+        releases stay pending, nothing is placed on them, none of theirs runs."""
         plan = StepPlan(releases=[r for r in self.pending_releases if r.group not in busy])
         self.pending_releases = [r for r in self.pending_releases if r.group in busy]
         for release in plan.releases:  # released before this plan's prefills run
             self.free_slots[release.group].append(release.slot)
             self.free_slots[release.group].sort()
-        while self.waiting and len(plan.prefills) < self.max_prefills_per_step:
-            placement = self._place(self.waiting[0], busy)
-            if placement is None:
+        open_groups = [g for g in range(len(self.groups)) if self.healthy[g] and g not in busy]
+        budgets = dict.fromkeys(open_groups, self.max_batched_tokens)
+        starved: set[int] = set()  # groups where a placed sequence waits for blocks: admit none
+        for group in open_groups:
+            decodes = self._plan_decodes(group)
+            if decodes:
+                plan.decodes[group] = decodes
+                budgets[group] -= len(decodes)
+            if not self._plan_resumes(group, budgets, plan):
+                starved.add(group)
+        admitted = 0
+        while self.waiting and admitted < self.max_prefills_per_step:
+            if not self._admit(self.waiting[0], open_groups, starved, budgets, plan):
                 break
-            seq = self.waiting.popleft()
-            seq.group, prefill_group = placement
-            seq.slot = self.free_slots[seq.group].pop(0)
-            if prefill_group is not None:
-                seq.prefill_group, seq.prefill_slot = prefill_group, self.free_slots[prefill_group].pop(0)
-                seq.ticket, seq.transferring = random.getrandbits(62), True
-            seq.status = SequenceStatus.RUNNING
-            self.running[seq.request_id] = seq
-            plan.prefills.append(seq)
-        newly = {id(s) for s in plan.prefills}
-        for seq in self.running.values():
-            # Just-admitted sequences decode from the next step, once their prefill has run (or
-            # their KV has arrived).
-            group, _ = seq.placement
-            if id(seq) not in newly and not seq.transferring and group not in busy:
-                plan.decodes.setdefault(group, []).append(seq)
+            self.waiting.popleft()
+            admitted += 1
         return plan
 
-    def _place(self, seq: Sequence, busy: Collection[int]) -> tuple[int, int | None] | None:
-        """(group to decode on, prefill group or None): the healthy decode-capable group with the
-        most free slots that can take this prompt; a decode group needs a prefill group with a
-        free slot, the one with the most."""
+    def _group_seqs(self, group: int) -> list[Sequence]:
+        return [s for s in self.running.values() if s.group == group]
+
+    def _plan_decodes(self, group: int) -> list[Sequence]:
+        """Every sequence of the group with its KV complete, each with a block for its next
+        position; where none is free, the newest sequence holding blocks is preempted."""
+        blocks = self.blocks[group]
+        decodes = []
+        for seq in self._group_seqs(group):
+            if seq.transferring or seq.needs_prefill or seq.request_id not in blocks:
+                continue
+            while not blocks.append(seq.request_id, seq.computed + 1):
+                victim = next(
+                    s
+                    for s in reversed(self._group_seqs(group))
+                    if s.request_id in blocks and not s.transferring
+                )
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                decodes.append(seq)
+        return [s for s in decodes if s.request_id in blocks]  # a later row's append took its blocks
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Its blocks go to others; it keeps its slot, tokens and sampling state and is recomputed."""
+        self.blocks[seq.placement[0]].free(seq.request_id)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+
+    def _plan_resumes(self, group: int, budgets: dict[int, int], plan: StepPlan) -> bool:
+        """Chunks of the group's placed sequences whose KV is incomplete (a long prompt, a
+        preempted sequence), oldest first; False when one of them waits for blocks."""
+        capacity, blocks = self.groups[group], self.blocks[group]
+        for seq in self._group_seqs(group):
+            if not seq.needs_prefill or seq.transferring:
+                continue
+            if seq.request_id not in blocks:  # preempted: blocks again, the prefix cache helping
+                hit = self._allocate(group, seq, seq.tokens(seq.positions_used))
+                if hit is None:
+                    return False
+                seq.computed = hit if capacity.chunked_prefill else 0
+            self._plan_chunk(seq, budgets, plan)
+        return True
+
+    def _plan_chunk(self, seq: Sequence, budgets: dict[int, int], plan: StepPlan) -> None:
+        group = seq.placement[0]
+        capacity = self.groups[group]
+        left = seq.positions_used - seq.computed
+        if capacity.chunked_prefill:
+            size = min(left, budgets[group], capacity.max_chunk)
+        else:  # one call computes it all, whatever the budget says
+            size = left if budgets[group] > 0 else 0
+        if size <= 0:
+            return
+        budgets[group] -= size
+        end = seq.computed + size
+        plan.prefills.append(
+            Chunk(seq, seq.computed, end, sample=end == seq.positions_used and not seq.output)
+        )
+
+    def _admit(
+        self, seq: Sequence, groups: list[int], starved: set[int], budgets: dict[int, int], plan: StepPlan
+    ) -> bool:
+        """Place the head of the queue with its blocks and plan its first chunk (or its prefill
+        elsewhere); False when no group has room now."""
+        placement = self._place(seq, [g for g in groups if g not in starved and budgets[g] > 0])
+        if placement is None:
+            return False
+        group, prefill_group = placement
+        seq.group, seq.slot = group, self.free_slots[group].pop(0)
+        hit = self._allocate(group, seq, seq.prompt)
+        assert hit is not None, "_place checked the blocks"
+        seq.status = SequenceStatus.RUNNING
+        self.running[seq.request_id] = seq
+        if prefill_group is None:
+            seq.computed = hit
+            self._plan_chunk(seq, budgets, plan)
+            return True
+        seq.prefill_group, seq.prefill_slot = prefill_group, self.free_slots[prefill_group].pop(0)
+        prefill_hit = self._allocate(prefill_group, seq, seq.prompt)
+        assert prefill_hit is not None, "_place checked the prefill group's blocks"
+        seq.ticket, seq.transferring = random.getrandbits(62), True
+        plan.prefills.append(Chunk(seq, prefill_hit, len(seq.prompt), sample=True))
+        return True
+
+    def _allocate(self, group: int, seq: Sequence, tokens: list[int]) -> int | None:
+        """Blocks for `tokens` on the group (None: too few free); the positions its cache holds."""
+        blocks = self.blocks[group]
+        hit = blocks.allocate(seq.request_id, tokens)
+        if hit is not None and blocks.enable_prefix_caching:
+            self.prefix_query_tokens += len(tokens)
+            self.prefix_hit_tokens += hit
+        return hit
+
+    def _place(self, seq: Sequence, groups: list[int]) -> tuple[int, int | None] | None:
+        """(group to decode on, prefill group or None): of the open groups with a free slot and the
+        blocks for this prompt, the decode-capable one with the most free slots; a decode group
+        needs a prefill group with room too, the one with the most free slots."""
 
         def fits(i: int) -> bool:
+            capacity = self.groups[i]
             return (
-                self.healthy[i]
-                and i not in busy
-                and bool(self.free_slots[i])
-                and len(seq.prompt) <= self.groups[i].max_prompt_len
+                bool(self.free_slots[i])
+                and len(seq.prompt) <= capacity.max_prompt_len
+                and self.blocks[i].can_allocate(seq.prompt)
             )
 
         prefill = max(
-            (i for i, g in enumerate(self.groups) if g.role == "prefill" and fits(i)),
+            (i for i in groups if self.groups[i].role == "prefill" and fits(i)),
             key=lambda i: len(self.free_slots[i]),
             default=None,
         )
         candidates = [
             i
-            for i, g in enumerate(self.groups)
-            if g.decodes and fits(i) and (g.role == "mixed" or prefill is not None)
+            for i in groups
+            if self.groups[i].decodes and fits(i) and (self.groups[i].role == "mixed" or prefill is not None)
         ]
         group = max(candidates, key=lambda i: len(self.free_slots[i]), default=None)
         if group is None:
@@ -256,38 +412,59 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------------------- results
 
-    def prefilled(self, seq: Sequence, token: int) -> None:
-        if not seq.finished:  # aborted while its prefill was in flight
+    def prefilled(self, chunk: Chunk, token: int | None) -> None:
+        """A chunk ran: its positions hold KV (full blocks join the prefix cache); the last chunk
+        of a prompt brings its first token."""
+        seq = chunk.seq
+        if seq.finished:  # aborted while its prefill was in flight
+            return
+        seq.computed = chunk.end
+        self.blocks[seq.placement[0]].computed(seq.request_id, seq.tokens(chunk.end), chunk.end)
+        if chunk.sample:
+            assert token is not None, "a prompt's last chunk samples a token"
             self._append(seq, token)
 
     def transferred(self, seq: Sequence, token: int) -> None:
         """Its prefill group sent the KV and the decode group took it: it decodes from now on."""
-        self._free_prefill_slot(seq)
+        self._free_prefill_slot(seq, computed=True)
         seq.transferring = False
         if not seq.finished:  # aborted meanwhile: its decode slot is already being released
+            seq.computed = len(seq.prompt)
             self._append(seq, token)
 
     def transfer_failed(self, seq: Sequence, error: str) -> None:
-        self._free_prefill_slot(seq)
+        self._free_prefill_slot(seq, computed=False)
         if not seq.finished:
             seq.error = error
             self._finish(seq, FinishReason.ERROR)
 
-    def _free_prefill_slot(self, seq: Sequence) -> None:
-        """The prefill group frees its slot itself once the transfer is over, either way."""
+    def _free_prefill_slot(self, seq: Sequence, computed: bool) -> None:
+        """The prefill group frees its slot itself once the transfer is over, either way; its
+        blocks keep the prompt for later hits when it was computed."""
         group, slot = seq.prefill_group, seq.prefill_slot
         seq.prefill_slot = None
         if slot is None:
             return
         assert group is not None, "a prefill slot comes with its prefill group"
-        if self.healthy[group] and slot not in self.free_slots[group]:
+        if not self.healthy[group]:
+            return
+        blocks = self.blocks[group]
+        if computed and seq.request_id in blocks:
+            blocks.computed(seq.request_id, seq.prompt, len(seq.prompt))
+        blocks.free(seq.request_id)
+        if slot not in self.free_slots[group]:
             self.free_slots[group].append(slot)
             self.free_slots[group].sort()
 
     def decoded(self, seqs: list[Sequence], tokens: list[int]) -> None:
         for seq, token in zip(seqs, tokens):
-            if not seq.finished:  # aborted while its step was in flight
-                self._append(seq, token)
+            if seq.finished:  # aborted while its step was in flight
+                continue
+            seq.computed += 1  # the pending token's KV
+            blocks = self.blocks[seq.placement[0]]
+            if seq.computed % blocks.block_size == 0:  # a block just filled: it joins the cache
+                blocks.computed(seq.request_id, seq.tokens(seq.computed), seq.computed)
+            self._append(seq, token)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finish from outside the token rules (a stop string found in the text)."""
@@ -295,7 +472,8 @@ class BatchScheduler:
             self._finish(seq, reason)
 
     def group_failed(self, group: int, error: str) -> list[Sequence]:
-        """The group is unusable: fail its sequences; its slots are forgotten until it returns."""
+        """The group is unusable: fail its sequences; its slots and blocks are forgotten until it
+        returns."""
         self.healthy[group] = False
         failed = [s for s in self.running.values() if s.group == group]
         for seq in failed:
@@ -308,6 +486,7 @@ class BatchScheduler:
             failed.append(seq)
         self.pending_releases = [r for r in self.pending_releases if r.group != group]
         self.free_slots[group] = []
+        self.blocks[group].reset()
         return failed
 
     def fail_waiting(self, error: str) -> list[Sequence]:
@@ -330,7 +509,8 @@ class BatchScheduler:
 
     def group_recovered(self, group: int, capacity: GroupCapacity) -> None:
         self.groups[group] = capacity
-        self.free_slots[group] = list(range(capacity.num_slots))
+        self.free_slots[group] = list(range(capacity.seats))
+        self.blocks[group] = self._block_manager(capacity)
         self.healthy[group] = True
 
     def _append(self, seq: Sequence, token: int) -> None:
@@ -349,4 +529,5 @@ class BatchScheduler:
         self.tokens_in_flight -= seq.token_budget
         if self.running.pop(seq.request_id, None) is not None and release:
             group, slot = seq.placement  # it ran, so it was placed
+            self.blocks[group].free(seq.request_id)
             self.pending_releases.append(Release(group, slot, seq.ticket if seq.transferring else None))

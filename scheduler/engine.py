@@ -9,8 +9,8 @@
 
 The loop never blocks the event loop: agent calls are awaited ZeroMQ round trips. Each iteration
 asks the BatchScheduler for a plan over the groups with no step in flight and starts one step task
-per group it touches (that group's releases, prefills, then one decode step), so a slow or stuck
-group holds only its own requests. A prefill on a prefill group (PD disaggregation) runs as a task
+per group it touches (that group's releases, one decode step, then its prompt chunks), so a slow or
+stuck group holds only its own requests. A prefill on a prefill group (PD disaggregation) runs as a task
 of its own beside the loop, so decode steps never wait for it. The engine knows token ids only:
 text, stop strings and the answer streams are the server's (server/output.py).
 
@@ -30,7 +30,14 @@ from functools import partial
 from agent.contract.sampling import SamplingParams
 from config.schema import ServingConfig
 from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, AgentTakenOver
-from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal, StepPlan
+from scheduler.batch_scheduler import (
+    AdmissionError,
+    BatchScheduler,
+    Chunk,
+    GroupCapacity,
+    Refusal,
+    StepPlan,
+)
 from scheduler.group_links import GroupLinks
 from scheduler.metrics import ServingMetrics
 from scheduler.sequence import FinishReason, Sequence
@@ -64,6 +71,7 @@ class Engine:
         self._draining = False
         self._stopping = False
         self.capacities: list[GroupCapacity] = []
+        self._counted: dict = {}  # counter -> the scheduler's total it last reached
         self._bind_gauges()
 
     def _bind_gauges(self) -> None:
@@ -74,7 +82,7 @@ class Engine:
         m.tokens_in_flight.set_function(lambda: self.scheduler.tokens_in_flight if self.started else 0)
         m.slots_total.set_function(
             lambda: (
-                sum(c.num_slots for c, ok in zip(self.capacities, self.scheduler.healthy) if ok and c.decodes)
+                sum(c.seats for c, ok in zip(self.capacities, self.scheduler.healthy) if ok and c.decodes)
                 if self.started
                 else 0
             )
@@ -82,6 +90,16 @@ class Engine:
         for group in range(len(self.clients)):
             m.group_running.labels(str(group)).set_function(partial(self.get_bs_current, group))
             m.group_slots.labels(str(group)).set_function(partial(self.group_slots, group))
+        for state in ("used", "free", "cached"):
+            m.kv_blocks.labels(state).set_function(partial(self.kv_blocks, state))
+
+    def kv_blocks(self, state: str) -> int:
+        """KV blocks of the healthy groups: used (held by sequences), free (unused or cached with
+        no holder), cached (holding a prefix for reuse)."""
+        if not self.started:
+            return 0
+        pools = [b for b, ok in zip(self.scheduler.blocks, self.scheduler.healthy) if ok]
+        return sum(getattr(b, f"num_{state}") for b in pools)
 
     @property
     def started(self) -> bool:
@@ -102,7 +120,12 @@ class Engine:
             self.metrics.agent_up.labels(client.address).set(1)
         s = self.config.server
         self.scheduler = BatchScheduler(
-            self.capacities, s.max_waiting_requests, s.max_prefills_per_step, s.max_tokens_in_flight
+            self.capacities,
+            s.max_waiting_requests,
+            s.max_prefills_per_step,
+            s.max_tokens_in_flight,
+            s.max_num_batched_tokens,
+            s.enable_prefix_caching,
         )
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         self._task.add_done_callback(self._loop_ended)
@@ -155,7 +178,21 @@ class Engine:
         """KV slots of a group while it is healthy, else 0."""
         if not self.started or not self.scheduler.healthy[group]:
             return 0
-        return self.capacities[group].num_slots
+        return self.capacities[group].seats
+
+    def group_blocks(self, group: int) -> dict | None:
+        """A group's KV block pool (None before the engine starts)."""
+        if not self.started:
+            return None
+        blocks = self.scheduler.blocks[group]
+        return {
+            "block_size": blocks.block_size,
+            "total": blocks.num_blocks,
+            "used": blocks.num_used,
+            "free": blocks.num_free,
+            "cached": blocks.num_cached,
+            "prefix_caching": blocks.enable_prefix_caching,
+        }
 
     def get_queue_current(self) -> int:
         return self.scheduler.num_waiting if self.started else 0
@@ -205,6 +242,7 @@ class Engine:
     async def _run(self) -> None:
         while not self._stopping and self.failure is None:
             plan = self.scheduler.schedule(busy=self._steps.keys())
+            self._count_cache_and_preemptions()
             for group, part in plan.by_group().items():
                 task = asyncio.create_task(self._group_step(group, part), name=f"step-group-{group}")
                 self._steps[group] = task
@@ -215,6 +253,17 @@ class Engine:
             task.cancel()
         await asyncio.gather(*self._steps.values(), return_exceptions=True)
         self._end_all("the server is shutting down")
+
+    def _count_cache_and_preemptions(self) -> None:
+        """The scheduler's cumulative counts into the metrics' counters."""
+        m, s = self.metrics, self.scheduler
+        for counter, total in (
+            (m.prefix_cache_queries, s.prefix_query_tokens),
+            (m.prefix_cache_hits, s.prefix_hit_tokens),
+            (m.preemptions, s.preemptions),
+        ):
+            counter.inc(total - self._counted.get(counter, 0))
+            self._counted[counter] = total
 
     def _loop_ended(self, task: asyncio.Task) -> None:
         """The loop's task is over: after stop() that is the plan; anything else kills the engine."""
@@ -266,36 +315,36 @@ class Engine:
         except Exception as exc:  # a bug must not leave the step's requests hanging
             log.exception("scheduler step of group %d failed", group)
             self._fail(
-                plan.prefills + [s for seqs in plan.decodes.values() for s in seqs],
+                [c.seq for c in plan.prefills] + [s for seqs in plan.decodes.values() for s in seqs],
                 f"internal error: {type(exc).__name__}: {exc}",
             )
 
     async def _step(self, group: int, plan: StepPlan) -> None:
-        """Run one group's plan: releases, then prefills, then one decode."""
+        """Run one group's plan: releases, one decode (a stream never waits for a prompt), then
+        the prompt chunks."""
         for release_group, slot, ticket in plan.releases:
             await self._call(release_group, self.clients[release_group].release(slot, ticket))
-        for seq in plan.prefills:
+        # aborted since the plan was made: their blocks are already free
+        seqs = [s for s in plan.decodes.get(group, []) if not s.finished]
+        if seqs and self.scheduler.healthy[group]:
+            try:
+                tokens = await self._decode(group, seqs)
+            except Exception as exc:
+                self._group_failed(group, exc)
+                return
+            self.scheduler.decoded(seqs, tokens)
+            for seq in seqs:
+                self.on_update(seq)
+        for chunk in plan.prefills:
+            seq = chunk.seq
             if seq.prefill_group is not None and seq.finished:  # aborted before its prefill ran
                 self.scheduler.transfer_failed(seq, "aborted")
-            elif seq.prefill_group is not None:
-                task = asyncio.create_task(self._prefill_elsewhere(seq), name=f"prefill-{seq.request_id}")
+            elif seq.prefill_group is not None and seq.transferring:
+                task = asyncio.create_task(self._prefill_elsewhere(chunk), name=f"prefill-{seq.request_id}")
                 self._transfers.add(task)
                 task.add_done_callback(self._transfer_ended)
-                continue
-            if seq.finished:  # aborted, or its group failed earlier in this plan
-                continue
-            await self._prefill(seq)
-        seqs = plan.decodes.get(group)
-        if not seqs or not self.scheduler.healthy[group]:
-            return
-        try:
-            tokens = await self._decode(group, seqs)
-        except Exception as exc:
-            self._group_failed(group, exc)
-            return
-        self.scheduler.decoded(seqs, tokens)
-        for seq in seqs:
-            self.on_update(seq)
+            elif not seq.finished:  # else aborted, or its group failed earlier in this plan
+                await self._prefill(chunk)
 
     def _transfer_ended(self, task: asyncio.Task) -> None:
         self._transfers.discard(task)
@@ -304,24 +353,31 @@ class Engine:
             log.error("a KV transfer failed while handling a failure", exc_info=exc)
             self._die(f"a KV transfer failed: {type(exc).__name__}: {exc}")
 
-    async def _prefill(self, seq: Sequence) -> None:
+    async def _prefill(self, chunk: Chunk) -> None:
+        seq = chunk.seq
         group, slot = seq.placement
         client = self.clients[group]
+        table = self.scheduler.blocks[group].table(seq.request_id)
         try:
             with self.metrics.agent_step.labels(client.address, "prefill").time():
-                token = await client.prefill(slot, seq.prompt, seq.sampling)
+                token = await client.prefill(
+                    slot, seq.tokens(chunk.end), table, chunk.start, chunk.sample, seq.sampling
+                )
         except AgentRequestError as exc:  # this request was bad; the group is fine
             self._fail([seq], str(exc))
             return
         except AgentError as exc:
             self._group_failed(group, exc)
             return
-        self.scheduler.prefilled(seq, token)
-        self.on_update(seq)
+        self.scheduler.prefilled(chunk, token)
+        if chunk.sample:
+            self.on_update(seq)
 
-    async def _prefill_elsewhere(self, seq: Sequence) -> None:
-        """PD disaggregation: the prefill group computes the prompt and sends its KV straight to
-        the decode group's slot; the sequence decodes there from the next step on."""
+    async def _prefill_elsewhere(self, chunk: Chunk) -> None:
+        """PD disaggregation: the prefill group computes the prompt (from its prefix-cache hit)
+        and sends its KV straight to the decode group's slot and blocks; the sequence decodes
+        there from the next step on."""
+        seq = chunk.seq
         (prefill_group, prefill_slot), (group, slot) = seq.prefill_placement, seq.placement
         prefill, decode = self.clients[prefill_group], self.clients[group]
         # A prefill group is one agent: the config makes tensor-parallel groups mixed.
@@ -331,11 +387,13 @@ class Engine:
             "slot": slot,
             "session": decode.session,
             "ticket": seq.ticket,
+            "table": self.scheduler.blocks[group].table(seq.request_id),
         }
+        table = self.scheduler.blocks[prefill_group].table(seq.request_id)
         try:
             with self.metrics.agent_step.labels(prefill.address, "prefill").time():
                 token, kv_bytes, transfer_ms = await prefill.prefill_and_send(
-                    prefill_slot, seq.prompt, seq.sampling, transfer
+                    prefill_slot, seq.prompt, table, chunk.start, seq.sampling, transfer
                 )
         except AgentRequestError as exc:  # this request failed (its KV did not arrive); the group is fine
             log.warning("request %s failed on %s: %s", seq.request_id, prefill.address, exc)
@@ -373,8 +431,10 @@ class Engine:
 
     async def _decode(self, group: int, seqs: list[Sequence]) -> list[int]:
         client = self.clients[group]
+        blocks = self.scheduler.blocks[group]
+        tables = [blocks.table(s.request_id) for s in seqs]
         with self.metrics.agent_step.labels(client.address, "decode").time():
-            tokens = await client.decode([s.placement[1] for s in seqs])
+            tokens = await client.decode([s.placement[1] for s in seqs], tables)
         self.metrics.agent_compute.labels(client.address, "decode").observe(client.decode_compute_s)
         return tokens
 

@@ -91,18 +91,33 @@ class GroupLinks:
                 f"agent {client.address} runs as a {info.get('role')} agent; this "
                 f"server's config makes it {role} (start both from one config)"
             )
+        try:
+            capacity = GroupCapacity(
+                info["num_slots"],
+                info["max_seq_len"],
+                info["num_blocks"],
+                info["block_size"],
+                info["max_chunk"],
+                role,
+                info["chunked_prefill"],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AgentIncompatible(f"agent {client.address} reported an unusable KV cache: {exc}") from exc
         await client.reset(timeout_s)
         self.eos_ids |= set(info["eos_ids"])
         log.info(
-            "agent %d at %s: %s, model %s, %d slots, max length %d",
+            "agent %d at %s: %s, model %s, %d slots, max length %d, %d KV blocks of %d positions%s",
             group,
             client.address,
             role,
             info["model"],
-            info["num_slots"],
-            info["max_seq_len"],
+            capacity.num_slots,
+            capacity.max_seq_len,
+            capacity.num_blocks,
+            capacity.block_size,
+            "" if capacity.chunked_prefill else " (prompts in one call: no chunks, no prefix cache)",
         )
-        return GroupCapacity(info["num_slots"], info["max_seq_len"], info["max_prompt_len"], role)
+        return capacity
 
     async def recover(self, group: int, stopping: Callable[[], bool]) -> GroupCapacity | None:
         """Probe a failed group until it answers (restarted by the launcher, or resumed): its

@@ -77,3 +77,22 @@ class ServingMetrics:
             registry=r,
         )
         self.agent_up = Gauge(p + "agent_up", "1 while the agent answers", ["agent"], registry=r)
+        self.kv_blocks = Gauge(
+            p + "kv_blocks",
+            "KV-cache blocks of healthy groups: used (by sequences), free, cached (a prefix kept for reuse)",
+            ["state"],
+            registry=r,
+        )
+        self.prefix_cache_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            p + "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not computed again)",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            p + "preemptions",
+            "Sequences whose KV blocks were taken for others (recomputed later, nothing lost)",
+            registry=r,
+        )

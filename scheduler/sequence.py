@@ -40,6 +40,10 @@ class Sequence:
     prefill_slot: int | None = None
     ticket: int | None = None
     transferring: bool = False  # until the decode group holds its KV
+    # Paged KV: positions whose KV its group holds (0 again after a preemption) and how often it
+    # was preempted (its blocks taken for others; it is recomputed, the prefix cache helping)
+    computed: int = 0
+    preemptions: int = 0
 
     @property
     def finished(self) -> bool:
@@ -63,5 +67,17 @@ class Sequence:
 
     @property
     def positions_used(self) -> int:
-        """KV positions written: the prompt and every output token but the last (still pending)."""
+        """KV positions a decode needs written: the prompt and every output token but the last
+        (still pending: the next decode writes it)."""
         return len(self.prompt) + max(0, len(self.output) - 1)
+
+    @property
+    def needs_prefill(self) -> bool:
+        """Positions are missing: a prompt not yet (wholly) computed, or a preempted sequence."""
+        return self.computed < self.positions_used
+
+    def tokens(self, upto: int) -> list[int]:
+        """The first `upto` token ids of prompt + output."""
+        if upto <= len(self.prompt):
+            return self.prompt[:upto]
+        return self.prompt + self.output[: upto - len(self.prompt)]

@@ -52,7 +52,7 @@ def ops_router(config: ServingConfig, engine: Engine) -> APIRouter:
             "version": package_version(),
             "max_input_length": min((c.max_prompt_len for c in engine.capacities), default=None),
             "max_total_tokens": min((c.max_seq_len for c in engine.capacities), default=None),
-            "slots": sum(c.num_slots for c in engine.capacities if c.decodes),
+            "slots": sum(c.seats for c in engine.capacities if c.decodes),
             "agents": [a for c in engine.clients for a in c.address.split(",")],
             "groups": [
                 {
@@ -61,6 +61,7 @@ def ops_router(config: ServingConfig, engine: Engine) -> APIRouter:
                     "agents": client.address.split(","),
                     "slots": engine.group_slots(i),
                     "running": engine.get_bs_current(i),
+                    "kv_blocks": engine.group_blocks(i),
                 }
                 for i, client in enumerate(engine.clients)
             ],

@@ -164,6 +164,12 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+def slot_blocks(slot: int, blocks_per_seq: int = 4) -> np.ndarray:
+    """The blocks of `slot` when each slot owns a whole sequence's: the test runtime's 4 blocks of 16
+    positions (max_seq_len 64)."""
+    return np.arange(slot * blocks_per_seq, (slot + 1) * blocks_per_seq, dtype=np.int32)
+
+
 class AgentSocket:
     """A plain synchronous DEALER for tests: send one request, wait for its reply. With `session`
     it opens one (`reset`: every slot released) and names it in each slot operation, as a server does."""
@@ -193,6 +199,15 @@ class AgentSocket:
         )
         assert header["id"] == self.next_id
         return header, out
+
+    def prefill(self, slot: int, tokens, sampling: dict | None = None, **fields):
+        """A whole prompt into the slot's own blocks (slot_blocks)."""
+        arrays = [np.asarray(tokens, np.int32), slot_blocks(slot)]
+        fields = {"start": 0, "sample": True, "sampling": sampling or {}, **fields}
+        return self.call("prefill", arrays, slot=slot, **fields)
+
+    def decode(self, slots: list[int]):
+        return self.call("decode", [np.asarray(slots, np.int32), np.stack([slot_blocks(s) for s in slots])])
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -12,7 +12,7 @@ import zmq.asyncio
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import load_tokenizer
-from agent_harness import LauncherProcess, free_ports, write_config
+from agent_harness import LauncherProcess, free_ports, slot_blocks, write_config
 from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable, GroupClient
 
 
@@ -43,9 +43,12 @@ def test_calls_match_the_in_process_runner(agent, tiny_llama_runner, tiny_llama_
         client = AgentClient(address, timeout_s=30)
         info = await client.info()
         await client.reset()
-        got = [[await client.prefill(s, p, SamplingParams())] for s, p in enumerate(prompts)]
+        tables = [slot_blocks(0), slot_blocks(1)]
+        got = [
+            [await client.prefill(s, p, tables[s], 0, True, SamplingParams())] for s, p in enumerate(prompts)
+        ]
         for _ in range(5):
-            for seq, token in zip(got, await client.decode([0, 1])):
+            for seq, token in zip(got, await client.decode([0, 1], tables)):
                 seq.append(token)
         await client.release(0)
         await client.release(1)
@@ -61,7 +64,7 @@ def test_error_reply_raises_with_the_agents_message(agent):
         client = AgentClient(agent[0], timeout_s=30)
         try:
             await client.reset()
-            await client.decode([3])
+            await client.decode([3], [slot_blocks(3)])
         finally:
             client.close()
 
@@ -97,12 +100,12 @@ def test_a_second_session_takes_over_and_the_first_is_refused(agent, tiny_llama_
         old, new = AgentClient(agent[0], timeout_s=30), AgentClient(agent[0], timeout_s=30)
         try:
             await old.reset()
-            await old.prefill(0, prompt, SamplingParams())
+            await old.prefill(0, prompt, slot_blocks(0), 0, True, SamplingParams())
             await new.reset()  # releases slot 0
-            await new.prefill(0, prompt, SamplingParams())
+            await new.prefill(0, prompt, slot_blocks(0), 0, True, SamplingParams())
             with pytest.raises(AgentUnavailable, match="another server took this agent over"):
-                await old.decode([0])
-            assert len(await new.decode([0])) == 1
+                await old.decode([0], [slot_blocks(0)])
+            assert len(await new.decode([0], [slot_blocks(0)])) == 1
             await new.release(0)
         finally:
             old.close()
@@ -178,7 +181,7 @@ def test_a_tensor_parallel_group_with_a_lost_rank_sends_nothing_to_the_others():
             with pytest.raises(AgentUnavailable, match="connection lost"):
                 await group.clients[1].ping()
             with pytest.raises(AgentUnavailable, match="connection lost"):
-                await group.decode([0])
+                await group.decode([0], [slot_blocks(0)])
             assert await rank0.received(0.5) == []
         finally:
             group.close()

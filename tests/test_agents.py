@@ -84,12 +84,10 @@ def test_two_agents_report_ready_and_answer_like_the_runner(
         assert info["ok"] and info["rank"] == rank and info["port"] == port
         assert info["protocol"] == protocol.PROTOCOL_VERSION and info["num_slots"] == 4
         assert info["max_seq_len"] == 64 and info["role"] == "mixed" and info["model"] == "tiny"
-        reply, _ = client.call(
-            "prefill", [np.array(prompt, np.int32)], slot=1, sampling=SamplingParams().model_dump()
-        )
+        reply, _ = client.prefill(1, prompt)
         got = [reply["token"]]
         for _ in range(7):
-            reply, arrays = client.call("decode", [np.array([1], np.int32)])
+            reply, arrays = client.decode([1])
             assert reply["ok"], reply
             got.append(int(arrays[0][0]))
         assert got == want
@@ -119,10 +117,14 @@ def spec_frames(spec, frame: bytes) -> list:
             ),
             "7 bytes do not match int32[1]",
         ),
-        (lambda c: c.call("prefill", [np.array([1, 2], np.int32)], slot=99), "slot 99 is out of range"),
-        (lambda c: c.call("prefill", [np.ones(65, np.int32)], slot=0), "exceeds the longest prompt"),
-        (lambda c: c.call("prefill", [np.array([1], np.int32)], slot=0, sampling={"top_p": 7}), "top_p"),
-        (lambda c: c.call("decode", [np.array([3], np.int32)]), "slot 3 holds no sequence"),
+        (lambda c: c.prefill(99, [1, 2]), "slot 99 is out of range"),
+        (lambda c: c.prefill(0, np.ones(64)), "exceeds the longest prompt"),
+        (lambda c: c.prefill(0, [1], sampling={"top_p": 7}), "top_p"),
+        (lambda c: c.prefill(0, [1], sample="yes"), "'sample' must be true or false"),
+        (lambda c: c.call("prefill", [np.array([1], np.int32)], slot=0), "2 1-D integer arrays"),
+        (lambda c: c.prefill(0, [1, 2], start=5), "after the 0 the slot holds"),
+        (lambda c: c.decode([3]), "slot 3 holds no sequence"),
+        (lambda c: c.call("decode", [np.array([3], np.int32)]), "slot ids [n] and block tables"),
         (lambda c: c.call("release", slot="x"), "must be an integer"),
         # These three killed the agent (TypeError, OverflowError, an int64 product that wrapped to 0).
         (lambda c: c.raw(spec_frames([["int32"], [1]], b"\x00" * 4)), "bad description"),
@@ -171,9 +173,7 @@ def test_slot_operations_need_the_current_session(two_agents):
     decode the server's slots, nor stop the agent; the session holder's sequence is untouched."""
     _, ports, _ = two_agents
     owner = AgentSocket(ports[0])
-    assert owner.call(
-        "prefill", [np.array([5, 6, 7], np.int32)], slot=2, sampling=SamplingParams().model_dump()
-    )[0]["ok"]
+    assert owner.prefill(2, [5, 6, 7])[0]["ok"]
     intruder = AgentSocket(ports[0], session=False)
     for op, arrays, fields in [
         ("release", (), {"slot": 2}),
@@ -185,7 +185,7 @@ def test_slot_operations_need_the_current_session(two_agents):
         assert not header["ok"] and "needs the current session" in header["error"], header
         header, _ = intruder.call(op, arrays, session=owner.session + 1, **fields)
         assert not header["ok"] and header["kind"] == "stale_session", header
-    header, arrays = owner.call("decode", [np.array([2], np.int32)])
+    header, arrays = owner.decode([2])
     assert header["ok"] and len(arrays[0]) == 1
     assert owner.call("release", slot=2)[0]["ok"] and owner.call("ping")[0]["ok"]
 

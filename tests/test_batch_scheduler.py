@@ -1,7 +1,11 @@
 """BatchScheduler as pure logic, driven against fake agents (one per group) that enforce the runner's
 slot rules."""
 
+import random
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from agent.contract.sampling import SamplingParams
 from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal
@@ -13,28 +17,56 @@ EOS = 99
 
 
 class FakeAgent:
-    """Slot bookkeeping like ModelRunner; the next token is the previous one + 1."""
+    """A group's agent as the scheduler must drive it: slots (sampling state) and a pool of KV
+    blocks read and written through the tables it is sent. Each position's "KV" records the whole
+    token prefix it was computed from, so a table that points at the wrong block, a prefix-cache
+    hit on other tokens or a position never computed fails an assertion. The next token is the
+    previous one + 1."""
 
-    def __init__(self, num_slots: int):
-        self.slots: dict[int, int] = {}
-        self.num_slots = num_slots
+    def __init__(self, num_slots: int, block_size: int):
+        self.num_slots, self.block_size = num_slots, block_size
+        self.slots: dict[int, dict] = {}  # slot -> {"tokens": written so far + pending, "length"}
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
         self.calls: list[str] = []
+        self.computed_positions = 0  # prompt positions computed, all chunks together
 
-    def prefill(self, slot, prompt):
+    def _check(self, table, tokens, upto):
+        for p in range(upto):
+            at = (table[p // self.block_size], p % self.block_size)
+            assert self.kv.get(at) == tuple(tokens[: p + 1]), f"position {p}: wrong or missing KV"
+
+    def _write(self, table, tokens, start, end):
+        for p in range(start, end):
+            self.kv[(table[p // self.block_size], p % self.block_size)] = tuple(tokens[: p + 1])
+
+    def prefill(self, slot, tokens, table, start, end, sample):
+        assert len(table) * self.block_size >= end and 0 <= start < end <= len(tokens)
+        self._check(table, tokens, start)
+        self._write(table, tokens, start, end)
+        self.computed_positions += end - start
+        self.calls.append(f"prefill {slot} {start}:{end}")
+        if not sample:  # a prompt's earlier chunk, or a preempted sequence's KV: the state is kept
+            assert slot not in self.slots or end <= self.slots[slot]["length"]
+            return None
         assert slot not in self.slots, f"prefill into busy slot {slot}"
-        self.slots[slot] = prompt[-1] + 1
-        self.calls.append(f"prefill {slot}")
-        return self.slots[slot]
+        self.slots[slot] = {"tokens": list(tokens[:end]) + [tokens[end - 1] + 1], "length": end}
+        return tokens[end - 1] + 1
 
-    def decode(self, slots):
-        assert all(s in self.slots for s in slots)
+    def decode(self, slots, tables):
         self.calls.append(f"decode {slots}")
-        for s in slots:
-            self.slots[s] += 1
-        return [self.slots[s] for s in slots]
+        out = []
+        for slot, table in zip(slots, tables):
+            state = self.slots[slot]
+            length, tokens = state["length"], state["tokens"]
+            self._check(table, tokens, length)
+            self._write(table, tokens, length, length + 1)
+            state["length"] += 1
+            tokens.append(tokens[-1] + 1)
+            out.append(tokens[-1])
+        return out
 
     def release(self, slot):
-        self.slots.pop(slot)
+        self.slots.pop(slot, None)  # none: a prompt that ended before its last chunk
         self.calls.append(f"release {slot}")
 
 
@@ -42,20 +74,43 @@ def seq(rid, prompt=(1, 2, 3), max_new=5, stop_ids=frozenset({EOS})):
     return Sequence(rid, list(prompt), SamplingParams(), max_new, stop_ids)
 
 
-def step(scheduler, agents):
-    plan = scheduler.schedule()
+def step(scheduler, agents, busy=()):
+    plan = scheduler.schedule(busy)
     for group, slot, _ticket in plan.releases:
         agents[group].release(slot)
-    for s in plan.prefills:
-        scheduler.prefilled(s, agents[s.group].prefill(s.slot, s.prompt))
     for group, seqs in plan.decodes.items():
-        scheduler.decoded(seqs, agents[group].decode([s.slot for s in seqs]))
+        tables = [scheduler.blocks[group].table(s.request_id) for s in seqs]
+        scheduler.decoded(seqs, agents[group].decode([s.slot for s in seqs], tables))
+    for chunk in plan.prefills:
+        s = chunk.seq
+        table = scheduler.blocks[s.group].table(s.request_id)
+        token = agents[s.group].prefill(
+            s.slot, s.tokens(chunk.end), table, chunk.start, chunk.end, chunk.sample
+        )
+        scheduler.prefilled(chunk, token)
     return plan
 
 
-def make(slots=(2,), max_waiting=8, max_seq_len=64, max_prompt_len=32, **kw):
-    caps = [GroupCapacity(n, max_seq_len, max_prompt_len) for n in slots]
-    return BatchScheduler(caps, max_waiting, **kw), [FakeAgent(n) for n in slots]
+def capacity(num_slots=2, max_seq_len=64, num_blocks=None, block_size=4, max_chunk=32, role="mixed"):
+    blocks = num_blocks if num_blocks is not None else num_slots * max_seq_len // block_size
+    return GroupCapacity(num_slots, max_seq_len, blocks, block_size, max_chunk, role)
+
+
+def make(slots=(2,), max_waiting=8, max_seq_len=64, num_blocks=None, block_size=4, max_chunk=32, **kw):
+    caps = [capacity(n, max_seq_len, num_blocks, block_size, max_chunk) for n in slots]
+    return BatchScheduler(caps, max_waiting, **kw), [FakeAgent(n, block_size) for n in slots]
+
+
+def prefilled(plan):
+    return [chunk.seq for chunk in plan.prefills]
+
+
+def run_all(scheduler, agents, limit=10_000):
+    for _ in range(limit):
+        if not (scheduler.num_running or scheduler.num_waiting):
+            return
+        step(scheduler, agents)
+    raise AssertionError("the requests never finished")
 
 
 def test_fifo_admission_and_continuous_batching():
@@ -69,7 +124,7 @@ def test_fifo_admission_and_continuous_batching():
         step(scheduler, agents)
     assert a.finished and a.finish_reason is FinishReason.LENGTH and a.output == [4, 5, 6]
     plan = step(scheduler, agents)  # a's slot is released, then c is admitted into it
-    assert plan.releases == [(0, a.slot, None)] and plan.prefills == [c] and c.slot == a.slot
+    assert plan.releases == [(0, a.slot, None)] and prefilled(plan) == [c] and c.slot == a.slot
     assert agents[0].calls.index(f"release {a.slot}") < len(agents[0].calls) - 2
     while scheduler.num_running:
         step(scheduler, agents)
@@ -92,7 +147,7 @@ def test_eos_stops_and_slot_end_stops():
 
 
 def test_admission_errors():
-    scheduler, _ = make(max_waiting=1, max_prompt_len=4)
+    scheduler, _ = make(max_waiting=1, max_seq_len=5)
     with pytest.raises(AdmissionError, match="empty") as e:
         scheduler.add(seq("e", prompt=()))
     assert e.value.reason is Refusal.EMPTY_PROMPT
@@ -153,8 +208,9 @@ def test_abort_waiting_running_and_in_flight():
     assert scheduler.abort("wait") is wait and wait.finish_reason is FinishReason.ABORT
     assert scheduler.num_waiting == 0
     plan = scheduler.schedule()
+    table = scheduler.blocks[0].table("run")
     scheduler.abort("run")  # while its decode is "in flight"
-    scheduler.decoded(plan.decodes[0], agents[0].decode([run.slot]))
+    scheduler.decoded(plan.decodes[0], agents[0].decode([run.slot], [table]))
     assert run.finish_reason is FinishReason.ABORT and len(run.output) == 1
     assert scheduler.schedule().releases == [(0, run.slot, None)]
     assert scheduler.abort("unknown") is None
@@ -187,11 +243,11 @@ def test_requests_spread_over_groups_and_a_failed_group_fails_only_its_own():
     newcomer = seq("new")
     scheduler.add(newcomer)
     plan = step(scheduler, agents)
-    assert 1 not in plan.decodes and newcomer not in plan.prefills  # group 0 is full
-    scheduler.group_recovered(1, GroupCapacity(2, 64, 32))
-    agents[1] = FakeAgent(2)
+    assert 1 not in plan.decodes and newcomer not in prefilled(plan)  # group 0 is full
+    scheduler.group_recovered(1, capacity(2))
+    agents[1] = FakeAgent(2, 4)
     plan = step(scheduler, agents)
-    assert plan.prefills == [newcomer] and newcomer.group == 1
+    assert prefilled(plan) == [newcomer] and newcomer.group == 1
 
 
 def test_external_finish_releases_the_slot():
@@ -204,8 +260,8 @@ def test_external_finish_releases_the_slot():
 
 
 def disaggregated(decode_slots=(2,), prefill_slots=1):
-    caps = [GroupCapacity(prefill_slots, 64, 32, "prefill")]
-    caps += [GroupCapacity(n, 64, 32, "decode") for n in decode_slots]
+    caps = [capacity(prefill_slots, role="prefill")]
+    caps += [capacity(n, role="decode") for n in decode_slots]
     return BatchScheduler(caps, 8)
 
 
@@ -216,12 +272,12 @@ def test_prefill_group_slots_bound_transfers_and_transferring_sequences_are_not_
     scheduler.add(b)
     plan = scheduler.schedule()
     # One prefill slot: one transfer at a time; the decode group with the most free slots.
-    assert plan.prefills == [a] and (a.prefill_group, a.prefill_slot) == (0, 0)
+    assert prefilled(plan) == [a] and (a.prefill_group, a.prefill_slot) == (0, 0)
     assert a.group in (1, 2) and a.transferring and a.ticket is not None and not plan.decodes
     assert scheduler.schedule().prefills == []  # b waits for the prefill slot
     scheduler.transferred(a, 7)
     plan = scheduler.schedule()
-    assert plan.prefills == [b] and plan.decodes == {a.group: [a]} and a.output == [7]
+    assert prefilled(plan) == [b] and plan.decodes == {a.group: [a]} and a.output == [7]
     assert b.group != a.group  # now the other decode group has more free slots
 
 
@@ -277,8 +333,127 @@ def test_a_busy_group_is_left_out_of_the_plan_until_its_step_is_over():
     assert plan.releases == [] and plan.prefills == [] and list(plan.decodes) == [0]
     assert [s.request_id for s in plan.decodes[0]] == ["a"]
     plan = scheduler.schedule()
-    assert plan.releases == [(1, 0, None)] and plan.prefills == [c] and c.group == 1
+    assert plan.releases == [(1, 0, None)] and prefilled(plan) == [c] and c.group == 1
     parts = plan.by_group()
     assert sorted(parts) == [0, 1]
-    assert parts[1].releases == plan.releases and parts[1].prefills == [c] and parts[1].decodes == {}
+    assert parts[1].releases == plan.releases and prefilled(parts[1]) == [c] and parts[1].decodes == {}
     assert parts[0].decodes == {0: [a]} and not parts[0].releases and not parts[0].prefills
+
+
+def alone(request: Sequence, **make_kw) -> list[int]:
+    """The request's answer with the whole (default) group to itself."""
+    scheduler, agents = make(**make_kw)
+    copy = seq(request.request_id, request.prompt, request.max_new_tokens, request.stop_ids)
+    scheduler.add(copy)
+    run_all(scheduler, agents)
+    return copy.output
+
+
+def test_a_long_prompt_runs_in_chunks_within_the_budget_while_every_stream_decodes_each_step():
+    scheduler, agents = make(slots=(3,), max_seq_len=256, max_chunk=32, max_batched_tokens=20)
+    streams = [seq(f"s{i}", prompt=(i + 1,), max_new=60) for i in range(2)]
+    for s in streams:
+        scheduler.add(s)
+    step(scheduler, agents)
+    long = seq("long", prompt=range(100, 200), max_new=3)
+    scheduler.add(long)
+    steps_with_chunks = 0
+    while scheduler.num_running:
+        ready = [s for s in streams if not s.finished]
+        plan = step(scheduler, agents)
+        sizes = [chunk.end - chunk.start for chunk in plan.prefills]
+        assert sum(sizes) + len(plan.decodes.get(0, [])) <= 20  # the step's token budget
+        assert all(s in plan.decodes.get(0, []) for s in ready)  # no stream waits for the prompt
+        steps_with_chunks += bool(sizes)
+    assert steps_with_chunks >= 100 // 18  # the prompt took several steps
+    assert long.output == alone(long, max_seq_len=256) and all(s.output == alone(s) for s in streams)
+
+
+def test_a_shared_prefix_is_computed_once_and_answers_are_unchanged():
+    scheduler, agents = make(slots=(2,), max_seq_len=128)
+    system = list(range(1, 41))  # 10 full blocks of 4
+    first = seq("first", prompt=system + [50], max_new=4)
+    scheduler.add(first)
+    run_all(scheduler, agents)
+    computed = agents[0].computed_positions
+    second = seq("second", prompt=system + [60, 61], max_new=4)
+    scheduler.add(second)
+    plan = step(scheduler, agents)
+    assert [(c.start, c.end) for c in plan.prefills] == [(40, 42)]  # 40 positions from the cache
+    run_all(scheduler, agents)
+    assert agents[0].computed_positions - computed == 2
+    assert second.output == alone(second, max_seq_len=128)
+    blocks = scheduler.blocks[0]
+    assert (blocks.query_tokens, blocks.hit_tokens) == (41 + 42, 40) and blocks.num_used == 0
+
+
+def test_without_blocks_the_newest_sequence_is_preempted_and_every_answer_is_its_answer_alone():
+    # 16 streams of up to 36 positions (9 blocks of 4) share 24 blocks: most must wait their turn.
+    scheduler, agents = make(slots=(16,), max_seq_len=64, num_blocks=24, max_batched_tokens=64)
+    requests = [seq(f"r{i}", prompt=(i + 1, i + 2, i + 3, i + 4, i + 5), max_new=31) for i in range(16)]
+    for r in requests:
+        scheduler.add(r)
+    run_all(scheduler, agents)
+    assert scheduler.preemptions > 0
+    assert all(r.finish_reason is FinishReason.LENGTH and r.output == alone(r) for r in requests)
+    assert scheduler.blocks[0].num_used == 0 and scheduler.tokens_in_flight == 0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    block_size=st.sampled_from([1, 2, 4]),
+    num_blocks=st.integers(12, 40),
+    max_chunk=st.integers(1, 16),
+    budget=st.integers(4, 24),
+    caching=st.booleans(),
+    requests=st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 3), min_size=1, max_size=10),  # prompts that share prefixes
+            st.integers(1, 12),  # max_new_tokens
+            st.integers(0, 30),  # arrives at this step
+            st.one_of(st.none(), st.integers(0, 40)),  # aborted at this step
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_random_workloads_keep_the_budget_lose_nothing_and_leak_no_block(
+    block_size, num_blocks, max_chunk, budget, caching, requests, seed
+):
+    """Random arrivals, aborts and busy steps on a small pool: every step stays within its budget,
+    every sequence with its KV complete decodes unless it was just preempted, nothing starves, each
+    answer equals its answer alone (the fake agent checks every KV position it reads), and at the
+    end no block, slot or in-flight token is left."""
+    rng = random.Random(seed)
+    max_seq_len = min(24, num_blocks * block_size)  # a sequence alone always fits (agents plan so)
+    kw = {"slots": (4,), "max_seq_len": max_seq_len, "num_blocks": num_blocks, "block_size": block_size}
+    kw |= {"max_chunk": max_chunk}
+    scheduler, agents = make(**kw, max_batched_tokens=budget, enable_prefix_caching=caching)
+    seqs = [seq(f"q{i}", prompt, max_new) for i, (prompt, max_new, _, _) in enumerate(requests)]
+    for tick in range(2000):
+        for s, (_, _, arrives, aborted) in zip(seqs, requests):
+            if arrives == tick:
+                scheduler.add(s)
+            if aborted == tick:
+                scheduler.abort(s.request_id)
+        if tick > 31 and not (scheduler.num_running or scheduler.num_waiting):
+            break
+        if rng.random() < 0.2:  # the group's step is "in flight": nothing of it is planned
+            assert scheduler.schedule(busy={0}).empty
+            continue
+        complete = [s for s in scheduler.running.values() if not s.needs_prefill and s.output]
+        preempted_before = {s.request_id: s.preemptions for s in complete}
+        plan = step(scheduler, agents)
+        decoded = plan.decodes.get(0, [])
+        assert sum(c.end - c.start for c in plan.prefills) + len(decoded) <= budget
+        for s in complete:
+            assert s in decoded or s.preemptions > preempted_before[s.request_id], s.request_id
+    else:
+        raise AssertionError("the workload never finished")
+    for s in seqs:
+        if s.finish_reason is not FinishReason.ABORT:
+            assert s.output == alone(s, **kw), s.request_id
+    step(scheduler, agents)  # the last releases
+    assert scheduler.blocks[0].num_used == 0 and scheduler.tokens_in_flight == 0
+    assert agents[0].slots == {} and scheduler.free_slots[0] == [0, 1, 2, 3]

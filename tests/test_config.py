@@ -15,7 +15,9 @@ def test_default_config_serves_the_embedded_model_on_cpu():
     config = load_config()
     assert config.model.path == PROJECT_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert config.runtime.device_target == "CPU"
-    assert config.runtime.max_prompt_len == config.runtime.prefill_buckets[-1] <= config.runtime.max_seq_len
+    # planned at start from the budget: the model's context, and a block pool shared by 64 seats
+    assert (config.runtime.max_seq_len, config.runtime.num_blocks) == ("auto", "auto")
+    assert config.runtime.num_slots == config.runtime.decode_batch_buckets[-1] == 64
     # Security default: nothing listens beyond this machine unless configured.
     assert config.server.host == config.agents.host == "127.0.0.1" and config.agents.curve is None
 

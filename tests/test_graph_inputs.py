@@ -30,14 +30,20 @@ def row(table, position: int, head: int, block: int = 16) -> int:
     return (int(table[position // block]) * KV + head) * block + position % block
 
 
-def test_fixed_slot_tables_tile_the_pool_with_the_scratch_slot_last():
-    assert FUSED.blocks_per_seq == 3 and FUSED.num_blocks == pool_blocks(RUNTIME) == 4 * 3
-    assert FUSED.cache_rows == 12 * KV * 16
-    tables = [FUSED.slot_table(s) for s in range(4)]
-    assert np.array_equal(np.concatenate(tables), np.arange(12))
-    assert np.array_equal(FUSED.scratch_table, tables[3]) and tables[0].dtype == np.int32
-    with pytest.raises(ValueError, match="slot 4 is out of range"):
-        FUSED.slot_table(4)
+def test_the_pool_then_the_scratch_blocks_and_fixed_tables_where_the_seats_fit():
+    # no budget: each of the 3 seats its whole length (3 blocks), then 2 scratch blocks (32 positions)
+    assert FUSED.blocks_per_seq == 3 and FUSED.pool == 9 and FUSED.num_blocks == pool_blocks(RUNTIME) == 11
+    assert FUSED.cache_rows == 11 * KV * 16
+    tables = [FUSED.slot_table(s) for s in range(3)]
+    assert np.array_equal(np.concatenate(tables), np.arange(9)) and tables[0].dtype == np.int32
+    assert FUSED.scratch_table.tolist() == [9, 10, 10]
+    with pytest.raises(ValueError, match="slot 3 has no fixed block table"):
+        FUSED.slot_table(3)
+    shared = GraphInputs(RUNTIME.model_copy(update={"num_blocks": 5}), KV, GROUP, fused_layers=True)
+    assert shared.num_blocks == 7 and shared.scratch_table.tolist() == [5, 6, 6]
+    assert shared.slot_table(0).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="1 whole sequences in the pool of 5 blocks"):
+        shared.slot_table(1)
 
 
 def test_fused_prefill_chunk_writes_and_attends_through_its_table():
@@ -93,7 +99,7 @@ def test_kv_rows_are_head_major_positions_of_the_table():
     [
         (
             lambda: FUSED.prefill(np.array([0, 1, 12]), [1, 2], 8),
-            "entry 12 is outside the pool of blocks 0..11",
+            "entry 12 is outside the pool of blocks 0..10",
         ),
         (lambda: FUSED.prefill(np.array([0, -1, 2]), [1, 2], 8), "entry -1 is outside the pool"),
         (lambda: FUSED.prefill(np.array([0, 1]), [1, 2], 8), r"shape \[n, 3\]"),
@@ -119,6 +125,6 @@ def test_block_size_larger_than_a_sequence_and_block_size_one():
     assert big.blocks_per_seq == 1 and big.num_blocks == 4
     assert big.kv_rows(np.array([2]), 3).tolist() == [row([2], p, h, 64) for h in range(KV) for p in range(3)]
     one = GraphInputs(RUNTIME.model_copy(update={"block_size": 1}), KV, GROUP, fused_layers=True)
-    assert one.blocks_per_seq == 40 and one.num_blocks == 160
+    assert one.blocks_per_seq == 40 and one.num_blocks == 3 * 40 + 32  # 32 scratch blocks of 1
     table = np.arange(40)[::-1].astype(np.int32)
     assert one.kv_rows(table, 3).tolist() == [row(table, p, h, 1) for h in range(KV) for p in range(3)]

@@ -127,7 +127,7 @@ def test_disconnect_frees_the_slot(stack):
         ({"inputs": "x", "parameters": {"max_new_tokens": -1}}, 422, "parameters.max_new_tokens"),
         ({"inputs": "x", "parameters": {"top_p": "high"}}, 422, "parameters.top_p"),
         ({"inputs": "x", "parameters": {"bogus": 1}}, 422, "parameters.bogus"),
-        ({"inputs": "word " * 80}, 413, "the longest accepted is 64"),
+        ({"inputs": "word " * 600}, 413, "the longest accepted is 511"),
         ({"inputs": ""}, 400, "empty"),
     ],
 )

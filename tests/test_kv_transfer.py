@@ -80,7 +80,7 @@ def test_import_refuses_busy_slot_wrong_shape_and_bad_state(tiny_llama_runner, r
         receiver.import_kv(1, blocks[:, :, :3], state)
     with pytest.raises(RunnerError, match="outside the vocabulary"):
         receiver.import_kv(1, blocks, {**state, "next_token": 10**6})
-    with pytest.raises(RunnerError, match="1..64 positions"):
+    with pytest.raises(RunnerError, match="1..63 positions"):
         receiver.import_kv(1, np.zeros((1, 1, 65, 1), np.float32), {**state, "length": 65})
     assert 1 not in receiver.slots
 
@@ -88,7 +88,7 @@ def test_import_refuses_busy_slot_wrong_shape_and_bad_state(tiny_llama_runner, r
 def receive_frames(session, slot, ticket, blocks, state):
     return protocol.encode(
         {"op": "kv_receive", "id": 1, "session": session, "slot": slot, "ticket": ticket, "state": state},
-        [blocks],
+        [blocks, np.arange(slot * 4, slot * 4 + 4, dtype=np.int32)],  # the slot's 4 blocks of 16
     )
 
 

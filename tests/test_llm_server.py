@@ -154,8 +154,8 @@ def test_queue_bound_and_prompt_bound(agent_config, tokenizer):
         streams = [server.generate_answer(f"q{i}", [7], GREEDY, 3) for i in range(7)]
         with pytest.raises(AdmissionError, match="queue is full") as full:
             server.generate_answer("one-too-many", [7], GREEDY, 3)
-        with pytest.raises(AdmissionError, match="65 tokens; the longest accepted is 64") as long:
-            server.generate_answer("long", [7] * 65, GREEDY, 3)
+        with pytest.raises(AdmissionError, match="64 tokens; the longest accepted is 63") as long:
+            server.generate_answer("long", [7] * 64, GREEDY, 3)
         await asyncio.gather(*(collect(s) for s in streams))
         await server.engine.stop()
         with pytest.raises(AdmissionError, match="shutting down"):

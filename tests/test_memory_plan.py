@@ -25,42 +25,68 @@ def test_plan_sizes_come_from_the_spec(default_model_path):
     spec = load_checkpoint(default_model_path).spec
     runtime = RuntimeSection(num_slots=8, max_seq_len=2048, **BUDGETED)
     resolved, plan = plan_memory(spec, runtime)
-    assert (resolved.num_slots, resolved.max_seq_len, plan.budget_mb) == (8, 2048, None)
+    # without a budget, each seat gets its whole length: 8 x 2048 / 16 blocks
+    assert (resolved.num_slots, resolved.max_seq_len, resolved.num_blocks, plan.budget_mb) == (
+        8,
+        2048,
+        1024,
+        None,
+    )
     # SmolLM2-135M: 30 layers x 2 x 3 KV heads x 64 x 4 bytes = 46080 bytes per position.
-    assert plan.kv_mb_per_slot == pytest.approx(46080 * 2048 / MB)
+    assert plan.block_mb == pytest.approx(46080 * 16 / MB)
+    assert plan.kv_mb == pytest.approx((1024 + 64 // 16) * 46080 * 16 / MB)  # + the scratch blocks
     # 134.5M fp32 parameters + the matmul kernel's packed copy of the tied 49152 x 576 head.
     assert plan.weights_mb == pytest.approx((spec.parameter_count() + 49152 * 576) * 4 / MB)
-    assert "memory plan: weights 621 MB, KV 90.0 MB per slot of 2048 positions x 8 slots" in plan.describe()
+    assert (
+        "memory plan: weights 621 MB, KV cache 723 MB: 1024 blocks of 16 positions (16384 positions, "
+        "8.0 sequences of max_seq_len 2048) shared by 8 seats"
+    ) in plan.describe()
 
 
-def test_auto_slots_fill_the_budget_up_to_the_largest_batch(default_model_path):
+def test_a_budget_fills_the_pool_and_auto_seats_are_the_largest_batch(default_model_path):
     spec = load_checkpoint(default_model_path).spec
     runtime = RuntimeSection(num_slots="auto", max_seq_len=2048, memory_budget_mb=1500, **BUDGETED)
     resolved, plan = plan_memory(spec, runtime)
-    expected = int((1500 - plan.weights_mb - plan.working_mb) // plan.kv_mb_per_slot) - 1
-    assert resolved.num_slots == plan.num_slots == expected and 1 <= expected < 16
-    assert plan.total_mb <= 1500 < plan.total_mb + plan.kv_mb_per_slot
-    big = plan_memory(spec, runtime.model_copy(update={"memory_budget_mb": 100_000}))[0]
-    assert big.num_slots == 16  # capped: a decode step never runs more rows
+    assert resolved.num_slots == plan.num_slots == 16  # a decode step never runs more rows
+    assert resolved.num_blocks == plan.num_blocks and plan.num_blocks * 16 > 2048
+    assert plan.total_mb <= 1500 < plan.total_mb + plan.block_mb
+    # fewer blocks than the seats' whole lengths: they share the pool
+    assert plan.num_blocks < 16 * 2048 // 16
+    given = plan_memory(spec, runtime.model_copy(update={"num_blocks": 300}))[1]
+    assert given.num_blocks == 300 and given.total_mb < plan.total_mb
 
 
 def test_auto_length_is_the_context_shortened_to_the_budget(default_model_path):
     spec = load_checkpoint(default_model_path).spec  # trained context 8192
     roomy = RuntimeSection(num_slots=4, max_seq_len="auto", memory_budget_mb=100_000, **BUDGETED)
     assert plan_memory(spec, roomy)[0].max_seq_len == spec.max_context == 8192
-    tight = roomy.model_copy(update={"memory_budget_mb": 1200})
+    tight = roomy.model_copy(update={"memory_budget_mb": 900})
     resolved, plan = plan_memory(spec, tight)
     assert resolved.max_seq_len % 256 == 0 and 512 <= resolved.max_seq_len < 8192
     assert resolved.attend_buckets[-1] == resolved.max_seq_len
-    assert plan.total_mb <= 1200
+    assert plan.total_mb <= 900 and resolved.num_blocks * 16 >= resolved.max_seq_len
+
+
+def test_the_default_plan_holds_the_context_and_64_short_chats_at_once(default_model_path):
+    from config import load_config
+
+    runtime = load_config().runtime
+    resolved, plan = plan_memory(load_checkpoint(default_model_path).spec, runtime)
+    assert resolved.max_seq_len == 8192 and resolved.num_slots == 64
+    assert plan.num_blocks >= 64 * -(-300 // 16)  # 64 chats of ~300 tokens with their answers
+    assert plan.total_mb <= runtime.memory_budget_mb
 
 
 def test_budgets_too_small_are_refused_with_the_sizes(default_model_path):
     spec = load_checkpoint(default_model_path).spec
     with pytest.raises(MemoryPlanError, match=r"does not hold the weights \(621 MB\)"):
         plan_memory(spec, RuntimeSection(num_slots="auto", memory_budget_mb=500, **BUDGETED))
-    with pytest.raises(MemoryPlanError, match="num_slots 16 x max_seq_len 2048 needs 1530 MB"):
-        plan_memory(spec, RuntimeSection(num_slots=16, memory_budget_mb=1000, **BUDGETED))
+    with pytest.raises(MemoryPlanError, match="num_blocks 2048 of 16 positions: .* holds at most"):
+        plan_memory(spec, RuntimeSection(num_blocks=2048, memory_budget_mb=1000, **BUDGETED))
+    with pytest.raises(MemoryPlanError, match="at least 128 blocks"):
+        plan_memory(spec, RuntimeSection(max_seq_len=2048, memory_budget_mb=640, **BUDGETED))
+    with pytest.raises(ValueError, match="num_blocks 100 of 16 positions do not hold one sequence"):
+        RuntimeSection(num_blocks=100, **BUDGETED)
     with pytest.raises(ValueError, match="auto need memory_budget_mb"):
         RuntimeSection(num_slots="auto")
 
@@ -123,5 +149,6 @@ def test_shipped_ascend_example_plans_llama2_7b_into_its_budget():
     )
     resolved, plan = plan_memory(llama2_7b, config.runtime)
     assert plan.weights_mb == pytest.approx(6738.4e6 * 2 / MB, rel=1e-3)  # 6.74B parameters
-    assert plan.kv_mb_per_slot == 1024  # 32 layers x 2 x 4096 x 2 bytes x 2048 positions
-    assert 8 <= resolved.num_slots <= 16 and plan.total_mb <= 28000
+    assert plan.block_mb == 8  # 32 layers x 2 x 4096 x 2 bytes x 16 positions
+    # 32 seats (the largest decode batch), blocks for about 13 sequences of 2048 positions
+    assert resolved.num_slots == 32 and 13 * 2048 <= resolved.num_blocks * 16 and plan.total_mb <= 28000

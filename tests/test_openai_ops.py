@@ -222,13 +222,13 @@ def test_metrics_move_as_requests_run(stack):
     assert len(compute) == 1 and after[compute[0].replace("_sum", "_count")] == after[decode[0]]
     assert 0 < after[compute[0]] < after[step[0]]
     rejected = "llm_serving_requests_total[('outcome', 'rejected')]"
-    httpx.post(f"{base}/models/tiny/generate", headers=AUTH, json={"inputs": "word " * 80})
+    httpx.post(f"{base}/models/tiny/generate", headers=AUTH, json={"inputs": "word " * 600})
     assert metrics(base)[rejected] == after[rejected] + 1
 
 
 def test_info(stack):
     info = httpx.get(f"{stack[0]}/info", headers=AUTH).json()
-    assert info["model_id"] == "tiny" and info["slots"] == 8 and info["max_input_length"] == 64
+    assert info["model_id"] == "tiny" and info["slots"] == 8 and info["max_input_length"] == 511
 
 
 # ------------------------------------------------------------------------------------ client

@@ -124,8 +124,8 @@ def test_repetition_penalty_matches_full_vocabulary_computation(
         (lambda r: r.prefill(0, [], GREEDY), "non-empty"),
         (lambda r: r.prefill(0, [1, 10_000], GREEDY), "token ids must lie in"),
         (
-            lambda r: r.prefill(0, [1] * 65, GREEDY),
-            "prompt of 65 tokens exceeds the longest prompt this agent accepts \\(64 tokens\\)",
+            lambda r: r.prefill(0, [1] * 64, GREEDY),
+            "prompt of 64 tokens exceeds the longest prompt this agent accepts \\(63 tokens\\)",
         ),
         (lambda r: r.decode([2]), "slot 2 holds no sequence"),
         (lambda r: r.decode([]), "at least one slot"),
@@ -142,7 +142,7 @@ def test_busy_slot_repeated_slot_and_full_slot(tiny_llama_runner, release_all):
     release_all(tiny_llama_runner)
     runner = tiny_llama_runner
     runner.prefill(0, [5] * 63, GREEDY)
-    with pytest.raises(RunnerError, match="slot 0 is in use"):
+    with pytest.raises(RunnerError, match="slot 0 has sampled already"):
         runner.prefill(0, [5], GREEDY)
     with pytest.raises(RunnerError, match="repeat"):
         runner.decode([0, 0])

@@ -4,8 +4,8 @@ MindSpore's own deployment tools).
 
     python -m tools.export [--config config/default.yaml] [--output output/mindir]
 
-The runtime section fixes the shapes (num_slots/max_seq_len "auto" are planned first): an agent
-runs the files only with the same num_slots, max_seq_len and buckets. The command prints the
+The runtime section fixes the shapes (num_slots/max_seq_len/num_blocks "auto" are planned first): an agent
+runs the files only with the same num_slots, max_seq_len, num_blocks and buckets. The command prints the
 model-section lines that select the files.
 """
 

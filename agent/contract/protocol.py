@@ -7,23 +7,32 @@ A message is a ZeroMQ multipart list: one msgpack header, then one raw frame per
 
 Requests (op: fields -> reply fields):
     info:     -                                  -> protocol, model, vocab_size, eos_ids, num_slots,
-                                                    max_seq_len, max_prompt_len, prefill_buckets,
-                                                    decode_batch_buckets,
+                                                    max_seq_len, max_prompt_len, num_blocks,
+                                                    block_size, max_chunk, chunked_prefill,
+                                                    prefill_buckets, decode_batch_buckets,
                                                     attend_buckets, role, rank, port
-    prefill:  slot, sampling {...}, [transfer]; arrays [tokens int32]   -> token,
-              with transfer {address, slot, session, ticket}: the prompt's KV goes to that decode
-              agent's slot (kv_receive below) and this slot is free again -> also kv_bytes, transfer_ms
-    decode:   arrays [slots int32]                         -> arrays [tokens int32]
+    prefill:  slot, start, sample, sampling {...}, [transfer];
+              arrays [tokens int32 (positions 0..end-1), block table int32]
+              -> token (null unless sample): positions start..end-1 computed into the table's
+              blocks (0..start-1 are there already: an earlier chunk, a prefix-cache hit); sample:
+              the prompt's last chunk, whose first token is sampled. With transfer {address, slot,
+              session, ticket, table}: the prompt's KV goes to that decode agent's slot and blocks
+              (kv_receive below) and this slot is free again -> also kv_bytes, transfer_ms
+    decode:   arrays [slots int32 [n], block tables int32 [n, w] (-1 past a row's blocks)]
+              -> arrays [tokens int32]
     release:  slot, [ticket]                               -> - (ticket: a transfer into this slot
                                                               that the scheduler gave up on; it is
                                                               refused if it still arrives)
     kv_receive (agent to agent): slot, ticket, state {length, next_token, sampler};
-              arrays [K/V float32|float16 [2 * layers, kv_heads, length, head_dim]]  -> -
+              arrays [K/V float32|float16 [2 * layers, kv_heads, length, head_dim],
+                      block table int32]                     -> -
     reset:    session, [epoch]                             -> - (every slot released; epoch: the
                                                               server's start time, refused with
                                                               stale_session below the holder's)
     ping:     -                                            -> -
     shutdown: session                                      -> - (the agent exits after replying)
+Block tables are the server's: an agent's KV cache is a pool of num_blocks blocks of block_size
+positions, and every call names the blocks of each sequence (position p in block table[p // block_size]).
 A reply carries the request's op and id, and "ok": true, or "ok": false with "error" (a message)
 and "kind" ("bad_request": the request was wrong; "internal": the agent failed; "transfer_failed":
 the prefill ran but its KV did not reach the decode agent; "stale_session": see below).
@@ -46,7 +55,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 OPS = ("info", "prefill", "decode", "release", "kv_receive", "reset", "ping", "shutdown")
 SESSION_OPS = ("prefill", "decode", "release", "kv_receive", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent

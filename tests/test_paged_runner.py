@@ -1,0 +1,132 @@
+"""ModelRunner over block tables the server hands out (protocol v4): prompts longer than the
+largest prefill bucket, prompts in chunks, a prefix read from another sequence's blocks, the
+recompute of a preempted sequence and KV transfers of many pieces all give the tokens of the
+independent numpy reference, and tables that do not fit are refused before anything runs."""
+
+import numpy as np
+import pytest
+
+import reference_numpy as ref
+from agent.contract.sampling import SamplingParams
+from agent.model.formats import load_checkpoint
+from agent.runner import ModelRunner, RunnerError
+from config.schema import RuntimeSection
+
+# max_seq_len 160 in blocks of 16 (10 a table, 40 in the pool); the largest bucket (32) is far
+# below a long prompt, so every long call runs in pieces
+PAGED_RUNTIME = RuntimeSection(
+    num_slots=4,
+    max_seq_len=160,
+    block_size=16,
+    prefill_buckets=[16, 32],
+    decode_batch_buckets=[1, 2, 4],
+    attend_buckets=[160],
+    compile_cache_dir=None,
+)
+GREEDY = SamplingParams()
+SEEDED = SamplingParams(do_sample=True, top_k=20, temperature=0.9, repetition_penalty=1.2, seed=5)
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_llama_dir) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners (two caches: a prefill and a decode agent's)."""
+    checkpoint = load_checkpoint(tiny_llama_dir)
+    return ModelRunner.from_checkpoint(checkpoint, PAGED_RUNTIME), ModelRunner.from_checkpoint(
+        checkpoint, PAGED_RUNTIME
+    )
+
+
+@pytest.fixture
+def runner(runners, release_all) -> ModelRunner:
+    release_all(runners[0])
+    release_all(runners[1])
+    return runners[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir) -> ref.RefModel:
+    return ref.load_hf_reference(tiny_llama_dir)
+
+
+def shuffled(n: int, seed: int, pool: int = 40) -> list[list[int]]:
+    """n disjoint tables of 10 blocks each, from a permutation of the pool."""
+    blocks = np.random.default_rng(seed).permutation(pool)[: n * 10]
+    return [blocks[i * 10 : (i + 1) * 10].tolist() for i in range(n)]
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 250, n).tolist()
+
+
+def decode_n(runner: ModelRunner, slot: int, table: list[int], n: int) -> list[int]:
+    return [runner.decode([slot], [table])[0] for _ in range(n)]
+
+
+def test_a_prompt_five_buckets_long_matches_the_reference(runner, reference):
+    ids = prompt(150)
+    (table,) = shuffled(1, seed=1)
+    first = runner.prefill(0, ids, GREEDY, table)  # positions in pieces of 32, the last of 22
+    assert [first, *decode_n(runner, 0, table, 8)] == ref.greedy(reference, ids, 9)
+    assert runner.slot_length(0) == 158
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_chunks_a_prefix_hit_and_a_recompute_give_the_tokens_of_one_call(runner, params):
+    ids = prompt(90, seed=2)
+    whole_table, chunked_table, shared_table, recompute_table = shuffled(4, seed=3)
+    whole = [runner.prefill(0, ids, params, whole_table), *decode_n(runner, 0, whole_table, 6)]
+
+    runner.prefill_chunk(1, ids[:37], chunked_table, 0)
+    runner.prefill_chunk(1, ids[:61], chunked_table, 37)
+    chunked = [runner.prefill(1, ids, params, chunked_table, 61), *decode_n(runner, 1, chunked_table, 6)]
+    assert chunked == whole
+
+    # The first 4 blocks (64 positions) read from the chunked sequence's blocks: a prefix-cache hit.
+    shared_table[:4] = chunked_table[:4]
+    hit = [runner.prefill(2, ids, params, shared_table, 64), *decode_n(runner, 2, shared_table, 6)]
+    assert hit == whole
+
+    # A preempted sequence: its blocks lost, recomputed elsewhere (prompt and output but the pending
+    # token), it goes on with its own sampler as if nothing happened.
+    runner.prefill(3, ids, params, recompute_table)
+    before = decode_n(runner, 3, recompute_table, 3)
+    computed = ids + [whole[0], *before[:-1]]
+    fresh = shuffled(1, seed=9)[0]
+    runner.prefill_chunk(3, computed, fresh, 0)
+    assert [whole[0], *before, *decode_n(runner, 3, fresh, 3)] == whole
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_kv_of_many_pieces_moves_to_other_blocks_and_decodes_the_same(runners, runner, params):
+    sender, receiver = runners
+    ids = prompt(120, seed=4)
+    home_table, moved_table = shuffled(2, seed=5)
+    first = sender.prefill(0, ids, params, home_table)
+    blocks, state = sender.export_kv(0)
+    assert blocks.shape[2] == 120 and state["length"] == 120
+    at_home = decode_n(sender, 0, home_table, 8)
+    receiver.import_kv(2, blocks, state, moved_table[:8])  # 8 blocks: the prompt and the next 7
+    assert state["next_token"] == first and decode_n(receiver, 2, moved_table[:8], 8) == at_home
+
+
+def test_tables_that_do_not_fit_are_refused(runner):
+    ids = prompt(40)
+    with pytest.raises(RunnerError, match="does not cover 40 positions"):
+        runner.prefill(0, ids, GREEDY, [1, 2])
+    with pytest.raises(RunnerError, match=r"entries lie in 0..39"):
+        runner.prefill(0, ids, GREEDY, [1, 2, 40])
+    with pytest.raises(RunnerError, match="at most 10 integer blocks"):
+        runner.prefill(0, ids, GREEDY, list(range(11)))
+    assert runner.slots == {}
+    runner.prefill_chunk(1, ids[:20], [4, 5])
+    with pytest.raises(RunnerError, match="start..39 after the 20 the slot holds, not from 30"):
+        runner.prefill(1, ids, GREEDY, [4, 5, 6], start=30)  # positions 20..29 would be missing
+    with pytest.raises(RunnerError, match="has not finished its prompt"):
+        runner.decode([1], [[4, 5]])
+    runner.prefill(0, ids, GREEDY, [1, 2, 3])
+    with pytest.raises(RunnerError, match=r"entries lie in 0..39"):
+        runner.decode([0], [[1, 2, 3, -1]])
+    with pytest.raises(RunnerError, match="does not cover 49 positions"):
+        for _ in range(10):  # position 48 needs a fourth block
+            runner.decode([0], [[1, 2, 3]])
+    assert runner.slot_length(0) == 48
