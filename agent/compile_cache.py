@@ -36,6 +36,7 @@ FINGERPRINT_SAMPLES = 4096  # elements read from each weight tensor for the fing
 def cache_key(checkpoint: Checkpoint, runtime: RuntimeSection) -> dict:
     """Everything a compiled graph depends on, as JSON-able values."""
     settings = runtime.model_dump(mode="json", exclude={"compile_cache_dir", "cpu_threads"})
+    settings["num_blocks"] = runtime.planned_num_blocks  # the same pool, however it was given
     return {
         "spec": json.loads(checkpoint.spec.model_dump_json()),
         "runtime": settings,  # shapes, buckets, dtype, kernel choices, slots and lengths

@@ -329,18 +329,22 @@ def test_each_machine_needs_only_the_secret_of_what_it_runs(tmp_path, tiny_llama
         assert done.returncode != 0 and message in done.stdout + done.stderr, (script, done)
 
 
-def test_agent_plans_its_slots_from_the_memory_budget_and_logs_the_plan(launch, tiny_llama_dir, tmp_path):
-    """num_slots: auto with a budget: the agent computes the slots, logs the plan, and reports the
-    planned count to the server (info); a budget too small fails start-up naming the sizes."""
+def test_agent_plans_its_block_pool_from_the_memory_budget_and_logs_the_plan(
+    launch, tiny_llama_dir, tmp_path
+):
+    """A budget: the agent gives the KV pool what the weights and working memory leave, logs the
+    plan, and reports the pool and the seats (num_slots: auto, the largest decode batch) to the
+    server (info); a budget too small fails start-up naming the sizes."""
     runtime = {"num_slots": "auto", "memory_budget_mb": 2, "decode_batch_buckets": [1, 2, 4, 8]}
     launcher, ports = launch(tiny_llama_dir, runtime=runtime)
     launcher.wait_for("all agents started", START_TIMEOUT)
     log = (tmp_path / "logs" / "agent_0.log").read_text()
     plan = next(line for line in log.splitlines() if "memory plan:" in line)
-    slots = int(plan.split(" slots (+1 scratch)")[0].rsplit(" ", 1)[1])
-    assert "weights" in plan and "of a 2 MB budget" in plan and 1 <= slots <= 8
+    blocks = int(plan.split(" blocks of 16 positions")[0].rsplit(" ", 1)[1])
+    assert "weights" in plan and "shared by 8 seats" in plan and "of a 2 MB budget" in plan
     info, _ = AgentSocket(ports[0]).call("info")
-    assert info["num_slots"] == slots
+    assert (info["num_slots"], info["num_blocks"], info["block_size"]) == (8, blocks, 16)
+    assert blocks > 8 * 64 // 16  # the tiny model's blocks are small: more than every seat's whole length
     launcher.close()
 
     failing, _ = launch(
@@ -348,7 +352,7 @@ def test_agent_plans_its_slots_from_the_memory_budget_and_logs_the_plan(launch, 
         runtime={"num_slots": 4, "max_seq_len": 8192, "memory_budget_mb": 1, "attend_buckets": [8192]},
     )
     assert failing.process.wait(START_TIMEOUT) != 0
-    assert "num_slots 4 x max_seq_len 8192 needs 20 MB of KV cache" in failing.output()
+    assert "a pool needs at least 512 blocks (one sequence of max_seq_len 8192)" in failing.output()
 
 
 def test_agents_run_on_their_configured_cpus(launch, tiny_llama_dir):
