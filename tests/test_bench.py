@@ -294,3 +294,54 @@ def test_hostile_clients_run_beside_the_timed_streams_and_are_reported_apart(tmp
     assert any(b["parameters"].get("do_sample") for b in seen)
     md = (tmp_path / "run.md").read_text()
     assert "Hostile requests" in md and "| fake | 1 | huge_prompt |" in md
+
+
+def test_long_and_shared_prefix_prompts():
+    """--prompt-words: each prompt that many words, each starting elsewhere; --shared-prefix-words:
+    one system text of that many words starts every prompt of a run (numbered after it), another
+    run's differs."""
+    prompts = ["alpha beta gamma delta", "epsilon zeta eta theta iota"]
+    args = parse_args(["--target", "http://h:1/models/a", "--prompt-words", "50"])
+    bodies = [
+        b["inputs"] for b in itertools.islice(request_bodies(args.targets[0], args, prompts, None, "r"), 4)
+    ]
+    texts = [b.split("] ", 1)[1] for b in bodies]
+    assert all(len(t.split()) == 50 for t in texts) and len({t.split()[0] for t in texts}) > 1
+    shared = parse_args(["--target", "http://h:1/models/a", "--shared-prefix-words", "30"])
+    first, second = (
+        [
+            b["inputs"]
+            for b in itertools.islice(request_bodies(shared.targets[0], shared, prompts, None, run), 3)
+        ]
+        for run in ("r1", "r2")
+    )
+    head = first[0].split("\n\n")[0]
+    assert head.startswith("[r1] System: ") and len(head.split()) == 32  # tag, "System:", 30 words
+    assert all(p.startswith(head + "\n\n[r1.") for p in first) and len(set(first)) == 3
+    assert not second[0].startswith(head)
+
+
+def test_multi_turn_chats_carry_the_answers_into_the_next_prompt(tmp_path):
+    with stand_in_server() as (base, seen):
+        args = ["--target", f"fake={base}/models/m", "--concurrency", "1", "--requests", "5"]
+        args += [
+            "--output-len",
+            "3",
+            "--warmup",
+            "0",
+            "--turns",
+            "3",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "chat",
+        ]
+        assert main(args) == 0
+    prompts = [b["inputs"] for b in seen]
+    assert len(prompts) == 5  # a chat of 3 turns, then 2 turns of the next
+    for earlier, later in ((0, 1), (1, 2), (3, 4)):
+        assert prompts[later].startswith(prompts[earlier] + "aaa\n\nUser: ")
+    assert not prompts[3].startswith(prompts[2])
+    [result] = json.loads((tmp_path / "chat.json").read_text())["results"]
+    s = result["summary"]
+    assert s["requests"] == 5 and s["ttft_first_turn_p50_s"] > 0 and s["ttft_later_turns_p50_s"] > 0

@@ -108,6 +108,8 @@ def main() -> int:
             update={
                 "num_slots": max(args.batches),
                 "max_seq_len": max_len,
+                "memory_budget_mb": None,  # no budget: a pool of each slot's whole length
+                "num_blocks": "auto",
                 "prefill_buckets": [max_len],
                 "attend_buckets": [max_len],
                 "decode_batch_buckets": [max(args.batches)],

@@ -35,7 +35,14 @@ from tqdm import tqdm
 from agent.contract.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from config.schema import PROJECT_ROOT
 from tools.bench import report
-from tools.bench.load import HostileRequest, closed_loop, open_loop, with_background, with_hostile
+from tools.bench.load import (
+    HostileRequest,
+    chat_loop,
+    closed_loop,
+    open_loop,
+    with_background,
+    with_hostile,
+)
 from tools.bench.stats import RequestRecord, median_of_runs, summarize, summarize_hostile
 from tools.bench.targets import Target, TargetError
 
@@ -141,6 +148,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--background-interval", type=float, default=2.0, metavar="S")
     p.add_argument(
+        "--prompt-words",
+        type=int,
+        metavar="N",
+        help="long prompts: each request's prompt is N words of the prompt file's text (each "
+        "starting elsewhere in it) instead of one of its prompts",
+    )
+    p.add_argument(
+        "--shared-prefix-words",
+        type=int,
+        metavar="N",
+        help="shared-prefix traffic: every request of a run starts with the same N-word system "
+        "text, then its own question; reports the first request's TTFT apart from the rest's",
+    )
+    p.add_argument(
+        "--turns",
+        type=int,
+        metavar="T",
+        help="multi-turn chats: each client holds chats of T turns, each turn's prompt the chat "
+        "so far (earlier prompts and their answers) and a new question; reports first and later "
+        "turns' TTFT apart",
+    )
+    p.add_argument(
         "--hostile",
         type=int,
         default=0,
@@ -202,18 +231,40 @@ def request_bodies(target: Target, args, prompts: list[str], model: str | None, 
     --unique-prompts each prompt starts with `[run.N]`: give every run of one invocation its own
     `run` (the same for each target) and no prompt is ever sent to a server twice."""
     rng = random.Random(args.seed)
-    order = prompts[:]
-    rng.shuffle(order)
     low, high = args.output_len
-    for number, prompt in enumerate(itertools.cycle(order)):
-        if args.unique_prompts:
-            prompt = f"[{run}.{number}] {prompt}"
+    for prompt in prompt_texts(args, prompts, run, rng):
         yield target.request_body(prompt, rng.randint(low, high), not args.stop_at_eos, model)
 
 
-def background_prompt(prompts: list[str], words: int) -> str:
+def prompt_texts(args, prompts: list[str], run: str, rng: random.Random) -> Iterator[str]:
+    """The timed prompts, seeded: the prompt file's (or --prompt-words long ones), after the run's
+    shared system text with --shared-prefix-words; numbered with --unique-prompts (after the
+    shared text, which must stay the same)."""
+    order = prompts[:]
+    rng.shuffle(order)
+    shared = (
+        f"[{run}] System: {background_prompt(prompts, args.shared_prefix_words)}\n\n"
+        if args.shared_prefix_words
+        else ""
+    )
+    for number, prompt in enumerate(itertools.cycle(order)):
+        if args.prompt_words:
+            prompt = background_prompt(prompts, args.prompt_words, start=number * 997)
+        if args.unique_prompts:
+            prompt = f"[{run}.{number}] {prompt}"
+        yield shared + prompt
+
+
+def chats(args, prompts: list[str], run: str) -> tuple[Iterator[str], Iterator[str]]:
+    """Openers (the timed prompts as a chat's first user turn) and the follow-up questions."""
+    texts = prompt_texts(args, prompts, run, random.Random(args.seed))
+    return (f"User: {text}\nAssistant:" for text in texts), itertools.cycle(prompts)
+
+
+def background_prompt(prompts: list[str], words: int, start: int = 0) -> str:
+    """`words` words of the prompt file's text, from word `start` on (cycling)."""
     pool = " ".join(prompts).split()
-    return " ".join(itertools.islice(itertools.cycle(pool), words))
+    return " ".join(itertools.islice(itertools.cycle(pool), start % len(pool), start % len(pool) + words))
 
 
 def never_matching_stops() -> list[str]:
@@ -274,11 +325,24 @@ def timed_run(
     background: str | None,
     model: str | None,
     hostile: Iterator[HostileRequest] | None = None,
+    chats: tuple[Iterator[str], Iterator[str]] | None = None,
 ) -> dict:
     """One timed run at `level` -> its summary (with the background prompts' and the hostile
-    requests' apart, if any)."""
+    requests' apart, if any); `chats`: (openers, follow-up questions) of multi-turn chats."""
     if args.rate:
         load = open_loop(target, bodies, level, per_run, args.seed, done)
+    elif chats is not None:
+        openers, questions = chats
+        load = chat_loop(
+            target,
+            lambda prompt: target.request_body(prompt, args.output_len[1], not args.stop_at_eos, model),
+            openers,
+            questions,
+            args.turns,
+            level,
+            per_run,
+            done,
+        )
     else:
         load = closed_loop(target, bodies, level, per_run, done)
     sides: dict[str, Any] = {}
@@ -289,8 +353,14 @@ def timed_run(
 
     timed: Awaitable[tuple[list[RequestRecord], float]] = load
     if background is not None:
-        body = target.request_body(background, 1, True, model)
-        timed = keep("background", with_background(timed, target, body, args.background_interval))
+        # Numbered like the timed prompts: a prefix cache must not answer one from the last.
+        bodies_of_background = (
+            target.request_body(f"[{time.monotonic_ns()}.bg{number}] {background}", 1, True, model)
+            for number in itertools.count()
+        )
+        timed = keep(
+            "background", with_background(timed, target, bodies_of_background, args.background_interval)
+        )
     if hostile is not None and args.hostile:
         timed = keep("hostile", with_hostile(timed, target, hostile, args.hostile))
 
@@ -367,6 +437,7 @@ def main(argv=None) -> int:
                             background,
                             models[target.label],
                             hostile,
+                            chats(args, prompts, run) if args.turns else None,
                         )
                     )
         for (label, level), level_runs in runs.items():
@@ -383,6 +454,8 @@ def main(argv=None) -> int:
     results.sort(key=lambda r: (r["level"], [t.label for t in args.targets].index(r["target"])))
     paths = report.write(results, settings, args.out, args.name)
     print(report.markdown_table(results))
+    if args.shared_prefix_words or args.turns:
+        print(report.ttft_split_table(results))
     if args.hostile:
         print(report.hostile_table(results))
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -44,6 +44,7 @@ async def one_request(client: httpx.AsyncClient, target: Target, body: dict | by
                 if event.tokens is not None:
                     server_count = event.tokens
                 if event.text:
+                    record.text += event.text
                     now = time.monotonic()
                     record.first_token = record.first_token or now
                     record.token_times.append(now)
@@ -76,6 +77,41 @@ async def closed_loop(
         return records, time.monotonic() - start
 
 
+async def chat_loop(
+    target: Target,
+    make_body: Callable[[str], dict],
+    openers: Iterator[str],
+    questions: Iterator[str],
+    turns: int,
+    concurrency: int,
+    num_requests: int,
+    on_done: Callable[[], None],
+) -> tuple[list[RequestRecord], float]:
+    """`concurrency` clients, each holding multi-turn chats of `turns` requests back to back: a
+    turn's prompt is the chat so far (earlier prompts and their answers) and the next question."""
+    records: list[RequestRecord] = []
+    left = [num_requests]
+
+    async def client_loop(client: httpx.AsyncClient):
+        while left[0] > 0:
+            prompt = next(openers)
+            for turn in range(turns):
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+                record = await one_request(client, target, make_body(prompt))
+                record.turn = turn
+                records.append(record)
+                on_done()
+                prompt = f"{prompt}{record.text}\n\nUser: {next(questions)}\nAssistant:"
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        start = time.monotonic()
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        return records, time.monotonic() - start
+
+
 T = TypeVar("T")
 S = TypeVar("S")
 
@@ -94,15 +130,15 @@ async def beside(timed: Awaitable[T], side: Callable[[asyncio.Event], Awaitable[
     return result, await task
 
 
-async def with_background(timed, target: Target, body: dict, interval_s: float):
-    """Await the timed load `timed` while `body` (a long prompt) arrives every `interval_s`
-    seconds beside it -> (the load's result, the background requests' records)."""
+async def with_background(timed, target: Target, bodies: Iterator[dict], interval_s: float):
+    """Await the timed load `timed` while the next of `bodies` (long prompts) arrives every
+    `interval_s` seconds beside it -> (the load's result, the background requests' records)."""
 
     async def feed(stop: asyncio.Event) -> list[RequestRecord]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
             tasks = []
             while not stop.is_set():
-                tasks.append(asyncio.create_task(one_request(client, target, body)))
+                tasks.append(asyncio.create_task(one_request(client, target, next(bodies))))
                 try:
                     await asyncio.wait_for(stop.wait(), interval_s)
                 except TimeoutError:

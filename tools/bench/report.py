@@ -37,6 +37,20 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ttft_split_table(results: list[dict]) -> str:
+    """Shared-prefix and multi-turn runs: the TTFT of the first request and of first turns, apart
+    from the rest (which a prefix cache may serve)."""
+    lines = [
+        "| target | level | first TTFT ms | rest TTFT p50 ms | first turns p50 ms | later turns p50 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    keys = ("ttft_first_s", "ttft_rest_p50_s", "ttft_first_turn_p50_s", "ttft_later_turns_p50_s")
+    for row in results:
+        cells = ["-" if row["summary"][k] is None else f"{row['summary'][k] * 1000:.0f}" for k in keys]
+        lines.append(f"| {row['target']} | {row['level']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 HOSTILE_COLUMNS = [  # (header, key suffix, scale, format)
     ("requests", "requests", 1, "{:.0f}"),
     ("HTTP 200", "http_200", 1, "{:.0f}"),

@@ -19,6 +19,8 @@ class RequestRecord:
     tokens: int = 0  # output tokens: the server's count if it gave one, else pieces received
     error: str | None = None
     status: int | None = None  # the HTTP status; None when no response came (a connection error)
+    text: str = ""  # the answer (a multi-turn chat's next prompt holds it)
+    turn: int = 0  # its turn in a multi-turn chat (0: the first)
 
     @property
     def ttft(self) -> float | None:
@@ -60,6 +62,20 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "latency_p50_s": percentile(latency, 50),
         "latency_p90_s": percentile(latency, 90),
         "latency_p99_s": percentile(latency, 99),
+        **prefix_split(ok),
+    }
+
+
+def prefix_split(ok: list[RequestRecord]) -> dict:
+    """TTFT of the first request against the rest (shared-prefix traffic: the first computes the
+    prefix, the rest may find it cached) and of first turns against later ones (multi-turn chats:
+    a later turn's prompt is the earlier turns and their answers)."""
+    timed = sorted(((r.start, r.ttft, r.turn) for r in ok if r.ttft is not None), key=lambda t: t[0])
+    return {
+        "ttft_first_s": timed[0][1] if timed else None,
+        "ttft_rest_p50_s": percentile([ttft for _, ttft, _ in timed[1:]], 50),
+        "ttft_first_turn_p50_s": percentile([ttft for _, ttft, turn in timed if turn == 0], 50),
+        "ttft_later_turns_p50_s": percentile([ttft for _, ttft, turn in timed if turn > 0], 50),
     }
 
 
