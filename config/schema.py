@@ -482,9 +482,10 @@ class ServerSection(Section):
     )
     max_prefills_per_step: int = Field(4, ge=1, description="prompts admitted per iteration")
     max_num_batched_tokens: int = Field(
-        512,
-        ge=1,
-        description="positions one group's step computes: its decode rows first, then prompt chunks",
+        128,
+        ge=2,
+        description="positions one group's step computes: its decode rows first, then prompt "
+        "chunks (a larger budget computes prompts in fewer, longer steps that streams wait for)",
     )
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV of full blocks of earlier prompts with the same prefix"
@@ -546,6 +547,17 @@ class ServingConfig(Section):
                     f"agents.groups[{index}].num_slots ({group.num_slots}) exceeds the "
                     f"largest of runtime.decode_batch_buckets ({largest})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _step_budget_leaves_room_for_prompts(self) -> ServingConfig:
+        rows = self.runtime.decode_batch_buckets[-1]
+        if self.server.max_num_batched_tokens <= rows:
+            raise ValueError(
+                f"server.max_num_batched_tokens ({self.server.max_num_batched_tokens}) must exceed the "
+                f"largest decode batch ({rows}): a step whose every seat decodes would leave no "
+                f"positions for prompts, which would wait until a stream ends"
+            )
         return self
 
     @model_validator(mode="after")

@@ -32,6 +32,7 @@ def test_default_config_serves_the_embedded_model_on_cpu():
         ("runtime:\n  num_slots: 32\n", "decode_batch_buckets must be at least num_slots"),
         ("runtime:\n  device_target: TPU\n", "runtime.device_target"),
         ("runtime:\n  block_size: 24\n", "block_size must be a power of two from 1 to 256, got 24"),
+        ("server:\n  max_num_batched_tokens: 16\n", "must exceed the largest decode batch \\(16\\)"),
         ("runtime:\n  block_size: 512\n", "block_size must be a power of two from 1 to 256, got 512"),
         ("- a list\n", "mapping"),
         ("runtime: [unclosed\n", "not valid YAML"),
