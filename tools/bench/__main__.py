@@ -322,7 +322,7 @@ def timed_run(
     bodies,
     per_run: int,
     done,
-    background: str | None,
+    background: tuple[str, str] | None,
     model: str | None,
     hostile: Iterator[HostileRequest] | None = None,
     chats: tuple[Iterator[str], Iterator[str]] | None = None,
@@ -355,7 +355,7 @@ def timed_run(
     if background is not None:
         # Numbered like the timed prompts: a prefix cache must not answer one from the last.
         bodies_of_background = (
-            target.request_body(f"[{time.monotonic_ns()}.bg{number}] {background}", 1, True, model)
+            target.request_body(f"[{background[0]}.bg{number}] {background[1]}", 1, True, model)
             for number in itertools.count()
         )
         timed = keep(
@@ -434,7 +434,7 @@ def main(argv=None) -> int:
                             bodies,
                             per_run[level],
                             done,
-                            background,
+                            None if background is None else (run, background),
                             models[target.label],
                             hostile,
                             chats(args, prompts, run) if args.turns else None,

@@ -131,14 +131,21 @@ async def beside(timed: Awaitable[T], side: Callable[[asyncio.Event], Awaitable[
 
 
 async def with_background(timed, target: Target, bodies: Iterator[dict], interval_s: float):
-    """Await the timed load `timed` while the next of `bodies` (long prompts) arrives every
-    `interval_s` seconds beside it -> (the load's result, the background requests' records)."""
+    """Await the timed load `timed` while the next of `bodies` (long prompts, one new token each)
+    arrives every `interval_s` seconds beside it -> (the load's result, the background requests'
+    records)."""
+
+    async def one_token(client: httpx.AsyncClient, body: dict) -> RequestRecord:
+        record = await one_request(client, target, body)
+        if record.error is None and record.first_token is None:
+            record.first_token = record.end  # its token had no text of its own (part of a character)
+        return record
 
     async def feed(stop: asyncio.Event) -> list[RequestRecord]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
             tasks = []
             while not stop.is_set():
-                tasks.append(asyncio.create_task(one_request(client, target, next(bodies))))
+                tasks.append(asyncio.create_task(one_token(client, next(bodies))))
                 try:
                     await asyncio.wait_for(stop.wait(), interval_s)
                 except TimeoutError:
