@@ -1,0 +1,53 @@
+"""The packed-tile product (agent/kernels/packed_matmul.h) called straight through its C entry points
+with ctypes: every row count from 1 to past two register blocks, with and without the residual, against
+numpy in float64."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from agent.kernels import SKINNY_MATMUL, build
+
+pytestmark = pytest.mark.unit
+
+
+def _packed(w: np.ndarray) -> np.ndarray:
+    """[K, N] -> [N / 32, K, 32], the layout agent/llama_graphs.py pack_for_kernel writes."""
+    k_dim, n_dim = w.shape
+    return np.ascontiguousarray(w.reshape(k_dim, n_dim // 32, 32).transpose(1, 0, 2))
+
+
+def _call(function, arrays: list[np.ndarray], out: np.ndarray) -> int:
+    params = (ctypes.c_void_p * (len(arrays) + 1))(*[a.ctypes.data for a in arrays], out.ctypes.data)
+    ndims = (ctypes.c_int * (len(arrays) + 1))(*[a.ndim for a in arrays], out.ndim)
+    shapes = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in [*arrays, out]]
+    shape_ptrs = (ctypes.POINTER(ctypes.c_int64) * len(shapes))(
+        *[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shapes]
+    )
+    return function(len(arrays) + 1, params, ndims, shape_ptrs, None, None, None)
+
+
+@pytest.fixture(scope="module")
+def library():
+    return ctypes.CDLL(str(build(SKINNY_MATMUL)))
+
+
+@pytest.mark.parametrize("k_dim", [40, 96])
+def test_every_row_count_matches_numpy(library, k_dim):
+    rng = np.random.default_rng(k_dim)
+    n_dim = 3 * 32
+    w = rng.standard_normal((k_dim, n_dim)).astype(np.float32)
+    packed = _packed(w)
+    for rows in range(1, 30):
+        x = rng.standard_normal((rows, k_dim)).astype(np.float32)
+        residual = rng.standard_normal((rows, n_dim)).astype(np.float32)
+        expected = x.astype(np.float64) @ w.astype(np.float64)
+
+        out = np.full((rows, n_dim), np.nan, np.float32)
+        assert _call(library.SkinnyMatMul, [x, packed], out) == 0
+        np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4, err_msg=f"{rows} rows")
+
+        out = np.full((rows, n_dim), np.nan, np.float32)
+        assert _call(library.SkinnyMatMulAdd, [x, packed, residual], out) == 0
+        np.testing.assert_allclose(out, expected + residual, rtol=1e-4, atol=1e-4, err_msg=f"{rows} rows")
