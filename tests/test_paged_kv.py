@@ -110,14 +110,18 @@ def test_shuffled_block_tables_match_the_reference(path, model, tiny_llama_dir, 
     assert max(diffs) < TOLERANCE, diffs
 
 
+@pytest.mark.parametrize("model", ["tiny", "head dim 64"])
 @pytest.mark.parametrize(
     "sizes", [[5, 11, 1], [1, 1, 30], [16, 16]], ids=["5+11+1+rest", "1+1+30+rest", "16+16+rest"]
 )
-def test_prompt_prefilled_in_chunks_equals_the_whole_prompt(sizes, tiny_llama_dir):
+def test_prompt_prefilled_in_chunks_equals_the_whole_prompt(sizes, model, tiny_llama_dir, head_dim_64_dir):
     """Each chunk's last logits are the reference's at that position; after the last chunk the
-    sequence decodes as the whole-prompt prefill's does (both decoded in one batch)."""
-    graphs = graphs_of(tiny_llama_dir)
-    reference = ref.load_hf_reference(tiny_llama_dir)
+    sequence decodes as the whole-prompt prefill's does (both decoded in one batch). Head dim 64:
+    chunks of 8 rows or more attend as products (agent/kernels/prompt_attention.h), shorter ones
+    row by row."""
+    directory = tiny_llama_dir if model == "tiny" else head_dim_64_dir
+    graphs = graphs_of(directory)
+    reference = ref.load_hf_reference(directory)
     whole_table, chunked_table = shuffled_tables(graphs, 2, seed=2)
     prompt = prompt_ids(45, 7, graphs.spec.vocab_size)
     want = ref.forward(reference, prompt, ref.RefCache())

@@ -147,23 +147,36 @@ inline void weigh_values_paged(const float *probs, const float *v_cache, const P
   }
 }
 
-// scores[:length] <- softmax(scores[:length]); all zeros when length is 0.
+// scores[:length] <- softmax(scores[:length]); all zeros when length is 0. Max and sum eight lanes
+// at a time: one scalar max after another is a chain of dependent instructions (a prompt chunk's
+// attention spent half its time in that loop).
 inline void softmax(float *s, int64_t length) {
   float best = -INFINITY;
-  for (int64_t l = 0; l < length; ++l) best = s[l] > best ? s[l] : best;
-  float total = 0.f;
   int64_t l = 0;
+  if (length >= 8) {
+    v8f top = vec8::load(s);
+    for (l = 8; l + 8 <= length; l += 8) {
+      const v8f v = vec8::load(s + l);
+      top = v > top ? v : top;
+    }
+    for (int i = 0; i < 8; ++i) best = top[i] > best ? top[i] : best;
+  }
+  for (; l < length; ++l) best = s[l] > best ? s[l] : best;
+  v8f totals = {};
+  l = 0;
   for (; l + 8 <= length; l += 8) {
     const v8f e = exp8(vec8::load(s + l) - best);
     std::memcpy(s + l, &e, sizeof e);
-    total += vec8::sum(e);
+    totals += e;
   }
+  float total = vec8::sum(totals);
   for (; l < length; ++l) {
     s[l] = std::exp(s[l] - best);
     total += s[l];
   }
   const float inv = total > 0.f ? 1.f / total : 0.f;
-  for (int64_t l = 0; l < length; ++l) s[l] *= inv;
+#pragma omp simd
+  for (int64_t i = 0; i < length; ++i) s[i] *= inv;
 }
 
 // Attention of `groups` query heads [groups, hd] over the `length` cached positions of one
