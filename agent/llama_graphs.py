@@ -181,7 +181,7 @@ class LlamaLayer(nn.Cell):
         # the whole layer (no tensor parallelism) and a hidden size of whole kernel tiles.
         fused = kernels.layer is not None and not self.parallel and spec.hidden_size % MATMUL_TILE == 0
         self.kernel_layer: Any = kernels.layer if fused else None
-        # GGUF Q4_1 copies for the fused kernel's one- and two-row products (agent/quantized.py)
+        # GGUF Q4_1 copies, which the fused kernel multiplies with (agent/model/quantized.py)
         names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
         blocks = {name: b for name in names if (b := (q4 or {}).get(f"layers.{index}.{name}")) is not None}
         self.quantized = fused and len(blocks) == len(names)

@@ -170,6 +170,26 @@ def test_q4_one_and_two_row_steps_read_through_the_tables(tiny_q4_path):
     assert max(diffs) < TOLERANCE, diffs
 
 
+def test_q4_steps_of_many_rows_dequantize_each_tile_once(tiny_q4_path):
+    """Prompts of 3 to 40 tokens and decode steps of 3 and 4 sequences: above two rows the Q4_1
+    tiles are dequantized and multiplied as float32 tiles (packed_matmul.h q4::tile)."""
+    graphs = graphs_of(tiny_q4_path, num_slots=5)
+    reference = ref.load_gguf_reference(tiny_q4_path)
+    tables = shuffled_tables(graphs, 4, seed=4)
+    prompts = [prompt_ids(n, 20 + n, graphs.spec.vocab_size) for n in (3, 9, 26, 40)]
+    caches = [ref.RefCache() for _ in prompts]
+    diffs, tokens = [], []
+    for prompt, table, cache in zip(prompts, tables, caches):
+        want = ref.forward(reference, prompt, cache)[-1]
+        diffs.append(float(np.abs(prefill(graphs, table, prompt) - want).max()))
+        tokens.append(int(np.argmax(want)))
+    positions = [len(p) for p in prompts]
+    diffs += decode_together(graphs, reference, tables, caches, tokens, positions, 3)  # 4 rows
+    later = [p + 3 for p in positions[1:]]  # then three of them: 3 rows
+    diffs += decode_together(graphs, reference, tables[1:], caches[1:], tokens[1:], later, 3)
+    assert max(diffs) < TOLERANCE, diffs
+
+
 @pytest.mark.parametrize("block_size", [1, 8, 128])
 def test_block_sizes_from_one_to_more_than_a_sequence(block_size, tiny_llama_dir):
     """Block size 1 (every position its own block), 8, and 128 (one block holds any sequence of

@@ -43,10 +43,6 @@ constexpr int64_t MAX_HEAD_DIM = 512;  // one head's bias-added row lives on the
 
 int64_t padded(int64_t n) { return (n + TILE - 1) / TILE * TILE; }
 
-// Q4_1 copies of wqkv, wo, w_gate_up, w_down (packed_matmul.h q4) for steps of at most Q4_ROWS rows,
-// or null; above that the fp32 tiles are faster (30 layers' products, 2 cores: 1 row 7.4 ms against
-// 14, 2 rows 13.0 against ~14, 4 rows 21.0 against ~15).
-constexpr int64_t Q4_ROWS = 2;
 
 // The block tables of a call: inputs tables, row_table and block_size (at `first`, `first` + 1, + 2).
 struct Paging {
@@ -110,7 +106,8 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], cons
         !rowwise::table_covers(paging.table(n / kv), paging.entries, paging.block, len[n], blocks))
       return 1;
   }
-  const bool quantized = q4w[0] != nullptr && live <= Q4_ROWS;
+  // Q4_1 copies of wqkv, wo, w_gate_up, w_down (packed_matmul.h q4), or null
+  const bool quantized = q4w[0] != nullptr;
   // tile j of x @ W (+ residual) into out (rows of n_dim), from weights `which` (0 qkv, 1 wo, 2 gate/up, 3 down)
   auto product = [&](int which, const float *w, const float *in, const float *residual, float *to,
                      int64_t k_dim, int64_t n_dim, int64_t j) {
