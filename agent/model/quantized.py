@@ -1,5 +1,6 @@
 """GGUF's Q4_1 matrices kept quantized, for the fused layer kernel's products (agent/kernels/
-packed_matmul.h, namespace q4): a decode step reads 0.75 bytes a weight instead of fp32's 4. The values are exactly gguf.quants.dequantize's: weight = d * q + m."""
+packed_matmul.h, namespace q4): a decode step reads 0.75 bytes a weight instead of fp32's 4. The
+values are exactly gguf.quants.dequantize's: weight = d * q + m."""
 
 from __future__ import annotations
 
