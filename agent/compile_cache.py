@@ -44,6 +44,7 @@ def cache_key(checkpoint: Checkpoint, runtime: RuntimeSection) -> dict:
         "tensors": sorted((name, str(t.dtype), list(t.shape)) for name, t in checkpoint.tensors.items()),
         # the GGUF Q4_1 blocks select the quantized layer kernel and add its parameters
         "q4": sorted((name, list(m.shape)) for name, m in checkpoint.q4.items()),
+        "q8": sorted((name, list(m.shape)) for name, m in checkpoint.q8.items()),  # likewise the LM head's
         "weights": weights_fingerprint(checkpoint),
         "agent_code": _files_digest(sorted(AGENT_CODE.rglob("*.py")) + [ROOT / "config" / "schema.py"]),
         "kernels": build_id(),  # sources, headers, flags, compiler, CPU: the library path in the graphs
@@ -68,11 +69,14 @@ def compile_cache_dir(checkpoint: Checkpoint, runtime: RuntimeSection, user: str
 
 def weights_fingerprint(checkpoint: Checkpoint) -> str:
     """SHA-256 over each tensor's name, shape and FINGERPRINT_SAMPLES evenly spaced elements (and
-    the Q4_1 blocks' likewise): ~1 ms instead of ~0.4 s for hashing all 540 MB of the default model."""
+    the quantized blocks' likewise): ~1 ms instead of ~0.4 s for hashing all 540 MB of the default model."""
     digest = hashlib.sha256()
     arrays = list(checkpoint.tensors.items())
     arrays += [
         (f"{name}.{part}", getattr(m, part)) for name, m in checkpoint.q4.items() for part in ("d", "m", "q")
+    ]
+    arrays += [
+        (f"{name}.q8.{part}", getattr(m, part)) for name, m in checkpoint.q8.items() for part in ("d", "q")
     ]
     for name, array in sorted(arrays, key=lambda item: item[0]):
         flat = array.reshape(-1)

@@ -112,9 +112,10 @@ class CpuKernels:
         self.attention = custom(DECODE_ATTENTION, "DecodeAttention", lambda q, *_: q) if attention else None
         self.layer = custom(FUSED_LAYER, "FusedLayer", lambda x, *_: x) if attention and matmul else None
         self.layer_q4 = custom(FUSED_LAYER, "FusedLayerQ4", lambda x, *_: x) if attention and matmul else None
-        self.matmul = self.matmul_add = self.norm = self.swiglu = self.rope = None
+        self.matmul = self.matmul_add = self.matmul_q8 = self.norm = self.swiglu = self.rope = None
         if matmul:
             self.matmul = custom(SKINNY_MATMUL, "SkinnyMatMul", lambda x, w: [x[0], w[0] * w[2]])
+            self.matmul_q8 = custom(SKINNY_MATMUL, "SkinnyMatMulQ8", lambda x, w: [x[0], w[0] * MATMUL_TILE])
             self.matmul_add = custom(SKINNY_MATMUL, "SkinnyMatMulAdd", lambda x, w, r: r)
             self.norm = custom(ELEMENTWISE, "RmsNorm", lambda x, *_: x)
             self.swiglu = custom(ELEMENTWISE, "SwiGlu", lambda x: [x[0], x[1] // 2])
@@ -397,10 +398,17 @@ class LlamaModel(nn.Cell):
         self.dtype, self.half = dtype, dtype != ms.float32
         self.embed = _param(tensors["embed"], "embed", dtype)
         self.kernel_matmul = kernels.matmul
-        if kernels.matmul is not None:  # a packed copy: the embedding lookup still needs [vocab, hidden]
-            self.lm_head = _param(
-                pack_for_kernel(tensors["embed" if spec.tied_embeddings else "lm_head"].T), "lm_head_packed"
+        head = "embed" if spec.tied_embeddings else "lm_head"
+        # A GGUF Q8_0 LM head is multiplied from its blocks (read every decode step: 30 MB instead of
+        # 113 for the default model); else a packed copy (the embedding lookup needs [vocab, hidden]).
+        self.lm_head_q8 = kernels.matmul_q8 is not None and head in checkpoint.q8 and not self.half
+        self.kernel_matmul_q8: Any = kernels.matmul_q8
+        if self.lm_head_q8:
+            self.lm_head = Parameter(
+                Tensor(checkpoint.q8[head].pack(), dtype=ms.uint8), name="lm_head_q8", requires_grad=False
             )
+        elif kernels.matmul is not None:
+            self.lm_head = _param(pack_for_kernel(tensors[head].T), "lm_head_packed")
         else:
             self.lm_head = (
                 self.embed if spec.tied_embeddings else _param(tensors["lm_head"], "lm_head", dtype)
@@ -425,7 +433,10 @@ class LlamaModel(nn.Cell):
             return ops.cast(self.matmul_t(x, self.lm_head), ms.float32)
         if self.kernel_matmul is None:
             return self.matmul_t(x, self.lm_head)
-        logits = self.kernel_matmul(x, self.lm_head)
+        if self.lm_head_q8:
+            logits = self.kernel_matmul_q8(x, self.lm_head)
+        else:
+            logits = self.kernel_matmul(x, self.lm_head)
         vocab = self.spec.vocab_size
         return logits if vocab % MATMUL_TILE == 0 else logits[:, :vocab]
 

@@ -208,10 +208,13 @@ def _random_blocks(rows: np.ndarray, qtype, rng) -> np.ndarray:
     return blocks.reshape(rows.shape[0], -1)
 
 
-def write_tiny_gguf(hf_dir: Path, path: Path, qtype_name: str = "F32", seed: int = 0) -> Path:
+def write_tiny_gguf(
+    hf_dir: Path, path: Path, qtype_name: str = "F32", seed: int = 0, embedding_qtype: str | None = None
+) -> Path:
     """The HuggingFace checkpoint in `hf_dir` (llama or qwen2) as a GGUF file in llama.cpp's layout:
     2-D weights stored as `qtype_name` where their rows fit its blocks (F32 otherwise, as llama.cpp
-    does), norms F32, Q/K rows permuted for llama, the tokenizer as GGUF vocabulary + merges."""
+    does), the token embedding as `embedding_qtype` if given (the default model's is Q8_0 with Q4_1
+    layers), norms F32, Q/K rows permuted for llama, the tokenizer as GGUF vocabulary + merges."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -265,7 +268,10 @@ def write_tiny_gguf(hf_dir: Path, path: Path, qtype_name: str = "F32", seed: int
         elif arch == "llama" and ".attn_k." in name:
             array = _llamacpp_permute(array, kv_heads)
         array = np.ascontiguousarray(array, np.float32)
-        if array.ndim == 2 and array.shape[1] % block_size == 0 and qtype_name != "F32":
+        if name == "token_embd.weight" and embedding_qtype is not None:
+            embedding = gguf.GGMLQuantizationType[embedding_qtype]
+            writer.add_tensor(name, gguf.quants.quantize(array, embedding), raw_dtype=embedding)
+        elif array.ndim == 2 and array.shape[1] % block_size == 0 and qtype_name != "F32":
             if qtype_name in ("Q4_K", "Q6_K", "Q8_1"):
                 writer.add_tensor(name, _random_blocks(array, qtype, rng), raw_dtype=qtype)
             elif qtype_name == "F16":

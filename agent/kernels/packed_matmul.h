@@ -186,3 +186,88 @@ inline void tile(const float *x, const uint8_t *w, const float *residual, float 
 }
 
 }  // namespace q4
+
+// The same for GGUF's Q8_0 (the default model's tied embedding, which is its LM head), packed at
+// load time (agent/model/quantized.py Q8Matrix) as [N / TILE, K / 32, Q8_TILE_BYTES]: per tile and
+// block of 32 k, float d[TILE], then 32 x TILE int8, byte (i, t) = q[i][t]. Weight (k, t) =
+// d[t] * q[k][t], exactly as gguf.quants.dequantize.
+namespace q8 {
+
+constexpr int BLOCK = 32;
+constexpr int64_t TILE_BYTES = packed::TILE * 4 + BLOCK * packed::TILE;  // 1152
+constexpr int64_t ROW_BY_ROW = 1;
+
+using vec8::v8f;
+using vec8::v8i;
+
+// Eight int8 widened to eight int32.
+inline v8i widen_signed(const uint8_t *p) {
+#ifdef __AVX2__
+  return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+#else
+  typedef int8_t v8s8 __attribute__((vector_size(8)));
+  v8s8 bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(bytes, v8i);
+#endif
+}
+
+inline void tile_row(const float *x, int64_t k_dim, const uint8_t *w, const float *residual, float *out,
+                     int64_t n_dim, int64_t row, int64_t j) {
+  constexpr int G = packed::TILE / 8;
+  const int64_t blocks = k_dim / BLOCK;
+  const uint8_t *tile = w + j * blocks * TILE_BYTES;
+  const float *xr = x + row * k_dim;
+  v8f total[G] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t *block = tile + b * TILE_BYTES;
+    const uint8_t *qs = block + packed::TILE * 4;
+    const float *xb = xr + b * BLOCK;
+    v8f acc[G] = {};
+    for (int i = 0; i < BLOCK; ++i)
+      for (int g = 0; g < G; ++g)
+        acc[g] += xb[i] * __builtin_convertvector(widen_signed(qs + i * packed::TILE + 8 * g), v8f);
+    for (int g = 0; g < G; ++g) {
+      v8f d;
+      std::memcpy(&d, block + 32 * g, sizeof d);
+      total[g] += d * acc[g];
+    }
+  }
+  float *o = out + row * n_dim + j * packed::TILE;
+  const float *res = residual == nullptr ? nullptr : residual + row * n_dim + j * packed::TILE;
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < 8; ++t) o[8 * g + t] = (res == nullptr ? 0.f : res[8 * g + t]) + total[g][t];
+}
+
+inline void dequantize(const uint8_t *w, int64_t k_dim, int64_t j, float *out) {
+  const int64_t blocks = k_dim / BLOCK;
+  const uint8_t *tile = w + j * blocks * TILE_BYTES;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t *block = tile + b * TILE_BYTES;
+    const uint8_t *qs = block + packed::TILE * 4;
+    float *rows = out + b * BLOCK * packed::TILE;
+    for (int g = 0; g < packed::TILE / 8; ++g) {
+      v8f d;
+      std::memcpy(&d, block + 32 * g, sizeof d);
+      for (int i = 0; i < BLOCK; ++i) {
+        const v8f v = d * __builtin_convertvector(widen_signed(qs + i * packed::TILE + 8 * g), v8f);
+        std::memcpy(rows + i * packed::TILE + 8 * g, &v, sizeof v);
+      }
+    }
+  }
+}
+
+// As q4::tile.
+inline void tile(const float *x, const uint8_t *w, const float *residual, float *out, int64_t m_dim,
+                 int64_t k_dim, int64_t n_dim, int64_t j) {
+  if (m_dim <= ROW_BY_ROW) {
+    for (int64_t row = 0; row < m_dim; ++row) tile_row(x, k_dim, w, residual, out, n_dim, row, j);
+    return;
+  }
+  thread_local std::vector<float> weights;
+  weights.resize(k_dim * packed::TILE);
+  dequantize(w, k_dim, j, weights.data());
+  packed::columns(x, weights.data(), residual, out, m_dim, k_dim, n_dim, j * packed::TILE);
+}
+
+}  // namespace q8

@@ -44,3 +44,21 @@ extern "C" int SkinnyMatMulAdd(int nparam, void **params, int *ndims, int64_t **
                   static_cast<const float *>(params[2]), static_cast<float *>(params[3]), shapes[0][0],
                   shapes[0][1], shapes[1][0]);
 }
+
+// The product with W as GGUF Q8_0 blocks (packed_matmul.h q8): inputs x [M, K] float32, w [N / TILE,
+// K / 32, q8::TILE_BYTES] uint8; output [M, N] float32. The LM head of a Q8_0 embedding.
+extern "C" int SkinnyMatMulQ8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 3 || shapes[1][2] != q8::TILE_BYTES ||
+      shapes[1][1] * q8::BLOCK != shapes[0][1])
+    return 1;
+  const float *x = static_cast<const float *>(params[0]);
+  const uint8_t *w = static_cast<const uint8_t *>(params[1]);
+  float *out = static_cast<float *>(params[2]);
+  const int64_t m_dim = shapes[0][0], k_dim = shapes[0][1], tiles = shapes[1][0];
+  static const int threads = usable_cpus();
+#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
+  for (int64_t j = 0; j < tiles; ++j) q8::tile(x, w, nullptr, out, m_dim, k_dim, tiles * packed::TILE, j);
+  return 0;
+}

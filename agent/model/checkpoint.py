@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from agent.model.quantized import Q4Matrix
+from agent.model.quantized import Q4Matrix, Q8Matrix
 from agent.model.spec import ModelSpec
 
 T = TypeVar("T")
@@ -39,6 +39,8 @@ class Checkpoint:
     format: str  # "gguf", "safetensors" or "ckpt"
     # GGUF Q4_1 layer matrices also kept quantized (agent/quantized.py), same names and row order
     q4: dict[str, Q4Matrix] = field(default_factory=dict)
+    # a GGUF Q8_0 LM head (the tied embedding or lm_head) also kept quantized
+    q8: dict[str, Q8Matrix] = field(default_factory=dict)
 
 
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")

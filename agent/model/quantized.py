@@ -76,3 +76,44 @@ class Q4Matrix:
             ],
             axis=-1,
         )
+
+
+Q8_0_BYTES = 34  # d as float16, 32 int8 quants
+
+
+@dataclass(frozen=True)
+class Q8Matrix:
+    """A [rows, cols] matrix as GGUF Q8_0 blocks along cols: scales d [rows, cols / 32] (float32),
+    quants q [rows, cols / 32, 32] (int8); weight = d * q. The default model's tied embedding is
+    Q8_0: as the LM head it is read every decode step, 1.06 bytes a weight instead of fp32's 4."""
+
+    d: np.ndarray
+    q: np.ndarray
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray) -> Q8Matrix:
+        """GGUF Q8_0 tensor data [rows, blocks * 34] uint8 -> the blocks unpacked."""
+        blocks = raw.reshape(raw.shape[0], -1, Q8_0_BYTES)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        return cls(d, blocks[..., 2:].copy().view(np.int8))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * BLOCK
+
+    def dequantize(self) -> np.ndarray:
+        return (self.d[..., None] * self.q).reshape(self.shape)
+
+    def pack(self) -> np.ndarray:
+        """The kernel's layout (packed_matmul.h q8), rows as output columns: [ceil(rows / TILE),
+        blocks, 1152] uint8; per tile and block d[TILE] as float32, then byte (i, t) = q[t][i]."""
+        rows, blocks = self.d.shape
+        tiles = -(-rows // TILE)
+        pad = tiles * TILE - rows
+        d = np.pad(self.d, ((0, pad), (0, 0))).reshape(tiles, TILE, blocks).transpose(0, 2, 1)
+        q = np.pad(self.q, ((0, pad), (0, 0), (0, 0)))
+        q = q.reshape(tiles, TILE, blocks, BLOCK).transpose(0, 2, 3, 1)
+        return np.concatenate(
+            [np.ascontiguousarray(d, np.float32).view(np.uint8), q.reshape(tiles, blocks, -1).view(np.uint8)],
+            axis=-1,
+        )

@@ -10,7 +10,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from agent.model.checkpoint import Checkpoint, CheckpointError, Progress
-from agent.model.quantized import Q4Matrix
+from agent.model.quantized import Q4Matrix, Q8Matrix
 from agent.model.spec import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,8 @@ def load(path: Path, progress: Progress) -> Checkpoint:
 
     tensors: dict[str, np.ndarray] = {}
     q4: dict[str, Q4Matrix] = {}
+    q8: dict[str, Q8Matrix] = {}
+    lm_head = "embed" if spec.tied_embeddings else "lm_head"
     for t in progress(reader.tensors):
         name = _canonical_name(t.name)
         if name is None:
@@ -158,7 +160,9 @@ def load(path: Path, progress: Progress) -> Checkpoint:
         tensors[name] = array
         if blocks is not None:
             q4[name] = blocks
-    return Checkpoint(spec=spec, tensors=tensors, source=path, format="gguf", q4=q4)
+        if t.tensor_type == GGMLQuantizationType.Q8_0 and name == lm_head:  # the LM head's blocks
+            q8[name] = Q8Matrix.from_gguf(np.asarray(t.data))
+    return Checkpoint(spec=spec, tensors=tensors, source=path, format="gguf", q4=q4, q8=q8)
 
 
 def _canonical_name(name: str) -> str | None:
