@@ -78,6 +78,13 @@ def pool_blocks(runtime: RuntimeSection) -> int:
     return runtime.planned_num_blocks + scratch_blocks(runtime)
 
 
+def mixed_rows(runtime: RuntimeSection) -> int:
+    """Rows of a mixed step's graph (decode rows and prompt chunks in one call): the smallest prefill
+    bucket that holds the largest decode batch and a prompt position more, 0 where none does."""
+    needed = runtime.decode_batch_buckets[-1] + 1
+    return bucket(runtime.prefill_buckets, needed) if needed <= runtime.prefill_buckets[-1] else 0
+
+
 def uses_kernels(runtime: RuntimeSection) -> bool:
     """Whether the graphs call the custom CPU kernels (agent/kernels)."""
     return runtime.attention_kernel or runtime.matmul_kernel
@@ -228,6 +235,72 @@ class GraphInputs:
         mask = np.tile(causal, (self.group, 1))  # [G*S, S], query rows grouped per head
         return padded, positions.astype(np.int32), write.T.reshape(-1).astype(np.int32), mask, last, *paging
 
+    def mixed(
+        self,
+        decode_tables: np.ndarray,
+        decode_tokens: np.ndarray,
+        decode_positions: np.ndarray,
+        chunks: Sequence[tuple[np.ndarray, np.ndarray, int]],
+        rows: int,
+        seqs: int,
+    ) -> tuple[np.ndarray, ...]:
+        """A mixed step as the prefill graph's inputs (fused layers only): the decode rows (one token at
+        `decode_positions` of each of the sequences with `decode_tables` [d, MB]), then each chunk's
+        rows ((block table [MB], tokens, start): its tokens at positions start..), then padding to
+        `rows`; tables [seqs, MB] (the decode rows', then the chunks', then scratch), each row's table
+        row, and the logit rows: each decode row, then each chunk's last row, then row 0 to `seqs`."""
+        if not self.fused_layers:
+            raise ValueError("a mixed step needs the fused layers")
+        decode_tables = self.check_tables(decode_tables) if len(decode_tables) else np.zeros((0, 0), np.int32)
+        decode_positions = np.asarray(decode_positions, np.int64)
+        d = len(decode_tokens)
+        if not len(decode_tables) == d == len(decode_positions):
+            raise ValueError(f"a mixed step of {d} decode tokens got {len(decode_tables)} tables")
+        sizes = [len(tokens) for _, tokens, _ in chunks]
+        if d + sum(sizes) > rows or d + len(chunks) > seqs or min(sizes, default=1) < 1:
+            raise ValueError(
+                f"a mixed step of {d} decode rows and chunks of {sizes} tokens does not fit {rows} rows "
+                f"and {seqs} sequences"
+            )
+        tables = [decode_tables] if d else []
+        tokens, positions, table_of = (
+            [np.asarray(decode_tokens, np.int64)],
+            [decode_positions],
+            [np.arange(d)],
+        )
+        last = list(range(d))
+        for i, (table, chunk_tokens, start) in enumerate(chunks):
+            if start < 0:
+                raise ValueError(f"a chunk starts at a position >= 0, not {start}")
+            tables.append(self.check_tables(table))
+            tokens.append(np.asarray(chunk_tokens, np.int64))
+            positions.append(start + np.arange(len(chunk_tokens)))
+            table_of.append(np.full(len(chunk_tokens), d + i))
+            last.append(d + sum(sizes[:i]) + sizes[i] - 1)
+        pad = rows - d - sum(sizes)
+        tables.append(np.repeat(self.scratch_table[None, :], seqs - d - len(chunks), 0))
+        all_tables = np.concatenate(tables).astype(np.int32)
+        real_positions = np.concatenate(positions)
+        self.check_positions(real_positions, "the mixed step")
+        row_table = np.concatenate([*table_of, np.zeros(pad, np.int64)]).astype(np.int32)
+        positions_all = np.concatenate([real_positions, np.zeros(pad, np.int64)])
+        real = np.arange(rows) < rows - pad
+        write = np.where(
+            real[:, None],
+            self.rows(all_tables[row_table], positions_all[:, None])[:, 0],
+            self.rows(self.scratch_table[None, :], np.zeros((1, 1), np.int64))[0, 0][None, :],
+        )  # [rows, KV]; padding rows write nothing (the kernel skips them)
+        lengths = np.where(real, positions_all + 1, 0)
+        return (
+            np.concatenate([*tokens, np.zeros(pad, np.int64)]).astype(np.int32),
+            positions_all.astype(np.int32),
+            write.reshape(-1).astype(np.int32),
+            np.repeat(lengths, self.kv_heads).astype(np.int32),
+            np.array(last + [0] * (seqs - len(last)), np.int32),
+            all_tables,
+            row_table,
+        )
+
     def decode(
         self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int
     ) -> tuple[np.ndarray, ...]:
@@ -300,6 +373,24 @@ class ModelGraphs(Protocol):
 
     def cache_bytes(self) -> int:
         """Memory of this set's KV cache."""
+
+
+@runtime_checkable
+class MixedStepGraphs(ModelGraphs, Protocol):
+    """Graphs that run decode rows and prompt chunks in one call (the fused layers: each row reads
+    its own block table), so a step reads the weights once; MindIR exports do not."""
+
+    def mixed(
+        self,
+        decode_tables: np.ndarray,
+        decode_tokens: np.ndarray,
+        decode_positions: np.ndarray,
+        chunks: Sequence[tuple[np.ndarray, np.ndarray, int]],
+        rows: int,
+        seqs: int,
+    ) -> Tensor:
+        """GraphInputs.mixed's step -> logits [seqs, V]: each decode row's, then each chunk's last
+        row's, then padding."""
 
 
 @runtime_checkable

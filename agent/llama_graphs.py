@@ -23,6 +23,7 @@ embedding, norms and lm_head are whole on every rank, so every rank computes the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -611,6 +612,19 @@ class LlamaGraphs:
         self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
     ) -> tuple[Tensor, Tensor]:
         return self.decode_graph(*as_tensors(self.inputs.decode(tables, tokens, positions, rows, attend)))
+
+    def mixed(
+        self,
+        decode_tables: np.ndarray,
+        decode_tokens: np.ndarray,
+        decode_positions: np.ndarray,
+        chunks: Sequence[tuple[np.ndarray, np.ndarray, int]],
+        rows: int,
+        seqs: int,
+    ) -> Tensor:
+        """The prefill graph with `seqs` tables and logit rows: one graph per (rows, seqs)."""
+        inputs = self.inputs.mixed(decode_tables, decode_tokens, decode_positions, chunks, rows, seqs)
+        return self.prefill_graph(*as_tensors(inputs))
 
     def argmax(self, logits: Tensor) -> Tensor:
         return self.argmax_graph(logits)

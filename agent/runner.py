@@ -7,6 +7,7 @@
     first = runner.prefill(slot, prompt_ids, sampling, table)          # the whole prompt
     runner.prefill(slot, ids[:end], sampling, table, start, sample=False)  # or a chunk of it
     nexts = runner.decode([slot, ...], [table, ...])  # one token for each slot, in order
+    nexts, firsts = runner.step([slot, ...], [table, ...], [StepChunk(...), ...])  # both, one call
     runner.release(slot)
 
 PD disaggregation moves a prefilled slot to another agent's runner:
@@ -34,7 +35,7 @@ import numpy as np
 from mindspore import Tensor
 
 from agent.contract.sampling import SamplingParams
-from agent.graph_interface import KVTransferGraphs, ModelGraphs, bucket
+from agent.graph_interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket, mixed_rows
 from agent.known_answer import KnownAnswer, check_post_process, compare, probe_length, probe_tokens
 from agent.llama_graphs import LlamaGraphs, TensorSplit
 from agent.mindir import MindIRGraphs
@@ -59,6 +60,20 @@ class SlotState:
     table: np.ndarray  # its block table [MB], as of the last call
     next_token: int | None = None  # sampled, to be written by the next decode step
     sampler: SlotSampler | None = None  # none until the prompt's last chunk samples
+
+
+@dataclass
+class StepChunk:
+    """A prompt chunk of a mixed step: positions start..len(tokens)-1 of the slot's sequence
+    (`tokens`: its ids from position 0); `sample`: the prompt's last chunk, whose first token is
+    sampled with `params`."""
+
+    slot: int
+    tokens: Sequence[int]
+    table: BlockTable
+    start: int
+    sample: bool
+    params: SamplingParams
 
 
 def configure_mindspore(
@@ -126,6 +141,14 @@ class ModelRunner:
         return self.graphs.inputs.fused_layers
 
     @property
+    def mixed_rows(self) -> int:
+        """Rows of one mixed step (decode rows and prompt chunks in one graph call), 0 where these
+        graphs run none."""
+        if not isinstance(self.graphs, MixedStepGraphs) or not self.graphs.inputs.fused_layers:
+            return 0
+        return mixed_rows(self.runtime)
+
+    @property
     def max_prompt_len(self) -> int:
         """The longest prompt: one position stays for an answer; without chunks, one graph call."""
         return self.max_len - 1 if self.chunked_prefill else min(self.max_len - 1, self.max_chunk)
@@ -146,6 +169,8 @@ class ModelRunner:
         if role != "prefill":
             attends = self.graphs.inputs.decode_attends
             shapes += [("decode", b, a) for b in rt.decode_batch_buckets for a in attends]
+        if role == "mixed" and self.mixed_rows:
+            shapes += [("mixed", b, self.mixed_rows) for b in rt.decode_batch_buckets]
         shapes += [("argmax", 0, 0)] + [("topk", 0, k) for k in self.topk_buckets]
         if role == "prefill":
             shapes += [("kv_export", 1, s) for s in rt.prefill_buckets]
@@ -171,6 +196,7 @@ class ModelRunner:
             label = {
                 "prefill": f"prefill length {length}",
                 "decode": f"decode batch {rows}" + (f" attend {length}" if length else ""),
+                "mixed": f"mixed step of {rows} sequences in {length} rows",
                 "argmax": "argmax",
                 "topk": f"top-k {length}",
                 "kv_export": f"KV export {length}",
@@ -202,6 +228,21 @@ class ModelRunner:
                 for row in logits.asnumpy():
                     compare(check, row, probe.decode_logits, dtype)
                 check_post_process(check, np.tile(probe.decode_logits, (rows, 1)), greedy.asnumpy())
+        elif kind == "mixed":  # the probe's prompt as a chunk and rows - 1 decode rows after it
+            assert isinstance(self.graphs, MixedStepGraphs)
+            decodes = rows - 1
+            logits = self.graphs.mixed(
+                np.tile(scratch, (decodes, 1)),
+                np.full(decodes, probe.decode_token),
+                np.full(decodes, n),
+                [(scratch, np.asarray(probe.prompt), 0)],
+                length,
+                rows,
+            ).asnumpy()
+            if check:
+                compare(check, logits[decodes], probe.prefill_logits, dtype)
+                for row in logits[:decodes]:
+                    compare(check, row, probe.decode_logits, dtype)
         elif kind == "kv_export":
             blocks = self._kv_graphs().kv_export(scratch, length)
             if check and probe.kv is not None:
@@ -248,6 +289,28 @@ class ModelRunner:
     ) -> tuple[SlotState, Tensor]:
         """Checks, then the positions start.. through the prefill graphs in pieces of at most the
         largest bucket (a free slot is seated): the slot's state and the last piece's logits."""
+        ids, padded = self._check_chunk(slot, tokens, table, start, sample)
+        end = len(ids)
+        pieces = range(start, end, self.max_chunk)
+        for piece_start in pieces:
+            piece = ids[piece_start : piece_start + self.max_chunk]
+            logits = self.graphs.prefill(
+                padded, piece, bucket(self.runtime.prefill_buckets, len(piece)), start=piece_start
+            )
+        return self._computed(slot, end, padded), logits
+
+    def _computed(self, slot: int, end: int, table: np.ndarray) -> SlotState:
+        """The slot (seated if free) holds positions 0..end-1 in the blocks of `table`."""
+        state = self.slots.get(slot)
+        if state is None:
+            state = self.slots[slot] = SlotState(length=end, table=table)
+        state.length, state.table = end, table
+        return state
+
+    def _check_chunk(
+        self, slot: int, tokens: Sequence[int], table: BlockTable | None, start: int, sample: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A chunk's checks (nothing changes): its token ids and its table padded to MB blocks."""
         self._check_slot(slot)
         ids = self._check_tokens(tokens)
         end = len(ids)
@@ -267,23 +330,31 @@ class ModelRunner:
                 f"a prefill computes positions start..{end - 1} after the "
                 f"{0 if state is None else state.length} the slot holds, not from {start}"
             )
-        padded = self._padded_table(slot, table, end)
-        pieces = range(start, end, self.max_chunk)
-        for piece_start in pieces:
-            piece = ids[piece_start : piece_start + self.max_chunk]
-            logits = self.graphs.prefill(
-                padded, piece, bucket(self.runtime.prefill_buckets, len(piece)), start=piece_start
-            )
-        if state is None:
-            state = self.slots[slot] = SlotState(length=end, table=padded)
-        state.length, state.table = end, padded
-        return state, logits
+        return ids, self._padded_table(slot, table, end)
 
     def decode(self, slots: Sequence[int], tables: Sequence[BlockTable] | None = None) -> list[int]:
         """One step for each slot: write its pending token, return its next token (same order).
         `tables`: each slot's block table, covering its next position (none: as last time)."""
         if not slots:
             raise RunnerError("decode needs at least one slot")
+        states, padded = self._check_decode(slots, tables)
+        positions = np.array([s.length for s in states], np.int64)
+        rows = bucket(self.runtime.decode_batch_buckets, len(slots))
+        logits, greedy = self.graphs.decode(
+            np.stack(padded),
+            np.array([s.next_token for s in states], np.int64),
+            positions,
+            rows,
+            self.graphs.inputs.attend(positions),
+        )
+        tokens = self._sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
+        self._decoded(states, padded, tokens)
+        return tokens
+
+    def _check_decode(
+        self, slots: Sequence[int], tables: Sequence[BlockTable] | None
+    ) -> tuple[list[SlotState], list[np.ndarray]]:
+        """A decode step's checks (nothing changes): each slot's state and its padded table."""
         if len(set(slots)) != len(slots):
             raise RunnerError(f"decode slots repeat: {list(slots)}")
         if tables is not None and len(tables) != len(slots):
@@ -294,23 +365,67 @@ class ModelRunner:
                 raise RunnerError(f"slot {slot} is full ({self.max_len} positions)")
             if state.sampler is None or state.next_token is None:
                 raise RunnerError(f"slot {slot} has not finished its prompt")
-        if tables is not None:
-            for slot, state, table in zip(slots, states, tables):
-                state.table = self._padded_table(slot, table, state.length + 1)
-        positions = np.array([s.length for s in states], np.int64)
-        rows = bucket(self.runtime.decode_batch_buckets, len(slots))
-        logits, greedy = self.graphs.decode(
-            np.stack([s.table for s in states]),
-            np.array([s.next_token for s in states], np.int64),
-            positions,
-            rows,
-            self.graphs.inputs.attend(positions),
-        )
-        tokens = self._sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
-        for state, token in zip(states, tokens):
+        if tables is None:
+            return states, [s.table for s in states]
+        return states, [
+            self._padded_table(slot, t, s.length + 1) for slot, s, t in zip(slots, states, tables)
+        ]
+
+    @staticmethod
+    def _decoded(states: list[SlotState], tables: list[np.ndarray], tokens: list[int]) -> None:
+        for state, table, token in zip(states, tables, tokens):
+            state.table = table
             state.length += 1
             state.next_token = token
-        return tokens
+
+    def step(
+        self, slots: Sequence[int], tables: Sequence[BlockTable], chunks: Sequence[StepChunk]
+    ) -> tuple[list[int], list[int | None]]:
+        """A decode step of `slots` and the prompt `chunks` in one graph call, which reads the
+        weights once (decode and prefill called back to back read them twice): the decode tokens
+        (as decode's) and each chunk's first token (None unless it samples). Everything is checked
+        before anything runs: a refused step changes nothing."""
+        if not self.mixed_rows:
+            raise RunnerError("these graphs run no mixed steps (fused layers, graphs built here)")
+        if not chunks:
+            raise RunnerError("a mixed step needs at least one prompt chunk")
+        chunk_slots = [c.slot for c in chunks]
+        if len(set(chunk_slots)) != len(chunk_slots) or set(chunk_slots) & set(slots):
+            raise RunnerError(f"a mixed step names a slot twice: decode {list(slots)}, chunks {chunk_slots}")
+        states, padded = self._check_decode(slots, tables)
+        checked = [self._check_chunk(c.slot, c.tokens, c.table, c.start, c.sample) for c in chunks]
+        rows = len(slots) + sum(len(ids) - c.start for c, (ids, _) in zip(chunks, checked))
+        seqs = len(slots) + len(chunks)
+        if rows > self.mixed_rows or seqs > self.runtime.decode_batch_buckets[-1]:
+            raise RunnerError(
+                f"a mixed step of {rows} rows and {seqs} sequences exceeds {self.mixed_rows} rows "
+                f"or {self.runtime.decode_batch_buckets[-1]} sequences"
+            )
+        order = sorted(range(len(chunks)), key=lambda i: not chunks[i].sample)  # samplers first
+        assert isinstance(self.graphs, MixedStepGraphs)  # mixed_rows says so
+        logits = self.graphs.mixed(
+            np.stack(padded) if padded else np.zeros((0, 0), np.int32),
+            np.array([s.next_token for s in states], np.int64),
+            np.array([s.length for s in states], np.int64),
+            [(checked[i][1], checked[i][0][chunks[i].start :], chunks[i].start) for i in order],
+            self.mixed_rows,
+            bucket(self.runtime.decode_batch_buckets, seqs),
+        )
+        sampling = [i for i in order if chunks[i].sample]
+        new = {
+            i: SlotSampler(chunks[i].params, list(chunks[i].tokens), self.spec.vocab_size) for i in sampling
+        }
+        samplers = [s.sampler for s in states if s.sampler is not None] + [new[i] for i in sampling]
+        tokens = self._sample(logits, samplers)
+        self._decoded(states, padded, tokens[: len(slots)])
+        firsts: list[int | None] = [None] * len(chunks)
+        for i, token in zip(sampling, tokens[len(slots) :]):
+            firsts[i] = token
+        for i, (chunk, (ids, table)) in enumerate(zip(chunks, checked)):
+            state = self._computed(chunk.slot, len(ids), table)
+            if chunk.sample:
+                state.sampler, state.next_token = new[i], firsts[i]
+        return tokens[: len(slots)], firsts
 
     def export_kv(self, slot: int) -> tuple[np.ndarray, dict]:
         """A just-prefilled slot's K/V [2 * layers, KV heads, length, head_dim] (K then V of each

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
 from agent.kv_transfer import KVSender, TransferError
-from agent.runner import ModelRunner, RunnerError
+from agent.runner import ModelRunner, RunnerError, StepChunk
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class AgentService:
             "block_size": runner.runtime.block_size,
             "max_chunk": runner.max_chunk,
             "chunked_prefill": runner.chunked_prefill,
+            "mixed_rows": runner.mixed_rows if role == "mixed" else 0,
             "prefill_buckets": runner.runtime.prefill_buckets,
             "decode_batch_buckets": runner.runtime.decode_batch_buckets,
             "attend_buckets": runner.runtime.attend_buckets,
@@ -224,6 +225,37 @@ class AgentService:
         # The server pads tables with zeros to the longest; each slot needs its length's blocks.
         tokens = self.runner.decode(slots.tolist(), [self._used_blocks(s, t) for s, t in zip(slots, tables)])
         return {}, [np.asarray(tokens, dtype=np.int32)]
+
+    def _op_step(self, header: dict, arrays: list) -> tuple[dict, list]:
+        specs = header.get("chunks")
+        if not isinstance(specs, list) or not 1 <= len(specs) <= self.runner.num_slots:
+            raise ValueError(f"step takes a list of 1..{self.runner.num_slots} chunks")
+        if len(arrays) != 2 + 2 * len(specs) or arrays[1].ndim != 2 or arrays[1].dtype.kind != "i":
+            raise ValueError(
+                "step takes decode slot ids [n], their block tables [n, blocks], then tokens and a block "
+                "table per chunk"
+            )
+        (slots,) = _int_arrays(arrays[:1], "step", ("slot ids",))
+        if len(arrays[1]) != len(slots):
+            raise ValueError(f"step decodes {len(slots)} slots with {len(arrays[1])} block tables")
+        chunks = []
+        for i, spec in enumerate(specs):
+            if not isinstance(spec, dict) or not isinstance(spec.get("sample"), bool):
+                raise ValueError(f"chunk {i} must be a map with slot, start, sample (true or false)")
+            tokens, table = _int_arrays(arrays[2 + 2 * i : 4 + 2 * i], "step", ("token ids", "block table"))
+            chunks.append(
+                StepChunk(
+                    _int_field(spec, "slot"),
+                    tokens.tolist(),
+                    table,
+                    _int_field(spec, "start"),
+                    spec["sample"],
+                    SamplingParams.model_validate(spec.get("sampling") or {}),
+                )
+            )
+        tables = [self._used_blocks(s, t) for s, t in zip(slots.tolist(), arrays[1])]
+        decoded, firsts = self.runner.step(slots.tolist(), tables, chunks)
+        return {"chunk_tokens": firsts}, [np.asarray(decoded, dtype=np.int32)]
 
     def _used_blocks(self, slot: int, table: np.ndarray) -> np.ndarray:
         """The blocks of `table` a decode step of `slot` reads: those of its positions so far and next."""

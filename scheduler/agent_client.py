@@ -17,7 +17,7 @@ import itertools
 import random
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import zmq
@@ -68,6 +68,17 @@ def block_tables(tables: Sequence[Sequence[int]]) -> np.ndarray:
     return out
 
 
+class StepChunk(NamedTuple):
+    """A prompt chunk of a mixed step: positions start..len(tokens)-1 into the blocks of `table`."""
+
+    slot: int
+    tokens: Sequence[int]
+    table: Sequence[int]
+    start: int
+    sample: bool
+    sampling: SamplingParams
+
+
 class ModelClient(Protocol):
     """What the engine calls on a group's client, whichever it is: an AgentClient (one agent) or a
     GroupClient (a tensor-parallel group). Only an AgentClient has `prefill_and_send`: a prefill
@@ -104,6 +115,10 @@ class ModelClient(Protocol):
     ) -> int | None: ...
 
     async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[int]: ...
+
+    async def step(
+        self, slots: Sequence[int], tables: Sequence[Sequence[int]], chunks: Sequence[StepChunk]
+    ) -> tuple[list[int], list[int | None]]: ...
 
     async def release(self, slot: int, ticket: int | None = None) -> None: ...
 
@@ -318,6 +333,29 @@ class AgentClient:
         self.decode_compute_s = float(header.get("compute_ms", 0.0)) / 1000
         return arrays[0].tolist()
 
+    async def step(
+        self, slots: Sequence[int], tables: Sequence[Sequence[int]], chunks: Sequence[StepChunk]
+    ) -> tuple[list[int], list[int | None]]:
+        """A decode of `slots` and the prompt `chunks` in one call (the agent's info says mixed_rows):
+        the decode tokens and each chunk's first token (None unless it samples)."""
+        arrays = [np.asarray(slots, np.int32), block_tables(tables)]
+        for chunk in chunks:
+            arrays += [np.asarray(chunk.tokens, np.int32), np.asarray(chunk.table, np.int32)]
+        header, out = await self.call(
+            "step",
+            arrays,
+            chunks=[
+                {"slot": c.slot, "start": c.start, "sample": c.sample, "sampling": c.sampling.model_dump()}
+                for c in chunks
+            ],
+            session=self.session,
+        )
+        self.decode_compute_s = float(header.get("compute_ms", 0.0)) / 1000
+        firsts = header.get("chunk_tokens")
+        if not isinstance(firsts, list) or len(firsts) != len(chunks):
+            raise AgentUnavailable(f"agent {self.address}: step reply without a token per chunk")
+        return out[0].tolist(), [None if t is None else int(t) for t in firsts]
+
     async def release(self, slot: int, ticket: int | None = None) -> None:
         """ticket: a KV transfer into this slot that is given up; the agent refuses it from now on."""
         fields: dict[str, Any] = {} if ticket is None else {"ticket": ticket}
@@ -399,6 +437,11 @@ class GroupClient:
 
     async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[int]:
         return await self._agreed("decode", slots, tables)
+
+    async def step(
+        self, slots: Sequence[int], tables: Sequence[Sequence[int]], chunks: Sequence[StepChunk]
+    ) -> tuple[list[int], list[int | None]]:
+        return await self._agreed("step", slots, tables, chunks)
 
     async def release(self, slot: int, ticket: int | None = None) -> None:
         await self._all("release", slot, ticket)

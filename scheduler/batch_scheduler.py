@@ -74,6 +74,15 @@ class GroupCapacity:
     role: str = "mixed"
     # whether a prefill may start past position 0 (chunks after the first, prefix-cache hits)
     chunked_prefill: bool = True
+    mixed_rows: int = 0  # rows of one call that runs a decode and prompt chunks together (0: none)
+    max_batch: int = 1  # the most sequences one decode (or mixed step) call takes
+
+    def mixes(self, decodes: int, chunks: list[Chunk]) -> bool:
+        """Whether a step of `decodes` decode rows and these local chunks fits one mixed call."""
+        rows = decodes + sum(c.end - c.start for c in chunks)
+        return (
+            bool(decodes and chunks) and rows <= self.mixed_rows and decodes + len(chunks) <= self.max_batch
+        )
 
     def __post_init__(self) -> None:
         if self.max_seq_len > self.num_blocks * self.block_size:

@@ -29,7 +29,7 @@ from functools import partial
 
 from agent.contract.sampling import SamplingParams
 from config.schema import ServingConfig
-from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, AgentTakenOver
+from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, AgentTakenOver, StepChunk
 from scheduler.batch_scheduler import (
     AdmissionError,
     BatchScheduler,
@@ -326,6 +326,14 @@ class Engine:
             await self._call(release_group, self.clients[release_group].release(slot, ticket))
         # aborted since the plan was made: their blocks are already free
         seqs = [s for s in plan.decodes.get(group, []) if not s.finished]
+        local = [c for c in plan.prefills if c.seq.prefill_group is None and not c.seq.finished]
+        if self.scheduler.healthy[group] and self.scheduler.groups[group].mixes(len(seqs), local):
+            if await self._mixed(group, seqs, local):
+                for chunk in plan.prefills:  # the rest: PD transfers, aborted sequences
+                    if chunk not in local:
+                        await self._prefill_chunk(chunk)
+                return
+            # the agent refused the step (a bad request in it): each part alone, so only that one fails
         if seqs and self.scheduler.healthy[group]:
             try:
                 tokens = await self._decode(group, seqs)
@@ -336,15 +344,54 @@ class Engine:
             for seq in seqs:
                 self.on_update(seq)
         for chunk in plan.prefills:
-            seq = chunk.seq
-            if seq.prefill_group is not None and seq.finished:  # aborted before its prefill ran
-                self.scheduler.transfer_failed(seq, "aborted")
-            elif seq.prefill_group is not None and seq.transferring:
-                task = asyncio.create_task(self._prefill_elsewhere(chunk), name=f"prefill-{seq.request_id}")
-                self._transfers.add(task)
-                task.add_done_callback(self._transfer_ended)
-            elif not seq.finished:  # else aborted, or its group failed earlier in this plan
-                await self._prefill(chunk)
+            await self._prefill_chunk(chunk)
+
+    async def _prefill_chunk(self, chunk: Chunk) -> None:
+        seq = chunk.seq
+        if seq.prefill_group is not None and seq.finished:  # aborted before its prefill ran
+            self.scheduler.transfer_failed(seq, "aborted")
+        elif seq.prefill_group is not None and seq.transferring:
+            task = asyncio.create_task(self._prefill_elsewhere(chunk), name=f"prefill-{seq.request_id}")
+            self._transfers.add(task)
+            task.add_done_callback(self._transfer_ended)
+        elif not seq.finished:  # else aborted, or its group failed earlier in this plan
+            await self._prefill(chunk)
+
+    async def _mixed(self, group: int, seqs: list[Sequence], chunks: list[Chunk]) -> bool:
+        """The group's decode and its prompt chunks in one agent call; False when the agent refused
+        it as a bad request (nothing ran: the caller runs the parts one by one)."""
+        client, blocks = self.clients[group], self.scheduler.blocks[group]
+        parts = [
+            StepChunk(
+                c.seq.placement[1],
+                c.seq.tokens(c.end),
+                blocks.table(c.seq.request_id),
+                c.start,
+                c.sample,
+                c.seq.sampling,
+            )
+            for c in chunks
+        ]
+        try:
+            with self.metrics.agent_step.labels(client.address, "step").time():
+                tokens, firsts = await client.step(
+                    [s.placement[1] for s in seqs], [blocks.table(s.request_id) for s in seqs], parts
+                )
+        except AgentRequestError as exc:
+            log.warning("agent %s refused a mixed step (%s): its parts run one by one", client.address, exc)
+            return False
+        except AgentError as exc:
+            self._group_failed(group, exc)
+            return True
+        self.metrics.agent_compute.labels(client.address, "step").observe(client.decode_compute_s)
+        self.scheduler.decoded(seqs, tokens)
+        for seq in seqs:
+            self.on_update(seq)
+        for chunk, token in zip(chunks, firsts):
+            self.scheduler.prefilled(chunk, token)
+            if chunk.sample:
+                self.on_update(chunk.seq)
+        return True
 
     def _transfer_ended(self, task: asyncio.Task) -> None:
         self._transfers.discard(task)

@@ -100,6 +100,8 @@ class GroupLinks:
                 info["max_chunk"],
                 role,
                 info["chunked_prefill"],
+                info["mixed_rows"],
+                info["decode_batch_buckets"][-1],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentIncompatible(f"agent {client.address} reported an unusable KV cache: {exc}") from exc
@@ -117,6 +119,12 @@ class GroupLinks:
             capacity.block_size,
             "" if capacity.chunked_prefill else " (prompts in one call: no chunks, no prefix cache)",
         )
+        if capacity.mixed_rows:
+            log.info(
+                "agent %d: a step of decode rows and prompt chunks runs as one call of up to %d rows",
+                group,
+                capacity.mixed_rows,
+            )
         return capacity
 
     async def recover(self, group: int, stopping: Callable[[], bool]) -> GroupCapacity | None:

@@ -103,6 +103,12 @@ def spec_frames(spec, frame: bytes) -> list:
     return [msgpack.packb(header), frame]
 
 
+def step_arrays(slots: list[int], tables: list[list[int]]) -> list[np.ndarray]:
+    """A step's arrays: decode slots and tables, then one chunk's tokens and table."""
+    table = np.array(tables, np.int32).reshape(len(slots), len(tables[0]) if tables else 0)
+    return [np.array(slots, np.int32), table, np.array([5, 6], np.int32), np.array([0], np.int32)]
+
+
 @pytest.mark.parametrize(
     "frames_or_call, error",
     [
@@ -126,6 +132,19 @@ def spec_frames(spec, frame: bytes) -> list:
         (lambda c: c.decode([3]), "slot 3 holds no sequence"),
         (lambda c: c.call("decode", [np.array([3], np.int32)]), "slot ids [n] and block tables"),
         (lambda c: c.call("release", slot="x"), "must be an integer"),
+        (lambda c: c.call("step", [], chunks="x"), "list of 1..4 chunks"),
+        (lambda c: c.call("step", [], chunks=[{}]), "decode slot ids [n], their block tables"),
+        (lambda c: c.call("step", step_arrays([0], [[1]]), chunks=[{"slot": 1}]), "sample (true or false)"),
+        (
+            lambda c: c.call(
+                "step", step_arrays([3], [[1]]), chunks=[{"slot": 1, "start": 0, "sample": True}]
+            ),
+            "slot 3 holds no sequence",
+        ),
+        (
+            lambda c: c.call("step", step_arrays([], []), chunks=[{"slot": 1, "start": 0, "sample": "no"}]),
+            "sample (true or false)",
+        ),
         # These three killed the agent (TypeError, OverflowError, an int64 product that wrapped to 0).
         (lambda c: c.raw(spec_frames([["int32"], [1]], b"\x00" * 4)), "bad description"),
         (lambda c: c.raw(spec_frames(["int32", [float("inf")]], b"")), "bad shape"),
@@ -178,6 +197,7 @@ def test_slot_operations_need_the_current_session(two_agents):
     for op, arrays, fields in [
         ("release", (), {"slot": 2}),
         ("decode", [np.array([2], np.int32)], {}),
+        ("step", step_arrays([2], [[1]]), {"chunks": [{"slot": 3, "start": 0, "sample": True}]}),
         ("prefill", [np.array([1], np.int32)], {"slot": 3}),
         ("shutdown", (), {}),
     ]:

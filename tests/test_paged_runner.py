@@ -9,7 +9,7 @@ import pytest
 import reference_numpy as ref
 from agent.contract.sampling import SamplingParams
 from agent.model.formats import load_checkpoint
-from agent.runner import ModelRunner, RunnerError
+from agent.runner import ModelRunner, RunnerError, StepChunk
 from config.schema import RuntimeSection
 
 # max_seq_len 160 in blocks of 16 (10 a table, 40 in the pool); the largest bucket (32) is far
@@ -130,3 +130,70 @@ def test_tables_that_do_not_fit_are_refused(runner):
         for _ in range(10):  # position 48 needs a fourth block
             runner.decode([0], [[1, 2, 3]])
     assert runner.slot_length(0) == 48
+
+
+def mixed_run(runner: ModelRunner, ids: list[list[int]], tables: list[list[int]], params, mixed: bool):
+    """Slots 0 and 1 decode while slot 2's prompt arrives in two chunks and slot 3's in one: as
+    mixed steps, or the same calls one by one -> each slot's tokens."""
+    out: list[list[int]] = [[runner.prefill(s, ids[s], params, tables[s])] for s in (0, 1)]
+    out += [[], []]
+    steps = [
+        (
+            [0, 1],
+            [
+                StepChunk(2, ids[2][:7], tables[2], 0, False, params),
+                StepChunk(3, ids[3], tables[3], 0, True, params),
+            ],
+        ),
+        ([0, 1, 3], [StepChunk(2, ids[2], tables[2], 7, True, params)]),
+    ]
+    for slots, chunks in steps:
+        if mixed:
+            tokens, firsts = runner.step(slots, [tables[s] for s in slots], chunks)
+        else:
+            tokens = runner.decode(slots, [tables[s] for s in slots])
+            firsts = [
+                runner.prefill(c.slot, c.tokens, c.params, c.table, c.start)
+                if c.sample
+                else runner.prefill_chunk(c.slot, c.tokens, c.table, c.start)
+                for c in chunks
+            ]
+        for slot, token in zip(slots, tokens):
+            out[slot].append(token)
+        for chunk, first in zip(chunks, firsts):
+            assert (first is None) == (not chunk.sample)
+            if first is not None:
+                out[chunk.slot].append(first)
+    for _ in range(4):
+        for slot, token in enumerate(runner.decode([0, 1, 2, 3], tables)):
+            out[slot].append(token)
+    return out
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_mixed_steps_give_the_tokens_of_separate_calls(runners, runner, reference, params):
+    """A decode and prompt chunks in one call (rows of four sequences, each through its own block
+    table): greedy, the reference's tokens; seeded, the tokens of the same calls one by one."""
+    assert runner.mixed_rows == 16  # the prefill bucket that holds the largest decode batch (4) + 1
+    ids = [prompt(20, seed=10), prompt(33, seed=11), prompt(12, seed=12), prompt(5, seed=13)]
+    tables = shuffled(4, seed=7)
+    mixed = mixed_run(runner, ids, tables, params, mixed=True)
+    if params is GREEDY:
+        assert mixed == [ref.greedy(reference, ids[s], len(mixed[s])) for s in range(4)]
+    else:
+        assert mixed == mixed_run(runners[1], ids, tables, params, mixed=False)
+
+
+def test_a_mixed_step_that_does_not_fit_changes_nothing(runner, reference):
+    ids, tables = [prompt(20, seed=20), prompt(30, seed=21)], shuffled(2, seed=8)
+    first = runner.prefill(0, ids[0], GREEDY, tables[0])
+    too_long = StepChunk(1, ids[1], tables[1], 0, True, GREEDY)  # 1 + 30 rows > 16
+    with pytest.raises(RunnerError, match="exceeds 16 rows"):
+        runner.step([0], [tables[0]], [too_long])
+    bad_table = StepChunk(1, ids[1][:10], [999], 0, True, GREEDY)
+    with pytest.raises(RunnerError):
+        runner.step([0], [tables[0]], [bad_table])
+    assert runner.slot_length(0) == 20 and 1 not in runner.slots
+    with pytest.raises(RunnerError, match="names a slot twice"):
+        runner.step([0], [tables[0]], [StepChunk(0, ids[0], tables[0], 0, False, GREEDY)])
+    assert [first, *decode_n(runner, 0, tables[0], 2)] == ref.greedy(reference, ids[0], 3)

@@ -112,9 +112,25 @@ def test_sixteen_streams_in_a_third_of_their_blocks_are_preempted_and_lose_nothi
         answers = await asyncio.gather(
             *(tokens_of(server, f"together{i}", p, params[i], n) for i, p in enumerate(prompts))
         )
-        return answers, server.engine.scheduler.preemptions, server.engine.kv_blocks("used")
+        return (
+            answers,
+            server.engine.scheduler.preemptions,
+            server.engine.kv_blocks("used"),
+            mixed_steps(server),
+        )
 
     want = serve(config, tokenizer, alone)
-    got, preemptions, used_after = serve(config, tokenizer, together)
+    got, preemptions, used_after, mixed = serve(config, tokenizer, together)
     assert preemptions > 0 and used_after == 0
+    assert mixed > 0  # decodes and prompt chunks (admissions, recomputes) ran as one call
     assert got == want
+
+
+def mixed_steps(server: OutputProcessor) -> float:
+    """Agent calls that ran a decode and prompt chunks together (the agent_step histogram's count)."""
+    return sum(
+        sample.value
+        for metric in server.engine.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name.endswith("agent_step_seconds_count") and sample.labels.get("op") == "step"
+    )

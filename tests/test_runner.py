@@ -156,9 +156,10 @@ def test_warm_up_compiles_every_bucket(tiny_llama_runner):
     lines = []
     elapsed = tiny_llama_runner.warm_up(lines.append)
     shapes = tiny_llama_runner.graph_shapes()
-    # 2 prefill buckets + 3 batch buckets (the attention kernel needs no attend buckets) + argmax
-    # + top-k buckets
-    assert len(shapes) == 2 + 3 + 1 + len(tiny_llama_runner.topk_buckets)
+    # 2 prefill buckets + 3 batch buckets (the attention kernel needs no attend buckets) + a mixed
+    # step per batch bucket (fused layers) + argmax + top-k buckets
+    assert tiny_llama_runner.mixed_rows > 0
+    assert len(shapes) == 2 + 3 + 3 + 1 + len(tiny_llama_runner.topk_buckets)
     assert len(lines) == len(shapes) + 1 and lines[-1].startswith("warm-up done")
     assert elapsed > 0 and np.all([f"{i}/{len(shapes)}" in lines[i - 1] for i in range(1, len(shapes) + 1)])
 

@@ -9,6 +9,7 @@ Requests (op: fields -> reply fields):
     info:     -                                  -> protocol, model, vocab_size, eos_ids, num_slots,
                                                     max_seq_len, max_prompt_len, num_blocks,
                                                     block_size, max_chunk, chunked_prefill,
+                                                    mixed_rows,
                                                     prefill_buckets, decode_batch_buckets,
                                                     attend_buckets, role, rank, port
     prefill:  slot, start, sample, sampling {...}, [transfer];
@@ -20,6 +21,12 @@ Requests (op: fields -> reply fields):
               (kv_receive below) and this slot is free again -> also kv_bytes, transfer_ms
     decode:   arrays [slots int32 [n], block tables int32 [n, w] (-1 past a row's blocks)]
               -> arrays [tokens int32]
+    step:     chunks [{slot, start, sample, sampling {...}}, ...];
+              arrays [decode slots int32 [n], their block tables int32 [n, w], then per chunk its
+              tokens int32 (positions 0..end-1) and block table int32]
+              -> arrays [decode tokens int32 [n]], chunk_tokens [token or null per chunk]: a decode
+              and prompt chunks (as prefill without transfer) in one call of at most mixed_rows
+              rows (info; 0: this agent runs none); refused whole if any part is wrong
     release:  slot, [ticket]                               -> - (ticket: a transfer into this slot
                                                               that the scheduler gave up on; it is
                                                               refused if it still arrives)
@@ -38,7 +45,7 @@ and "kind" ("bad_request": the request was wrong; "internal": the agent failed; 
 the prefill ran but its KV did not reach the decode agent; "stale_session": see below).
 
 Sessions: a server opens one with `reset` (a random integer of its choosing) and puts it in every
-prefill, decode, release and shutdown (kv_receive carries the decode agent's). The agent refuses
+prefill, decode, step, release and shutdown (kv_receive carries the decode agent's). The agent refuses
 those ops without a session or from any other one, so a request still queued from a connection the
 server has given up on (a hung agent resumed, a previous server), or a local process that never
 opened one, can never touch the slots of the current server. (`reset` itself opens a new session:
@@ -55,9 +62,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 4
-OPS = ("info", "prefill", "decode", "release", "kv_receive", "reset", "ping", "shutdown")
-SESSION_OPS = ("prefill", "decode", "release", "kv_receive", "shutdown")
+PROTOCOL_VERSION = 5
+OPS = ("info", "prefill", "decode", "step", "release", "kv_receive", "reset", "ping", "shutdown")
+SESSION_OPS = ("prefill", "decode", "step", "release", "kv_receive", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent
 ALLOWED_DTYPES = {"int32", "int64", "float32", "float16"}
 MAX_ARRAY_BYTES = 1 << 30
@@ -75,7 +82,8 @@ def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list:
     """Header + arrays -> frames. Arrays go out as their own buffers (zero-copy in pyzmq)."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
     header = {**header, "v": PROTOCOL_VERSION, "arrays": [[a.dtype.name, list(a.shape)] for a in arrays]}
-    return [msgpack.packb(header, use_bin_type=True), *(a.data.cast("B") for a in arrays)]
+    # (a memoryview of an empty array cannot be cast: its frame is empty bytes)
+    return [msgpack.packb(header, use_bin_type=True), *(a.data.cast("B") if a.size else b"" for a in arrays)]
 
 
 def decode(frames: Sequence[bytes]) -> tuple[dict[str, Any], list[np.ndarray]]:
