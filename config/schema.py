@@ -482,7 +482,7 @@ class ServerSection(Section):
     )
     max_prefills_per_step: int = Field(4, ge=1, description="prompts admitted per iteration")
     max_num_batched_tokens: int = Field(
-        128,
+        80,
         ge=2,
         description="positions one group's step computes: its decode rows first, then prompt "
         "chunks (a larger budget computes prompts in fewer, longer steps that streams wait for)",
