@@ -43,15 +43,16 @@ def generate(base: str, text: str) -> str:
 
 
 def prefill_counts(base: str, ports: list[int]) -> list[float]:
+    """Per agent, its calls that computed prompts: prefills, and mixed steps (a decode and chunks)."""
     text = httpx.get(f"{base}/metrics").text
     counts = []
     for port in ports:
-        match = re.search(
+        matches = re.findall(
             rf'llm_serving_agent_step_seconds_count\{{agent="tcp://127\.0\.0\.1:{port}",'
-            rf'op="prefill"\}} (\S+)',
+            rf'op="(?:prefill|step)"\}} (\S+)',
             text,
         )
-        counts.append(float(match.group(1)) if match else 0.0)
+        counts.append(sum(float(m) for m in matches))
     return counts
 
 
@@ -64,7 +65,8 @@ def test_both_replicas_serve_under_load_with_unchanged_answers(replicas):
     assert together == alone
     after = prefill_counts(base, ports)
     used = [a - b for a, b in zip(after, before)]
-    assert sum(used) == len(TEXTS) and min(used) >= 2, used  # spread by free slots
+    # spread by free slots; a call may compute two prompts (a mixed step), none computes one twice
+    assert sum(used) <= len(TEXTS) and min(used) >= 2, used
 
     info = httpx.get(f"{base}/info").json()
     assert [g["group"] for g in info["groups"]] == [0, 1] and info["slots"] == 8
