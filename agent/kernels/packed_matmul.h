@@ -1,5 +1,4 @@
-// The skinny product over weights packed in column tiles, shared by skinny_matmul.cc and
-// decode_layer.cc: out[M, N] (+ residual) = x[M, K] @ W, W packed at load time as [N / TILE, K, TILE]
+// The product over weights packed in column tiles, shared by skinny_matmul.cc and fused_layer.cc: out[M, N] (+ residual) = x[M, K] @ W, W packed at load time as [N / TILE, K, TILE]
 // (agent/llama_graphs.py pack_for_kernel): each tile of TILE output columns is one contiguous stream,
 // read once per block of ROWS rows while ROWS x TILE accumulators stay in registers.
 #pragma once
@@ -92,11 +91,32 @@ inline void tile(const float *x, const float *w, const float *residual, float *o
   columns(x, w + j * k_dim * TILE, residual, out, m_dim, k_dim, n_dim, j * TILE);
 }
 
+// Tile j of a product with quantized weights, for all m_dim rows: straight from the blocks for one
+// row (Row); for more, the tile is dequantized once (Dequantize, into this thread's buffer, L2-sized)
+// and multiplied as float32 tiles are. Decode reads its weights from memory every step (8.5 GB/s on
+// the 2-core Xeon): Q4_1's 0.75 bytes a weight instead of 4 is what makes a step of 16 rows fast,
+// and the tile's float32 copy never leaves the cache.
+using RowFn = void (*)(const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t,
+                       int64_t);
+using DequantizeFn = void (*)(const uint8_t *, int64_t, int64_t, float *);
+
+template <RowFn Row, DequantizeFn Dequantize>
+inline void quantized_tile(const float *x, const uint8_t *w, const float *residual, float *out,
+                           int64_t m_dim, int64_t k_dim, int64_t n_dim, int64_t j) {
+  if (m_dim == 1) {  // two rows: as fast either way (measured)
+    Row(x, k_dim, w, residual, out, n_dim, 0, j);
+    return;
+  }
+  thread_local std::vector<float> weights;
+  weights.resize(k_dim * TILE);
+  Dequantize(w, k_dim, j, weights.data());
+  columns(x, weights.data(), residual, out, m_dim, k_dim, n_dim, j * TILE);
+}
+
 }  // namespace packed
 
-// The same product with W kept in GGUF's Q4_1 blocks, for a few rows (a decode step of one or two
-// sequences), where reading the weights is the whole cost: 0.75 bytes a weight instead of fp32's 4.
-// Packed at load time (agent/quantized.py) as [N / TILE, K / 32, Q4_TILE_BYTES]: per tile and block of
+// The same product with W kept in GGUF's Q4_1 blocks (packed::quantized_tile): 0.75 bytes a weight
+// read instead of fp32's 4. Packed at load time (agent/model/quantized.py) as [N / TILE, K / 32, Q4_TILE_BYTES]: per tile and block of
 // 32 k, float d[TILE], float m[TILE], then 16 x TILE bytes, byte (i, t) = q[i][t] | q[i + 16][t] << 4
 // (GGUF's own pairing within a block). Weight (k, t) = d[t] * q[k][t] + m[t], exactly as
 // gguf.quants.dequantize, so the product is an fp32 product with the dequantized matrix:
@@ -105,7 +125,6 @@ namespace q4 {
 
 constexpr int BLOCK = 32;
 constexpr int64_t TILE_BYTES = 2 * packed::TILE * 4 + BLOCK / 2 * packed::TILE;  // 768
-constexpr int64_t ROW_BY_ROW = 1;  // rows up to which tile_row beats dequantizing the tile (2: equal)
 
 using vec8::v8f;
 using vec8::v8i;
@@ -168,21 +187,9 @@ inline void dequantize(const uint8_t *w, int64_t k_dim, int64_t j, float *out) {
   }
 }
 
-// Tile j for all m_dim rows: straight from the Q4_1 bytes for one row;
-// for more, the tile is dequantized once (into this thread's buffer, L2-sized) and multiplied as
-// float32 tiles are. Decode reads its weights from memory every step (8.5 GB/s on the 2-core Xeon):
-// Q4_1's 0.75 bytes a weight instead of 4 is what makes a step of 16 rows fast, and the tile's
-// float32 copy never leaves the cache.
 inline void tile(const float *x, const uint8_t *w, const float *residual, float *out, int64_t m_dim,
                  int64_t k_dim, int64_t n_dim, int64_t j) {
-  if (m_dim <= ROW_BY_ROW) {
-    for (int64_t row = 0; row < m_dim; ++row) tile_row(x, k_dim, w, residual, out, n_dim, row, j);
-    return;
-  }
-  thread_local std::vector<float> weights;
-  weights.resize(k_dim * packed::TILE);
-  dequantize(w, k_dim, j, weights.data());
-  packed::columns(x, weights.data(), residual, out, m_dim, k_dim, n_dim, j * packed::TILE);
+  packed::quantized_tile<tile_row, dequantize>(x, w, residual, out, m_dim, k_dim, n_dim, j);
 }
 
 }  // namespace q4
@@ -195,7 +202,6 @@ namespace q8 {
 
 constexpr int BLOCK = 32;
 constexpr int64_t TILE_BYTES = packed::TILE * 4 + BLOCK * packed::TILE;  // 1152
-constexpr int64_t ROW_BY_ROW = 1;
 
 using vec8::v8f;
 using vec8::v8i;
@@ -257,17 +263,9 @@ inline void dequantize(const uint8_t *w, int64_t k_dim, int64_t j, float *out) {
   }
 }
 
-// As q4::tile.
 inline void tile(const float *x, const uint8_t *w, const float *residual, float *out, int64_t m_dim,
                  int64_t k_dim, int64_t n_dim, int64_t j) {
-  if (m_dim <= ROW_BY_ROW) {
-    for (int64_t row = 0; row < m_dim; ++row) tile_row(x, k_dim, w, residual, out, n_dim, row, j);
-    return;
-  }
-  thread_local std::vector<float> weights;
-  weights.resize(k_dim * packed::TILE);
-  dequantize(w, k_dim, j, weights.data());
-  packed::columns(x, weights.data(), residual, out, m_dim, k_dim, n_dim, j * packed::TILE);
+  packed::quantized_tile<tile_row, dequantize>(x, w, residual, out, m_dim, k_dim, n_dim, j);
 }
 
 }  // namespace q8
