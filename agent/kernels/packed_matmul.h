@@ -1,4 +1,5 @@
-// The product over weights packed in column tiles, shared by skinny_matmul.cc and fused_layer.cc: out[M, N] (+ residual) = x[M, K] @ W, W packed at load time as [N / TILE, K, TILE]
+// The product over weights packed in column tiles, shared by skinny_matmul.cc and fused_layer.cc:
+// out[M, N] (+ residual) = x[M, K] @ W, W packed at load time as [N / TILE, K, TILE]
 // (agent/llama_graphs.py pack_for_kernel): each tile of TILE output columns is one contiguous stream,
 // read once per block of ROWS rows while ROWS x TILE accumulators stay in registers.
 #pragma once
