@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import logging
 import os
 import signal
@@ -70,6 +71,9 @@ def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) 
         log.error("start-up failed: %s\n%s", exc, traceback.format_exc())
         startup_queue.put(("failed", rank, f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from exc
+    # The model, its graphs and MindSpore's objects live as long as the agent: out of the cyclic
+    # collector's full passes, which would otherwise walk them all in the middle of a step.
+    gc.freeze()
     startup_queue.put(("ready", rank, port, os.getpid(), warm_up_s))
     log.info("ready on %s", config.agents.address(rank))
     try:

@@ -14,6 +14,7 @@ supervisor restarts it. Slow clients are bounded by `SlowClientGuard` (the conne
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -96,6 +97,9 @@ class DrainingServer(uvicorn.Server):
             await engine.stop()
             return
         await super().startup(sockets)
+        # What start-up built lives as long as the server: out of the cyclic collector's full passes,
+        # which otherwise walk all of it while every stream waits (measured: client-side ITL p99).
+        gc.freeze()
         self._engine_watch = asyncio.create_task(self._exit_when_engine_dies())
 
     def handle_exit(self, sig: int, frame) -> None:
