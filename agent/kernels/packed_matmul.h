@@ -92,6 +92,16 @@ inline void tile(const float *x, const float *w, const float *residual, float *o
   columns(x, w + j * k_dim * TILE, residual, out, m_dim, k_dim, n_dim, j * TILE);
 }
 
+// Row `row` of tile j, its TILE sums in TILE / 8 vectors, into out (+ residual): the one-row
+// quantized paths' last step.
+inline void store_row(const vec8::v8f *total, const float *residual, float *out, int64_t n_dim, int64_t row,
+                      int64_t j) {
+  float *o = out + row * n_dim + j * TILE;
+  const float *res = residual == nullptr ? nullptr : residual + row * n_dim + j * TILE;
+  for (int g = 0; g < TILE / 8; ++g)
+    for (int t = 0; t < 8; ++t) o[8 * g + t] = (res == nullptr ? 0.f : res[8 * g + t]) + total[g][t];
+}
+
 // Tile j of a product with quantized weights, for all m_dim rows: straight from the blocks for one
 // row (Row); for more, the tile is dequantized once (Dequantize, into this thread's buffer, L2-sized)
 // and multiplied as float32 tiles are. Decode reads its weights from memory every step (8.5 GB/s on
@@ -159,10 +169,7 @@ inline void tile_row(const float *x, int64_t k_dim, const uint8_t *w, const floa
       total[g] += d * acc[g] + m * x_sum;
     }
   }
-  float *o = out + row * n_dim + j * packed::TILE;
-  const float *res = residual == nullptr ? nullptr : residual + row * n_dim + j * packed::TILE;
-  for (int g = 0; g < G; ++g)
-    for (int t = 0; t < 8; ++t) o[8 * g + t] = (res == nullptr ? 0.f : res[8 * g + t]) + total[g][t];
+  packed::store_row(total, residual, out, n_dim, row, j);
 }
 
 // Tile j as float32 [K, TILE] (packed::tile's layout): weight (k, t) = d[t] * q[k][t] + m[t].
@@ -240,10 +247,7 @@ inline void tile_row(const float *x, int64_t k_dim, const uint8_t *w, const floa
       total[g] += d * acc[g];
     }
   }
-  float *o = out + row * n_dim + j * packed::TILE;
-  const float *res = residual == nullptr ? nullptr : residual + row * n_dim + j * packed::TILE;
-  for (int g = 0; g < G; ++g)
-    for (int t = 0; t < 8; ++t) o[8 * g + t] = (res == nullptr ? 0.f : res[8 * g + t]) + total[g][t];
+  packed::store_row(total, residual, out, n_dim, row, j);
 }
 
 inline void dequantize(const uint8_t *w, int64_t k_dim, int64_t j, float *out) {
