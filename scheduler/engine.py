@@ -321,17 +321,19 @@ class Engine:
 
     async def _step(self, group: int, plan: StepPlan) -> None:
         """Run one group's plan: releases, one decode (a stream never waits for a prompt), then
-        the prompt chunks."""
+        the prompt chunks; the decode and the group's own chunks as one mixed call where it fits."""
         for release_group, slot, ticket in plan.releases:
             await self._call(release_group, self.clients[release_group].release(slot, ticket))
         # aborted since the plan was made: their blocks are already free
         seqs = [s for s in plan.decodes.get(group, []) if not s.finished]
-        local = [c for c in plan.prefills if c.seq.prefill_group is None and not c.seq.finished]
+        local: list[Chunk] = []
+        rest: list[Chunk] = []  # PD transfers, aborted sequences
+        for chunk in plan.prefills:
+            (local if chunk.seq.prefill_group is None and not chunk.seq.finished else rest).append(chunk)
         if self.scheduler.healthy[group] and self.scheduler.groups[group].mixes(len(seqs), local):
             if await self._mixed(group, seqs, local):
-                for chunk in plan.prefills:  # the rest: PD transfers, aborted sequences
-                    if chunk not in local:
-                        await self._prefill_chunk(chunk)
+                for chunk in rest:
+                    await self._prefill_chunk(chunk)
                 return
             # the agent refused the step (a bad request in it): each part alone, so only that one fails
         if seqs and self.scheduler.healthy[group]:
