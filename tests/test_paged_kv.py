@@ -61,6 +61,18 @@ def chunked_prefill(
     return [prefill(graphs, table, prompt[s:e], start=s) for s, e in zip(bounds, bounds[1:])], bounds[1:]
 
 
+def prefill_each(graphs, reference, tables, prompts) -> tuple[list, list[float], list[int]]:
+    """Each prompt prefilled whole into its table -> the reference's caches (for decode_together),
+    max |logit difference| per prompt, and each prompt's next token (the reference's argmax)."""
+    caches = [ref.RefCache() for _ in prompts]
+    diffs, tokens = [], []
+    for prompt, table, cache in zip(prompts, tables, caches):
+        want = ref.forward(reference, prompt, cache)[-1]
+        diffs.append(float(np.abs(prefill(graphs, table, prompt) - want).max()))
+        tokens.append(int(np.argmax(want)))
+    return caches, diffs, tokens
+
+
 def decode_together(graphs, reference, tables, caches, tokens, positions, steps) -> list[float]:
     """`steps` decode steps of every sequence in one batch -> max |logit difference| per step;
     each sequence's next token is the reference's argmax (`tokens` is updated to the next ones)."""
@@ -100,12 +112,7 @@ def test_shuffled_block_tables_match_the_reference(path, model, tiny_llama_dir, 
     reference = ref.load_hf_reference(directory)
     tables = shuffled_tables(graphs, 3, seed=1)
     prompts = [prompt_ids(n, seed, graphs.spec.vocab_size) for seed, n in enumerate([7, 23, 41])]
-    caches = [ref.RefCache() for _ in prompts]
-    diffs, tokens = [], []
-    for prompt, table, cache in zip(prompts, tables, caches):
-        want = ref.forward(reference, prompt, cache)[-1]
-        diffs.append(float(np.abs(prefill(graphs, table, prompt) - want).max()))
-        tokens.append(int(np.argmax(want)))
+    caches, diffs, tokens = prefill_each(graphs, reference, tables, prompts)
     diffs += decode_together(graphs, reference, tables, caches, tokens, [len(p) for p in prompts], 10)
     assert max(diffs) < TOLERANCE, diffs
 
@@ -179,12 +186,7 @@ def test_q4_steps_of_many_rows_dequantize_each_tile_once(tiny_q4_path):
     reference = ref.load_gguf_reference(tiny_q4_path)
     tables = shuffled_tables(graphs, 4, seed=4)
     prompts = [prompt_ids(n, 20 + n, graphs.spec.vocab_size) for n in (3, 9, 26, 40)]
-    caches = [ref.RefCache() for _ in prompts]
-    diffs, tokens = [], []
-    for prompt, table, cache in zip(prompts, tables, caches):
-        want = ref.forward(reference, prompt, cache)[-1]
-        diffs.append(float(np.abs(prefill(graphs, table, prompt) - want).max()))
-        tokens.append(int(np.argmax(want)))
+    caches, diffs, tokens = prefill_each(graphs, reference, tables, prompts)
     positions = [len(p) for p in prompts]
     diffs += decode_together(graphs, reference, tables, caches, tokens, positions, 3)  # 4 rows
     later = [p + 3 for p in positions[1:]]  # then three of them: 3 rows
