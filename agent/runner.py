@@ -34,7 +34,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from agent.contract.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams, TokenLogprob
 from agent.graph_interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket, mixed_rows
 from agent.known_answer import KnownAnswer, check_post_process, compare, probe_length, probe_tokens
 from agent.llama_graphs import LlamaGraphs, TensorSplit
@@ -274,9 +274,10 @@ class ModelRunner:
         """A prompt's last (or only) chunk: positions start..len(tokens)-1 (`tokens`: the ids from
         position 0; positions before `start` are in the blocks of `table` already: earlier chunks,
         a prefix-cache hit). Seats a free slot; returns the first generated token."""
+        sampler = self._sampler(params, tokens)  # a bad parameter is refused before anything runs
         state, logits = self._compute(slot, tokens, table, start, sample=True)
-        state.sampler = SlotSampler(params, list(tokens), self.spec.vocab_size)
-        state.next_token = self._sample(logits, [state.sampler])[0]
+        state.sampler = sampler
+        state.next_token = self._sample(logits, [sampler])[0]
         return state.next_token
 
     def prefill_chunk(self, slot: int, tokens: Sequence[int], table: BlockTable, start: int = 0) -> None:
@@ -402,6 +403,8 @@ class ModelRunner:
                 f"or {self.runtime.decode_batch_buckets[-1]} sequences"
             )
         order = sorted(range(len(chunks)), key=lambda i: not chunks[i].sample)  # samplers first
+        sampling = [i for i in order if chunks[i].sample]
+        new = {i: self._sampler(chunks[i].params, chunks[i].tokens) for i in sampling}
         assert isinstance(self.graphs, MixedStepGraphs)  # mixed_rows says so
         logits = self.graphs.mixed(
             np.stack(padded) if padded else np.zeros((0, 0), np.int32),
@@ -411,10 +414,6 @@ class ModelRunner:
             self.mixed_rows,
             bucket(self.runtime.decode_batch_buckets, seqs),
         )
-        sampling = [i for i in order if chunks[i].sample]
-        new = {
-            i: SlotSampler(chunks[i].params, list(chunks[i].tokens), self.spec.vocab_size) for i in sampling
-        }
         samplers = [s.sampler for s in states if s.sampler is not None] + [new[i] for i in sampling]
         tokens = self._sample(logits, samplers)
         self._decoded(states, padded, tokens[: len(slots)])
@@ -464,7 +463,7 @@ class ModelRunner:
         sampler_state = state.get("sampler")
         if not isinstance(sampler_state, dict):
             raise RunnerError("the KV state needs a sampler map")
-        sampler = SlotSampler.from_state(sampler_state, self.spec.vocab_size)
+        sampler = SlotSampler.from_state(sampler_state, self.spec.vocab_size, self.spec.eos_ids)
         padded_table = self._padded_table(slot, table, length + 1)
         done = 0
         for sub_table, n, size in self._transfer_pieces(padded_table, length):
@@ -547,6 +546,17 @@ class ModelRunner:
             raise RunnerError(f"slot {slot} holds no sequence")
         return state
 
+    def _sampler(self, params: SamplingParams, prompt: Sequence[int]) -> SlotSampler:
+        try:
+            return SlotSampler(params, list(prompt), self.spec.vocab_size, self.spec.eos_ids)
+        except ValueError as e:
+            raise RunnerError(str(e)) from e
+
+    def logprobs(self, slot: int) -> TokenLogprob | None:
+        """The logprobs of the slot's last sampled token, if its request asked for them."""
+        state = self._active(slot)
+        return state.sampler.last if state.sampler is not None else None
+
     def _check_tokens(self, prompt: Sequence[int]) -> np.ndarray:
         tokens = np.asarray(prompt, dtype=np.int64)
         if tokens.ndim != 1 or tokens.size == 0:
@@ -559,14 +569,17 @@ class ModelRunner:
         """Post-process on the device: argmax when every row is plain greedy (`greedy`: the decode
         graph's own, else the argmax graph), else top-k candidates for the host-side samplers. Only
         token ids (and k candidates) leave the device, except the logits of a row whose candidates
-        would be the whole vocabulary: that row samples from them on the host, so the batch never
-        runs the whole-vocabulary top-k (agent/sampling.py)."""
+        would be the whole vocabulary, or that needs them whole (logprobs, logit bias, min_tokens):
+        that row samples from them on the host, so the batch never runs the whole-vocabulary top-k
+        (agent/sampling.py)."""
         if all(s.plain_greedy for s in samplers):
             ids = (self.graphs.argmax(logits) if greedy is None else greedy).asnumpy()
             return [int(t) for t in ids[: len(samplers)]]
         vocab = self.spec.vocab_size
         whole = {
-            i for i, s in enumerate(samplers) if bucket(self.topk_buckets, s.candidates_needed()) >= vocab
+            i
+            for i, s in enumerate(samplers)
+            if s.needs_logits or bucket(self.topk_buckets, s.candidates_needed()) >= vocab
         }
         tokens = {}
         if whole:

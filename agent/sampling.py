@@ -14,23 +14,43 @@ A row that needs the whole vocabulary does not run a top-k over it on the device
 batch of 32 with a 49152-token vocabulary, paid by every row of the batch): `choose_from_logits`
 takes its logits row and draws from the same distribution on the host, sorting only the tokens the
 draw can reach (none without top-p, the nucleus with it).
+
+The whole row is also taken by a sequence that asks for logprobs (their normaliser is the whole
+vocabulary's), has a logit bias (it may raise any token) or has stop ids to suppress (`min_tokens`).
+Logprobs are those of the distribution the token is drawn from: the logits after penalties, logit
+bias and suppression, divided by the temperature (1 for greedy rows), before top-k/top-p truncation;
+only the chosen token's and the `logprobs` best tokens' values leave the agent, never the logits.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 import numpy as np
 
-from agent.contract.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams, TokenLogprob
 
 
 class SlotSampler:
     """Chooses the tokens of one sequence: its parameters, its RNG and the tokens it has seen."""
 
-    def __init__(self, params: SamplingParams, prompt: list[int], vocab_size: int):
+    def __init__(
+        self, params: SamplingParams, prompt: list[int], vocab_size: int, eos_ids: Iterable[int] = ()
+    ):
+        if params.largest_token_id() >= vocab_size:
+            raise ValueError(
+                f"token id {params.largest_token_id()} (logit_bias or stop_token_ids) is outside the "
+                f"vocabulary 0..{vocab_size - 1}"
+            )
         self.params = params
         self.vocab_size = vocab_size
+        self.eos_ids = tuple(eos_ids)
+        self.bias_ids = np.array([t for t, _ in params.logit_bias], np.int64)
+        self.bias_values = np.array([b for _, b in params.logit_bias], np.float64)
+        self.suppressed = np.array(sorted(set(self.eos_ids) | set(params.stop_token_ids)), np.int64)
+        self.generated = 0  # tokens chosen so far (min_tokens)
+        self.last: TokenLogprob | None = None  # the logprobs of the last choice, when asked for
         self.rng = np.random.default_rng(params.seed)
         self.repetition = params.repetition_penalty != 1.0
         self.counted = params.presence_penalty > 0 or params.frequency_penalty > 0
@@ -41,7 +61,13 @@ class SlotSampler:
     @property
     def plain_greedy(self) -> bool:
         """Greedy without a penalty: the argmax graph's answer is final."""
-        return self.params.greedy and not self.penalised
+        return self.params.greedy and not self.penalised and not self.needs_logits
+
+    @property
+    def needs_logits(self) -> bool:
+        """Its next choice needs the whole logits row (choose_from_logits), whatever its top-k."""
+        p = self.params
+        return p.logprobs is not None or bool(p.logit_bias) or self.generated < p.min_tokens
 
     def candidates_needed(self) -> int:
         p = self.params
@@ -88,14 +114,38 @@ class SlotSampler:
         return token
 
     def choose_from_logits(self, row: np.ndarray) -> int:
-        """The choice choose() makes, from the row's logits for every token (indexed by id)."""
-        logits = self._penalised(row.astype(np.float64))
-        if self.params.greedy:
+        """The choice choose() makes, from the row's logits for every token (indexed by id), with
+        the logit bias and suppressed stop ids applied; its logprobs in `last` when asked for."""
+        p = self.params
+        logits = self._adjusted(self._penalised(row.astype(np.float64)))
+        if p.greedy:
             token = int(np.argmax(logits))
         else:
-            token = self._draw(np.exp((logits - logits.max()) / self.params.temperature))
+            token = self._draw(np.exp((logits - logits.max()) / p.temperature))
+        if p.logprobs is not None:
+            self.last = self._logprob(logits / (1.0 if p.greedy else p.temperature), token, p.logprobs)
         self.observe(token)
         return token
+
+    def _adjusted(self, logits: np.ndarray) -> np.ndarray:
+        if self.bias_ids.size:
+            np.add.at(logits, self.bias_ids, self.bias_values)
+        if self.generated < self.params.min_tokens and self.suppressed.size:
+            logits[self.suppressed] = -np.inf
+        return logits
+
+    @staticmethod
+    def _logprob(scaled: np.ndarray, token: int, best: int) -> TokenLogprob:
+        """log-softmax of the scaled logits at `token`, and the `best` most likely (id, logprob).
+        In float32 (1e-6 off; float64 costs 0.4 ms more a row), the sum accumulated in float64."""
+        values = scaled.astype(np.float32)
+        peak = float(values.max())
+        normaliser = peak + float(np.log(np.exp(values - peak).sum(dtype=np.float64)))
+        top: tuple[tuple[int, float], ...] = ()
+        if best:
+            ids = _best_ids(values, peak, best)
+            top = tuple((int(t), float(values[t]) - normaliser) for t in ids if np.isfinite(values[t]))
+        return TokenLogprob(float(values[token]) - normaliser, top)
 
     def _penalised(self, logits: np.ndarray) -> np.ndarray:
         p = self.params
@@ -125,21 +175,24 @@ class SlotSampler:
         would (PD disaggregation), in msgpack's types: the RNG's 128-bit state travels as JSON."""
         return {
             "params": self.params.model_dump(),
+            "generated": self.generated,
             "seen": sorted(self.seen),
             "counts": [[token, n] for token, n in self.counts.items()],
             "rng": json.dumps(self.rng.bit_generator.state),
         }
 
     @classmethod
-    def from_state(cls, state: dict, vocab_size: int) -> SlotSampler:
+    def from_state(cls, state: dict, vocab_size: int, eos_ids: Iterable[int] = ()) -> SlotSampler:
         """The inverse of state(); a malformed state raises ValueError, TypeError or KeyError."""
-        sampler = cls(SamplingParams.model_validate(state["params"]), [], vocab_size)
+        sampler = cls(SamplingParams.model_validate(state["params"]), [], vocab_size, eos_ids)
+        sampler.generated = int(state["generated"])
         sampler.seen = {int(t) for t in state["seen"]}
         sampler.counts = {int(t): int(n) for t, n in state["counts"]}
         sampler.rng.bit_generator.state = json.loads(state["rng"])
         return sampler
 
     def observe(self, token: int) -> None:
+        self.generated += 1
         if self.repetition:
             self.seen.add(token)
         if self.counted:
@@ -147,6 +200,21 @@ class SlotSampler:
 
 
 FIRST_NUCLEUS_GUESS = 64
+
+
+def _best_ids(values: np.ndarray, peak: float, best: int) -> np.ndarray:
+    """The ids of the `best` largest values, best first (ties by id). A selection over the tokens
+    near the peak (a comparison, 0.04 ms over 49152 tokens) instead of the whole row (0.35 ms):
+    exact, since every token left out is below all those kept."""
+    for margin in (8.0, 32.0):
+        ids = np.flatnonzero(values >= peak - margin)
+        if len(ids) >= best:
+            break
+    else:
+        ids = np.arange(len(values))
+    if len(ids) > best:
+        ids = ids[np.argpartition(values[ids], -best)[-best:]]
+    return ids[np.lexsort((ids, -values[ids]))]
 
 
 def _nucleus(probs: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:

@@ -175,8 +175,9 @@ class AgentService:
             self.runner.prefill_chunk(slot, tokens.tolist(), table, start)
             return {"token": None}, []
         token = self.runner.prefill(slot, tokens.tolist(), sampling, table, start)
+        reply = {"token": token, **self._logprobs("logprobs", [slot])}
         if transfer is None or self.sender is None:  # with a transfer there is a sender (checked above)
-            return {"token": token}, []
+            return reply, []
         try:  # the slot is free again whatever happens to the transfer
             blocks, state = self.runner.export_kv(slot)
         finally:
@@ -201,7 +202,7 @@ class AgentService:
             fields["slot"],
             transfer_ms,
         )
-        return {"token": token, "kv_bytes": blocks.nbytes, "transfer_ms": transfer_ms}, []
+        return {**reply, "kv_bytes": blocks.nbytes, "transfer_ms": transfer_ms}, []
 
     def _op_kv_receive(self, header: dict, arrays: list) -> tuple[dict, list]:
         ticket = _int_field(header, "ticket")
@@ -224,7 +225,7 @@ class AgentService:
             raise ValueError(f"decode of {len(slots)} slots got {len(tables)} block tables")
         # The server pads tables with zeros to the longest; each slot needs its length's blocks.
         tokens = self.runner.decode(slots.tolist(), [self._used_blocks(s, t) for s, t in zip(slots, tables)])
-        return {}, [np.asarray(tokens, dtype=np.int32)]
+        return self._logprobs("logprobs", slots.tolist()), [np.asarray(tokens, dtype=np.int32)]
 
     def _op_step(self, header: dict, arrays: list) -> tuple[dict, list]:
         specs = header.get("chunks")
@@ -255,7 +256,21 @@ class AgentService:
             )
         tables = [self._used_blocks(s, t) for s, t in zip(slots.tolist(), arrays[1])]
         decoded, firsts = self.runner.step(slots.tolist(), tables, chunks)
-        return {"chunk_tokens": firsts}, [np.asarray(decoded, dtype=np.int32)]
+        sampled = [c.slot if t is not None else None for c, t in zip(chunks, firsts)]
+        reply = {
+            "chunk_tokens": firsts,
+            **self._logprobs("logprobs", slots.tolist()),
+            **self._logprobs("chunk_logprobs", sampled),
+        }
+        return reply, [np.asarray(decoded, dtype=np.int32)]
+
+    def _logprobs(self, field: str, slots: list[int | None]) -> dict:
+        """{field: [each slot's last token logprobs or null]} if any slot's request asked for them
+        (None: a chunk that did not sample); {} otherwise, which keeps most replies as they were."""
+        entries = [None if s is None else self.runner.logprobs(s) for s in slots]
+        if all(e is None for e in entries):
+            return {}
+        return {field: [None if e is None else e.to_wire() for e in entries]}
 
     def _used_blocks(self, slot: int, table: np.ndarray) -> np.ndarray:
         """The blocks of `table` a decode step of `slot` reads: those of its positions so far and next."""

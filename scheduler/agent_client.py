@@ -25,7 +25,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from agent.contract import protocol
-from agent.contract.sampling import SamplingParams
+from agent.contract.sampling import Sampled, SamplingParams, TokenLogprob
 from agent.contract.transport import ClientKeys, secure_client_socket
 
 HEARTBEAT_IVL_MS = 1000
@@ -112,13 +112,13 @@ class ModelClient(Protocol):
         start: int,
         sample: bool,
         sampling: SamplingParams,
-    ) -> int | None: ...
+    ) -> Sampled | None: ...
 
-    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[int]: ...
+    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[Sampled]: ...
 
     async def step(
         self, slots: Sequence[int], tables: Sequence[Sequence[int]], chunks: Sequence[StepChunk]
-    ) -> tuple[list[int], list[int | None]]: ...
+    ) -> tuple[list[Sampled], list[Sampled | None]]: ...
 
     async def release(self, slot: int, ticket: int | None = None) -> None: ...
 
@@ -284,11 +284,11 @@ class AgentClient:
         start: int,
         sample: bool,
         sampling: SamplingParams,
-    ) -> int | None:
+    ) -> Sampled | None:
         """Positions start..len(tokens)-1 computed into the blocks of `table`; `sample`: the
         prompt's last chunk, whose first token is returned (and the slot seated)."""
         header = await self._prefill(slot, tokens, table, start, sample, sampling)
-        return int(header["token"]) if sample else None
+        return self._sampled([header["token"]], header.get("logprobs"))[0] if sample else None
 
     async def prefill_and_send(
         self,
@@ -298,11 +298,12 @@ class AgentClient:
         start: int,
         sampling: SamplingParams,
         transfer: dict,
-    ) -> tuple[int, int, float]:
+    ) -> tuple[Sampled, int, float]:
         """A prefill agent's whole prompt whose KV goes to a decode agent's slot (`transfer`:
         address, slot, session, ticket, table) -> (first token, K/V bytes sent, transfer ms)."""
         header = await self._prefill(slot, tokens, table, start, True, sampling, transfer=transfer)
-        return int(header["token"]), int(header["kv_bytes"]), float(header["transfer_ms"])
+        first = self._sampled([header["token"]], header.get("logprobs"))[0]
+        return first, int(header["kv_bytes"]), float(header["transfer_ms"])
 
     async def _prefill(
         self,
@@ -326,16 +327,16 @@ class AgentClient:
         )
         return header
 
-    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[int]:
+    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[Sampled]:
         header, arrays = await self.call(
             "decode", [np.asarray(slots, np.int32), block_tables(tables)], session=self.session
         )
         self.decode_compute_s = float(header.get("compute_ms", 0.0)) / 1000
-        return arrays[0].tolist()
+        return self._sampled(arrays[0].tolist(), header.get("logprobs"))
 
     async def step(
         self, slots: Sequence[int], tables: Sequence[Sequence[int]], chunks: Sequence[StepChunk]
-    ) -> tuple[list[int], list[int | None]]:
+    ) -> tuple[list[Sampled], list[Sampled | None]]:
         """A decode of `slots` and the prompt `chunks` in one call (the agent's info says mixed_rows):
         the decode tokens and each chunk's first token (None unless it samples)."""
         arrays = [np.asarray(slots, np.int32), block_tables(tables)]
@@ -354,7 +355,31 @@ class AgentClient:
         firsts = header.get("chunk_tokens")
         if not isinstance(firsts, list) or len(firsts) != len(chunks):
             raise AgentUnavailable(f"agent {self.address}: step reply without a token per chunk")
-        return out[0].tolist(), [None if t is None else int(t) for t in firsts]
+        sampled = [i for i, t in enumerate(firsts) if t is not None]
+        chunk_logprobs = header.get("chunk_logprobs")
+        got = self._sampled(
+            [firsts[i] for i in sampled],
+            None if chunk_logprobs is None else [chunk_logprobs[i] for i in sampled],
+        )
+        chunk_firsts: list[Sampled | None] = [None] * len(chunks)
+        for i, first in zip(sampled, got):
+            chunk_firsts[i] = first
+        return self._sampled(out[0].tolist(), header.get("logprobs")), chunk_firsts
+
+    def _sampled(self, tokens: list, logprobs) -> list[Sampled]:
+        """A reply's tokens with their logprobs (a list of entries or nulls, one per token, or
+        absent); a reply that does not follow the protocol marks this agent unavailable."""
+        try:
+            if logprobs is None:
+                return [Sampled(int(t)) for t in tokens]
+            if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
+                raise ValueError("logprobs do not match the tokens")
+            return [
+                Sampled(int(t), None if e is None else TokenLogprob.from_wire(e))
+                for t, e in zip(tokens, logprobs)
+            ]
+        except (TypeError, ValueError) as e:
+            raise AgentUnavailable(f"agent {self.address}: malformed tokens in its reply ({e})") from e
 
     async def release(self, slot: int, ticket: int | None = None) -> None:
         """ticket: a KV transfer into this slot that is given up; the agent refuses it from now on."""
@@ -411,8 +436,10 @@ class GroupClient:
         return [task.result() for task in tasks]
 
     async def _agreed(self, method: str, *args, **kwargs):
+        """Rank 0's result, once every rank chose the same tokens (their logprobs may differ in
+        the last bits: only rank 0's are used)."""
         results = await self._all(method, *args, **kwargs)
-        if any(r != results[0] for r in results[1:]):
+        if any(_tokens_of(r) != _tokens_of(results[0]) for r in results[1:]):
             raise AgentUnavailable(
                 f"tensor-parallel group {self.address}: the ranks disagree on {method} ({results})"
             )
@@ -432,15 +459,15 @@ class GroupClient:
         start: int,
         sample: bool,
         sampling: SamplingParams,
-    ) -> int | None:
+    ) -> Sampled | None:
         return await self._agreed("prefill", slot, tokens, table, start, sample, sampling)
 
-    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[int]:
+    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[Sampled]:
         return await self._agreed("decode", slots, tables)
 
     async def step(
         self, slots: Sequence[int], tables: Sequence[Sequence[int]], chunks: Sequence[StepChunk]
-    ) -> tuple[list[int], list[int | None]]:
+    ) -> tuple[list[Sampled], list[Sampled | None]]:
         return await self._agreed("step", slots, tables, chunks)
 
     async def release(self, slot: int, ticket: int | None = None) -> None:
@@ -448,3 +475,12 @@ class GroupClient:
 
     async def ping(self, timeout_s: float | None = None) -> None:
         await self._all("ping", timeout_s)
+
+
+def _tokens_of(result):
+    """The token ids in a prefill, decode or step result (Sampled, lists and tuples of them)."""
+    if isinstance(result, Sampled):
+        return result.token
+    if isinstance(result, (list, tuple)):
+        return [_tokens_of(r) for r in result]
+    return result

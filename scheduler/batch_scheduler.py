@@ -39,6 +39,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from agent.contract.sampling import Sampled
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -421,7 +422,7 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------------------- results
 
-    def prefilled(self, chunk: Chunk, token: int | None) -> None:
+    def prefilled(self, chunk: Chunk, token: Sampled | None) -> None:
         """A chunk ran: its positions hold KV (full blocks join the prefix cache); the last chunk
         of a prompt brings its first token."""
         seq = chunk.seq
@@ -433,7 +434,7 @@ class BatchScheduler:
             assert token is not None, "a prompt's last chunk samples a token"
             self._append(seq, token)
 
-    def transferred(self, seq: Sequence, token: int) -> None:
+    def transferred(self, seq: Sequence, token: Sampled) -> None:
         """Its prefill group sent the KV and the decode group took it: it decodes from now on."""
         self._free_prefill_slot(seq, computed=True)
         seq.transferring = False
@@ -465,7 +466,7 @@ class BatchScheduler:
             self.free_slots[group].append(slot)
             self.free_slots[group].sort()
 
-    def decoded(self, seqs: list[Sequence], tokens: list[int]) -> None:
+    def decoded(self, seqs: list[Sequence], tokens: list[Sampled]) -> None:
         for seq, token in zip(seqs, tokens):
             if seq.finished:  # aborted while its step was in flight
                 continue
@@ -522,8 +523,11 @@ class BatchScheduler:
         self.blocks[group] = self._block_manager(capacity)
         self.healthy[group] = True
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    def _append(self, seq: Sequence, sampled: Sampled) -> None:
+        token = sampled.token
         seq.output.append(token)
+        if sampled.logprob is not None:
+            seq.logprobs.append(sampled.logprob)
         if token in seq.stop_ids:
             self._finish(seq, FinishReason.STOP)
         elif len(seq.output) >= seq.max_new_tokens:

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable, Iterable
 from functools import partial
 
-from agent.contract.sampling import SamplingParams
+from agent.contract.sampling import Sampled, SamplingParams
 from config.schema import ServingConfig
 from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, AgentTakenOver, StepChunk
 from scheduler.batch_scheduler import (
@@ -216,9 +216,8 @@ class Engine:
             raise AdmissionError("the server is shutting down", Refusal.SHUTTING_DOWN)
         if self.links.taken_over and not self.scheduler.can_serve:
             raise AdmissionError(self.links.taken_over_reason(), Refusal.NO_GROUP)
-        seq = Sequence(
-            request_id, list(prompt), sampling, max_new_tokens, frozenset() if ignore_eos else self.stop_ids
-        )
+        stop_ids = (frozenset() if ignore_eos else self.stop_ids) | frozenset(sampling.stop_token_ids)
+        seq = Sequence(request_id, list(prompt), sampling, max_new_tokens, stop_ids)
         try:
             self.scheduler.add(seq)
         except AdmissionError:
@@ -478,7 +477,7 @@ class Engine:
                 self.scheduler.finish(seq, FinishReason.ERROR)
                 self.on_update(seq)
 
-    async def _decode(self, group: int, seqs: list[Sequence]) -> list[int]:
+    async def _decode(self, group: int, seqs: list[Sequence]) -> list[Sampled]:
         client = self.clients[group]
         blocks = self.scheduler.blocks[group]
         tables = [blocks.table(s.request_id) for s in seqs]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from agent.contract.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -29,6 +29,7 @@ class Sequence:
     max_new_tokens: int
     stop_ids: frozenset[int] = frozenset()
     output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     status: SequenceStatus = SequenceStatus.WAITING
     group: int | None = None
     slot: int | None = None

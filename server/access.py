@@ -18,7 +18,7 @@ import hmac
 from urllib.parse import parse_qs
 
 from config.schema import ServerSection, is_loopback
-from server.errors import error_response
+from server.errors import error_response, is_openai_path
 
 OPEN_PATHS = {"/health"}
 QUERY_KEY_PATHS = {"/dashboard"}
@@ -47,7 +47,7 @@ class AccessMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        openai = path.startswith("/v1/")
+        openai = is_openai_path(path)
         headers = dict(scope["headers"])
         refusal = self._refusal(headers)
         if refusal:

@@ -16,11 +16,12 @@ from agent.model.tokenizer import TextTokenizer
 from config.schema import ServingConfig
 from server.access import AccessMiddleware
 from server.assembly import PromptEncoder
-from server.errors import ApiError, error_response
+from server.errors import ApiError, error_response, is_openai_path
 from server.native_api import native_router
 from server.openai_api import openai_router
 from server.ops_api import ops_router
 from server.output import OutputProcessor
+from server.tokenize_api import tokenize_router
 
 
 def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputProcessor) -> FastAPI:
@@ -36,7 +37,7 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputP
     app = FastAPI(title="ms-llm-serving", lifespan=lifespan)
 
     def is_openai(request: Request) -> bool:
-        return request.url.path.startswith("/v1/")
+        return is_openai_path(request.url.path)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -63,6 +64,7 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputP
     app.include_router(openai_router(config, outputs, encoder))
     app.include_router(ops_router(config, engine))
     app.include_router(native_router(config, outputs, encoder))
+    app.include_router(tokenize_router(config, outputs, encoder))
     app.add_middleware(AccessMiddleware, server=config.server)
     if config.server.cors_origins:
         app.add_middleware(

@@ -29,8 +29,8 @@ INLINE_PROMPT_CHARS = 4096
 TOKENIZER_THREADS = 2
 CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it; the access log shows it
 
-# The fields both APIs' requests name as SamplingParams does; do_sample and the seed are per API.
-SAMPLING_FIELDS = set(SamplingParams.model_fields) - {"do_sample", "seed"}
+# The fields both APIs' requests name as SamplingParams does and mean alike; the others are per API.
+SAMPLING_FIELDS = set(SamplingParams.model_fields) - {"do_sample", "seed", "logprobs", "logit_bias"}
 
 
 def served_models(config: ServingConfig) -> list[str]:
@@ -47,9 +47,21 @@ def check_served(model: str, served: list[str]) -> None:
         )
 
 
-def sampling_params(request: BaseModel, do_sample: bool, seed: int | None) -> SamplingParams:
-    """The request's sampling fields (those it has; the rest keep SamplingParams' defaults)."""
-    return SamplingParams(do_sample=do_sample, seed=seed, **request.model_dump(include=SAMPLING_FIELDS))
+def sampling_params(
+    request: BaseModel, do_sample: bool, seed: int | None, vocab_size: int, **fields
+) -> SamplingParams:
+    """The request's sampling fields (those it has; the rest keep SamplingParams' defaults, or
+    `fields`); a token id past the vocabulary is a 400 naming the parameter."""
+    sampling = SamplingParams(
+        do_sample=do_sample, seed=seed, **request.model_dump(include=SAMPLING_FIELDS), **fields
+    )
+    largest = sampling.largest_token_id()
+    if largest >= vocab_size:
+        param = "stop_token_ids" if largest in sampling.stop_token_ids else "logit_bias"
+        raise ApiError(
+            400, f"{param}: token id {largest} is outside the vocabulary (0..{vocab_size - 1})", param=param
+        )
+    return sampling
 
 
 def check_answer_fits(prompt_len: int, max_new_tokens: int, context: int, openai: bool, param: str) -> None:
@@ -102,10 +114,12 @@ class PromptEncoder:
         self.longest_token_chars = max(map(len, vocabulary), default=1)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
-    async def encode(self, text: str, bounded: bool = True, param: str | None = None) -> list[int]:
+    async def encode(
+        self, text: str, bounded: bool = True, param: str | None = None, add_special_tokens: bool = True
+    ) -> list[int]:
         """bounded=False: the prompt is cut to its last tokens afterwards (the native `truncate`),
         so any length may fit."""
-        return await self._off_loop(len(text), bounded, param, lambda: self._ids(text, True))
+        return await self._off_loop(len(text), bounded, param, lambda: self._ids(text, add_special_tokens))
 
     async def encode_chat(
         self, messages: list[dict], bounded: bool = True, param: str | None = None

@@ -10,6 +10,8 @@ from fastapi.responses import JSONResponse
 from scheduler.batch_scheduler import Refusal
 
 RETRY_AFTER_S = "1"
+# vLLM's tokenizer endpoints answer in OpenAI's error shape, as the /v1/ paths do.
+OPENAI_ROOT_PATHS = ("/tokenize", "/detokenize")
 OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -35,6 +37,10 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/") or path in OPENAI_ROOT_PATHS
 
 
 def refusal_status(reason: Refusal, openai: bool = False) -> int:

@@ -31,7 +31,8 @@ from server.assembly import (
     unless_disconnected,
 )
 from server.errors import ApiError
-from server.output import AnswerStream, OutputProcessor
+from server.logprob_format import LogprobFormatter
+from server.output import AnswerStream, GenerationOutput, OutputProcessor
 from server.request_body import json_body
 
 
@@ -39,34 +40,54 @@ def sse_message(data) -> str:
     return json.dumps({"event": "message", "retry": 30000, "data": data}, ensure_ascii=False)
 
 
-async def full_text(answer: AnswerStream) -> str:
-    text = []
+async def whole_answer(answer: AnswerStream) -> tuple[str, list[GenerationOutput]]:
+    text, outs = [], []
     async with contextlib.aclosing(answer):
         async for out in answer:
             if out.error:  # a failed agent or a shutdown: try again later
                 raise ApiError(503, out.error)
             text.append(out.text)
-    return "".join(text)
+            outs.append(out)
+    return "".join(text), outs
 
 
-async def respond_full(http: Request, answer: AnswerStream) -> Response:
-    text = await unless_disconnected(http, [answer], full_text(answer))
-    if isinstance(text, Response):  # the client is gone
-        return text
-    return Response(
-        json.dumps({"generated_text": text}, ensure_ascii=False) + "\n", media_type="application/json"
-    )
+def tgi_details(outs: list[GenerationOutput], seed: int | None, formatter: LogprobFormatter) -> dict:
+    """TGI's `details` of a finished answer: why it ended, its tokens with their logprobs."""
+    last = outs[-1]
+    reason = {"length": "length", "stop": "stop_sequence" if last.stop_string else "eos_token"}
+    tokens = [t for out in outs for t in out.tokens]
+    return {
+        "finish_reason": reason.get(last.finish_reason or "", last.finish_reason),
+        "generated_tokens": last.index,
+        "seed": seed,
+        "prefill": [],
+        "tokens": [formatter.tgi(t.id, None if t.logprob is None else t.logprob.logprob) for t in tokens],
+        "top_tokens": [formatter.tgi_top(t.logprob) for t in tokens],
+    }
+
+
+async def respond_full(
+    http: Request, answer: AnswerStream, request: ClientRequest, formatter: LogprobFormatter
+) -> Response:
+    done = await unless_disconnected(http, [answer], whole_answer(answer))
+    if isinstance(done, Response):  # the client is gone
+        return done
+    text, outs = done
+    body: dict = {"generated_text": text}
+    if request.parameters.details:
+        body["details"] = tgi_details(outs, request.parameters.seed, formatter)
+    return Response(json.dumps(body, ensure_ascii=False) + "\n", media_type="application/json")
 
 
 async def stream_pieces(answer, return_full_text: bool, piece, error, full) -> AsyncIterator:
-    """The answer's pieces in one protocol's framing: piece(text, index), error(message), full(text).
-    An error is the stream's last event: the full text would read as a finished answer."""
+    """The answer's pieces in one protocol's framing: piece(output, index), error(message),
+    full(text). An error is the stream's last event: the full text would read as a finished answer."""
     text = []
     async with contextlib.aclosing(answer):
         async for out in answer:
             if out.text:
                 text.append(out.text)
-                yield piece(out.text, len(text) - 1)
+                yield piece(out, len(text) - 1)
             if out.error:
                 yield error(out.error)
                 return
@@ -82,27 +103,40 @@ def sse_events(answer, return_full_text: bool) -> AsyncIterator[str]:
     return stream_pieces(
         answer,
         return_full_text,
-        lambda text, _i: sse_message(text),
+        lambda out, _i: sse_message(out.text),
         lambda message: json.dumps({"event": "error", "retry": 30000, "data": message}),
         sse_message,
     )
 
 
-def data_lines(answer, return_full_text: bool) -> AsyncIterator[bytes]:
+def plain_token(out: GenerationOutput, index: int, formatter: LogprobFormatter) -> dict:
+    """A plain-protocol line's token: the piece's text and index, with the id, logprob (null unless
+    details were asked for) and special flag of its last token, and TGI's top_tokens with top_n_tokens."""
+    line: dict = {"token": {"text": out.text, "index": index}}
+    if out.tokens:
+        last = out.tokens[-1]
+        tgi = formatter.tgi(last.id, None if last.logprob is None else last.logprob.logprob)
+        line["token"] |= {"id": tgi["id"], "logprob": tgi["logprob"], "special": tgi["special"]}
+        if last.logprob is not None and last.logprob.top:
+            line["top_tokens"] = formatter.tgi_top(last.logprob)
+    return line
+
+
+def data_lines(answer, return_full_text: bool, formatter: LogprobFormatter) -> AsyncIterator[bytes]:
     return stream_pieces(
         answer,
         return_full_text,
-        lambda text, i: data_line({"token": {"text": text, "index": i}}),
+        lambda out, i: data_line(plain_token(out, i, formatter)),
         lambda message: data_line({"error": message}),
         lambda text: data_line({"generated_text": text}),
     )
 
 
-def respond_stream(answer, request: ClientRequest):
+def respond_stream(answer, request: ClientRequest, formatter: LogprobFormatter):
     p = request.parameters
     if p.return_protocol == "sse":
         return EventSourceResponse(sse_events(answer, p.return_full_text))
-    return StreamingResponse(data_lines(answer, p.return_full_text), media_type="text/plain")
+    return StreamingResponse(data_lines(answer, p.return_full_text, formatter), media_type="text/plain")
 
 
 async def one_event(value: int):
@@ -114,6 +148,7 @@ def native_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
     engine = outputs.engine
     client_request = json_body(ClientRequest)
     served = served_models(config)
+    formatter = LogprobFormatter(outputs.tokenizer)
 
     async def start(model: str, request: ClientRequest) -> AnswerStream:
         check_served(model, served)
@@ -131,7 +166,9 @@ def native_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
             check_answer_fits(
                 len(prompt), p.max_new_tokens, outputs.engine.max_seq_len, False, "max_new_tokens"
             )
-        sampling = sampling_params(p, p.do_sample, p.seed)
+        sampling = sampling_params(
+            p, p.do_sample, p.seed, outputs.tokenizer.vocab_size, logprobs=p.logprobs_asked()
+        )
         [stream] = await admit(
             outputs, prompt, [sampling], p.max_new_tokens, p.stop, p.ignore_eos, openai=False
         )
@@ -140,15 +177,17 @@ def native_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
     @router.post("/models/{model}")
     async def generate_any(http: Request, model: str, request: ClientRequest = Depends(client_request)):
         answer = await start(model, request)
-        return respond_stream(answer, request) if request.stream else await respond_full(http, answer)
+        if request.stream:
+            return respond_stream(answer, request, formatter)
+        return await respond_full(http, answer, request, formatter)
 
     @router.post("/models/{model}/generate")
     async def generate(http: Request, model: str, request: ClientRequest = Depends(client_request)):
-        return await respond_full(http, await start(model, request))
+        return await respond_full(http, await start(model, request), request, formatter)
 
     @router.post("/models/{model}/generate_stream")
     async def generate_stream(model: str, request: ClientRequest = Depends(client_request)):
-        return respond_stream(await start(model, request), request)
+        return respond_stream(await start(model, request), request, formatter)
 
     @router.get("/serving/get_bs")
     async def get_bs(group: int | None = None):

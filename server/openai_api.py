@@ -28,8 +28,9 @@ from server.assembly import (
     unless_disconnected,
 )
 from server.errors import ApiError
+from server.logprob_format import LogprobFormatter
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
-from server.output import AnswerStream, GenerationOutput, OutputProcessor
+from server.output import AnswerStream, GeneratedToken, GenerationOutput, OutputProcessor
 from server.request_body import json_body
 
 CREATED = int(time.time())
@@ -65,6 +66,7 @@ async def _merged(streams: list[AnswerStream]) -> AsyncGenerator[tuple[int, Gene
 def openai_router(config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder) -> APIRouter:
     router = APIRouter(prefix="/v1")
     served = served_models(config)
+    formatter = LogprobFormatter(outputs.tokenizer)
 
     @router.get("/models")
     async def models():
@@ -84,8 +86,16 @@ def openai_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
 
     async def respond(http: Request, req, prompt: list[int], max_tokens: int, chat: bool):
         # Temperature 0 is greedy; choice i samples with seed + i.
+        top = req.top_logprobs_asked()
         samplings = [
-            sampling_params(req, req.temperature > 0, None if req.seed is None else req.seed + i)
+            sampling_params(
+                req,
+                req.temperature > 0,
+                None if req.seed is None else req.seed + i,
+                outputs.tokenizer.vocab_size,
+                logprobs=top,
+                logit_bias=req.bias_pairs(),
+            )
             for i in range(req.n)
         ]
         streams = await admit(outputs, prompt, samplings, max_tokens, req.stop, req.ignore_eos, openai=True)
@@ -108,8 +118,21 @@ def openai_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
                 "total_tokens": len(prompt) + completion_tokens,
             }
 
+        def logprobs(i: int, tokens: list[GeneratedToken]) -> dict | None:
+            """Choice i's logprobs of these tokens (its next ones), if the request asked."""
+            if top is None:
+                return None
+            if chat:
+                return {"content": formatter.chat(tokens)}
+            shown = formatter.completion(tokens, offsets[i])
+            offsets[i] += sum(map(len, shown["tokens"]))
+            return shown
+
+        offsets = [0] * req.n  # completions: characters of each choice's tokens so far
+
         async def whole() -> dict:
             texts, tokens = [""] * req.n, [0] * req.n
+            generated: list[list[GeneratedToken]] = [[] for _ in range(req.n)]
             reasons: list[str | None] = [None] * req.n
             async with contextlib.aclosing(_merged(streams)) as merged:
                 async for i, out in merged:
@@ -117,14 +140,16 @@ def openai_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
                         raise ApiError(503, out.error)
                     texts[i] += out.text
                     tokens[i] = out.index
+                    generated[i] += out.tokens
                     reasons[i] = out.finish_reason
             choices = [
                 {"index": i, "message": {"role": "assistant", "content": texts[i]}}
                 if chat
-                else {"index": i, "text": texts[i], "logprobs": None}
+                else {"index": i, "text": texts[i]}
                 for i in range(req.n)
             ]
             for i, choice in enumerate(choices):
+                choice["logprobs"] = logprobs(i, generated[i])
                 choice["finish_reason"] = reasons[i]
             return {**envelope(choices, False), "usage": usage(sum(tokens))}
 
@@ -133,16 +158,23 @@ def openai_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def piece(i: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        def piece(i: int, out: GenerationOutput | None) -> dict:
+            """Choice i's chunk of this output (None: the first chunk, with the role)."""
+            text, reason = (out.text, out.finish_reason) if out else ("", None)
+            shown = logprobs(i, out.tokens) if out and out.tokens else None
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+                delta = (
+                    {"role": "assistant", "content": ""}
+                    if out is None
+                    else ({"content": text} if text else {})
+                )
+                return {"index": i, "delta": delta, "logprobs": shown, "finish_reason": reason}
+            return {"index": i, "text": text, "logprobs": shown, "finish_reason": reason}
 
         async def events():
             tokens = [0] * req.n
             if chat:
-                yield json.dumps(envelope([piece(i, None, None, role=True) for i in range(req.n)], True))
+                yield json.dumps(envelope([piece(i, None) for i in range(req.n)], True))
             async with contextlib.aclosing(_merged(streams)) as merged:
                 async for i, out in merged:
                     if out.error:
@@ -158,10 +190,8 @@ def openai_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
                         )
                         break
                     tokens[i] = out.index
-                    if out.text or out.finished:
-                        yield json.dumps(
-                            envelope([piece(i, out.text, out.finish_reason)], True), ensure_ascii=False
-                        )
+                    if out.text or out.finished or (top is not None and out.tokens):
+                        yield json.dumps(envelope([piece(i, out)], True), ensure_ascii=False)
             if include_usage:
                 yield json.dumps({**envelope([], True), "usage": usage(sum(tokens))})
             yield "[DONE]"

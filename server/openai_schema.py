@@ -7,7 +7,15 @@ from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from agent.contract.sampling import MAX_SEED, MAX_TOP_K, check_stop_strings
+from agent.contract.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+    check_stop_strings,
+)
 
 MAX_N = 8  # completions per request; each is one more sequence in the batch
 
@@ -31,12 +39,39 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias
     user: str | None = None
     # Extensions vLLM and llama.cpp accept too.
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _null_stop_token_ids(cls, value):
+        return [] if value is None else value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, value: list[int]) -> list[int]:
+        if any(token < 0 for token in value):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdecimal():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+                raise ValueError(f"logit_bias values lie in -100..100, got {bias} for token {key}")
+        return value
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -62,8 +97,6 @@ class _Common(BaseModel):
         """The first parameter this server cannot honour, as a message; None if all are fine."""
         if self.presence_penalty < 0 or self.frequency_penalty < 0:
             return "negative presence_penalty/frequency_penalty are not supported (0 to 2 are)"
-        if self.logit_bias:
-            return "logit_bias is not supported"
         return None
 
 
@@ -71,15 +104,18 @@ class CompletionRequest(_Common):
     prompt: str | list[str]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> str | None:
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             return "prompt must be one string (a list of prompts is not supported; send one request each)"
-        if self.logprobs is not None:
-            return "logprobs is not supported"
+        if self.echo:
+            return "echo is not supported (prompt logprobs are not computed): send echo false"
         if self.best_of not in (None, 1, self.n):
             return "best_of is not supported"
         if self.suffix:
@@ -119,22 +155,34 @@ class ChatMessage(BaseModel):
         return "".join(part.text or "" for part in self.content)
 
 
+def refused_content(messages: list[ChatMessage]) -> str | None:
+    """Why these messages cannot be served (content parts other than text), or None."""
+    for message in messages:
+        if isinstance(message.content, list) and any(p.type != "text" for p in message.content):
+            return "only text content parts are supported"
+    return None
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list | None = None
     response_format: dict | None = None
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> Self:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> str | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs/top_logprobs are not supported"
         if self.tools:
             return "tools are not supported"
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             return "response_format other than text is not supported"
-        for message in self.messages:
-            if isinstance(message.content, list) and any(p.type != "text" for p in message.content):
-                return "only text content parts are supported"
-        return super().unsupported()
+        return refused_content(self.messages) or super().unsupported()

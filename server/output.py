@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from agent.contract.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams, TokenLogprob
 from agent.model.detokenizer import IncrementalDetokenizer
 from agent.model.tokenizer import TextTokenizer
 from config.schema import ServingConfig
@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class GeneratedToken:
+    id: int
+    logprob: TokenLogprob | None  # when the request asked for logprobs
+
+
+@dataclass
 class GenerationOutput:
     text: str  # new text since the previous output (may be empty)
     token_id: int | None
@@ -37,6 +43,8 @@ class GenerationOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    tokens: list[GeneratedToken] = field(default_factory=list)  # new since the previous, as in text
+    stop_string: bool = False  # finished by one of the request's stop strings
 
 
 @dataclass
@@ -45,12 +53,14 @@ class _Stream:
     queue: asyncio.Queue
     detokenizer: IncrementalDetokenizer
     stop: tuple[str, ...]
+    hidden: frozenset[int]  # ids that end the answer without being part of it (EOS, stop_token_ids)
     hold: int = 0  # characters held back: the longest stop string but one
     consumed: int = 0  # tokens of seq.output already detokenized
     sent: int = 0  # characters of detokenizer.text already handed out
     admitted: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # when the previous token went out
     counted: bool = False  # its outcome is in the metrics
+    stop_string: bool = False  # a stop string ended it
 
 
 class AnswerStream:
@@ -118,6 +128,7 @@ class OutputProcessor:
             asyncio.Queue(),
             IncrementalDetokenizer(self.tokenizer),
             stop,
+            self.engine.stop_ids | frozenset(sampling.stop_token_ids),
             hold=max((len(s) for s in stop), default=1) - 1,
         )
         self.streams[request_id] = stream
@@ -148,11 +159,13 @@ class OutputProcessor:
         stream = self.streams.get(seq.request_id)
         if stream is None:
             return
-        new_tokens = seq.output[stream.consumed :]
+        first, new_tokens = stream.consumed, seq.output[stream.consumed :]
         stream.consumed = len(seq.output)
-        for token in new_tokens:
-            if token not in self.engine.stop_ids:  # EOS ends the answer; it is not part of the text
+        shown = []
+        for i, token in enumerate(new_tokens, first):
+            if token not in stream.hidden:  # EOS ends the answer; it is not part of the text
                 stream.detokenizer.add(token)
+                shown.append(GeneratedToken(token, seq.logprobs[i] if i < len(seq.logprobs) else None))
         if seq.finished:
             stream.detokenizer.flush()
         piece = self._next_piece(stream)
@@ -168,6 +181,8 @@ class OutputProcessor:
                 finished=seq.finished,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                 error=seq.error,
+                tokens=shown,
+                stop_string=stream.stop_string,
             )
         )
 
@@ -177,6 +192,7 @@ class OutputProcessor:
         hits = [i for i in (text.find(s, max(0, stream.sent - len(s))) for s in stream.stop) if i >= 0]
         if hits:
             text = text[: min(hits)]
+            stream.stop_string = True
             self.engine.finish(seq, FinishReason.STOP)
         elif stream.hold and not seq.finished:
             # Hold back what could be the start of a stop string: once sent it cannot be taken back.

@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from agent.contract import protocol
-from agent.contract.sampling import SamplingParams
+from agent.contract.sampling import Sampled, SamplingParams
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, slot_blocks, write_config
 from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable, GroupClient
@@ -32,21 +32,22 @@ def test_calls_match_the_in_process_runner(agent, tiny_llama_runner, tiny_llama_
     address, _ = agent
     release_all(tiny_llama_runner)
     prompts = [load_tokenizer(tiny_llama_dir).encode(t) for t in ["The quick brown", "你好"]]
+    # Slot 1 asks for logprobs: they travel beside its tokens, slot 0's replies carry none.
+    params = [SamplingParams(), SamplingParams(logprobs=3)]
+    runner = tiny_llama_runner
     want = []
     for slot, prompt in enumerate(prompts):
-        want.append([tiny_llama_runner.prefill(slot, prompt, SamplingParams())])
+        want.append([Sampled(runner.prefill(slot, prompt, params[slot]), runner.logprobs(slot))])
     for _ in range(5):
-        for seq, token in zip(want, tiny_llama_runner.decode([0, 1])):
-            seq.append(token)
+        for slot, (seq, token) in enumerate(zip(want, runner.decode([0, 1]))):
+            seq.append(Sampled(token, runner.logprobs(slot)))
 
     async def run():
         client = AgentClient(address, timeout_s=30)
         info = await client.info()
         await client.reset()
         tables = [slot_blocks(0), slot_blocks(1)]
-        got = [
-            [await client.prefill(s, p, tables[s], 0, True, SamplingParams())] for s, p in enumerate(prompts)
-        ]
+        got = [[await client.prefill(s, p, tables[s], 0, True, params[s])] for s, p in enumerate(prompts)]
         for _ in range(5):
             for seq, token in zip(got, await client.decode([0, 1], tables)):
                 seq.append(token)
@@ -57,6 +58,7 @@ def test_calls_match_the_in_process_runner(agent, tiny_llama_runner, tiny_llama_
 
     info, got = asyncio.run(run())
     assert info["num_slots"] == 4 and got == want
+    assert all(t.logprob is None for t in got[0]) and all(len(t.logprob.top) == 3 for t in got[1])
 
 
 def test_error_reply_raises_with_the_agents_message(agent):

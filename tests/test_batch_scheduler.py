@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.contract.sampling import SamplingParams
+from agent.contract.sampling import Sampled, SamplingParams
 from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal
 from scheduler.sequence import FinishReason, Sequence
 
@@ -70,6 +70,10 @@ class FakeAgent:
         self.calls.append(f"release {slot}")
 
 
+def sampled(tokens):
+    return [Sampled(t) for t in tokens]
+
+
 def seq(rid, prompt=(1, 2, 3), max_new=5, stop_ids=frozenset({EOS})):
     return Sequence(rid, list(prompt), SamplingParams(), max_new, stop_ids)
 
@@ -80,14 +84,14 @@ def step(scheduler, agents, busy=()):
         agents[group].release(slot)
     for group, seqs in plan.decodes.items():
         tables = [scheduler.blocks[group].table(s.request_id) for s in seqs]
-        scheduler.decoded(seqs, agents[group].decode([s.slot for s in seqs], tables))
+        scheduler.decoded(seqs, sampled(agents[group].decode([s.slot for s in seqs], tables)))
     for chunk in plan.prefills:
         s = chunk.seq
         table = scheduler.blocks[s.group].table(s.request_id)
         token = agents[s.group].prefill(
             s.slot, s.tokens(chunk.end), table, chunk.start, chunk.end, chunk.sample
         )
-        scheduler.prefilled(chunk, token)
+        scheduler.prefilled(chunk, None if token is None else Sampled(token))
     return plan
 
 
@@ -210,7 +214,7 @@ def test_abort_waiting_running_and_in_flight():
     plan = scheduler.schedule()
     table = scheduler.blocks[0].table("run")
     scheduler.abort("run")  # while its decode is "in flight"
-    scheduler.decoded(plan.decodes[0], agents[0].decode([run.slot], [table]))
+    scheduler.decoded(plan.decodes[0], sampled(agents[0].decode([run.slot], [table])))
     assert run.finish_reason is FinishReason.ABORT and len(run.output) == 1
     assert scheduler.schedule().releases == [(0, run.slot, None)]
     assert scheduler.abort("unknown") is None
@@ -225,7 +229,7 @@ def test_abort_during_a_prefill_whose_token_ends_the_sequence_counts_it_once(max
     scheduler.add(request)
     plan = scheduler.schedule()
     scheduler.abort("a")
-    scheduler.prefilled(plan.prefills[0], first_token)
+    scheduler.prefilled(plan.prefills[0], Sampled(first_token))
     assert scheduler.tokens_in_flight == 0 and request.finish_reason is FinishReason.ABORT
     assert request.output == []
 
@@ -275,7 +279,7 @@ def test_prefill_group_slots_bound_transfers_and_transferring_sequences_are_not_
     assert prefilled(plan) == [a] and (a.prefill_group, a.prefill_slot) == (0, 0)
     assert a.group in (1, 2) and a.transferring and a.ticket is not None and not plan.decodes
     assert scheduler.schedule().prefills == []  # b waits for the prefill slot
-    scheduler.transferred(a, 7)
+    scheduler.transferred(a, Sampled(7))
     plan = scheduler.schedule()
     assert prefilled(plan) == [b] and plan.decodes == {a.group: [a]} and a.output == [7]
     assert b.group != a.group  # now the other decode group has more free slots
@@ -300,7 +304,7 @@ def test_aborted_during_transfer_cancels_the_ticket_and_ignores_the_late_token()
     scheduler.schedule()
     scheduler.abort("a")
     assert scheduler.schedule().releases == [(1, a.slot, a.ticket)]
-    scheduler.transferred(a, 5)
+    scheduler.transferred(a, Sampled(5))
     assert a.output == [] and scheduler.free_slots[0] == [0]
 
 

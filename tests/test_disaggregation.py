@@ -130,6 +130,17 @@ def test_seeded_sampling_continues_on_the_decode_agent(disaggregated, tmp_path_f
     assert first != generate(base, "The quick brown fox", **{**params, "seed": 6}).json()["generated_text"]
 
 
+def test_logprobs_come_from_both_agents(disaggregated):
+    """The first token is sampled on the prefill agent, the rest on the decode agent: every token
+    has its logprob, and (greedy) each is its row's most likely token."""
+    reply = generate(disaggregated["base"], "The quick brown fox", details=True, top_n_tokens=2).json()
+    details = reply["details"]
+    assert len(details["tokens"]) == 20 == details["generated_tokens"]
+    for token, top in zip(details["tokens"], details["top_tokens"]):
+        assert token["logprob"] <= 0 and top[0]["id"] == token["id"] and top[0]["logprob"] == token["logprob"]
+    assert "".join(t["text"] for t in details["tokens"]) == reply["generated_text"]
+
+
 def test_a_prefill_agents_key_may_only_send_kv(disaggregated):
     """The prefill agent holds its own keypair, not the server's: a decode agent takes only
     kv_receive from it (not info, reset, decode or release), and the prefill agent does not admit

@@ -9,11 +9,13 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from httpx_sse import connect_sse
 
+import reference_numpy as ref
 from agent_harness import free_ports, serving_stack, write_config
-from http_client import answer_three_ways, post
+from http_client import answer_three_ways, data_lines, post
 
 pytestmark = pytest.mark.default_model
 DRAIN_TIMEOUT_S = 3
@@ -66,6 +68,41 @@ def test_streamed_pieces_join_to_the_full_text(stack, prompt, expect):
     )
     assert expect.search(full), full
     assert "\ufffd" not in full and full == sse == plain
+
+
+def test_logprobs_match_the_independent_reference(stack, default_model_path):
+    """TGI details on the default model: greedy ids, their logprobs and the top 5 against a numpy
+    log-softmax of the reference's logits; the plain protocol's token fields agree with them."""
+    base, _ = stack
+    question = "What is the capital of France?"
+    parameters = {"max_new_tokens": 8, "chat_template": True, "details": True, "top_n_tokens": 5}
+    reply = post(f"{base}/models/smollm2/generate", {"inputs": question, "parameters": parameters}).json()
+    details = reply["details"]
+    ids = [t["id"] for t in details["tokens"]]
+    messages = [{"role": "user", "content": question}]
+    prompt = post(f"{base}/tokenize", {"model": "smollm2", "messages": messages}).json()["tokens"]
+    reference = ref.load_gguf_reference(default_model_path)
+    logits = ref.forward(reference, prompt + ids[:-1], ref.RefCache())[len(prompt) - 1 :]
+    shifted = logits - logits.max(-1, keepdims=True)
+    want = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    assert ids == [int(i) for i in np.argmax(logits, -1)]
+    for row, token, top in zip(want, details["tokens"], details["top_tokens"]):
+        assert abs(token["logprob"] - row[token["id"]]) < 1e-3 and not token["special"]
+        assert top[0]["id"] == token["id"] and len(top) == 5
+        assert [t["logprob"] for t in top] == pytest.approx(np.sort(row)[::-1][:5], abs=1e-3)
+    assert "".join(t["text"] for t in details["tokens"]) == reply["generated_text"]
+    assert details["finish_reason"] in ("length", "eos_token") and details["generated_tokens"] >= len(ids)
+
+    lines = data_lines(
+        f"{base}/models/smollm2/generate_stream",
+        {"inputs": question, "parameters": {**parameters, "return_protocol": "plain"}},
+    )
+    tokens = [line["token"] for line in lines]
+    assert [t["id"] for t in tokens] == ids  # one ASCII token a piece
+    assert [t["logprob"] for t in tokens] == pytest.approx(
+        [t["logprob"] for t in details["tokens"]], abs=1e-5
+    )
+    assert all(line["top_tokens"][0]["id"] == line["token"]["id"] for line in lines)
 
 
 def test_sigterm_ends_unfinished_streams_with_a_final_event(stack):

@@ -170,16 +170,133 @@ def test_penalties_are_honoured_and_unsupported_parameters_refused(sdk):
     )
     assert reply.choices[0].text
     for kwargs, word in [
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"presence_penalty": -1.0}, "negative"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"100000": 1}}, "logit_bias"),  # past the vocabulary
+        ({"extra_body": {"stop_token_ids": [100000]}}, "stop_token_ids"),
+        ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
     ]:
         with pytest.raises(openai.BadRequestError, match=word):
             sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, **kwargs)
-    with pytest.raises(openai.BadRequestError, match="temperature"):
-        sdk.completions.create(model="tiny", prompt="x", temperature=3.0)
+    for kwargs, word in [
+        ({"temperature": 3.0}, "temperature"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"echo": True}, "echo"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=word):
+            sdk.completions.create(model="tiny", prompt="x", **kwargs)
     with pytest.raises(openai.NotFoundError, match="served: tiny"):
         sdk.completions.create(model="gpt-5", prompt="x")
+
+
+def greedy_ids(base: str, prompt: str, n: int, **parameters) -> tuple[list[int], dict]:
+    """The native API's greedy answer as token ids (TGI details), and the details."""
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": n, "details": True, **parameters}}
+    reply = httpx.post(f"{base}/models/tiny/generate", headers=AUTH, json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    details = reply.json()["details"]
+    return [t["id"] for t in details["tokens"]], details
+
+
+def test_logit_bias_stop_token_ids_and_min_tokens_steer_the_answer(stack, sdk, tokenizer):
+    base = stack[0]
+    [lifted] = tokenizer.encode("cat", add_special_tokens=False)[:1]
+    reply = sdk.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=4, temperature=0, logit_bias={str(lifted): 100}
+    )
+    assert reply.choices[0].text == tokenizer.decode([lifted] * 4)
+    answer, _ = greedy_ids(base, "Once upon", 6, ignore_eos=True)
+    stopped = sdk.completions.create(
+        model="tiny",
+        prompt="Once upon",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"stop_token_ids": [answer[2]]},
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == tokenizer.decode(answer[:2])  # the stop id ends it, unshown
+    held = sdk.completions.create(
+        model="tiny",
+        prompt="Once upon",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"stop_token_ids": [answer[0]], "min_tokens": 3, "ignore_eos": True},
+    )
+    assert held.usage.completion_tokens >= 3 and answer[0] not in tokenizer.encode(held.choices[0].text)[:1]
+
+
+def test_chat_and_completion_logprobs_streamed_and_not(sdk):
+    def chat(stream: bool):
+        kwargs = dict(
+            model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+        )
+        if not stream:
+            reply = sdk.chat.completions.create(**kwargs)
+            return reply.choices[0].message.content, reply.choices[0].logprobs.content
+        chunks = list(sdk.chat.completions.create(**kwargs, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, [
+            i for c in chunks if c.choices and c.choices[0].logprobs for i in c.choices[0].logprobs.content
+        ]
+
+    text, items = chat(False)
+    # A token may hold part of a character: its bytes are exact, its text shows U+FFFD.
+    assert items and b"".join(bytes(i.bytes) for i in items).decode(errors="replace") == text
+    for item in items:  # greedy: the chosen token is the most likely one
+        values = [t.logprob for t in item.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert item.top_logprobs[0].token == item.token and item.top_logprobs[0].logprob == item.logprob
+        assert bytes(item.bytes).decode(errors="replace") == item.token
+    streamed_text, streamed = chat(True)
+    assert streamed_text == text
+    assert [(i.token, i.logprob) for i in streamed] == [
+        (i.token, pytest.approx(i.logprob, abs=1e-5)) for i in items
+    ]
+
+    reply = sdk.completions.create(model="tiny", prompt="Once upon", max_tokens=5, temperature=0, logprobs=2)
+    shown = reply.choices[0].logprobs
+    assert len(shown.token_logprobs) == len(shown.tokens) == reply.usage.completion_tokens
+    assert all(
+        len(top) <= 2 and max(top.values()) == lp for top, lp in zip(shown.top_logprobs, shown.token_logprobs)
+    )
+    assert shown.text_offset == [sum(map(len, shown.tokens[:i])) for i in range(len(shown.tokens))]
+    chunks = list(
+        sdk.completions.create(
+            model="tiny", prompt="Once upon", max_tokens=5, temperature=0, logprobs=2, stream=True
+        )
+    )
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == shown.tokens
+    plain = sdk.completions.create(model="tiny", prompt="Once upon", max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == reply.choices[0].text
+
+
+def test_tokenize_and_detokenize(stack, tokenizer):
+    base = stack[0]
+
+    def call(path, body, headers=AUTH):
+        return httpx.post(f"{base}{path}", headers=headers, json=body, timeout=30)
+
+    reply = call("/tokenize", {"model": "tiny", "prompt": "Hello there"}).json()
+    assert reply["tokens"] == tokenizer.encode("Hello there") and reply["count"] == len(reply["tokens"])
+    assert reply["max_model_len"] > 0
+    chat = call("/tokenize", {"model": "tiny", "messages": MESSAGES}).json()
+    assert chat["tokens"] == tokenizer.encode_chat(MESSAGES)
+    assert call("/detokenize", {"model": "tiny", "tokens": chat["tokens"]}).json() == {
+        "prompt": tokenizer.decode(chat["tokens"], skip_special_tokens=False)
+    }
+    for path, body, status, word in [
+        ("/tokenize", {"model": "tiny", "prompt": "x", "messages": MESSAGES}, 400, "either"),
+        ("/tokenize", {"model": "tiny"}, 400, "either"),
+        ("/tokenize", {"model": "gpt-5", "prompt": "x"}, 404, "served"),
+        ("/detokenize", {"model": "tiny", "tokens": [tokenizer.vocab_size]}, 400, "vocabulary"),
+        ("/detokenize", {"model": "tiny", "tokens": "abc"}, 400, "tokens"),
+    ]:
+        reply = call(path, body)
+        assert reply.status_code == status and word in reply.json()["error"]["message"], reply.text
+    assert call("/tokenize", {"model": "tiny", "prompt": "x"}, headers={}).status_code == 401
 
 
 # ------------------------------------------------------------------------------------ ops

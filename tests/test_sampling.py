@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from agent.contract.sampling import SamplingParams
+from agent.contract.sampling import SamplingParams, TokenLogprob
 from agent.sampling import SlotSampler
 
 pytestmark = pytest.mark.unit
@@ -165,3 +165,91 @@ def test_penalties_on_the_host_path_equal_the_candidate_path():
     values, ids = candidates(logits)
     for _ in range(8):
         assert on_logits.choose_from_logits(logits.astype(np.float32)) == on_candidates.choose(values, ids)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(logprobs=5), SamplingParams(do_sample=True, temperature=0.7, seed=3, logprobs=20)],
+)
+def test_logprobs_are_the_log_softmax_of_the_distribution_drawn_from(params):
+    logits = np.random.default_rng(4).normal(0, 3, VOCAB)
+    sampler = SlotSampler(params, [], VOCAB)
+    token = sampler.choose_from_logits(logits.astype(np.float32))
+    scale = params.temperature if params.do_sample else 1.0
+    reference = log_softmax(logits.astype(np.float32).astype(np.float64) / scale)
+    entry = sampler.last
+    assert entry is not None and entry.logprob == pytest.approx(reference[token], abs=1e-5)
+    assert [t for t, _ in entry.top] == list(np.argsort(-reference, kind="stable")[: params.logprobs])
+    assert [v for _, v in entry.top] == pytest.approx(
+        sorted(reference, reverse=True)[: params.logprobs], abs=1e-5
+    )
+    if not params.do_sample:
+        assert entry.top[0][0] == token  # greedy: the chosen token is the most likely
+
+
+def test_logprobs_follow_the_penalties_applied():
+    logits = np.random.default_rng(5).normal(0, 2, VOCAB)
+    best = int(np.argmax(logits))
+    sampler = SlotSampler(SamplingParams(repetition_penalty=3.0, logprobs=1), [best], VOCAB)
+    token = sampler.choose_from_logits(logits)
+    penalised = logits.copy()
+    penalised[best] = penalised[best] / 3.0 if penalised[best] > 0 else penalised[best] * 3.0
+    assert token == int(np.argmax(penalised)) != best
+    assert sampler.last.logprob == pytest.approx(log_softmax(penalised)[token], abs=1e-5)
+
+
+def test_logit_bias_moves_the_choice_and_needs_the_whole_row():
+    logits = np.random.default_rng(6).normal(0, 2, VOCAB)
+    best, lifted = int(np.argmax(logits)), int(np.argmin(logits))
+    params = SamplingParams(logit_bias=((lifted, 100.0),))
+    sampler = SlotSampler(params, [], VOCAB)
+    assert sampler.needs_logits and not sampler.plain_greedy
+    assert sampler.choose_from_logits(logits) == lifted
+    banned = SlotSampler(SamplingParams(logit_bias=((best, -100.0),)), [], VOCAB)
+    assert banned.choose_from_logits(logits) != best
+
+
+def test_min_tokens_suppresses_eos_and_stop_token_ids_until_reached():
+    eos, stop = 7, 9
+    logits = np.zeros(VOCAB)
+    logits[[eos, stop]] = [10.0, 9.0]  # EOS first, the stop id next, whenever they are allowed
+    sampler = SlotSampler(SamplingParams(min_tokens=2, stop_token_ids=(stop,)), [], VOCAB, eos_ids=(eos,))
+    first, second = sampler.choose_from_logits(logits), sampler.choose_from_logits(logits)
+    assert {first, second}.isdisjoint({eos, stop})
+    assert not sampler.needs_logits and sampler.choose_from_logits(logits) == eos
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SlotSampler(SamplingParams(logit_bias=((VOCAB, 1.0),)), [], VOCAB)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SlotSampler(SamplingParams(stop_token_ids=(VOCAB + 5,)), [], VOCAB)
+
+
+@pytest.mark.parametrize(
+    "wire", [None, [0.5, []], [-1.0, [[1, float("nan")]]], [-1.0, [[1]]], [-1.0, [[1, -1.0]] * 21], "x"]
+)
+def test_malformed_logprob_entries_are_refused(wire):
+    with pytest.raises(ValueError):
+        TokenLogprob.from_wire(wire)
+
+
+def test_a_logprob_entry_survives_the_wire():
+    entry = TokenLogprob(-0.25, ((3, -0.25), (4, -1.5)))
+    assert TokenLogprob.from_wire(entry.to_wire()) == entry
+
+
+@pytest.mark.parametrize("spread", [0.1, 20.0, 200.0])
+def test_top_logprobs_are_exact_however_peaked_the_row(spread):
+    """The top tokens are searched near the peak first: rows where few (or no) others are near it."""
+    logits = np.random.default_rng(7).normal(0, spread, VOCAB)
+    logits[3] = logits.max() + 50  # one token far ahead of the rest
+    sampler = SlotSampler(SamplingParams(logprobs=20), [], VOCAB)
+    assert sampler.choose_from_logits(logits) == 3
+    want = np.lexsort((np.arange(VOCAB), -logits.astype(np.float32)))[:20]
+    assert [t for t, _ in sampler.last.top] == list(want)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from agent.contract.sampling import MAX_SEED, MAX_TOP_K, check_stop_strings
+from agent.contract.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOP_K, check_stop_strings
 
 
 class Parameters(BaseModel):
@@ -34,12 +34,27 @@ class Parameters(BaseModel):
     chat_template: bool | None = Field(
         None, description="apply the model's chat template; default from server.apply_chat_template"
     )
-    # Accepted for TGI clients; they change nothing here.
+    # TGI's: details (finish reason, tokens and their logprobs) in the reply; top_n_tokens: the
+    # best alternatives of each token too.
     details: bool = False
-    decoder_input_details: bool = False
-    top_n_tokens: int | None = None
+    top_n_tokens: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    decoder_input_details: bool = Field(
+        False, description="prompt logprobs: not computed, so true is refused rather than ignored"
+    )
+    # Accepted for TGI clients; they change nothing here.
     typical_p: float | None = None
     watermark: bool = False
+
+    @field_validator("decoder_input_details")
+    @classmethod
+    def _no_prompt_logprobs(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("decoder_input_details (prompt logprobs) is not supported")
+        return value
+
+    def logprobs_asked(self) -> int | None:
+        """The agents compute logprobs only for requests that show them (details, top_n_tokens)."""
+        return (self.top_n_tokens or 0) if self.details or self.top_n_tokens else None
 
     @field_validator("top_k")
     @classmethod

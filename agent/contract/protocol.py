@@ -14,17 +14,19 @@ Requests (op: fields -> reply fields):
                                                     attend_buckets, role, rank, port
     prefill:  slot, start, sample, sampling {...}, [transfer];
               arrays [tokens int32 (positions 0..end-1), block table int32]
-              -> token (null unless sample): positions start..end-1 computed into the table's
-              blocks (0..start-1 are there already: an earlier chunk, a prefix-cache hit); sample:
+              -> token (null unless sample), [logprobs: [entry]]: positions start..end-1 computed
+              into the table's blocks (0..start-1 are there already: an earlier chunk, a prefix-cache
+              hit); sample:
               the prompt's last chunk, whose first token is sampled. With transfer {address, slot,
               session, ticket, table}: the prompt's KV goes to that decode agent's slot and blocks
               (kv_receive below) and this slot is free again -> also kv_bytes, transfer_ms
     decode:   arrays [slots int32 [n], block tables int32 [n, w] (-1 past a row's blocks)]
-              -> arrays [tokens int32]
+              -> arrays [tokens int32], [logprobs: [entry or null per slot]]
     step:     chunks [{slot, start, sample, sampling {...}}, ...];
               arrays [decode slots int32 [n], their block tables int32 [n, w], then per chunk its
               tokens int32 (positions 0..end-1) and block table int32]
-              -> arrays [decode tokens int32 [n]], chunk_tokens [token or null per chunk]: a decode
+              -> arrays [decode tokens int32 [n]], chunk_tokens [token or null per chunk],
+              [logprobs, chunk_logprobs: [entry or null per decode slot / chunk]]: a decode
               and prompt chunks (as prefill without transfer) in one call of at most mixed_rows
               rows (info; 0: this agent runs none); refused whole if any part is wrong
     release:  slot, [ticket]                               -> - (ticket: a transfer into this slot
@@ -38,6 +40,8 @@ Requests (op: fields -> reply fields):
                                                               stale_session below the holder's)
     ping:     -                                            -> -
     shutdown: session                                      -> - (the agent exits after replying)
+Logprobs: a reply lists them only when a sequence's sampling asked for them (sampling.logprobs);
+an entry is [the token's logprob, [[id, logprob], ...] best first] (TokenLogprob.to_wire).
 Block tables are the server's: an agent's KV cache is a pool of num_blocks blocks of block_size
 positions, and every call names the blocks of each sequence (position p in block table[p // block_size]).
 A reply carries the request's op and id, and "ok": true, or "ok": false with "error" (a message)
@@ -62,7 +66,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 OPS = ("info", "prefill", "decode", "step", "release", "kv_receive", "reset", "ping", "shutdown")
 SESSION_OPS = ("prefill", "decode", "step", "release", "kv_receive", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent

@@ -4,8 +4,10 @@ APIs' requests. The agent applies them (agent/sampling.py)."""
 from __future__ import annotations
 
 import argparse
+import math
+from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Beyond these an int no longer fits the wire's msgpack or NumPy's types; a larger top_k would
 # mean the whole vocabulary anyway.
@@ -16,6 +18,12 @@ MAX_SEED = 2**63 - 1
 # characters a token. OpenAI allows 4; TGI 4 as well.
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+# Logprobs: OpenAI's bound on the alternatives per token (each costs a sort and bytes on the wire).
+MAX_LOGPROBS = 20
+# logit_bias and stop_token_ids are applied per token, per entry: bounded like stop strings.
+MAX_LOGIT_BIAS = 1024
+MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_STOP_TOKEN_IDS = 64
 
 
 def check_stop_strings(stop: list[str]) -> list[str]:
@@ -38,10 +46,67 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=0.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=0.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    # None: no logprobs; n: the chosen token's and the n best tokens' (agent/sampling.py says of
+    # which distribution)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: tuple[tuple[int, float], ...] = Field((), max_length=MAX_LOGIT_BIAS)  # (id, bias)
+    min_tokens: int = Field(0, ge=0)  # the stop ids below and EOS cannot be sampled before
+    stop_token_ids: tuple[int, ...] = Field((), max_length=MAX_STOP_TOKEN_IDS)  # end it, like EOS
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_bounds(cls, value: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        for token, bias in value:
+            if token < 0 or not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+                raise ValueError(
+                    f"logit_bias maps token ids (>= 0) to biases in -100..100, got {token}: {bias}"
+                )
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_bounds(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(token < 0 for token in value):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
+        return value
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0.0 or self.top_k == 1
+
+    def largest_token_id(self) -> int:
+        """The largest token id the parameters name (-1 if none): the caller checks its vocabulary."""
+        return max([t for t, _ in self.logit_bias] + list(self.stop_token_ids), default=-1)
+
+
+class TokenLogprob(NamedTuple):
+    """A sampled token's log-probability and the `logprobs` best tokens' (id, logprob), best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_wire(self) -> list:
+        return [self.logprob, [[token, value] for token, value in self.top]]
+
+    @classmethod
+    def from_wire(cls, value) -> TokenLogprob:
+        """The inverse of to_wire(); anything else raises ValueError."""
+        try:
+            logprob, top = value
+            entry = cls(float(logprob), tuple((int(t), float(v)) for t, v in top))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"not a token logprob: {value!r:.200}") from e
+        values = [entry.logprob] + [v for _, v in entry.top]
+        if len(entry.top) > MAX_LOGPROBS or not all(math.isfinite(v) and v <= 0 for v in values):
+            raise ValueError(f"not a token logprob: {value!r:.200}")
+        return entry
+
+
+class Sampled(NamedTuple):
+    """A token an agent sampled, with its logprobs when the request asked for them."""
+
+    token: int
+    logprob: TokenLogprob | None = None
 
 
 # The command lines that sample (the client's, tools.generate) take the same options.

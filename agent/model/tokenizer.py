@@ -104,6 +104,18 @@ class TextTokenizer:
             return b""  # decode skips an unknown id too
         return bytes(BYTE_OF_CHAR[char] for char in text if char in BYTE_OF_CHAR)
 
+    def token_piece(self, token: int) -> tuple[str, bytes, bool]:
+        """One token alone, as logprobs show it: its text (a special token's is its name; a token
+        holding part of a character shows U+FFFD), its bytes, and whether it is special."""
+        added = self._added.get(token)
+        if added is not None:
+            return added.content, added.content.encode(), added.special
+        if self.byte_level:
+            raw = self.token_bytes(token)
+            return raw.decode("utf-8", "replace"), raw, False
+        text = self.decode([token], skip_special_tokens=False)
+        return text, text.encode(), False
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise TokenizerError("this model has no chat template")

@@ -1,0 +1,80 @@
+"""vLLM's tokenizer endpoints, for clients that count or build prompts in tokens:
+
+    POST /tokenize    {"model", "prompt"[, "add_special_tokens"]} or {"model", "messages"}
+                      -> {"tokens": [...], "count", "max_model_len"}
+    POST /detokenize  {"model", "tokens"} -> {"prompt"}
+
+Text is bounded as prompts are (413 past the longest prompt); token lists by the context.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field
+
+from config.schema import ServingConfig
+from server.assembly import PromptEncoder, check_served, served_models
+from server.errors import ApiError
+from server.openai_schema import ChatMessage, refused_content
+from server.output import OutputProcessor
+from server.request_body import json_body
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True  # prompt: what the tokenizer adds around plain text (BOS)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    tokens: list[int]
+
+
+def tokenize_router(config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder) -> APIRouter:
+    router = APIRouter()
+    served = served_models(config)
+    tokenizer = outputs.tokenizer
+    tokenize_request, detokenize_request = json_body(TokenizeRequest), json_body(DetokenizeRequest)
+
+    @router.post("/tokenize")
+    async def tokenize(req: TokenizeRequest = Depends(tokenize_request)):
+        check_served(req.model, served)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "send either prompt or messages", param="prompt")
+        if req.messages is not None:
+            problem = refused_content(req.messages)
+            if problem:
+                raise ApiError(400, problem, param="messages")
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            tokens = await encoder.encode_chat(messages, param="messages")
+        else:
+            assert req.prompt is not None
+            tokens = await encoder.encode(
+                req.prompt, param="prompt", add_special_tokens=req.add_special_tokens
+            )
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": outputs.engine.max_seq_len}
+
+    @router.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest = Depends(detokenize_request)):
+        check_served(req.model, served)
+        context = outputs.engine.max_seq_len
+        if len(req.tokens) > context:
+            raise ApiError(
+                400, f"at most {context} tokens (the context), got {len(req.tokens)}", param="tokens"
+            )
+        outside = [t for t in req.tokens if not 0 <= t < tokenizer.vocab_size]
+        if outside:
+            raise ApiError(
+                400,
+                f"token id {outside[0]} is outside the vocabulary (0..{tokenizer.vocab_size - 1})",
+                param="tokens",
+            )
+        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    return router
