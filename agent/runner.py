@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,11 +270,16 @@ class ModelRunner:
         params: SamplingParams,
         table: BlockTable | None = None,
         start: int = 0,
+        mask: np.ndarray | None = None,
     ) -> int:
         """A prompt's last (or only) chunk: positions start..len(tokens)-1 (`tokens`: the ids from
         position 0; positions before `start` are in the blocks of `table` already: earlier chunks,
-        a prefix-cache hit). Seats a free slot; returns the first generated token."""
+        a prefix-cache hit). Seats a free slot; returns the first generated token (`mask`: the
+        tokens it may be, as SlotSampler.constrain takes them)."""
         sampler = self._sampler(params, tokens)  # a bad parameter is refused before anything runs
+        if mask is not None:
+            self._check_masks({slot: mask}, [slot])
+            sampler.constrain(mask)
         state, logits = self._compute(slot, tokens, table, start, sample=True)
         state.sampler = sampler
         state.next_token = self._sample(logits, [sampler])[0]
@@ -333,12 +338,19 @@ class ModelRunner:
             )
         return ids, self._padded_table(slot, table, end)
 
-    def decode(self, slots: Sequence[int], tables: Sequence[BlockTable] | None = None) -> list[int]:
+    def decode(
+        self,
+        slots: Sequence[int],
+        tables: Sequence[BlockTable] | None = None,
+        masks: Mapping[int, np.ndarray] | None = None,
+    ) -> list[int]:
         """One step for each slot: write its pending token, return its next token (same order).
-        `tables`: each slot's block table, covering its next position (none: as last time)."""
+        `tables`: each slot's block table, covering its next position (none: as last time);
+        `masks`: slot -> the tokens its next token may be (structured output)."""
         if not slots:
             raise RunnerError("decode needs at least one slot")
         states, padded = self._check_decode(slots, tables)
+        self._constrain(masks or {}, dict(zip(slots, states)))
         positions = np.array([s.length for s in states], np.int64)
         rows = bucket(self.runtime.decode_batch_buckets, len(slots))
         logits, greedy = self.graphs.decode(
@@ -380,7 +392,11 @@ class ModelRunner:
             state.next_token = token
 
     def step(
-        self, slots: Sequence[int], tables: Sequence[BlockTable], chunks: Sequence[StepChunk]
+        self,
+        slots: Sequence[int],
+        tables: Sequence[BlockTable],
+        chunks: Sequence[StepChunk],
+        masks: Mapping[int, np.ndarray] | None = None,
     ) -> tuple[list[int], list[int | None]]:
         """A decode step of `slots` and the prompt `chunks` in one graph call, which reads the
         weights once (decode and prefill called back to back read them twice): the decode tokens
@@ -395,6 +411,8 @@ class ModelRunner:
             raise RunnerError(f"a mixed step names a slot twice: decode {list(slots)}, chunks {chunk_slots}")
         states, padded = self._check_decode(slots, tables)
         checked = [self._check_chunk(c.slot, c.tokens, c.table, c.start, c.sample) for c in chunks]
+        if masks:
+            self._check_masks(masks, [*slots, *(c.slot for c in chunks if c.sample)])
         rows = len(slots) + sum(len(ids) - c.start for c, (ids, _) in zip(chunks, checked))
         seqs = len(slots) + len(chunks)
         if rows > self.mixed_rows or seqs > self.runtime.decode_batch_buckets[-1]:
@@ -405,6 +423,8 @@ class ModelRunner:
         order = sorted(range(len(chunks)), key=lambda i: not chunks[i].sample)  # samplers first
         sampling = [i for i in order if chunks[i].sample]
         new = {i: self._sampler(chunks[i].params, chunks[i].tokens) for i in sampling}
+        if masks:
+            self._constrain(masks, {**dict(zip(slots, states)), **{chunks[i].slot: new[i] for i in sampling}})
         assert isinstance(self.graphs, MixedStepGraphs)  # mixed_rows says so
         logits = self.graphs.mixed(
             np.stack(padded) if padded else np.zeros((0, 0), np.int32),
@@ -546,6 +566,31 @@ class ModelRunner:
             raise RunnerError(f"slot {slot} holds no sequence")
         return state
 
+    def _check_masks(self, masks: Mapping[int, np.ndarray], sampling: Sequence[int]) -> None:
+        """Token masks of slots this call samples for: int32 words (at most the vocabulary's; the
+        tokens past the last word are not allowed), with at least one token allowed."""
+        words = (self.spec.vocab_size + 31) // 32
+        for slot, mask in masks.items():
+            if slot not in sampling:
+                raise RunnerError(f"a token mask for slot {slot}, which samples nothing in this call")
+            if mask.dtype != np.int32 or mask.ndim != 1 or not 1 <= len(mask) <= words:
+                raise RunnerError(
+                    f"a token mask is 1..{words} int32 words (the vocabulary's bits), "
+                    f"got {mask.dtype} {mask.shape}"
+                )
+            if not np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.spec.vocab_size].any():
+                raise RunnerError(f"the token mask of slot {slot} allows no token of the vocabulary")
+
+    def _constrain(
+        self, masks: Mapping[int, np.ndarray], samplers: Mapping[int, SlotState | SlotSampler]
+    ) -> None:
+        self._check_masks(masks, list(samplers))
+        for slot, mask in masks.items():
+            holder = samplers[slot]
+            sampler = holder.sampler if isinstance(holder, SlotState) else holder
+            assert sampler is not None  # checked: a decode slot has finished its prompt
+            sampler.constrain(mask)
+
     def _sampler(self, params: SamplingParams, prompt: Sequence[int]) -> SlotSampler:
         try:
             return SlotSampler(params, list(prompt), self.spec.vocab_size, self.spec.eos_ids)
@@ -582,10 +627,11 @@ class ModelRunner:
             if s.needs_logits or bucket(self.topk_buckets, s.candidates_needed()) >= vocab
         }
         tokens = {}
-        if whole:
+        if whole:  # the rows come to the host: the plain greedy ones need no graph either
+            whole |= {i for i, s in enumerate(samplers) if s.plain_greedy}
             rows = logits.asnumpy()
             tokens = {i: samplers[i].choose_from_logits(rows[i]) for i in whole}
-        rest = [i for i in range(len(samplers)) if i not in whole]
+        rest = [i for i in range(len(samplers)) if i not in tokens]
         if rest:
             k = bucket(self.topk_buckets, max(samplers[i].candidates_needed() for i in rest))
             values, ids = (t.asnumpy() for t in self.graphs.topk(k, logits))

@@ -16,7 +16,8 @@ takes its logits row and draws from the same distribution on the host, sorting o
 draw can reach (none without top-p, the nucleus with it).
 
 The whole row is also taken by a sequence that asks for logprobs (their normaliser is the whole
-vocabulary's), has a logit bias (it may raise any token) or has stop ids to suppress (`min_tokens`).
+vocabulary's), has a logit bias (it may raise any token), has stop ids to suppress (`min_tokens`) or
+a token mask (structured output: the server's grammar sends one with each step that samples for it).
 Logprobs are those of the distribution the token is drawn from: the logits after penalties, logit
 bias and suppression, divided by the temperature (1 for greedy rows), before top-k/top-p truncation;
 only the chosen token's and the `logprobs` best tokens' values leave the agent, never the logits.
@@ -51,6 +52,7 @@ class SlotSampler:
         self.suppressed = np.array(sorted(set(self.eos_ids) | set(params.stop_token_ids)), np.int64)
         self.generated = 0  # tokens chosen so far (min_tokens)
         self.last: TokenLogprob | None = None  # the logprobs of the last choice, when asked for
+        self.allowed: np.ndarray | None = None  # the next choice's token mask (structured output)
         self.rng = np.random.default_rng(params.seed)
         self.repetition = params.repetition_penalty != 1.0
         self.counted = params.presence_penalty > 0 or params.frequency_penalty > 0
@@ -67,7 +69,19 @@ class SlotSampler:
     def needs_logits(self) -> bool:
         """Its next choice needs the whole logits row (choose_from_logits), whatever its top-k."""
         p = self.params
-        return p.logprobs is not None or bool(p.logit_bias) or self.generated < p.min_tokens
+        return (
+            p.logprobs is not None
+            or bool(p.logit_bias)
+            or self.generated < p.min_tokens
+            or self.allowed is not None
+        )
+
+    def constrain(self, bitmask: np.ndarray) -> None:
+        """The next choice only among the tokens whose bit is set (bit j of word i: token 32i + j),
+        as the server's grammar allows them; the mask holds for one choice."""
+        bits = np.unpackbits(bitmask.astype("<i4").view(np.uint8), bitorder="little")[: self.vocab_size]
+        self.allowed = np.zeros(self.vocab_size, bool)  # tokens past the mask's words: not allowed
+        self.allowed[: len(bits)] = bits
 
     def candidates_needed(self) -> int:
         p = self.params
@@ -128,6 +142,8 @@ class SlotSampler:
         return token
 
     def _adjusted(self, logits: np.ndarray) -> np.ndarray:
+        if self.allowed is not None:
+            logits[~self.allowed] = -np.inf
         if self.bias_ids.size:
             np.add.at(logits, self.bias_ids, self.bias_values)
         if self.generated < self.params.min_tokens and self.suppressed.size:
@@ -193,6 +209,7 @@ class SlotSampler:
 
     def observe(self, token: int) -> None:
         self.generated += 1
+        self.allowed = None
         if self.repetition:
             self.seen.add(token)
         if self.counted:

@@ -157,6 +157,7 @@ class AgentService:
         return {}, []
 
     def _op_prefill(self, header: dict, arrays: list) -> tuple[dict, list]:
+        arrays, masks = _token_masks(header, arrays)
         tokens, table = _int_arrays(arrays, "prefill", ("token ids", "block table"))
         sampling = SamplingParams.model_validate(header.get("sampling") or {})
         slot, start = _int_field(header, "slot"), _int_field(header, "start")
@@ -171,10 +172,12 @@ class AgentService:
                 raise ValueError("transfer must be a map")
             if not sample:
                 raise ValueError("a prefill that sends its KV computes the whole prompt (sample: true)")
+        if set(masks) - {slot} or (masks and not sample):
+            raise ValueError(f"a prefill's token mask is for its own slot ({slot}), when it samples")
         if not sample:
             self.runner.prefill_chunk(slot, tokens.tolist(), table, start)
             return {"token": None}, []
-        token = self.runner.prefill(slot, tokens.tolist(), sampling, table, start)
+        token = self.runner.prefill(slot, tokens.tolist(), sampling, table, start, masks.get(slot))
         reply = {"token": token, **self._logprobs("logprobs", [slot])}
         if transfer is None or self.sender is None:  # with a transfer there is a sender (checked above)
             return reply, []
@@ -217,6 +220,7 @@ class AgentService:
         return {}, []
 
     def _op_decode(self, header: dict, arrays: list) -> tuple[dict, list]:
+        arrays, masks = _token_masks(header, arrays)
         if len(arrays) != 2 or arrays[1].ndim != 2 or arrays[1].dtype.kind != "i":
             raise ValueError("decode takes slot ids [n] and block tables [n, blocks]")
         (slots,) = _int_arrays(arrays[:1], "decode", ("slot ids",))
@@ -224,10 +228,12 @@ class AgentService:
         if len(tables) != len(slots):
             raise ValueError(f"decode of {len(slots)} slots got {len(tables)} block tables")
         # The server pads tables with zeros to the longest; each slot needs its length's blocks.
-        tokens = self.runner.decode(slots.tolist(), [self._used_blocks(s, t) for s, t in zip(slots, tables)])
+        tables = [self._used_blocks(s, t) for s, t in zip(slots, tables)]
+        tokens = self.runner.decode(slots.tolist(), tables, masks)
         return self._logprobs("logprobs", slots.tolist()), [np.asarray(tokens, dtype=np.int32)]
 
     def _op_step(self, header: dict, arrays: list) -> tuple[dict, list]:
+        arrays, masks = _token_masks(header, arrays)
         specs = header.get("chunks")
         if not isinstance(specs, list) or not 1 <= len(specs) <= self.runner.num_slots:
             raise ValueError(f"step takes a list of 1..{self.runner.num_slots} chunks")
@@ -255,7 +261,7 @@ class AgentService:
                 )
             )
         tables = [self._used_blocks(s, t) for s, t in zip(slots.tolist(), arrays[1])]
-        decoded, firsts = self.runner.step(slots.tolist(), tables, chunks)
+        decoded, firsts = self.runner.step(slots.tolist(), tables, chunks, masks)
         sampled = [c.slot if t is not None else None for c, t in zip(chunks, firsts)]
         reply = {
             "chunk_tokens": firsts,
@@ -282,6 +288,24 @@ class AgentService:
             self.cancelled_tickets.append(_int_field(header, "ticket"))
         self.runner.release(_int_field(header, "slot"))
         return {}, []
+
+
+def _token_masks(header: dict, arrays: list) -> tuple[list, dict[int, np.ndarray]]:
+    """A request's arrays without its token masks, and the masks by slot: header `masked` lists
+    the slots, the last array holds their masks [len(masked), words] (the runner checks the rest)."""
+    masked = header.get("masked")
+    if masked is None:
+        return arrays, {}
+    if (
+        not isinstance(masked, list)
+        or not masked
+        or not all(type(s) is int for s in masked)
+        or len(set(masked)) != len(masked)
+    ):
+        raise ValueError("field 'masked' must list distinct slot ids")
+    if not arrays or arrays[-1].ndim != 2 or arrays[-1].dtype != np.int32 or len(arrays[-1]) != len(masked):
+        raise ValueError("token masks: an int32 array [masked slots, words] after the other arrays")
+    return arrays[:-1], dict(zip(masked, arrays[-1]))
 
 
 def _int_field(header: dict[str, Any], name: str) -> int:

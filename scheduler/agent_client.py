@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -68,6 +68,9 @@ def block_tables(tables: Sequence[Sequence[int]]) -> np.ndarray:
     return out
 
 
+TokenMasks = Mapping[int, np.ndarray]  # slot -> the tokens its next token may be (int32 bit words)
+
+
 class StepChunk(NamedTuple):
     """A prompt chunk of a mixed step: positions start..len(tokens)-1 into the blocks of `table`."""
 
@@ -112,12 +115,19 @@ class ModelClient(Protocol):
         start: int,
         sample: bool,
         sampling: SamplingParams,
+        mask: np.ndarray | None = None,
     ) -> Sampled | None: ...
 
-    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[Sampled]: ...
+    async def decode(
+        self, slots: Sequence[int], tables: Sequence[Sequence[int]], masks: TokenMasks | None = None
+    ) -> list[Sampled]: ...
 
     async def step(
-        self, slots: Sequence[int], tables: Sequence[Sequence[int]], chunks: Sequence[StepChunk]
+        self,
+        slots: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        chunks: Sequence[StepChunk],
+        masks: TokenMasks | None = None,
     ) -> tuple[list[Sampled], list[Sampled | None]]: ...
 
     async def release(self, slot: int, ticket: int | None = None) -> None: ...
@@ -284,10 +294,13 @@ class AgentClient:
         start: int,
         sample: bool,
         sampling: SamplingParams,
+        mask: np.ndarray | None = None,
     ) -> Sampled | None:
         """Positions start..len(tokens)-1 computed into the blocks of `table`; `sample`: the
-        prompt's last chunk, whose first token is returned (and the slot seated)."""
-        header = await self._prefill(slot, tokens, table, start, sample, sampling)
+        prompt's last chunk, whose first token is returned (and the slot seated); `mask`: the
+        tokens it may be (structured output)."""
+        masks = None if mask is None else {slot: mask}
+        header = await self._prefill(slot, tokens, table, start, sample, sampling, masks)
         return self._sampled([header["token"]], header.get("logprobs"))[0] if sample else None
 
     async def prefill_and_send(
@@ -298,10 +311,12 @@ class AgentClient:
         start: int,
         sampling: SamplingParams,
         transfer: dict,
+        mask: np.ndarray | None = None,
     ) -> tuple[Sampled, int, float]:
         """A prefill agent's whole prompt whose KV goes to a decode agent's slot (`transfer`:
         address, slot, session, ticket, table) -> (first token, K/V bytes sent, transfer ms)."""
-        header = await self._prefill(slot, tokens, table, start, True, sampling, transfer=transfer)
+        masks = None if mask is None else {slot: mask}
+        header = await self._prefill(slot, tokens, table, start, True, sampling, masks, transfer=transfer)
         first = self._sampled([header["token"]], header.get("logprobs"))[0]
         return first, int(header["kv_bytes"]), float(header["transfer_ms"])
 
@@ -313,11 +328,15 @@ class AgentClient:
         start: int,
         sample: bool,
         sampling: SamplingParams,
+        masks: TokenMasks | None,
         **fields,
     ) -> dict:
+        arrays, fields = _with_masks(
+            [np.asarray(tokens, np.int32), np.asarray(table, np.int32)], masks, fields
+        )
         header, _ = await self.call(
             "prefill",
-            [np.asarray(tokens, np.int32), np.asarray(table, np.int32)],
+            arrays,
             slot=slot,
             start=start,
             sample=sample,
@@ -327,24 +346,31 @@ class AgentClient:
         )
         return header
 
-    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[Sampled]:
-        header, arrays = await self.call(
-            "decode", [np.asarray(slots, np.int32), block_tables(tables)], session=self.session
-        )
+    async def decode(
+        self, slots: Sequence[int], tables: Sequence[Sequence[int]], masks: TokenMasks | None = None
+    ) -> list[Sampled]:
+        arrays, fields = _with_masks([np.asarray(slots, np.int32), block_tables(tables)], masks, {})
+        header, arrays = await self.call("decode", arrays, session=self.session, **fields)
         self.decode_compute_s = float(header.get("compute_ms", 0.0)) / 1000
         return self._sampled(arrays[0].tolist(), header.get("logprobs"))
 
     async def step(
-        self, slots: Sequence[int], tables: Sequence[Sequence[int]], chunks: Sequence[StepChunk]
+        self,
+        slots: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        chunks: Sequence[StepChunk],
+        masks: TokenMasks | None = None,
     ) -> tuple[list[Sampled], list[Sampled | None]]:
         """A decode of `slots` and the prompt `chunks` in one call (the agent's info says mixed_rows):
         the decode tokens and each chunk's first token (None unless it samples)."""
         arrays = [np.asarray(slots, np.int32), block_tables(tables)]
         for chunk in chunks:
             arrays += [np.asarray(chunk.tokens, np.int32), np.asarray(chunk.table, np.int32)]
+        arrays, fields = _with_masks(arrays, masks, {})
         header, out = await self.call(
             "step",
             arrays,
+            **fields,
             chunks=[
                 {"slot": c.slot, "start": c.start, "sample": c.sample, "sampling": c.sampling.model_dump()}
                 for c in chunks
@@ -459,22 +485,38 @@ class GroupClient:
         start: int,
         sample: bool,
         sampling: SamplingParams,
+        mask: np.ndarray | None = None,
     ) -> Sampled | None:
-        return await self._agreed("prefill", slot, tokens, table, start, sample, sampling)
+        return await self._agreed("prefill", slot, tokens, table, start, sample, sampling, mask)
 
-    async def decode(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> list[Sampled]:
-        return await self._agreed("decode", slots, tables)
+    async def decode(
+        self, slots: Sequence[int], tables: Sequence[Sequence[int]], masks: TokenMasks | None = None
+    ) -> list[Sampled]:
+        return await self._agreed("decode", slots, tables, masks)
 
     async def step(
-        self, slots: Sequence[int], tables: Sequence[Sequence[int]], chunks: Sequence[StepChunk]
+        self,
+        slots: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        chunks: Sequence[StepChunk],
+        masks: TokenMasks | None = None,
     ) -> tuple[list[Sampled], list[Sampled | None]]:
-        return await self._agreed("step", slots, tables, chunks)
+        return await self._agreed("step", slots, tables, chunks, masks)
 
     async def release(self, slot: int, ticket: int | None = None) -> None:
         await self._all("release", slot, ticket)
 
     async def ping(self, timeout_s: float | None = None) -> None:
         await self._all("ping", timeout_s)
+
+
+def _with_masks(arrays: list[np.ndarray], masks: TokenMasks | None, fields: dict) -> tuple[list, dict]:
+    """A request's arrays and header fields with its token masks (protocol.py: `masked`, then
+    one array of every mask after the others); unchanged without masks."""
+    if not masks:
+        return arrays, fields
+    slots = list(masks)
+    return [*arrays, np.stack([masks[s] for s in slots]).astype(np.int32)], {**fields, "masked": slots}
 
 
 def _tokens_of(result):

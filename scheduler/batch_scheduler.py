@@ -528,6 +528,16 @@ class BatchScheduler:
         seq.output.append(token)
         if sampled.logprob is not None:
             seq.logprobs.append(sampled.logprob)
+        if seq.constraint is not None and token not in seq.stop_ids:
+            try:
+                seq.constraint.advance(token)
+            except ValueError as exc:  # the agent chose outside the mask it was sent: a bug
+                seq.error = f"structured output: {exc}"
+                self._finish(seq, FinishReason.ERROR)
+                return
+            if seq.constraint.complete:  # nothing may follow: ended as by EOS, one step sooner
+                self._finish(seq, FinishReason.STOP)
+                return
         if token in seq.stop_ids:
             self._finish(seq, FinishReason.STOP)
         elif len(seq.output) >= seq.max_new_tokens:

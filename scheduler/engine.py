@@ -27,6 +27,8 @@ import logging
 from collections.abc import Callable, Iterable
 from functools import partial
 
+import numpy as np
+
 from agent.contract.sampling import Sampled, SamplingParams
 from config.schema import ServingConfig
 from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, AgentTakenOver, StepChunk
@@ -40,7 +42,7 @@ from scheduler.batch_scheduler import (
 )
 from scheduler.group_links import GroupLinks
 from scheduler.metrics import ServingMetrics
-from scheduler.sequence import FinishReason, Sequence
+from scheduler.sequence import FinishReason, Sequence, TokenConstraint
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +208,10 @@ class Engine:
         sampling: SamplingParams,
         max_new_tokens: int,
         ignore_eos: bool = False,
+        constraint: TokenConstraint | None = None,
     ) -> Sequence:
-        """Queues the request's sequence at once, or raises AdmissionError if it is refused."""
+        """Queues the request's sequence at once, or raises AdmissionError if it is refused.
+        `constraint`: the grammar its tokens follow (structured output)."""
         if not self.started:
             raise AdmissionError("the server is not ready", Refusal.NOT_READY)
         if self.failure is not None:
@@ -217,7 +221,7 @@ class Engine:
         if self.links.taken_over and not self.scheduler.can_serve:
             raise AdmissionError(self.links.taken_over_reason(), Refusal.NO_GROUP)
         stop_ids = (frozenset() if ignore_eos else self.stop_ids) | frozenset(sampling.stop_token_ids)
-        seq = Sequence(request_id, list(prompt), sampling, max_new_tokens, stop_ids)
+        seq = Sequence(request_id, list(prompt), sampling, max_new_tokens, stop_ids, constraint=constraint)
         try:
             self.scheduler.add(seq)
         except AdmissionError:
@@ -376,7 +380,10 @@ class Engine:
         try:
             with self.metrics.agent_step.labels(client.address, "step").time():
                 tokens, firsts = await client.step(
-                    [s.placement[1] for s in seqs], [blocks.table(s.request_id) for s in seqs], parts
+                    [s.placement[1] for s in seqs],
+                    [blocks.table(s.request_id) for s in seqs],
+                    parts,
+                    _masks([*seqs, *(c.seq for c in chunks if c.sample)]),
                 )
         except AgentRequestError as exc:
             log.warning("agent %s refused a mixed step (%s): its parts run one by one", client.address, exc)
@@ -409,7 +416,13 @@ class Engine:
         try:
             with self.metrics.agent_step.labels(client.address, "prefill").time():
                 token = await client.prefill(
-                    slot, seq.tokens(chunk.end), table, chunk.start, chunk.sample, seq.sampling
+                    slot,
+                    seq.tokens(chunk.end),
+                    table,
+                    chunk.start,
+                    chunk.sample,
+                    seq.sampling,
+                    seq.constraint.mask() if chunk.sample and seq.constraint else None,
                 )
         except AgentRequestError as exc:  # this request was bad; the group is fine
             self._fail([seq], str(exc))
@@ -441,7 +454,13 @@ class Engine:
         try:
             with self.metrics.agent_step.labels(prefill.address, "prefill").time():
                 token, kv_bytes, transfer_ms = await prefill.prefill_and_send(
-                    prefill_slot, seq.prompt, table, chunk.start, seq.sampling, transfer
+                    prefill_slot,
+                    seq.prompt,
+                    table,
+                    chunk.start,
+                    seq.sampling,
+                    transfer,
+                    seq.constraint.mask() if seq.constraint else None,
                 )
         except AgentRequestError as exc:  # this request failed (its KV did not arrive); the group is fine
             log.warning("request %s failed on %s: %s", seq.request_id, prefill.address, exc)
@@ -482,7 +501,7 @@ class Engine:
         blocks = self.scheduler.blocks[group]
         tables = [blocks.table(s.request_id) for s in seqs]
         with self.metrics.agent_step.labels(client.address, "decode").time():
-            tokens = await client.decode([s.placement[1] for s in seqs], tables)
+            tokens = await client.decode([s.placement[1] for s in seqs], tables, _masks(seqs))
         self.metrics.agent_compute.labels(client.address, "decode").observe(client.decode_compute_s)
         return tokens
 
@@ -521,3 +540,8 @@ class Engine:
         self.metrics.agent_up.labels(self.clients[group].address).set(1)
         log.info("agent %s is back: serving on it again", self.clients[group].address)
         self._wake.set()
+
+
+def _masks(seqs: Iterable[Sequence]) -> dict[int, np.ndarray]:
+    """The token masks of the sequences that follow a grammar, by slot (structured output)."""
+    return {s.placement[1]: s.constraint.mask() for s in seqs if s.constraint is not None}

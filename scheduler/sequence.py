@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
 
 from agent.contract.sampling import SamplingParams, TokenLogprob
 
@@ -19,6 +22,24 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_new_tokens or the slot's last position
     ABORT = "abort"  # the client went away or asked to stop
     ERROR = "error"  # its group failed
+
+
+class TokenConstraint(Protocol):
+    """Which tokens a sequence may generate next (structured output: server/structured_output.py
+    holds the grammar); the engine sends its mask with every call that samples for the sequence."""
+
+    def mask(self) -> np.ndarray:
+        """The tokens allowed next: int32 words, bit j of word i for token 32 i + j."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """The token chosen; ValueError if the grammar did not allow it."""
+        ...
+
+    @property
+    def complete(self) -> bool:
+        """The grammar is satisfied and allows nothing more (but EOS)."""
+        ...
 
 
 @dataclass
@@ -45,6 +66,7 @@ class Sequence:
     # was preempted (its blocks taken for others; it is recomputed, the prefix cache helping)
     computed: int = 0
     preemptions: int = 0
+    constraint: TokenConstraint | None = None  # structured output: the grammar it follows
 
     @property
     def finished(self) -> bool:

@@ -21,6 +21,7 @@ from server.native_api import native_router
 from server.openai_api import openai_router
 from server.ops_api import ops_router
 from server.output import OutputProcessor
+from server.structured_output import Grammars
 from server.tokenize_api import tokenize_router
 
 
@@ -61,9 +62,10 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputP
         )
 
     encoder = PromptEncoder(tokenizer, engine)
-    app.include_router(openai_router(config, outputs, encoder))
+    grammars = Grammars(tokenizer)
+    app.include_router(openai_router(config, outputs, encoder, grammars))
     app.include_router(ops_router(config, engine))
-    app.include_router(native_router(config, outputs, encoder))
+    app.include_router(native_router(config, outputs, encoder, grammars))
     app.include_router(tokenize_router(config, outputs, encoder))
     app.add_middleware(AccessMiddleware, server=config.server)
     if config.server.cors_origins:

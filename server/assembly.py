@@ -21,6 +21,7 @@ from scheduler.batch_scheduler import AdmissionError
 from scheduler.engine import Engine
 from server.errors import ApiError, refusal_status
 from server.output import AnswerStream, OutputProcessor
+from server.structured_output import Grammar, GrammarError, Grammars, GrammarSpec
 
 T = TypeVar("T")
 # Prompts up to this many characters are tokenized on the event loop (well under a millisecond);
@@ -64,6 +65,18 @@ def sampling_params(
     return sampling
 
 
+async def compile_grammar(
+    grammars: Grammars, spec_of: Callable[[], GrammarSpec | None], param: str, status: int
+) -> Grammar | None:
+    """The request's grammar (`spec_of()`) compiled (cached), or None; a bad one is `status`
+    naming `param`."""
+    try:
+        spec = spec_of()
+        return None if spec is None else await grammars.compile(spec)
+    except GrammarError as exc:
+        raise ApiError(status, f"{param}: the grammar does not compile: {exc}", param=param) from exc
+
+
 def check_answer_fits(prompt_len: int, max_new_tokens: int, context: int, openai: bool, param: str) -> None:
     """An explicit answer length that can never fit is refused, naming the limit (TGI answers 422,
     vLLM 400), instead of a silently shortened answer."""
@@ -84,14 +97,22 @@ async def admit(
     stop: list[str],
     ignore_eos: bool,
     openai: bool,
+    grammar: Grammar | None = None,
 ) -> list[AnswerStream]:
-    """One answer stream per sampling (OpenAI's `n` choices), all admitted or none."""
+    """One answer stream per sampling (OpenAI's `n` choices), all admitted or none; each follows
+    `grammar` from its start when one is given."""
     streams = []
     try:
         for sampling in samplings:
             streams.append(
                 outputs.generate_answer(
-                    uuid.uuid4().hex, prompt, sampling, max_new_tokens, tuple(stop), ignore_eos
+                    uuid.uuid4().hex,
+                    prompt,
+                    sampling,
+                    max_new_tokens,
+                    tuple(stop),
+                    ignore_eos,
+                    None if grammar is None else grammar.follow(),
                 )
             )
     except AdmissionError as exc:

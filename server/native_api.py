@@ -19,21 +19,24 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from sse_starlette.sse import EventSourceResponse
 
-from agent.contract.native_request import ClientRequest
+from agent.contract.native_request import ClientRequest, TgiGrammar
 from config.schema import ServingConfig
 from server.assembly import (
     PromptEncoder,
     admit,
     check_answer_fits,
     check_served,
+    compile_grammar,
     sampling_params,
     served_models,
     unless_disconnected,
 )
 from server.errors import ApiError
 from server.logprob_format import LogprobFormatter
+from server.openai_schema import json_text
 from server.output import AnswerStream, GenerationOutput, OutputProcessor
 from server.request_body import json_body
+from server.structured_output import GrammarError, Grammars, GrammarSpec
 
 
 def sse_message(data) -> str:
@@ -143,7 +146,19 @@ async def one_event(value: int):
     yield sse_message(value)
 
 
-def native_router(config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder) -> APIRouter:
+def tgi_grammar(grammar: TgiGrammar | None) -> GrammarSpec | None:
+    if grammar is None:
+        return None
+    if grammar.type == "regex":
+        if not isinstance(grammar.value, str):
+            raise GrammarError("a regex grammar's value is the regex, a string")
+        return GrammarSpec("regex", grammar.value)
+    return GrammarSpec("json", json_text(grammar.value))
+
+
+def native_router(
+    config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder, grammars: Grammars
+) -> APIRouter:
     router = APIRouter()
     engine = outputs.engine
     client_request = json_body(ClientRequest)
@@ -166,11 +181,12 @@ def native_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
             check_answer_fits(
                 len(prompt), p.max_new_tokens, outputs.engine.max_seq_len, False, "max_new_tokens"
             )
+        grammar = await compile_grammar(grammars, lambda: tgi_grammar(p.grammar), "parameters.grammar", 422)
         sampling = sampling_params(
             p, p.do_sample, p.seed, outputs.tokenizer.vocab_size, logprobs=p.logprobs_asked()
         )
         [stream] = await admit(
-            outputs, prompt, [sampling], p.max_new_tokens, p.stop, p.ignore_eos, openai=False
+            outputs, prompt, [sampling], p.max_new_tokens, p.stop, p.ignore_eos, openai=False, grammar=grammar
         )
         return stream
 

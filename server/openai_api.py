@@ -23,6 +23,7 @@ from server.assembly import (
     admit,
     check_answer_fits,
     check_served,
+    compile_grammar,
     sampling_params,
     served_models,
     unless_disconnected,
@@ -32,6 +33,7 @@ from server.logprob_format import LogprobFormatter
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
 from server.output import AnswerStream, GeneratedToken, GenerationOutput, OutputProcessor
 from server.request_body import json_body
+from server.structured_output import Grammars
 
 CREATED = int(time.time())
 
@@ -63,7 +65,9 @@ async def _merged(streams: list[AnswerStream]) -> AsyncGenerator[tuple[int, Gene
             await stream.aclose()
 
 
-def openai_router(config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder) -> APIRouter:
+def openai_router(
+    config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder, grammars: Grammars
+) -> APIRouter:
     router = APIRouter(prefix="/v1")
     served = served_models(config)
     formatter = LogprobFormatter(outputs.tokenizer)
@@ -98,7 +102,11 @@ def openai_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
             )
             for i in range(req.n)
         ]
-        streams = await admit(outputs, prompt, samplings, max_tokens, req.stop, req.ignore_eos, openai=True)
+        param = "structured_outputs" if req.structured_outputs else "response_format"
+        grammar = await compile_grammar(grammars, req.grammar_spec, param, 400)
+        streams = await admit(
+            outputs, prompt, samplings, max_tokens, req.stop, req.ignore_eos, openai=True, grammar=grammar
+        )
         object_name = "chat.completion" if chat else "text_completion"
         reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 

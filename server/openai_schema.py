@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -16,8 +17,78 @@ from agent.contract.sampling import (
     MAX_TOP_K,
     check_stop_strings,
 )
+from server.structured_output import GrammarError, GrammarSpec
 
 MAX_N = 8  # completions per request; each is one more sequence in the batch
+MAX_CHOICES = 256  # structured_outputs.choice
+
+
+def json_text(value: dict | str) -> str:
+    """A JSON Schema as canonical JSON text (the grammar cache's key); a string must hold JSON."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise GrammarError(f"the schema is not JSON: {exc}") from exc
+    return json.dumps(value, separators=(",", ":"))  # its order kept: properties are generated in it
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (the form this server documents): exactly one of them."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = None  # Lark
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Self:
+        given = [
+            name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar")
+        return self
+
+    def spec(self) -> GrammarSpec:
+        if self.json_schema is not None:
+            return GrammarSpec("json", json_text(self.json_schema))
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        if self.choice is not None:
+            return GrammarSpec("choice", json.dumps(self.choice))
+        assert self.grammar is not None
+        return GrammarSpec("lark", self.grammar)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> Self:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+    def spec(self) -> GrammarSpec | None:
+        if self.type == "json_object":
+            return GrammarSpec("json_object", "")
+        if self.json_schema is not None:
+            return GrammarSpec("json", json_text(self.json_schema.json_schema))
+        return None
 
 
 class StreamOptions(BaseModel):
@@ -47,6 +118,11 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    structured_outputs: StructuredOutputs | None = None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The grammar the answer must follow, if any (GrammarError for a JSON text that is not)."""
+        return self.structured_outputs.spec() if self.structured_outputs else None
 
     @field_validator("stop_token_ids", mode="before")
     @classmethod
@@ -169,7 +245,16 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list | None = None
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> Self:
+        if self.structured_outputs and self.response_format and self.response_format.type != "text":
+            raise ValueError("response_format and structured_outputs both constrain the answer: send one")
+        return self
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        return (self.response_format.spec() if self.response_format else None) or super().grammar_spec()
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> Self:
@@ -183,6 +268,4 @@ class ChatCompletionRequest(_Common):
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools are not supported"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format other than text is not supported"
         return refused_content(self.messages) or super().unsupported()

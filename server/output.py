@@ -24,7 +24,7 @@ from agent.model.tokenizer import TextTokenizer
 from config.schema import ServingConfig
 from scheduler.engine import Engine
 from scheduler.metrics import ServingMetrics
-from scheduler.sequence import FinishReason, Sequence
+from scheduler.sequence import FinishReason, Sequence, TokenConstraint
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +118,11 @@ class OutputProcessor:
         max_new_tokens: int,
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
+        constraint: TokenConstraint | None = None,
     ) -> AnswerStream:
         """Registers the request at once (AdmissionError if it is refused) and returns its stream.
         Closing the stream early (client gone) aborts the request and frees its slot."""
-        seq = self.engine.add_request(request_id, prompt, sampling, max_new_tokens, ignore_eos)
+        seq = self.engine.add_request(request_id, prompt, sampling, max_new_tokens, ignore_eos, constraint)
         stop = tuple(s for s in stop if s)
         stream = _Stream(
             seq,

@@ -25,6 +25,7 @@ from agent_harness import (
     alive,
     curve_keys,
     free_ports,
+    slot_blocks,
     wait_gone,
     write_config,
 )
@@ -144,6 +145,24 @@ def step_arrays(slots: list[int], tables: list[list[int]]) -> list[np.ndarray]:
         (
             lambda c: c.call("step", step_arrays([], []), chunks=[{"slot": 1, "start": 0, "sample": "no"}]),
             "sample (true or false)",
+        ),
+        # Token masks (structured output): `masked` slots, then an int32 array [masked, words].
+        (lambda c: c.call("decode", [np.array([0], np.int32)], masked="x"), "must list distinct slot ids"),
+        (lambda c: c.call("decode", [np.array([0], np.int32)], masked=[0, 0]), "must list distinct slot ids"),
+        (
+            lambda c: c.call("decode", [np.array([0], np.int32), np.ones((1, 2), np.int64)], masked=[0]),
+            "an int32 array [masked slots, words]",
+        ),
+        (
+            lambda c: c.call(
+                "prefill",
+                [np.array([1, 2], np.int32), slot_blocks(0), np.full((1, 2), -1, np.int32)],
+                slot=0,
+                start=0,
+                sample=True,
+                masked=[1],
+            ),
+            "its own slot",
         ),
         # These three killed the agent (TypeError, OverflowError, an int64 product that wrapped to 0).
         (lambda c: c.raw(spec_frames([["int32"], [1]], b"\x00" * 4)), "bad description"),

@@ -141,6 +141,13 @@ def test_logprobs_come_from_both_agents(disaggregated):
     assert "".join(t["text"] for t in details["tokens"]) == reply["generated_text"]
 
 
+def test_a_grammar_holds_on_both_agents(disaggregated):
+    """The first token's mask goes to the prefill agent, the rest to the decode agent."""
+    grammar = {"type": "regex", "value": "[a-z]{5}-[0-9]{10}"}
+    reply = generate(disaggregated["base"], "The quick brown fox", ignore_eos=False, grammar=grammar)
+    assert re.fullmatch(grammar["value"], reply.json()["generated_text"]), reply.text
+
+
 def test_a_prefill_agents_key_may_only_send_kv(disaggregated):
     """The prefill agent holds its own keypair, not the server's: a decode agent takes only
     kv_receive from it (not info, reset, decode or release), and the prefill agent does not admit

@@ -147,6 +147,8 @@ openai_fields = {
         "min_tokens",
         "stop_token_ids",
         "echo",
+        "structured_outputs",
+        "response_format",
         "stream_options",
         "top_k",
         "ignore_eos",

@@ -2,6 +2,7 @@
 all three response styles, UTF-8-safe streaming, and SIGTERM cutting long streams at the drain
 timeout."""
 
+import enum
 import json
 import re
 import signal
@@ -10,8 +11,10 @@ import time
 
 import httpx
 import numpy as np
+import openai
 import pytest
 from httpx_sse import connect_sse
+from pydantic import BaseModel, Field
 
 import reference_numpy as ref
 from agent_harness import free_ports, serving_stack, write_config
@@ -103,6 +106,62 @@ def test_logprobs_match_the_independent_reference(stack, default_model_path):
         [t["logprob"] for t in details["tokens"]], abs=1e-5
     )
     assert all(line["top_tokens"][0]["id"] == line["token"]["id"] for line in lines)
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=40)
+    zip_code: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Colour(str, enum.Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=40)
+    age: int = Field(ge=0, le=120)
+    favourite_colour: Colour
+    address: Address
+    hobbies: list[str] = Field(max_length=3)
+
+
+class Grade(BaseModel):
+    subject: str = Field(max_length=40)
+    score: float = Field(ge=0, le=100)
+    passed: bool
+
+
+class Report(BaseModel):
+    student: str = Field(max_length=40)
+    grades: list[Grade] = Field(min_length=1, max_length=3)
+
+
+@pytest.mark.parametrize(
+    "schema, question",
+    [
+        (Person, "Describe a fictional person."),
+        (Grade, "Grade a maths exam."),
+        (Report, "Write a school report with two grades."),
+    ],
+)
+def test_parse_returns_objects_of_the_schema_streamed_or_not(stack, schema, question):
+    """The `openai` package's parse() and stream() with a pydantic model (a strict json_schema
+    response_format): nested objects, arrays, enums, required fields, bounded numbers."""
+    sdk = openai.OpenAI(base_url=f"{stack[0]}/v1", api_key="unused", max_retries=0)
+    kwargs = dict(
+        model="smollm2",
+        messages=[{"role": "user", "content": question}],
+        response_format=schema,
+        max_tokens=200,
+        temperature=0,
+    )
+    reply = sdk.chat.completions.parse(**kwargs)
+    parsed = reply.choices[0].message.parsed
+    assert isinstance(parsed, schema) and reply.choices[0].finish_reason == "stop"
+    with sdk.chat.completions.stream(**kwargs) as stream:
+        assert stream.get_final_completion().choices[0].message.parsed == parsed
 
 
 def test_sigterm_ends_unfinished_streams_with_a_final_event(stack):

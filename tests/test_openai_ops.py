@@ -2,16 +2,19 @@
 the Python client, against a real agent + `start_server.py` on the tiny model with an API key on."""
 
 import asyncio
+import re
 import shutil
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, wait_gone, write_config
@@ -271,6 +274,123 @@ def test_chat_and_completion_logprobs_streamed_and_not(sdk):
     assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == shown.tokens
     plain = sdk.completions.create(model="tiny", prompt="Once upon", max_tokens=5, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].text == reply.choices[0].text
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=8)
+    kind: Literal["cat", "dog", "fish"]
+    age: int = Field(ge=0, le=30)
+    weight: float = Field(ge=0.5, le=80)
+
+
+class Household(BaseModel):
+    owner: str = Field(max_length=8)
+    pets: list[Pet] = Field(max_length=2)
+    indoor: bool
+
+
+def test_structured_output_holds_even_on_a_random_model(sdk, stack):
+    """The tiny model's weights are random: whatever it would say, the answer follows the grammar."""
+    base = stack[0]
+    schema = Household.model_json_schema()
+    reply = sdk.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=400,
+        temperature=1.0,
+        seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "household", "schema": schema}},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    Household.model_validate_json(reply.choices[0].message.content)
+    for outputs, check in [
+        ({"regex": "[a-z]{3}-[0-9]{2}"}, lambda text: re.fullmatch("[a-z]{3}-[0-9]{2}", text)),
+        ({"choice": ["yes", "no", "maybe"]}, lambda text: text in ("yes", "no", "maybe")),
+        (
+            {"grammar": 'start: "(" NUMBER ("," NUMBER)* ")"\nNUMBER: /[0-9]{1,3}/'},
+            lambda text: re.fullmatch(r"\(\d{1,3}(,\d{1,3})*\)", text),
+        ),
+    ]:
+        for seed in (1, 2):
+            text = (
+                sdk.completions.create(
+                    model="tiny",
+                    prompt="Hello",
+                    max_tokens=40,
+                    seed=seed,
+                    temperature=1.0,
+                    extra_body={"structured_outputs": outputs},
+                )
+                .choices[0]
+                .text
+            )
+            assert check(text), (outputs, text)
+    body = {
+        "inputs": "Hello",
+        "parameters": {"max_new_tokens": 30, "grammar": {"type": "regex", "value": "[0-9]{4}"}},
+    }
+    reply = httpx.post(f"{base}/models/tiny/generate", headers=AUTH, json=body, timeout=60)
+    assert re.fullmatch("[0-9]{4}", reply.json()["generated_text"]), reply.text
+    body["parameters"] |= {
+        "max_new_tokens": 200,
+        "grammar": {"type": "json", "value": Pet.model_json_schema()},
+    }
+    Pet.model_validate_json(
+        httpx.post(f"{base}/models/tiny/generate", headers=AUTH, json=body, timeout=60).json()[
+            "generated_text"
+        ]
+    )
+
+
+def test_constrained_streams_leave_the_others_their_answers(sdk):
+    """Constrained and unconstrained streams in one batch: the unconstrained ones answer as alone."""
+
+    def ask(i: int, constrained: bool) -> str:
+        extra = {"structured_outputs": {"json": Pet.model_json_schema()}} if constrained else {}
+        prompt = f"Story {i}:"
+        return (
+            sdk.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=200 if constrained else 24,
+                temperature=0,
+                extra_body={"ignore_eos": True, **extra},
+            )
+            .choices[0]
+            .text
+        )
+
+    alone = [ask(i, False) for i in range(3)]
+    with ThreadPoolExecutor(6) as pool:
+        mixed = [pool.submit(ask, i, constrained) for constrained in (True, False) for i in range(3)]
+        answers = [f.result() for f in mixed]
+    assert answers[3:] == alone
+    for text in answers[:3]:
+        Pet.model_validate_json(text)
+
+
+def test_bad_grammars_are_refused_naming_the_parameter(sdk, stack):
+    for kwargs, word in [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "strin"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "json_schema"),
+        ({"extra_body": {"structured_outputs": {"regex": "(["}}}, "structured_outputs"),
+        ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "exactly one"),
+        ({"extra_body": {"structured_outputs": {"json": "{not json"}}}, "not JSON"),
+        ({"extra_body": {"structured_outputs": {"grammar": "start: missing_rule"}}}, "structured_outputs"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=word):
+            sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, **kwargs)
+    body = {"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": "(["}}}
+    reply = httpx.post(f"{stack[0]}/models/tiny/generate", headers=AUTH, json=body, timeout=30)
+    assert reply.status_code == 422 and "parameters.grammar" in reply.json()["error"], reply.text
 
 
 def test_tokenize_and_detokenize(stack, tokenizer):

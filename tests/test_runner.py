@@ -195,3 +195,57 @@ def test_whole_vocabulary_rows_skip_the_whole_vocabulary_top_k(
         del graphs.topk
     assert alone == first == seqs[0]  # same tokens alone, again, and beside a top-k row
     assert ks and tiny_llama_runner.spec.vocab_size not in ks, ks  # only the top-k row's small graph
+
+
+def bitmask(vocab: int, allowed) -> np.ndarray:
+    """A token mask as the server sends it: bit j of int32 word i allows token 32 i + j."""
+    bits = np.zeros(((vocab + 31) // 32) * 32, np.uint8)
+    bits[list(allowed)] = 1
+    return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+
+
+def test_token_masks_choose_within_them_and_leave_other_rows_alone(
+    tiny_llama_runner, tiny_llama_dir, release_all
+):
+    """Structured output's masks: a masked row (greedy, sampled or asking for logprobs) picks only
+    allowed tokens; the unmasked row beside it keeps its answer alone."""
+    release_all(tiny_llama_runner)
+    runner, vocab = tiny_llama_runner, tiny_llama_runner.spec.vocab_size
+    prompt = load_tokenizer(tiny_llama_dir).encode("The capital of France")
+    alone = generate_alone(runner, prompt, 6)
+    allowed = [5, 17, 99]
+    hot = SamplingParams(do_sample=True, temperature=1.5, seed=3, logprobs=2)
+    assert runner.prefill(0, prompt, GREEDY, mask=bitmask(vocab, [alone[0] + 1])) == alone[0] + 1
+    seqs = [
+        [runner.prefill(1, prompt, GREEDY)],
+        [runner.prefill(2, prompt, hot, mask=bitmask(vocab, allowed))],
+    ]
+    for _ in range(5):
+        masks = {0: bitmask(vocab, allowed), 2: bitmask(vocab, allowed)}
+        got = runner.decode([0, 1, 2], masks=masks)
+        assert got[0] in allowed and runner.logprobs(2).top[0][0] in allowed
+        for seq, token in zip(seqs, got[1:]):
+            seq.append(token)
+    assert seqs[0] == alone and all(t in allowed for t in seqs[1])
+    short = bitmask(vocab, [3])[:1]  # one word: the tokens past it are not allowed
+    assert runner.decode([1], masks={1: short}) == [3]
+
+
+@pytest.mark.parametrize(
+    "masks, message",
+    [
+        ({0: np.zeros(1, np.int32)}, "allows no token"),
+        ({0: np.full(99, -1, np.int32)}, "int32 words"),
+        ({0: np.full(2, -1, np.int64)}, "int32 words"),
+        ({1: np.full(2, -1, np.int32)}, "samples nothing"),
+    ],
+)
+def test_bad_token_masks_are_refused_before_anything_runs(
+    tiny_llama_runner, tiny_llama_dir, masks, message, release_all
+):
+    release_all(tiny_llama_runner)
+    prompt = load_tokenizer(tiny_llama_dir).encode("The capital")
+    tiny_llama_runner.prefill(0, prompt, GREEDY)
+    with pytest.raises(RunnerError, match=message):
+        tiny_llama_runner.decode([0], masks=masks)
+    assert tiny_llama_runner.slot_length(0) == len(prompt)  # nothing ran

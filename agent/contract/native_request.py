@@ -9,6 +9,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from agent.contract.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOP_K, check_stop_strings
 
 
+class TgiGrammar(BaseModel):
+    """TGI's `grammar`: a JSON Schema (an object, or its JSON text) or a regex the answer follows."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json", "regex"]
+    value: dict | str
+
+
 class Parameters(BaseModel):
     """Generation parameters with upstream's defaults; top_k is clamped to [0, 2^31 - 1] and top_p
     to [0.01, 1]; NaN and infinity are refused."""
@@ -41,6 +50,7 @@ class Parameters(BaseModel):
     decoder_input_details: bool = Field(
         False, description="prompt logprobs: not computed, so true is refused rather than ignored"
     )
+    grammar: TgiGrammar | None = None
     # Accepted for TGI clients; they change nothing here.
     typical_p: float | None = None
     watermark: bool = False

@@ -40,6 +40,10 @@ Requests (op: fields -> reply fields):
                                                               stale_session below the holder's)
     ping:     -                                            -> -
     shutdown: session                                      -> - (the agent exits after replying)
+Token masks (structured output): prefill (sampling), decode and step may carry `masked` [slot, ...]
+and, after every other array, an int32 array [len(masked), words <= ceil(vocab_size / 32)]: bit j of
+word i set means token 32 i + j may be that slot's next token (the server's grammar decides, over
+its tokenizer's vocabulary; tokens past the words are not allowed; one choice).
 Logprobs: a reply lists them only when a sequence's sampling asked for them (sampling.logprobs);
 an entry is [the token's logprob, [[id, logprob], ...] best first] (TokenLogprob.to_wire).
 Block tables are the server's: an agent's KV cache is a pool of num_blocks blocks of block_size
