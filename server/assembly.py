@@ -5,6 +5,7 @@ refusal becomes an ApiError), and the wait for a whole answer that ends when the
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -143,12 +144,19 @@ class PromptEncoder:
         return await self._off_loop(len(text), bounded, param, lambda: self._ids(text, add_special_tokens))
 
     async def encode_chat(
-        self, messages: list[dict], bounded: bool = True, param: str | None = None
+        self,
+        messages: list[dict],
+        bounded: bool = True,
+        param: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        def render() -> list[int]:  # the template writes BOS itself where the model wants one
-            return self._ids(self.tokenizer.apply_chat_template(messages), False)
+        """`tools`: for a template that renders them (tokenizer.template_takes_tools)."""
 
-        return await self._off_loop(sum(len(m["content"]) for m in messages), bounded, param, render)
+        def render() -> list[int]:  # the template writes BOS itself where the model wants one
+            return self._ids(self.tokenizer.apply_chat_template(messages, tools=tools), False)
+
+        chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools) if tools else "")
+        return await self._off_loop(chars, bounded, param, render)
 
     async def _off_loop(
         self, chars: int, bounded: bool, param: str | None, tokenize: Callable[[], list[int]]

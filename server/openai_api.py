@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from sse_starlette.sse import EventSourceResponse
 
 from config.schema import ServingConfig
+from server import tool_calls
 from server.assembly import (
     PromptEncoder,
     admit,
@@ -102,8 +103,19 @@ def openai_router(
             )
             for i in range(req.n)
         ]
-        param = "structured_outputs" if req.structured_outputs else "response_format"
-        grammar = await compile_grammar(grammars, req.grammar_spec, param, 400)
+        calls = chat and tool_calls.offered(req)  # the answers are read for tool calls
+        call_grammar = tool_calls.call_grammar(req) if chat else None
+        if call_grammar is not None:
+            if req.grammar_spec() is not None:
+                raise ApiError(
+                    400,
+                    "tool_choice and response_format both constrain the answer: send one",
+                    param="tool_choice",
+                )
+            grammar = await compile_grammar(grammars, lambda: call_grammar, "tools", 400)
+        else:
+            param = "structured_outputs" if req.structured_outputs else "response_format"
+            grammar = await compile_grammar(grammars, req.grammar_spec, param, 400)
         streams = await admit(
             outputs, prompt, samplings, max_tokens, req.stop, req.ignore_eos, openai=True, grammar=grammar
         )
@@ -159,6 +171,11 @@ def openai_router(
             for i, choice in enumerate(choices):
                 choice["logprobs"] = logprobs(i, generated[i])
                 choice["finish_reason"] = reasons[i]
+                if calls:
+                    content, found = tool_calls.parse_calls(texts[i], req.tools, req.parallel_tool_calls)
+                    if found:
+                        choice["message"] = {"role": "assistant", "content": content, "tool_calls": found}
+                        choice["finish_reason"] = "tool_calls"
             return {**envelope(choices, False), "usage": usage(sum(tokens))}
 
         if not req.stream:
@@ -166,9 +183,15 @@ def openai_router(
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def piece(i: int, out: GenerationOutput | None) -> dict:
-            """Choice i's chunk of this output (None: the first chunk, with the role)."""
-            text, reason = (out.text, out.finish_reason) if out else ("", None)
+        watchers = (
+            [tool_calls.CallWatcher(req.tools, req.parallel_tool_calls) for _ in range(req.n)]
+            if calls
+            else []
+        )
+
+        def piece(i: int, out: GenerationOutput | None, text: str = "", reason: str | None = None) -> dict:
+            """Choice i's chunk of this output (None: the first chunk, with the role): `text`, and
+            `reason` when it finishes."""
             shown = logprobs(i, out.tokens) if out and out.tokens else None
             if chat:
                 delta = (
@@ -198,8 +221,22 @@ def openai_router(
                         )
                         break
                     tokens[i] = out.index
-                    if out.text or out.finished or (top is not None and out.tokens):
-                        yield json.dumps(envelope([piece(i, out)], True), ensure_ascii=False)
+                    text, reason = out.text, out.finish_reason
+                    found: list[dict] = []
+                    if calls:  # text that may be a call waits; calls go out whole at the end
+                        text = watchers[i].feed(out.text)
+                        if out.finished:
+                            rest, found = watchers[i].finish()
+                            text += rest
+                    if found:
+                        if text:
+                            yield json.dumps(envelope([piece(i, out, text)], True), ensure_ascii=False)
+                        delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(found)]}
+                        chunk = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                        yield json.dumps(envelope([chunk], True), ensure_ascii=False)
+                        yield json.dumps(envelope([piece(i, None, "", "tool_calls") | {"delta": {}}], True))
+                    elif text or out.finished or (top is not None and out.tokens):
+                        yield json.dumps(envelope([piece(i, out, text, reason)], True), ensure_ascii=False)
             if include_usage:
                 yield json.dumps({**envelope([], True), "usage": usage(sum(tokens))})
             yield "[DONE]"
@@ -227,8 +264,10 @@ def openai_router(
     @router.post("/chat/completions")
     async def chat_completions(http: Request, req: ChatCompletionRequest = Depends(chat_request)):
         check(req)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt = await encoder.encode_chat(messages, param="messages")
+        takes_tools = outputs.tokenizer.template_takes_tools
+        messages = tool_calls.template_messages(req, takes_tools)
+        tools = tool_calls.template_tools(req) if takes_tools else None
+        prompt = await encoder.encode_chat(messages, param="messages", tools=tools)
         asked, param = (
             (req.max_completion_tokens, "max_completion_tokens")
             if req.max_completion_tokens

@@ -164,6 +164,47 @@ def test_parse_returns_objects_of_the_schema_streamed_or_not(stack, schema, ques
         assert stream.get_final_completion().choices[0].message.parsed == parsed
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_tool_call_round_trip(stack):
+    """The default model's template has no tools: they go in a system message. A required call,
+    its result as a tool message, then the answer that uses it."""
+    sdk = openai.OpenAI(base_url=f"{stack[0]}/v1", api_key="unused", max_retries=0)
+    messages: list = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = sdk.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=80,
+    )
+    [call] = first.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius and sunny"},
+    ]
+    final = sdk.chat.completions.create(
+        model="smollm2", messages=messages, tools=[WEATHER], temperature=0, max_tokens=40
+    )
+    answer = final.choices[0].message
+    assert answer.tool_calls is None and "sunny" in answer.content, answer
+
+
 def test_sigterm_ends_unfinished_streams_with_a_final_event(stack):
     """Last in this module: 4 long streams outlast the 3 s drain; each ends with an error event,
     a request during the drain gets 503, and the process exits 0."""

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, wait_gone, write_config
@@ -33,7 +33,8 @@ def stack(tmp_path_factory, tiny_llama_dir):
         tmp_path_factory.mktemp("openai"),
         tiny_llama_dir,
         [agent_port],
-        runtime=LONG_ANSWERS_RUNTIME,
+        # Room for prompts that carry tool definitions (the tiny vocabulary spends a token a byte).
+        runtime={**LONG_ANSWERS_RUNTIME, "max_seq_len": 1536, "attend_buckets": [64, 512, 1536]},
         agents={"restart_policy": "exit"},
         server={"port": http_port, "api_keys": [KEY], "max_body_bytes": MAX_BODY},
     )
@@ -393,6 +394,133 @@ def test_bad_grammars_are_refused_naming_the_parameter(sdk, stack):
     assert reply.status_code == 422 and "parameters.grammar" in reply.json()["error"], reply.text
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+MULTIPLY = {  # LangChain's bind_tools body for `def multiply(a: int, b: int) -> int`
+    "type": "function",
+    "function": {
+        "name": "multiply",
+        "description": "Multiply two integers.",
+        "parameters": {
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "type": "object",
+        },
+    },
+}
+
+
+class WeatherArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    city: str = Field(max_length=20)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+class MultiplyArgs(BaseModel):
+    a: int
+    b: int
+
+
+ARGS = {"get_weather": WeatherArgs, "multiply": MultiplyArgs}
+
+
+def test_required_and_named_tool_calls_validate_streamed_or_not(sdk):
+    """The tiny model is random: the grammar alone makes its call valid."""
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=120, temperature=0, tools=[WEATHER, MULTIPLY])
+    for choice in ("required", {"type": "function", "function": {"name": "multiply"}}):
+        reply = sdk.chat.completions.create(**kwargs, tool_choice=choice)
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls" and len(message.tool_calls) == 1, message
+        call = message.tool_calls[0]
+        ARGS[call.function.name].model_validate_json(call.function.arguments)
+        if isinstance(choice, dict):
+            assert call.function.name == "multiply"
+        chunks = list(sdk.chat.completions.create(**kwargs, tool_choice=choice, stream=True))
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        assert [d.function.name for d in deltas if d.function.name] == [call.function.name]
+        assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_agent_framework_request_shapes_are_accepted(sdk):
+    """The bodies LangChain (tools, no tool_choice) and the OpenAI Agents SDK (strict tools, content
+    parts, a call and its result in the history, parallel_tool_calls false, streaming with usage)
+    send, through the `openai` package."""
+    langchain = sdk.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "What is 3 times 4?"}],
+        temperature=0.7,
+        n=1,
+        stream=False,
+        tools=[MULTIPLY],
+        max_tokens=16,
+    )
+    assert langchain.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    history = [
+        {"role": "system", "content": "You are a weather agent."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]
+    chunks = list(
+        sdk.chat.completions.create(
+            model="tiny",
+            messages=history,
+            tools=[strict],
+            tool_choice="auto",
+            parallel_tool_calls=False,
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=16,
+            extra_body={"store": False},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_bad_tool_requests_are_400_naming_the_parameter(sdk):
+    for kwargs, word in [
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "fly"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "repeat"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=word):
+            sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, **kwargs)
+
+
 def test_tokenize_and_detokenize(stack, tokenizer):
     base = stack[0]
 
@@ -465,7 +593,7 @@ def test_metrics_move_as_requests_run(stack):
 
 def test_info(stack):
     info = httpx.get(f"{stack[0]}/info", headers=AUTH).json()
-    assert info["model_id"] == "tiny" and info["slots"] == 8 and info["max_input_length"] == 511
+    assert info["model_id"] == "tiny" and info["slots"] == 8 and info["max_input_length"] == 1535
 
 
 # ------------------------------------------------------------------------------------ client

@@ -116,7 +116,14 @@ class TextTokenizer:
         text = self.decode([token], skip_special_tokens=False)
         return text, text.encode(), False
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders `tools` itself (Qwen, Hermes, Llama 3.1 ...)."""
+        return "tools" in (self.chat_template or "")
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         if self._template is None:
             raise TokenizerError("this model has no chat template")
         try:
@@ -125,6 +132,7 @@ class TextTokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **({"tools": tools} if tools else {}),
             )
         except TemplateError as exc:
             raise TokenizerError(f"the chat template refused these messages: {exc}") from exc

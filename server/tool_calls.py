@@ -1,0 +1,194 @@
+"""Tool calling on /v1/chat/completions.
+
+The tools reach the model through its chat template when the template takes `tools` (Qwen, Hermes,
+Llama 3.1 ...); otherwise (the default model's template does not) through a system message that
+asks for this format, Hermes's:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+`tool_choice` "required" or a named function constrains the answer to one such call by a grammar
+(the arguments follow the function's JSON Schema); "auto" answers are parsed for calls (Hermes/Qwen
+tags, or a whole answer that is one Llama 3 style JSON call); "none" leaves the tools out.
+Assistant messages with `tool_calls` and `role: "tool"` messages in the history are written in the
+same format for templates that do not know them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from server.openai_schema import ChatCompletionRequest, ChatMessage, Tool
+from server.structured_output import JSON_OPTIONS, GrammarSpec
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CALL_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+SYSTEM_PROMPT = (
+    "You can call functions. To call one, answer with exactly:\n"
+    f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}\n'
+    "Functions:\n"
+)
+
+
+def offered(req: ChatCompletionRequest) -> bool:
+    """The model is told of the request's tools and its answer read for calls."""
+    return bool(req.tools) and req.tool_choice != "none"
+
+
+def template_messages(req: ChatCompletionRequest, template_takes_tools: bool) -> list[dict]:
+    """The messages as the chat template renders them; for a template without tools, the tools
+    as a system message and the history's calls and results as text in the format above."""
+    messages = [_message(m, template_takes_tools) for m in req.messages]
+    if offered(req) and not template_takes_tools:
+        described = "\n".join(json.dumps(t.function.model_dump(exclude_none=True)) for t in req.tools or [])
+        prompt = SYSTEM_PROMPT + described
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": prompt + "\n\n" + messages[0]["content"]}
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
+    return messages
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools as a template that takes them expects (OpenAI's shape), or None."""
+    return [t.model_dump(exclude_none=True) for t in req.tools or []] if offered(req) else None
+
+
+def _message(message: ChatMessage, template_takes_tools: bool) -> dict:
+    text = message.text()
+    if template_takes_tools:
+        out: dict = {"role": message.role, "content": text}
+        if message.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "type": "function",
+                    "id": c.id,
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in message.tool_calls
+            ]
+        if message.tool_call_id:
+            out["tool_call_id"] = message.tool_call_id
+        return out
+    if message.role == "tool":
+        return {"role": "tool", "content": f"<tool_response>\n{text}\n</tool_response>"}
+    calls = [
+        f"{OPEN}\n"
+        + json.dumps({"name": c.function.name, "arguments": _arguments(c.function.arguments)})
+        + f"\n{CLOSE}"
+        for c in message.tool_calls or []
+    ]
+    return {"role": message.role, "content": "\n".join([text, *calls] if text else calls)}
+
+
+def call_grammar(req: ChatCompletionRequest) -> GrammarSpec | None:
+    """For tool_choice "required" or a named function: one call of an offered function whose
+    arguments follow its schema (a Lark grammar with llguidance's inline JSON Schema)."""
+    if not req.tools or req.tool_choice in (None, "auto", "none"):
+        return None
+    named = None if isinstance(req.tool_choice, str) else req.tool_choice.function.name
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in req.tools
+        if named is None or t.function.name == named
+    ]
+    schema = {"x-guidance": dict(JSON_OPTIONS), "anyOf": calls}
+    start = f"start: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}"
+    return GrammarSpec("lark", f"{start}\ncall: %json {json.dumps(schema)}")
+
+
+def parse_calls(text: str, tools: list[Tool], parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """(the answer's text outside calls or None, its calls in OpenAI's shape). Calls of functions
+    that were not offered, or whose arguments are not a JSON object, stay text."""
+    names = {t.function.name for t in tools}
+    calls, kept, end = [], [], 0
+    for match in CALL_BLOCK.finditer(text):
+        call = _call(match.group(1), names)
+        if call is not None:
+            kept.append(text[end : match.start()])
+            end = match.end()
+            calls.append(call)
+    kept.append(text[end:])
+    if not calls:
+        whole = _call(text.strip(), names)  # Llama 3 style: the answer is one JSON call
+        if whole is not None:
+            return None, [whole]
+    content = "".join(kept).strip()
+    return content or None, calls if parallel else calls[:1]
+
+
+def _arguments(text: str):
+    """A history call's arguments as JSON (as sent, when they are not JSON: the model sees them)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _call(text: str, names: set[str]) -> dict | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return {
+        "id": "call_" + uuid.uuid4().hex[:24],
+        "type": "function",
+        "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
+
+
+class CallWatcher:
+    """A streamed answer's text with calls kept out: text goes out as it comes, except what could be
+    the start of a call tag, and everything from a call tag on (parsed at the end)."""
+
+    def __init__(self, tools: list[Tool], parallel: bool):
+        self.tools, self.parallel = tools, parallel
+        self.text = ""
+        self.sent = 0  # characters of text handed out
+        self.holding = False  # a call tag was seen: the rest waits for the end
+
+    def feed(self, piece: str) -> str:
+        """The part of the answer so far that can go out now."""
+        self.text += piece
+        if not self.holding and self.sent == 0 and self.text.lstrip().startswith("{"):
+            self.holding = True  # maybe one JSON call as the whole answer (Llama 3 style)
+        if not self.holding:
+            start = self.text.find(OPEN, self.sent)
+            if start >= 0:
+                self.holding, limit = True, start
+            else:  # hold back what could be the beginning of OPEN
+                limit = len(self.text) - _partial_tag(self.text)
+            out, self.sent = self.text[self.sent : limit], max(self.sent, limit)
+            return out
+        return ""
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(text not yet handed out, the calls of the whole answer)."""
+        content, calls = parse_calls(self.text, self.tools, self.parallel)
+        if not calls:
+            rest, self.sent = self.text[self.sent :], len(self.text)
+            return rest, []
+        if self.sent == 0:  # nothing went out: the text outside the calls is the content
+            return content or "", calls
+        return "", calls  # the text before the first call already went out
+
+
+def _partial_tag(text: str) -> int:
+    """How many characters at the end of `text` could begin OPEN."""
+    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-size:]):
+            return size
+    return 0
