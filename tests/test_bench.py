@@ -345,3 +345,28 @@ def test_multi_turn_chats_carry_the_answers_into_the_next_prompt(tmp_path):
     [result] = json.loads((tmp_path / "chat.json").read_text())["results"]
     s = result["summary"]
     assert s["requests"] == 5 and s["ttft_first_turn_p50_s"] > 0 and s["ttft_later_turns_p50_s"] > 0
+
+
+def test_extra_body_fields_go_to_their_targets():
+    """--extra-body: side by side, the same server with and without (say) a grammar."""
+    args = parse_args(
+        [
+            "--target",
+            "plain=http://h:1/v1/completions",
+            "--vs",
+            "json=http://h:1/v1/completions",
+            "--vs",
+            "native=http://h:1/models/x",
+            "--extra-body",
+            '{"logprobs": 2}',
+            "--extra-body",
+            'json={"structured_outputs": {"regex": "[a-z]+"}}',
+        ]
+    )
+    plain, constrained, native = (t.request_body("p", 4, True, "m") for t in args.targets)
+    assert plain["logprobs"] == 2 and "structured_outputs" not in plain
+    assert constrained["structured_outputs"] == {"regex": "[a-z]+"} and constrained["prompt"] == "p"
+    assert native["parameters"]["logprobs"] == 2 and native["inputs"] == "p"
+    assert "logprobs" not in Target.parse("http://h:1/v1/completions").request_body("p", 4, True, "m")
+    with pytest.raises(SystemExit):
+        parse_args(["--target", "http://h:1/v1/completions", "--extra-body", "[1]"])

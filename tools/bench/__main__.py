@@ -192,6 +192,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="N",
         help="new tokens per hostile answer (default 256)",
     )
+    p.add_argument(
+        "--extra-body",
+        action="append",
+        default=[],
+        metavar="[LABEL=]JSON",
+        help="fields added to every request to that target (all targets without LABEL); for the native "
+        'API, to its parameters: e.g. \'json={"structured_outputs": {"json": {...}}}\'; repeatable',
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt order and sampled lengths")
     p.add_argument("--out", type=Path, default=PROJECT_ROOT / "output" / "bench")
     p.add_argument("--name", default=time.strftime("bench-%Y%m%d-%H%M%S"), help="output file stem")
@@ -205,9 +213,28 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(exc))
     if len({t.label for t in args.targets}) != len(args.targets):
         p.error("two targets share a label; name them with LABEL=URL")
+    try:
+        args.targets = [t.with_extra(extra_fields(args.extra_body, t.label)) for t in args.targets]
+    except (TargetError, ValueError) as exc:
+        p.error(f"--extra-body: {exc}")
     if args.hostile < 0 or args.hostile_len < 1:
         p.error("--hostile must be 0 or more and --hostile-len at least 1")
     return args
+
+
+def extra_fields(specs: list[str], label: str) -> dict:
+    """The --extra-body fields for the target `label`: those without a label, then its own."""
+    fields: dict = {}
+    for spec in specs:
+        labelled = "=" in spec and not spec.lstrip().startswith(("{", "["))
+        own, text = spec.split("=", 1) if labelled else ("", spec)
+        if own and own != label:
+            continue
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise TargetError(f"{spec!r} is not a JSON object")
+        fields.update(value)
+    return fields
 
 
 def load_prompts(path: Path) -> list[str]:

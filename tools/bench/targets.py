@@ -10,7 +10,7 @@ A target is a URL; its path says the API:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlparse
 
 
@@ -23,6 +23,10 @@ class Target:
     label: str
     url: str
     api: str  # "native", "completions" or "chat"
+    extra: dict = field(default_factory=dict, compare=False)  # added to each timed request (--extra-body)
+
+    def with_extra(self, extra: dict) -> Target:
+        return replace(self, extra=extra)
 
     @classmethod
     def parse(cls, spec: str) -> Target:
@@ -67,7 +71,7 @@ class Target:
                 parameters["stop"] = stop
             if full_vocab:  # the native API's top_k defaults to 3: 0 turns it off
                 parameters.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-            return {"inputs": prompt, "stream": True, "parameters": parameters}
+            return {"inputs": prompt, "stream": True, "parameters": parameters | self.extra}
         body = {
             "max_tokens": max_tokens,
             "temperature": 0.0,
@@ -85,7 +89,7 @@ class Target:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
-        return body
+        return body | self.extra
 
 
 @dataclass
