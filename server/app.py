@@ -23,6 +23,7 @@ from server.ops_api import ops_router
 from server.output import OutputProcessor
 from server.structured_output import Grammars
 from server.tokenize_api import tokenize_router
+from server.triton_api import triton_router
 
 
 def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputProcessor) -> FastAPI:
@@ -67,6 +68,7 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputP
     app.include_router(ops_router(config, engine))
     app.include_router(native_router(config, outputs, encoder, grammars))
     app.include_router(tokenize_router(config, outputs, encoder))
+    app.include_router(triton_router(config, outputs, encoder))
     app.add_middleware(AccessMiddleware, server=config.server)
     if config.server.cors_origins:
         app.add_middleware(

@@ -1,0 +1,281 @@
+"""Triton's HTTP API for text models, so that Triton clients work unchanged:
+
+    GET  /v2, /v2/health/live, /v2/health/ready        server metadata, liveness, readiness
+    GET  /v2/models/{name}[/versions/1], .../ready     model metadata (inputs, outputs), readiness
+    POST /v2/models/{name}/generate                     {"text_input", "parameters"} -> {"model_name",
+                                                        "model_version", "text_output"}
+    POST /v2/models/{name}/generate_stream              the same as SSE events, one per piece
+    POST /v2/models/{name}/infer                        KServe v2: a BYTES `text_input` tensor (JSON
+                                                        or Triton's binary tensor extension) -> a
+                                                        BYTES `text_output` tensor (JSON)
+
+The parameters are vLLM's as Triton's vLLM backend takes them (max_tokens 16, temperature 1,
+top_p, top_k, seed, stop, ...); the answer is the generated text (`exclude_input_in_output`
+false puts the prompt before it). Errors are `{"error": message}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from sse_starlette.sse import EventSourceResponse
+
+from agent.contract.sampling import MAX_SEED, MAX_TOP_K, check_stop_strings
+from config.schema import ServingConfig
+from server.assembly import (
+    PromptEncoder,
+    admit,
+    check_answer_fits,
+    check_served,
+    sampling_params,
+    served_models,
+)
+from server.errors import ApiError
+from server.native_api import whole_answer
+from server.ops_api import package_version
+from server.output import AnswerStream, OutputProcessor
+from server.request_body import json_body
+
+VERSION = "1"  # one version of each model
+BINARY_HEADER = "inference-header-content-length"
+NUMPY_TYPES = {"BOOL": "?", "INT32": "<i4", "INT64": "<i8", "FP32": "<f4", "FP64": "<f8"}
+# Request parameters of Triton's own protocol (tritonclient sends some): not generation parameters.
+PROTOCOL_PARAMETERS = {
+    "binary_data_output",
+    "priority",
+    "timeout",
+    "sequence_id",
+    "sequence_start",
+    "sequence_end",
+}
+
+
+class TritonParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)  # 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # vLLM's -1 (and 0): no top-k
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=0.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=0.0, le=2.0)
+    exclude_input_in_output: bool = True
+    chat_template: bool | None = None  # as the native API's: default server.apply_chat_template
+    stream: bool = False  # what /generate_stream means; accepted for clients that send it
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value):
+        return [value] if isinstance(value, str) else value or []
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, value: list[str]) -> list[str]:
+        return check_stop_strings(value)
+
+    @field_validator("top_k")
+    @classmethod
+    def _no_top_k(cls, value: int) -> int:
+        return max(0, value)
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text_input: str
+    parameters: TritonParameters = Field(default_factory=TritonParameters)
+
+
+class InferTensor(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    shape: list[int]
+    datatype: str
+    data: list | None = None
+    parameters: dict = Field(default_factory=dict)
+
+
+class InferRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    inputs: list[InferTensor] = Field(min_length=1, max_length=16)
+    outputs: list[dict] | None = None
+    parameters: dict = Field(default_factory=dict)
+
+
+def triton_router(config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder) -> APIRouter:
+    router = APIRouter(prefix="/v2")
+    engine = outputs.engine
+    served = served_models(config)
+    generate_request = json_body(GenerateRequest)
+
+    async def ready() -> bool:
+        return not await engine.readiness()
+
+    @router.get("")
+    async def server_metadata():
+        return {"name": "ms-llm-serving", "version": package_version(), "extensions": ["generate"]}
+
+    @router.get("/health/live")
+    async def live():
+        return {}
+
+    @router.get("/health/ready")
+    async def server_ready():
+        if not await ready():
+            raise ApiError(503, "not ready")
+        return {}
+
+    @router.get("/models/{name}")
+    @router.get("/models/{name}/versions/" + VERSION)
+    async def model_metadata(name: str):
+        check_served(name, served)
+        return {
+            "name": name,
+            "versions": [VERSION],
+            "platform": "ms-llm-serving",
+            "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
+            "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}],
+        }
+
+    @router.get("/models/{name}/ready")
+    async def model_ready(name: str):
+        check_served(name, served)
+        if not await ready():
+            raise ApiError(503, f"model {name!r} is not ready")
+        return {}
+
+    async def start(name: str, prompt_text: str, p: TritonParameters) -> AnswerStream:
+        check_served(name, served)
+        chat = config.server.apply_chat_template if p.chat_template is None else p.chat_template
+        prompt = await (
+            encoder.encode_chat([{"role": "user", "content": prompt_text}], param="text_input")
+            if chat
+            else encoder.encode(prompt_text, param="text_input")
+        )
+        check_answer_fits(len(prompt), p.max_tokens, engine.max_seq_len, False, "max_tokens")
+        sampling = sampling_params(p, p.temperature > 0, p.seed, outputs.tokenizer.vocab_size)
+        [stream] = await admit(outputs, prompt, [sampling], p.max_tokens, p.stop, p.ignore_eos, openai=False)
+        return stream
+
+    async def answer(name: str, prompt_text: str, p: TritonParameters) -> str:
+        text, _ = await whole_answer(await start(name, prompt_text, p))
+        return text if p.exclude_input_in_output else prompt_text + text
+
+    @router.post("/models/{name}/generate")
+    async def generate(name: str, req: GenerateRequest = Depends(generate_request)):
+        text = await answer(name, req.text_input, req.parameters)
+        return {"model_name": name, "model_version": VERSION, "text_output": text}
+
+    @router.post("/models/{name}/generate_stream")
+    async def generate_stream(name: str, req: GenerateRequest = Depends(generate_request)):
+        stream = await start(name, req.text_input, req.parameters)
+
+        async def events():
+            async with contextlib.aclosing(stream):
+                if not req.parameters.exclude_input_in_output:
+                    yield json.dumps(
+                        {"model_name": name, "model_version": VERSION, "text_output": req.text_input}
+                    )
+                async for out in stream:
+                    if out.text:
+                        piece = {"model_name": name, "model_version": VERSION, "text_output": out.text}
+                        yield json.dumps(piece, ensure_ascii=False)
+                    if out.error:
+                        yield json.dumps({"error": out.error})
+                        return
+
+        return EventSourceResponse(events())
+
+    @router.post("/models/{name}/infer")
+    async def infer(name: str, http: Request):
+        check_served(name, served)
+        req, tensors = parse_infer(await http.body(), http.headers.get(BINARY_HEADER))
+        prompt = tensors.pop("text_input", None)
+        if prompt is None:
+            raise ApiError(400, "infer needs a BYTES input named text_input (the prompt)")
+        try:
+            asked = {k: v for k, v in req.parameters.items() if k not in PROTOCOL_PARAMETERS}
+            p = TritonParameters.model_validate({**asked, **tensors})
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            where = ".".join(str(part) for part in problem["loc"])
+            raise ApiError(400, f"bad parameter or input {where}: {problem['msg']}") from None
+        text = await answer(name, prompt, p)
+        reply: dict = {
+            "model_name": name,
+            "model_version": VERSION,
+            "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1], "data": [text]}],
+        }
+        if req.id is not None:
+            reply["id"] = req.id
+        return reply
+
+    return router
+
+
+def parse_infer(body: bytes, header_length: str | None) -> tuple[InferRequest, dict]:
+    """A KServe v2 request (JSON, or JSON followed by binary tensors when `header_length` says
+    where the JSON ends) -> the request and each input's single value (str for BYTES)."""
+    binary = b""
+    if header_length is not None:
+        try:
+            split = int(header_length)
+        except ValueError:
+            raise ApiError(400, f"{BINARY_HEADER} must be an integer") from None
+        if not 0 < split <= len(body):
+            raise ApiError(400, f"{BINARY_HEADER} {split} is outside the body of {len(body)} bytes")
+        body, binary = body[:split], body[split:]
+    try:
+        req = InferRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise ApiError(400, f"not a KServe v2 inference request: {exc.errors()[0]['msg']}") from None
+    values: dict = {}
+    offset = 0
+    for tensor in req.inputs:
+        if tensor.shape not in ([1], [1, 1]):
+            raise ApiError(400, f"input {tensor.name}: one element expected, shape {tensor.shape}")
+        size = tensor.parameters.get("binary_data_size")
+        if size is None:
+            if not tensor.data or len(tensor.data) != 1:
+                raise ApiError(400, f"input {tensor.name}: one element of data expected")
+            value = tensor.data[0]
+            value = value[0] if isinstance(value, list) and len(value) == 1 else value
+        else:
+            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise ApiError(400, f"input {tensor.name}: binary_data_size {size} past the body")
+            value = _binary_value(tensor, binary[offset : offset + size])
+            offset += size
+        values[tensor.name] = value
+    return req, values
+
+
+def _binary_value(tensor: InferTensor, raw: bytes):
+    """One element of Triton's binary tensor format: BYTES as a 4-byte little-endian length and
+    the bytes; numbers as their little-endian values."""
+    if tensor.datatype == "BYTES":
+        if len(raw) < 4 or struct.unpack("<I", raw[:4])[0] != len(raw) - 4:
+            raise ApiError(
+                400, f"input {tensor.name}: a BYTES element is a 4-byte length and that many bytes"
+            )
+        try:
+            return raw[4:].decode()
+        except UnicodeDecodeError:
+            raise ApiError(400, f"input {tensor.name}: the text is not UTF-8") from None
+    dtype = NUMPY_TYPES.get(tensor.datatype)
+    if dtype is None or len(raw) != np.dtype(dtype).itemsize:
+        raise ApiError(
+            400, f"input {tensor.name}: datatype {tensor.datatype} of {len(raw)} bytes is not served"
+        )
+    return np.frombuffer(raw, dtype).item()
