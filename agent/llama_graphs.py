@@ -202,7 +202,12 @@ class LlamaLayer(nn.Cell):
                     Parameter(Tensor(matrix.pack(), dtype=ms.uint8), name=p + name, requires_grad=False),
                 )
         self.attn_norm = _param(t["attn_norm"], p + "attn_norm")
-        weight = self._weight  # [in, out]; packed in tiles when the matmul kernel runs them
+        # [in, out]; packed in tiles when the matmul kernel runs them. A quantized layer's kernel
+        # multiplies from the Q4_1 copies alone: its float32 inputs are one-element placeholders
+        # (a float32 copy of the layer weights is 4 bytes a weight, ~7x the Q4_1 blocks).
+        weight = (
+            self._weight if not self.quantized else (lambda _w, name: _param(np.zeros(1, np.float32), name))
+        )
         self.wqkv = weight(np.concatenate([t["wq"] * scale, t["wk"], t["wv"]]).T, p + "wqkv")
         self.has_bias = spec.qkv_bias
         if spec.qkv_bias:

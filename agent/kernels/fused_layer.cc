@@ -26,6 +26,7 @@
 // MindIR graph, the cache inputs), which no other op of the graph reads. The host computes `write`
 // from the tables and checks every index; the kernel refuses (returns 1) a call whose tables,
 // row_table or len would read outside the cache.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -241,20 +242,25 @@ extern "C" int FusedLayer(int nparam, void **params, int *ndims, int64_t **shape
 
 // The same with the Q4_1 copies as inputs 15-18 (wqkv, wo, w_gate_up, w_down; each
 // [N / TILE, K / 32, q4::TILE_BYTES] uint8); tables, row_table and block_size 19-21; output 22.
+// Inputs 2, 10, 12 and 13 (the float32 weights) are not read: any placeholder will do; the
+// products' shapes come from the Q4_1 copies (run_layer checks them against each other).
 extern "C" int FusedLayerQ4(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   Paging paging;
-  if (nparam != 23 || !valid(ndims) || !read_paging(params, ndims, shapes, 19, paging)) return 1;
-  const int64_t k_dims[4] = {shapes[0][1], shapes[10][1], shapes[0][1], shapes[13][1]};
-  const int64_t tiles[4] = {shapes[2][0], shapes[10][0], shapes[12][0], shapes[13][0]};
+  if (nparam != 23 || ndims[0] != 2 || ndims[6] != 2 || !read_paging(params, ndims, shapes, 19, paging))
+    return 1;
+  const int slots[4] = {2, 10, 12, 13};  // where run_layer reads each product's [N / TILE, K, TILE]
+  int64_t dims[4][3];
+  int64_t *patched[23];
+  std::copy(shapes, shapes + 23, patched);
   const uint8_t *q4w[4];
   for (int i = 0; i < 4; ++i) {
     const int64_t *shape = shapes[15 + i];
-    if (ndims[15 + i] != 3 || shape[0] != tiles[i] || shape[1] * q4::BLOCK != k_dims[i] ||
-        shape[2] != q4::TILE_BYTES)
-      return 1;
+    if (ndims[15 + i] != 3 || shape[0] <= 0 || shape[1] <= 0 || shape[2] != q4::TILE_BYTES) return 1;
+    dims[i][0] = shape[0], dims[i][1] = shape[1] * q4::BLOCK, dims[i][2] = TILE;
+    patched[slots[i]] = dims[i];
     q4w[i] = static_cast<const uint8_t *>(params[15 + i]);
   }
-  return run_layer(params, shapes, q4w, paging, static_cast<float *>(params[22]));
+  return run_layer(params, patched, q4w, paging, static_cast<float *>(params[22]));
 }
