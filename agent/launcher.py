@@ -23,12 +23,26 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from agent.process import log_filename, run_agent, run_cluster_scheduler
+from config.logs import agent_log_filename
 from config.schema import ServingConfig
 
 log = logging.getLogger("agent_launcher")
 POLL_S = 0.2
 LOG_TAIL_LINES = 15
+
+
+# The spawned processes' entry points. The agent runtime (MindSpore: ~400 MB resident) is imported
+# in the children only: the launcher, which only supervises them, stays small.
+def _agent_main(config: ServingConfig, rank: int, startup_queue, parent_pid: int) -> None:
+    from agent.process import run_agent
+
+    run_agent(config, rank, startup_queue, parent_pid)
+
+
+def _cluster_main(config: ServingConfig, group: int, parent_pid: int) -> None:
+    from agent.process import run_cluster_scheduler
+
+    run_cluster_scheduler(config, group, parent_pid)
 
 
 class LaunchError(Exception):
@@ -108,7 +122,7 @@ class AgentLauncher:
         """The MindSpore cluster scheduler of a tensor-parallel group (before its workers)."""
         with _environment(self._cluster_env(group, "MS_SCHED")):
             process = self.ctx.Process(
-                target=run_cluster_scheduler, name=f"cluster-{group}", args=(self.config, group, os.getpid())
+                target=_cluster_main, name=f"cluster-{group}", args=(self.config, group, os.getpid())
             )
             process.start()
         self.clusters[group] = process
@@ -157,7 +171,7 @@ class AgentLauncher:
         )
         with _environment(env):  # a spawned child starts with the parent's environment
             agent.process = self.ctx.Process(
-                target=run_agent,
+                target=_agent_main,
                 name=f"agent-{agent.rank}",
                 args=(self.config, agent.rank, self.startup_queue, os.getpid()),
             )
@@ -203,7 +217,7 @@ class AgentLauncher:
         agent.process = None  # counted as dead: the supervisor applies the restart policy
 
     def _log_tail(self, rank: int) -> str:
-        path = self.config.logging.dir / log_filename(rank)
+        path = self.config.logging.dir / agent_log_filename(rank)
         try:
             lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError:

@@ -22,15 +22,11 @@ from agent.bootstrap import Placement, build_runner
 from agent.contract.transport import ClientKeys, is_peer, secure_agent_socket
 from agent.kv_transfer import KVSender
 from agent.service import AgentService, largest_frame_bytes
-from config.logs import setup_logging
+from config.logs import agent_log_filename, setup_logging
 from config.schema import CurveSection, ServingConfig
 
 POLL_MS = 200
 PR_SET_PDEATHSIG = 1
-
-
-def log_filename(rank: int) -> str:
-    return f"agent_{rank}.log"
 
 
 def _die_with_parent() -> None:
@@ -63,7 +59,7 @@ def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     port = config.agents.ports[rank]
-    log = setup_logging(config.logging, log_filename(rank))
+    log = setup_logging(config.logging, agent_log_filename(rank))
     try:
         _pin_cpus(config, rank, log)
         socket, service, warm_up_s, authenticator = _start(config, rank, port, log)

@@ -33,6 +33,10 @@ class RedactSecrets(logging.Filter):
         return True
 
 
+def agent_log_filename(rank: int) -> str:
+    return f"agent_{rank}.log"
+
+
 def setup_logging(
     section: LoggingSection, filename: str, console: bool = False, secrets: Sequence[str] = ()
 ) -> logging.Logger:
