@@ -82,15 +82,19 @@ async def respond_full(
     return Response(json.dumps(body, ensure_ascii=False) + "\n", media_type="application/json")
 
 
-async def stream_pieces(answer, return_full_text: bool, piece, error, full) -> AsyncIterator:
+async def stream_pieces(
+    answer, return_full_text: bool, piece, error, full, every_token: bool = False
+) -> AsyncIterator:
     """The answer's pieces in one protocol's framing: piece(output, index), error(message),
-    full(text). An error is the stream's last event: the full text would read as a finished answer."""
+    full(text). `every_token`: one piece per generated token, indexed by token, its text empty while
+    a character is incomplete or the token is special (as TGI streams); else one per piece of text.
+    An error is the stream's last event: the full text would read as a finished answer."""
     text = []
     async with contextlib.aclosing(answer):
         async for out in answer:
-            if out.text:
+            if out.text or (every_token and out.token_id is not None):
                 text.append(out.text)
-                yield piece(out, len(text) - 1)
+                yield piece(out, out.index - 1 if every_token else len(text) - 1)
             if out.error:
                 yield error(out.error)
                 return
@@ -132,6 +136,7 @@ def data_lines(answer, return_full_text: bool, formatter: LogprobFormatter) -> A
         lambda out, i: data_line(plain_token(out, i, formatter)),
         lambda message: data_line({"error": message}),
         lambda text: data_line({"generated_text": text}),
+        every_token=True,
     )
 
 

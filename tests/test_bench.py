@@ -21,6 +21,9 @@ pytestmark = pytest.mark.unit
 
 def test_native_stream_lines():
     assert parse_line("native", 'data:{"token": {"text": "Hi", "index": 0}}').text == "Hi"
+    # a line per token: one whose token completes no text (part of a character) still counts
+    empty = parse_line("native", 'data:{"token": {"text": "", "index": 1, "special": false}}')
+    assert empty.token and empty.text == ""
     assert parse_line("native", 'data:{"generated_text": "Hi there"}').done
     assert (
         parse_line("native", 'data:{"error": "the server is shutting down"}').error
@@ -33,6 +36,14 @@ def test_openai_stream_lines():
     chunk = {"choices": [{"index": 0, "delta": {"content": " Paris"}, "finish_reason": None}]}
     assert parse_line("chat", "data: " + json.dumps(chunk)).text == " Paris"
     assert parse_line("completions", 'data: {"choices": [{"text": "ab"}]}').text == "ab"
+    # vLLM's chunk for a token with no text of its own is a token; the role chunk and a last chunk
+    # that only gives the finish reason are not
+    empty = '{"choices": [{"text": "", "finish_reason": null}]}'
+    assert parse_line("completions", "data: " + empty).token
+    assert not parse_line("completions", 'data: {"choices": [{"text": "", "finish_reason": "length"}]}').token
+    role = {"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    assert not parse_line("chat", "data: " + json.dumps(role)).token
+    assert parse_line("chat", "data: " + json.dumps(chunk)).token
     usage = parse_line("completions", 'data: {"choices": [], "usage": {"completion_tokens": 7}}')
     assert usage.tokens == 7 and usage.text == ""
     assert parse_line("chat", "data: [DONE]").done

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
-from http_client import answer_three_ways, one_event, post
+from http_client import answer_three_ways, data_lines, one_event, post
 
 TEXTS = ["The quick brown fox", "你好，世界！ 东京", "emoji 😀 🎉 and\nnewlines\n\n"]
 DRAIN_TIMEOUT_S = 60
@@ -36,6 +36,23 @@ def test_three_styles_give_the_same_text(stack, text):
     base, _ = stack
     full, sse, plain = answer_three_ways(base, "tiny", text, {"max_new_tokens": 16})
     assert full and full == sse == plain
+
+
+def test_plain_protocol_sends_a_line_per_token(stack):
+    """A never-matching stop string holds the text back, so most tokens complete no text yet: each
+    still gets its line (empty text), indexed by token, and the texts join to the whole answer."""
+    base, _ = stack
+    parameters = {"max_new_tokens": 24, "ignore_eos": True, "stop": ["\u2603" * 200]}
+    full = post(f"{base}/models/tiny/generate", {"inputs": TEXTS[0], "parameters": parameters})
+    lines = data_lines(
+        f"{base}/models/tiny",
+        {"inputs": TEXTS[0], "stream": True, "parameters": {**parameters, "return_protocol": "plain"}},
+    )
+    tokens = [line["token"] for line in lines]
+    assert [t["index"] for t in tokens] == list(range(24))
+    assert all(isinstance(t["id"], int) for t in tokens)
+    assert any(t["text"] == "" for t in tokens), "the stop string held nothing back"
+    assert "".join(t["text"] for t in tokens) == full.json()["generated_text"]
 
 
 class TimedStream(threading.Thread):

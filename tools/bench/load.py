@@ -19,7 +19,7 @@ from tools.bench.targets import Target, parse_line
 async def one_request(client: httpx.AsyncClient, target: Target, body: dict | bytes) -> RequestRecord:
     """`body`: a JSON object, or one already encoded (bytes: a large body is encoded once)."""
     record = RequestRecord(start=time.monotonic())
-    pieces = 0
+    pieces = 0  # events that carried a token
     server_count = None
     payload: dict[str, Any] = (
         {"content": body, "headers": {"content-type": "application/json"}}
@@ -43,8 +43,8 @@ async def one_request(client: httpx.AsyncClient, target: Target, body: dict | by
                     break
                 if event.tokens is not None:
                     server_count = event.tokens
-                if event.text:
-                    record.text += event.text
+                record.text += event.text
+                if event.token:
                     now = time.monotonic()
                     record.first_token = record.first_token or now
                     record.token_times.append(now)
@@ -138,7 +138,7 @@ async def with_background(timed, target: Target, bodies: Iterator[dict], interva
     async def one_token(client: httpx.AsyncClient, body: dict) -> RequestRecord:
         record = await one_request(client, target, body)
         if record.error is None and record.first_token is None:
-            record.first_token = record.end  # its token had no text of its own (part of a character)
+            record.first_token = record.end  # no event for its token: it had no text (part of a character)
         return record
 
     async def feed(stop: asyncio.Event) -> list[RequestRecord]:

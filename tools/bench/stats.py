@@ -15,8 +15,8 @@ class RequestRecord:
     start: float  # monotonic seconds
     first_token: float | None = None
     end: float | None = None
-    token_times: list[float] = field(default_factory=list)  # arrival of each output piece
-    tokens: int = 0  # output tokens: the server's count if it gave one, else pieces received
+    token_times: list[float] = field(default_factory=list)  # arrival of each event that carried a token
+    tokens: int = 0  # output tokens: the server's count if it gave one, else token events received
     error: str | None = None
     status: int | None = None  # the HTTP status; None when no response came (a connection error)
     text: str = ""  # the answer (a multi-turn chat's next prompt holds it)

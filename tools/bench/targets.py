@@ -95,6 +95,7 @@ class Target:
 @dataclass
 class StreamEvent:
     text: str = ""  # new output text (may be empty)
+    token: bool = False  # it carries a generated token, even one with no text of its own
     tokens: int | None = None  # the server's own count of output tokens, when it reports one
     error: str | None = None
     done: bool = False
@@ -114,7 +115,7 @@ def parse_line(api: str, line: str) -> StreamEvent | None:
             return StreamEvent(error=str(data["error"]))
         if "generated_text" in data:
             return StreamEvent(done=True)
-        return StreamEvent(text=data["token"]["text"])
+        return StreamEvent(text=data["token"]["text"], token=True)  # the plain protocol: a line a token
     if "error" in data:
         error = data["error"]
         return StreamEvent(error=str(error.get("message", error) if isinstance(error, dict) else error))
@@ -122,6 +123,12 @@ def parse_line(api: str, line: str) -> StreamEvent | None:
     if data.get("usage"):
         event.tokens = data["usage"].get("completion_tokens")
     for choice in data.get("choices") or []:
-        piece = choice.get("text") if api == "completions" else (choice.get("delta") or {}).get("content")
+        delta = choice if api == "completions" else (choice.get("delta") or {})
+        piece = delta.get("text" if api == "completions" else "content")
         event.text += piece or ""
+        # vLLM sends a chunk per token, its text empty while a character is incomplete; a chat's
+        # first chunk (the role) and a last one that only says why the answer ended carry none.
+        event.token |= bool(piece) or (
+            isinstance(piece, str) and "role" not in delta and choice.get("finish_reason") is None
+        )
     return event
