@@ -487,6 +487,13 @@ class ServerSection(Section):
         description="positions one group's step computes: its decode rows first, then prompt "
         "chunks (a larger budget computes prompts in fewer, longer steps that streams wait for)",
     )
+    decode_stall_ratio: float = Field(
+        1.75,
+        ge=0,
+        description="while sequences decode, a step that also computes prompt chunks takes at most "
+        "this many times a decode step alone (learned from the agents' compute times): a stream's "
+        "slowest token stays this multiple of its usual one; 0: the token budget alone decides",
+    )
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV of full blocks of earlier prompts with the same prefix"
     )
@@ -523,6 +530,16 @@ class ServerSection(Section):
                 "remove it, or give every key a value"
             )
         return keys
+
+    @field_validator("decode_stall_ratio")
+    @classmethod
+    def _stall_above_one(cls, ratio: float) -> float:
+        if 0 < ratio <= 1:
+            raise ValueError(
+                f"decode_stall_ratio ({ratio}) must exceed 1 (a step with prompt chunks takes longer "
+                "than a decode step alone), or be 0 to let the token budget alone decide"
+            )
+        return ratio
 
     cors_origins: list[str] = Field(
         default_factory=list,

@@ -42,6 +42,7 @@ from typing import NamedTuple
 from agent.contract.sampling import Sampled
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler.step_costs import StepCosts
 
 
 class Refusal(str, enum.Enum):
@@ -165,6 +166,7 @@ class BatchScheduler:
         max_tokens_in_flight: int | None = None,
         max_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
+        decode_stall_ratio: float = 0.0,
     ):
         self.groups = groups
         self.max_waiting = max_waiting
@@ -173,6 +175,8 @@ class BatchScheduler:
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_batched_tokens = max_batched_tokens  # positions one group's step computes
         self.enable_prefix_caching = enable_prefix_caching
+        # Each group's learned step costs: how many prompt positions may join its decode rows.
+        self.step_costs = [StepCosts(decode_stall_ratio, g.block_size) for g in groups]
         self.tokens_in_flight = 0
         self.free_slots = [list(range(g.seats)) for g in groups]
         self.blocks = [self._block_manager(g) for g in groups]
@@ -285,16 +289,29 @@ class BatchScheduler:
             decodes = self._plan_decodes(group)
             if decodes:
                 plan.decodes[group] = decodes
-                budgets[group] -= len(decodes)
-            if not self._plan_resumes(group, budgets, plan):
+                budgets[group] = self._prompt_budget(group, len(decodes))
+            if not self._restore_preempted(group):
                 starved.add(group)
         admitted = 0
         while self.waiting and admitted < self.max_prefills_per_step:
-            if not self._admit(self.waiting[0], open_groups, starved, budgets, plan):
+            if not self._admit(self.waiting[0], [g for g in open_groups if g not in starved], plan):
                 break
             self.waiting.popleft()
             admitted += 1
+        for group in open_groups:
+            self._plan_prompts(group, budgets[group], plan)
         return plan
+
+    def _prompt_budget(self, group: int, decodes: int) -> int:
+        """Prompt positions a step of `decodes` decode rows may carry: what the token budget leaves,
+        within one mixed call's rows, and no more than the group's step costs allow (a stream waits
+        for the step); never below the costs' floor, so prompts advance beside any batch."""
+        capacity, costs = self.groups[group], self.step_costs[group]
+        budget = self.max_batched_tokens - decodes
+        if capacity.mixed_rows:
+            budget = min(budget, max(capacity.mixed_rows - decodes, costs.floor))
+        allowed = costs.prompt_positions()
+        return budget if allowed is None else min(budget, allowed)
 
     def _group_seqs(self, group: int) -> list[Sequence]:
         return [s for s in self.running.values() if s.group == group]
@@ -327,43 +344,57 @@ class BatchScheduler:
         seq.preemptions += 1
         self.preemptions += 1
 
-    def _plan_resumes(self, group: int, budgets: dict[int, int], plan: StepPlan) -> bool:
-        """Chunks of the group's placed sequences whose KV is incomplete (a long prompt, a
-        preempted sequence), oldest first; False when one of them waits for blocks."""
+    def _restore_preempted(self, group: int) -> bool:
+        """Blocks again for the group's preempted sequences, oldest first, the prefix cache giving
+        back what it still holds; False when one of them waits for blocks."""
         capacity, blocks = self.groups[group], self.blocks[group]
         for seq in self._group_seqs(group):
-            if not seq.needs_prefill or seq.transferring:
-                continue
-            if seq.request_id not in blocks:  # preempted: blocks again, the prefix cache helping
+            if seq.needs_prefill and not seq.transferring and seq.request_id not in blocks:
                 hit = self._allocate(group, seq, seq.tokens(seq.positions_used))
                 if hit is None:
                     return False
                 seq.computed = hit if capacity.chunked_prefill else 0
-            self._plan_chunk(seq, budgets, plan)
         return True
 
-    def _plan_chunk(self, seq: Sequence, budgets: dict[int, int], plan: StepPlan) -> None:
-        group = seq.placement[0]
-        capacity = self.groups[group]
-        left = seq.positions_used - seq.computed
+    def _plan_prompts(self, group: int, budget: int, plan: StepPlan) -> None:
+        """Chunks of the group's placed sequences whose KV is incomplete, within `budget` positions:
+        recomputes of preempted sequences first (their streams are paused), then the prompts with
+        the fewest positions left (a short prompt's first token does not wait for the whole of a long
+        one), the oldest prompt always keeping a few positions of the step so that none starves."""
+        blocks = self.blocks[group]
+        pending = [
+            s
+            for s in self._group_seqs(group)
+            if s.needs_prefill and not s.transferring and s.request_id in blocks
+        ]
+        recomputes = [s for s in pending if s.output]
+        prompts = [s for s in pending if not s.output]
+        oldest = prompts[0] if prompts else None
+        reserve = min(self.step_costs[group].floor, oldest.positions_left) if oldest else 0
+        for seq in recomputes + sorted(prompts, key=lambda s: s.positions_left):
+            if seq is oldest:
+                reserve = 0
+            budget -= self._plan_chunk(seq, budget - reserve, plan)
+
+    def _plan_chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        """Plan the sequence's next chunk within `budget` positions -> the positions it takes."""
+        capacity = self.groups[seq.placement[0]]
         if capacity.chunked_prefill:
-            size = min(left, budgets[group], capacity.max_chunk)
+            size = min(seq.positions_left, budget, capacity.max_chunk)
         else:  # one call computes it all, whatever the budget says
-            size = left if budgets[group] > 0 else 0
+            size = seq.positions_left if budget > 0 else 0
         if size <= 0:
-            return
-        budgets[group] -= size
+            return 0
         end = seq.computed + size
         plan.prefills.append(
             Chunk(seq, seq.computed, end, sample=end == seq.positions_used and not seq.output)
         )
+        return size
 
-    def _admit(
-        self, seq: Sequence, groups: list[int], starved: set[int], budgets: dict[int, int], plan: StepPlan
-    ) -> bool:
-        """Place the head of the queue with its blocks and plan its first chunk (or its prefill
-        elsewhere); False when no group has room now."""
-        placement = self._place(seq, [g for g in groups if g not in starved and budgets[g] > 0])
+    def _admit(self, seq: Sequence, groups: list[int], plan: StepPlan) -> bool:
+        """Place the head of the queue with its blocks (its chunks are planned with the group's other
+        prompts), or plan its prefill elsewhere; False when no group has room now."""
+        placement = self._place(seq, groups)
         if placement is None:
             return False
         group, prefill_group = placement
@@ -374,7 +405,6 @@ class BatchScheduler:
         self.running[seq.request_id] = seq
         if prefill_group is None:
             seq.computed = hit
-            self._plan_chunk(seq, budgets, plan)
             return True
         seq.prefill_group, seq.prefill_slot = prefill_group, self.free_slots[prefill_group].pop(0)
         prefill_hit = self._allocate(prefill_group, seq, seq.prompt)

@@ -128,6 +128,7 @@ class Engine:
             s.max_tokens_in_flight,
             s.max_num_batched_tokens,
             s.enable_prefix_caching,
+            s.decode_stall_ratio,
         )
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         self._task.add_done_callback(self._loop_ended)
@@ -392,6 +393,8 @@ class Engine:
             self._group_failed(group, exc)
             return True
         self.metrics.agent_compute.labels(client.address, "step").observe(client.decode_compute_s)
+        positions = sum(c.end - c.start for c in chunks)
+        self.scheduler.step_costs[group].mixed(positions, client.decode_compute_s)
         self.scheduler.decoded(seqs, tokens)
         for seq in seqs:
             self.on_update(seq)
@@ -503,6 +506,7 @@ class Engine:
         with self.metrics.agent_step.labels(client.address, "decode").time():
             tokens = await client.decode([s.placement[1] for s in seqs], tables, _masks(seqs))
         self.metrics.agent_compute.labels(client.address, "decode").observe(client.decode_compute_s)
+        self.scheduler.step_costs[group].decoded(client.decode_compute_s)
         return tokens
 
     async def _call(self, group: int, call) -> None:

@@ -95,6 +95,11 @@ class Sequence:
         return len(self.prompt) + max(0, len(self.output) - 1)
 
     @property
+    def positions_left(self) -> int:
+        """Positions still to compute before it can decode."""
+        return self.positions_used - self.computed
+
+    @property
     def needs_prefill(self) -> bool:
         """Positions are missing: a prompt not yet (wholly) computed, or a preempted sequence."""
         return self.computed < self.positions_used

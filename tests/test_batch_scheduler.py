@@ -373,6 +373,48 @@ def test_a_long_prompt_runs_in_chunks_within_the_budget_while_every_stream_decod
     assert long.output == alone(long, max_seq_len=256) and all(s.output == alone(s) for s in streams)
 
 
+def test_prompt_positions_beside_decode_rows_follow_the_learned_step_costs():
+    scheduler, agents = make(slots=(3,), max_seq_len=256, max_batched_tokens=40, decode_stall_ratio=1.5)
+    streams = [seq(f"s{i}", prompt=(i + 1,), max_new=80) for i in range(2)]
+    for s in streams:
+        scheduler.add(s)
+    step(scheduler, agents)
+    costs = scheduler.step_costs[0]
+    costs.decoded(0.020)
+    costs.mixed(10, 0.040)  # 2 ms a position: half of a 20 ms decode step is 5 positions
+    long = seq("long", prompt=range(100, 160), max_new=2)
+    scheduler.add(long)
+    sizes = []
+    while long.needs_prefill or not long.output:
+        plan = step(scheduler, agents)
+        assert all(s in plan.decodes[0] for s in streams)
+        sizes.append(sum(c.end - c.start for c in plan.prefills))
+    assert max(sizes) == 5 and sum(sizes) == 60
+    costs.decoded(0.0)  # a step the agent timed as nothing changes nothing
+    assert costs.prompt_positions() == 5
+
+
+def test_a_short_prompt_gets_its_first_token_before_a_long_one_ends_which_still_advances():
+    scheduler, agents = make(slots=(3,), max_seq_len=256, block_size=4, max_batched_tokens=12)
+    stream = seq("stream", prompt=(1,), max_new=100)
+    scheduler.add(stream)
+    step(scheduler, agents)
+    long = seq("long", prompt=range(100, 200), max_new=2)
+    scheduler.add(long)
+    step(scheduler, agents)
+    short = seq("short", prompt=range(5, 13), max_new=2)  # 8 positions
+    scheduler.add(short)
+    plan = step(scheduler, agents)
+    chunks = {c.seq.request_id: c.end - c.start for c in plan.prefills}
+    # 11 positions beside the stream: the short prompt first, the oldest keeps its floor (a block)
+    assert chunks == {"short": 7, "long": 4}
+    plan = step(scheduler, agents)
+    assert short.output and long.needs_prefill  # its answer began while the long one computes
+    assert {c.seq.request_id: c.end - c.start for c in plan.prefills} == {"short": 1, "long": 10}
+    run_all(scheduler, agents)
+    assert [s.output == alone(s, max_seq_len=256) for s in (stream, long, short)] == [True] * 3
+
+
 def test_a_shared_prefix_is_computed_once_and_answers_are_unchanged():
     scheduler, agents = make(slots=(2,), max_seq_len=128)
     system = list(range(1, 41))  # 10 full blocks of 4
@@ -410,6 +452,7 @@ def test_without_blocks_the_newest_sequence_is_preempted_and_every_answer_is_its
     max_chunk=st.integers(1, 16),
     budget=st.integers(4, 24),
     caching=st.booleans(),
+    stall=st.sampled_from([0.0, 1.2, 3.0]),
     requests=st.lists(
         st.tuples(
             st.lists(st.integers(1, 3), min_size=1, max_size=10),  # prompts that share prefixes
@@ -423,17 +466,19 @@ def test_without_blocks_the_newest_sequence_is_preempted_and_every_answer_is_its
     seed=st.integers(0, 2**16),
 )
 def test_random_workloads_keep_the_budget_lose_nothing_and_leak_no_block(
-    block_size, num_blocks, max_chunk, budget, caching, requests, seed
+    block_size, num_blocks, max_chunk, budget, caching, stall, requests, seed
 ):
-    """Random arrivals, aborts and busy steps on a small pool: every step stays within its budget,
-    every sequence with its KV complete decodes unless it was just preempted, nothing starves, each
-    answer equals its answer alone (the fake agent checks every KV position it reads), and at the
-    end no block, slot or in-flight token is left."""
+    """Random arrivals, aborts, busy steps and step costs on a small pool: every step stays within
+    its budget, every sequence with its KV complete decodes unless it was just preempted, nothing
+    starves, each answer equals its answer alone (the fake agent checks every KV position it reads),
+    and at the end no block, slot or in-flight token is left."""
     rng = random.Random(seed)
     max_seq_len = min(24, num_blocks * block_size)  # a sequence alone always fits (agents plan so)
     kw = {"slots": (4,), "max_seq_len": max_seq_len, "num_blocks": num_blocks, "block_size": block_size}
     kw |= {"max_chunk": max_chunk}
-    scheduler, agents = make(**kw, max_batched_tokens=budget, enable_prefix_caching=caching)
+    scheduler, agents = make(
+        **kw, max_batched_tokens=budget, enable_prefix_caching=caching, decode_stall_ratio=stall
+    )
     seqs = [seq(f"q{i}", prompt, max_new) for i, (prompt, max_new, _, _) in enumerate(requests)]
     for tick in range(2000):
         for s, (_, _, arrives, aborted) in zip(seqs, requests):
@@ -446,6 +491,8 @@ def test_random_workloads_keep_the_budget_lose_nothing_and_leak_no_block(
         if rng.random() < 0.2:  # the group's step is "in flight": nothing of it is planned
             assert scheduler.schedule(busy={0}).empty
             continue
+        scheduler.step_costs[0].decoded(rng.uniform(0.01, 0.05))  # what the agent's steps took
+        scheduler.step_costs[0].mixed(rng.randint(1, 10), rng.uniform(0.01, 0.2))
         complete = [s for s in scheduler.running.values() if not s.needs_prefill and s.output]
         preempted_before = {s.request_id: s.preemptions for s in complete}
         plan = step(scheduler, agents)
