@@ -353,12 +353,18 @@ def alone(request: Sequence, **make_kw) -> list[int]:
     return copy.output
 
 
-def test_a_long_prompt_runs_in_chunks_within_the_budget_while_every_stream_decodes_each_step():
-    scheduler, agents = make(slots=(3,), max_seq_len=256, max_chunk=32, max_batched_tokens=20)
-    streams = [seq(f"s{i}", prompt=(i + 1,), max_new=60) for i in range(2)]
+def start_streams(scheduler, agents, count, max_new):
+    """`count` one-token prompts, admitted and prefilled: decoding from the next step on."""
+    streams = [seq(f"s{i}", prompt=(i + 1,), max_new=max_new) for i in range(count)]
     for s in streams:
         scheduler.add(s)
     step(scheduler, agents)
+    return streams
+
+
+def test_a_long_prompt_runs_in_chunks_within_the_budget_while_every_stream_decodes_each_step():
+    scheduler, agents = make(slots=(3,), max_seq_len=256, max_chunk=32, max_batched_tokens=20)
+    streams = start_streams(scheduler, agents, 2, max_new=60)
     long = seq("long", prompt=range(100, 200), max_new=3)
     scheduler.add(long)
     steps_with_chunks = 0
@@ -375,10 +381,7 @@ def test_a_long_prompt_runs_in_chunks_within_the_budget_while_every_stream_decod
 
 def test_prompt_positions_beside_decode_rows_follow_the_learned_step_costs():
     scheduler, agents = make(slots=(3,), max_seq_len=256, max_batched_tokens=40, decode_stall_ratio=1.5)
-    streams = [seq(f"s{i}", prompt=(i + 1,), max_new=80) for i in range(2)]
-    for s in streams:
-        scheduler.add(s)
-    step(scheduler, agents)
+    streams = start_streams(scheduler, agents, 2, max_new=80)
     costs = scheduler.step_costs[0]
     costs.decoded(0.020)
     costs.mixed(10, 0.040)  # 2 ms a position: half of a 20 ms decode step is 5 positions
@@ -396,9 +399,7 @@ def test_prompt_positions_beside_decode_rows_follow_the_learned_step_costs():
 
 def test_a_short_prompt_gets_its_first_token_before_a_long_one_ends_which_still_advances():
     scheduler, agents = make(slots=(3,), max_seq_len=256, block_size=4, max_batched_tokens=12)
-    stream = seq("stream", prompt=(1,), max_new=100)
-    scheduler.add(stream)
-    step(scheduler, agents)
+    [stream] = start_streams(scheduler, agents, 1, max_new=100)
     long = seq("long", prompt=range(100, 200), max_new=2)
     scheduler.add(long)
     step(scheduler, agents)
