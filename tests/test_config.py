@@ -214,3 +214,12 @@ def test_admin_keys_from_the_environment_add_to_the_file(tmp_path):
     path.write_text("server: {admin_api_keys: [file-key]}\n")
     config = load_config(path, environ={"LLM_SERVING_ADMIN_API_KEYS": "env-1, env-2"})
     assert config.server.admin_api_keys == ["file-key", "env-1", "env-2"] and config.server.api_keys == []
+
+
+def test_the_shipped_repository_serves_the_default_and_loads_a_second_model():
+    config = load_config(PROJECT_ROOT / "config" / "model_repository.yaml")
+    default, lite = config.model_configs().values()
+    assert config.model_control_mode == "explicit" and config.startup() == [default.model.name]
+    assert default.model == load_config().model and default.runtime == load_config().runtime
+    assert lite.model.path == default.model.path and lite.runtime != default.runtime
+    assert (default.agents.ports, lite.agents.ports, config.agents.control_port) == ([9820], [9821], 9819)
