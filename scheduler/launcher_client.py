@@ -58,4 +58,4 @@ class LauncherClient:
         return reply
 
     def close(self) -> None:
-        self.context.term()
+        self.context.destroy(linger=0)
