@@ -639,8 +639,7 @@ class ServingConfig(Section):
     @model_validator(mode="after")
     def _one_config_per_model(self) -> ServingConfig:
         if not self.models:
-            self._configs = {self.model.name: self}
-            return self
+            return self  # model_configs(): itself (a copy's, its own)
         configs: dict[str, ServingConfig] = {}
         for index, entry in enumerate(self.models):
             try:
@@ -692,7 +691,7 @@ class ServingConfig(Section):
 
     def model_configs(self) -> dict[str, ServingConfig]:
         """Each model's config in the one-model form (a one-model config: itself), by name."""
-        return self._configs
+        return self._configs or {self.model.name: self}
 
     def startup(self) -> list[str]:
         """The models started with the launcher (and connected by the server at its start)."""
