@@ -1,13 +1,13 @@
-"""AgentLauncher: starts one agent process per configured port of one model, waits for readiness,
-supervises.
+"""AgentLauncher: the agent processes of one model: one per configured port, started, followed until
+ready, supervised. agent/launched_models.py runs one per model, side by side:
 
     launcher = AgentLauncher(config)
-    launcher.start()          # logs a readiness line per agent, then "all agents started"
-    code = launcher.supervise()   # until SIGTERM/SIGINT (0) or an unrecoverable agent death (1)
+    launcher.begin_start()                  # spawns every agent
+    while not launcher.poll_start(): ...    # logs a readiness line per agent
+    failure = launcher.mend()               # now and then: restarts dead agents as the policy allows
+    launcher.stop()                         # SIGTERM, SIGKILL after agents.shutdown_grace_s
 
-A start-up failure stops every agent and reports the failing agent's error and its last log lines.
-The same in steps, for a launcher of several models (agent/launched_models.py) that starts and
-supervises them side by side: begin_start(), poll_start() until True, then mend() now and then.
+A start-up failure (LaunchError) reports the failing agent's error and its last log lines.
 
 A tensor-parallel group also gets a MindSpore cluster scheduler process (dynamic cluster: the
 MS_* environment variables below); its agents are workers of that cluster. The collectives inside
@@ -20,7 +20,6 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import signal
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -84,7 +83,7 @@ class _Prefixed(logging.LoggerAdapter):
     """Log lines of one model's launcher, named by the model where the launcher runs several."""
 
     def process(self, msg, kwargs):
-        return f"{self.extra['prefix'] if self.extra else ''}{msg}", kwargs
+        return f"{self.extra['prefix']}{msg}", kwargs  # type: ignore[index]
 
 
 class AgentLauncher:
@@ -116,7 +115,6 @@ class AgentLauncher:
             for rank in ranks
         }
         self.clusters: dict[int, mp.process.BaseProcess] = {}  # tensor-parallel group -> scheduler
-        self.stop_signal: int | None = None
         self._deadline = 0.0  # of the start-up
 
     def _cluster_env(self, group: int, role: str, node_id: int | None = None) -> dict[str, str]:
@@ -147,17 +145,6 @@ class AgentLauncher:
         )
 
     # ------------------------------------------------------------------------------ start-up
-
-    def start(self) -> None:
-        self.begin_start()
-        try:
-            while not self.poll_start():
-                if self.stop_signal is not None:
-                    raise LaunchError(f"interrupted by signal {self.stop_signal} during start-up")
-        except LaunchError:
-            self.stop()
-            raise
-        self.log.info("all agents started")
 
     def begin_start(self) -> None:
         """Spawn every agent (and tensor-parallel cluster scheduler); poll_start() follows them."""
@@ -255,24 +242,6 @@ class AgentLauncher:
         return f"last lines of {path}:\n" + "\n".join(lines[-LOG_TAIL_LINES:])
 
     # ---------------------------------------------------------------------------- supervision
-
-    def install_signal_handlers(self) -> None:
-        def handler(signum, _frame):
-            self.stop_signal = signum
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-
-    def supervise(self) -> int:
-        """Until a stop signal (exit 0 once every agent is gone) or a death the policy cannot mend."""
-        while self.stop_signal is None:
-            failure = self.mend()
-            if failure is not None:
-                self.log.error("%s: stopping all agents", failure)
-                self.stop()
-                return 1
-        self.log.info("signal %d received: stopping agents", self.stop_signal)
-        return 0 if self.stop() else 1
 
     def mend(self, timeout_s: float = POLL_S) -> str | None:
         """One pass of supervision: the reports that come within `timeout_s`, and a restart of each
