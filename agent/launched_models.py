@@ -187,8 +187,10 @@ class LaunchedModels:
 
     def _handle(self, message: dict) -> dict:
         op = message.get("op")
-        if op == "status":
-            return {"ok": True, "models": {name: self._status(m) for name, m in self.models.items()}}
+        if op == "status":  # of every model, or of the one named (a reply stays within the bound)
+            name = message.get("model")
+            named = [name] if isinstance(name, str) and name in self.models else self.models
+            return {"ok": True, "models": {name: self._status(self.models[name]) for name in named}}
         if op not in control.OPS:
             return {"ok": False, "error": f"unknown op {op!r} (ops: {', '.join(control.OPS)})"}
         name = message.get("model")

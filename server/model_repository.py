@@ -231,7 +231,7 @@ class ModelRepository:
     async def _agents_ready(self, model: ServedModel, launcher: LauncherClient) -> None:
         deadline = time.monotonic() + model.config.agents.startup_timeout_s + 30
         while time.monotonic() < deadline:
-            status = (await launcher.call("status"))["models"].get(model.name, {})
+            status = (await launcher.call("status", model=model.name))["models"].get(model.name, {})
             if status.get("state") == READY:
                 return
             if status.get("state") == UNAVAILABLE:

@@ -110,3 +110,29 @@ def test_a_taken_port_fails_the_channel_and_bad_messages_get_an_error():
         socket.close()
     finally:
         first.close()
+
+
+def test_the_launcher_answers_malformed_requests_with_an_error():
+    """LaunchedModels' handler, in-process (nothing started): every malformed request gets an
+    error reply, and the launcher goes on."""
+    from agent.launched_models import LaunchedModels
+
+    models = LaunchedModels(config_of(free_ports(1)[0], None))
+    assert (
+        models._handle({"op": "status", "model": ["x"]})["models"]["smollm2-135m-instruct"]["state"]
+        == "UNAVAILABLE"
+    )
+    assert list(models._handle({"op": "status", "model": "smollm2-135m-instruct"})["models"]) == [
+        "smollm2-135m-instruct"
+    ]
+    for message, words in [
+        ({"op": "reboot"}, "unknown op 'reboot'"),
+        ({}, "unknown op None"),
+        ({"op": "load", "model": ["x"]}, "no model ['x']"),
+        (
+            {"op": "unload", "model": "gpt-5"},
+            "no model 'gpt-5' in the launcher's config (smollm2-135m-instruct)",
+        ),
+    ]:
+        reply = models._handle(message)
+        assert reply["ok"] is False and words in reply["error"], reply

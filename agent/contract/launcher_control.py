@@ -6,8 +6,9 @@ is one msgpack map, each way, of at most MAX_MESSAGE_BYTES (ZeroMQ drops a large
 launcher reads it). With agents.curve.launcher keys the channel is CURVE: the launcher admits only
 the server's key, as an agent does.
 
-    {"op": "status"}                -> {"ok": true, "models": {name: {"state", "reason", "pids",
-                                                                      "memory_mb"}}}
+    {"op": "status"[, "model": name]} -> {"ok": true, "models": {name: {"state", "reason", "pids",
+                                                                        "memory_mb"}}} (of every
+                                         model, or of the one named)
     {"op": "load", "model": name}   -> {"ok": true, "state": "LOADING" | "READY"}
                                        or {"ok": false, "error": why (memory: the sizes)}
     {"op": "unload", "model": name} -> {"ok": true, "state": "UNAVAILABLE"} once its agents are gone
