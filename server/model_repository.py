@@ -91,6 +91,7 @@ class ModelRepository:
         self.by_name = {alias: m for m in self.models.values() for alias in m.names}
         self.launcher = LauncherClient(config) if config.model_control_mode == "explicit" else None
         self.started = False  # the startup models connected
+        self._adopting: asyncio.Task | None = None  # taking over what the launcher holds
         self.draining = False
         self.failure: str | None = None  # a model's engine died (a bug): the server must restart
         self.dead = asyncio.Event()
@@ -140,10 +141,27 @@ class ModelRepository:
 
     async def start(self) -> None:
         """Connect every model whose tokenizer was given (the startup models), each up to
-        server.agent_wait_s; AgentError when one never answers."""
+        server.agent_wait_s; AgentError when one never answers. In explicit mode, the models the
+        launcher holds besides (loaded for an earlier server) are then taken over too."""
         starting = [m for m in self.models.values() if m.loaded is not None]
         await asyncio.gather(*(self._connect(m) for m in starting))
         self.started = True
+        if self.launcher is not None:
+            self._adopting = asyncio.create_task(self._adopt(self.launcher), name="adopt-models")
+
+    async def _adopt(self, launcher: LauncherClient) -> None:
+        try:
+            held = (await launcher.call("status"))["models"]
+        except LauncherError as exc:
+            log.warning("could not ask the agent launcher which models it holds: %s", exc)
+            return
+        for name, model in self.models.items():
+            if model.state == UNAVAILABLE and held.get(name, {}).get("state") == READY:
+                log.info("model %s: the launcher holds its agents; connecting", name)
+                try:
+                    await self.load(name)
+                except ApiError as exc:
+                    log.warning("model %s: %s", name, exc.message)
 
     async def _connect(self, model: ServedModel) -> None:
         assert model.loaded is not None
@@ -271,6 +289,8 @@ class ModelRepository:
             model.engine.refuse_new_requests()
 
     async def stop(self) -> None:
+        if self._adopting is not None:
+            self._adopting.cancel()
         await asyncio.gather(*(m.engine.stop() for m in self.loaded()))
         if self.launcher is not None:
             self.launcher.close()

@@ -407,12 +407,23 @@ def test_batch_and_queue_by_model(stack):
 
 
 def test_sigterm_to_the_server_and_the_launcher_with_two_models_loaded(stack):
-    launcher, server = stack["launcher"], stack["server"]
-    assert {n for n, m in index(stack["base"]).items() if m["state"] == "READY"} == {"a", "b"}
+    """A new server between the two takes over both models, b (loaded on request) included."""
+    base, launcher, server = stack["base"], stack["launcher"], stack["server"]
+    assert {n for n, m in index(base).items() if m["state"] == "READY"} == {"a", "b"}
+    answers = {m: generate(base, m, PROMPTS[3]) for m in ("a", "b")}
     pids = launcher.descendant_pids()
     assert len(launcher.agent_pids()) == 2
     assert supervised_stop(server.process, grace_s=30) == ("exited", 0)
     assert all(alive(pid) for pid in launcher.agent_pids())  # the agents outlive the server
+    successor = LauncherProcess(server.config_path, script="start_server.py")
+    try:
+        successor.wait_for("Application startup complete", 120)
+        successor.wait_for("model b ready", 60)
+        assert {m: generate(base, m, PROMPTS[3]) for m in ("a", "b")} == answers
+        assert supervised_stop(successor.process, grace_s=30) == ("exited", 0)
+    finally:
+        successor.close()
+    assert launcher.descendant_pids() == pids
     assert supervised_stop(launcher.process, grace_s=30) == ("exited", 0)
     assert not wait_gone(pids, 10), "processes left running"
     output = launcher.output()
