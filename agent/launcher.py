@@ -1,10 +1,13 @@
-"""AgentLauncher: starts one agent process per configured port, waits for readiness, supervises.
+"""AgentLauncher: the agent processes of one model: one per configured port, started, followed until
+ready, supervised. agent/launched_models.py runs one per model, side by side:
 
     launcher = AgentLauncher(config)
-    launcher.start()          # logs a readiness line per agent, then "all agents started"
-    code = launcher.supervise()   # until SIGTERM/SIGINT (0) or an unrecoverable agent death (1)
+    launcher.begin_start()                  # spawns every agent
+    while not launcher.poll_start(): ...    # logs a readiness line per agent
+    failure = launcher.mend()               # now and then: restarts dead agents as the policy allows
+    launcher.stop()                         # SIGTERM, SIGKILL after agents.shutdown_grace_s
 
-A start-up failure stops every agent and reports the failing agent's error and its last log lines.
+A start-up failure (LaunchError) reports the failing agent's error and its last log lines.
 
 A tensor-parallel group also gets a MindSpore cluster scheduler process (dynamic cluster: the
 MS_* environment variables below); its agents are workers of that cluster. The collectives inside
@@ -17,7 +20,6 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import signal
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -77,11 +79,20 @@ class AgentHandle:
     ready: bool = False
 
 
+class _Prefixed(logging.LoggerAdapter):
+    """Log lines of one model's launcher, named by the model where the launcher runs several."""
+
+    def process(self, msg, kwargs):
+        return f"{self.extra['prefix']}{msg}", kwargs  # type: ignore[index]
+
+
 class AgentLauncher:
-    def __init__(self, config: ServingConfig, groups: list[int] | None = None):
+    def __init__(self, config: ServingConfig, groups: list[int] | None = None, label: str = ""):
         """groups: the indexes (in agents.groups) of the groups to run here; none: all of them.
-        Multi-host: each machine runs its own groups from the same config."""
+        Multi-host: each machine runs its own groups from the same config. label: a prefix of
+        every log line (the model's name where one launcher runs several)."""
         self.config = config
+        self.log = _Prefixed(log, {"prefix": label})
         self.ctx = mp.get_context("spawn")  # MindSpore's runtime threads do not survive fork
         self.startup_queue = self.ctx.Queue()
         all_groups = config.agents.groups
@@ -104,7 +115,7 @@ class AgentLauncher:
             for rank in ranks
         }
         self.clusters: dict[int, mp.process.BaseProcess] = {}  # tensor-parallel group -> scheduler
-        self.stop_signal: int | None = None
+        self._deadline = 0.0  # of the start-up
 
     def _cluster_env(self, group: int, role: str, node_id: int | None = None) -> dict[str, str]:
         section = self.config.agents.groups[group]
@@ -126,7 +137,7 @@ class AgentLauncher:
             )
             process.start()
         self.clusters[group] = process
-        log.info(
+        self.log.info(
             "group %d: MindSpore cluster scheduler (pid %d) on port %d",
             group,
             process.pid,
@@ -135,26 +146,30 @@ class AgentLauncher:
 
     # ------------------------------------------------------------------------------ start-up
 
-    def start(self) -> None:
+    def begin_start(self) -> None:
+        """Spawn every agent (and tensor-parallel cluster scheduler); poll_start() follows them."""
         for group in self._tensor_parallel_groups():
             self._start_cluster(group)
         for agent in self.agents.values():
             self._spawn(agent)
-        deadline = time.monotonic() + self.config.agents.startup_timeout_s
-        try:
-            while not all(a.ready for a in self.agents.values()):
-                if self.stop_signal is not None:
-                    raise LaunchError(f"interrupted by signal {self.stop_signal} during start-up")
-                if time.monotonic() > deadline:
-                    waiting = [a.rank for a in self.agents.values() if not a.ready]
-                    raise LaunchError(
-                        f"agents {waiting} not ready after {self.config.agents.startup_timeout_s:.0f}s"
-                    )
-                self._take_reports(fail_on_error=True)
-        except LaunchError:
-            self.stop()
-            raise
-        log.info("all agents started")
+        self._deadline = time.monotonic() + self.config.agents.startup_timeout_s
+
+    def poll_start(self, timeout_s: float = POLL_S) -> bool:
+        """Whether every agent is ready, after reading the reports that come within `timeout_s`.
+        LaunchError when one failed or the start-up took too long (the rest keep running: stop())."""
+        if all(a.ready for a in self.agents.values()):
+            return True
+        if time.monotonic() > self._deadline:
+            waiting = [a.rank for a in self.agents.values() if not a.ready]
+            raise LaunchError(f"agents {waiting} not ready after {self.config.agents.startup_timeout_s:.0f}s")
+        self._take_reports(fail_on_error=True, timeout_s=timeout_s)
+        return all(a.ready for a in self.agents.values())
+
+    @property
+    def pids(self) -> list[int]:
+        """Every agent process (and cluster scheduler) this launcher holds."""
+        processes = [a.process for a in self.agents.values()] + list(self.clusters.values())
+        return [p.pid for p in processes if p is not None and p.pid is not None and p.is_alive()]
 
     def _tensor_parallel_groups(self) -> list[int]:
         agents = self.config.agents
@@ -176,7 +191,7 @@ class AgentLauncher:
                 args=(self.config, agent.rank, self.startup_queue, os.getpid()),
             )
             agent.process.start()
-        log.info(
+        self.log.info(
             "agent rank %d starting (pid %d, port %d, device %d)",
             agent.rank,
             agent.process.pid,
@@ -184,13 +199,15 @@ class AgentLauncher:
             self.config.agents.start_device_id + agent.rank,
         )
 
-    def _take_reports(self, fail_on_error: bool) -> None:
-        """Read readiness reports; notice agents that died before reporting."""
-        try:
-            report = self.startup_queue.get(timeout=POLL_S)
-        except queue.Empty:
-            report = None
-        if report is not None:
+    def _take_reports(self, fail_on_error: bool, timeout_s: float = POLL_S) -> None:
+        """Read the readiness reports that come within `timeout_s`; notice agents that died before
+        reporting."""
+        while True:
+            try:
+                report = self.startup_queue.get(timeout=timeout_s)
+            except queue.Empty:
+                break
+            timeout_s = 0  # then whatever else has come
             kind, rank = report[0], report[1]
             agent = self.agents[rank]
             if kind == "ready":
@@ -200,7 +217,7 @@ class AgentLauncher:
                     f"agent rank {rank} ready on {self.config.agents.hosts[rank]}:{port} "
                     f"(pid {pid}, warm-up {warm_up_s:.1f}s, {self.config.agents.roles[rank]})"
                 )
-                log.info(line)
+                self.log.info(line)
             else:
                 self._start_failed(agent, report[2], fail_on_error)
         for agent in self.agents.values():
@@ -213,7 +230,7 @@ class AgentLauncher:
         message = f"agent rank {agent.rank} failed to start: {reason}\n{self._log_tail(agent.rank)}"
         if fail_on_error:
             raise LaunchError(message)
-        log.error(message)
+        self.log.error(message)
         agent.process = None  # counted as dead: the supervisor applies the restart policy
 
     def _log_tail(self, rank: int) -> str:
@@ -226,45 +243,33 @@ class AgentLauncher:
 
     # ---------------------------------------------------------------------------- supervision
 
-    def install_signal_handlers(self) -> None:
-        def handler(signum, _frame):
-            self.stop_signal = signum
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-
-    def supervise(self) -> int:
-        """Until a stop signal (exit 0 once every agent is gone) or a death the policy cannot mend."""
+    def mend(self, timeout_s: float = POLL_S) -> str | None:
+        """One pass of supervision: the reports that come within `timeout_s`, and a restart of each
+        dead agent the policy allows. Why not, for a death it does not allow (nothing stopped)."""
         policy = self.config.agents
-        while self.stop_signal is None:
-            self._take_reports(fail_on_error=False)
-            for agent in self.agents.values():
-                if agent.process is not None and agent.process.is_alive():
-                    continue
-                code = None if agent.process is None else agent.process.exitcode
-                if policy.restart_policy == "restart" and agent.budget.take(time.monotonic()):
-                    log.warning(
-                        "agent rank %d died (exit code %s); restarting (restart %d of %d within %gs)",
-                        agent.rank,
-                        code,
-                        len(agent.budget.times),
-                        policy.max_restarts,
-                        policy.restart_window_s,
-                    )
-                    self._restart(agent)
-                else:
-                    why = (
-                        "restart policy is 'exit'"
-                        if policy.restart_policy == "exit"
-                        else f"{policy.max_restarts} restarts within {policy.restart_window_s:g}s used"
-                    )
-                    log.error(
-                        "agent rank %d died (exit code %s); %s: stopping all agents", agent.rank, code, why
-                    )
-                    self.stop()
-                    return 1
-        log.info("signal %d received: stopping agents", self.stop_signal)
-        return 0 if self.stop() else 1
+        self._take_reports(fail_on_error=False, timeout_s=timeout_s)
+        for agent in self.agents.values():
+            if agent.process is not None and agent.process.is_alive():
+                continue
+            code = None if agent.process is None else agent.process.exitcode
+            if policy.restart_policy == "restart" and agent.budget.take(time.monotonic()):
+                self.log.warning(
+                    "agent rank %d died (exit code %s); restarting (restart %d of %d within %gs)",
+                    agent.rank,
+                    code,
+                    len(agent.budget.times),
+                    policy.max_restarts,
+                    policy.restart_window_s,
+                )
+                self._restart(agent)
+            else:
+                why = (
+                    "restart policy is 'exit'"
+                    if policy.restart_policy == "exit"
+                    else f"{policy.max_restarts} restarts within {policy.restart_window_s:g}s used"
+                )
+                return f"agent rank {agent.rank} died (exit code {code}); {why}"
+        return None
 
     def _restart(self, agent: AgentHandle) -> None:
         """Respawn a dead agent; in a tensor-parallel group, the whole group and its scheduler."""
@@ -289,7 +294,7 @@ class AgentLauncher:
             process.join(max(0.0, deadline - time.monotonic()))
         for process in alive:
             if process.is_alive():
-                log.warning(
+                self.log.warning(
                     "agent pid %d ignored SIGTERM for %.0fs; killing it",
                     process.pid,
                     self.config.agents.shutdown_grace_s,
@@ -305,9 +310,9 @@ class AgentLauncher:
         # The cluster schedulers last: a worker that loses its scheduler first may wait for it.
         remaining += self._terminate(list(self.clusters.values()))
         if remaining:
-            log.error("agent processes still alive after SIGKILL: %s", remaining)
+            self.log.error("agent processes still alive after SIGKILL: %s", remaining)
         else:
-            log.info("all agents stopped")
+            self.log.info("all agents stopped")
         return not remaining
 
 

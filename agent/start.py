@@ -1,4 +1,5 @@
-"""Launch the agents (one MindSpore process per configured port), wait for readiness, supervise.
+"""Launch the agents (one MindSpore process per configured port of each model started), wait for
+readiness, supervise; in model_control_mode explicit, load and unload models on the server's request.
 
 python start_agent.py [--config config/default.yaml] [--groups 0,1]    (or: ms-llm-agent ...)
 """
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     set_process_defaults()  # before MindSpore loads (the launcher imports it) and before agents spawn
-    from agent.launcher import AgentLauncher, LaunchError
+    from agent.launched_models import LaunchedModels
+    from agent.launcher import LaunchError
 
     try:
         config = load_config(args.config)
@@ -38,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log = setup_logging(config.logging, "agent_launcher.log", console=True)
     try:
-        launcher = AgentLauncher(config, args.groups)
-        launcher.install_signal_handlers()
-        launcher.start()
+        models = LaunchedModels(config, args.groups)
+        models.install_signal_handlers()
+        models.start()
     except LaunchError as exc:
         log.error("%s", exc)
         return 1
-    return launcher.supervise()
+    return models.supervise()

@@ -3,7 +3,7 @@
 The file is --config PATH, else $LLM_SERVING_CONFIG, else config/default.yaml. Environment variables
 LLM_SERVING__<SECTION>__<KEY>=<YAML value> override single keys, e.g.
 LLM_SERVING__AGENTS__PORTS="[9900, 9901]". LLM_SERVING_API_KEYS=key1,key2 adds API keys to
-server.api_keys (keys are better kept out of files).
+server.api_keys, LLM_SERVING_ADMIN_API_KEYS to server.admin_api_keys (keys are better kept out of files).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ DEFAULT_CONFIG = PROJECT_ROOT / "config" / "default.yaml"
 CONFIG_ENV = "LLM_SERVING_CONFIG"
 OVERRIDE_PREFIX = "LLM_SERVING__"
 API_KEYS_ENV = "LLM_SERVING_API_KEYS"
+ADMIN_API_KEYS_ENV = "LLM_SERVING_ADMIN_API_KEYS"
 
 
 class ConfigError(Exception):
@@ -38,12 +39,13 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] = os.
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     _apply_overrides(data, environ)
-    env_keys = [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-    if env_keys:
-        server = data.setdefault("server", {})
-        if not isinstance(server, dict):
-            raise ConfigError(f"config file {path}: server must be a section")
-        server["api_keys"] = [*(server.get("api_keys") or []), *env_keys]
+    for variable, field in ((API_KEYS_ENV, "api_keys"), (ADMIN_API_KEYS_ENV, "admin_api_keys")):
+        env_keys = [k.strip() for k in environ.get(variable, "").split(",") if k.strip()]
+        if env_keys:
+            server = data.setdefault("server", {})
+            if not isinstance(server, dict):
+                raise ConfigError(f"config file {path}: server must be a section")
+            server[field] = [*(server.get(field) or []), *env_keys]
     try:
         return ServingConfig.model_validate(data)
     except ValidationError as exc:

@@ -6,7 +6,15 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -261,6 +269,9 @@ class CurveSection(Section):
     server_public_key: Z85Key
     server_secret_key: Z85Key | None = Field(None, description="needed where the server runs")
     agents: list[AgentKeys] = Field(min_length=1, description="one per agent port, in rank order")
+    launcher: AgentKeys | None = Field(
+        None, description="the launcher's control channel keypair (models loaded at run time)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -372,6 +383,19 @@ class AgentsSection(Section):
     )
     cpu_affinity: list[list[int]] | None = Field(
         None, description="per agent (rank order), the CPU ids it may run on; none: all of them"
+    )
+    control_port: int = Field(
+        9819,
+        gt=0,
+        lt=65536,
+        description="model_control_mode explicit: the launcher's control channel (loopback), "
+        "where the server asks it to load and unload models",
+    )
+    memory_limit_mb: int | None = Field(
+        None,
+        ge=1,
+        description="memory the agents of every loaded model may plan together (each model: "
+        "runtime.memory_budget_mb x its agents); none: what the machine has available at each load",
     )
 
     @field_validator("ports")
@@ -520,7 +544,13 @@ class ServerSection(Section):
     )
     keep_alive_s: int = Field(5, ge=1, description="an idle connection is closed after this")
 
-    @field_validator("api_keys")
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="if any: loading and unloading models needs one of these keys (also "
+        "$LLM_SERVING_ADMIN_API_KEYS); none: the api_keys, if any",
+    )
+
+    @field_validator("api_keys", "admin_api_keys")
     @classmethod
     def _no_empty_key(cls, keys: list[str]) -> list[str]:
         # An empty key would match a request without one (a templated key whose variable is unset).
@@ -548,12 +578,141 @@ class ServerSection(Section):
     )
 
 
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a log folder's name and a metric label
+# Launcher settings of the agents section that are the same for every model of a repository.
+PER_MODEL_AGENTS = ("ports", "groups", "cpu_affinity")
+
+
+class ModelEntry(ModelSection):
+    """One model of a repository (`models:`): the model section's keys plus its own runtime and
+    agents (the top-level agents section's keys are the defaults of every model's)."""
+
+    name: str = Field(pattern=MODEL_NAME, description="served model name; also its log folder's")
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    agents: AgentsSection = Field(default_factory=AgentsSection)
+
+    def section(self) -> ModelSection:
+        return ModelSection.model_validate(self.model_dump(include=set(ModelSection.model_fields)))
+
+
 class ServingConfig(Section):
+    """One model (`model`, `runtime`, `agents`), or a repository of several (`models`: each its own
+    model, runtime and agents); model_configs() gives each model's config in the one-model form."""
+
     model: ModelSection = Field(default_factory=ModelSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
     agents: AgentsSection = Field(default_factory=AgentsSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     server: ServerSection = Field(default_factory=ServerSection)
+    models: list[ModelEntry] = Field(
+        default_factory=list, description="several models in one server (model, runtime, agents each)"
+    )
+    model_control_mode: Literal["none", "explicit"] = Field(
+        "none",
+        description="Triton's: none starts every model; explicit starts startup_models and loads or "
+        "unloads the others on request (POST /v2/repository/models/{name}/load, /unload)",
+    )
+    startup_models: list[str] = Field(
+        default_factory=list, description="explicit mode: the models started with the launcher"
+    )
+    _configs: dict[str, ServingConfig] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shared_agents_into_models(cls, data):
+        """The repository form: each entry's agents section over the shared one; `model`,
+        `runtime` and `agents` become the first model's (for the tools that run one model)."""
+        if not isinstance(data, dict) or not data.get("models") or not isinstance(data["models"], list):
+            return data
+        if "model" in data or "runtime" in data:
+            raise ValueError("give either model and runtime (one model) or models (several), not both")
+        shared = data.get("agents") or {}
+        if not isinstance(shared, dict):
+            return data  # the section's own validation says what is wrong
+        misplaced = [key for key in PER_MODEL_AGENTS if key in shared]
+        if misplaced:
+            raise ValueError(
+                f"agents.{misplaced[0]} belongs in each model's own agents section (models[i].agents)"
+            )
+        entries = []
+        for entry in data["models"]:
+            own = (entry.get("agents") or {}) if isinstance(entry, dict) else None
+            if not isinstance(entry, dict) or not isinstance(own, dict):
+                entries.append(entry)  # the entry's own validation says what is wrong
+                continue
+            agents = {**shared, **own}
+            if isinstance(shared.get("curve"), dict) and isinstance(own.get("curve"), dict):
+                agents["curve"] = {**shared["curve"], **own["curve"]}
+            entries.append({**entry, "agents": agents})
+        first = entries[0] if isinstance(entries[0], dict) else {}
+        return {
+            **data,
+            "models": entries,
+            "model": {k: v for k, v in first.items() if k not in ("runtime", "agents")},
+            "runtime": first.get("runtime", {}),
+            "agents": first.get("agents", shared),
+        }
+
+    @model_validator(mode="after")
+    def _one_config_per_model(self) -> ServingConfig:
+        if not self.models:
+            return self  # model_configs(): itself (a copy's, its own)
+        configs: dict[str, ServingConfig] = {}
+        for index, entry in enumerate(self.models):
+            try:
+                configs[entry.name] = ServingConfig(
+                    model=entry.section(),
+                    runtime=entry.runtime,
+                    agents=entry.agents,
+                    logging=self.logging.model_copy(update={"dir": self.logging.dir / entry.name}),
+                    server=self.server,
+                )
+            except ValidationError as exc:
+                problems = "; ".join(e["msg"] for e in exc.errors())
+                raise ValueError(f"models[{index}] ({entry.name}): {problems}") from None
+        self._configs = configs
+        return self
+
+    @model_validator(mode="after")
+    def _models_apart(self) -> ServingConfig:
+        names = [name for c in self.model_configs().values() for name in (c.model.name, *c.model.aliases)]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"model name or alias {twice[0]!r} is given to more than one model")
+        ports = [p for c in self.model_configs().values() for p in c.agents.ports]
+        ports += [
+            g.cluster_port for c in self.model_configs().values() for g in c.agents.groups if g.cluster_port
+        ]
+        if self.model_control_mode == "explicit":
+            ports.append(self.agents.control_port)
+        taken = sorted({port for port in ports if ports.count(port) > 1})
+        if taken:
+            raise ValueError(
+                f"port {taken[0]} is given twice (agents, cluster schedulers, agents.control_port)"
+            )
+        unknown = [name for name in self.startup_models if name not in self.model_configs()]
+        if unknown:
+            raise ValueError(
+                f"startup_models: {unknown[0]!r} is not a model name ({', '.join(self.model_configs())})"
+            )
+        if self.startup_models and self.model_control_mode == "none":
+            raise ValueError("startup_models is for model_control_mode explicit (none starts every model)")
+        if self.agents.memory_limit_mb is not None:
+            unplanned = [n for n, c in self.model_configs().items() if c.runtime.memory_budget_mb is None]
+            if unplanned:
+                raise ValueError(
+                    f"agents.memory_limit_mb needs every model's runtime.memory_budget_mb "
+                    f"(what its agents may use); {unplanned[0]!r} has none"
+                )
+        return self
+
+    def model_configs(self) -> dict[str, ServingConfig]:
+        """Each model's config in the one-model form (a one-model config: itself), by name."""
+        return self._configs or {self.model.name: self}
+
+    def startup(self) -> list[str]:
+        """The models started with the launcher (and connected by the server at its start)."""
+        return list(self.model_configs()) if self.model_control_mode == "none" else self.startup_models
 
     @model_validator(mode="after")
     def _groups_fit_the_runtime(self) -> ServingConfig:

@@ -71,6 +71,7 @@ class Engine:
         self.dead = asyncio.Event()  # set when it did: the server process should exit
         self._transfers: set[asyncio.Task] = set()  # prefills that send their KV to a decode group
         self._draining = False
+        self._ending = "the server is shutting down"  # what refused and ended requests are told
         self._stopping = False
         self.capacities: list[GroupCapacity] = []
         self._counted: dict = {}  # counter -> the scheduler's total it last reached
@@ -133,16 +134,19 @@ class Engine:
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         self._task.add_done_callback(self._loop_ended)
 
-    def refuse_new_requests(self) -> None:
-        """The start of a drain: new requests are refused (503) while the admitted ones finish."""
+    def refuse_new_requests(self, reason: str | None = None) -> None:
+        """The start of a drain: new requests are refused (503) while the admitted ones finish.
+        reason: what they are told (default: the server is shutting down; an unload names the model)."""
         self._draining = True
+        self._ending = reason or self._ending
 
-    async def stop(self) -> None:
+    async def stop(self, reason: str | None = None) -> None:
         """Idempotent: a SIGTERM drain stops the engine, then uvicorn's lifespan exit calls it again.
-        Sequences still open end with an output saying the server is shutting down."""
+        Sequences still open end with an output saying why (the server is shutting down)."""
         if self._stopping:
             return
         self._stopping = True
+        self._ending = reason or self._ending
         self._wake.set()
         for task in [*self._recoveries.values(), *self._transfers]:
             task.cancel()
@@ -218,7 +222,7 @@ class Engine:
         if self.failure is not None:
             raise AdmissionError(f"the server cannot serve: {self.failure}", Refusal.NOT_READY)
         if self._draining or self._stopping:
-            raise AdmissionError("the server is shutting down", Refusal.SHUTTING_DOWN)
+            raise AdmissionError(self._ending, Refusal.SHUTTING_DOWN)
         if self.links.taken_over and not self.scheduler.can_serve:
             raise AdmissionError(self.links.taken_over_reason(), Refusal.NO_GROUP)
         stop_ids = (frozenset() if ignore_eos else self.stop_ids) | frozenset(sampling.stop_token_ids)
@@ -256,7 +260,7 @@ class Engine:
         for task in self._steps.values():  # stop(): the drain is over; a step in flight is moot
             task.cancel()
         await asyncio.gather(*self._steps.values(), return_exceptions=True)
-        self._end_all("the server is shutting down")
+        self._end_all(self._ending)
 
     def _count_cache_and_preemptions(self) -> None:
         """The scheduler's cumulative counts into the metrics' counters."""

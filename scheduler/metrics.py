@@ -1,10 +1,14 @@
-"""Prometheus metrics of one serving process (its own registry, so several apps can live in one
-process): the engine's (batch, slots, agent calls) and the answer streams' (tokens, latencies,
-outcomes). Every name starts with `llm_serving_`."""
+"""Prometheus metrics of one served model (its own registry, so several apps and models can live in
+one process): the engine's (batch, slots, agent calls) and the answer streams' (tokens, latencies,
+outcomes); MetricsByModel shows every model's with a `model` label. Every name starts with
+`llm_serving_`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
@@ -96,3 +100,23 @@ class ServingMetrics:
             "Sequences whose KV blocks were taken for others (recomputed later, nothing lost)",
             registry=r,
         )
+
+
+class MetricsByModel:
+    """Every served model's metrics (each model's ServingMetrics) in one exposition, each sample
+    labelled with its model: `registry` is what /metrics writes. An unloaded model's go with it."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.models: dict[str, ServingMetrics] = {}
+        self.registry.register(self)  # a collector: collect() below
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for model, metrics in list(self.models.items()):
+            for family in metrics.registry.collect():
+                merged = families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type, family.unit)
+                )
+                merged.samples += [s._replace(labels={**s.labels, "model": model}) for s in family.samples]
+        return iter(families.values())

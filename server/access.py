@@ -6,7 +6,9 @@
   `server.cors_origins` (a page elsewhere may POST a text/plain body, read as JSON, with no CORS
   preflight: 403 before anything runs);
 - API keys (`Authorization: Bearer KEY`; every path but /health; the dashboard page also takes
-  `?api_key=` since a browser cannot set the header for a page load);
+  `?api_key=` since a browser cannot set the header for a page load); loading and unloading models
+  takes only `server.admin_api_keys` where any are set (an ordinary key: 403), else the API keys;
+  an admin key also opens every other path;
 - the request body limit (413, on the bytes read: a request body is read here, within the limit
   and within `server.read_timeout_s` (408), and handed on).
 """
@@ -22,6 +24,11 @@ from server.errors import error_response, is_openai_path
 
 OPEN_PATHS = {"/health"}
 QUERY_KEY_PATHS = {"/dashboard"}
+ADMIN_PREFIX, ADMIN_ACTIONS = "/v2/repository/models/", ("/load", "/unload")
+
+
+def is_admin_path(path: str) -> bool:
+    return path.startswith(ADMIN_PREFIX) and path.endswith(ADMIN_ACTIONS)
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
@@ -37,6 +44,7 @@ class AccessMiddleware:
     def __init__(self, app, server: ServerSection):
         self.app = app
         self.api_keys = [k.encode() for k in server.api_keys]
+        self.admin_keys = [k.encode() for k in server.admin_api_keys]
         self.max_body_bytes = server.max_body_bytes
         self.read_timeout_s = server.read_timeout_s
         self.port = server.port
@@ -52,13 +60,11 @@ class AccessMiddleware:
         refusal = self._refusal(headers)
         if refusal:
             return await error_response(403, refusal, openai, code="forbidden")(scope, receive, send)
-        if self.api_keys and path not in OPEN_PATHS and not self._authorized(scope, headers):
+        denied = self._denied(scope, headers, path)
+        if denied is not None:
+            status, message = denied
             response = error_response(
-                401,
-                "missing or invalid API key (send Authorization: Bearer KEY)",
-                openai,
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
+                status, message, openai, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
             )
             return await response(scope, receive, send)
         length = headers.get(b"content-length")
@@ -118,12 +124,25 @@ class AccessMiddleware:
             "(server.cors_origins lists the origins that are)"
         )
 
-    def _authorized(self, scope, headers: dict) -> bool:
+    def _denied(self, scope, headers: dict, path: str) -> tuple[int, str] | None:
+        """(status, why) when the request's key does not open the path."""
+        missing = (401, "missing or invalid API key (send Authorization: Bearer KEY)")
+        if is_admin_path(path) and self.admin_keys:
+            if self._authorized(scope, headers, self.admin_keys):
+                return None
+            if self._authorized(scope, headers, self.api_keys):
+                return 403, "loading and unloading models needs an admin key (server.admin_api_keys)"
+            return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
+        if not self.api_keys or path in OPEN_PATHS:
+            return None
+        return None if self._authorized(scope, headers, self.api_keys + self.admin_keys) else missing
+
+    def _authorized(self, scope, headers: dict, keys: list[bytes]) -> bool:
         auth = headers.get(b"authorization", b"")
         key = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
         if not key and scope["path"] in QUERY_KEY_PATHS:
             key = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0].encode()
-        return any(hmac.compare_digest(key, k) for k in self.api_keys)
+        return any(hmac.compare_digest(key, k) for k in keys)
 
     async def _too_large(self, scope, receive, send, openai: bool):
         response = error_response(413, f"the request body is larger than {self.max_body_bytes} bytes", openai)

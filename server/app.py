@@ -1,5 +1,6 @@
 """The HTTP front end: the FastAPI app with its routers (the upstream llm-serving API in
-server/native_api.py, the OpenAI API, operations), access control and the errors' JSON shapes.
+server/native_api.py, the OpenAI API, Triton's and its model repository, tokenizer, operations)
+over the served models (server/model_repository.py), access control and the errors' JSON shapes.
 Errors are JSON {"error": message} (OpenAI's shape on /v1/) with a status that says what happened.
 """
 
@@ -12,29 +13,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 
-from agent.model.tokenizer import TextTokenizer
 from config.schema import ServingConfig
 from server.access import AccessMiddleware
-from server.assembly import PromptEncoder
 from server.errors import ApiError, error_response, is_openai_path
+from server.model_repository import ModelRepository
 from server.native_api import native_router
 from server.openai_api import openai_router
 from server.ops_api import ops_router
-from server.output import OutputProcessor
-from server.structured_output import Grammars
+from server.repository_api import repository_router
 from server.tokenize_api import tokenize_router
 from server.triton_api import triton_router
 
 
-def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputProcessor) -> FastAPI:
-    engine = outputs.engine
-
+def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        # The engine is started by the server before this (server/http_server.py), where a
+        # The engines are started by the server before this (server/http_server.py), where a
         # signal can cut the wait for the agents short.
         yield
-        await engine.stop()
+        await repository.stop()
 
     app = FastAPI(title="ms-llm-serving", lifespan=lifespan)
 
@@ -62,13 +59,12 @@ def create_app(config: ServingConfig, tokenizer: TextTokenizer, outputs: OutputP
             400 if is_openai(request) else 422, problems, is_openai(request), param=fields[0]
         )
 
-    encoder = PromptEncoder(tokenizer, engine)
-    grammars = Grammars(tokenizer)
-    app.include_router(openai_router(config, outputs, encoder, grammars))
-    app.include_router(ops_router(config, engine))
-    app.include_router(native_router(config, outputs, encoder, grammars))
-    app.include_router(tokenize_router(config, outputs, encoder))
-    app.include_router(triton_router(config, outputs, encoder))
+    app.include_router(openai_router(repository))
+    app.include_router(ops_router(config, repository))
+    app.include_router(native_router(repository))
+    app.include_router(tokenize_router(repository))
+    app.include_router(triton_router(repository))
+    app.include_router(repository_router(repository))
     app.add_middleware(AccessMiddleware, server=config.server)
     if config.server.cors_origins:
         app.add_middleware(

@@ -1,6 +1,6 @@
-"""Request assembly, shared by the native and the OpenAI APIs: the served-model check, the prompt's
-tokens (off the event loop), the sampling parameters of a request, its admission into the engine (a
-refusal becomes an ApiError), and the wait for a whole answer that ends when the client goes."""
+"""Request assembly, shared by the native and the OpenAI APIs: the prompt's tokens (off the event
+loop), the sampling parameters of a request, its admission into the engine (a refusal becomes an
+ApiError), and the wait for a whole answer that ends when the client goes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from pydantic import BaseModel
 
 from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import TextTokenizer, TokenizerError
-from config.schema import ServingConfig
 from scheduler.batch_scheduler import AdmissionError
 from scheduler.engine import Engine
 from server.errors import ApiError, refusal_status
@@ -33,20 +32,6 @@ CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it; the acces
 
 # The fields both APIs' requests name as SamplingParams does and mean alike; the others are per API.
 SAMPLING_FIELDS = set(SamplingParams.model_fields) - {"do_sample", "seed", "logprobs", "logit_bias"}
-
-
-def served_models(config: ServingConfig) -> list[str]:
-    return [config.model.name, *config.model.aliases]
-
-
-def check_served(model: str, served: list[str]) -> None:
-    if model not in served:
-        raise ApiError(
-            404,
-            f"model {model!r} is not served here; served: {', '.join(served)}",
-            param="model",
-            code="model_not_found",
-        )
 
 
 def sampling_params(

@@ -25,7 +25,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from config.schema import ServingConfig, is_loopback
 from scheduler.agent_client import AgentError
-from server.output import OutputProcessor
+from server.model_repository import ModelRepository
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,9 @@ class SlowClientGuard(H11Protocol):
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, outputs: OutputProcessor, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, repository: ModelRepository, drain_timeout_s: float):
         super().__init__(config)
-        self.outputs = outputs
+        self.repository = repository
         self.drain_timeout_s = drain_timeout_s
         self.exit_code = EXIT_OK
         self._drain: asyncio.Task | None = None
@@ -79,22 +79,21 @@ class DrainingServer(uvicorn.Server):
         self._engine_watch: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
-        """Connect to the agents first (up to server.agent_wait_s), in a task a signal can cancel:
-        uvicorn would only look at its exit flag once the app's startup is over."""
-        engine = self.outputs.engine
-        self._agents_wait = asyncio.create_task(engine.start())
+        """Connect to the startup models' agents first (up to server.agent_wait_s), in a task a
+        signal can cancel: uvicorn would only look at its exit flag once the app's startup is over."""
+        self._agents_wait = asyncio.create_task(self.repository.start())
         try:
             await self._agents_wait
         except asyncio.CancelledError:
             if not self.should_exit:
                 raise
             log.info("stopped while waiting for the agents")
-            await engine.stop()
+            await self.repository.stop()
             return
         except AgentError as exc:
             log.error("%s", exc)
             self.exit_code, self.should_exit = EXIT_NO_AGENTS, True
-            await engine.stop()
+            await self.repository.stop()
             return
         await super().startup(sockets)
         # What start-up built lives as long as the server: out of the cyclic collector's full passes,
@@ -116,24 +115,25 @@ class DrainingServer(uvicorn.Server):
         self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
-        await self.outputs.drain(self.drain_timeout_s)
+        await self.repository.drain(self.drain_timeout_s)
         AppStatus.should_exit = True  # lets sse-starlette close its streams now
         self.should_exit = True
 
     async def _exit_when_engine_dies(self) -> None:
-        """A dead scheduler loop serves nothing again: once its open requests have had their
-        error (bounded by CLOSE_TIMEOUT_S), exit non-zero so that a supervisor starts a fresh server."""
-        engine = self.outputs.engine
-        await engine.dead.wait()
+        """A dead scheduler loop (of any model) serves nothing again: once its open requests have
+        had their error (bounded by CLOSE_TIMEOUT_S), exit non-zero so that a supervisor starts a
+        fresh server."""
+        repository = self.repository
+        await repository.dead.wait()
         log.error(
             "exiting with code %d so that a supervisor restarts the server: %s",
             EXIT_ENGINE_DEAD,
-            engine.failure,
+            repository.failure,
         )
         self.exit_code = EXIT_ENGINE_DEAD
-        engine.refuse_new_requests()
+        repository.refuse_new_requests()
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
-        while self.outputs.streams and time.monotonic() < deadline:
+        while repository.open_streams() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         AppStatus.should_exit = True
         self.should_exit = True
@@ -148,12 +148,12 @@ def _log_signal(signum: int, _frame) -> None:
     log.info("stopped by %s", signal.Signals(signum).name)
 
 
-def serve(config: ServingConfig, app, outputs: OutputProcessor) -> int:
+def serve(config: ServingConfig, app, repository: ModelRepository) -> int:
     """Serves until SIGTERM/SIGINT (exit code 0) or a dead engine (1); 3 if the agents never answered."""
     s = config.server
     log.info(
         "serving %s on http://%s:%d (%s); API keys %s",
-        config.model.name,
+        ", ".join(repository.models),
         s.host,
         s.port,
         "this machine only" if is_loopback(s.host) else "reachable from other machines",
@@ -176,6 +176,6 @@ def serve(config: ServingConfig, app, outputs: OutputProcessor) -> int:
         timeout_keep_alive=s.keep_alive_s,
         timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
     )
-    server = DrainingServer(uv_config, outputs, s.drain_timeout_s)
+    server = DrainingServer(uv_config, repository, s.drain_timeout_s)
     server.run()
     return server.exit_code

@@ -3,8 +3,9 @@
     POST /models/{model}                  stream or not, per the body's "stream"
     POST /models/{model}/generate         one line {"generated_text": ...}
     POST /models/{model}/generate_stream  SSE (return_protocol "sse") or `data:` lines
-    GET  /serving/get_bs[?group=N]        one SSE event: running batch size (of one group)
-    GET  /serving/get_request_numbers     one SSE event: waiting requests
+    GET  /serving/get_bs[?model=M][&group=N]      one SSE event: running batch size (of one model,
+                                                  of one of its groups; without model: every model's)
+    GET  /serving/get_request_numbers[?model=M]   one SSE event: waiting requests
 
 An SSE event's data is the JSON {"event": "message", "retry": 30000, "data": ...}, as upstream sends it.
 """
@@ -20,23 +21,14 @@ from fastapi.responses import Response, StreamingResponse
 from sse_starlette.sse import EventSourceResponse
 
 from agent.contract.native_request import ClientRequest, TgiGrammar
-from config.schema import ServingConfig
-from server.assembly import (
-    PromptEncoder,
-    admit,
-    check_answer_fits,
-    check_served,
-    compile_grammar,
-    sampling_params,
-    served_models,
-    unless_disconnected,
-)
+from server.assembly import admit, check_answer_fits, compile_grammar, sampling_params, unless_disconnected
 from server.errors import ApiError
 from server.logprob_format import LogprobFormatter
+from server.model_repository import ModelRepository
 from server.openai_schema import json_text
-from server.output import AnswerStream, GenerationOutput, OutputProcessor
+from server.output import AnswerStream, GenerationOutput
 from server.request_body import json_body
-from server.structured_output import GrammarError, Grammars, GrammarSpec
+from server.structured_output import GrammarError, GrammarSpec
 
 
 def sse_message(data) -> str:
@@ -161,19 +153,15 @@ def tgi_grammar(grammar: TgiGrammar | None) -> GrammarSpec | None:
     return GrammarSpec("json", json_text(grammar.value))
 
 
-def native_router(
-    config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder, grammars: Grammars
-) -> APIRouter:
+def native_router(repository: ModelRepository) -> APIRouter:
     router = APIRouter()
-    engine = outputs.engine
     client_request = json_body(ClientRequest)
-    served = served_models(config)
-    formatter = LogprobFormatter(outputs.tokenizer)
 
-    async def start(model: str, request: ClientRequest) -> AnswerStream:
-        check_served(model, served)
+    async def start(name: str, request: ClientRequest) -> tuple[AnswerStream, LogprobFormatter]:
+        model = repository.serving(name)
+        outputs, encoder = model.outputs, model.encoder
         p = request.parameters
-        chat = config.server.apply_chat_template if p.chat_template is None else p.chat_template
+        chat = model.config.server.apply_chat_template if p.chat_template is None else p.chat_template
         bounded = p.truncate is None  # else cut to its last tokens: any length may fit
         prompt = await (
             encoder.encode_chat([{"role": "user", "content": request.inputs}], bounded)
@@ -184,41 +172,53 @@ def native_router(
             prompt = prompt[-p.truncate :]
         if "max_new_tokens" in p.model_fields_set:  # the upstream default (300) still just ends early
             check_answer_fits(
-                len(prompt), p.max_new_tokens, outputs.engine.max_seq_len, False, "max_new_tokens"
+                len(prompt), p.max_new_tokens, model.engine.max_seq_len, False, "max_new_tokens"
             )
-        grammar = await compile_grammar(grammars, lambda: tgi_grammar(p.grammar), "parameters.grammar", 422)
+        grammar = await compile_grammar(
+            model.grammars, lambda: tgi_grammar(p.grammar), "parameters.grammar", 422
+        )
         sampling = sampling_params(
-            p, p.do_sample, p.seed, outputs.tokenizer.vocab_size, logprobs=p.logprobs_asked()
+            p, p.do_sample, p.seed, model.tokenizer.vocab_size, logprobs=p.logprobs_asked()
         )
         [stream] = await admit(
             outputs, prompt, [sampling], p.max_new_tokens, p.stop, p.ignore_eos, openai=False, grammar=grammar
         )
-        return stream
+        return stream, model.formatter
 
     @router.post("/models/{model}")
     async def generate_any(http: Request, model: str, request: ClientRequest = Depends(client_request)):
-        answer = await start(model, request)
+        answer, formatter = await start(model, request)
         if request.stream:
             return respond_stream(answer, request, formatter)
         return await respond_full(http, answer, request, formatter)
 
     @router.post("/models/{model}/generate")
     async def generate(http: Request, model: str, request: ClientRequest = Depends(client_request)):
-        return await respond_full(http, await start(model, request), request, formatter)
+        answer, formatter = await start(model, request)
+        return await respond_full(http, answer, request, formatter)
 
     @router.post("/models/{model}/generate_stream")
     async def generate_stream(model: str, request: ClientRequest = Depends(client_request)):
-        return respond_stream(await start(model, request), request, formatter)
+        answer, formatter = await start(model, request)
+        return respond_stream(answer, request, formatter)
 
     @router.get("/serving/get_bs")
-    async def get_bs(group: int | None = None):
-        """?group=N: that replica's batch (group N is the agent of port N in agents.ports)."""
-        if group is not None and not 0 <= group < len(engine.clients):
-            raise ApiError(400, f"group {group} does not exist (groups: 0..{len(engine.clients) - 1})")
-        return EventSourceResponse(one_event(engine.get_bs_current(group)))
+    async def get_bs(group: int | None = None, model: str | None = None):
+        """?model=M: one model's batch (without: every model's); &group=N: that replica's (group N
+        is the agent of port N in the model's agents.ports)."""
+        engines = repository.engines(model)
+        if group is None:
+            return EventSourceResponse(one_event(sum(e.get_bs_current() for e in engines)))
+        if model is None and len(repository.models) > 1:
+            raise ApiError(400, "group needs model=NAME: groups are a model's (several models are served)")
+        groups = len(repository.resolve(model or repository.first.name).config.agents.groups)
+        if not 0 <= group < groups:
+            raise ApiError(400, f"group {group} does not exist (groups: 0..{groups - 1})")
+        return EventSourceResponse(one_event(sum(e.get_bs_current(group) for e in engines)))
 
     @router.get("/serving/get_request_numbers")
-    async def get_request_numbers():
-        return EventSourceResponse(one_event(engine.get_queue_current()))
+    async def get_request_numbers(model: str | None = None):
+        """?model=M: one model's waiting requests (without: every model's)."""
+        return EventSourceResponse(one_event(sum(e.get_queue_current() for e in repository.engines(model))))
 
     return router

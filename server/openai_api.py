@@ -17,24 +17,13 @@ from collections.abc import AsyncGenerator
 from fastapi import APIRouter, Depends, Request
 from sse_starlette.sse import EventSourceResponse
 
-from config.schema import ServingConfig
 from server import tool_calls
-from server.assembly import (
-    PromptEncoder,
-    admit,
-    check_answer_fits,
-    check_served,
-    compile_grammar,
-    sampling_params,
-    served_models,
-    unless_disconnected,
-)
+from server.assembly import admit, check_answer_fits, compile_grammar, sampling_params, unless_disconnected
 from server.errors import ApiError
-from server.logprob_format import LogprobFormatter
+from server.model_repository import LoadedModel, ModelRepository
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
-from server.output import AnswerStream, GeneratedToken, GenerationOutput, OutputProcessor
+from server.output import AnswerStream, GeneratedToken, GenerationOutput
 from server.request_body import json_body
-from server.structured_output import Grammars
 
 CREATED = int(time.time())
 
@@ -66,30 +55,38 @@ async def _merged(streams: list[AnswerStream]) -> AsyncGenerator[tuple[int, Gene
             await stream.aclose()
 
 
-def openai_router(
-    config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder, grammars: Grammars
-) -> APIRouter:
+def openai_router(repository: ModelRepository) -> APIRouter:
     router = APIRouter(prefix="/v1")
-    served = served_models(config)
-    formatter = LogprobFormatter(outputs.tokenizer)
 
     @router.get("/models")
     async def models():
+        """Every name (aliases too) of every model, with the model's state (READY: served now)."""
         return {
             "object": "list",
             "data": [
-                {"id": name, "object": "model", "created": CREATED, "owned_by": "ms-llm-serving"}
-                for name in served
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": CREATED,
+                    "owned_by": "ms-llm-serving",
+                    "root": model.name,
+                    "state": model.state,
+                    **({"reason": model.reason} if model.reason else {}),
+                }
+                for model in repository.models.values()
+                for name in model.names
             ],
         }
 
-    def check(req) -> None:
-        check_served(req.model, served)
+    def check(req) -> LoadedModel:
+        model = repository.serving(req.model)
         problem = req.unsupported()
         if problem:
             raise ApiError(400, problem, code="unsupported_parameter")
+        return model
 
-    async def respond(http: Request, req, prompt: list[int], max_tokens: int, chat: bool):
+    async def respond(http: Request, model: LoadedModel, req, prompt: list[int], max_tokens: int, chat: bool):
+        outputs, formatter = model.outputs, model.formatter
         # Temperature 0 is greedy; choice i samples with seed + i.
         top = req.top_logprobs_asked()
         samplings = [
@@ -97,7 +94,7 @@ def openai_router(
                 req,
                 req.temperature > 0,
                 None if req.seed is None else req.seed + i,
-                outputs.tokenizer.vocab_size,
+                model.tokenizer.vocab_size,
                 logprobs=top,
                 logit_bias=req.bias_pairs(),
             )
@@ -112,10 +109,10 @@ def openai_router(
                     "tool_choice and response_format both constrain the answer: send one",
                     param="tool_choice",
                 )
-            grammar = await compile_grammar(grammars, lambda: call_grammar, "tools", 400)
+            grammar = await compile_grammar(model.grammars, lambda: call_grammar, "tools", 400)
         else:
             param = "structured_outputs" if req.structured_outputs else "response_format"
-            grammar = await compile_grammar(grammars, req.grammar_spec, param, 400)
+            grammar = await compile_grammar(model.grammars, req.grammar_spec, param, 400)
         streams = await admit(
             outputs, prompt, samplings, max_tokens, req.stop, req.ignore_eos, openai=True, grammar=grammar
         )
@@ -245,9 +242,9 @@ def openai_router(
 
     completion_request, chat_request = json_body(CompletionRequest), json_body(ChatCompletionRequest)
 
-    def answer_length(prompt_len: int, asked: int | None, param: str) -> int:
+    def answer_length(model: LoadedModel, prompt_len: int, asked: int | None, param: str) -> int:
         """No max_tokens: up to the context (as OpenAI); one that can never fit: 400 naming it."""
-        context = outputs.engine.max_seq_len
+        context = model.engine.max_seq_len
         if asked is None:
             return context
         check_answer_fits(prompt_len, asked, context, True, param)
@@ -255,24 +252,31 @@ def openai_router(
 
     @router.post("/completions")
     async def completions(http: Request, req: CompletionRequest = Depends(completion_request)):
-        check(req)
-        prompt = await encoder.encode(req.text, param="prompt")
+        model = check(req)
+        prompt = await model.encoder.encode(req.text, param="prompt")
         return await respond(
-            http, req, prompt, answer_length(len(prompt), req.max_tokens, "max_tokens"), chat=False
+            http,
+            model,
+            req,
+            prompt,
+            answer_length(model, len(prompt), req.max_tokens, "max_tokens"),
+            chat=False,
         )
 
     @router.post("/chat/completions")
     async def chat_completions(http: Request, req: ChatCompletionRequest = Depends(chat_request)):
-        check(req)
-        takes_tools = outputs.tokenizer.template_takes_tools
+        model = check(req)
+        takes_tools = model.tokenizer.template_takes_tools
         messages = tool_calls.template_messages(req, takes_tools)
         tools = tool_calls.template_tools(req) if takes_tools else None
-        prompt = await encoder.encode_chat(messages, param="messages", tools=tools)
+        prompt = await model.encoder.encode_chat(messages, param="messages", tools=tools)
         asked, param = (
             (req.max_completion_tokens, "max_completion_tokens")
             if req.max_completion_tokens
             else (req.max_tokens, "max_tokens")
         )
-        return await respond(http, req, prompt, answer_length(len(prompt), asked, param), chat=True)
+        return await respond(
+            http, model, req, prompt, answer_length(model, len(prompt), asked, param), chat=True
+        )
 
     return router

@@ -1,10 +1,12 @@
 """Operations endpoints: liveness, readiness, server facts, Prometheus metrics.
 
 GET /health    200 while the process serves HTTP
-GET /ready     200 when every agent answers a ping and the server admits requests; else 503 and why
-GET /info      model, limits, slots, version (TGI-style)
-GET /metrics   Prometheus text format
-GET /dashboard a self-contained live page (batch size, queue, tokens/s, TTFT, agent health)
+GET /ready     200 when every loaded model's agents answer a ping and the server admits requests;
+               else 503 and why
+GET /info      the first model's facts (TGI-style: limits, slots, version) and every model's, with
+               its state
+GET /metrics   Prometheus text format, each sample labelled with its model
+GET /dashboard a self-contained live page (batch size, queue, tokens/s, TTFT, models, agent health)
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from config.schema import ServingConfig
-from scheduler.engine import Engine
 from server.errors import ApiError
+from server.model_repository import ModelRepository, ServedModel
 
 DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"
 
@@ -30,7 +32,37 @@ def package_version() -> str:
         return "unknown"
 
 
-def ops_router(config: ServingConfig, engine: Engine) -> APIRouter:
+def model_info(model: ServedModel) -> dict:
+    """One model's facts: its names, state, limits and groups (limits and groups while loaded)."""
+    config, engine = model.config, model.loaded.engine if model.loaded is not None else None
+    capacities = engine.capacities if engine is not None else []
+    facts: dict = {
+        "model_id": model.name,
+        "aliases": config.model.aliases,
+        "state": model.state,
+        "reason": model.reason,
+        "max_input_length": min((c.max_prompt_len for c in capacities), default=None),
+        "max_total_tokens": min((c.max_seq_len for c in capacities), default=None),
+        "slots": sum(c.seats for c in capacities if c.decodes),
+        "agents": [a for c in engine.clients for a in c.address.split(",")] if engine is not None else [],
+        "groups": [],
+    }
+    if engine is not None:
+        facts["groups"] = [
+            {
+                "group": i,
+                "role": config.agents.groups[i].role,
+                "agents": client.address.split(","),
+                "slots": engine.group_slots(i),
+                "running": engine.get_bs_current(i),
+                "kv_blocks": engine.group_blocks(i),
+            }
+            for i, client in enumerate(engine.clients)
+        ]
+    return facts
+
+
+def ops_router(config: ServingConfig, repository: ModelRepository) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
@@ -39,38 +71,26 @@ def ops_router(config: ServingConfig, engine: Engine) -> APIRouter:
 
     @router.get("/ready")
     async def ready():
-        reason = await engine.readiness()
+        reason = await repository.readiness()
         if reason:
             raise ApiError(503, f"not ready: {reason}")
         return {"status": "ready"}
 
     @router.get("/info")
     async def info():
+        models = [model_info(m) for m in repository.models.values()]
+        first = {k: v for k, v in models[0].items() if k not in ("state", "reason")}
         return {
-            "model_id": config.model.name,
-            "aliases": config.model.aliases,
+            **first,
             "version": package_version(),
-            "max_input_length": min((c.max_prompt_len for c in engine.capacities), default=None),
-            "max_total_tokens": min((c.max_seq_len for c in engine.capacities), default=None),
-            "slots": sum(c.seats for c in engine.capacities if c.decodes),
-            "agents": [a for c in engine.clients for a in c.address.split(",")],
-            "groups": [
-                {
-                    "group": i,
-                    "role": config.agents.groups[i].role,
-                    "agents": client.address.split(","),
-                    "slots": engine.group_slots(i),
-                    "running": engine.get_bs_current(i),
-                    "kv_blocks": engine.group_blocks(i),
-                }
-                for i, client in enumerate(engine.clients)
-            ],
             "max_waiting_requests": config.server.max_waiting_requests,
+            "model_control_mode": config.model_control_mode,
+            "models": models,
         }
 
     @router.get("/metrics")
     async def metrics():
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(repository.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @router.get("/dashboard")
     async def dashboard():

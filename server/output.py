@@ -135,10 +135,11 @@ class OutputProcessor:
         self.streams[request_id] = stream
         return AnswerStream(self, stream)
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float, reason: str | None = None) -> None:
         """Refuse new requests (503) and wait up to `timeout_s` for every open stream to end;
-        stopping the engine then ends whatever is left with a final output saying so."""
-        self.engine.refuse_new_requests()
+        stopping the engine then ends whatever is left with a final output saying so (`reason`:
+        why, default the server is shutting down)."""
+        self.engine.refuse_new_requests(reason)
         deadline = time.monotonic() + timeout_s
         if self.streams:
             log.info("draining %d request(s), up to %gs", len(self.streams), timeout_s)
@@ -146,7 +147,7 @@ class OutputProcessor:
             await asyncio.sleep(0.05)
         if self.streams:
             log.warning("drain timeout: ending %d unfinished request(s)", len(self.streams))
-        await self.engine.stop()
+        await self.engine.stop(reason)
 
     def _close(self, stream: _Stream) -> None:
         """The reader is done with the stream: an unfinished request is aborted, its slot freed."""

@@ -12,7 +12,7 @@ from config import ConfigError, load_config
 from config.logs import setup_logging
 from server.app import create_app
 from server.http_server import serve
-from server.output import OutputProcessor
+from server.model_repository import ModelRepository
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,13 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
-        if config.agents.curve is not None:
-            config.agents.curve.server_keypair()  # this machine runs the server: its secret is needed
-        tokenizer = load_tokenizer(config.model.path)
+        models = config.model_configs()
+        for model in models.values():
+            if model.agents.curve is not None:
+                model.agents.curve.server_keypair()  # this machine runs the server: its secret is needed
+        # The startup models' tokenizers; the others' are read when they are loaded.
+        tokenizers = {name: load_tokenizer(models[name].model.path) for name in config.startup()}
     except (ConfigError, TokenizerError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    setup_logging(config.logging, "server_app.log", console=True, secrets=config.server.api_keys)
-    outputs = OutputProcessor(config, tokenizer)
-    app = create_app(config, tokenizer, outputs)
-    return serve(config, app, outputs)
+    s = config.server
+    setup_logging(config.logging, "server_app.log", console=True, secrets=[*s.api_keys, *s.admin_api_keys])
+    repository = ModelRepository(config, tokenizers)
+    return serve(config, create_app(config, repository), repository)

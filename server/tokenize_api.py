@@ -12,11 +12,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from config.schema import ServingConfig
-from server.assembly import PromptEncoder, check_served, served_models
 from server.errors import ApiError
+from server.model_repository import ModelRepository
 from server.openai_schema import ChatMessage, refused_content
-from server.output import OutputProcessor
 from server.request_body import json_body
 
 
@@ -36,15 +34,14 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def tokenize_router(config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder) -> APIRouter:
+def tokenize_router(repository: ModelRepository) -> APIRouter:
     router = APIRouter()
-    served = served_models(config)
-    tokenizer = outputs.tokenizer
     tokenize_request, detokenize_request = json_body(TokenizeRequest), json_body(DetokenizeRequest)
 
     @router.post("/tokenize")
     async def tokenize(req: TokenizeRequest = Depends(tokenize_request)):
-        check_served(req.model, served)
+        model = repository.serving(req.model)
+        encoder, engine = model.encoder, model.engine
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "send either prompt or messages", param="prompt")
         if req.messages is not None:
@@ -58,12 +55,12 @@ def tokenize_router(config: ServingConfig, outputs: OutputProcessor, encoder: Pr
             tokens = await encoder.encode(
                 req.prompt, param="prompt", add_special_tokens=req.add_special_tokens
             )
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": outputs.engine.max_seq_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_seq_len}
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest = Depends(detokenize_request)):
-        check_served(req.model, served)
-        context = outputs.engine.max_seq_len
+        model = repository.serving(req.model)
+        tokenizer, context = model.tokenizer, model.engine.max_seq_len
         if len(req.tokens) > context:
             raise ApiError(
                 400, f"at most {context} tokens (the context), got {len(req.tokens)}", param="tokens"

@@ -2,6 +2,7 @@
 
     GET  /v2, /v2/health/live, /v2/health/ready        server metadata, liveness, readiness
     GET  /v2/models/{name}[/versions/1], .../ready     model metadata (inputs, outputs), readiness
+                                                        (the repository API: server/repository_api.py)
     POST /v2/models/{name}/generate                     {"text_input", "parameters"} -> {"model_name",
                                                         "model_version", "text_output"}
     POST /v2/models/{name}/generate_stream              the same as SSE events, one per piece
@@ -25,20 +26,14 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sse_starlette.sse import EventSourceResponse
 
+from agent.contract.launcher_control import READY
 from agent.contract.sampling import MAX_SEED, MAX_TOP_K, check_stop_strings
-from config.schema import ServingConfig
-from server.assembly import (
-    PromptEncoder,
-    admit,
-    check_answer_fits,
-    check_served,
-    sampling_params,
-    served_models,
-)
+from server.assembly import admit, check_answer_fits, sampling_params
 from server.errors import ApiError
+from server.model_repository import ModelRepository
 from server.native_api import whole_answer
 from server.ops_api import package_version
-from server.output import AnswerStream, OutputProcessor
+from server.output import AnswerStream
 from server.request_body import json_body
 
 VERSION = "1"  # one version of each model
@@ -114,14 +109,9 @@ class InferRequest(BaseModel):
     parameters: dict = Field(default_factory=dict)
 
 
-def triton_router(config: ServingConfig, outputs: OutputProcessor, encoder: PromptEncoder) -> APIRouter:
+def triton_router(repository: ModelRepository) -> APIRouter:
     router = APIRouter(prefix="/v2")
-    engine = outputs.engine
-    served = served_models(config)
     generate_request = json_body(GenerateRequest)
-
-    async def ready() -> bool:
-        return not await engine.readiness()
 
     @router.get("")
     async def server_metadata():
@@ -133,14 +123,15 @@ def triton_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
 
     @router.get("/health/ready")
     async def server_ready():
-        if not await ready():
-            raise ApiError(503, "not ready")
+        reason = await repository.readiness()
+        if reason:
+            raise ApiError(503, f"not ready: {reason}")
         return {}
 
     @router.get("/models/{name}")
     @router.get("/models/{name}/versions/" + VERSION)
     async def model_metadata(name: str):
-        check_served(name, served)
+        repository.resolve(name)
         return {
             "name": name,
             "versions": [VERSION],
@@ -151,22 +142,26 @@ def triton_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
 
     @router.get("/models/{name}/ready")
     async def model_ready(name: str):
-        check_served(name, served)
-        if not await ready():
-            raise ApiError(503, f"model {name!r} is not ready")
+        model = repository.resolve(name)
+        loaded = model.loaded if model.state == READY else None
+        reason = model.status() if loaded is None else await loaded.engine.readiness()
+        if reason:
+            raise ApiError(503, f"model {name!r} is not ready: {reason}")
         return {}
 
     async def start(name: str, prompt_text: str, p: TritonParameters) -> AnswerStream:
-        check_served(name, served)
-        chat = config.server.apply_chat_template if p.chat_template is None else p.chat_template
+        model = repository.serving(name)
+        chat = model.config.server.apply_chat_template if p.chat_template is None else p.chat_template
         prompt = await (
-            encoder.encode_chat([{"role": "user", "content": prompt_text}], param="text_input")
+            model.encoder.encode_chat([{"role": "user", "content": prompt_text}], param="text_input")
             if chat
-            else encoder.encode(prompt_text, param="text_input")
+            else model.encoder.encode(prompt_text, param="text_input")
         )
-        check_answer_fits(len(prompt), p.max_tokens, engine.max_seq_len, False, "max_tokens")
-        sampling = sampling_params(p, p.temperature > 0, p.seed, outputs.tokenizer.vocab_size)
-        [stream] = await admit(outputs, prompt, [sampling], p.max_tokens, p.stop, p.ignore_eos, openai=False)
+        check_answer_fits(len(prompt), p.max_tokens, model.engine.max_seq_len, False, "max_tokens")
+        sampling = sampling_params(p, p.temperature > 0, p.seed, model.tokenizer.vocab_size)
+        [stream] = await admit(
+            model.outputs, prompt, [sampling], p.max_tokens, p.stop, p.ignore_eos, openai=False
+        )
         return stream
 
     async def answer(name: str, prompt_text: str, p: TritonParameters) -> str:
@@ -200,7 +195,7 @@ def triton_router(config: ServingConfig, outputs: OutputProcessor, encoder: Prom
 
     @router.post("/models/{name}/infer")
     async def infer(name: str, http: Request):
-        check_served(name, served)
+        repository.serving(name)
         req, tensors = parse_infer(await http.body(), http.headers.get(BINARY_HEADER))
         prompt = tensors.pop("text_input", None)
         if prompt is None:

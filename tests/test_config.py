@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +84,34 @@ def test_default_config_serves_the_embedded_model_on_cpu():
             f"agents: [{{public_key: '{'a' * 40}'}}]}}\n",
             r"one keypair per agent port \(2\), got 1",
         ),
+        ("models: [{name: a}]\nmodel: {name: b}\n", "either model and runtime \\(one model\\) or models"),
+        ("models: [{name: a}]\nagents: {ports: [1]}\n", "agents.ports belongs in each model's own agents"),
+        ("models: [{name: a/b}]\n", "models.0.name: String should match pattern"),
+        (
+            "models: [{name: a, agents: {ports: [1]}}, {name: b, aliases: [a], agents: {ports: [2]}}]\n",
+            "model name or alias 'a' is given to more than one model",
+        ),
+        (
+            "models: [{name: a, agents: {ports: [1]}}, {name: b, agents: {ports: [1]}}]\n",
+            "port 1 is given twice",
+        ),
+        (
+            "model_control_mode: explicit\nagents: {control_port: 9820}\n",
+            "port 9820 is given twice",
+        ),
+        ("model_control_mode: explicit\nstartup_models: [c]\n", "startup_models: 'c' is not a model name"),
+        ("startup_models: [smollm2-135m-instruct]\n", "startup_models is for model_control_mode explicit"),
+        ("model_control_mode: all\n", "model_control_mode"),
+        ("agents: {memory_limit_mb: 100}\n", "needs every model's runtime.memory_budget_mb"),
+        (
+            "models: [{name: a, runtime: {num_slots: 0}}]\n",
+            "models.0.runtime.num_slots.constrained-int: Input should be greater than or equal to 1",
+        ),
+        (
+            "models: [{name: a, agents: {groups: [{ports: [1], num_slots: 64}]}}]\n",
+            "models\\[0\\] \\(a\\): .*num_slots \\(64\\) exceeds",
+        ),
+        ("server:\n  admin_api_keys: ['']\n", "an API key is empty or blank"),
     ],
 )
 def test_bad_config_names_the_problem(tmp_path, body, message):
@@ -155,3 +184,42 @@ def test_curve_keys_tool_prints_a_section_the_config_accepts(tmp_path):
     curve = load_config(path).agents.curve
     assert curve is not None and curve.server_keypair()[1] != curve.own_agent_keypair(0)[1]
     assert len({curve.server_public_key, *(keys.public_key for keys in curve.agents)}) == 3
+
+
+def test_a_repository_gives_each_model_its_config(tmp_path):
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        "model_control_mode: explicit\nstartup_models: [a]\n"
+        "agents: {shutdown_grace_s: 3, control_port: 9000}\nlogging: {dir: /tmp/logs}\n"
+        "models:\n"
+        "  - {name: a, aliases: [x], agents: {ports: [9001]}}\n"
+        "  - {name: b, runtime: {num_slots: 4}, agents: {ports: [9002, 9003], shutdown_grace_s: 7}}\n"
+    )
+    config = load_config(path)
+    a, b = config.model_configs()["a"], config.model_configs()["b"]
+    assert (a.model.aliases, a.agents.ports, a.agents.shutdown_grace_s) == (["x"], [9001], 3)
+    assert (b.runtime.num_slots, b.agents.ports, b.agents.shutdown_grace_s) == (4, [9002, 9003], 7)
+    # each model's agents log in a folder of its own: their agent_0.log would collide
+    assert (a.logging.dir, b.logging.dir) == (
+        Path("/tmp/logs/a"),
+        Path("/tmp/logs/b"),
+    )
+    assert config.startup() == ["a"] and config.model.name == "a" and config.agents.control_port == 9000
+    assert list(load_config().model_configs()) == ["smollm2-135m-instruct"]
+    assert load_config().startup() == ["smollm2-135m-instruct"]
+
+
+def test_admin_keys_from_the_environment_add_to_the_file(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text("server: {admin_api_keys: [file-key]}\n")
+    config = load_config(path, environ={"LLM_SERVING_ADMIN_API_KEYS": "env-1, env-2"})
+    assert config.server.admin_api_keys == ["file-key", "env-1", "env-2"] and config.server.api_keys == []
+
+
+def test_the_shipped_repository_serves_the_default_and_loads_a_second_model():
+    config = load_config(PROJECT_ROOT / "config" / "model_repository.yaml")
+    default, lite = config.model_configs().values()
+    assert config.model_control_mode == "explicit" and config.startup() == [default.model.name]
+    assert default.model == load_config().model and default.runtime == load_config().runtime
+    assert lite.model.path == default.model.path and lite.runtime != default.runtime
+    assert (default.agents.ports, lite.agents.ports, config.agents.control_port) == ([9820], [9821], 9819)

@@ -97,7 +97,7 @@ def disaggregated(tmp_path_factory, tiny_llama_dir):
 
 
 def metric(base: str, name: str) -> float:
-    match = re.search(rf"^{name} (\S+)$", httpx.get(f"{base}/metrics").text, re.M)
+    match = re.search(rf'^{name}\{{model="tiny"\}} (\S+)$', httpx.get(f"{base}/metrics").text, re.M)
     return float(match.group(1))
 
 

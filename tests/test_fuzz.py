@@ -20,6 +20,8 @@ POST_PATHS = [
     "/models/tiny/generate_stream",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v2/repository/index",
+    "/v2/repository/models/tiny/load",
 ]
 GET_PATHS = [
     "/health",

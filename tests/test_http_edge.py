@@ -270,14 +270,16 @@ def test_a_dead_scheduler_loop_ends_requests_and_the_server_exits_1(stack, monke
     from config import load_config
     from server.app import create_app
     from server.http_server import serve
-    from server.output import OutputProcessor
+    from server.model_repository import ModelRepository
 
     _, path, _ = stack
     (http_port,) = free_ports(1)
     config = load_config(path)
     config.server.port = http_port
-    tokenizer = load_tokenizer(config.model.path)
-    outputs = OutputProcessor(config, tokenizer)
+    repository = ModelRepository(config, {config.model.name: load_tokenizer(config.model.path)})
+    loaded = repository.models[config.model.name].loaded
+    assert loaded is not None
+    outputs = loaded.outputs
     base = f"http://127.0.0.1:{http_port}"
     results: dict = {}
     served = threading.Event()
@@ -316,7 +318,7 @@ def test_a_dead_scheduler_loop_ends_requests_and_the_server_exits_1(stack, monke
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         started = time.monotonic()
-        code = serve(config, create_app(config, tokenizer, outputs), outputs)
+        code = serve(config, create_app(config, repository), repository)
     finally:
         served.set()
         for signum, handler in handlers.items():

@@ -51,7 +51,7 @@ def gauges(base: str) -> dict[str, float]:
     return {
         f.name: f.samples[0].value
         for f in text_string_to_metric_families(text)
-        if f.type == "gauge" and f.samples and not f.samples[0].labels
+        if f.type == "gauge" and f.samples and set(f.samples[0].labels) == {"model"}
     }
 
 

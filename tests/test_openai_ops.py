@@ -551,8 +551,13 @@ def test_tokenize_and_detokenize(stack, tokenizer):
 
 
 def metrics(base) -> dict:
+    """Each sample by its name and labels but the model's (every sample names the one model)."""
     families = text_string_to_metric_families(httpx.get(f"{base}/metrics", headers=AUTH).text)
-    return {s.name + str(sorted(s.labels.items())): s.value for f in families for s in f.samples}
+    samples = [s for f in families for s in f.samples]
+    assert {s.labels.get("model") for s in samples} == {"tiny"}
+    return {
+        s.name + str(sorted((k, v) for k, v in s.labels.items() if k != "model")): s.value for s in samples
+    }
 
 
 def test_metrics_move_as_requests_run(stack):
@@ -694,6 +699,7 @@ def test_dashboard_in_a_real_browser_under_load(stack):
         )
         assert driver.find_element("id", "ready").text == "ready"
         assert "up" in driver.find_element("id", "agents").text
+        assert driver.find_element("id", "models").text.startswith("tiny READY")
         screenshot = PROJECT_ROOT / "output" / "dashboard.png"
         screenshot.parent.mkdir(exist_ok=True)
         assert driver.save_screenshot(str(screenshot))

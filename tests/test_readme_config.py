@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from pydantic import BaseModel
 
 from config.schema import PROJECT_ROOT, ServingConfig
 
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.unit
 
 
 def documented_rows() -> dict[str, str]:
-    """`section.field` -> the row's default cell; a cell like `agents.a` / `b` names agents.a and agents.b."""
+    """`section.field` (or a top-level `field`) -> the row's default cell; a cell like `agents.a` / `b`
+    names agents.a and agents.b."""
     text = (PROJECT_ROOT / "README.md").read_text()
     table = text[text.index("| key | default | meaning |") :].split("\n\n", 1)[0]
     rows = {}
@@ -22,17 +24,21 @@ def documented_rows() -> dict[str, str]:
         names = re.findall(r"`([\w.]+)`", keys)
         section = names[0].split(".")[0]
         for name in names:
-            rows[name if "." in name else f"{section}.{name}"] = default
+            rows[name if "." in name or "." not in names[0] else f"{section}.{name}"] = default
     return rows
 
 
 def schema_fields() -> dict[str, object]:
+    """`section.field` of every section, and the top-level fields that are not sections (models)."""
     defaults = ServingConfig()
-    return {
-        f"{section}.{name}": getattr(getattr(defaults, section), name)
-        for section, info in ServingConfig.model_fields.items()
-        for name in info.annotation.model_fields
-    }
+    fields: dict[str, object] = {}
+    for section, info in ServingConfig.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            for name in info.annotation.model_fields:
+                fields[f"{section}.{name}"] = getattr(getattr(defaults, section), name)
+        else:
+            fields[section] = getattr(defaults, section)
+    return fields
 
 
 def test_every_setting_is_documented_and_every_documented_one_exists():

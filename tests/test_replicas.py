@@ -49,7 +49,7 @@ def prefill_counts(base: str, ports: list[int]) -> list[float]:
     for port in ports:
         matches = re.findall(
             rf'llm_serving_agent_step_seconds_count\{{agent="tcp://127\.0\.0\.1:{port}",'
-            rf'op="(?:prefill|step)"\}} (\S+)',
+            rf'model="tiny",op="(?:prefill|step)"\}} (\S+)',
             text,
         )
         counts.append(sum(float(m) for m in matches))
@@ -73,8 +73,8 @@ def test_both_replicas_serve_under_load_with_unchanged_answers(replicas):
     assert all(g["slots"] == 4 and g["role"] == "mixed" for g in info["groups"])
     assert one_event(f"{base}/serving/get_bs?group=0") == one_event(f"{base}/serving/get_bs?group=1") == 0
     metrics = httpx.get(f"{base}/metrics").text
-    assert 'llm_serving_group_slots{group="1"} 4.0' in metrics
-    assert 'llm_serving_group_running_sequences{group="0"} 0.0' in metrics
+    assert 'llm_serving_group_slots{group="1",model="tiny"} 4.0' in metrics
+    assert 'llm_serving_group_running_sequences{group="0",model="tiny"} 0.0' in metrics
 
 
 def test_unknown_group_is_a_clear_400(replicas):

@@ -99,3 +99,18 @@ def test_bad_triton_requests_name_the_problem(stack):
         assert reply.status_code == 400 and word in reply.json()["error"], reply.text
     reply = httpx.post(f"{base}/generate", json={"text_input": "x", "parameters": {"beams": 2}}, timeout=30)
     assert reply.status_code == 422 and "beams" in reply.json()["error"]
+
+
+def test_the_one_model_server_lists_its_model_and_refuses_loads(stack):
+    """model_control_mode none (every existing config): the repository API shows the model; loads
+    and unloads are refused, naming the setting."""
+    base = f"http://{stack}"
+    index = httpx.post(f"{base}/v2/repository/index", timeout=30)
+    assert index.json() == [{"name": "tiny", "version": "1", "state": "READY", "reason": ""}]
+    for action in ("load", "unload"):
+        reply = httpx.post(f"{base}/v2/repository/models/tiny/{action}", timeout=30)
+        assert reply.status_code == 400 and "model_control_mode is none" in reply.json()["error"]
+    client = triton.InferenceServerClient(stack)
+    with pytest.raises(InferenceServerException, match="model_control_mode is none"):
+        client.unload_model("tiny")
+    client.close()

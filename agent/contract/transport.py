@@ -3,6 +3,7 @@ has its own keypair (agents.curve.agents, in rank order); off loopback the confi
 (config/schema.py).
 
     authenticator = secure_agent_socket(router, curve, rank, peers)  # before bind; stop it on close
+    authenticator = secure_launcher_socket(router, curve)            # the launcher's control socket
     peer = is_peer(frame, curve)                                     # a peer agent's message?
     secure_client_socket(dealer, ClientKeys(public, secret, agent_public_key))  # before connect
 
@@ -46,6 +47,19 @@ def secure_agent_socket(
     authenticator.configure_curve_callback("*", _KnownKeys(allowed))
     socket.curve_secretkey = secret.encode()
     socket.curve_publickey = public.encode()
+    socket.curve_server = True
+    return authenticator
+
+
+def secure_launcher_socket(socket: zmq.Socket, curve: CurveSection) -> ThreadAuthenticator:
+    """The launcher's control socket: its own keypair (agents.curve.launcher); only the server's
+    key is admitted."""
+    assert curve.launcher is not None and curve.launcher.secret_key is not None
+    authenticator = ThreadAuthenticator(socket.context, log=logging.getLogger("zmq.auth"))
+    authenticator.start()
+    authenticator.configure_curve_callback("*", _KnownKeys({curve.server_public_key}))
+    socket.curve_secretkey = curve.launcher.secret_key.encode()
+    socket.curve_publickey = curve.launcher.public_key.encode()
     socket.curve_server = True
     return authenticator
 

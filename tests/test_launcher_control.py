@@ -1,0 +1,138 @@
+"""The launcher's control channel on real ZeroMQ sockets, in one process: the server's client
+(scheduler/launcher_client.py) against the launcher's socket (agent/launcher_control.py), with
+CURVE keys (only the server's key is answered) and the message bound."""
+
+import asyncio
+import threading
+
+import pytest
+import zmq
+
+from agent.contract import launcher_control as control
+from agent.launcher_control import ControlChannel
+from agent_harness import curve_keys, free_ports
+from config.schema import ServingConfig
+from scheduler.launcher_client import LauncherClient, LauncherError, LauncherUnreachable
+
+
+def config_of(port: int, curve: dict | None) -> ServingConfig:
+    agents: dict = {"ports": [free_ports(1)[0]], "control_port": port, "shutdown_grace_s": 1}
+    if curve is not None:
+        agents["curve"] = curve
+    return ServingConfig.model_validate({"model_control_mode": "explicit", "agents": agents})
+
+
+@pytest.fixture
+def channel():
+    """A launcher's channel with CURVE keys, answering in a thread; yields its config."""
+    (port,) = free_ports(1)
+    public, secret = zmq.curve_keypair()
+    keys = {**curve_keys(1), "launcher": {"public_key": public.decode(), "secret_key": secret.decode()}}
+    config = config_of(port, keys)
+    channel, stop = ControlChannel(config), threading.Event()
+    asked: list[dict] = []
+
+    def handle(message: dict) -> dict:
+        asked.append(message)
+        return {"ok": message.get("op") == "status", "models": {}, "error": "refused here"}
+
+    def serve():
+        while not stop.is_set():
+            channel.answer(handle, 0.05)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    yield config, asked
+    stop.set()
+    thread.join()
+    channel.close()
+
+
+def call(config: ServingConfig, op: str, timeout_s: float = 2.0, **fields) -> dict:
+    async def go():
+        client = LauncherClient(config)
+        client.timeout_s = timeout_s
+        try:
+            return await client.call(op, **fields)
+        finally:
+            client.close()
+
+    return asyncio.run(go())
+
+
+def test_the_server_key_is_answered_and_a_refusal_is_an_error(channel):
+    config, asked = channel
+    assert call(config, "status") == {"ok": True, "models": {}, "error": "refused here"}
+    with pytest.raises(LauncherError, match="refused here"):
+        call(config, "load", model="x")
+    assert asked == [{"op": "status"}, {"op": "load", "model": "x"}]
+
+
+def test_another_key_or_no_key_gets_no_answer(channel):
+    config, asked = channel
+    stranger = config.model_copy(deep=True)
+    assert stranger.agents.curve is not None
+    public, secret = zmq.curve_keypair()
+    stranger.agents.curve.server_public_key, stranger.agents.curve.server_secret_key = (
+        public.decode(),
+        secret.decode(),
+    )
+    with pytest.raises(LauncherUnreachable, match="did not answer"):
+        call(stranger, "status", timeout_s=1.0)
+    plain = config.model_copy(deep=True)
+    plain.agents.curve = None
+    with pytest.raises(LauncherUnreachable):
+        call(plain, "status", timeout_s=1.0)
+    assert asked == []
+
+
+def test_a_message_over_the_bound_is_dropped_unread(channel):
+    config, asked = channel
+    with pytest.raises(LauncherUnreachable):
+        call(config, "status", timeout_s=1.0, padding="x" * control.MAX_MESSAGE_BYTES)
+    assert asked == [] and call(config, "status")["ok"]
+
+
+def test_a_taken_port_fails_the_channel_and_bad_messages_get_an_error():
+    (port,) = free_ports(1)
+    first = ControlChannel(config_of(port, None))
+    try:
+        with pytest.raises(zmq.ZMQError):
+            ControlChannel(config_of(port, None))
+        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(f"tcp://127.0.0.1:{port}")
+        for frame in (b"\xc1", control.encode([1, 2])):  # not msgpack; not a map
+            socket.send(frame)
+            first.answer(lambda m: {"ok": True}, 2.0)
+            assert socket.poll(2000)
+            assert control.decode(socket.recv())["ok"] is False
+        socket.close()
+    finally:
+        first.close()
+
+
+def test_the_launcher_answers_malformed_requests_with_an_error():
+    """LaunchedModels' handler, in-process (nothing started): every malformed request gets an
+    error reply, and the launcher goes on."""
+    from agent.launched_models import LaunchedModels
+
+    models = LaunchedModels(config_of(free_ports(1)[0], None))
+    assert (
+        models._handle({"op": "status", "model": ["x"]})["models"]["smollm2-135m-instruct"]["state"]
+        == "UNAVAILABLE"
+    )
+    assert list(models._handle({"op": "status", "model": "smollm2-135m-instruct"})["models"]) == [
+        "smollm2-135m-instruct"
+    ]
+    for message, words in [
+        ({"op": "reboot"}, "unknown op 'reboot'"),
+        ({}, "unknown op None"),
+        ({"op": "load", "model": ["x"]}, "no model ['x']"),
+        (
+            {"op": "unload", "model": "gpt-5"},
+            "no model 'gpt-5' in the launcher's config (smollm2-135m-instruct)",
+        ),
+    ]:
+        reply = models._handle(message)
+        assert reply["ok"] is False and words in reply["error"], reply
