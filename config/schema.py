@@ -506,10 +506,11 @@ class ServerSection(Section):
     )
     max_prefills_per_step: int = Field(4, ge=1, description="prompts admitted per iteration")
     max_num_batched_tokens: int = Field(
-        80,
+        512,
         ge=2,
         description="positions one group's step computes: its decode rows first, then prompt "
-        "chunks (a larger budget computes prompts in fewer, longer steps that streams wait for)",
+        "chunks (beside decode rows also bounded by decode_stall_ratio): a prompt alone takes "
+        "fewer, longer steps",
     )
     decode_stall_ratio: float = Field(
         1.75,
