@@ -78,13 +78,14 @@ async def stream_pieces(
     answer, return_full_text: bool, piece, error, full, every_token: bool = False
 ) -> AsyncIterator:
     """The answer's pieces in one protocol's framing: piece(output, index), error(message),
-    full(text). `every_token`: one piece per generated token, indexed by token, its text empty while
-    a character is incomplete or the token is special (as TGI streams); else one per piece of text.
+    full(text). `every_token`: one piece per token of the answer (the EOS that ends it is none),
+    indexed by token, its text empty while a character is incomplete or the token is special (as
+    TGI streams); else one per piece of text.
     An error is the stream's last event: the full text would read as a finished answer."""
     text = []
     async with contextlib.aclosing(answer):
         async for out in answer:
-            if out.text or (every_token and out.token_id is not None):
+            if out.text or (every_token and out.tokens):
                 text.append(out.text)
                 yield piece(out, out.index - 1 if every_token else len(text) - 1)
             if out.error:

@@ -53,7 +53,8 @@ class _Stream:
     queue: asyncio.Queue
     detokenizer: IncrementalDetokenizer
     stop: tuple[str, ...]
-    hidden: frozenset[int]  # ids that end the answer without being part of it (EOS, stop_token_ids)
+    # ids that end the answer without being part of it: EOS (unless ignore_eos), stop_token_ids
+    hidden: frozenset[int]
     hold: int = 0  # characters held back: the longest stop string but one
     consumed: int = 0  # tokens of seq.output already detokenized
     sent: int = 0  # characters of detokenizer.text already handed out
@@ -129,7 +130,7 @@ class OutputProcessor:
             asyncio.Queue(),
             IncrementalDetokenizer(self.tokenizer),
             stop,
-            self.engine.stop_ids | frozenset(sampling.stop_token_ids),
+            seq.stop_ids,
             hold=max((len(s) for s in stop), default=1) - 1,
         )
         self.streams[request_id] = stream
@@ -165,7 +166,7 @@ class OutputProcessor:
         stream.consumed = len(seq.output)
         shown = []
         for i, token in enumerate(new_tokens, first):
-            if token not in stream.hidden:  # EOS ends the answer; it is not part of the text
+            if token not in stream.hidden:  # EOS ends the answer; it is not one of its tokens
                 stream.detokenizer.add(token)
                 shown.append(GeneratedToken(token, seq.logprobs[i] if i < len(seq.logprobs) else None))
         if seq.finished:
