@@ -32,7 +32,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from agent.graph_interface import GraphInputs, pool_blocks
-from agent.kernels import DECODE_ATTENTION, ELEMENTWISE, FUSED_LAYER, SKINNY_MATMUL, op_path
+from agent.kernels import op_path
 from agent.model.checkpoint import Checkpoint
 from agent.model.quantized import Q4Matrix
 from agent.model.spec import ModelSpec
@@ -105,22 +105,22 @@ class CpuKernels:
     None where MindSpore's own ops run."""
 
     def __init__(self, attention: bool, matmul: bool, head_dim: int):
-        def custom(kernel: str, function: str, out_shape):
+        def custom(function: str, out_shape):
             return ops.Custom(
-                op_path(kernel, function), out_shape=out_shape, out_dtype=lambda x, *_: x, func_type="aot"
+                op_path(function), out_shape=out_shape, out_dtype=lambda x, *_: x, func_type="aot"
             )
 
-        self.attention = custom(DECODE_ATTENTION, "DecodeAttention", lambda q, *_: q) if attention else None
-        self.layer = custom(FUSED_LAYER, "FusedLayer", lambda x, *_: x) if attention and matmul else None
-        self.layer_q4 = custom(FUSED_LAYER, "FusedLayerQ4", lambda x, *_: x) if attention and matmul else None
+        self.attention = custom("DecodeAttention", lambda q, *_: q) if attention else None
+        self.layer = custom("FusedLayer", lambda x, *_: x) if attention and matmul else None
+        self.layer_q4 = custom("FusedLayerQ4", lambda x, *_: x) if attention and matmul else None
         self.matmul = self.matmul_add = self.matmul_q8 = self.norm = self.swiglu = self.rope = None
         if matmul:
-            self.matmul = custom(SKINNY_MATMUL, "SkinnyMatMul", lambda x, w: [x[0], w[0] * w[2]])
-            self.matmul_q8 = custom(SKINNY_MATMUL, "SkinnyMatMulQ8", lambda x, w: [x[0], w[0] * MATMUL_TILE])
-            self.matmul_add = custom(SKINNY_MATMUL, "SkinnyMatMulAdd", lambda x, w, r: r)
-            self.norm = custom(ELEMENTWISE, "RmsNorm", lambda x, *_: x)
-            self.swiglu = custom(ELEMENTWISE, "SwiGlu", lambda x: [x[0], x[1] // 2])
-            self.rope = custom(ELEMENTWISE, "Rope", lambda x, *_: [x[0], x[1] // head_dim, head_dim])
+            self.matmul = custom("SkinnyMatMul", lambda x, w: [x[0], w[0] * w[2]])
+            self.matmul_q8 = custom("SkinnyMatMulQ8", lambda x, w: [x[0], w[0] * MATMUL_TILE])
+            self.matmul_add = custom("SkinnyMatMulAdd", lambda x, w, r: r)
+            self.norm = custom("RmsNorm", lambda x, *_: x)
+            self.swiglu = custom("SwiGlu", lambda x: [x[0], x[1] // 2])
+            self.rope = custom("Rope", lambda x, *_: [x[0], x[1] // head_dim, head_dim])
 
 
 class LlamaLayer(nn.Cell):

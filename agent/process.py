@@ -84,7 +84,7 @@ def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) 
 
 
 def _pin_cpus(config: ServingConfig, rank: int, log: logging.Logger) -> None:
-    """Before any graph runs: MindSpore's workers and the kernels' OpenMP team size themselves
+    """Before any graph runs: MindSpore's workers and the kernels' thread team size themselves
     from the CPUs this process may use."""
     if config.agents.cpu_affinity is None:
         return

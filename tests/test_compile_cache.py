@@ -202,7 +202,7 @@ def test_kernel_builds_are_keyed_by_their_inputs(monkeypatch, tmp_path):
     import agent.kernels as kernels
 
     before = kernels.build_id()
-    assert kernels.build(kernels.ELEMENTWISE).parent == kernels.BUILD_ROOT / before
+    assert kernels.build().parent == kernels.BUILD_ROOT / before
     kernels.build_id.cache_clear()
     monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, "-DKEYED_BY_FLAGS"])
     assert kernels.build_id() != before

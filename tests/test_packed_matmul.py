@@ -7,7 +7,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from agent.kernels import SKINNY_MATMUL, build
+from agent.kernels import build
 
 pytestmark = pytest.mark.unit
 
@@ -30,7 +30,7 @@ def _call(function, arrays: list[np.ndarray], out: np.ndarray) -> int:
 
 @pytest.fixture(scope="module")
 def library():
-    return ctypes.CDLL(str(build(SKINNY_MATMUL)))
+    return ctypes.CDLL(str(build()))
 
 
 @pytest.mark.parametrize("k_dim", [40, 96])
@@ -51,3 +51,27 @@ def test_every_row_count_matches_numpy(library, k_dim):
         out = np.full((rows, n_dim), np.nan, np.float32)
         assert _call(library.SkinnyMatMulAdd, [x, packed, residual], out) == 0
         np.testing.assert_allclose(out, expected + residual, rtol=1e-4, atol=1e-4, err_msg=f"{rows} rows")
+
+
+def test_products_called_from_several_threads_at_once_match_numpy(library):
+    """MindSpore calls the kernels from more than one thread (agent/kernels/thread_team.h): callers
+    share the one team in turn, each gets its own product, none waits forever on a worker that
+    missed its region. ctypes releases the GIL during the calls, so they do overlap."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(7)
+    k_dim, n_dim = 64, 8 * 32
+    w = rng.standard_normal((k_dim, n_dim)).astype(np.float32)
+    packed = _packed(w)
+    inputs = [rng.standard_normal((rows, k_dim)).astype(np.float32) for rows in (1, 3, 8, 17) * 4]
+
+    def product(x: np.ndarray) -> np.ndarray:
+        out = np.full((len(x), n_dim), np.nan, np.float32)
+        for _ in range(50):
+            assert _call(library.SkinnyMatMul, [x, packed], out) == 0
+        return out
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        outputs = list(pool.map(product, inputs))
+    for x, out in zip(inputs, outputs, strict=True):
+        np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-4, atol=1e-4)

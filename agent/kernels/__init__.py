@@ -20,13 +20,11 @@ from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent
 BUILD_ROOT = SOURCE_DIR / "build"
-DECODE_ATTENTION = "decode_attention"
-SKINNY_MATMUL = "skinny_matmul"
-ELEMENTWISE = "elementwise"
-FUSED_LAYER = "fused_layer"
-KERNELS = (DECODE_ATTENTION, SKINNY_MATMUL, ELEMENTWISE, FUSED_LAYER)
-# -fopenmp: they split their work over OpenMP threads (and vectorise `omp simd` loops).
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp"]
+KERNELS = ("decode_attention", "skinny_matmul", "elementwise", "fused_layer")
+# One library for all: its thread team (thread_team.h) is one per process, whichever op calls it.
+LIBRARY = "kernels"
+# -fopenmp-simd: `omp simd` loops are vectorised; the threads are thread_team.h's, not OpenMP's.
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp-simd", "-pthread"]
 HEADERS = tuple(sorted(SOURCE_DIR.glob("*.h")))
 
 
@@ -78,21 +76,22 @@ def build_dir() -> Path:
     return BUILD_ROOT / build_id()
 
 
-def build(name: str) -> Path:
-    """The kernel's shared library of this build_id, compiled now if missing."""
-    src, lib = source(name), build_dir() / f"{name}.so"
+def build() -> Path:
+    """The kernels' shared library of this build_id, compiled now if missing."""
+    lib = build_dir() / f"{LIBRARY}.so"
     if lib.is_file():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_suffix(f".so.tmp{os.getpid()}")
-    done = subprocess.run([_compiler(), *FLAGS, "-o", str(tmp), str(src)], capture_output=True, text=True)
+    sources = [str(source(name)) for name in KERNELS]
+    done = subprocess.run([_compiler(), *FLAGS, "-o", str(tmp), *sources], capture_output=True, text=True)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise KernelBuildError(f"building {src.name} failed:\n{done.stderr.strip()}")
+        raise KernelBuildError(f"building {LIBRARY}.so failed:\n{done.stderr.strip()}")
     tmp.replace(lib)  # atomic: concurrent agents never load a half-written library
     return lib
 
 
-def op_path(kernel: str, function: str) -> str:
-    """The `path:function` MindSpore's ops.Custom(func_type="aot") loads (the kernel built if needed)."""
-    return f"{build(kernel)}:{function}"
+def op_path(function: str) -> str:
+    """The `path:function` MindSpore's ops.Custom(func_type="aot") loads (the library built if needed)."""
+    return f"{build()}:{function}"

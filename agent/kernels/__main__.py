@@ -2,12 +2,11 @@
 
 import sys
 
-from agent.kernels import KERNELS, KernelBuildError, build
+from agent.kernels import KernelBuildError, build
 
 if __name__ == "__main__":
     try:
-        for name in KERNELS:
-            print(f"kernel {name}: {build(name)}")
+        print(f"kernels: {build()}")
     except KernelBuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "row_ops.h"
-#include "usable_cpus.h"
+#include "thread_team.h"
 
 namespace {
 
@@ -43,14 +43,17 @@ extern "C" int DecodeAttention(int nparam, void **params, int *ndims, int64_t **
   for (int64_t n = 0; n < n_rows; ++n)
     if (!rowwise::table_covers(tables + (n / kv) * entries, entries, block, len[n], blocks)) return 1;
 
-  // Rows over one OpenMP thread per usable CPU once there are enough of them (at 16 sequences x 3
-  // KV heads, 17.6 -> ~9 ms a step on 2 cores); a few rows stay on this thread, where waking the
-  // team costs more than it saves. The agent sets OMP_WAIT_POLICY=PASSIVE: idle workers sleep.
-  static const int threads = usable_cpus();
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n_rows >= PARALLEL_ROWS)
-  for (int64_t n = 0; n < n_rows; ++n) {
+  // Rows over the kernels' thread team once there are enough of them (at 16 sequences x 3 KV heads,
+  // 17.6 -> ~9 ms a step on 2 cores); a few rows stay on this thread, where waking the team costs
+  // more than it saves.
+  auto attend = [&](int64_t n) {
     const rowwise::Paged at{tables + (n / kv) * entries, kv, block, n % kv};
     rowwise::attend_paged(q + n * groups * hd, k, v, at, len[n], groups, hd, out + n * groups * hd);
+  };
+  if (n_rows < PARALLEL_ROWS) {
+    for (int64_t n = 0; n < n_rows; ++n) attend(n);
+  } else {
+    team::Team::instance().run([&](team::Region &region) { region.for_dynamic(n_rows, 1, attend); });
   }
   return 0;
 }

@@ -3,8 +3,9 @@
 // product (+ bias), RoPE, the new K/V written into the cache, attention over each row's cached
 // positions (a prompt chunk's rows as products: prompt_attention.h), the output product + residual,
 // RMSNorm, gate/up product, SwiGLU, down product + residual. Launched op by op, MindSpore spent
-// about 14 ms of a 70 ms decode step (B = 16) between ~14 ops a layer and woke the kernels' OpenMP
-// team once an op; here the team is woken once a layer and its stages are separated by barriers.
+// about 14 ms of a 70 ms decode step (B = 16) between ~14 ops a layer and woke the kernels' thread
+// team once an op; here the team is woken once a layer and its stages are separated by barriers
+// (thread_team.h).
 //
 // MindSpore AOT custom-op interface (CPU), float32 unless said:
 //   0 x [N, D]             1 attn_norm [D]           2 wqkv [Tq, D, TILE] (packed_matmul.h)
@@ -34,7 +35,7 @@
 #include "packed_matmul.h"
 #include "prompt_attention.h"
 #include "row_ops.h"
-#include "usable_cpus.h"
+#include "thread_team.h"
 
 namespace {
 
@@ -159,21 +160,18 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], cons
   const int64_t n_packs = static_cast<int64_t>(packs.size()), n_blocks = static_cast<int64_t>(blocks_todo.size());
   const int64_t n_attend = n_blocks + static_cast<int64_t>(single_rows.size());
 
-  static const int threads = usable_cpus();
-#pragma omp parallel num_threads(threads)
-  {
+  team::Team::instance().run([&](team::Region &region) {
     // Each thread normalises all rows itself (a few us) rather than waiting at one more barrier.
     thread_local std::vector<float> normed;
     normed.resize(batch * dim);
     float *h = normed.data();
     for (int64_t b = 0; b < live; ++b) rowwise::rms_norm(x + b * dim, attn_norm, eps, dim, h + b * dim);
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t j = 0; j < qkv_stride / TILE; ++j) product(0, wqkv, h, nullptr, qkv, dim, qkv_stride, j);
+    region.for_dynamic(qkv_stride / TILE, 2,
+                       [&](int64_t j) { product(0, wqkv, h, nullptr, qkv, dim, qkv_stride, j); });
 
     // Per (row, KV head): bias, RoPE of its query heads and key, K/V into the cache; then, once all
     // are written (a prompt's rows attend to each other's), attention.
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < live_rows; ++n) {
+    region.for_static(live_rows, [&](int64_t n) {
       const int64_t b = n / kv, head = n % kv;
       const float *row = qkv + b * qkv_stride, *c = cos + b * hd, *s = sin + b * hd;
       float biased[MAX_HEAD_DIM];
@@ -187,43 +185,38 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], cons
       rowwise::rope(biased, c, s, hd, k_cache + static_cast<int64_t>(write[n]) * hd);
       float *v_row = v_cache + static_cast<int64_t>(write[n]) * hd;
       for (int64_t d = 0; d < hd; ++d) v_row[d] = row[v_at + d] + bqkv[v_at + d];
-    }
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t i = 0; i < n_packs; ++i) {
+    });
+    region.for_dynamic(n_packs, 4, [&](int64_t i) {
       const auto &run = runs[packs[i].run];
       const rowwise::Paged at{paging.table(run.first), kv, paging.block, packs[i].head};
       prompt_attention::pack_tile(run, k_cache, v_cache, at, hd, packs[i].tile);
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_attend; ++i) {
+    });
+    region.for_dynamic(n_attend, 1, [&](int64_t i) {
       if (i < n_blocks) {
         const Block &w = blocks_todo[i];
         prompt_attention::attend_block(runs[w.run], q, len, kv, groups, hd, w.head, w.b0, w.b1, attn);
-        continue;
+        return;
       }
       const int64_t n = single_rows[i - n_blocks];
       const rowwise::Paged at{paging.table(n / kv), kv, paging.block, n % kv};
       rowwise::attend_paged(q + n * groups * hd, k_cache, v_cache, at, len[n], groups, hd,
                             attn + n * groups * hd);
-    }
+    });
 
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t j = 0; j < dim / TILE; ++j) product(1, wo, attn, x, x1, q_width, dim, j);
+    region.for_dynamic(dim / TILE, 2, [&](int64_t j) { product(1, wo, attn, x, x1, q_width, dim, j); });
 
     for (int64_t b = 0; b < live; ++b) rowwise::rms_norm(x1 + b * dim, ffn_norm, eps, dim, h + b * dim);
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t j = 0; j < gate_up_stride / TILE; ++j)
+    region.for_dynamic(gate_up_stride / TILE, 2, [&](int64_t j) {
       product(2, w_gate_up, h, nullptr, gate_up, dim, gate_up_stride, j);
+    });
 
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < live; ++b) {
+    region.for_static(live, [&](int64_t b) {
       const float *g = gate_up + b * gate_up_stride;
       rowwise::swiglu(g, g + ffn, ffn, act + b * ffn);
-    }
+    });
 
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t j = 0; j < dim / TILE; ++j) product(3, w_down, act, x1, out, ffn, dim, j);
-  }
+    region.for_dynamic(dim / TILE, 2, [&](int64_t j) { product(3, w_down, act, x1, out, ffn, dim, j); });
+  });
   return 0;
 }
 

@@ -4,21 +4,23 @@
 // against 70 ms, at M = 1 in 24 ms against 31 ms).
 //
 // MindSpore AOT custom-op interface (CPU): inputs x [M, K], w [N / TILE, K, TILE], float32;
-// output [M, N]. Columns are split over one OpenMP thread per CPU this process may use, in small
-// dynamic chunks so a core taken by another process delays the product little. The agent sets
-// OMP_WAIT_POLICY=PASSIVE: idle workers sleep instead of spinning on MindSpore's cores.
+// output [M, N]. Columns are split over the kernels' thread team (thread_team.h: a thread per CPU
+// this process may use), in small dynamic chunks so a core taken by another process delays the
+// product little.
 #include <cstdint>
 
 #include "packed_matmul.h"
-#include "usable_cpus.h"
+#include "thread_team.h"
 
 namespace {
 
 int multiply(const float *x, const float *w, const float *residual, float *out, int64_t m_dim,
              int64_t k_dim, int64_t tiles) {
-  static const int threads = usable_cpus();
-#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
-  for (int64_t j = 0; j < tiles; ++j) packed::tile(x, w, residual, out, m_dim, k_dim, tiles * packed::TILE, j);
+  team::Team::instance().run([&](team::Region &region) {
+    region.for_dynamic(tiles, 2, [&](int64_t j) {
+      packed::tile(x, w, residual, out, m_dim, k_dim, tiles * packed::TILE, j);
+    });
+  });
   return 0;
 }
 
@@ -57,8 +59,10 @@ extern "C" int SkinnyMatMulQ8(int nparam, void **params, int *ndims, int64_t **s
   const uint8_t *w = static_cast<const uint8_t *>(params[1]);
   float *out = static_cast<float *>(params[2]);
   const int64_t m_dim = shapes[0][0], k_dim = shapes[0][1], tiles = shapes[1][0];
-  static const int threads = usable_cpus();
-#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
-  for (int64_t j = 0; j < tiles; ++j) q8::tile(x, w, nullptr, out, m_dim, k_dim, tiles * packed::TILE, j);
+  team::Team::instance().run([&](team::Region &region) {
+    region.for_dynamic(tiles, 2, [&](int64_t j) {
+      q8::tile(x, w, nullptr, out, m_dim, k_dim, tiles * packed::TILE, j);
+    });
+  });
   return 0;
 }

@@ -1,5 +1,5 @@
-// The CPUs this process may run on (its affinity), which is what the kernels' OpenMP teams are sized
-// by: not OMP_NUM_THREADS (importing MindSpore sets it to 1, and spawned agents inherit that).
+// The CPUs this process may run on (its affinity), which is what the kernels' thread team is sized by:
+// not OMP_NUM_THREADS (importing MindSpore sets it to 1, and spawned agents inherit that).
 #pragma once
 
 #include <sched.h>
