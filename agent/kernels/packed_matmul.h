@@ -102,11 +102,25 @@ inline void store_row(const vec8::v8f *total, const float *residual, float *out,
     for (int t = 0; t < 8; ++t) o[8 * g + t] = (res == nullptr ? 0.f : res[8 * g + t]) + total[g][t];
 }
 
-// Tile j of a product with quantized weights, for all m_dim rows: straight from the blocks for one
-// row (Row); for more, the tile is dequantized once (Dequantize, into this thread's buffer, L2-sized)
+// Quantized weights stream from memory (a decode step's layers and LM head are read once a step and
+// do not stay in the cache): each block asks for the one PREFETCH_BLOCKS ahead (past a tile's end,
+// the next tile, which follows it in memory), as the hardware prefetcher, which restarts at every
+// short tile stream, does not. 30 layers at batch 1: 6.0 -> 4.5 ms on the 2-core Xeon.
+constexpr int64_t PREFETCH_BLOCKS = 8;
+
+inline void prefetch_block(const uint8_t *block, int64_t block_bytes) {
+  const uint8_t *ahead = block + PREFETCH_BLOCKS * block_bytes;
+  for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(ahead + line);
+}
+
+// Tile j of a product with quantized weights, for all m_dim rows: straight from the blocks for up to
+// ROW_BY_ROW rows (Row, a row at a time: the second reads the tile from the cache); for more, the
+// tile is dequantized once (Dequantize, into this thread's buffer, L2-sized)
 // and multiplied as float32 tiles are. Decode reads its weights from memory every step (8.5 GB/s on
 // the 2-core Xeon): Q4_1's 0.75 bytes a weight instead of 4 is what makes a step of 16 rows fast,
 // and the tile's float32 copy never leaves the cache.
+constexpr int64_t ROW_BY_ROW = 2;  // 30 layers at batch 2: 11.0 -> 8.6 ms; at 4, as fast either way
+
 using RowFn = void (*)(const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t,
                        int64_t);
 using DequantizeFn = void (*)(const uint8_t *, int64_t, int64_t, float *);
@@ -114,8 +128,8 @@ using DequantizeFn = void (*)(const uint8_t *, int64_t, int64_t, float *);
 template <RowFn Row, DequantizeFn Dequantize>
 inline void quantized_tile(const float *x, const uint8_t *w, const float *residual, float *out,
                            int64_t m_dim, int64_t k_dim, int64_t n_dim, int64_t j) {
-  if (m_dim == 1) {  // two rows: as fast either way (measured)
-    Row(x, k_dim, w, residual, out, n_dim, 0, j);
+  if (m_dim <= ROW_BY_ROW) {
+    for (int64_t row = 0; row < m_dim; ++row) Row(x, k_dim, w, residual, out, n_dim, row, j);
     return;
   }
   thread_local std::vector<float> weights;
@@ -150,6 +164,7 @@ inline void tile_row(const float *x, int64_t k_dim, const uint8_t *w, const floa
   v8f total[G] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t *block = tile + b * TILE_BYTES;
+    packed::prefetch_block(block, TILE_BYTES);
     const uint8_t *qs = block + 2 * packed::TILE * 4;
     const float *xb = xr + b * BLOCK;
     v8f acc[G] = {};
@@ -178,6 +193,7 @@ inline void dequantize(const uint8_t *w, int64_t k_dim, int64_t j, float *out) {
   const uint8_t *tile = w + j * blocks * TILE_BYTES;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t *block = tile + b * TILE_BYTES;
+    packed::prefetch_block(block, TILE_BYTES);
     const uint8_t *qs = block + 2 * packed::TILE * 4;
     float *rows = out + b * BLOCK * packed::TILE;
     for (int g = 0; g < packed::TILE / 8; ++g) {
@@ -235,6 +251,7 @@ inline void tile_row(const float *x, int64_t k_dim, const uint8_t *w, const floa
   v8f total[G] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t *block = tile + b * TILE_BYTES;
+    packed::prefetch_block(block, TILE_BYTES);
     const uint8_t *qs = block + packed::TILE * 4;
     const float *xb = xr + b * BLOCK;
     v8f acc[G] = {};
@@ -255,6 +272,7 @@ inline void dequantize(const uint8_t *w, int64_t k_dim, int64_t j, float *out) {
   const uint8_t *tile = w + j * blocks * TILE_BYTES;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t *block = tile + b * TILE_BYTES;
+    packed::prefetch_block(block, TILE_BYTES);
     const uint8_t *qs = block + packed::TILE * 4;
     float *rows = out + b * BLOCK * packed::TILE;
     for (int g = 0; g < packed::TILE / 8; ++g) {
