@@ -50,11 +50,13 @@ class PrefixAffinityRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         if pending_request is None:
-            # A routing task whose request another task took: it loops until every pending
-            # request is placed. Without FIFOMixin its choice places nothing (a request keeps
-            # the replica chosen for it); the pause lets the task placing one run.
-            await asyncio.sleep(IDLE_ROUTING_TASK_S)
-            return [candidate_replicas]
+            # A routing task whose request another task took (or left behind: Ray's routing task
+            # may give up its request when there are more tasks than requests): it chooses for
+            # the oldest waiting request, which _fulfill_next_pending_request gives it to.
+            pending_request = self._oldest_waiting()
+            if pending_request is None:
+                await asyncio.sleep(IDLE_ROUTING_TASK_S)  # lets the tasks placing requests run
+                return [candidate_replicas]
         # Every choice below is final: when none of it takes the request, Ray backs off before
         # asking again (else its routing task spins, probing the replicas).
         pending_request.routing_context.should_backoff = True
@@ -80,6 +82,27 @@ class PrefixAffinityRouter(RequestRouter):
         first = [r for r in by_load if self._load(r) == least]
         random.shuffle(first)
         return [first, [r for r in by_load if self._load(r) > least]]
+
+    def _oldest_waiting(self) -> PendingRequest | None:
+        return next((r for r in self._pending_requests_to_fulfill if not r.future.done()), None)
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        """The request the replica was chosen for, else the oldest waiting one it may take (a
+        request naming a replica takes no other; Ray's FIFOMixin would give it any)."""
+        request = self._get_pending_request_matching_internal_request_id(request_metadata)
+        if request is None:
+            request = next(
+                (
+                    r
+                    for r in self._pending_requests_to_fulfill
+                    if not r.future.done() and r.kwargs.get("replica") in (None, replica.replica_id.unique_id)
+                ),
+                None,
+            )
+        if request is not None:
+            self._record_queue_wait_time(request)
+            request.future.set_result(replica)
+            self._remove_pending_request_from_indices(request)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
