@@ -24,6 +24,7 @@ from agent_harness import (
     write_config,
 )
 from http_client import TIMEOUT, one_event, post
+from test_replicas import TEXTS  # the 8 prompts (scripts, emoji, digits) replicas answer
 
 RAY = {
     "min_replicas": 2,
@@ -34,16 +35,6 @@ RAY = {
     "health_check_period_s": 1,
     "drain_timeout_s": 10,
 }
-TEXTS = [
-    "The quick brown fox",
-    "你好，世界！",
-    "emoji 😀 🎉",
-    "Numbers 0123456789",
-    "The capital of",
-    "café naïve résumé",
-    "symbols !?#%&*()",
-    "北京是中国的首都",
-]
 LONG = {"max_new_tokens": 24, "ignore_eos": True}
 GREEDY = {"model": "tiny", "temperature": 0, "max_tokens": 16}  # OpenAI's default samples
 # Requests whose raw answers must be the same through Ray as without: (method, path, body).
