@@ -264,6 +264,9 @@ def test_killing_a_replicas_agent_ends_its_streams_with_an_error_and_ray_replace
     threads[0].join(30)
     assert not threads[0].is_alive(), "the stream of the replica whose agent died did not end"
     assert doomed[-1]["event"] == "error", doomed[-3:]
+    # new requests go to the other replica (a refusal by the dying one is tried there again)
+    on_other = [generate(base, t, f"/models/tiny/generate?replica={other}") for t in TEXTS[:4]]
+    assert [generate(base, t) for t in TEXTS[:4]] == on_other
     threads[1].join(120)
     # the other replica's stream went on to its end: its last event, the full text, is its pieces'
     assert spared[-1]["event"] == "message" and len(spared[-1]["data"]) > 0

@@ -30,6 +30,7 @@ from tools.ray_serve.prefix import prefix_hashes, prompt_text
 
 REPLICA_DEPLOYMENT = "LLMServer"
 SUMMED = ("/serving/get_bs", "/serving/get_request_numbers")
+RETRIED = (503, 429)  # a replica's "not now" (OpenAI's clients know 429 for a full server)
 EVENT_DATA = re.compile(rb"^data: (.*)$", re.MULTILINE)
 
 app = FastAPI(title="ms-llm-serving on Ray Serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -47,7 +48,8 @@ class PassThrough(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         finished = False
         try:
-            await send({"type": "http.response.start", **self.start})
+            start = {"status": self.start["status"], "headers": self.start["headers"]}
+            await send({"type": "http.response.start", **start})
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             finished = True
@@ -105,6 +107,12 @@ class ServingProxy:
     async def _answer(self, call: dict, routing: dict) -> Response:
         chunks = cast(DeploymentResponseGenerator, self.streaming.handle_http.remote(call, **routing))
         start = await chunks.__anext__()
+        if start["status"] in RETRIED and "prefix" in routing and "avoid" not in routing:
+            # Refused before it began (the replica drains, its agents died, it is full): once
+            # more on another replica, while Ray has not yet stopped routing to this one.
+            async for _ in chunks:  # the refusal's small body
+                pass
+            return await self._answer(call, {**routing, "avoid": start["replica"]})
         return PassThrough(start, chunks)
 
     async def _summed(self, call: dict) -> Response:

@@ -137,12 +137,17 @@ class LLMServerReplica:
         }
 
     async def handle_http(
-        self, request: dict, prefix: list[str] | None = None, replica: str | None = None
+        self,
+        request: dict,
+        prefix: list[str] | None = None,
+        replica: str | None = None,
+        avoid: str | None = None,
     ) -> AsyncIterator:
-        """The app's answer to one HTTP request: first {"status", "headers"}, then the body's chunks
-        as the app sends them. `prefix` and `replica` are read by the router only."""
+        """The app's answer to one HTTP request: first {"status", "headers", "replica": this
+        replica's id}, then the body's chunks as the app sends them. `prefix`, `replica` and
+        `avoid` are read by the router only."""
         async for item in call_app(self.app, request):
-            yield item
+            yield {**item, "replica": self.replica_id} if isinstance(item, dict) else item
 
     async def __del__(self) -> None:
         """Ray Serve removes the replica (scale-down, replacement, shutdown) after waiting for its

@@ -5,7 +5,8 @@ its table in the proxy's process instead of a tree actor, and hashes blocks inst
 The proxy hashes the first blocks of the prompt text (`prefix_hashes`, each hash covering every block
 before it, as the agents' prefix cache chains its blocks) and passes them as the call's keyword
 `prefix`; a call may also name its replica (`replica`: the proxy's ?replica= and its sums over the
-replicas). After each routing the router remembers the replica for every hash of the prompt.
+replicas), or one to avoid (`avoid`: a request that replica refused). After each routing the router
+remembers the replica for every hash of the prompt.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class PrefixAffinityRouter(RequestRouter):
         named = kwargs.get("replica")
         if named is not None:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == named]]
-        candidates = self.select_available_replicas(candidate_replicas) or candidate_replicas
+        # A request another replica refused avoids that one (unless it is the only one).
+        others = [r for r in candidate_replicas if r.replica_id.unique_id != kwargs.get("avoid")]
+        candidates = self.select_available_replicas(others) or others or candidate_replicas
         if not candidates:
             return []
         by_load = sorted(candidates, key=self._load)
@@ -95,7 +98,9 @@ class PrefixAffinityRouter(RequestRouter):
                 (
                     r
                     for r in self._pending_requests_to_fulfill
-                    if not r.future.done() and r.kwargs.get("replica") in (None, replica.replica_id.unique_id)
+                    if not r.future.done()
+                    and r.kwargs.get("replica") in (None, replica.replica_id.unique_id)
+                    and r.kwargs.get("avoid") != replica.replica_id.unique_id
                 ),
                 None,
             )
