@@ -23,6 +23,7 @@ from agent_harness import (
     wait_gone,
     write_config,
 )
+from config.schema import PROJECT_ROOT
 from http_client import TIMEOUT, one_event, post
 from test_replicas import TEXTS  # the 8 prompts (scripts, emoji, digits) replicas answer
 
@@ -275,6 +276,27 @@ def test_killing_a_replicas_agent_ends_its_streams_with_an_error_and_ray_replace
     wait_until(lambda: victim not in replicas(base) and len(replicas(base)) == 2, 180, "replacement")
     assert other in replicas(base)
     assert [generate(base, t) for t in TEXTS[:4]]  # served again, without a restart
+
+
+def test_a_config_without_ray_or_a_replica_that_cannot_start_is_a_clear_error(tmp_path, tiny_llama_dir):
+    plain = LauncherProcess(PROJECT_ROOT / "config" / "default.yaml", module="tools.ray_serve")
+    assert plain.process.wait(60) == 2
+    plain.wait_for("error: the config has no ray: section (config/ray.yaml has one)", 5)
+
+    port = free_ports(1)[0]
+    path = write_config(tmp_path, tmp_path / "missing", [port], server={"port": port}, ray=RAY)
+    broken = LauncherProcess(path, module="tools.ray_serve", args=("--address", "local"))
+    try:
+        broken.wait_for("Ray started", 120)
+        processes = broken.descendant_pids()
+        assert broken.process.wait(240) == 1
+        broken.wait_for(f"a replica failed to start: {CHECKPOINT_ERROR}{tmp_path / 'missing'})", 5)
+        assert wait_gone(processes, 30) == []
+    finally:
+        broken.close()
+
+
+CHECKPOINT_ERROR = "agent.model.checkpoint.CheckpointError: model path does not exist: "
 
 
 def test_sigterm_stops_the_replicas_their_agents_and_ray(ray_stack):

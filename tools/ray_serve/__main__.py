@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     started_ray = serving = False
     try:
-        log.info("Ray: %s", f"joining {address}" if address else "joining a running instance or starting one")
+        log.info(
+            "Ray: %s", f"--address {address}" if address else "joining a running instance or starting one"
+        )
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
         for signum in (signal.SIGTERM, signal.SIGINT):  # ray.init put its own in place: ours again
             signal.signal(signum, _stop)
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except Stop as stop:
         log.info("%s: stopping the replicas", stop)
     except Exception as exc:  # Ray's and Serve's start-up errors: say which, stop what began
-        log.error("Ray Serve failed: %s", exc)
+        log.error("Ray Serve failed: %s%s", exc, _replica_error(serve) if serving else "")
         return _shutdown(started_ray, serving, log, code=1)
     return _shutdown(started_ray, serving, log)
 
@@ -96,6 +98,17 @@ def _replicas(serve) -> int:
         return 0
     deployment = status.deployments.get("LLMServer")
     return 0 if deployment is None else deployment.replica_states.get("RUNNING", 0)
+
+
+def _replica_error(serve) -> str:
+    """The last line of the error a replica's start-up raised (the whole trace is in Ray's log)."""
+    try:
+        status = serve.status().applications.get(APP)
+    except Exception as exc:  # the start-up error is logged all the same, and everything stopped
+        return f" (and the replicas' state could not be read: {exc})"
+    deployment = None if status is None else status.deployments.get("LLMServer")
+    lines = [] if deployment is None else [s for s in deployment.message.splitlines() if s.strip()]
+    return f" (a replica failed to start: {lines[-1].strip()})" if lines else ""
 
 
 def _watch(serve, log: logging.Logger) -> None:

@@ -152,10 +152,13 @@ class LLMServerReplica:
     async def __del__(self) -> None:
         """Ray Serve removes the replica (scale-down, replacement, shutdown) after waiting for its
         requests: end what is left with the shutdown event, then stop the engine and the agents."""
-        await self.repository.drain(FINAL_DRAIN_S)
-        await self.repository.stop()
-        await asyncio.to_thread(self.agents.stop)
-        log.info("replica %s: stopped", self.replica_id)
+        repository, agents = getattr(self, "repository", None), getattr(self, "agents", None)
+        if repository is not None:  # not after a start-up that failed before it
+            await repository.drain(FINAL_DRAIN_S)
+            await repository.stop()
+        if agents is not None:
+            await asyncio.to_thread(agents.stop)
+        log.info("replica %s: stopped", getattr(self, "replica_id", "?"))
 
 
 async def call_app(app, request: dict) -> AsyncIterator:
