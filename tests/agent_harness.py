@@ -75,16 +75,22 @@ def write_config(directory: Path, model_path: Path, ports: list[int], **sections
 
 
 class LauncherProcess:
-    """`python start_agent.py --config PATH` (or another entry script) with its output collected
-    line by line. `args` follow the config; `prefix` runs it through another command (a network
-    namespace: `ip netns exec NAME`)."""
+    """`python start_agent.py --config PATH` (or another entry script, or `python -m module`) with
+    its output collected line by line. `args` follow the config; `prefix` runs it through another
+    command (a network namespace: `ip netns exec NAME`)."""
 
     def __init__(
-        self, config_path: Path, script: str = "start_agent.py", args: tuple = (), prefix: tuple = ()
+        self,
+        config_path: Path,
+        script: str = "start_agent.py",
+        args: tuple = (),
+        prefix: tuple = (),
+        module: str | None = None,
     ):
         self.config_path = config_path
+        entry = ["-m", module] if module else [str(PROJECT_ROOT / script)]
         self.process = subprocess.Popen(
-            [*prefix, sys.executable, str(PROJECT_ROOT / script), "--config", str(config_path), *args],
+            [*prefix, sys.executable, *entry, "--config", str(config_path), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

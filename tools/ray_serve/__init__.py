@@ -1,0 +1,1 @@
+"""Scaling out on Ray Serve: LLMServer replicas across machines (python -m tools.ray_serve)."""
