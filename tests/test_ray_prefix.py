@@ -27,6 +27,9 @@ def test_the_prompt_text_of_each_api():
     # no prompt: no prefix (routed by load)
     for path, raw in [("/models/m", b"{not json"), ("/models/m", body({"inputs": 3})), ("/v1/x", b"[1]")]:
         assert prompt_text(path, raw) == ""
+    # malformed chats are the replica's to refuse: the proxy routes them by what text they have
+    hostile = {"messages": ["hi", 3, {"role": "user", "content": [{"text": 5}, {"text": "ok"}, "x"]}]}
+    assert prompt_text("/v1/chat/completions", body(hostile)) == "user:ok"
 
 
 def test_each_hash_covers_every_block_before_it():

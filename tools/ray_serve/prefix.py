@@ -38,9 +38,12 @@ def prompt_text(path: str, body: bytes) -> str:
     if isinstance(messages, list):
         parts = []
         for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(message, dict):  # the replica refuses it; the proxy only routes
+                continue
+            content = message.get("content")
             if isinstance(content, list):  # OpenAI's content parts
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                texts = (p.get("text") for p in content if isinstance(p, dict))
+                content = "".join(t for t in texts if isinstance(t, str))
             parts.append(f"{message.get('role', '')}:{content if isinstance(content, str) else ''}")
         return "\n".join(parts)
     return ""
