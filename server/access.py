@@ -40,6 +40,10 @@ def loopback_hosts(port: int) -> set[bytes]:
     return {f"{name}{suffix}".encode() for name in LOOPBACK_NAMES for suffix in ("", f":{port}")}
 
 
+def body_too_large(max_body_bytes: int, openai: bool):
+    return error_response(413, f"the request body is larger than {max_body_bytes} bytes", openai)
+
+
 class AccessMiddleware:
     def __init__(self, app, server: ServerSection):
         self.app = app
@@ -145,5 +149,4 @@ class AccessMiddleware:
         return any(hmac.compare_digest(key, k) for k in keys)
 
     async def _too_large(self, scope, receive, send, openai: bool):
-        response = error_response(413, f"the request body is larger than {self.max_body_bytes} bytes", openai)
-        return await response(scope, receive, send)
+        return await body_too_large(self.max_body_bytes, openai)(scope, receive, send)

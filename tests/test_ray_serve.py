@@ -66,6 +66,7 @@ SAME_BYTES = [
     ),
     ("POST", "/models/tiny/generate", {"inputs": 3}),  # a 422 names the field
     ("POST", "/models/nope/generate", {"inputs": "x"}),  # a 404 names the model
+    ("POST", "/v1/completions", {**GREEDY, "prompt": "x" * (1 << 20)}),  # a 413, at the proxy
     ("GET", "/v1/models", None),
     ("GET", "/serving/get_bs", None),
     ("GET", "/serving/get_request_numbers", None),

@@ -23,7 +23,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from config.schema import RaySection
-from server.errors import error_response
+from server.access import body_too_large
+from server.errors import error_response, is_openai_path
 from server.native_api import one_event
 from tools.ray_serve import prefix  # its ROUTERS through the module: this class ships by value
 from tools.ray_serve.prefix import prefix_hashes, prompt_text
@@ -61,10 +62,11 @@ class PassThrough(Response):
 
 @serve.ingress(app)
 class ServingProxy:
-    def __init__(self, replicas: DeploymentHandle, settings: RaySection):
+    def __init__(self, replicas: DeploymentHandle, settings: RaySection, max_body_bytes: int):
         self.replicas = replicas
         self.streaming = replicas.options(stream=True)
         self.settings = settings
+        self.max_body_bytes = max_body_bytes  # the replicas' server.max_body_bytes
 
     async def replica_ids(self) -> list[str]:
         """The replicas Ray Serve routes to now, as this proxy's router knows them."""
@@ -79,7 +81,9 @@ class ServingProxy:
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
     async def forward(self, request: Request, path: str) -> Response:
-        body = await request.body()
+        body = await self._body(request)
+        if body is None:  # refused here as the replica would, before it is held whole in memory
+            return body_too_large(self.max_body_bytes, is_openai_path(request.url.path))
         query = parse_qsl(request.url.query, keep_blank_values=True)
         named = [v for k, v in query if k == "replica"]
         call = {
@@ -103,6 +107,15 @@ class ServingProxy:
         text = prompt_text(request.url.path, body) if request.method == "POST" else ""
         hashes = prefix_hashes(text, self.settings.prefix_block_chars, self.settings.prefix_blocks)
         return await self._answer(call, {"prefix": hashes})
+
+    async def _body(self, request: Request) -> bytes | None:
+        """The request's body, or None once it is over max_body_bytes (whatever its headers say)."""
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                return None
+        return body
 
     async def _answer(self, call: dict, routing: dict) -> Response:
         chunks = cast(DeploymentResponseGenerator, self.streaming.handle_http.remote(call, **routing))
