@@ -504,7 +504,9 @@ class ServerSection(Section):
         description="bound on prompt + max_new_tokens over all admitted requests; "
         "beyond it: 503 (429 on the OpenAI API); null: no bound",
     )
-    max_prefills_per_step: int = Field(4, ge=1, description="prompts admitted per iteration")
+    max_prefills_per_step: int = Field(
+        16, ge=1, description="prompts placed per iteration (their chunks then share the step budget)"
+    )
     max_num_batched_tokens: int = Field(
         512,
         ge=2,

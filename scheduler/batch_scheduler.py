@@ -162,7 +162,7 @@ class BatchScheduler:
         self,
         groups: list[GroupCapacity],
         max_waiting: int,
-        max_prefills_per_step: int = 4,
+        max_prefills_per_step: int = 16,
         max_tokens_in_flight: int | None = None,
         max_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
@@ -283,13 +283,11 @@ class BatchScheduler:
             self.free_slots[release.group].append(release.slot)
             self.free_slots[release.group].sort()
         open_groups = [g for g in range(len(self.groups)) if self.healthy[g] and g not in busy]
-        budgets = dict.fromkeys(open_groups, self.max_batched_tokens)
         starved: set[int] = set()  # groups where a placed sequence waits for blocks: admit none
         for group in open_groups:
             decodes = self._plan_decodes(group)
             if decodes:
                 plan.decodes[group] = decodes
-                budgets[group] = self._prompt_budget(group, len(decodes))
             if not self._restore_preempted(group):
                 starved.add(group)
         admitted = 0
@@ -299,18 +297,28 @@ class BatchScheduler:
             self.waiting.popleft()
             admitted += 1
         for group in open_groups:
-            self._plan_prompts(group, budgets[group], plan)
+            self._plan_prompts(group, self._prompt_budget(group, plan.decodes.get(group, [])), plan)
         return plan
 
-    def _prompt_budget(self, group: int, decodes: int) -> int:
-        """Prompt positions a step of `decodes` decode rows may carry: what the token budget leaves,
-        within one mixed call's rows, and no more than the group's step costs allow (a stream waits
-        for the step); never below the costs' floor, so prompts advance beside any batch."""
+    def _prompt_budget(self, group: int, decodes: list[Sequence]) -> int:
+        """Prompt positions a step of the `decodes` rows may carry: what the token budget leaves,
+        within one mixed call's rows, and no more than the group's step costs allow for the prompts
+        waiting (a stream waits for the step); never below the costs' floor, so prompts advance
+        beside any batch."""
+        if not decodes:
+            return self.max_batched_tokens
         capacity, costs = self.groups[group], self.step_costs[group]
-        budget = self.max_batched_tokens - decodes
+        budget = self.max_batched_tokens - len(decodes)
         if capacity.mixed_rows:
-            budget = min(budget, max(capacity.mixed_rows - decodes, costs.floor))
-        allowed = costs.prompt_positions()
+            budget = min(budget, max(capacity.mixed_rows - len(decodes), costs.floor))
+        # Prompts without a first token: the group's placed ones and the queue not yet placed.
+        pending = [s for s in self._group_seqs(group) if s.needs_prefill and not s.transferring]
+        allowed = costs.prompt_positions(
+            len(decodes),
+            attended(decodes),
+            waiting=len(self.waiting) + len(pending),
+            start=max((s.computed for s in pending), default=0),  # the costliest chunk's, to be safe
+        )
         return budget if allowed is None else min(budget, allowed)
 
     def _group_seqs(self, group: int) -> list[Sequence]:
@@ -584,3 +592,8 @@ class BatchScheduler:
             group, slot = seq.placement  # it ran, so it was placed
             self.blocks[group].free(seq.request_id)
             self.pending_releases.append(Release(group, slot, seq.ticket if seq.transferring else None))
+
+
+def attended(decodes: list[Sequence]) -> int:
+    """Positions a decode step of these sequences attends to in all (each its own new one too)."""
+    return sum(s.positions_used + 1 for s in decodes)

@@ -39,6 +39,7 @@ from scheduler.batch_scheduler import (
     GroupCapacity,
     Refusal,
     StepPlan,
+    attended,
 )
 from scheduler.group_links import GroupLinks
 from scheduler.metrics import ServingMetrics
@@ -371,6 +372,7 @@ class Engine:
         """The group's decode and its prompt chunks in one agent call; False when the agent refused
         it as a bad request (nothing ran: the caller runs the parts one by one)."""
         client, blocks = self.clients[group], self.scheduler.blocks[group]
+        attending = attended(seqs)
         parts = [
             StepChunk(
                 c.seq.placement[1],
@@ -397,8 +399,9 @@ class Engine:
             self._group_failed(group, exc)
             return True
         self.metrics.agent_compute.labels(client.address, "step").observe(client.decode_compute_s)
-        positions = sum(c.end - c.start for c in chunks)
-        self.scheduler.step_costs[group].mixed(positions, client.decode_compute_s)
+        self.scheduler.step_costs[group].mixed(
+            len(seqs), attending, [(c.start, c.end) for c in chunks], client.decode_compute_s
+        )
         self.scheduler.decoded(seqs, tokens)
         for seq in seqs:
             self.on_update(seq)
@@ -507,10 +510,11 @@ class Engine:
         client = self.clients[group]
         blocks = self.scheduler.blocks[group]
         tables = [blocks.table(s.request_id) for s in seqs]
+        attending = attended(seqs)
         with self.metrics.agent_step.labels(client.address, "decode").time():
             tokens = await client.decode([s.placement[1] for s in seqs], tables, _masks(seqs))
         self.metrics.agent_compute.labels(client.address, "decode").observe(client.decode_compute_s)
-        self.scheduler.step_costs[group].decoded(client.decode_compute_s)
+        self.scheduler.step_costs[group].decoded(len(seqs), attending, client.decode_compute_s)
         return tokens
 
     async def _call(self, group: int, call) -> None:

@@ -383,8 +383,8 @@ def test_prompt_positions_beside_decode_rows_follow_the_learned_step_costs():
     scheduler, agents = make(slots=(3,), max_seq_len=256, max_batched_tokens=40, decode_stall_ratio=1.5)
     streams = start_streams(scheduler, agents, 2, max_new=80)
     costs = scheduler.step_costs[0]
-    costs.decoded(0.020)
-    costs.mixed(10, 0.040)  # 2 ms a position: half of a 20 ms decode step is 5 positions
+    costs.decoded(2, 40, 0.020)
+    costs.mixed(2, 40, [(0, 10)], 0.040)  # 2 ms a position: half of a 20 ms decode step is 5 positions
     long = seq("long", prompt=range(100, 160), max_new=2)
     scheduler.add(long)
     sizes = []
@@ -392,9 +392,28 @@ def test_prompt_positions_beside_decode_rows_follow_the_learned_step_costs():
         plan = step(scheduler, agents)
         assert all(s in plan.decodes[0] for s in streams)
         sizes.append(sum(c.end - c.start for c in plan.prefills))
-    assert max(sizes) == 5 and sum(sizes) == 60
-    costs.decoded(0.0)  # a step the agent timed as nothing changes nothing
-    assert costs.prompt_positions() == 5
+    # one waiting prompt beside two streams weighs half a stream more: 5 * 1.5 positions a step
+    assert max(sizes) == 7 and sum(sizes) == 60
+    assert costs.prompt_positions(2, 40) == pytest.approx(5, abs=1)  # half a decode step alone
+
+
+def test_a_burst_of_prompts_beside_few_streams_gets_a_larger_share_of_the_step():
+    scheduler, agents = make(slots=(12,), max_seq_len=256, max_batched_tokens=200, decode_stall_ratio=1.5)
+    streams = start_streams(scheduler, agents, 2, max_new=80)
+    costs = scheduler.step_costs[0]
+    costs.decoded(2, 40, 0.020)
+    costs.mixed(
+        2, 40, [(0, 10)], 0.040
+    )  # 2 ms a position: 5 positions beside the streams for one prompt alone
+    burst = [seq(f"p{i}", prompt=range(10 * i + 1, 10 * i + 11), max_new=3) for i in range(8)]
+    for s in burst:
+        scheduler.add(s)
+    plan = step(scheduler, agents)
+    assert all(s in plan.decodes[0] for s in streams)
+    # 8 prompts wait beside 2 streams: the step may take 1 + 0.5 * (1 + 8 / 2) decode steps
+    assert sum(c.end - c.start for c in plan.prefills) == pytest.approx(0.5 * 0.020 * 5 / 0.002, abs=1)  # 25
+    run_all(scheduler, agents)
+    assert all(s.output == alone(s, max_seq_len=256) for s in streams + burst)
 
 
 def test_a_short_prompt_gets_its_first_token_before_a_long_one_ends_which_still_advances():
@@ -492,8 +511,9 @@ def test_random_workloads_keep_the_budget_lose_nothing_and_leak_no_block(
         if rng.random() < 0.2:  # the group's step is "in flight": nothing of it is planned
             assert scheduler.schedule(busy={0}).empty
             continue
-        scheduler.step_costs[0].decoded(rng.uniform(0.01, 0.05))  # what the agent's steps took
-        scheduler.step_costs[0].mixed(rng.randint(1, 10), rng.uniform(0.01, 0.2))
+        costs = scheduler.step_costs[0]  # what the agent's steps took
+        costs.decoded(rng.randint(1, 4), rng.randint(1, 99), rng.uniform(0.01, 0.05))
+        costs.mixed(rng.randint(1, 4), rng.randint(1, 99), [(0, rng.randint(1, 10))], rng.uniform(0.01, 0.2))
         complete = [s for s in scheduler.running.values() if not s.needs_prefill and s.output]
         preempted_before = {s.request_id: s.preemptions for s in complete}
         plan = step(scheduler, agents)
