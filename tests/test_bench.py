@@ -274,6 +274,8 @@ def test_hostile_clients_run_beside_the_timed_streams_and_are_reported_apart(tmp
                 "3",
                 "--output-len",
                 "4",
+                "--settle",
+                "0",
                 "--warmup",
                 "0",
                 "--hostile",
@@ -338,6 +340,8 @@ def test_multi_turn_chats_carry_the_answers_into_the_next_prompt(tmp_path):
         args += [
             "--output-len",
             "3",
+            "--settle",
+            "0",
             "--warmup",
             "0",
             "--turns",

@@ -137,6 +137,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="runs per (target, level); the report shows each metric's median",
     )
     p.add_argument("--warmup", type=int, default=2, help="untimed requests per target first")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        help="seconds of quiet before each timed run: a server that just ran keeps spinning threads "
+        "for a while (vLLM's CPU worker ~1 s on one core), which would tax the next target's run",
+    )
     p.add_argument("--model", help="the `model` field for OpenAI targets (default: their first /v1/models)")
     p.add_argument("--prompts", type=Path, default=PROMPTS, help='JSONL with a "prompt" per line')
     p.add_argument(
@@ -447,6 +454,7 @@ def main(argv=None) -> int:
                 run = next(run_tags)
                 for target in args.targets:  # alternate: every target sees the same drift
                     bar.set_description(f"{target.label} @ {level:g}{' req/s' if open_mode else ' streams'}")
+                    time.sleep(args.settle)
                     bodies = request_bodies(target, args, prompts, models[target.label], run)
                     hostile = (
                         hostile_requests(target, args, prompts, models[target.label], run)
