@@ -519,7 +519,8 @@ class ServerSection(Section):
         ge=0,
         description="while sequences decode, a step that also computes prompt chunks takes at most "
         "this many times a decode step alone (learned from the agents' compute times): a stream's "
-        "slowest token stays this multiple of its usual one; 0: the token budget alone decides",
+        "slowest token stays this multiple of its usual one; the extra time grows in proportion "
+        "while prompts wait (each weighs as a stream); 0: the token budget alone decides",
     )
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV of full blocks of earlier prompts with the same prefix"
