@@ -51,6 +51,7 @@ extern "C" int DecodeAttention(int nparam, void **params, int *ndims, int64_t **
     rowwise::attend_paged(q + n * groups * hd, k, v, at, len[n], groups, hd, out + n * groups * hd);
   };
   if (n_rows < PARALLEL_ROWS) {
+    const team::FlushDenormals flush;  // as the team's threads do
     for (int64_t n = 0; n < n_rows; ++n) attend(n);
   } else {
     team::Team::instance().run([&](team::Region &region) { region.for_dynamic(n_rows, 1, attend); });
