@@ -1,6 +1,6 @@
 """The packed-tile product (agent/kernels/packed_matmul.h) called straight through its C entry points
-with ctypes: every row count from 1 to past two register blocks, with and without the residual, against
-numpy in float64."""
+with ctypes: every row count from 1 to past two register blocks, with and without the residual, float32
+and Q8_0 weights, against numpy in float64."""
 
 import ctypes
 
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from agent.kernels import build
+from agent.model.quantized import Q8Matrix
 
 pytestmark = pytest.mark.unit
 
@@ -75,3 +76,39 @@ def test_products_called_from_several_threads_at_once_match_numpy(library):
         outputs = list(pool.map(product, inputs))
     for x, out in zip(inputs, outputs, strict=True):
         np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k_dim", [32, 160, 576])  # one block; the last dequantized piece partial
+def test_quantized_product_of_every_row_count_matches_numpy(library, k_dim):
+    """Q8_0 weights (the default model's LM head): one and two rows straight from the blocks; up to two
+    register blocks of rows from tiles dequantized 128 rows of k at a time, summed on across the
+    pieces (packed_matmul.h quantized_tile); more from tiles dequantized whole."""
+    import gguf
+
+    rng = np.random.default_rng(k_dim)
+    n_dim = 3 * 32
+    raw = gguf.quants.quantize(
+        rng.standard_normal((n_dim, k_dim)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
+    )
+    matrix = Q8Matrix.from_gguf(raw)
+    w = matrix.dequantize().astype(np.float64)  # [N, K]
+    packed = matrix.pack()
+    for rows in range(1, 30):
+        x = rng.standard_normal((rows, k_dim)).astype(np.float32)
+        out = np.full((rows, n_dim), np.nan, np.float32)
+        assert _call(library.SkinnyMatMulQ8, [x, packed], out) == 0
+        np.testing.assert_allclose(
+            out, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4, err_msg=f"{rows} rows"
+        )
+
+
+def test_kernels_leave_the_callers_denormal_mode_as_it_was(library):
+    """The kernels flush denormals to zero while they run (thread_team.h FlushDenormals), for their
+    own threads only: the calling thread (MindSpore's, here numpy's) gets its mode back."""
+    tiny = np.float32(1e-30) * np.float32(1e-10)  # 1e-40: a denormal, not flushed here
+    assert tiny > 0
+    x = np.ones((17, 64), np.float32)
+    packed = _packed(np.ones((64, 32), np.float32))
+    out = np.zeros((17, 32), np.float32)
+    assert _call(library.SkinnyMatMul, [x, packed], out) == 0
+    assert np.float32(1e-30) * np.float32(1e-10) > 0

@@ -150,10 +150,11 @@ def test_prompt_prefilled_in_chunks_equals_the_whole_prompt(sizes, model, tiny_l
 @pytest.fixture(scope="module")
 def tiny_q4_path(tmp_path_factory):
     """A tiny GGUF of Q4_1 layer matrices and a Q8_0 embedding (head dim 64), as the default model:
-    the fused kernel's quantized products and the Q8_0 LM head (tied)."""
+    the fused kernel's quantized products and the Q8_0 LM head (tied). FFN 320: the down product's
+    k runs 128 + 128 + 64 in the pieces it is dequantized in (packed_matmul.h DEQUANTIZED_K)."""
     directory = tmp_path_factory.mktemp("q4")
     hf = write_tiny_checkpoint(
-        directory / "hf", seed=9, hidden=256, heads=4, kv_heads=2, intermediate=256, tied=True
+        directory / "hf", seed=9, hidden=256, heads=4, kv_heads=2, intermediate=320, tied=True
     )
     return write_tiny_gguf(hf, directory / "tiny-Q4_1.gguf", "Q4_1", embedding_qtype="Q8_0")
 

@@ -31,6 +31,18 @@ inline v8i widen(const uint8_t *p) {
 #endif
 }
 
+// Eight int8 widened to eight int32.
+inline v8i widen_signed(const uint8_t *p) {
+#ifdef __AVX2__
+  return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+#else
+  typedef int8_t v8s8 __attribute__((vector_size(8)));
+  v8s8 bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(bytes, v8i);
+#endif
+}
+
 inline float sum(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 }  // namespace vec8
