@@ -267,7 +267,6 @@ constexpr int BLOCK = 32;
 constexpr int64_t TILE_BYTES = packed::TILE * 4 + BLOCK * packed::TILE;  // 1152
 
 using vec8::v8f;
-using vec8::v8i;
 
 inline void tile_row(const float *x, int64_t k_dim, const uint8_t *w, const float *residual, float *out,
                      int64_t n_dim, int64_t row, int64_t j) {
