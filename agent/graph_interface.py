@@ -113,6 +113,7 @@ class GraphInputs:
         write rows and lengths in place of the prefill mask, and reads earlier positions from the
         cache (a prompt chunk may start after position 0)."""
         self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
+        self.max_seqs = runtime.decode_batch_buckets[-1]  # sequences of one mixed step
         self.block_size = runtime.block_size
         self.blocks_per_seq = -(-self.max_len // self.block_size)  # MB: a table's length
         self.num_blocks = pool_blocks(runtime)  # the pool, the scratch blocks included
@@ -240,15 +241,17 @@ class GraphInputs:
         decode_tables: np.ndarray,
         decode_tokens: np.ndarray,
         decode_positions: np.ndarray,
-        chunks: Sequence[tuple[np.ndarray, np.ndarray, int]],
+        chunks: Sequence[tuple[np.ndarray, np.ndarray, int, bool]],
         rows: int,
-        seqs: int,
+        logit_rows: int,
     ) -> tuple[np.ndarray, ...]:
         """A mixed step as the prefill graph's inputs (fused layers only): the decode rows (one token at
         `decode_positions` of each of the sequences with `decode_tables` [d, MB]), then each chunk's
-        rows ((block table [MB], tokens, start): its tokens at positions start..), then padding to
-        `rows`; tables [seqs, MB] (the decode rows', then the chunks', then scratch), each row's table
-        row, and the logit rows: each decode row, then each chunk's last row, then row 0 to `seqs`."""
+        rows ((block table [MB], tokens, start, sample): its tokens at positions start..), then
+        padding to `rows`; tables [max_seqs, MB] (the decode rows', then the chunks', then scratch),
+        each row's table row, and the logit rows: each decode row, then the last row of each chunk
+        that samples, then row 0 to `logit_rows` (a chunk that does not end its prompt needs none:
+        16 streams beside one such chunk take the 16-row LM head, not the 32-row one)."""
         if not self.fused_layers:
             raise ValueError("a mixed step needs the fused layers")
         decode_tables = self.check_tables(decode_tables) if len(decode_tables) else np.zeros((0, 0), np.int32)
@@ -256,11 +259,17 @@ class GraphInputs:
         d = len(decode_tokens)
         if not len(decode_tables) == d == len(decode_positions):
             raise ValueError(f"a mixed step of {d} decode tokens got {len(decode_tables)} tables")
-        sizes = [len(tokens) for _, tokens, _ in chunks]
-        if d + sum(sizes) > rows or d + len(chunks) > seqs or min(sizes, default=1) < 1:
+        sizes = [len(tokens) for _, tokens, _, _ in chunks]
+        sampled = d + sum(sample for *_, sample in chunks)
+        if (
+            d + sum(sizes) > rows
+            or d + len(chunks) > self.max_seqs
+            or sampled > logit_rows
+            or min(sizes, default=1) < 1
+        ):
             raise ValueError(
-                f"a mixed step of {d} decode rows and chunks of {sizes} tokens does not fit {rows} rows "
-                f"and {seqs} sequences"
+                f"a mixed step of {d} decode rows and chunks of {sizes} tokens ({sampled} sampling) does "
+                f"not fit {rows} rows, {self.max_seqs} sequences and {logit_rows} logit rows"
             )
         tables = [decode_tables] if d else []
         tokens, positions, table_of = (
@@ -269,16 +278,17 @@ class GraphInputs:
             [np.arange(d)],
         )
         last = list(range(d))
-        for i, (table, chunk_tokens, start) in enumerate(chunks):
+        for i, (table, chunk_tokens, start, sample) in enumerate(chunks):
             if start < 0:
                 raise ValueError(f"a chunk starts at a position >= 0, not {start}")
             tables.append(self.check_tables(table))
             tokens.append(np.asarray(chunk_tokens, np.int64))
             positions.append(start + np.arange(len(chunk_tokens)))
             table_of.append(np.full(len(chunk_tokens), d + i))
-            last.append(d + sum(sizes[:i]) + sizes[i] - 1)
+            if sample:
+                last.append(d + sum(sizes[:i]) + sizes[i] - 1)
         pad = rows - d - sum(sizes)
-        tables.append(np.repeat(self.scratch_table[None, :], seqs - d - len(chunks), 0))
+        tables.append(np.repeat(self.scratch_table[None, :], self.max_seqs - d - len(chunks), 0))
         all_tables = np.concatenate(tables).astype(np.int32)
         real_positions = np.concatenate(positions)
         self.check_positions(real_positions, "the mixed step")
@@ -296,7 +306,7 @@ class GraphInputs:
             positions_all.astype(np.int32),
             write.reshape(-1).astype(np.int32),
             np.repeat(lengths, self.kv_heads).astype(np.int32),
-            np.array(last + [0] * (seqs - len(last)), np.int32),
+            np.array(last + [0] * (logit_rows - len(last)), np.int32),
             all_tables,
             row_table,
         )
@@ -385,12 +395,12 @@ class MixedStepGraphs(ModelGraphs, Protocol):
         decode_tables: np.ndarray,
         decode_tokens: np.ndarray,
         decode_positions: np.ndarray,
-        chunks: Sequence[tuple[np.ndarray, np.ndarray, int]],
+        chunks: Sequence[tuple[np.ndarray, np.ndarray, int, bool]],
         rows: int,
-        seqs: int,
-    ) -> Tensor:
-        """GraphInputs.mixed's step -> logits [seqs, V]: each decode row's, then each chunk's last
-        row's, then padding."""
+        logit_rows: int,
+    ) -> tuple[Tensor, Tensor]:
+        """GraphInputs.mixed's step -> logits [logit_rows, V] (each decode row's, then the last row's
+        of each chunk that samples, then padding) and their argmax [logit_rows]."""
 
 
 @runtime_checkable

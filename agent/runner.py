@@ -231,18 +231,20 @@ class ModelRunner:
         elif kind == "mixed":  # the probe's prompt as a chunk and rows - 1 decode rows after it
             assert isinstance(self.graphs, MixedStepGraphs)
             decodes = rows - 1
-            logits = self.graphs.mixed(
+            logits, greedy = self.graphs.mixed(
                 np.tile(scratch, (decodes, 1)),
                 np.full(decodes, probe.decode_token),
                 np.full(decodes, n),
-                [(scratch, np.asarray(probe.prompt), 0)],
+                [(scratch, np.asarray(probe.prompt), 0, True)],
                 length,
                 rows,
-            ).asnumpy()
+            )
             if check:
-                compare(check, logits[decodes], probe.prefill_logits, dtype)
-                for row in logits[:decodes]:
+                got = logits.asnumpy()
+                compare(check, got[decodes], probe.prefill_logits, dtype)
+                for row in got[:decodes]:
                     compare(check, row, probe.decode_logits, dtype)
+                check_post_process(check, got, greedy.asnumpy())
         elif kind == "kv_export":
             blocks = self._kv_graphs().kv_export(scratch, length)
             if check and probe.kv is not None:
@@ -420,22 +422,21 @@ class ModelRunner:
                 f"a mixed step of {rows} rows and {seqs} sequences exceeds {self.mixed_rows} rows "
                 f"or {self.runtime.decode_batch_buckets[-1]} sequences"
             )
-        order = sorted(range(len(chunks)), key=lambda i: not chunks[i].sample)  # samplers first
-        sampling = [i for i in order if chunks[i].sample]
+        sampling = [i for i, c in enumerate(chunks) if c.sample]  # their last rows' logits follow decode's
         new = {i: self._sampler(chunks[i].params, chunks[i].tokens) for i in sampling}
         if masks:
             self._constrain(masks, {**dict(zip(slots, states)), **{chunks[i].slot: new[i] for i in sampling}})
         assert isinstance(self.graphs, MixedStepGraphs)  # mixed_rows says so
-        logits = self.graphs.mixed(
+        logits, greedy = self.graphs.mixed(
             np.stack(padded) if padded else np.zeros((0, 0), np.int32),
             np.array([s.next_token for s in states], np.int64),
             np.array([s.length for s in states], np.int64),
-            [(checked[i][1], checked[i][0][chunks[i].start :], chunks[i].start) for i in order],
+            [(table, ids[c.start :], c.start, c.sample) for c, (ids, table) in zip(chunks, checked)],
             self.mixed_rows,
-            bucket(self.runtime.decode_batch_buckets, seqs),
+            bucket(self.runtime.decode_batch_buckets, len(slots) + len(sampling)),
         )
         samplers = [s.sampler for s in states if s.sampler is not None] + [new[i] for i in sampling]
-        tokens = self._sample(logits, samplers)
+        tokens = self._sample(logits, samplers, greedy)
         self._decoded(states, padded, tokens[: len(slots)])
         firsts: list[int | None] = [None] * len(chunks)
         for i, token in zip(sampling, tokens[len(slots) :]):

@@ -133,15 +133,18 @@ def test_tables_that_do_not_fit_are_refused(runner):
 
 
 def mixed_run(runner: ModelRunner, ids: list[list[int]], tables: list[list[int]], params, mixed: bool):
-    """Slots 0 and 1 decode while slot 2's prompt arrives in two chunks and slot 3's in one: as
-    mixed steps, or the same calls one by one -> each slot's tokens."""
+    """Slots 0 and 1 decode while slot 2's prompt arrives in three chunks and slot 3's in one: as
+    mixed steps, or the same calls one by one -> each slot's tokens. The first step's chunk samples
+    nothing (its logit rows are the decode rows' 2, its tables 3), the second's samples after one
+    that does not."""
     out: list[list[int]] = [[runner.prefill(s, ids[s], params, tables[s])] for s in (0, 1)]
     out += [[], []]
     steps = [
+        ([0, 1], [StepChunk(2, ids[2][:4], tables[2], 0, False, params)]),
         (
             [0, 1],
             [
-                StepChunk(2, ids[2][:7], tables[2], 0, False, params),
+                StepChunk(2, ids[2][:7], tables[2], 4, False, params),
                 StepChunk(3, ids[3], tables[3], 0, True, params),
             ],
         ),
