@@ -90,9 +90,10 @@ def decode_together(graphs, reference, tables, caches, tokens, positions, steps)
 
 @pytest.fixture(scope="module")
 def head_dim_64_dir(tmp_path_factory):
-    """Head dim 64: the attention's 64-column register path (the tiny model's head dim is 16)."""
+    """Head dim 64: the attention's 64-column register path (the tiny model's head dim is 16); an FFN
+    of 100, no multiple of 8 (the SwiGLU's eight-lane loop and its tail) nor of the product's tile."""
     return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("hd64"), "llama", seed=4, hidden=128, heads=2, kv_heads=1, intermediate=128
+        tmp_path_factory.mktemp("hd64"), "llama", seed=4, hidden=128, heads=2, kv_heads=1, intermediate=100
     )
 
 

@@ -21,12 +21,6 @@ inline void rms_norm(const float *x, const float *w, float eps, int64_t dim, flo
   for (int64_t d = 0; d < dim; ++d) out[d] = x[d] * scale * w[d];
 }
 
-// out[f] = silu(gate[f]) * up[f]
-inline void swiglu(const float *gate, const float *up, int64_t width, float *out) {
-#pragma omp simd
-  for (int64_t f = 0; f < width; ++f) out[f] = gate[f] / (1.f + std::exp(-gate[f])) * up[f];
-}
-
 // Rotate-half RoPE of one head: out = x * cos + concat(x2, x1) * sin, the sign folded into sin.
 inline void rope(const float *x, const float *cos, const float *sin, int64_t hd, float *out) {
   const int64_t half = hd / 2;
@@ -56,6 +50,18 @@ inline v8f exp8(v8f x) {
   y = y * r * r + r + 1.f;
   const v8i scale = (__builtin_convertvector(whole, v8i) + 127) << 23;
   return y * (v8f)scale;
+}
+
+// out[f] = silu(gate[f]) * up[f], eight at a time through exp8: std::exp stays a scalar call in an
+// `omp simd` loop (glibc's vector expf needs -ffast-math), 0.11 ms a layer at 16 rows against 0.02.
+inline void swiglu(const float *gate, const float *up, int64_t width, float *out) {
+  int64_t f = 0;
+  for (; f + 8 <= width; f += 8) {
+    const v8f g = vec8::load(gate + f);
+    const v8f silu = g / (1.f + exp8(-g)) * vec8::load(up + f);
+    std::memcpy(out + f, &silu, sizeof silu);
+  }
+  for (; f < width; ++f) out[f] = gate[f] / (1.f + std::exp(-gate[f])) * up[f];
 }
 
 // scores[l] = query . keys[l] for l < length. Eight keys at a time with independent accumulators:
