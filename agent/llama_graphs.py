@@ -505,7 +505,9 @@ class MixedStepGraph(nn.Cell):
         self.prefill = prefill
 
     def construct(self, tokens, positions, write_idx, lengths, logit_rows, tables, row_table):
-        return logits_and_argmax(self.prefill(tokens, positions, write_idx, lengths, logit_rows, tables, row_table))
+        return logits_and_argmax(
+            self.prefill(tokens, positions, write_idx, lengths, logit_rows, tables, row_table)
+        )
 
 
 def logits_and_argmax(logits):
