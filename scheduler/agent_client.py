@@ -240,22 +240,30 @@ class AgentClient:
             frames = protocol.encode({"op": op, "id": request_id, **fields}, arrays)
         except (TypeError, ValueError, OverflowError) as exc:  # a field msgpack cannot carry
             raise AgentRequestError(f"{op}: cannot encode the request: {exc}", "bad_request") from exc
+        try:
+            # The whole exchange within the timeout, the send and the receives too: a send to an agent
+            # whose connection never completes, or a receive after a readiness that was not, waited
+            # forever (a test's first call to a CURVE agent hung so).
+            async with asyncio.timeout(timeout_s):
+                return await self._reply(connection, op, request_id, frames)
+        except TimeoutError:
+            raise AgentUnavailable(f"agent {self.address}: no reply to {op} within {timeout_s:g}s") from None
+
+    async def _reply(
+        self, connection: _Connection, op: str, request_id: int, frames: list
+    ) -> tuple[dict, list[np.ndarray]]:
+        """Send the request and wait for its reply (the caller bounds the wait)."""
         await connection.socket.send_multipart(frames, copy=False)
-        deadline = time.monotonic() + timeout_s
         while True:
-            left = deadline - time.monotonic()
             # In slices, so that a reconnect() ends this wait soon instead of at the timeout.
-            wait_ms = int(min(left, RETIRED_CHECK_S) * 1000)
-            ready = dict(await connection.poller.poll(wait_ms)) if left > 0 else {}
+            ready = dict(await connection.poller.poll(int(RETIRED_CHECK_S * 1000)))
             if connection.retired:
                 raise AgentUnavailable(f"agent {self.address}: reconnected during {op}")
             if connection.monitor in ready:
                 connection.lost = self._why_lost(await connection.monitor.recv_multipart())
                 raise AgentUnavailable(f"agent {self.address}: {connection.lost} during {op}")
             if connection.socket not in ready:
-                if time.monotonic() < deadline:
-                    continue
-                raise AgentUnavailable(f"agent {self.address}: no reply to {op} within {timeout_s:g}s")
+                continue
             try:
                 header, out = protocol.decode(await connection.socket.recv_multipart())
             except protocol.ProtocolError as exc:

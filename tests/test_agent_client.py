@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -167,6 +168,27 @@ def test_reconnect_while_a_call_polls_ends_that_call_cleanly():
             agent.close()
 
     asyncio.run(run())
+
+
+def test_calls_to_a_port_that_never_completes_the_connection_end_at_their_timeout():
+    """A port that accepts TCP but never speaks ZeroMQ: each request queues on the connecting socket,
+    and past its high-water mark (1000) a send waits for room that never comes; every call still
+    ends at its timeout (the send used to wait outside it, forever)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    async def run():
+        client = AgentClient(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout_s=0.005)
+        try:
+            for _ in range(1010):
+                with pytest.raises(AgentUnavailable, match="no reply to ping within 0.005s"):
+                    await client.ping()
+        finally:
+            client.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        listener.close()
 
 
 def test_a_tensor_parallel_group_with_a_lost_rank_sends_nothing_to_the_others():
