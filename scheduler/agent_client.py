@@ -241,9 +241,8 @@ class AgentClient:
         except (TypeError, ValueError, OverflowError) as exc:  # a field msgpack cannot carry
             raise AgentRequestError(f"{op}: cannot encode the request: {exc}", "bad_request") from exc
         try:
-            # The whole exchange within the timeout, the send and the receives too: a send to an agent
-            # whose connection never completes, or a receive after a readiness that was not, waited
-            # forever (a test's first call to a CURVE agent hung so).
+            # The whole exchange within the timeout, the send too: to a peer that never completes the
+            # connection, requests queue until the high-water mark (1000), then a send waits forever.
             async with asyncio.timeout(timeout_s):
                 return await self._reply(connection, op, request_id, frames)
         except TimeoutError:
