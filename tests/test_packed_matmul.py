@@ -102,6 +102,34 @@ def test_quantized_product_of_every_row_count_matches_numpy(library, k_dim):
         )
 
 
+def test_every_tile_count_is_computed_once(library):
+    """The team's loops give each thread a contiguous share of the tiles, taken in chunks of two
+    from its front, and a thread done early takes chunks from the back of its mate's
+    (thread_team.h for_dynamic): at every tile count (shares of unequal sizes, a last chunk of
+    one) each tile is computed, once: a skipped one stays NaN, and a Q8_0 tile of 5-24 rows sums
+    its pieces onto its output, so one computed twice at once is off."""
+    import gguf
+
+    rng = np.random.default_rng(3)
+    k_dim = 160
+    for tiles in [*range(1, 10), 33]:
+        n_dim = tiles * 32
+        raw = gguf.quants.quantize(
+            rng.standard_normal((n_dim, k_dim)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
+        )
+        matrix = Q8Matrix.from_gguf(raw)
+        w = matrix.dequantize().astype(np.float64)
+        packed = matrix.pack()
+        for rows in (1, 5, 16):
+            x = rng.standard_normal((rows, k_dim)).astype(np.float32)
+            for _ in range(20):
+                out = np.full((rows, n_dim), np.nan, np.float32)
+                assert _call(library.SkinnyMatMulQ8, [x, packed], out) == 0
+                expected = x.astype(np.float64) @ w.T
+                where = f"{tiles} tiles, {rows} rows"
+                np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4, err_msg=where)
+
+
 def test_kernels_leave_the_callers_denormal_mode_as_it_was(library):
     """The kernels flush denormals to zero while they run (thread_team.h FlushDenormals), for their
     own threads only: the calling thread (MindSpore's, here numpy's) gets its mode back."""
