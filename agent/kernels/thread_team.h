@@ -99,8 +99,9 @@ class Region {
   // Every thread of the team waits here for the others.
   void barrier();
   // body(i) for i in [0, n), a barrier at the end. Each thread owns a contiguous share and takes
-  // it in chunks of `chunk` from its front; a thread done with its own takes chunks from the back
-  // of the others' (a preempted team mate's share is finished for it).
+  // it in chunks of `chunk` (>= 1) from its front; a thread done with its own takes chunks from the
+  // back of the others' (what a preempted team mate has not claimed yet is done for it). A share
+  // holds fewer than 2^32 items (its claim counts are 32-bit).
   template <class Body>
   void for_dynamic(int64_t n, int64_t chunk, Body body);
   // body(i) for i in [0, n), split in one contiguous share per thread; a barrier at the end.
