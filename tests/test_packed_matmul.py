@@ -29,6 +29,17 @@ def _call(function, arrays: list[np.ndarray], out: np.ndarray) -> int:
     return function(len(arrays) + 1, params, ndims, shape_ptrs, None, None, None)
 
 
+def _q8_weights(rng: np.random.Generator, n_dim: int, k_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random weights as GGUF Q8_0 blocks: the dequantized matrix [N, K] (float64) and its kernel packing."""
+    import gguf
+
+    raw = gguf.quants.quantize(
+        rng.standard_normal((n_dim, k_dim)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
+    )
+    matrix = Q8Matrix.from_gguf(raw)
+    return matrix.dequantize().astype(np.float64), matrix.pack()
+
+
 @pytest.fixture(scope="module")
 def library():
     return ctypes.CDLL(str(build()))
@@ -83,16 +94,9 @@ def test_quantized_product_of_every_row_count_matches_numpy(library, k_dim):
     """Q8_0 weights (the default model's LM head): one and two rows straight from the blocks; up to two
     register blocks of rows from tiles dequantized 128 rows of k at a time, summed on across the
     pieces (packed_matmul.h quantized_tile); more from tiles dequantized whole."""
-    import gguf
-
     rng = np.random.default_rng(k_dim)
     n_dim = 3 * 32
-    raw = gguf.quants.quantize(
-        rng.standard_normal((n_dim, k_dim)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
-    )
-    matrix = Q8Matrix.from_gguf(raw)
-    w = matrix.dequantize().astype(np.float64)  # [N, K]
-    packed = matrix.pack()
+    w, packed = _q8_weights(rng, n_dim, k_dim)
     for rows in range(1, 30):
         x = rng.standard_normal((rows, k_dim)).astype(np.float32)
         out = np.full((rows, n_dim), np.nan, np.float32)
@@ -108,24 +112,17 @@ def test_every_tile_count_is_computed_once(library):
     (thread_team.h for_dynamic): at every tile count (shares of unequal sizes, a last chunk of
     one) each tile is computed, once: a skipped one stays NaN, and a Q8_0 tile of 5-24 rows sums
     its pieces onto its output, so one computed twice at once is off."""
-    import gguf
-
     rng = np.random.default_rng(3)
     k_dim = 160
     for tiles in [*range(1, 10), 33]:
         n_dim = tiles * 32
-        raw = gguf.quants.quantize(
-            rng.standard_normal((n_dim, k_dim)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
-        )
-        matrix = Q8Matrix.from_gguf(raw)
-        w = matrix.dequantize().astype(np.float64)
-        packed = matrix.pack()
+        w, packed = _q8_weights(rng, n_dim, k_dim)
         for rows in (1, 5, 16):
             x = rng.standard_normal((rows, k_dim)).astype(np.float32)
+            expected = x.astype(np.float64) @ w.T
             for _ in range(20):
                 out = np.full((rows, n_dim), np.nan, np.float32)
                 assert _call(library.SkinnyMatMulQ8, [x, packed], out) == 0
-                expected = x.astype(np.float64) @ w.T
                 where = f"{tiles} tiles, {rows} rows"
                 np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4, err_msg=where)
 
