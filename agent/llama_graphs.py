@@ -483,8 +483,9 @@ class DecodeLayer(nn.Cell):
 class TopGraph(nn.Cell):
     """A graph called once a step. MindSpore's Cell call sets `compile_phase` on the cell and
     through its whole tree of sub-cells every call (~94 here, each through Cell.__setattr__'s
-    checks: 0.3-0.5 ms a step); the tree is walked only when the phase changes (a new input shape,
-    which compiles, or a sub-cell shared with another graph), which is where it is read."""
+    checks: a batch-1 decode step 7.27 -> 6.60 ms without it). Here the tree is walked only when
+    this graph's phase changes: it is read while compiling, and a new input shape, which compiles,
+    is a new phase."""
 
     @property
     def compile_phase(self):
