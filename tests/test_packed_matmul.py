@@ -9,6 +9,7 @@ import pytest
 
 from agent.kernels import build
 from agent.model.quantized import Q8Matrix
+from kernel_calls import call as _call
 
 pytestmark = pytest.mark.unit
 
@@ -17,16 +18,6 @@ def _packed(w: np.ndarray) -> np.ndarray:
     """[K, N] -> [N / 32, K, 32], the layout agent/llama_graphs.py pack_for_kernel writes."""
     k_dim, n_dim = w.shape
     return np.ascontiguousarray(w.reshape(k_dim, n_dim // 32, 32).transpose(1, 0, 2))
-
-
-def _call(function, arrays: list[np.ndarray], out: np.ndarray) -> int:
-    params = (ctypes.c_void_p * (len(arrays) + 1))(*[a.ctypes.data for a in arrays], out.ctypes.data)
-    ndims = (ctypes.c_int * (len(arrays) + 1))(*[a.ndim for a in arrays], out.ndim)
-    shapes = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in [*arrays, out]]
-    shape_ptrs = (ctypes.POINTER(ctypes.c_int64) * len(shapes))(
-        *[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shapes]
-    )
-    return function(len(arrays) + 1, params, ndims, shape_ptrs, None, None, None)
 
 
 def _q8_weights(rng: np.random.Generator, n_dim: int, k_dim: int) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
-#ifdef __AVX2__
+#ifdef __AVX__
 #include <immintrin.h>
 #endif
 
@@ -44,5 +44,20 @@ inline v8i widen_signed(const uint8_t *p) {
 }
 
 inline float sum(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// The sums of eight vectors, as one vector (a transposing add tree: 7 instructions against 8 sums'
+// ~40).
+inline v8f sums(const v8f *v) {
+#ifdef __AVX__
+  const __m256 a = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]), b = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
+  const __m256 c = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]), d = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
+  const __m256 low = _mm256_hadd_ps(a, b), high = _mm256_hadd_ps(c, d);  // lanes 0-3 and 4-7 of each sum
+  return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+#else
+  v8f out;
+  for (int j = 0; j < 8; ++j) out[j] = sum(v[j]);
+  return out;
+#endif
+}
 
 }  // namespace vec8
