@@ -152,7 +152,8 @@ def test_prompt_prefilled_in_chunks_equals_the_whole_prompt(sizes, model, tiny_l
 def tiny_q4_path(tmp_path_factory):
     """A tiny GGUF of Q4_1 layer matrices and a Q8_0 embedding (head dim 64), as the default model:
     the fused kernel's quantized products and the Q8_0 LM head (tied). FFN 320: the down product's
-    k runs 128 + 128 + 64 in the pieces it is dequantized in (packed_matmul.h DEQUANTIZED_K)."""
+    k is 10 blocks of 32, and the Q8_0 head's k runs 128 + 128 in the pieces it is dequantized in
+    (packed_matmul.h DEQUANTIZED_K)."""
     directory = tmp_path_factory.mktemp("q4")
     hf = write_tiny_checkpoint(
         directory / "hf", seed=9, hidden=256, heads=4, kv_heads=2, intermediate=320, tied=True
@@ -161,7 +162,8 @@ def tiny_q4_path(tmp_path_factory):
 
 
 def test_q4_one_and_two_row_steps_read_through_the_tables(tiny_q4_path):
-    """Chunks of 1 and 2 tokens and decode steps of 1 and 2 sequences run the Q4_1 products."""
+    """Chunks of 1 and 2 tokens and decode steps of 1 and 2 sequences run the Q4_1 products (one
+    row: q4::tile_row; two: a block of q4::direct_rows)."""
     graphs = graphs_of(tiny_q4_path)
     assert graphs.model.layers[0].quantized and graphs.model.lm_head_q8
     reference = ref.load_gguf_reference(tiny_q4_path)
@@ -181,9 +183,10 @@ def test_q4_one_and_two_row_steps_read_through_the_tables(tiny_q4_path):
     assert max(diffs) < TOLERANCE, diffs
 
 
-def test_q4_steps_of_many_rows_dequantize_each_tile_once(tiny_q4_path):
-    """Prompts of 3 to 40 tokens and decode steps of 3 and 4 sequences: above two rows the Q4_1
-    tiles are dequantized and multiplied as float32 tiles (packed_matmul.h q4::tile)."""
+def test_q4_steps_of_many_rows_match_the_reference(tiny_q4_path):
+    """Prompts of 3 to 40 tokens and decode steps of 3 and 4 sequences: up to 32 rows the Q4_1
+    tiles are multiplied straight from their blocks (26 rows: two blocks of 13), above 32 they are
+    dequantized whole and multiplied as float32 tiles (40 rows; packed_matmul.h q4::tile)."""
     graphs = graphs_of(tiny_q4_path, num_slots=5)
     reference = ref.load_gguf_reference(tiny_q4_path)
     tables = shuffled_tables(graphs, 4, seed=4)
