@@ -138,7 +138,8 @@ inline void prefetch_block(const uint8_t *block, int64_t block_bytes) {
   for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(ahead + line);
 }
 
-// Tile j of a product with quantized weights, for all m_dim rows: straight from the blocks for up to
+// Tile j of a product with quantized weights (Q8_0's; Q4_1's of 2-32 rows take q4::direct_rows),
+// for all m_dim rows: straight from the blocks for up to
 // ROW_BY_ROW rows (Row, a row at a time: the second reads the tile from the cache); for more, the
 // tile is dequantized (Dequantize, into this thread's buffer) and multiplied as float32 tiles are.
 // Decode reads its weights from memory every step (8.5 GB/s on the 2-core Xeon): Q4_1's 0.75 bytes
