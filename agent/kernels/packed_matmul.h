@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec8.h"
@@ -88,27 +89,37 @@ inline void tile_rows(const float *x, int64_t k_dim, int64_t k0, int64_t k1, con
     }
 }
 
-// Rows [row0, row0 + n) of one tile, n <= ROWS, with the block's row count known at compile time.
-template <int R = ROWS>
-inline void tile_block(const float *x, int64_t k_dim, int64_t k0, int64_t k1, const float *w_tile,
-                       const float *residual, float *out, int64_t n_dim, int64_t row0, int64_t col0, int64_t n) {
+// body(std::integral_constant<int, n>{}) for a run-time n in [1, R]: a block's row count known at
+// compile time, so its accumulators are registers.
+template <int R, class Body>
+inline void with_rows(int64_t n, Body body) {
   if constexpr (R > 0) {
-    if (n == R) tile_rows<R>(x, k_dim, k0, k1, w_tile, residual, out, n_dim, row0, col0);
-    else tile_block<R - 1>(x, k_dim, k0, k1, w_tile, residual, out, n_dim, row0, col0, n);
+    if (n == R) body(std::integral_constant<int, R>{});
+    else with_rows<R - 1>(n, body);
+  }
+}
+
+// body(row0, n) over m_dim rows in equal blocks of at most max_rows (16 rows in blocks of 12: 8 + 8,
+// not 12 + 4, where a small block reads the tile for few FMAs).
+template <class Body>
+inline void equal_blocks(int64_t m_dim, int64_t max_rows, Body body) {
+  const int64_t blocks = (m_dim + max_rows - 1) / max_rows;
+  for (int64_t b = 0, row = 0; b < blocks; ++b) {
+    const int64_t n = (m_dim - row) / (blocks - b);  // the remaining rows shared over the remaining blocks
+    body(row, n);
+    row += n;
   }
 }
 
 // The columns [col0, col0 + TILE) of the product for all m_dim rows, over k in [k0, k1) (as
-// tile_rows), from the tile's rows `w_tile` [k1 - k0, TILE]; out and residual are [M, n_dim]. Rows
-// go in equal blocks (16 rows: 8 + 8, not 12 + 4: a small block reads the tile for few FMAs).
+// tile_rows), from the tile's rows `w_tile` [k1 - k0, TILE]; out and residual are [M, n_dim].
 inline void columns(const float *x, const float *w_tile, const float *residual, float *out, int64_t m_dim,
                     int64_t k_dim, int64_t n_dim, int64_t col0, int64_t k0, int64_t k1) {
-  const int64_t blocks = (m_dim + ROWS - 1) / ROWS;
-  for (int64_t b = 0, row = 0; b < blocks; ++b) {
-    const int64_t n = (m_dim - row) / (blocks - b);  // the remaining rows shared over the remaining blocks
-    tile_block(x, k_dim, k0, k1, w_tile, residual, out, n_dim, row, col0, n);
-    row += n;
-  }
+  equal_blocks(m_dim, ROWS, [&](int64_t row, int64_t n) {
+    with_rows<ROWS>(n, [&](auto rows) {
+      tile_rows<decltype(rows)::value>(x, k_dim, k0, k1, w_tile, residual, out, n_dim, row, col0);
+    });
+  });
 }
 
 // Tile j of the product for all m_dim rows; n_dim = tiles * TILE.
@@ -299,16 +310,6 @@ inline void direct_rows(const float *x, int64_t k_dim, const uint8_t *w, const f
   }
 }
 
-// The rows of one direct block, n <= R, with its row count known at compile time.
-template <int R>
-inline void direct_block(const float *x, int64_t k_dim, const uint8_t *w, const float *residual, float *out,
-                         int64_t n_dim, int64_t row0, int64_t j, int64_t n) {
-  if constexpr (R > 0) {
-    if (n == R) direct_rows<R>(x, k_dim, w, residual, out, n_dim, row0, j);
-    else direct_block<R - 1>(x, k_dim, w, residual, out, n_dim, row0, j, n);
-  }
-}
-
 // From 2 to DIRECT_ROWS rows, tiles go straight from the blocks in blocks of up to DIRECT_BLOCK rows:
 // a dequantized tile's stores and loads cost more than dequantizing each weight again per block.
 // The 30 layers' products from memory, 2 EPYC cores: 4 rows 10.1 -> 7.5 ms, 16 rows 19.9 -> 17.8,
@@ -323,12 +324,11 @@ inline void tile(const float *x, const uint8_t *w, const float *residual, float 
     packed::quantized_tile<tile_row, dequantize>(x, w, residual, out, m_dim, k_dim, n_dim, j);
     return;
   }
-  const int64_t blocks = (m_dim + DIRECT_BLOCK - 1) / DIRECT_BLOCK;
-  for (int64_t b = 0, row = 0; b < blocks; ++b) {
-    const int64_t n = (m_dim - row) / (blocks - b);  // equal blocks, as packed::columns
-    direct_block<DIRECT_BLOCK>(x, k_dim, w, residual, out, n_dim, row, j, n);
-    row += n;
-  }
+  packed::equal_blocks(m_dim, DIRECT_BLOCK, [&](int64_t row, int64_t n) {
+    packed::with_rows<DIRECT_BLOCK>(n, [&](auto rows) {
+      direct_rows<decltype(rows)::value>(x, k_dim, w, residual, out, n_dim, row, j);
+    });
+  });
 }
 
 }  // namespace q4

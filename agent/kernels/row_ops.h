@@ -144,9 +144,10 @@ inline void attend_blocks(const float *q, const float *k_cache, const float *v_c
   const int64_t groups = G ? G : groups_, hd = HD ? HD : hd_;
   const int64_t B = at.block, blocks = (length + B - 1) / B, vec_hd = hd / 8 * 8;
   thread_local std::vector<float> state;
-  alignas(32) float fixed[G * (HD + 256 + 2) + 1];
+  constexpr int64_t MAX_BLOCK = 256;  // config/schema.py block_size's bound
+  alignas(32) float fixed[G * (HD + MAX_BLOCK + 2) + 1];
   float *acc = fixed;
-  if (G == 0 || HD == 0 || B > 256) {
+  if (G == 0 || HD == 0 || B > MAX_BLOCK) {
     state.resize(groups * (hd + B + 2));
     acc = state.data();
   }
