@@ -80,15 +80,15 @@ def test_products_called_from_several_threads_at_once_match_numpy(library):
         np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("k_dim", [32, 160, 576])  # one block; the last dequantized piece partial
+@pytest.mark.parametrize("k_dim", [32, 160, 576])  # one block; odd block counts; the default model's
 def test_quantized_product_of_every_row_count_matches_numpy(library, k_dim):
-    """Q8_0 weights (the default model's LM head): one and two rows straight from the blocks; up to two
-    register blocks of rows from tiles dequantized 128 rows of k at a time, summed on across the
-    pieces (packed_matmul.h quantized_tile); more from tiles dequantized whole."""
+    """Q8_0 weights (the default model's LM head), packed_matmul.h quantized_tile: one and two rows a
+    row at a time; 3 to 32 straight from the blocks in equal blocks of rows (17: 9 + 8, 32: 16 +
+    16 on AVX-512); more from tiles dequantized whole."""
     rng = np.random.default_rng(k_dim)
     n_dim = 3 * 32
     w, packed = _q8_weights(rng, n_dim, k_dim)
-    for rows in range(1, 30):
+    for rows in range(1, 42):
         x = rng.standard_normal((rows, k_dim)).astype(np.float32)
         out = np.full((rows, n_dim), np.nan, np.float32)
         assert _call(library.SkinnyMatMulQ8, [x, packed], out) == 0
@@ -101,14 +101,14 @@ def test_every_tile_count_is_computed_once(library):
     """The team's loops give each thread a contiguous share of the tiles, taken in chunks of two
     from its front, and a thread done early takes chunks from the back of its mate's
     (thread_team.h for_dynamic): at every tile count (shares of unequal sizes, a last chunk of
-    one) each tile is computed, once: a skipped one stays NaN, and a Q8_0 tile of 5-24 rows sums
-    its pieces onto its output, so one computed twice at once is off."""
+    one) each tile is computed: a skipped one stays NaN, and one written by two threads at once
+    (a direct tile's rows in blocks, a dequantized tile's in register blocks) is off."""
     rng = np.random.default_rng(3)
     k_dim = 160
     for tiles in [*range(1, 10), 33]:
         n_dim = tiles * 32
         w, packed = _q8_weights(rng, n_dim, k_dim)
-        for rows in (1, 5, 16):
+        for rows in (1, 5, 16, 40):
             x = rng.standard_normal((rows, k_dim)).astype(np.float32)
             expected = x.astype(np.float64) @ w.T
             for _ in range(20):

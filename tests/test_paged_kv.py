@@ -152,8 +152,7 @@ def test_prompt_prefilled_in_chunks_equals_the_whole_prompt(sizes, model, tiny_l
 def tiny_q4_path(tmp_path_factory):
     """A tiny GGUF of Q4_1 layer matrices and a Q8_0 embedding (head dim 64), as the default model:
     the fused kernel's quantized products and the Q8_0 LM head (tied). FFN 320: the down product's
-    k is 10 blocks of 32, and the Q8_0 head's k runs 128 + 128 in the pieces it is dequantized in
-    (packed_matmul.h DEQUANTIZED_K)."""
+    k is 10 blocks of 32."""
     directory = tmp_path_factory.mktemp("q4")
     hf = write_tiny_checkpoint(
         directory / "hf", seed=9, hidden=256, heads=4, kv_heads=2, intermediate=320, tied=True
@@ -163,7 +162,7 @@ def tiny_q4_path(tmp_path_factory):
 
 def test_q4_one_and_two_row_steps_read_through_the_tables(tiny_q4_path):
     """Chunks of 1 and 2 tokens and decode steps of 1 and 2 sequences run the Q4_1 products (one
-    row: q4::tile_row; two: a block of q4::direct_rows)."""
+    row: q4::tile_row; two: a block of packed::direct_rows)."""
     graphs = graphs_of(tiny_q4_path)
     assert graphs.model.layers[0].quantized and graphs.model.lm_head_q8
     reference = ref.load_gguf_reference(tiny_q4_path)
