@@ -147,14 +147,31 @@ inline void prefetch_block(const uint8_t *block, int64_t block_bytes) {
 
 using RowFn = void (*)(const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t,
                        int64_t);
-// Dequantize(w, k_dim, j, out): tile j as float32 [k_dim, TILE].
-using DequantizeFn = void (*)(const uint8_t *, int64_t, int64_t, float *);
+
+// A quantized format is described by Blocks: BLOCK (k positions a block), TILE_BYTES (a tile's
+// block of TILE columns), ROW_BY_ROW (up to how many rows its Row is faster than direct_rows) and
+// Blocks::weights(block, c, use), which calls use(i, w) with the block's weights of columns vector
+// c at its k = i, for every i.
+
+// Tile j as float32 [k_dim, TILE] (tile's layout).
+template <class Blocks>
+inline void dequantize(const uint8_t *w, int64_t k_dim, int64_t j, float *out) {
+  const int64_t blocks = k_dim / Blocks::BLOCK;
+  const uint8_t *tile = w + j * blocks * Blocks::TILE_BYTES;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t *block = tile + b * Blocks::TILE_BYTES;
+    prefetch_block(block, Blocks::TILE_BYTES);
+    float *rows = out + b * Blocks::BLOCK * TILE;
+    for (int c = 0; c < VECTORS; ++c)
+      Blocks::weights(block, c, [&](int i, vf weight) {
+        std::memcpy(rows + i * TILE + c * LANES, &weight, sizeof weight);
+      });
+  }
+}
 
 // Rows [row0, row0 + R) of tile j straight from its blocks, a vector of columns at a time (the
 // tile's second pass reads it from the cache): each weight is dequantized once, in registers, for
 // all R rows (R accumulators and the block's scales; 16 rows on AVX-512's 32 registers).
-// Blocks::weights(block, c, use) calls use(i, w) with the block's weights of columns vector c at
-// its k = i, for every i.
 template <class Blocks, int R>
 inline void direct_rows(const float *x, int64_t k_dim, const uint8_t *w, const float *residual, float *out,
                         int64_t n_dim, int64_t row0, int64_t j) {
@@ -195,13 +212,13 @@ inline void direct_rows(const float *x, int64_t k_dim, const uint8_t *w, const f
 // - Up to DIRECT_ROWS, straight from the blocks (direct_rows) in blocks of up to DIRECT_BLOCK rows:
 //   a dequantized tile's stores and loads cost more than dequantizing each weight again per block.
 //   The 30 layers' Q4_1 products from memory, 2 EPYC cores: 4 rows 10.1 -> 7.5 ms, 16 rows 19.9 ->
-//   17.8, 32 rows 35.6 -> 34.2; the Q8_0 LM head: 4 rows 3.7 -> 1.9 ms, 16 rows 6.6 -> 5.2.
+//   17.8, 32 rows 35.6 -> 34.2; the Q8_0 LM head: 4 rows 3.1 -> 1.6 ms, 16 rows 6.2 -> 5.2.
 // - More: the tile dequantized whole (into this thread's buffer) and multiplied as float32 tiles
-//   are; at 48 rows faster than direct (51.1 against 54.1 ms).
+//   are. At 48 and 64 rows direct was 1-3% faster for the layers and 5-7% slower for the LM head.
 constexpr int DIRECT_BLOCK = LANES == 16 ? 16 : 8;  // accumulators + the block's scales and weights
 constexpr int64_t DIRECT_ROWS = 32;
 
-template <class Blocks, RowFn Row, DequantizeFn Dequantize>
+template <class Blocks, RowFn Row>
 inline void quantized_tile(const float *x, const uint8_t *w, const float *residual, float *out,
                            int64_t m_dim, int64_t k_dim, int64_t n_dim, int64_t j) {
   if (m_dim <= Blocks::ROW_BY_ROW) {
@@ -215,7 +232,7 @@ inline void quantized_tile(const float *x, const uint8_t *w, const float *residu
   } else {
     thread_local std::vector<float> weights;
     weights.resize(k_dim * TILE);
-    Dequantize(w, k_dim, j, weights.data());
+    dequantize<Blocks>(w, k_dim, j, weights.data());
     columns(x, weights.data(), residual, out, m_dim, k_dim, n_dim, j * TILE);
   }
 }
@@ -272,33 +289,7 @@ inline void tile_row(const float *x, int64_t k_dim, const uint8_t *w, const floa
   packed::store_row(total, residual, out, n_dim, row, j);
 }
 
-// Tile j as float32 [k_dim, TILE] (packed::tile's layout): weight (k, t) = d[t] * q[k][t] + m[t].
-inline void dequantize(const uint8_t *w, int64_t k_dim, int64_t j, float *out) {
-  using packed::LANES;
-  using packed::vf;
-  const int64_t blocks = k_dim / BLOCK;
-  const uint8_t *tile = w + j * blocks * TILE_BYTES;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t *block = tile + b * TILE_BYTES;
-    packed::prefetch_block(block, TILE_BYTES);
-    const uint8_t *qs = block + 2 * packed::TILE * 4;
-    float *rows = out + b * BLOCK * packed::TILE;
-    for (int g = 0; g < packed::VECTORS; ++g) {
-      vf d, m;
-      std::memcpy(&d, block + 4 * LANES * g, sizeof d);
-      std::memcpy(&m, block + packed::TILE * 4 + 4 * LANES * g, sizeof m);
-      for (int i = 0; i < BLOCK / 2; ++i) {
-        const packed::vi q = packed::widen(qs + i * packed::TILE + LANES * g);
-        const vf lo = d * __builtin_convertvector(q & 15, vf) + m;
-        const vf hi = d * __builtin_convertvector(q >> 4, vf) + m;
-        std::memcpy(rows + i * packed::TILE + LANES * g, &lo, sizeof lo);
-        std::memcpy(rows + (i + BLOCK / 2) * packed::TILE + LANES * g, &hi, sizeof hi);
-      }
-    }
-  }
-}
-
-// Tile j's blocks for packed::direct_rows: column vector c's weights d * q + m at each k of a block.
+// Tile j's blocks (packed's Blocks): column vector c's weights d * q + m at each k of a block.
 struct Blocks {
   static constexpr int64_t ROW_BY_ROW = 1;  // 2 rows direct: 5.5 -> 4.2 ms (the 30 layers)
   static constexpr int BLOCK = q4::BLOCK;
@@ -321,7 +312,7 @@ struct Blocks {
 
 inline void tile(const float *x, const uint8_t *w, const float *residual, float *out, int64_t m_dim,
                  int64_t k_dim, int64_t n_dim, int64_t j) {
-  packed::quantized_tile<Blocks, tile_row, dequantize>(x, w, residual, out, m_dim, k_dim, n_dim, j);
+  packed::quantized_tile<Blocks, tile_row>(x, w, residual, out, m_dim, k_dim, n_dim, j);
 }
 
 }  // namespace q4
@@ -362,28 +353,7 @@ inline void tile_row(const float *x, int64_t k_dim, const uint8_t *w, const floa
   packed::store_row(total, residual, out, n_dim, row, j);
 }
 
-inline void dequantize(const uint8_t *w, int64_t k_dim, int64_t j, float *out) {
-  using packed::LANES;
-  using packed::vf;
-  const int64_t blocks = k_dim / BLOCK;
-  const uint8_t *tile = w + j * blocks * TILE_BYTES;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t *block = tile + b * TILE_BYTES;
-    packed::prefetch_block(block, TILE_BYTES);
-    const uint8_t *qs = block + packed::TILE * 4;
-    float *rows = out + b * BLOCK * packed::TILE;
-    for (int g = 0; g < packed::VECTORS; ++g) {
-      vf d;
-      std::memcpy(&d, block + 4 * LANES * g, sizeof d);
-      for (int i = 0; i < BLOCK; ++i) {
-        const vf v = d * __builtin_convertvector(packed::widen_signed(qs + i * packed::TILE + LANES * g), vf);
-        std::memcpy(rows + i * packed::TILE + LANES * g, &v, sizeof v);
-      }
-    }
-  }
-}
-
-// Tile j's blocks for packed::direct_rows: column vector c's weights d * q at each k of a block.
+// Tile j's blocks (packed's Blocks): column vector c's weights d * q at each k of a block.
 struct Blocks {
   static constexpr int64_t ROW_BY_ROW = 2;  // 2 rows direct: 1.1 -> 1.35 ms (the LM head)
   static constexpr int BLOCK = q8::BLOCK;
@@ -402,7 +372,7 @@ struct Blocks {
 
 inline void tile(const float *x, const uint8_t *w, const float *residual, float *out, int64_t m_dim,
                  int64_t k_dim, int64_t n_dim, int64_t j) {
-  packed::quantized_tile<Blocks, tile_row, dequantize>(x, w, residual, out, m_dim, k_dim, n_dim, j);
+  packed::quantized_tile<Blocks, tile_row>(x, w, residual, out, m_dim, k_dim, n_dim, j);
 }
 
 }  // namespace q8
