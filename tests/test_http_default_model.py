@@ -36,10 +36,10 @@ def stack(tmp_path_factory, default_model_path):
         model={"name": "smollm2"},
         runtime={
             "num_slots": 4,
-            "max_seq_len": 256,
+            "max_seq_len": 1024,  # room for streams that outlast the drain (the last test)
             "prefill_buckets": [64],
             "decode_batch_buckets": [1, 4],
-            "attend_buckets": [256],
+            "attend_buckets": [1024],
             "compile_cache_dir": None,
         },
         server={"port": http_port, "drain_timeout_s": DRAIN_TIMEOUT_S},
@@ -207,7 +207,9 @@ def test_a_tool_call_round_trip(stack):
 
 def test_sigterm_ends_unfinished_streams_with_a_final_event(stack):
     """Last in this module: 4 long streams outlast the 3 s drain; each ends with an error event,
-    a request during the drain gets 503, and the process exits 0."""
+    a request during the drain gets 503, and the process exits 0. The streams ignore EOS and ask
+    for 900 tokens: some 9 s at 4 rows even on a fast machine (200 tokens ended within the drain
+    once decode got faster)."""
     base, server = stack
     finals: list[dict] = []
     started = threading.Barrier(5)
@@ -216,7 +218,8 @@ def test_sigterm_ends_unfinished_streams_with_a_final_event(stack):
         body = {
             "inputs": "Tell me a long story about a dragon.",
             "parameters": {
-                "max_new_tokens": 200,
+                "max_new_tokens": 900,
+                "ignore_eos": True,
                 "do_sample": True,
                 "temperature": 1.2,
                 "seed": seed,
