@@ -113,6 +113,7 @@ class CpuKernels:
         self.attention = custom("DecodeAttention", lambda q, *_: q) if attention else None
         self.layer = custom("FusedLayer", lambda x, *_: x) if attention and matmul else None
         self.layer_q4 = custom("FusedLayerQ4", lambda x, *_: x) if attention and matmul else None
+        self.stack_q4 = custom("FusedStackQ4", lambda x, *_: x) if attention and matmul else None
         self.matmul = self.matmul_add = self.matmul_q8 = self.norm = self.swiglu = self.rope = None
         if matmul:
             self.matmul = custom("SkinnyMatMul", lambda x, w: [x[0], w[0] * w[2]])
@@ -402,6 +403,24 @@ class LlamaModel(nn.Cell):
             ]
         )
         self.dtype, self.half = dtype, dtype != ms.float32
+        # Every layer quantized and fused: the whole stack is one op a step (FusedStackQ4, which
+        # takes each layer's inputs in a row) instead of one op a layer.
+        self.stack: Any = kernels.stack_q4 if all(layer.quantized for layer in self.layers) else None
+        self.stack_inputs = tuple(
+            p
+            for layer in (self.layers if self.stack is not None else ())
+            for p in (
+                layer.attn_norm,
+                layer.bqkv,
+                layer.k_cache,
+                layer.v_cache,
+                layer.ffn_norm,
+                layer.wqkv_q4,
+                layer.wo_q4,
+                layer.w_gate_up_q4,
+                layer.w_down_q4,
+            )
+        )
         self.embed = _param(tensors["embed"], "embed", dtype)
         self.kernel_matmul = kernels.matmul
         head = "embed" if spec.tied_embeddings else "lm_head"
@@ -425,6 +444,11 @@ class LlamaModel(nn.Cell):
         self.rot = _param(rot, "rope_rot", dtype)
         self.eps = spec.rms_eps
         self.matmul_t = ops.MatMul(transpose_b=True)
+
+    def run_stack(self, x, cos, sin, write_idx, lengths, tables, row_table):
+        """Every layer in one op (self.stack); arguments as LlamaLayer.fused's."""
+        paging = (tables, row_table, self.layers[0].block_size)
+        return self.stack(x, cos, sin, write_idx, lengths, self.eps_tensor, *paging, *self.stack_inputs)
 
     def embed_tokens(self, tokens, positions):
         x = ops.gather(self.embed, tokens, 0)
@@ -508,8 +532,11 @@ class PrefillGraph(TopGraph):
 
     def construct(self, tokens, positions, write_idx, mask, last_index, tables, row_table):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
-        for layer in self.layers:
-            x = layer(x, cos, sin, self.model.rot, write_idx, mask, tables, row_table)
+        if self.model.stack is not None:
+            x = self.model.run_stack(x, cos, sin, write_idx, mask, tables, row_table)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, self.model.rot, write_idx, mask, tables, row_table)
         return self.model.logits(ops.gather(x, last_index, 0))
 
 
@@ -543,8 +570,11 @@ class DecodeGraph(TopGraph):
 
     def construct(self, tokens, positions, write_idx, where, extent, row_table):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
-        for layer in self.layers:
-            x = layer(x, cos, sin, self.model.rot, write_idx, where, extent, row_table)
+        if self.model.stack is not None:
+            x = self.model.run_stack(x, cos, sin, write_idx, extent, where, row_table)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, self.model.rot, write_idx, where, extent, row_table)
         return logits_and_argmax(self.model.logits(x))
 
 

@@ -152,10 +152,11 @@ def test_prompt_prefilled_in_chunks_equals_the_whole_prompt(sizes, model, tiny_l
 def tiny_q4_path(tmp_path_factory):
     """A tiny GGUF of Q4_1 layer matrices and a Q8_0 embedding (head dim 64), as the default model:
     the fused kernel's quantized products and the Q8_0 LM head (tied). FFN 320: the down product's
-    k is 10 blocks of 32."""
+    k is 10 blocks of 32. Three layers: the whole stack's op (FusedStackQ4) alternates its layers
+    between two buffers, and the default model's 30 cover an even count."""
     directory = tmp_path_factory.mktemp("q4")
     hf = write_tiny_checkpoint(
-        directory / "hf", seed=9, hidden=256, heads=4, kv_heads=2, intermediate=320, tied=True
+        directory / "hf", seed=9, layers=3, hidden=256, heads=4, kv_heads=2, intermediate=320, tied=True
     )
     return write_tiny_gguf(hf, directory / "tiny-Q4_1.gguf", "Q4_1", embedding_qtype="Q8_0")
 
@@ -164,7 +165,7 @@ def test_q4_one_and_two_row_steps_read_through_the_tables(tiny_q4_path):
     """Chunks of 1 and 2 tokens and decode steps of 1 and 2 sequences run the Q4_1 products (one
     row: q4::tile_row; two: a block of packed::direct_rows)."""
     graphs = graphs_of(tiny_q4_path)
-    assert graphs.model.layers[0].quantized and graphs.model.lm_head_q8
+    assert graphs.model.stack is not None and graphs.model.lm_head_q8
     reference = ref.load_gguf_reference(tiny_q4_path)
     tables = shuffled_tables(graphs, 2, seed=3)
     prompts = [prompt_ids(n, 10 + n, graphs.spec.vocab_size) for n in (20, 37)]

@@ -233,16 +233,12 @@ extern "C" int FusedLayer(int nparam, void **params, int *ndims, int64_t **shape
   return run_layer(params, shapes, none, paging, static_cast<float *>(params[18]));
 }
 
-// The same with the Q4_1 copies as inputs 15-18 (wqkv, wo, w_gate_up, w_down; each
-// [N / TILE, K / 32, q4::TILE_BYTES] uint8); tables, row_table and block_size 19-21; output 22.
-// Inputs 2, 10, 12 and 13 (the float32 weights) are not read: any placeholder will do; the
-// products' shapes come from the Q4_1 copies (run_layer checks them against each other).
-extern "C" int FusedLayerQ4(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                            void *stream, void *extra) {
-  (void)stream; (void)extra; (void)dtypes;
+namespace {
+
+// FusedLayerQ4's call on its 23 params (output at 22).
+int run_layer_q4(void **params, int *ndims, int64_t **shapes) {
   Paging paging;
-  if (nparam != 23 || ndims[0] != 2 || ndims[6] != 2 || !read_paging(params, ndims, shapes, 19, paging))
-    return 1;
+  if (ndims[0] != 2 || ndims[6] != 2 || !read_paging(params, ndims, shapes, 19, paging)) return 1;
   const int slots[4] = {2, 10, 12, 13};  // where run_layer reads each product's [N / TILE, K, TILE]
   int64_t dims[4][3];
   int64_t *patched[23];
@@ -256,4 +252,56 @@ extern "C" int FusedLayerQ4(int nparam, void **params, int *ndims, int64_t **sha
     q4w[i] = static_cast<const uint8_t *>(params[15 + i]);
   }
   return run_layer(params, patched, q4w, paging, static_cast<float *>(params[22]));
+}
+
+}  // namespace
+
+// The same with the Q4_1 copies as inputs 15-18 (wqkv, wo, w_gate_up, w_down; each
+// [N / TILE, K / 32, q4::TILE_BYTES] uint8); tables, row_table and block_size 19-21; output 22.
+// Inputs 2, 10, 12 and 13 (the float32 weights) are not read: any placeholder will do; the
+// products' shapes come from the Q4_1 copies (run_layer checks them against each other).
+extern "C" int FusedLayerQ4(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  if (nparam != 23) return 1;
+  return run_layer_q4(params, ndims, shapes);
+}
+
+// Every layer of the model in one op: FusedLayerQ4 layer after layer, each layer's output the
+// next one's input. One op a step instead of one a layer: MindSpore spent ~50 us launching each
+// layer's op (its 23 inputs checked and counted), ~1.5 ms of a 6.5 ms batch-1 decode step.
+//   0 x [N, D]   1 cos   2 sin   3 write [N KV]   4 len [N KV]   5 eps [1]   6 tables   7 row_table
+//   8 block_size (as FusedLayer's); then each layer's 9 inputs: attn_norm, bqkv, k_cache, v_cache,
+//   ffn_norm and the Q4_1 wqkv, wo, w_gate_up, w_down; output [N, D] last.
+extern "C" int FusedStackQ4(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  constexpr int COMMON = 9, PER_LAYER = 9;
+  if (nparam < COMMON + PER_LAYER + 1 || (nparam - COMMON - 1) % PER_LAYER != 0 || ndims[0] != 2) return 1;
+  const int layers = (nparam - COMMON - 1) / PER_LAYER;
+  const int64_t rows = shapes[0][0], dim = shapes[0][1];
+  float *out = static_cast<float *>(params[nparam - 1]);
+  // Layers alternate between out and this buffer so that the last one writes out.
+  thread_local std::vector<float> other_buf;
+  other_buf.resize(rows * dim);
+  static float placeholder = 0.0f;
+  static int64_t one[1] = {1};
+  void *p[23];
+  int nd[23];
+  int64_t *sh[23];
+  const int common_at[9][2] = {{4, 1}, {5, 2}, {8, 3}, {9, 4}, {14, 5}, {19, 6}, {20, 7}, {21, 8}, {0, 0}};
+  for (const auto &c : common_at) p[c[0]] = params[c[1]], nd[c[0]] = ndims[c[1]], sh[c[0]] = shapes[c[1]];
+  for (int fp32 : {2, 10, 12, 13}) p[fp32] = &placeholder, nd[fp32] = 1, sh[fp32] = one;
+  const int own_at[9] = {1, 3, 6, 7, 11, 15, 16, 17, 18};  // the layer's inputs in FusedLayerQ4's order
+  for (int layer = 0; layer < layers; ++layer) {
+    const int first = COMMON + layer * PER_LAYER;
+    for (int i = 0; i < PER_LAYER; ++i)
+      p[own_at[i]] = params[first + i], nd[own_at[i]] = ndims[first + i], sh[own_at[i]] = shapes[first + i];
+    float *to = (layers - 1 - layer) % 2 == 0 ? out : other_buf.data();
+    if (layer > 0) p[0] = (layers - layer) % 2 == 0 ? out : other_buf.data();
+    p[22] = to;
+    const int failed = run_layer_q4(p, nd, sh);
+    if (failed) return failed;
+  }
+  return 0;
 }
