@@ -268,8 +268,9 @@ extern "C" int FusedLayerQ4(int nparam, void **params, int *ndims, int64_t **sha
 }
 
 // Every layer of the model in one op: FusedLayerQ4 layer after layer, each layer's output the
-// next one's input. One op a step instead of one a layer: MindSpore spent ~50 us launching each
-// layer's op (its 23 inputs checked and counted), ~1.5 ms of a 6.5 ms batch-1 decode step.
+// next one's input. One op a step instead of one a layer, each of whose launches MindSpore checked
+// and counted 23 inputs: a decode step of 1 row 6.25 -> 5.95 ms, of 16 rows 32.0 -> 30.7 ms
+// (tools.model_bench, context 160, medians of 6 alternating processes, the 2-core EPYC).
 //   0 x [N, D]   1 cos   2 sin   3 write [N KV]   4 len [N KV]   5 eps [1]   6 tables   7 row_table
 //   8 block_size (as FusedLayer's); then each layer's 9 inputs: attn_norm, bqkv, k_cache, v_cache,
 //   ffn_norm and the Q4_1 wqkv, wo, w_gate_up, w_down; output [N, D] last.
