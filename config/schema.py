@@ -515,7 +515,7 @@ class ServerSection(Section):
         "fewer, longer steps",
     )
     decode_stall_ratio: float = Field(
-        1.75,
+        1.5,
         ge=0,
         description="while sequences decode, a step that also computes prompt chunks takes at most "
         "this many times a decode step alone (learned from the agents' compute times): a stream's "
