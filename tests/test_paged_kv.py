@@ -234,31 +234,22 @@ def test_table_entry_outside_the_pool_is_refused_before_the_graphs_run(tiny_llam
         graphs.kv_export(table, 4)
 
 
-@pytest.mark.parametrize("path", ["fused", "op-by-op kernel attention"])
-def test_kernels_refuse_a_table_that_slipped_past_the_host(path, tiny_llama_dir):
+@pytest.mark.parametrize("path", ["fused", "op-by-op kernel attention", "whole stack (Q4_1)"])
+def test_kernels_refuse_a_table_that_slipped_past_the_host(path, tiny_llama_dir, request):
     """Inputs made by hand, past GraphInputs' checks: the kernel refuses the call (MindSpore raises)
-    instead of reading outside the cache, and the graphs keep working."""
-    graphs = graphs_of(tiny_llama_dir, **PATHS[path])
+    instead of reading outside the cache, and the graphs keep working. The quantized model runs
+    every layer in one op (FusedStackQ4): a refusal of any layer refuses it."""
+    if path == "whole stack (Q4_1)":
+        directory = request.getfixturevalue("tiny_q4_path")
+        graphs, reference = graphs_of(directory), ref.load_gguf_reference(directory)
+        assert graphs.model.stack is not None
+    else:
+        graphs, reference = graphs_of(tiny_llama_dir, **PATHS[path]), ref.load_hf_reference(tiny_llama_dir)
     table = graphs.inputs.slot_table(0)
     arrays = list(graphs.inputs.decode(table[None, :], [1], [5], 1, 0))
     arrays[3] = np.full_like(arrays[3], graphs.inputs.num_blocks)  # tables [1, MB]
     with pytest.raises(RuntimeError, match="is 1"):
         graphs.decode_graph(*as_tensors(tuple(arrays)))
     prompt = prompt_ids(6, 0, graphs.spec.vocab_size)
-    want = ref.forward(ref.load_hf_reference(tiny_llama_dir), prompt, ref.RefCache())[-1]
-    assert np.abs(prefill(graphs, table, prompt) - want).max() < TOLERANCE
-
-
-def test_the_whole_stack_op_refuses_a_table_that_slipped_past_the_host(tiny_q4_path):
-    """The same through FusedStackQ4 (every layer in one op, a quantized model): refused, and the
-    graphs keep working."""
-    graphs = graphs_of(tiny_q4_path)
-    assert graphs.model.stack is not None
-    table = graphs.inputs.slot_table(0)
-    arrays = list(graphs.inputs.decode(table[None, :], [1], [5], 1, 0))
-    arrays[3] = np.full_like(arrays[3], graphs.inputs.num_blocks)  # tables [1, MB]
-    with pytest.raises(RuntimeError, match="is 1"):
-        graphs.decode_graph(*as_tensors(tuple(arrays)))
-    prompt = prompt_ids(6, 0, graphs.spec.vocab_size)
-    want = ref.forward(ref.load_gguf_reference(tiny_q4_path), prompt, ref.RefCache())[-1]
+    want = ref.forward(reference, prompt, ref.RefCache())[-1]
     assert np.abs(prefill(graphs, table, prompt) - want).max() < TOLERANCE
