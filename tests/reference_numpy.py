@@ -211,8 +211,20 @@ def _rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray, interleaved: 
     return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
 
 
-def forward(model: RefModel, tokens: list[int], cache: RefCache) -> np.ndarray:
-    """Run `tokens` after what `cache` already holds; returns logits [len(tokens), vocab]."""
+def q8_1(x: np.ndarray) -> np.ndarray:
+    """x as llama.cpp's Q8_1 activations hold it: each block of 32 in float32 rounded to the grid of
+    d = max |x| / 127 (to nearest, ties to even), then dequantized (d * q) in float64."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0))
+    q = np.rint(blocks * inverse)
+    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+
+
+def forward(model: RefModel, tokens: list[int], cache: RefCache, int8: bool = False) -> np.ndarray:
+    """Run `tokens` after what `cache` already holds; returns logits [len(tokens), vocab]. int8: every
+    layer product's input rounded to Q8_1 first (runtime.prompt_products: int8); not the LM head."""
+    act = q8_1 if int8 else (lambda a: a)
     start = cache.length
     positions = np.arange(start, start + len(tokens), dtype=np.float64)
     x = model.embed[np.asarray(tokens)]
@@ -222,7 +234,7 @@ def forward(model: RefModel, tokens: list[int], cache: RefCache) -> np.ndarray:
         cache.keys = [[] for _ in model.layers]
         cache.values = [[] for _ in model.layers]
     for li, layer in enumerate(model.layers):
-        h = _rms(x, layer["attn_norm"], model.eps)
+        h = act(_rms(x, layer["attn_norm"], model.eps))
         q, k, v = h @ layer["q"].T, h @ layer["k"].T, h @ layer["v"].T
         if layer["bq"] is not None:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
@@ -240,10 +252,10 @@ def forward(model: RefModel, tokens: list[int], cache: RefCache) -> np.ndarray:
             scores = np.where(causal, -np.inf, scores)
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             out[:, head] = (scores / scores.sum(axis=-1, keepdims=True)) @ values[:, kv_head]
-        x = x + out.reshape(len(tokens), -1) @ layer["o"].T
-        h = _rms(x, layer["ffn_norm"], model.eps)
+        x = x + act(out.reshape(len(tokens), -1)) @ layer["o"].T
+        h = act(_rms(x, layer["ffn_norm"], model.eps))
         gate = h @ layer["gate"].T
-        x = x + ((gate / (1.0 + np.exp(-gate))) * (h @ layer["up"].T)) @ layer["down"].T
+        x = x + act((gate / (1.0 + np.exp(-gate))) * (h @ layer["up"].T)) @ layer["down"].T
     return _rms(x, model.norm, model.eps) @ model.head.T
 
 

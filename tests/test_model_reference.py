@@ -5,10 +5,12 @@ import pytest
 
 import reference_numpy as ref
 from agent.contract.sampling import SamplingParams
+from agent.kernels import has_int8_products
+from agent.known_answer import KnownAnswer
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner
-from conftest import TINY_RUNTIME
+from conftest import DEFAULT_RUNTIME, TINY_RUNTIME
 from tiny_models import write_tiny_checkpoint
 
 GREEDY = SamplingParams()
@@ -97,3 +99,34 @@ def test_default_model_greedy_matches_reference_and_says_paris(
         assert got == want, (question, tokenizer.decode(got), tokenizer.decode(want))
         if i == 0:
             assert "Paris" in tokenizer.decode(got)
+
+
+@pytest.mark.default_model
+@pytest.mark.skipif(not has_int8_products(), reason="the int8 products need AVX512-VNNI")
+def test_default_model_with_int8_prompt_products_warms_up_and_answers_as_the_int8_reference(
+    default_model_path,
+):
+    """runtime.prompt_products int8 on the default model: the warm-up's known-answer check passes
+    with calls of more than 32 rows (a decode batch of 40, mixed steps of 40 sequences) held to the
+    int8 tolerance. The France question's 37-token prompt takes the int8 products: its greedy answer
+    is the reference's with Q8_1 activations in the prompt, not the float reference's ("L'Étoile, la
+    Marseillaise" instead of Paris: llama.cpp, whose Q4_1 products take Q8_1 activations too,
+    answers the same; this is why int8 is opt-in)."""
+    runtime = DEFAULT_RUNTIME.model_copy(
+        update={"num_slots": 40, "decode_batch_buckets": [1, 40], "prompt_products": "int8"}
+    )
+    checkpoint = load_checkpoint(default_model_path)
+    runner = ModelRunner.from_checkpoint(checkpoint, runtime)
+    runner.warm_up(lambda line: None, known=KnownAnswer.of_checkpoint(checkpoint, runtime))
+    reference = ref.load_gguf_reference(default_model_path)
+    tokenizer = load_tokenizer(default_model_path)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPTS[0]}])
+    got = [runner.prefill(0, prompt, GREEDY)]
+    while len(got) < 8:
+        got += runner.decode([0])
+    cache = ref.RefCache()
+    want = [int(np.argmax(ref.forward(reference, prompt, cache, int8=True)[-1]))]
+    while len(want) < 8:
+        want.append(int(np.argmax(ref.forward(reference, [want[-1]], cache)[-1])))
+    assert got == want, (tokenizer.decode(got), tokenizer.decode(want))
+    assert got != ref.greedy(reference, prompt, 8)

@@ -10,6 +10,7 @@ import pytest
 
 import reference_numpy as ref
 from agent.graph_interface import bucket
+from agent.kernels import has_int8_products
 from agent.llama_graphs import LlamaGraphs, as_tensors
 from agent.model.formats import load_checkpoint
 from conftest import TINY_RUNTIME
@@ -197,6 +198,60 @@ def test_q4_steps_of_many_rows_match_the_reference(tiny_q4_path):
     later = [p + 3 for p in positions[1:]]  # then three of them: 3 rows
     diffs += decode_together(graphs, reference, tables[1:], caches[1:], tokens[1:], later, 3)
     assert max(diffs) < TOLERANCE, diffs
+
+
+@pytest.mark.skipif(not has_int8_products(), reason="the int8 products need AVX512-VNNI")
+def test_int8_prompt_products_match_the_q8_1_reference(tiny_q4_path):
+    """runtime.prompt_products int8: calls of more than 32 rows (a 40-token chunk; a mixed step of 2
+    decode rows and a 37-token chunk: 39 rows) multiply with Q8_1 activations (packed_matmul.h q4i8:
+    row blocks of 6, 5 and fewer), against the reference that rounds each layer product's input the
+    same way; calls of up to 32 rows (a 20-token chunk, decode steps) stay float32 and match the
+    float reference. Where int8 ran, the float reference is far off: the int8 path was taken."""
+    graphs = graphs_of(tiny_q4_path, prompt_products="int8")
+    reference = ref.load_gguf_reference(tiny_q4_path)
+    tables = shuffled_tables(graphs, 3, seed=6)
+    vocab = graphs.spec.vocab_size
+    a, b, c = prompt_ids(60, 31, vocab), prompt_ids(9, 32, vocab), prompt_ids(37, 33, vocab)
+    caches = [ref.RefCache() for _ in range(3)]
+    int8_diffs, float_diffs, off_by_float = [], [], []
+
+    def check(got: np.ndarray, int8: bool, cache: ref.RefCache, tokens: list[int]) -> int:
+        before = ref.RefCache([list(k) for k in cache.keys], [list(v) for v in cache.values])
+        want = ref.forward(reference, tokens, cache, int8=int8)[-1]
+        (int8_diffs if int8 else float_diffs).append(float(np.abs(got - want).max()))
+        if int8:
+            off_by_float.append(float(np.abs(got - ref.forward(reference, tokens, before)[-1]).max()))
+        return int(np.argmax(want))
+
+    check(prefill(graphs, tables[0], a[:40]), True, caches[0], a[:40])  # 40 rows: int8
+    next_a = check(prefill(graphs, tables[0], a[40:], start=40), False, caches[0], a[40:])
+    next_b = check(prefill(graphs, tables[1], b), False, caches[1], b)
+    rows = bucket(PREFILL_BUCKETS, 2 + len(c))
+    logits, _ = graphs.mixed(
+        tables[:2],
+        np.array([next_a, next_b]),
+        np.array([60, 9]),
+        [(tables[2], np.array(c), 0, True)],
+        rows,
+        4,
+    )
+    got = logits.asnumpy()
+    tokens = [check(got[i], True, caches[i], [t]) for i, t in enumerate([next_a, next_b])]
+    tokens.append(check(got[2], True, caches[2], c))
+    got = decode(graphs, tables, tokens, [61, 10, 37])  # 3 rows: float32
+    for i, token in enumerate(tokens):
+        check(got[i], False, caches[i], [token])
+    assert max(int8_diffs + float_diffs) < TOLERANCE, (int8_diffs, float_diffs)
+    assert min(off_by_float) > 10 * max(int8_diffs), (off_by_float, int8_diffs)
+
+
+def test_int8_prompt_products_are_refused_where_they_cannot_run(tiny_llama_dir, tiny_q4_path, monkeypatch):
+    """A model without Q4_1 layers, and a CPU without AVX512-VNNI (mocked: this machine has it)."""
+    with pytest.raises(ValueError, match="this model has none"):
+        graphs_of(tiny_llama_dir, prompt_products="int8")
+    monkeypatch.setattr("agent.llama_graphs.has_int8_products", lambda: False)
+    with pytest.raises(ValueError, match="needs a CPU with AVX512-VNNI"):
+        graphs_of(tiny_q4_path, prompt_products="int8")
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 128])

@@ -92,6 +92,18 @@ def build() -> Path:
     return lib
 
 
+# Calls of more rows than this take the int8 products under runtime.prompt_products int8
+# (packed_matmul.h DIRECT_ROWS: fewer are multiplied straight from the Q4_1 blocks in float32).
+INT8_ABOVE_ROWS = 32
+
+
+def has_int8_products() -> bool:
+    """The CPU has what the opt-in int8 products (packed_matmul.h q4i8) are built with: AVX512-VNNI
+    (and AVX512BW). Without it the library's int8 ops refuse every call."""
+    flags = _cpu_flags().split()
+    return "avx512_vnni" in flags and "avx512bw" in flags
+
+
 def op_path(function: str) -> str:
     """The `path:function` MindSpore's ops.Custom(func_type="aot") loads (the library built if needed)."""
     return f"{build()}:{function}"

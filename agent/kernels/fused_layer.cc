@@ -68,7 +68,7 @@ bool read_paging(void **params, int *ndims, int64_t **shapes, int first, Paging 
   return paging.block > 0;
 }
 
-int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], const Paging &paging,
+int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], bool int8, const Paging &paging,
               float *out) {
   const int64_t batch = shapes[0][0], dim = shapes[0][1], hd = shapes[6][1];
   const int64_t kv_rows = shapes[8][0], kv = kv_rows / batch;
@@ -110,10 +110,31 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], cons
   }
   // Q4_1 copies of wqkv, wo, w_gate_up, w_down (packed_matmul.h q4), or null
   const bool quantized = q4w[0] != nullptr;
+  if (int8 && (!quantized || !q4i8::AVAILABLE)) return 1;
+  // The opt-in int8 products (q4i8) take many rows only; each product's input is quantized first.
+  const bool int8_rows = int8 && live > packed::DIRECT_ROWS;
+  thread_local std::vector<int8_t> xq_buf;
+  thread_local std::vector<float> xd_buf, xs_buf;
+  q4i8::Rows xq{nullptr, nullptr, nullptr, 0};
+  if (int8_rows) {
+    const int64_t widest = std::max({dim, q_width, ffn});
+    if (widest % q4i8::BLOCK != 0) return 1;
+    xq_buf.resize(live * widest);
+    xd_buf.resize(live * widest / q4i8::BLOCK);
+    xs_buf.resize(live * widest / q4i8::BLOCK);
+    xq = {xq_buf.data(), xd_buf.data(), xs_buf.data(), 0};
+  }
+  // Before a product: its input's rows quantized (int8_rows only), then the team's barrier.
+  auto quantize = [&](team::Region &region, const float *in, int64_t k_dim) {
+    if (!int8_rows) return;
+    xq.k_dim = k_dim;
+    region.for_static(live, [&](int64_t row) { q4i8::quantize_row(xq, in, row); });
+  };
   // tile j of x @ W (+ residual) into out (rows of n_dim), from weights `which` (0 qkv, 1 wo, 2 gate/up, 3 down)
   auto product = [&](int which, const float *w, const float *in, const float *residual, float *to,
                      int64_t k_dim, int64_t n_dim, int64_t j) {
-    if (quantized) q4::tile(in, q4w[which], residual, to, live, k_dim, n_dim, j);
+    if (int8_rows) q4i8::tile(xq, q4w[which], residual, to, live, n_dim, j);
+    else if (quantized) q4::tile(in, q4w[which], residual, to, live, k_dim, n_dim, j);
     else packed::tile(in, w, residual, to, live, k_dim, n_dim, j);
   };
   std::memcpy(out + live * dim, x + live * dim, sizeof(float) * (batch - live) * dim);
@@ -166,6 +187,7 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], cons
     normed.resize(batch * dim);
     float *h = normed.data();
     for (int64_t b = 0; b < live; ++b) rowwise::rms_norm(x + b * dim, attn_norm, eps, dim, h + b * dim);
+    quantize(region, h, dim);
     region.for_dynamic(qkv_stride / TILE, 2,
                        [&](int64_t j) { product(0, wqkv, h, nullptr, qkv, dim, qkv_stride, j); });
 
@@ -203,9 +225,11 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], cons
                             attn + n * groups * hd);
     });
 
+    quantize(region, attn, q_width);
     region.for_dynamic(dim / TILE, 2, [&](int64_t j) { product(1, wo, attn, x, x1, q_width, dim, j); });
 
     for (int64_t b = 0; b < live; ++b) rowwise::rms_norm(x1 + b * dim, ffn_norm, eps, dim, h + b * dim);
+    quantize(region, h, dim);
     region.for_dynamic(gate_up_stride / TILE, 2, [&](int64_t j) {
       product(2, w_gate_up, h, nullptr, gate_up, dim, gate_up_stride, j);
     });
@@ -215,6 +239,7 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], cons
       rowwise::swiglu(g, g + ffn, ffn, act + b * ffn);
     });
 
+    quantize(region, act, ffn);
     region.for_dynamic(dim / TILE, 2, [&](int64_t j) { product(3, w_down, act, x1, out, ffn, dim, j); });
   });
   return 0;
@@ -230,13 +255,13 @@ extern "C" int FusedLayer(int nparam, void **params, int *ndims, int64_t **shape
   Paging paging;
   if (nparam != 19 || !valid(ndims) || !read_paging(params, ndims, shapes, 15, paging)) return 1;
   const uint8_t *const none[4] = {nullptr, nullptr, nullptr, nullptr};
-  return run_layer(params, shapes, none, paging, static_cast<float *>(params[18]));
+  return run_layer(params, shapes, none, false, paging, static_cast<float *>(params[18]));
 }
 
 namespace {
 
-// FusedLayerQ4's call on its 23 params (output at 22).
-int run_layer_q4(void **params, int *ndims, int64_t **shapes) {
+// FusedLayerQ4's call on its 23 params (output at 22); int8: FusedLayerQ4I8's.
+int run_layer_q4(void **params, int *ndims, int64_t **shapes, bool int8) {
   Paging paging;
   if (ndims[0] != 2 || ndims[6] != 2 || !read_paging(params, ndims, shapes, 19, paging)) return 1;
   const int slots[4] = {2, 10, 12, 13};  // where run_layer reads each product's [N / TILE, K, TILE]
@@ -251,7 +276,7 @@ int run_layer_q4(void **params, int *ndims, int64_t **shapes) {
     patched[slots[i]] = dims[i];
     q4w[i] = static_cast<const uint8_t *>(params[15 + i]);
   }
-  return run_layer(params, patched, q4w, paging, static_cast<float *>(params[22]));
+  return run_layer(params, patched, q4w, int8, paging, static_cast<float *>(params[22]));
 }
 
 }  // namespace
@@ -264,8 +289,18 @@ extern "C" int FusedLayerQ4(int nparam, void **params, int *ndims, int64_t **sha
                             void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   if (nparam != 23) return 1;
-  return run_layer_q4(params, ndims, shapes);
+  return run_layer_q4(params, ndims, shapes, false);
 }
+
+// FusedLayerQ4 with the opt-in int8 products for calls of many rows (packed_matmul.h q4i8).
+extern "C" int FusedLayerQ4I8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  if (nparam != 23) return 1;
+  return run_layer_q4(params, ndims, shapes, true);
+}
+
+namespace {
 
 // Every layer of the model in one op: FusedLayerQ4 layer after layer, each layer's output the
 // next one's input. One op a step instead of one a layer, each of whose launches MindSpore checked
@@ -274,9 +309,7 @@ extern "C" int FusedLayerQ4(int nparam, void **params, int *ndims, int64_t **sha
 //   0 x [N, D]   1 cos   2 sin   3 write [N KV]   4 len [N KV]   5 eps [1]   6 tables   7 row_table
 //   8 block_size (as FusedLayer's); then each layer's 9 inputs: attn_norm, bqkv, k_cache, v_cache,
 //   ffn_norm and the Q4_1 wqkv, wo, w_gate_up, w_down; output [N, D] last.
-extern "C" int FusedStackQ4(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                            void *stream, void *extra) {
-  (void)stream; (void)extra; (void)dtypes;
+int run_stack_q4(int nparam, void **params, int *ndims, int64_t **shapes, bool int8) {
   constexpr int COMMON = 9, PER_LAYER = 9;
   if (nparam < COMMON + PER_LAYER + 1 || (nparam - COMMON - 1) % PER_LAYER != 0 || ndims[0] != 2) return 1;
   const int layers = (nparam - COMMON - 1) / PER_LAYER;
@@ -301,8 +334,23 @@ extern "C" int FusedStackQ4(int nparam, void **params, int *ndims, int64_t **sha
     float *to = (layers - 1 - layer) % 2 == 0 ? out : other_buf.data();
     if (layer > 0) p[0] = (layers - layer) % 2 == 0 ? out : other_buf.data();
     p[22] = to;
-    const int failed = run_layer_q4(p, nd, sh);
+    const int failed = run_layer_q4(p, nd, sh, int8);
     if (failed) return failed;
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" int FusedStackQ4(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  return run_stack_q4(nparam, params, ndims, shapes, false);
+}
+
+// FusedStackQ4 with the opt-in int8 products for calls of many rows (packed_matmul.h q4i8).
+extern "C" int FusedStackQ4I8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  return run_stack_q4(nparam, params, ndims, shapes, true);
 }
