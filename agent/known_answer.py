@@ -26,7 +26,7 @@ FILE_NAME = "known_answer.npz"
 PROBE_LENGTH = 4  # prompt tokens; the decode step adds one more
 # Max |difference| allowed, relative to the largest |expected logit| (floor 1): float32 graphs agree
 # with the numpy forward to ~1e-5 of that; a graph that does not fit the weights is off by O(1).
-# "int8": a call that takes the opt-in int8 products (runtime.prompt_products): the default model's
+# "int8": a call that takes the opt-in int8 products (runtime.activations): the default model's
 # logits move by ~2-3% of the largest from float32's, and as much between two int8 implementations
 # that round a few activations the other way (float32 against float64 inputs).
 TOLERANCE = {"float32": 2e-3, "float16": 5e-2, "bfloat16": 1e-1, "int8": 1e-1}

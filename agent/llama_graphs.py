@@ -104,7 +104,7 @@ class CpuKernels:
     and with both a whole layer as one op (prefill and decode) where the layer's shapes allow (`layer`).
     None where MindSpore's own ops run."""
 
-    def __init__(self, attention: bool, matmul: bool, head_dim: int, int8_prompts: bool = False):
+    def __init__(self, attention: bool, matmul: bool, head_dim: int, int8_activations: bool = False):
         def custom(function: str, out_shape):
             return ops.Custom(
                 op_path(function), out_shape=out_shape, out_dtype=lambda x, *_: x, func_type="aot"
@@ -112,8 +112,8 @@ class CpuKernels:
 
         self.attention = custom("DecodeAttention", lambda q, *_: q) if attention else None
         self.layer = custom("FusedLayer", lambda x, *_: x) if attention and matmul else None
-        # runtime.prompt_products int8: the Q4_1 ops' products of many rows take int8 activations.
-        suffix = "I8" if int8_prompts else ""
+        # runtime.activations int8: the Q4_1 ops' products of more than 4 rows take int8 activations.
+        suffix = "I8" if int8_activations else ""
         self.layer_q4 = custom(f"FusedLayerQ4{suffix}", lambda x, *_: x) if attention and matmul else None
         self.stack_q4 = custom(f"FusedStackQ4{suffix}", lambda x, *_: x) if attention and matmul else None
         self.matmul = self.matmul_add = self.matmul_q8 = self.norm = self.swiglu = self.rope = None
@@ -643,9 +643,9 @@ class LlamaGraphs:
 
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = TensorSplit()):
         self.spec = checkpoint.spec
-        int8 = runtime.prompt_products == "int8"
+        int8 = runtime.activations == "int8"
         if int8 and not has_int8_products():
-            raise ValueError("runtime.prompt_products: int8 needs a CPU with AVX512-VNNI; use float32")
+            raise ValueError("runtime.activations: int8 needs a CPU with AVX512-VNNI; use float32")
         self.model = LlamaModel(
             checkpoint,
             pool_blocks(runtime),
@@ -657,7 +657,7 @@ class LlamaGraphs:
         )
         if int8 and not any(layer.quantized for layer in self.model.layers):
             raise ValueError(
-                "runtime.prompt_products: int8 applies to Q4_1 layers run by the fused kernel, and "
+                "runtime.activations: int8 applies to Q4_1 layers run by the fused kernel, and "
                 "this model has none (float32 weights or tensor parallelism); use float32"
             )
         self.inputs = GraphInputs(

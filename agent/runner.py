@@ -219,7 +219,7 @@ class ModelRunner:
         expected = np.stack([probe.prefill_logits, probe.decode_logits])
 
         def arithmetic(live_rows: int) -> str:  # the tolerance a call of `live_rows` rows is held to
-            int8 = self.runtime.prompt_products == "int8" and live_rows > INT8_ABOVE_ROWS
+            int8 = self.runtime.activations == "int8" and live_rows > INT8_ABOVE_ROWS
             return "int8" if int8 else dtype
 
         if kind == "prefill":

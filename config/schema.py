@@ -156,12 +156,13 @@ class RuntimeSection(Section):
     matmul: Literal["auto", "kernel", "mindspore"] = Field(
         "auto", description="the layers' matmuls: auto: the custom kernel on CPU, MindSpore's elsewhere"
     )
-    # Opt-in: cheaper prompts at the cost of exactness (the README's "int8 prompt products").
-    prompt_products: Literal["float32", "int8"] = Field(
+    # Opt-in: speed at the cost of exactness (the README's "int8 activations").
+    activations: Literal["float32", "int8"] = Field(
         "float32",
-        description="the arithmetic of the Q4_1 layers' products over more than 32 rows (prompts, "
-        "steps with a prompt's chunk): float32 (exact, the default) or int8 (activations quantized "
-        "per block of 32 as llama.cpp does; prompts ~2x faster, answers may differ; needs AVX512-VNNI)",
+        description="the Q4_1 layers' products in calls of more than 4 rows (prompts, mixed steps, "
+        "decode steps of more than 4 streams): float32 (exact, the default) or int8 (activations "
+        "quantized per block of 32 as llama.cpp does: prompts ~2x faster, answers may differ; "
+        "needs AVX512-VNNI)",
     )
     compile_cache_dir: Path | None = Field(
         Path("output/compile_cache"), description="MindSpore compile cache; null disables it"
@@ -219,9 +220,9 @@ class RuntimeSection(Section):
             raise ValueError(f"decode_attention: kernel is a CPU kernel; use gather on {self.device_target}")
         if self.matmul == "kernel" and self.device_target != "CPU":
             raise ValueError(f"matmul: kernel is a CPU kernel; use mindspore on {self.device_target}")
-        if self.prompt_products == "int8" and not (self.attention_kernel and self.matmul_kernel):
+        if self.activations == "int8" and not (self.attention_kernel and self.matmul_kernel):
             raise ValueError(
-                "prompt_products: int8 runs in the fused CPU layer kernel: it needs device_target CPU "
+                "activations: int8 runs in the fused CPU layer kernel: it needs device_target CPU "
                 "with matmul and decode_attention auto or kernel"
             )
         if self.device_target == "CPU" and self.dtype == "bfloat16":
@@ -834,9 +835,9 @@ class ServingConfig(Section):
                 "tensor-parallel groups build split graphs from model.path; MindIR "
                 "exports hold the whole model"
             )
-        if self.model.uses_mindir and self.runtime.prompt_products == "int8":
+        if self.model.uses_mindir and self.runtime.activations == "int8":
             raise ValueError(
-                "runtime.prompt_products: int8 picks the kernels of graphs built from model.path; "
+                "runtime.activations: int8 picks the kernels of graphs built from model.path; "
                 "a MindIR export holds the ops it was exported with"
             )
         return self

@@ -223,7 +223,7 @@ def q8_1(x: np.ndarray) -> np.ndarray:
 
 def forward(model: RefModel, tokens: list[int], cache: RefCache, int8: bool = False) -> np.ndarray:
     """Run `tokens` after what `cache` already holds; returns logits [len(tokens), vocab]. int8: every
-    layer product's input rounded to Q8_1 first (runtime.prompt_products: int8); not the LM head."""
+    layer product's input rounded to Q8_1 first (runtime.activations: int8); not the LM head."""
     act = q8_1 if int8 else (lambda a: a)
     start = cache.length
     positions = np.arange(start, start + len(tokens), dtype=np.float64)

@@ -117,11 +117,11 @@ def test_default_config_serves_the_embedded_model_on_cpu():
             "models\\[0\\] \\(a\\): .*num_slots \\(64\\) exceeds",
         ),
         ("server:\n  admin_api_keys: ['']\n", "an API key is empty or blank"),
-        ("runtime:\n  prompt_products: int8\n  matmul: mindspore\n", "int8 runs in the fused CPU layer"),
-        ("runtime:\n  prompt_products: bfloat16\n", "prompt_products"),
+        ("runtime:\n  activations: int8\n  matmul: mindspore\n", "int8 runs in the fused CPU layer"),
+        ("runtime:\n  activations: bfloat16\n", "activations"),
         (
             "model:\n  prefill_model: [a]\n  decode_model: [b]\n  argmax_model: c\n  topk_model: [d]\n"
-            "runtime:\n  prompt_products: int8\n",
+            "runtime:\n  activations: int8\n",
             "a MindIR export holds the ops it was exported with",
         ),
     ],

@@ -103,17 +103,17 @@ def test_default_model_greedy_matches_reference_and_says_paris(
 
 @pytest.mark.default_model
 @pytest.mark.skipif(not has_int8_products(), reason="the int8 products need AVX512-VNNI")
-def test_default_model_with_int8_prompt_products_warms_up_and_answers_as_the_int8_reference(
+def test_default_model_with_int8_activations_warms_up_and_answers_as_the_int8_reference(
     default_model_path,
 ):
-    """runtime.prompt_products int8 on the default model: the warm-up's known-answer check passes
-    with calls of more than 32 rows (a decode batch of 40, mixed steps of 40 sequences) held to the
+    """runtime.activations int8 on the default model: the warm-up's known-answer check passes
+    with calls of more than 4 rows (a decode batch of 40, mixed steps of 40 sequences) held to the
     int8 tolerance. The France question's 37-token prompt takes the int8 products: its greedy answer
     is the reference's with Q8_1 activations in the prompt, not the float reference's ("L'Étoile, la
     Marseillaise" instead of Paris: llama.cpp, whose Q4_1 products take Q8_1 activations too,
     answers the same; this is why int8 is opt-in)."""
     runtime = DEFAULT_RUNTIME.model_copy(
-        update={"num_slots": 40, "decode_batch_buckets": [1, 40], "prompt_products": "int8"}
+        update={"num_slots": 40, "decode_batch_buckets": [1, 40], "activations": "int8"}
     )
     checkpoint = load_checkpoint(default_model_path)
     runner = ModelRunner.from_checkpoint(checkpoint, runtime)

@@ -5,6 +5,10 @@ The tables are shuffled blocks of the pool, so a kernel that read a sequence's p
 contiguous rows, or one table for every row, would give other logits; prompts are prefilled in
 chunks with boundaries anywhere (a chunk reads the positions before it from the cache)."""
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -13,6 +17,7 @@ from agent.graph_interface import bucket
 from agent.kernels import has_int8_products
 from agent.llama_graphs import LlamaGraphs, as_tensors
 from agent.model.formats import load_checkpoint
+from config.schema import PROJECT_ROOT
 from conftest import TINY_RUNTIME
 from tiny_models import write_tiny_checkpoint, write_tiny_gguf
 
@@ -201,17 +206,17 @@ def test_q4_steps_of_many_rows_match_the_reference(tiny_q4_path):
 
 
 @pytest.mark.skipif(not has_int8_products(), reason="the int8 products need AVX512-VNNI")
-def test_int8_prompt_products_match_the_q8_1_reference(tiny_q4_path):
-    """runtime.prompt_products int8: calls of more than 32 rows (a 40-token chunk; a mixed step of 2
-    decode rows and a 37-token chunk: 39 rows) multiply with Q8_1 activations (packed_matmul.h q4i8:
-    row blocks of 6, 5 and fewer), against the reference that rounds each layer product's input the
-    same way; calls of up to 32 rows (a 20-token chunk, decode steps) stay float32 and match the
+def test_int8_activations_match_the_q8_1_reference(tiny_q4_path):
+    """runtime.activations int8: calls of more than 4 rows (chunks of 40 and 5 tokens; a mixed step
+    of 2 decode rows and a 37-token chunk: 39 rows) multiply with Q8_1 activations (packed_matmul.h
+    q4i8: row blocks of 6 and 5), against the reference that rounds each layer product's input the
+    same way; calls of up to 4 rows (a 4-token chunk, a decode step of 3) stay float32 and match the
     float reference. Where int8 ran, the float reference is far off: the int8 path was taken."""
-    graphs = graphs_of(tiny_q4_path, prompt_products="int8")
+    graphs = graphs_of(tiny_q4_path, activations="int8")
     reference = ref.load_gguf_reference(tiny_q4_path)
     tables = shuffled_tables(graphs, 3, seed=6)
     vocab = graphs.spec.vocab_size
-    a, b, c = prompt_ids(60, 31, vocab), prompt_ids(9, 32, vocab), prompt_ids(37, 33, vocab)
+    a, b, c = prompt_ids(44, 31, vocab), prompt_ids(5, 32, vocab), prompt_ids(37, 33, vocab)
     caches = [ref.RefCache() for _ in range(3)]
     int8_diffs, float_diffs, off_by_float = [], [], []
 
@@ -224,13 +229,13 @@ def test_int8_prompt_products_match_the_q8_1_reference(tiny_q4_path):
         return int(np.argmax(want))
 
     check(prefill(graphs, tables[0], a[:40]), True, caches[0], a[:40])  # 40 rows: int8
-    next_a = check(prefill(graphs, tables[0], a[40:], start=40), False, caches[0], a[40:])
-    next_b = check(prefill(graphs, tables[1], b), False, caches[1], b)
+    next_a = check(prefill(graphs, tables[0], a[40:], start=40), False, caches[0], a[40:])  # 4 rows
+    next_b = check(prefill(graphs, tables[1], b), True, caches[1], b)  # 5 rows
     rows = bucket(PREFILL_BUCKETS, 2 + len(c))
     logits, _ = graphs.mixed(
         tables[:2],
         np.array([next_a, next_b]),
-        np.array([60, 9]),
+        np.array([44, 5]),
         [(tables[2], np.array(c), 0, True)],
         rows,
         4,
@@ -238,20 +243,20 @@ def test_int8_prompt_products_match_the_q8_1_reference(tiny_q4_path):
     got = logits.asnumpy()
     tokens = [check(got[i], True, caches[i], [t]) for i, t in enumerate([next_a, next_b])]
     tokens.append(check(got[2], True, caches[2], c))
-    got = decode(graphs, tables, tokens, [61, 10, 37])  # 3 rows: float32
+    got = decode(graphs, tables, tokens, [45, 6, 37])  # 3 rows: float32
     for i, token in enumerate(tokens):
         check(got[i], False, caches[i], [token])
     assert max(int8_diffs + float_diffs) < TOLERANCE, (int8_diffs, float_diffs)
     assert min(off_by_float) > 10 * max(int8_diffs), (off_by_float, int8_diffs)
 
 
-def test_int8_prompt_products_are_refused_where_they_cannot_run(tiny_llama_dir, tiny_q4_path, monkeypatch):
+def test_int8_activations_are_refused_where_they_cannot_run(tiny_llama_dir, tiny_q4_path, monkeypatch):
     """A model without Q4_1 layers, and a CPU without AVX512-VNNI (mocked: this machine has it)."""
     with pytest.raises(ValueError, match="this model has none"):
-        graphs_of(tiny_llama_dir, prompt_products="int8")
+        graphs_of(tiny_llama_dir, activations="int8")
     monkeypatch.setattr("agent.llama_graphs.has_int8_products", lambda: False)
     with pytest.raises(ValueError, match="needs a CPU with AVX512-VNNI"):
-        graphs_of(tiny_q4_path, prompt_products="int8")
+        graphs_of(tiny_q4_path, activations="int8")
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 128])
@@ -308,3 +313,50 @@ def test_kernels_refuse_a_table_that_slipped_past_the_host(path, tiny_llama_dir,
     prompt = prompt_ids(6, 0, graphs.spec.vocab_size)
     want = ref.forward(reference, prompt, ref.RefCache())[-1]
     assert np.abs(prefill(graphs, table, prompt) - want).max() < TOLERANCE
+
+
+@pytest.mark.skipif(not has_int8_products(), reason="the int8 products need AVX512-VNNI")
+def test_agreement_tool_compares_greedy_answers(tiny_q4_path, tmp_path):
+    """python -m tools.agreement: a config against itself agrees everywhere; int8 against float32
+    reports, per prompt, where its answer first differs (or that it does not)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"tell me about {w}"}) + "\n" for w in ("cats", "rain")))
+    runtime = (
+        "runtime: {num_slots: 2, max_seq_len: 64, memory_budget_mb: null, prefill_buckets: [16, 64], "
+        "decode_batch_buckets: [1, 2], attend_buckets: [64], compile_cache_dir: null%s}\n"
+    )
+    configs = {}
+    for name, extra in (("float32", ""), ("int8", ", activations: int8")):
+        configs[name] = tmp_path / f"{name}.yaml"
+        configs[name].write_text(f"model: {{path: {tiny_q4_path}}}\n" + runtime % extra)
+
+    def agreement(config: str, against: str) -> dict:
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tools.agreement",
+                "--config",
+                str(configs[config]),
+                "--against",
+                str(configs[against]),
+                "--tokens",
+                "8",
+                "--batch",
+                "2",
+                "--prompts",
+                str(prompts),
+            ],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        return json.loads((PROJECT_ROOT / "output" / "agreement.json").read_text())
+
+    same = agreement("float32", "float32")
+    assert same["answers_identical"] == 1.0 and same["tokens_before_first_difference"] == 1.0
+    int8 = agreement("int8", "float32")
+    assert [a["prompt_tokens"] for a in int8["answers"]] == [a["prompt_tokens"] for a in same["answers"]]
+    assert all(a["first_difference"] is None or 0 <= a["first_difference"] < 8 for a in int8["answers"])

@@ -1,15 +1,16 @@
 """How often a config's greedy answers equal the default config's: the agreement rate of arithmetic
-that changes answers (runtime.prompt_products: int8) with the float32 path, which the tests hold equal
+that changes answers (runtime.activations: int8) with the float32 path, which the tests hold equal
 to the independent fp32 reference.
 
 python -m tools.agreement --config CONFIG [--against config/default.yaml] [--tokens 64] [--batch 16]
 
-Each prompt of the bench's prompt file (or --prompt-words N words of its text, as the bench's long
-prompts) as a chat's first turn, `--batch` of them decoded together; greedy, `--tokens` tokens each
-(ignoring EOS, so every answer is as long). Prints each answer's first differing token and the
-shares of answers identical and of tokens before the first difference; writes
-output/agreement.json. Under int8, calls of more than 32 rows take int8 products: each prompt of
-more than 32 tokens, and decode steps of more than 32 streams (--batch 64).
+Each prompt of the bench's prompt file (--prompts: JSONL, a "prompt" per line; or --prompt-words N
+words of its text, as the bench's long prompts) as a chat's first turn, `--batch` of them decoded
+together; greedy, `--tokens` tokens each (ignoring EOS, so every answer is as long). Prints each
+answer's first differing token and the shares of answers identical and of tokens before the first
+difference; writes output/agreement.json. Under int8, calls of more than 4 rows take int8
+products: each prompt of more than 4 tokens, and decode steps of more than 4 streams (--batch 16
+against --batch 4).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from agent.bootstrap import Placement, build_runner  # noqa: E402
 from agent.contract.sampling import SamplingParams  # noqa: E402
 from agent.model.formats import load_checkpoint  # noqa: E402
 from agent.model.tokenizer import load_tokenizer  # noqa: E402
-from config import ServingConfig, load_config  # noqa: E402
+from config import PROJECT_ROOT, ServingConfig, load_config  # noqa: E402
 from tools.bench.__main__ import PROMPTS, background_prompt  # noqa: E402
 
-OUTPUT = Path("output/agreement.json")
+OUTPUT = PROJECT_ROOT / "output" / "agreement.json"
 
 
 def answers(config: ServingConfig, prompts: list[list[int]], tokens: int, batch: int) -> list[list[int]]:
@@ -70,12 +71,13 @@ def main() -> int:
     parser.add_argument("--against", help="the baseline config (default: config/default.yaml)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompts", type=Path, default=PROMPTS, help='JSONL with a "prompt" per line')
     parser.add_argument("--prompt-words", type=int, default=0, metavar="N")
     args = parser.parse_args()
     config, baseline = load_config(args.config), load_config(args.against)
     if config.model.path != baseline.model.path:
         raise SystemExit("the two configs serve different models")
-    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    texts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
     if args.prompt_words:
         texts = [background_prompt(texts, args.prompt_words, start=i * 997) for i in range(len(texts))]
     tokenizer = load_tokenizer(config.model.path)

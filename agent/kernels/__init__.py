@@ -92,9 +92,9 @@ def build() -> Path:
     return lib
 
 
-# Calls of more rows than this take the int8 products under runtime.prompt_products int8
-# (packed_matmul.h DIRECT_ROWS: fewer are multiplied straight from the Q4_1 blocks in float32).
-INT8_ABOVE_ROWS = 32
+# Calls of more rows than this take the int8 products under runtime.activations int8 (packed_matmul.h
+# q4i8::ABOVE_ROWS).
+INT8_ABOVE_ROWS = 4
 
 
 def has_int8_products() -> bool:

@@ -111,8 +111,9 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], bool
   // Q4_1 copies of wqkv, wo, w_gate_up, w_down (packed_matmul.h q4), or null
   const bool quantized = q4w[0] != nullptr;
   if (int8 && (!quantized || !q4i8::AVAILABLE)) return 1;
-  // The opt-in int8 products (q4i8) take many rows only; each product's input is quantized first.
-  const bool int8_rows = int8 && live > packed::DIRECT_ROWS;
+  // The opt-in int8 products (q4i8) take calls of more than q4i8::ABOVE_ROWS rows; each product's input
+  // is quantized first.
+  const bool int8_rows = int8 && live > q4i8::ABOVE_ROWS;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> xd_buf, xs_buf;
   q4i8::Rows xq{nullptr, nullptr, nullptr, 0};
@@ -292,7 +293,7 @@ extern "C" int FusedLayerQ4(int nparam, void **params, int *ndims, int64_t **sha
   return run_layer_q4(params, ndims, shapes, false);
 }
 
-// FusedLayerQ4 with the opt-in int8 products for calls of many rows (packed_matmul.h q4i8).
+// FusedLayerQ4 with the opt-in int8 products for calls of more than q4i8::ABOVE_ROWS rows.
 extern "C" int FusedLayerQ4I8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
@@ -348,7 +349,7 @@ extern "C" int FusedStackQ4(int nparam, void **params, int *ndims, int64_t **sha
   return run_stack_q4(nparam, params, ndims, shapes, false);
 }
 
-// FusedStackQ4 with the opt-in int8 products for calls of many rows (packed_matmul.h q4i8).
+// FusedStackQ4 with the opt-in int8 products for calls of more than q4i8::ABOVE_ROWS rows.
 extern "C" int FusedStackQ4I8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
