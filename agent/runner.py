@@ -231,11 +231,11 @@ class ModelRunner:
                 np.tile(scratch, (rows, 1)), np.full(rows, probe.decode_token), np.full(rows, n), rows, length
             )
             if check:
-                got = logits.asnumpy()
+                got, held_to = logits.asnumpy(), arithmetic(rows)
                 for row in got:
-                    compare(check, row, probe.decode_logits, arithmetic(rows))
+                    compare(check, row, probe.decode_logits, held_to)
                 # int8 products may reorder near-equal logits: the graph's argmax is of its own
-                chosen_from = got if arithmetic(rows) == "int8" else np.tile(probe.decode_logits, (rows, 1))
+                chosen_from = got if held_to == "int8" else np.tile(probe.decode_logits, (rows, 1))
                 check_post_process(check, chosen_from, greedy.asnumpy())
         elif kind == "mixed":  # the probe's prompt as a chunk and rows - 1 decode rows after it
             assert isinstance(self.graphs, MixedStepGraphs)
@@ -249,10 +249,10 @@ class ModelRunner:
                 rows,
             )
             if check:
-                got = logits.asnumpy()
-                compare(check, got[decodes], probe.prefill_logits, arithmetic(decodes + n))
+                got, held_to = logits.asnumpy(), arithmetic(decodes + n)
+                compare(check, got[decodes], probe.prefill_logits, held_to)
                 for row in got[:decodes]:
-                    compare(check, row, probe.decode_logits, arithmetic(decodes + n))
+                    compare(check, row, probe.decode_logits, held_to)
                 check_post_process(check, got, greedy.asnumpy())
         elif kind == "kv_export":
             blocks = self._kv_graphs().kv_export(scratch, length)

@@ -216,8 +216,7 @@ def q8_1(x: np.ndarray) -> np.ndarray:
     d = max |x| / 127 (to nearest, ties to even), then dequantized (d * q) in float64."""
     blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0))
-    q = np.rint(blocks * inverse)
+    q = np.rint(blocks * (np.float32(127) / np.where(amax > 0, amax, np.float32(1))))  # all-zero blocks: 0
     return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
 
 

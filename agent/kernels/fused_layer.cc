@@ -116,25 +116,26 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], bool
   const bool int8_rows = int8 && live > q4i8::ABOVE_ROWS;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> xd_buf, xs_buf;
-  q4i8::Rows xq{nullptr, nullptr, nullptr, 0};
   if (int8_rows) {
     const int64_t widest = std::max({dim, q_width, ffn});
     if (widest % q4i8::BLOCK != 0) return 1;
     xq_buf.resize(live * widest);
     xd_buf.resize(live * widest / q4i8::BLOCK);
     xs_buf.resize(live * widest / q4i8::BLOCK);
-    xq = {xq_buf.data(), xd_buf.data(), xs_buf.data(), 0};
   }
+  // The product's input quantized, k_dim wide: one set of buffers, each product's in turn (their
+  // addresses taken here: in the team's threads the thread_local names are other vectors).
+  int8_t *const xq = xq_buf.data();
+  float *const xd = xd_buf.data(), *const xs = xs_buf.data();
+  auto activations = [=](int64_t k_dim) { return q4i8::Rows{xq, xd, xs, k_dim}; };
   // Before a product: its input's rows quantized (int8_rows only), then the team's barrier.
   auto quantize = [&](team::Region &region, const float *in, int64_t k_dim) {
-    if (!int8_rows) return;
-    xq.k_dim = k_dim;
-    region.for_static(live, [&](int64_t row) { q4i8::quantize_row(xq, in, row); });
+    if (int8_rows) region.for_static(live, [&](int64_t row) { q4i8::quantize_row(activations(k_dim), in, row); });
   };
   // tile j of x @ W (+ residual) into out (rows of n_dim), from weights `which` (0 qkv, 1 wo, 2 gate/up, 3 down)
   auto product = [&](int which, const float *w, const float *in, const float *residual, float *to,
                      int64_t k_dim, int64_t n_dim, int64_t j) {
-    if (int8_rows) q4i8::tile(xq, q4w[which], residual, to, live, n_dim, j);
+    if (int8_rows) q4i8::tile(activations(k_dim), q4w[which], residual, to, live, n_dim, j);
     else if (quantized) q4::tile(in, q4w[which], residual, to, live, k_dim, n_dim, j);
     else packed::tile(in, w, residual, to, live, k_dim, n_dim, j);
   };

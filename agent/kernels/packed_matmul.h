@@ -415,16 +415,17 @@ inline void tile_rows(const Rows &x, const uint8_t *unpacked, const uint8_t *til
         sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], w1, xv);
       }
     }
-    const float *block = reinterpret_cast<const float *>(tile + b * q4::TILE_BYTES);
+    const float *block = reinterpret_cast<const float *>(tile + b * q4::TILE_BYTES);  // d[TILE], m[TILE]
+    const __m512 d[2] = {_mm512_loadu_ps(block), _mm512_loadu_ps(block + 16)};
+    const __m512 m[2] = {_mm512_loadu_ps(block + packed::TILE), _mm512_loadu_ps(block + packed::TILE + 16)};
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t at = (row0 + r) * blocks + b;
       const __m512 dx = _mm512_set1_ps(x.d[at]), sx = _mm512_set1_ps(x.s[at]);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        const __m512 d = _mm512_loadu_ps(block + 16 * h), m = _mm512_loadu_ps(block + packed::TILE + 16 * h);
-        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][h]), _mm512_mul_ps(d, dx), acc[r][h]);
-        acc[r][h] = _mm512_fmadd_ps(m, sx, acc[r][h]);
+        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][h]), _mm512_mul_ps(d[h], dx), acc[r][h]);
+        acc[r][h] = _mm512_fmadd_ps(m[h], sx, acc[r][h]);
       }
     }
   }
