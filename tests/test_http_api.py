@@ -246,6 +246,11 @@ def test_benchmark_tool_runs_against_the_server(stack, tmp_path):
     s = json.loads((tmp_path / "mixed.json").read_text())["results"][0]["summary"]
     assert s["requests"] == 4 and s["errors"] == 0 and 0 < s["output_tokens"] <= 4 * 20
     assert s["background_requests"] >= 1 and s["background_errors"] == 0 and s["background_ttft_p50_s"] > 0
+    # the first arrives after half an interval: the window's count is its length over the interval,
+    # rounded (starting at once would add one)
+    assert s["background_requests"] <= s["wall_s"] / 0.2 + 0.5
+    assert s["background_per_min"] == pytest.approx(60 * s["background_requests"] / s["wall_s"])
+    assert "| prompts | per minute |" in (tmp_path / "mixed.md").read_text()
 
 
 def write_prompts(directory):

@@ -411,6 +411,8 @@ def timed_run(
                 for key in ("requests", "errors", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
             }
         )
+        # the rate the prompts met: the window, not the interval, decides how many arrive in it
+        summary["background_per_min"] = 60 * side["requests"] / wall if wall > 0 else 0.0
     if "hostile" in sides:
         summary.update(summarize_hostile(sides["hostile"], args.hostile_kinds))
     return summary

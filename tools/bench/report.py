@@ -51,6 +51,28 @@ def ttft_split_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def background_table(results: list[dict]) -> str:
+    """The long prompts beside each (target, level) (medians over the runs): how many arrived in
+    the timed window, their rate over it, and their TTFT; "" if there were none."""
+    lines = [
+        "| target | level | prompts | per minute | TTFT p50 ms | TTFT p99 ms | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results:
+        s = row["summary"]
+        if "background_requests" not in s:
+            continue
+        ttft = [
+            "-" if s[k] is None else f"{s[k] * 1000:.0f}"
+            for k in ("background_ttft_p50_s", "background_ttft_p99_s")
+        ]
+        lines.append(
+            f"| {row['target']} | {row['level']} | {s['background_requests']:.0f} "
+            f"| {s['background_per_min']:.1f} | {ttft[0]} | {ttft[1]} | {s['background_errors']:.0f} |"
+        )
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 HOSTILE_COLUMNS = [  # (header, key suffix, scale, format)
     ("requests", "requests", 1, "{:.0f}"),
     ("HTTP 200", "http_200", 1, "{:.0f}"),
@@ -122,9 +144,11 @@ def write(results: list[dict], settings: dict, out_dir: Path, stem: str) -> dict
     paths["json"].write_text(
         json.dumps({"settings": settings, "results": results}, indent=2, ensure_ascii=False)
     )
-    hostile = hostile_table(results)
+    background, hostile = background_table(results), hostile_table(results)
     paths["md"].write_text(
-        markdown_table(results) + (f"\nHostile requests beside the runs:\n\n{hostile}" if hostile else "")
+        markdown_table(results)
+        + (f"\nLong prompts beside the runs:\n\n{background}" if background else "")
+        + (f"\nHostile requests beside the runs:\n\n{hostile}" if hostile else "")
     )
     plot(results, paths["png"])
     return paths
