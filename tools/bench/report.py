@@ -24,52 +24,69 @@ COLUMNS = [  # (header, key, scale, format)
 ]
 
 
+def table_header(names: list[str]) -> list[str]:
+    return ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+
+
+def table_line(cells: list) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def formatted(summary: dict, columns: list[tuple], prefix: str = "") -> list[str]:
+    """The cells of `columns` ((header, key, scale, format)) from `summary`'s `prefix + key`, "-"
+    where a value is missing (None)."""
+    cells = []
+    for _, key, scale, fmt in columns:
+        value = summary[prefix + key]
+        cells.append("-" if value is None else fmt.format(value * scale))
+    return cells
+
+
 def markdown_table(results: list[dict]) -> str:
     """One row per (target, level); each cell is the median over the level's runs."""
-    head = ["target", "level", *(c[0] for c in COLUMNS)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = table_header(["target", "level", *(c[0] for c in COLUMNS)])
     for row in results:
-        cells = [row["target"], row["level"]]
-        for _, key, scale, fmt in COLUMNS:
-            value = row["summary"][key]
-            cells.append("-" if value is None else fmt.format(value * scale))
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        lines.append(table_line([row["target"], row["level"], *formatted(row["summary"], COLUMNS)]))
     return "\n".join(lines) + "\n"
+
+
+TTFT_SPLIT_COLUMNS = [  # (header, key, scale, format)
+    ("first TTFT ms", "ttft_first_s", 1000, "{:.0f}"),
+    ("rest TTFT p50 ms", "ttft_rest_p50_s", 1000, "{:.0f}"),
+    ("first turns p50 ms", "ttft_first_turn_p50_s", 1000, "{:.0f}"),
+    ("later turns p50 ms", "ttft_later_turns_p50_s", 1000, "{:.0f}"),
+]
 
 
 def ttft_split_table(results: list[dict]) -> str:
     """Shared-prefix and multi-turn runs: the TTFT of the first request and of first turns, apart
     from the rest (which a prefix cache may serve)."""
-    lines = [
-        "| target | level | first TTFT ms | rest TTFT p50 ms | first turns p50 ms | later turns p50 ms |",
-        "|---|---|---|---|---|---|",
-    ]
-    keys = ("ttft_first_s", "ttft_rest_p50_s", "ttft_first_turn_p50_s", "ttft_later_turns_p50_s")
+    lines = table_header(["target", "level", *(c[0] for c in TTFT_SPLIT_COLUMNS)])
     for row in results:
-        cells = ["-" if row["summary"][k] is None else f"{row['summary'][k] * 1000:.0f}" for k in keys]
-        lines.append(f"| {row['target']} | {row['level']} | " + " | ".join(cells) + " |")
+        lines.append(
+            table_line([row["target"], row["level"], *formatted(row["summary"], TTFT_SPLIT_COLUMNS)])
+        )
     return "\n".join(lines) + "\n"
+
+
+BACKGROUND_COLUMNS = [  # (header, key, scale, format)
+    ("prompts", "background_requests", 1, "{:.0f}"),
+    ("per minute", "background_per_min", 1, "{:.1f}"),
+    ("TTFT p50 ms", "background_ttft_p50_s", 1000, "{:.0f}"),
+    ("TTFT p99 ms", "background_ttft_p99_s", 1000, "{:.0f}"),
+    ("errors", "background_errors", 1, "{:.0f}"),
+]
 
 
 def background_table(results: list[dict]) -> str:
     """The long prompts beside each (target, level) (medians over the runs): how many arrived in
     the timed window, their rate over it, and their TTFT; "" if there were none."""
-    lines = [
-        "| target | level | prompts | per minute | TTFT p50 ms | TTFT p99 ms | errors |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = table_header(["target", "level", *(c[0] for c in BACKGROUND_COLUMNS)])
     for row in results:
-        s = row["summary"]
-        if "background_requests" not in s:
-            continue
-        ttft = [
-            "-" if s[k] is None else f"{s[k] * 1000:.0f}"
-            for k in ("background_ttft_p50_s", "background_ttft_p99_s")
-        ]
-        lines.append(
-            f"| {row['target']} | {row['level']} | {s['background_requests']:.0f} "
-            f"| {s['background_per_min']:.1f} | {ttft[0]} | {ttft[1]} | {s['background_errors']:.0f} |"
-        )
+        if "background_requests" in row["summary"]:
+            lines.append(
+                table_line([row["target"], row["level"], *formatted(row["summary"], BACKGROUND_COLUMNS)])
+            )
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
@@ -97,16 +114,11 @@ def hostile_table(results: list[dict]) -> str:
     """The hostile requests beside each (target, level), one row per kind (medians over the runs;
     unexpected: another status than the kind's expected one, 413 for huge_prompt, else 200); ""
     if there were none."""
-    head = ["target", "level", "hostile kind", *(c[0] for c in HOSTILE_COLUMNS)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = table_header(["target", "level", "hostile kind", *(c[0] for c in HOSTILE_COLUMNS)])
     for row in results:
-        summary = row["summary"]
-        for kind in hostile_kinds(summary):
-            cells = [row["target"], row["level"], kind]
-            for _, suffix, scale, fmt in HOSTILE_COLUMNS:
-                value = summary[f"hostile_{kind}_{suffix}"]
-                cells.append("-" if value is None else fmt.format(value * scale))
-            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        for kind in hostile_kinds(row["summary"]):
+            cells = formatted(row["summary"], HOSTILE_COLUMNS, f"hostile_{kind}_")
+            lines.append(table_line([row["target"], row["level"], kind, *cells]))
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
