@@ -32,7 +32,8 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from agent.graph_interface import GraphInputs, pool_blocks
-from agent.kernels import has_int8_products, op_path
+from agent.kernels import TARGET_ENV, has_int8_products, op_path
+from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
 from agent.model.quantized import Q4Matrix
 from agent.model.spec import ModelSpec
@@ -645,7 +646,10 @@ class LlamaGraphs:
         self.spec = checkpoint.spec
         int8 = runtime.activations == "int8"
         if int8 and not has_int8_products():
-            raise ValueError("runtime.activations: int8 needs a CPU with AVX512-VNNI; use float32")
+            raise ValueError(
+                "runtime.activations: int8 needs kernels built with AVX512-VNNI (a CPU without it, or "
+                f"{TARGET_ENV}={kernel_target()}); use float32"
+            )
         self.model = LlamaModel(
             checkpoint,
             pool_blocks(runtime),

@@ -19,6 +19,7 @@ from agent.process_env import set_process_defaults  # noqa: E402
 
 set_process_defaults()  # as the agent processes run: before MindSpore loads
 
+from agent.kernels import TARGET_ENV, testable_targets  # noqa: E402
 from agent.model.formats import load_checkpoint  # noqa: E402
 from config.schema import PROJECT_ROOT, RuntimeSection  # noqa: E402
 from tiny_models import write_tiny_checkpoint  # noqa: E402
@@ -92,6 +93,21 @@ def _unit_runs_leave_mindspore_out(request: pytest.FixtureRequest):
         pytest.fail(
             "this unit test imported MindSpore: move it out of the unit modules or make the import lazy"
         )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that takes `kernel_target` runs once per kernel target this machine executes that
+    compiles other code (agent/kernels: native, then avx2 and portable below it), so a machine with
+    AVX-512 proves the AVX2 and the portable code paths too."""
+    if "kernel_target" in metafunc.fixturenames:
+        metafunc.parametrize("kernel_target", testable_targets(), indirect=True)
+
+
+@pytest.fixture
+def kernel_target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernel target of this run of the test: graphs built in it call that target's library."""
+    monkeypatch.setenv(TARGET_ENV, request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")

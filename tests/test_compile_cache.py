@@ -7,6 +7,7 @@ MindSpore's compile cache is process-wide, so each cached run below is its own p
 from __future__ import annotations
 
 import json
+import platform
 import shutil
 import subprocess
 import sys
@@ -215,6 +216,28 @@ def test_kernel_builds_are_keyed_by_their_inputs(monkeypatch, tmp_path):
     kernels.build_id.cache_clear()
     monkeypatch.undo()
     assert kernels.build_id() == before
+    assert len({kernels.build_id(name) for name in kernels.TARGETS}) == len(kernels.TARGETS)
+
+
+def test_kernel_targets_compile_their_own_code_paths(monkeypatch):
+    """MS_LLM_KERNEL_TARGET: avx2 defines AVX2 and FMA but no AVX-512 (the paths most users' CPUs
+    take), portable no vector instruction set (the vector-extension fallback); an unknown target is
+    refused naming the valid ones. The native target is this process's default."""
+    import agent.kernels as kernels
+
+    assert kernels.target() == "native"
+    if platform.machine() == "x86_64":
+        assert {"__AVX2__", "__FMA__"} <= kernels.target_macros("avx2")
+        assert not {"__AVX512F__", "__AVX512VNNI__"} & kernels.target_macros("avx2")
+        assert not kernels.has_int8_products("avx2")
+    assert not {"__AVX__", "__AVX2__", "__AVX512F__"} & kernels.target_macros("portable")
+    assert kernels.testable_targets()[0] == "native"
+    monkeypatch.setenv(kernels.TARGET_ENV, "avx2")
+    assert kernels.op_path("DecodeAttention").startswith(str(kernels.build_dir("avx2")))
+    monkeypatch.setenv(kernels.TARGET_ENV, "sse9")
+    valid = "not a kernel target; use one of native, avx2, portable"
+    with pytest.raises(kernels.KernelBuildError, match=valid):
+        kernels.target()
 
 
 def test_a_corrupted_default_model_of_the_right_size_is_fetched_again(

@@ -16,9 +16,9 @@ from kernel_calls import call
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def library():
-    return ctypes.CDLL(str(build()))
+@pytest.fixture
+def library(kernel_target):
+    return ctypes.CDLL(str(build(kernel_target)))
 
 
 def reference(q, k_cache, v_cache, tables, block, lengths, kv) -> np.ndarray:

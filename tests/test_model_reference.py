@@ -47,9 +47,11 @@ def compare_logits(
     "attention, matmul", [("kernel", "kernel"), ("gather", "kernel"), ("kernel", "mindspore")]
 )
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tiny_checkpoint_logits_match_reference(family, attention, matmul, tiny_llama_dir, tiny_qwen2_dir):
+def test_tiny_checkpoint_logits_match_reference(
+    family, attention, matmul, tiny_llama_dir, tiny_qwen2_dir, kernel_target
+):
     """Both decode attention paths (the custom CPU kernel; gather + batched matmuls) and both
-    matmul paths (the custom kernel on packed weights; MindSpore's MatMul)."""
+    matmul paths (the custom kernel on packed weights; MindSpore's MatMul), at every kernel target."""
     directory = tiny_llama_dir if family == "llama" else tiny_qwen2_dir
     runtime = TINY_RUNTIME.model_copy(update={"decode_attention": attention, "matmul": matmul})
     runner = ModelRunner.from_checkpoint(load_checkpoint(directory), runtime)
@@ -83,10 +85,20 @@ def test_default_model_logits_match_reference(default_runner, default_model_path
     assert max(diffs) < 1e-3, diffs
 
 
+@pytest.fixture
+def default_runner_at_target(kernel_target, request, default_model_path) -> ModelRunner:
+    """The default model's runner with the kernels of this test's target (native: the shared one)."""
+    if kernel_target == "native":
+        return request.getfixturevalue("default_runner")
+    return ModelRunner.from_checkpoint(load_checkpoint(default_model_path), DEFAULT_RUNTIME)
+
+
 @pytest.mark.default_model
 def test_default_model_greedy_matches_reference_and_says_paris(
-    default_runner, default_model_path, release_all
+    default_runner_at_target, default_model_path, release_all
 ):
+    """At every kernel target this machine runs: the AVX-512, AVX2 and portable code paths."""
+    default_runner = default_runner_at_target
     release_all(default_runner)
     reference = ref.load_gguf_reference(default_model_path)
     tokenizer = load_tokenizer(default_model_path)

@@ -31,9 +31,9 @@ def _q8_weights(rng: np.random.Generator, n_dim: int, k_dim: int) -> tuple[np.nd
     return matrix.dequantize().astype(np.float64), matrix.pack()
 
 
-@pytest.fixture(scope="module")
-def library():
-    return ctypes.CDLL(str(build()))
+@pytest.fixture
+def library(kernel_target):
+    return ctypes.CDLL(str(build(kernel_target)))
 
 
 @pytest.mark.parametrize("k_dim", [40, 96])

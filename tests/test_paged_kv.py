@@ -110,7 +110,9 @@ def graphs_of(directory, **settings) -> LlamaGraphs:
 @pytest.mark.parametrize(
     "path, model", [(path, "tiny") for path in PATHS] + [("fused", "head dim 64")], ids=lambda v: v
 )
-def test_shuffled_block_tables_match_the_reference(path, model, tiny_llama_dir, head_dim_64_dir):
+def test_shuffled_block_tables_match_the_reference(
+    path, model, tiny_llama_dir, head_dim_64_dir, kernel_target
+):
     """Three sequences of 7, 23 and 41 tokens (1, 2 and 3 blocks of 16) in shuffled blocks: prefill,
     then decode steps of all three at once (4 rows: one padding row in the scratch slot)."""
     directory = tiny_llama_dir if model == "tiny" else head_dim_64_dir
@@ -128,7 +130,9 @@ def test_shuffled_block_tables_match_the_reference(path, model, tiny_llama_dir, 
 @pytest.mark.parametrize(
     "sizes", [[5, 11, 1], [1, 1, 30], [16, 16]], ids=["5+11+1+rest", "1+1+30+rest", "16+16+rest"]
 )
-def test_prompt_prefilled_in_chunks_equals_the_whole_prompt(sizes, model, tiny_llama_dir, head_dim_64_dir):
+def test_prompt_prefilled_in_chunks_equals_the_whole_prompt(
+    sizes, model, tiny_llama_dir, head_dim_64_dir, kernel_target
+):
     """Each chunk's last logits are the reference's at that position; after the last chunk the
     sequence decodes as the whole-prompt prefill's does (both decoded in one batch). Head dim 64:
     chunks of 8 rows or more attend as products (agent/kernels/prompt_attention.h), shorter ones
@@ -167,7 +171,7 @@ def tiny_q4_path(tmp_path_factory):
     return write_tiny_gguf(hf, directory / "tiny-Q4_1.gguf", "Q4_1", embedding_qtype="Q8_0")
 
 
-def test_q4_one_and_two_row_steps_read_through_the_tables(tiny_q4_path):
+def test_q4_one_and_two_row_steps_read_through_the_tables(tiny_q4_path, kernel_target):
     """Chunks of 1 and 2 tokens and decode steps of 1 and 2 sequences run the Q4_1 products (one
     row: q4::tile_row; two: a block of packed::direct_rows)."""
     graphs = graphs_of(tiny_q4_path)
@@ -189,7 +193,7 @@ def test_q4_one_and_two_row_steps_read_through_the_tables(tiny_q4_path):
     assert max(diffs) < TOLERANCE, diffs
 
 
-def test_q4_steps_of_many_rows_match_the_reference(tiny_q4_path):
+def test_q4_steps_of_many_rows_match_the_reference(tiny_q4_path, kernel_target):
     """Prompts of 3 to 40 tokens and decode steps of 3 and 4 sequences: up to 32 rows the Q4_1
     tiles are multiplied straight from their blocks (26 rows: two blocks of 13), above 32 they are
     dequantized whole and multiplied as float32 tiles (40 rows; packed_matmul.h q4::tile)."""
@@ -251,11 +255,13 @@ def test_int8_activations_match_the_q8_1_reference(tiny_q4_path):
 
 
 def test_int8_activations_are_refused_where_they_cannot_run(tiny_llama_dir, tiny_q4_path, monkeypatch):
-    """A model without Q4_1 layers, and a CPU without AVX512-VNNI (mocked: this machine has it)."""
+    """A model without Q4_1 layers (the kernels' int8 products mocked present, whatever this CPU
+    has), and kernels without AVX512-VNNI (mocked absent, whatever this CPU has)."""
+    monkeypatch.setattr("agent.llama_graphs.has_int8_products", lambda: True)
     with pytest.raises(ValueError, match="this model has none"):
         graphs_of(tiny_llama_dir, activations="int8")
     monkeypatch.setattr("agent.llama_graphs.has_int8_products", lambda: False)
-    with pytest.raises(ValueError, match="needs a CPU with AVX512-VNNI"):
+    with pytest.raises(ValueError, match="needs kernels built with AVX512-VNNI"):
         graphs_of(tiny_q4_path, activations="int8")
 
 
