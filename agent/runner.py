@@ -28,20 +28,21 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from agent.contract.sampling import SamplingParams, TokenLogprob
+from agent.contract.sampling import NO_TOKEN, SamplingParams, SequenceFault, TokenLogprob
 from agent.graph_interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket, mixed_rows
 from agent.kernels import INT8_ABOVE_ROWS
 from agent.known_answer import KnownAnswer, check_post_process, compare, probe_length, probe_tokens
 from agent.llama_graphs import LlamaGraphs, TensorSplit
 from agent.mindir import MindIRGraphs
 from agent.model.checkpoint import Checkpoint
-from agent.sampling import SlotSampler
+from agent.sampling import SamplingFault, SlotSampler
 from config.schema import ModelSection, RuntimeSection
 
 log = logging.getLogger(__name__)
@@ -389,6 +390,10 @@ class ModelRunner:
                 raise RunnerError(f"slot {slot} is full ({self.max_len} positions)")
             if state.sampler is None or state.next_token is None:
                 raise RunnerError(f"slot {slot} has not finished its prompt")
+            if state.sampler.fault is not None:
+                raise RunnerError(
+                    f"slot {slot} ended with an error ({state.sampler.fault.message}); release it"
+                )
         if tables is None:
             return states, [s.table for s in states]
         return states, [
@@ -612,6 +617,12 @@ class ModelRunner:
         state = self._active(slot)
         return state.sampler.last if state.sampler is not None else None
 
+    def fault(self, slot: int) -> SequenceFault | None:
+        """Why the slot's last choice failed (its token is NO_TOKEN), if it did: that sequence's
+        error; the slot decodes no more."""
+        state = self._active(slot)
+        return state.sampler.fault if state.sampler is not None else None
+
     def _check_tokens(self, prompt: Sequence[int]) -> np.ndarray:
         tokens = np.asarray(prompt, dtype=np.int64)
         if tokens.ndim != 1 or tokens.size == 0:
@@ -630,6 +641,15 @@ class ModelRunner:
         if all(s.plain_greedy for s in samplers):
             ids = (self.graphs.argmax(logits) if greedy is None else greedy).asnumpy()
             return [int(t) for t in ids[: len(samplers)]]
+
+        def choice(sampler: SlotSampler, choose: Callable[[], int]) -> int:
+            """One row's choice; a failed one is that sequence's fault, the others go on."""
+            try:
+                return choose()
+            except SamplingFault as exc:
+                sampler.fault = exc.fault()
+                return NO_TOKEN
+
         vocab = self.spec.vocab_size
         whole = {
             i
@@ -640,12 +660,14 @@ class ModelRunner:
         if whole:  # the rows come to the host: the plain greedy ones need no graph either
             whole |= {i for i, s in enumerate(samplers) if s.plain_greedy}
             rows = logits.asnumpy()
-            tokens = {i: samplers[i].choose_from_logits(rows[i]) for i in whole}
+            tokens = {i: choice(samplers[i], partial(samplers[i].choose_from_logits, rows[i])) for i in whole}
         rest = [i for i in range(len(samplers)) if i not in tokens]
         if rest:
             k = bucket(self.topk_buckets, max(samplers[i].candidates_needed() for i in rest))
             values, ids = (t.asnumpy() for t in self.graphs.topk(k, logits))
             for i in rest:
                 s = samplers[i]
-                tokens[i] = int(ids[i, 0]) if s.plain_greedy else s.choose(values[i], ids[i])
+                tokens[i] = (
+                    int(ids[i, 0]) if s.plain_greedy else choice(s, partial(s.choose, values[i], ids[i]))
+                )
         return [tokens[i] for i in range(len(samplers))]

@@ -30,7 +30,18 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from agent.contract.sampling import SamplingParams, TokenLogprob
+from agent.contract.sampling import SamplingParams, SequenceFault, TokenLogprob
+
+
+class SamplingFault(ValueError):
+    """This sequence's choice cannot be made (SequenceFault's kinds): its error, not the step's."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+    def fault(self) -> SequenceFault:
+        return SequenceFault(self.kind, str(self))
 
 
 class SlotSampler:
@@ -52,6 +63,7 @@ class SlotSampler:
         self.suppressed = np.array(sorted(set(self.eos_ids) | set(params.stop_token_ids)), np.int64)
         self.generated = 0  # tokens chosen so far (min_tokens)
         self.last: TokenLogprob | None = None  # the logprobs of the last choice, when asked for
+        self.fault: SequenceFault | None = None  # why its last choice failed: it samples no more
         self.allowed: np.ndarray | None = None  # the next choice's token mask (structured output)
         self.rng = np.random.default_rng(params.seed)
         self.repetition = params.repetition_penalty != 1.0
@@ -132,6 +144,8 @@ class SlotSampler:
         the logit bias and suppressed stop ids applied; its logprobs in `last` when asked for."""
         p = self.params
         logits = self._adjusted(self._penalised(row.astype(np.float64)))
+        if not np.isfinite(logits).any():
+            raise SamplingFault("request", self._why_nothing_is_allowed())
         if p.greedy:
             token = int(np.argmax(logits))
         else:
@@ -140,6 +154,15 @@ class SlotSampler:
             self.last = self._logprob(logits / (1.0 if p.greedy else p.temperature), token, p.logprobs)
         self.observe(token)
         return token
+
+    def _why_nothing_is_allowed(self) -> str:
+        forbidden = self.generated < self.params.min_tokens and self.suppressed.size
+        if self.allowed is not None and forbidden:
+            return (
+                "no token can follow: the grammar allows only tokens that min_tokens keeps out "
+                f"before token {self.params.min_tokens} (EOS and stop_token_ids)"
+            )
+        return "no token can follow: every token of the vocabulary is excluded"
 
     def _adjusted(self, logits: np.ndarray) -> np.ndarray:
         if self.allowed is not None:
@@ -152,16 +175,20 @@ class SlotSampler:
 
     @staticmethod
     def _logprob(scaled: np.ndarray, token: int, best: int) -> TokenLogprob:
-        """log-softmax of the scaled logits at `token`, and the `best` most likely (id, logprob).
-        In float32 (1e-6 off; float64 costs 0.4 ms more a row), the sum accumulated in float64."""
-        values = scaled.astype(np.float32)
-        peak = float(values.max())
-        normaliser = peak + float(np.log(np.exp(values - peak).sum(dtype=np.float64)))
+        """log-softmax of the scaled logits at `token`, and the `best` most likely (id, logprob),
+        in float64 on logits shifted by their peak: finite for every logit the bounds admit (a
+        temperature of 1e-5 scales them 1e5 times). One that is not anyway is this sequence's fault."""
+        peak = float(scaled.max())
+        shifted = scaled - peak
+        normaliser = float(np.log(np.exp(shifted).sum()))
         top: tuple[tuple[int, float], ...] = ()
         if best:
-            ids = _best_ids(values, peak, best)
-            top = tuple((int(t), float(values[t]) - normaliser) for t in ids if np.isfinite(values[t]))
-        return TokenLogprob(float(values[token]) - normaliser, top)
+            ids = _best_ids(shifted, 0.0, best)
+            top = tuple((int(t), float(shifted[t]) - normaliser) for t in ids if np.isfinite(shifted[t]))
+        entry = TokenLogprob(float(shifted[token]) - normaliser, top)
+        if not all(np.isfinite(v) for v in (entry.logprob, *(v for _, v in top))):
+            raise SamplingFault("internal", f"the logprob of token {token} is not finite ({entry.logprob})")
+        return entry
 
     def _penalised(self, logits: np.ndarray) -> np.ndarray:
         p = self.params

@@ -178,8 +178,11 @@ class AgentService:
             self.runner.prefill_chunk(slot, tokens.tolist(), table, start)
             return {"token": None}, []
         token = self.runner.prefill(slot, tokens.tolist(), sampling, table, start, masks.get(slot))
-        reply = {"token": token, **self._logprobs("logprobs", [slot])}
+        reply = {"token": token, **self._per_slot([slot])}
         if transfer is None or self.sender is None:  # with a transfer there is a sender (checked above)
+            return reply, []
+        if self.runner.fault(slot) is not None:  # nothing to send: the sequence ends here
+            self.runner.release(slot)
             return reply, []
         try:  # the slot is free again whatever happens to the transfer
             blocks, state = self.runner.export_kv(slot)
@@ -230,7 +233,7 @@ class AgentService:
         # The server pads tables with zeros to the longest; each slot needs its length's blocks.
         tables = [self._used_blocks(s, t) for s, t in zip(slots, tables)]
         tokens = self.runner.decode(slots.tolist(), tables, masks)
-        return self._logprobs("logprobs", slots.tolist()), [np.asarray(tokens, dtype=np.int32)]
+        return self._per_slot(slots.tolist()), [np.asarray(tokens, dtype=np.int32)]
 
     def _op_step(self, header: dict, arrays: list) -> tuple[dict, list]:
         arrays, masks = _token_masks(header, arrays)
@@ -265,18 +268,22 @@ class AgentService:
         sampled = [c.slot if t is not None else None for c, t in zip(chunks, firsts)]
         reply = {
             "chunk_tokens": firsts,
-            **self._logprobs("logprobs", slots.tolist()),
-            **self._logprobs("chunk_logprobs", sampled),
+            **self._per_slot(slots.tolist()),
+            **self._per_slot(sampled, "chunk_"),
         }
         return reply, [np.asarray(decoded, dtype=np.int32)]
 
-    def _logprobs(self, field: str, slots: list[int | None]) -> dict:
-        """{field: [each slot's last token logprobs or null]} if any slot's request asked for them
-        (None: a chunk that did not sample); {} otherwise, which keeps most replies as they were."""
-        entries = [None if s is None else self.runner.logprobs(s) for s in slots]
-        if all(e is None for e in entries):
-            return {}
-        return {field: [None if e is None else e.to_wire() for e in entries]}
+    def _per_slot(self, slots: list[int | None], prefix: str = "") -> dict:
+        """The fields that go with the slots' tokens where any slot has them, else none (which
+        keeps most replies as they were): `logprobs`, each slot's last token logprobs or null when
+        its request asked for them, and `errors`, each slot's fault or null when a choice failed
+        (None: a chunk that did not sample)."""
+        fields = {}
+        for field, entry_of in (("logprobs", self.runner.logprobs), ("errors", self.runner.fault)):
+            entries = [None if s is None else entry_of(s) for s in slots]
+            if any(e is not None for e in entries):
+                fields[prefix + field] = [None if e is None else e.to_wire() for e in entries]
+        return fields
 
     def _used_blocks(self, slot: int, table: np.ndarray) -> np.ndarray:
         """The blocks of `table` a decode step of `slot` reads: those of its positions so far and next."""

@@ -560,6 +560,44 @@ class ServerSection(Section):
         "(slow clients): else the connection is closed (408 for a body)",
     )
     keep_alive_s: int = Field(5, ge=1, description="an idle connection is closed after this")
+    client_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="fairness between clients (API keys, or addresses when keys are off): once the "
+        "waiting queue or the tokens in flight reach their bound, a client holding less than this "
+        "share of it is still admitted (up to 1 + share times the bound), one holding more gets "
+        "429; 1: no per-client share. Free slots go first to the clients running the fewest",
+    )
+    max_running_per_client: int | None = Field(
+        None, ge=1, description="sequences one client runs at once (its others wait); none: every slot"
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="priority: requests' `priority` (lower first) orders them within their "
+        "client's share; fcfs: arrival order, and a request with a priority is refused",
+    )
+    stream_write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a streamed answer whose client stops reading (its socket's buffers full) this "
+        "long is dropped and its slot freed",
+    )
+    max_reply_logprobs: int = Field(
+        262144,
+        ge=1,
+        description="a non-streamed reply's logprob entries: choices x answer tokens (max_tokens, "
+        "else the context) x (1 + top_logprobs); beyond it: 400 (stream it, or ask for fewer)",
+    )
+    max_grammar_bytes: int = Field(
+        32768,
+        ge=64,
+        description="a structured-output grammar's size (JSON Schema text, regex, Lark grammar, "
+        "choices); larger: 400",
+    )
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0, description="a grammar that compiles longer is refused (400), and so is its next try"
+    )
 
     admin_api_keys: list[str] = Field(
         default_factory=list,

@@ -25,7 +25,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from agent.contract import protocol
-from agent.contract.sampling import Sampled, SamplingParams, TokenLogprob
+from agent.contract.sampling import NO_TOKEN, Sampled, SamplingParams, SequenceFault, TokenLogprob
 from agent.contract.transport import ClientKeys, secure_client_socket
 
 HEARTBEAT_IVL_MS = 1000
@@ -194,6 +194,7 @@ class AgentClient:
         # When this server started: an agent lets a newer server take it over, never an older one.
         self.epoch = epoch if epoch is not None else time.time_ns()
         self.decode_compute_s = 0.0  # the last decode's time inside the agent, by its own clock
+        self.vocab_size: int | None = None  # the agent's (info): every token it sends lies below
 
     @property
     def session(self) -> int:
@@ -287,6 +288,8 @@ class AgentClient:
                 f"agent {self.address} speaks protocol {header.get('protocol')}, "
                 f"this server {protocol.PROTOCOL_VERSION}"
             )
+        vocab = header.get("vocab_size")
+        self.vocab_size = vocab if type(vocab) is int and vocab > 0 else None
         return header
 
     async def reset(self, timeout_s: float | None = None) -> None:
@@ -308,7 +311,7 @@ class AgentClient:
         tokens it may be (structured output)."""
         masks = None if mask is None else {slot: mask}
         header = await self._prefill(slot, tokens, table, start, sample, sampling, masks)
-        return self._sampled([header["token"]], header.get("logprobs"))[0] if sample else None
+        return self._sampled([header.get("token")], header, "")[0] if sample else None
 
     async def prefill_and_send(
         self,
@@ -324,7 +327,9 @@ class AgentClient:
         address, slot, session, ticket, table) -> (first token, K/V bytes sent, transfer ms)."""
         masks = None if mask is None else {slot: mask}
         header = await self._prefill(slot, tokens, table, start, True, sampling, masks, transfer=transfer)
-        first = self._sampled([header["token"]], header.get("logprobs"))[0]
+        first = self._sampled([header.get("token")], header, "")[0]
+        if first.fault is not None:  # the sequence ended at its first token: nothing was sent
+            return first, 0, 0.0
         return first, int(header["kv_bytes"]), float(header["transfer_ms"])
 
     async def _prefill(
@@ -359,7 +364,7 @@ class AgentClient:
         arrays, fields = _with_masks([np.asarray(slots, np.int32), block_tables(tables)], masks, {})
         header, arrays = await self.call("decode", arrays, session=self.session, **fields)
         self.decode_compute_s = float(header.get("compute_ms", 0.0)) / 1000
-        return self._sampled(arrays[0].tolist(), header.get("logprobs"))
+        return self._sampled(arrays[0].tolist(), header, "")
 
     async def step(
         self,
@@ -389,30 +394,47 @@ class AgentClient:
         if not isinstance(firsts, list) or len(firsts) != len(chunks):
             raise AgentUnavailable(f"agent {self.address}: step reply without a token per chunk")
         sampled = [i for i, t in enumerate(firsts) if t is not None]
-        chunk_logprobs = header.get("chunk_logprobs")
-        got = self._sampled(
-            [firsts[i] for i in sampled],
-            None if chunk_logprobs is None else [chunk_logprobs[i] for i in sampled],
-        )
         chunk_firsts: list[Sampled | None] = [None] * len(chunks)
-        for i, first in zip(sampled, got):
+        for i, first in zip(sampled, self._sampled(firsts, header, "chunk_", sampled)):
             chunk_firsts[i] = first
-        return self._sampled(out[0].tolist(), header.get("logprobs")), chunk_firsts
+        return self._sampled(out[0].tolist(), header, ""), chunk_firsts
 
-    def _sampled(self, tokens: list, logprobs) -> list[Sampled]:
-        """A reply's tokens with their logprobs (a list of entries or nulls, one per token, or
-        absent); a reply that does not follow the protocol marks this agent unavailable."""
+    def _sampled(
+        self, tokens: list, header: dict, prefix: str, picked: list[int] | None = None
+    ) -> list[Sampled]:
+        """The reply's tokens (those at `picked`, default all) with their `logprobs` and `errors`
+        fields (lists of an entry or null per token, or absent; `prefix`: a step's chunk_ fields).
+        A reply whose lists do not fit its tokens does not follow the protocol: this agent is
+        unavailable. A bad value for one token (not a token id of the vocabulary, a logprob that is
+        not one) is that sequence's fault: it ends, the others go on."""
+        picked = list(range(len(tokens))) if picked is None else picked
+        lists = {field: header.get(prefix + field) for field in ("logprobs", "errors")}
+        for field, entries in lists.items():
+            if entries is not None and (not isinstance(entries, list) or len(entries) != len(tokens)):
+                raise AgentUnavailable(
+                    f"agent {self.address}: its reply's {prefix}{field} do not fit its tokens"
+                )
+        return [
+            self._one_sampled(tokens[i], *(None if e is None else e[i] for e in lists.values()))
+            for i in picked
+        ]
+
+    def _one_sampled(self, token: Any, logprob: Any, error: Any) -> Sampled:
         try:
-            if logprobs is None:
-                return [Sampled(int(t)) for t in tokens]
-            if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
-                raise ValueError("logprobs do not match the tokens")
-            return [
-                Sampled(int(t), None if e is None else TokenLogprob.from_wire(e))
-                for t, e in zip(tokens, logprobs)
-            ]
-        except (TypeError, ValueError) as e:
-            raise AgentUnavailable(f"agent {self.address}: malformed tokens in its reply ({e})") from e
+            if error is not None:
+                return Sampled(NO_TOKEN, None, SequenceFault.from_wire(error))
+            if type(token) is not int or not 0 <= token < (self.vocab_size or 2**31):
+                raise ValueError(f"{token!r:.50} is not a token id of its vocabulary")
+            entry = None if logprob is None else TokenLogprob.from_wire(logprob)
+            if (
+                entry is not None
+                and self.vocab_size
+                and any(not 0 <= t < self.vocab_size for t, _ in entry.top)
+            ):
+                raise ValueError("a top logprob names a token outside its vocabulary")
+            return Sampled(token, entry)
+        except ValueError as exc:
+            return Sampled(NO_TOKEN, None, SequenceFault("internal", f"agent {self.address} sent {exc}"))
 
     async def release(self, slot: int, ticket: int | None = None) -> None:
         """ticket: a KV transfer into this slot that is given up; the agent refuses it from now on."""

@@ -41,8 +41,12 @@ from typing import NamedTuple
 
 from agent.contract.sampling import Sampled
 from scheduler.block_manager import BlockManager
+from scheduler.client_share import ClientShares
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler.step_costs import StepCosts
+
+# A sequence fault's HTTP status (agent.contract.sampling.SequenceFault's kinds).
+FAULT_STATUS = {"request": 400, "internal": 500}
 
 
 class Refusal(str, enum.Enum):
@@ -51,6 +55,7 @@ class Refusal(str, enum.Enum):
     EMPTY_PROMPT = "empty_prompt"
     TOO_LONG = "too_long"  # the prompt is longer than any group accepts
     OVERLOADED = "overloaded"  # no room now (queue or tokens in flight): worth retrying soon
+    CLIENT_LIMIT = "client_limit"  # the server is full and this client holds more than its share
     NO_GROUP = "no_group"  # every group failed; waiting for one to come back
     NOT_READY = "not_ready"  # the engine has not connected to its groups yet
     SHUTTING_DOWN = "shutting_down"
@@ -167,6 +172,7 @@ class BatchScheduler:
         max_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
         decode_stall_ratio: float = 0.0,
+        clients: ClientShares | None = None,
     ):
         self.groups = groups
         self.max_waiting = max_waiting
@@ -187,6 +193,8 @@ class BatchScheduler:
         self.preemptions = 0  # cumulative, for the metrics
         self.prefix_query_tokens = 0  # cumulative: prompt tokens looked up in a prefix cache
         self.prefix_hit_tokens = 0  # of those, found computed
+        self.clients = clients or ClientShares()  # what each client holds; the fair admission order
+        self._arrivals = 0
 
     def _block_manager(self, capacity: GroupCapacity) -> BlockManager:
         # A decode group's blocks are written by transfers of whole prompts: no hits there.
@@ -233,23 +241,23 @@ class BatchScheduler:
         free = sum(
             len(self.free_slots[i]) for i, g in enumerate(self.groups) if g.decodes and self._usable(i)
         )
-        if len(self.waiting) >= self.max_waiting + free:
-            raise AdmissionError(
-                f"the waiting queue is full ({self.max_waiting} requests)", Refusal.OVERLOADED
-            )
         # Generation stops at the last position, so no request holds more than max_seq_len.
         seq.token_budget = min(
             len(seq.prompt) + seq.max_new_tokens, max(g.max_seq_len for g in usable if g.decodes)
         )
         limit = self.max_tokens_in_flight
-        if limit is not None and self.tokens_in_flight + seq.token_budget > limit:
-            raise AdmissionError(
-                f"too many tokens in flight: this request needs up to "
-                f"{seq.token_budget} (prompt + max_new_tokens), "
-                f"{limit - self.tokens_in_flight} of {limit} are free",
-                Refusal.OVERLOADED,
-            )
+        refused = self.clients.refusal(
+            seq,
+            (len(self.waiting), self.max_waiting + free),
+            None if limit is None else (self.tokens_in_flight, limit),
+        )
+        if refused is not None:
+            message, over_share = refused
+            raise AdmissionError(message, Refusal.CLIENT_LIMIT if over_share else Refusal.OVERLOADED)
         self.tokens_in_flight += seq.token_budget
+        self._arrivals += 1
+        seq.arrival = self._arrivals
+        self.clients.queued(seq)
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -292,9 +300,10 @@ class BatchScheduler:
                 starved.add(group)
         admitted = 0
         while self.waiting and admitted < self.max_prefills_per_step:
-            if not self._admit(self.waiting[0], [g for g in open_groups if g not in starved], plan):
+            seq = self.clients.next_to_admit(self.waiting)
+            if seq is None or not self._admit(seq, [g for g in open_groups if g not in starved], plan):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             admitted += 1
         for group in open_groups:
             self._plan_prompts(group, self._prompt_budget(group, plan.decodes.get(group, [])), plan)
@@ -410,6 +419,7 @@ class BatchScheduler:
         hit = self._allocate(group, seq, seq.prompt)
         assert hit is not None, "_place checked the blocks"
         seq.status = SequenceStatus.RUNNING
+        self.clients.admitted(seq)
         self.running[seq.request_id] = seq
         if prefill_group is None:
             seq.computed = hit
@@ -424,7 +434,7 @@ class BatchScheduler:
     def _allocate(self, group: int, seq: Sequence, tokens: list[int]) -> int | None:
         """Blocks for `tokens` on the group (None: too few free); the positions its cache holds."""
         blocks = self.blocks[group]
-        hit = blocks.allocate(seq.request_id, tokens)
+        hit = blocks.allocate(seq.request_id, tokens, seq.cache_salt)
         if hit is not None and blocks.enable_prefix_caching:
             self.prefix_query_tokens += len(tokens)
             self.prefix_hit_tokens += hit
@@ -440,7 +450,7 @@ class BatchScheduler:
             return (
                 bool(self.free_slots[i])
                 and len(seq.prompt) <= capacity.max_prompt_len
-                and self.blocks[i].can_allocate(seq.prompt)
+                and self.blocks[i].can_allocate(seq.prompt, seq.cache_salt)
             )
 
         prefill = max(
@@ -562,6 +572,11 @@ class BatchScheduler:
         self.healthy[group] = True
 
     def _append(self, seq: Sequence, sampled: Sampled) -> None:
+        if sampled.fault is not None:  # this sequence's own error: it ends, the step went on
+            seq.error = sampled.fault.message
+            seq.error_status = FAULT_STATUS[sampled.fault.kind]
+            self._finish(seq, FinishReason.ERROR)
+            return
         token = sampled.token
         seq.output.append(token)
         if sampled.logprob is not None:
@@ -570,7 +585,7 @@ class BatchScheduler:
             try:
                 seq.constraint.advance(token)
             except ValueError as exc:  # the agent chose outside the mask it was sent: a bug
-                seq.error = f"structured output: {exc}"
+                seq.error, seq.error_status = f"structured output: {exc}", 500
                 self._finish(seq, FinishReason.ERROR)
                 return
             if seq.constraint.complete:  # nothing may follow: ended as by EOS, one step sooner
@@ -586,6 +601,7 @@ class BatchScheduler:
     def _finish(self, seq: Sequence, reason: FinishReason, release: bool = True) -> None:
         if seq.finished:  # once only: its tokens leave tokens_in_flight once
             return
+        self.clients.finished(seq, was_running=seq.status is SequenceStatus.RUNNING)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self.tokens_in_flight -= seq.token_budget
         if self.running.pop(seq.request_id, None) is not None and release:

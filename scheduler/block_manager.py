@@ -17,6 +17,10 @@ given to each registered content and never reused, so equal keys mean equal toke
 hash collision can only cost a dict probe, never wrong KV. Only full, computed blocks are shared;
 a sequence writes from its hit on, which starts at a block boundary, into blocks it alone holds.
 
+A sequence with a cache salt (a tenant's, asked for per request) starts its chain from the salt
+instead of the common root: its blocks are hit only by sequences with the same salt, and never by
+or for unsalted ones.
+
 A freed registered block keeps its KV and stays hit-able until it is needed for a new allocation:
 free uncached blocks go first, then cached ones least recently freed first (a freed table goes tail
 first, so a prefix outlives its continuations).
@@ -28,9 +32,11 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-_ROOT = 0  # the parent serial of a sequence's first block
+_ROOT = 0  # the parent serial of a sequence's first block (without a cache salt)
 
-ContentKey = tuple[int, tuple[int, ...]]  # (parent content's serial, this block's tokens)
+# (parent content's serial, or the cache salt of a first block: never equal to a serial; this
+# block's tokens)
+ContentKey = tuple[int | str, tuple[int, ...]]
 
 
 @dataclass(eq=False)
@@ -49,7 +55,7 @@ class _Progress:
     has content serial `serial`."""
 
     blocks: int = 0
-    serial: int = _ROOT
+    serial: int | str = _ROOT
 
 
 class BlockManager:
@@ -99,27 +105,27 @@ class BlockManager:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._tables
 
-    def blocks_needed(self, tokens: Sequence[int]) -> int:
-        """Free blocks `allocate(key, tokens)` would take now (hits on blocks in use cost none)."""
-        hits = self._lookup(tokens)
+    def blocks_needed(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        """Free blocks `allocate(key, tokens, salt)` would take now (hits on blocks in use cost none)."""
+        hits = self._lookup(tokens, salt)
         return self.blocks_for(len(tokens)) - sum(1 for _, block in hits if self._refs[block])
 
-    def can_allocate(self, tokens: Sequence[int]) -> bool:
-        return self.blocks_needed(tokens) <= self.num_free
+    def can_allocate(self, tokens: Sequence[int], salt: str | None = None) -> bool:
+        return self.blocks_needed(tokens, salt) <= self.num_free
 
     def can_append(self, key: Hashable, length: int) -> bool:
         return self.blocks_for(length) - len(self._tables[key]) <= self.num_free
 
     # --- changes ---
 
-    def allocate(self, key: Hashable, tokens: Sequence[int]) -> int | None:
+    def allocate(self, key: Hashable, tokens: Sequence[int], salt: str | None = None) -> int | None:
         """Give `key` a table covering len(tokens) positions, reusing the longest cached prefix of
-        full blocks but leaving at least the last token to compute (its logits are needed). Returns
-        the positions already computed (a multiple of block_size), or None, changing nothing, when
-        the free blocks do not suffice."""
+        full blocks (computed with the same cache `salt`) but leaving at least the last token to
+        compute (its logits are needed). Returns the positions already computed (a multiple of
+        block_size), or None, changing nothing, when the free blocks do not suffice."""
         if key in self._tables:
             raise ValueError(f"{key!r} already has a block table")
-        hits = self._lookup(tokens)
+        hits = self._lookup(tokens, salt)
         total = self.blocks_for(len(tokens))
         if total - sum(1 for _, block in hits if self._refs[block]) > self.num_free:
             return None
@@ -131,7 +137,7 @@ class BlockManager:
             table.append(block)
         table.extend(self._take() for _ in range(total - len(hits)))
         self._tables[key] = table
-        self._progress[key] = _Progress(len(hits), hits[-1][0].serial if hits else _ROOT)
+        self._progress[key] = _Progress(len(hits), hits[-1][0].serial if hits else _root(salt))
         hit = len(hits) * self.block_size
         if self.enable_prefix_caching:
             self.query_tokens += len(tokens)
@@ -186,14 +192,14 @@ class BlockManager:
 
     # --- internals ---
 
-    def _lookup(self, tokens: Sequence[int]) -> list[tuple[_Content, int]]:
+    def _lookup(self, tokens: Sequence[int], salt: str | None) -> list[tuple[_Content, int]]:
         """The cached run of full blocks matching tokens' prefix, at most len(tokens) - 1 positions:
         (content, block) per block, preferring a holder in use (it costs no free block)."""
         if not self.enable_prefix_caching:
             return []
         size = self.block_size
         hits: list[tuple[_Content, int]] = []
-        serial = _ROOT
+        serial = _root(salt)
         for i in range(max(len(tokens) - 1, 0) // size):
             content = self._contents.get((serial, tuple(tokens[i * size : (i + 1) * size])))
             if content is None:
@@ -216,3 +222,8 @@ class BlockManager:
                 del self._contents[content.key]
         self._refs[block] = 1
         return block
+
+
+def _root(salt: str | None) -> int | str:
+    """The parent of a sequence's first block: the common root, or its cache salt."""
+    return _ROOT if salt is None else salt

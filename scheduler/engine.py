@@ -41,6 +41,7 @@ from scheduler.batch_scheduler import (
     StepPlan,
     attended,
 )
+from scheduler.client_share import ClientShares
 from scheduler.group_links import GroupLinks
 from scheduler.metrics import ServingMetrics
 from scheduler.sequence import FinishReason, Sequence, TokenConstraint
@@ -131,6 +132,7 @@ class Engine:
             s.max_num_batched_tokens,
             s.enable_prefix_caching,
             s.decode_stall_ratio,
+            ClientShares(s.client_share, s.max_running_per_client, s.scheduling_policy == "priority"),
         )
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         self._task.add_done_callback(self._loop_ended)
@@ -215,9 +217,15 @@ class Engine:
         max_new_tokens: int,
         ignore_eos: bool = False,
         constraint: TokenConstraint | None = None,
+        cache_salt: str | None = None,
+        client: str = "",
+        priority: int = 0,
     ) -> Sequence:
         """Queues the request's sequence at once, or raises AdmissionError if it is refused.
-        `constraint`: the grammar its tokens follow (structured output)."""
+        `constraint`: the grammar its tokens follow (structured output); `cache_salt`: its prompt
+        shares prefix-cache blocks only with requests of the same salt; `client`: who asked (the
+        scheduler shares the server fairly between clients); `priority`: lower first (with
+        scheduling_policy priority)."""
         if not self.started:
             raise AdmissionError("the server is not ready", Refusal.NOT_READY)
         if self.failure is not None:
@@ -227,7 +235,17 @@ class Engine:
         if self.links.taken_over and not self.scheduler.can_serve:
             raise AdmissionError(self.links.taken_over_reason(), Refusal.NO_GROUP)
         stop_ids = (frozenset() if ignore_eos else self.stop_ids) | frozenset(sampling.stop_token_ids)
-        seq = Sequence(request_id, list(prompt), sampling, max_new_tokens, stop_ids, constraint=constraint)
+        seq = Sequence(
+            request_id,
+            list(prompt),
+            sampling,
+            max_new_tokens,
+            stop_ids,
+            constraint=constraint,
+            cache_salt=cache_salt,
+            client=client,
+            priority=priority,
+        )
         try:
             self.scheduler.add(seq)
         except AdmissionError:

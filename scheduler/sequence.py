@@ -21,7 +21,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS id or a stop string
     LENGTH = "length"  # max_new_tokens or the slot's last position
     ABORT = "abort"  # the client went away or asked to stop
-    ERROR = "error"  # its group failed
+    ERROR = "error"  # its group failed, or its own choice did (Sequence.error says which)
 
 
 class TokenConstraint(Protocol):
@@ -56,6 +56,9 @@ class Sequence:
     slot: int | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # The HTTP status its error maps to: 503 when its group failed (try again), 400 when its own
+    # parameters left nothing to sample, 500 when its own value could not be computed.
+    error_status: int = 503
     token_budget: int = 0  # prompt + answer tokens counted against the in-flight bound
     # PD disaggregation: where the prompt is prefilled and the ticket of its KV transfer
     prefill_group: int | None = None
@@ -67,6 +70,10 @@ class Sequence:
     computed: int = 0
     preemptions: int = 0
     constraint: TokenConstraint | None = None  # structured output: the grammar it follows
+    cache_salt: str | None = None  # its prefix-cache blocks are shared only with this salt's
+    client: str = ""  # who asked (an API key's digest, or an address): fairness between clients
+    priority: int = 0  # lower first, with scheduling_policy priority (vLLM's)
+    arrival: int = 0  # its place in the order of admissions (the scheduler's count)
 
     @property
     def finished(self) -> bool:

@@ -10,12 +10,15 @@
   takes only `server.admin_api_keys` where any are set (an ordinary key: 403), else the API keys;
   an admin key also opens every other path;
 - the request body limit (413, on the bytes read: a request body is read here, within the limit
-  and within `server.read_timeout_s` (408), and handed on).
+  and within `server.read_timeout_s` (408), and handed on);
+- who the client is, for the scheduler's fair shares (scheduler/client_share.py): its API key
+  (a digest of it), or its address when keys are off (behind a proxy, every client is the proxy).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 from urllib.parse import parse_qs
 
@@ -38,6 +41,18 @@ def loopback_hosts(port: int) -> set[bytes]:
     """The Host headers that name this machine's loopback server: a rebinding page's Host names
     its own domain. (A bare name, as some hand-written clients send, names no other port.)"""
     return {f"{name}{suffix}".encode() for name in LOOPBACK_NAMES for suffix in ("", f":{port}")}
+
+
+def client_of(scope) -> str:
+    """The client a request came from, as the access middleware named it."""
+    return scope.get("state", {}).get("client", "")
+
+
+def _client_identity(scope, key: bytes) -> str:
+    if key:
+        return "key:" + hashlib.sha256(key).hexdigest()[:16]
+    address = scope.get("client")
+    return f"addr:{address[0]}" if address else "addr:unknown"
 
 
 def body_too_large(max_body_bytes: int, openai: bool):
@@ -71,6 +86,10 @@ class AccessMiddleware:
                 status, message, openai, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
             )
             return await response(scope, receive, send)
+        # With keys on, the key (checked above) names the client; with keys off, any key a request
+        # makes up would, so its address does.
+        key = self._key(scope, headers) if self.api_keys or self.admin_keys else b""
+        scope.setdefault("state", {})["client"] = _client_identity(scope, key)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await self._too_large(scope, receive, send, openai)
@@ -142,11 +161,16 @@ class AccessMiddleware:
         return None if self._authorized(scope, headers, self.api_keys + self.admin_keys) else missing
 
     def _authorized(self, scope, headers: dict, keys: list[bytes]) -> bool:
+        key = self._key(scope, headers)
+        return any(hmac.compare_digest(key, k) for k in keys)
+
+    def _key(self, scope, headers: dict) -> bytes:
+        """The API key the request sends (b"" if none; checked elsewhere)."""
         auth = headers.get(b"authorization", b"")
         key = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
         if not key and scope["path"] in QUERY_KEY_PATHS:
             key = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0].encode()
-        return any(hmac.compare_digest(key, k) for k in keys)
+        return key
 
     async def _too_large(self, scope, receive, send, openai: bool):
         return await body_too_large(self.max_body_bytes, openai)(scope, receive, send)

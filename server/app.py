@@ -21,6 +21,7 @@ from server.native_api import native_router
 from server.openai_api import openai_router
 from server.ops_api import ops_router
 from server.repository_api import repository_router
+from server.stalled_clients import StalledClientMiddleware
 from server.tokenize_api import tokenize_router
 from server.triton_api import triton_router
 
@@ -54,10 +55,9 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
             return error_response(400, "the request body is not valid JSON", is_openai(request))
         fields = [".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors]
         problems = "; ".join(f"{field}: {e['msg']}" for field, e in zip(fields, errors))
-        # OpenAI's clients expect 400 for a bad parameter; the native API says 422.
-        return error_response(
-            400 if is_openai(request) else 422, problems, is_openai(request), param=fields[0]
-        )
+        # OpenAI's and Triton's clients expect 400 for a bad parameter; the native API says 422.
+        status = 400 if is_openai(request) or request.url.path.startswith("/v2/") else 422
+        return error_response(status, problems, is_openai(request), param=fields[0])
 
     app.include_router(openai_router(repository))
     app.include_router(ops_router(config, repository))
@@ -65,6 +65,7 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
     app.include_router(tokenize_router(repository))
     app.include_router(triton_router(repository))
     app.include_router(repository_router(repository))
+    app.add_middleware(StalledClientMiddleware, timeout_s=config.server.stream_write_timeout_s)
     app.add_middleware(AccessMiddleware, server=config.server)
     if config.server.cors_origins:
         app.add_middleware(

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -75,6 +76,36 @@ def check_answer_fits(prompt_len: int, max_new_tokens: int, context: int, openai
         )
 
 
+def check_reply_size(choices: int, max_tokens: int, top_logprobs: int, limit: int) -> None:
+    """A non-streamed answer with logprobs is built whole in memory: its entries are bounded
+    (server.max_reply_logprobs), refused with 400 before any work."""
+    entries = choices * max_tokens * (1 + top_logprobs)
+    if entries > limit:
+        raise ApiError(
+            400,
+            f"a reply of {choices} choice(s) x {max_tokens} tokens x {1 + top_logprobs} logprobs each "
+            f"({entries} entries) exceeds server.max_reply_logprobs ({limit}): ask for fewer "
+            "(max_tokens, n, top_logprobs) or stream the answer",
+            param="top_logprobs",
+        )
+
+
+def check_first_token(grammar: Grammar, sampling: SamplingParams, eos_ids: frozenset[int]) -> None:
+    """A grammar whose first tokens are all kept out by min_tokens (EOS and stop_token_ids may not
+    come before it) leaves nothing to sample: 400 now, not an error after admission. (A later
+    token of the grammar may still leave nothing: that sequence then ends with an error.)"""
+    if sampling.min_tokens == 0:
+        return
+    forbidden = eos_ids | frozenset(sampling.stop_token_ids)
+    if np.isin(grammar.first, list(forbidden)).all():
+        raise ApiError(
+            400,
+            "the grammar's first token can only be EOS or one of stop_token_ids, which min_tokens "
+            f"({sampling.min_tokens}) keeps out: no answer can be generated",
+            param="min_tokens",
+        )
+
+
 async def admit(
     outputs: OutputProcessor,
     prompt: list[int],
@@ -84,9 +115,22 @@ async def admit(
     ignore_eos: bool,
     openai: bool,
     grammar: Grammar | None = None,
+    cache_salt: str | None = None,
+    client: str = "",
+    priority: int = 0,
 ) -> list[AnswerStream]:
     """One answer stream per sampling (OpenAI's `n` choices), all admitted or none; each follows
-    `grammar` from its start when one is given."""
+    `grammar` from its start when one is given. `client` (access.client_of) and `priority` are
+    the scheduler's (scheduler/client_share.py)."""
+    if priority and outputs.engine.config.server.scheduling_policy != "priority":
+        raise ApiError(
+            400,
+            "priority needs server.scheduling_policy: priority (this server is first come, first served)",
+            param="priority",
+        )
+    if grammar is not None:
+        for sampling in samplings:
+            check_first_token(grammar, sampling, outputs.engine.stop_ids)
     streams = []
     try:
         for sampling in samplings:
@@ -99,6 +143,9 @@ async def admit(
                     tuple(stop),
                     ignore_eos,
                     None if grammar is None else grammar.follow(),
+                    cache_salt,
+                    client,
+                    priority,
                 )
             )
     except AdmissionError as exc:

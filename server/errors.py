@@ -27,6 +27,7 @@ REFUSAL_STATUS = {
     Refusal.EMPTY_PROMPT: 400,
     Refusal.TOO_LONG: 413,
     Refusal.OVERLOADED: 503,
+    Refusal.CLIENT_LIMIT: 429,
     Refusal.NO_GROUP: 503,
     Refusal.NOT_READY: 503,
     Refusal.SHUTTING_DOWN: 503,

@@ -184,7 +184,11 @@ class ModelRepository:
             model.config,
             outputs,
             PromptEncoder(tokenizer, outputs.engine),
-            Grammars(tokenizer),
+            Grammars(
+                tokenizer,
+                model.config.server.max_grammar_bytes,
+                model.config.server.grammar_compile_timeout_s,
+            ),
             LogprobFormatter(tokenizer),
         )
         self.metrics.models[model.name] = metrics

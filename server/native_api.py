@@ -12,6 +12,7 @@ An SSE event's data is the JSON {"event": "message", "retry": 30000, "data": ...
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -21,7 +22,15 @@ from fastapi.responses import Response, StreamingResponse
 from sse_starlette.sse import EventSourceResponse
 
 from agent.contract.native_request import ClientRequest, TgiGrammar
-from server.assembly import admit, check_answer_fits, compile_grammar, sampling_params, unless_disconnected
+from server.access import client_of
+from server.assembly import (
+    admit,
+    check_answer_fits,
+    check_reply_size,
+    compile_grammar,
+    sampling_params,
+    unless_disconnected,
+)
 from server.errors import ApiError
 from server.logprob_format import LogprobFormatter
 from server.model_repository import ModelRepository
@@ -39,8 +48,8 @@ async def whole_answer(answer: AnswerStream) -> tuple[str, list[GenerationOutput
     text, outs = [], []
     async with contextlib.aclosing(answer):
         async for out in answer:
-            if out.error:  # a failed agent or a shutdown: try again later
-                raise ApiError(503, out.error)
+            if out.error:  # a failed agent or a shutdown (503: try again later), or its own fault
+                raise ApiError(out.error_status, out.error)
             text.append(out.text)
             outs.append(out)
     return "".join(text), outs
@@ -68,10 +77,15 @@ async def respond_full(
     if isinstance(done, Response):  # the client is gone
         return done
     text, outs = done
-    body: dict = {"generated_text": text}
-    if request.parameters.details:
-        body["details"] = tgi_details(outs, request.parameters.seed, formatter)
-    return Response(json.dumps(body, ensure_ascii=False) + "\n", media_type="application/json")
+
+    def body() -> bytes:
+        reply: dict = {"generated_text": text}
+        if request.parameters.details:
+            reply["details"] = tgi_details(outs, request.parameters.seed, formatter)
+        return (json.dumps(reply, ensure_ascii=False) + "\n").encode()
+
+    # Off the event loop: details of thousands of tokens take long to shape and encode.
+    return Response(await asyncio.to_thread(body), media_type="application/json")
 
 
 async def stream_pieces(
@@ -158,7 +172,10 @@ def native_router(repository: ModelRepository) -> APIRouter:
     router = APIRouter()
     client_request = json_body(ClientRequest)
 
-    async def start(name: str, request: ClientRequest) -> tuple[AnswerStream, LogprobFormatter]:
+    async def start(
+        http: Request, name: str, request: ClientRequest, whole: bool
+    ) -> tuple[AnswerStream, LogprobFormatter]:
+        """The request admitted; `whole`: its answer is built in memory (not streamed)."""
         model = repository.serving(name)
         outputs, encoder = model.outputs, model.encoder
         p = request.parameters
@@ -181,26 +198,38 @@ def native_router(repository: ModelRepository) -> APIRouter:
         sampling = sampling_params(
             p, p.do_sample, p.seed, model.tokenizer.vocab_size, logprobs=p.logprobs_asked()
         )
+        if whole and sampling.logprobs is not None:
+            check_reply_size(1, p.max_new_tokens, sampling.logprobs, model.config.server.max_reply_logprobs)
         [stream] = await admit(
-            outputs, prompt, [sampling], p.max_new_tokens, p.stop, p.ignore_eos, openai=False, grammar=grammar
+            outputs,
+            prompt,
+            [sampling],
+            p.max_new_tokens,
+            p.stop,
+            p.ignore_eos,
+            openai=False,
+            grammar=grammar,
+            cache_salt=p.cache_salt,
+            client=client_of(http.scope),
+            priority=p.priority,
         )
         return stream, model.formatter
 
     @router.post("/models/{model}")
     async def generate_any(http: Request, model: str, request: ClientRequest = Depends(client_request)):
-        answer, formatter = await start(model, request)
+        answer, formatter = await start(http, model, request, whole=not request.stream)
         if request.stream:
             return respond_stream(answer, request, formatter)
         return await respond_full(http, answer, request, formatter)
 
     @router.post("/models/{model}/generate")
     async def generate(http: Request, model: str, request: ClientRequest = Depends(client_request)):
-        answer, formatter = await start(model, request)
+        answer, formatter = await start(http, model, request, whole=True)
         return await respond_full(http, answer, request, formatter)
 
     @router.post("/models/{model}/generate_stream")
-    async def generate_stream(model: str, request: ClientRequest = Depends(client_request)):
-        answer, formatter = await start(model, request)
+    async def generate_stream(http: Request, model: str, request: ClientRequest = Depends(client_request)):
+        answer, formatter = await start(http, model, request, whole=False)
         return respond_stream(answer, request, formatter)
 
     @router.get("/serving/get_bs")

@@ -15,11 +15,20 @@ import uuid
 from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 from sse_starlette.sse import EventSourceResponse
 
 from server import tool_calls
-from server.assembly import admit, check_answer_fits, compile_grammar, sampling_params, unless_disconnected
-from server.errors import ApiError
+from server.access import client_of
+from server.assembly import (
+    admit,
+    check_answer_fits,
+    check_reply_size,
+    compile_grammar,
+    sampling_params,
+    unless_disconnected,
+)
+from server.errors import OPENAI_TYPES, ApiError
 from server.model_repository import LoadedModel, ModelRepository
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
 from server.output import AnswerStream, GeneratedToken, GenerationOutput
@@ -113,8 +122,20 @@ def openai_router(repository: ModelRepository) -> APIRouter:
         else:
             param = "structured_outputs" if req.structured_outputs else "response_format"
             grammar = await compile_grammar(model.grammars, req.grammar_spec, param, 400)
+        if top is not None and not req.stream:
+            check_reply_size(req.n, max_tokens, top, model.config.server.max_reply_logprobs)
         streams = await admit(
-            outputs, prompt, samplings, max_tokens, req.stop, req.ignore_eos, openai=True, grammar=grammar
+            outputs,
+            prompt,
+            samplings,
+            max_tokens,
+            req.stop,
+            req.ignore_eos,
+            openai=True,
+            grammar=grammar,
+            cache_salt=req.cache_salt,
+            client=client_of(http.scope),
+            priority=req.priority,
         )
         object_name = "chat.completion" if chat else "text_completion"
         reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -147,18 +168,32 @@ def openai_router(repository: ModelRepository) -> APIRouter:
 
         offsets = [0] * req.n  # completions: characters of each choice's tokens so far
 
-        async def whole() -> dict:
+        async def whole() -> Response:
             texts, tokens = [""] * req.n, [0] * req.n
             generated: list[list[GeneratedToken]] = [[] for _ in range(req.n)]
             reasons: list[str | None] = [None] * req.n
             async with contextlib.aclosing(_merged(streams)) as merged:
                 async for i, out in merged:
                     if out.error:
-                        raise ApiError(503, out.error)
+                        raise ApiError(out.error_status, out.error)
                     texts[i] += out.text
                     tokens[i] = out.index
                     generated[i] += out.tokens
                     reasons[i] = out.finish_reason
+
+            def body() -> bytes:
+                return json.dumps(reply(texts, tokens, generated, reasons), ensure_ascii=False).encode()
+
+            # Off the event loop: choices of thousands of tokens with their top logprobs take
+            # seconds to shape and encode, during which no other request (nor /health) would answer.
+            return Response(await asyncio.to_thread(body), media_type="application/json")
+
+        def reply(
+            texts: list[str],
+            tokens: list[int],
+            generated: list[list[GeneratedToken]],
+            reasons: list[str | None],
+        ) -> dict:
             choices = [
                 {"index": i, "message": {"role": "assistant", "content": texts[i]}}
                 if chat
@@ -210,9 +245,9 @@ def openai_router(repository: ModelRepository) -> APIRouter:
                             {
                                 "error": {
                                     "message": out.error,
-                                    "type": "server_error",
+                                    "type": OPENAI_TYPES.get(out.error_status, "server_error"),
                                     "param": None,
-                                    "code": 503,
+                                    "code": out.error_status,
                                 }
                             }
                         )

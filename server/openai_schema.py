@@ -9,18 +9,24 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agent.contract.sampling import (
+    MAX_CACHE_SALT_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_PRIORITY,
+    MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
     check_stop_strings,
 )
 from server.structured_output import GrammarError, GrammarSpec
 
 MAX_N = 8  # completions per request; each is one more sequence in the batch
 MAX_CHOICES = 256  # structured_outputs.choice
+MAX_TOKEN_ID_DIGITS = 10  # logit_bias keys: token ids are int32
 
 
 def json_text(value: dict | str) -> str:
@@ -108,17 +114,20 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     stop: list[str] = Field(default_factory=list)  # a string or a list on the wire
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias
     user: str | None = None
     # Extensions vLLM and llama.cpp accept too.
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: prefix-cache blocks shared only with requests of the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower first (scheduling_policy priority)
 
     def grammar_spec(self) -> GrammarSpec | None:
         """The grammar the answer must follow, if any (GrammarError for a JSON text that is not)."""
@@ -140,8 +149,12 @@ class _Common(BaseModel):
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdecimal():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            # ASCII digits of an int32: int() of 5000 digits raises past Python's digit limit, and
+            # isdecimal() alone admits other scripts' digits
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                raise ValueError(
+                    f"logit_bias keys are token ids, got {key[:20]!r}{'...' if len(key) > 20 else ''}"
+                )
             if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
                 raise ValueError(f"logit_bias values lie in -100..100, got {bias} for token {key}")
         return value

@@ -43,6 +43,7 @@ class GenerationOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    error_status: int = 503  # the HTTP status of `error` (scheduler.sequence.Sequence.error_status)
     tokens: list[GeneratedToken] = field(default_factory=list)  # new since the previous, as in text
     stop_string: bool = False  # finished by one of the request's stop strings
 
@@ -120,10 +121,15 @@ class OutputProcessor:
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
         constraint: TokenConstraint | None = None,
+        cache_salt: str | None = None,
+        client: str = "",
+        priority: int = 0,
     ) -> AnswerStream:
         """Registers the request at once (AdmissionError if it is refused) and returns its stream.
         Closing the stream early (client gone) aborts the request and frees its slot."""
-        seq = self.engine.add_request(request_id, prompt, sampling, max_new_tokens, ignore_eos, constraint)
+        seq = self.engine.add_request(
+            request_id, prompt, sampling, max_new_tokens, ignore_eos, constraint, cache_salt, client, priority
+        )
         stop = tuple(s for s in stop if s)
         stream = _Stream(
             seq,
@@ -184,6 +190,7 @@ class OutputProcessor:
                 finished=seq.finished,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                 error=seq.error,
+                error_status=seq.error_status,
                 tokens=shown,
                 stop_string=stream.stop_string,
             )

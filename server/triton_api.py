@@ -23,12 +23,22 @@ import struct
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sse_starlette.sse import EventSourceResponse
 
 from agent.contract.launcher_control import READY
-from agent.contract.sampling import MAX_SEED, MAX_TOP_K, check_stop_strings
-from server.assembly import admit, check_answer_fits, sampling_params
+from agent.contract.sampling import (
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    check_stop_strings,
+)
+from server.access import client_of
+from server.assembly import admit, check_answer_fits, sampling_params, unless_disconnected
 from server.errors import ApiError
 from server.model_repository import ModelRepository
 from server.native_api import whole_answer
@@ -54,15 +64,15 @@ class TritonParameters(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)  # 0: greedy
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)  # 0: greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # vLLM's -1 (and 0): no top-k
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    presence_penalty: float = Field(0.0, ge=0.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=0.0, le=2.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    presence_penalty: float = Field(0.0, ge=0.0, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=0.0, le=MAX_PENALTY)
     exclude_input_in_output: bool = True
     chat_template: bool | None = None  # as the native API's: default server.apply_chat_template
     stream: bool = False  # what /generate_stream means; accepted for clients that send it
@@ -149,7 +159,7 @@ def triton_router(repository: ModelRepository) -> APIRouter:
             raise ApiError(503, f"model {name!r} is not ready: {reason}")
         return {}
 
-    async def start(name: str, prompt_text: str, p: TritonParameters) -> AnswerStream:
+    async def start(http: Request, name: str, prompt_text: str, p: TritonParameters) -> AnswerStream:
         model = repository.serving(name)
         chat = model.config.server.apply_chat_template if p.chat_template is None else p.chat_template
         prompt = await (
@@ -160,22 +170,37 @@ def triton_router(repository: ModelRepository) -> APIRouter:
         check_answer_fits(len(prompt), p.max_tokens, model.engine.max_seq_len, False, "max_tokens")
         sampling = sampling_params(p, p.temperature > 0, p.seed, model.tokenizer.vocab_size)
         [stream] = await admit(
-            model.outputs, prompt, [sampling], p.max_tokens, p.stop, p.ignore_eos, openai=False
+            model.outputs,
+            prompt,
+            [sampling],
+            p.max_tokens,
+            p.stop,
+            p.ignore_eos,
+            openai=False,
+            client=client_of(http.scope),
         )
         return stream
 
-    async def answer(name: str, prompt_text: str, p: TritonParameters) -> str:
-        text, _ = await whole_answer(await start(name, prompt_text, p))
+    async def answer(http: Request, name: str, prompt_text: str, p: TritonParameters) -> str | Response:
+        """The whole answer's text, or a Response when the client left first (its generation
+        stopped, its slot freed)."""
+        stream = await start(http, name, prompt_text, p)
+        done = await unless_disconnected(http, [stream], whole_answer(stream))
+        if isinstance(done, Response):
+            return done
+        text, _ = done
         return text if p.exclude_input_in_output else prompt_text + text
 
     @router.post("/models/{name}/generate")
-    async def generate(name: str, req: GenerateRequest = Depends(generate_request)):
-        text = await answer(name, req.text_input, req.parameters)
+    async def generate(http: Request, name: str, req: GenerateRequest = Depends(generate_request)):
+        text = await answer(http, name, req.text_input, req.parameters)
+        if isinstance(text, Response):
+            return text
         return {"model_name": name, "model_version": VERSION, "text_output": text}
 
     @router.post("/models/{name}/generate_stream")
-    async def generate_stream(name: str, req: GenerateRequest = Depends(generate_request)):
-        stream = await start(name, req.text_input, req.parameters)
+    async def generate_stream(http: Request, name: str, req: GenerateRequest = Depends(generate_request)):
+        stream = await start(http, name, req.text_input, req.parameters)
 
         async def events():
             async with contextlib.aclosing(stream):
@@ -198,8 +223,8 @@ def triton_router(repository: ModelRepository) -> APIRouter:
         repository.serving(name)
         req, tensors = parse_infer(await http.body(), http.headers.get(BINARY_HEADER))
         prompt = tensors.pop("text_input", None)
-        if prompt is None:
-            raise ApiError(400, "infer needs a BYTES input named text_input (the prompt)")
+        if not isinstance(prompt, str):
+            raise ApiError(400, "infer needs a BYTES input named text_input (the prompt: one string)")
         try:
             asked = {k: v for k, v in req.parameters.items() if k not in PROTOCOL_PARAMETERS}
             p = TritonParameters.model_validate({**asked, **tensors})
@@ -207,7 +232,9 @@ def triton_router(repository: ModelRepository) -> APIRouter:
             problem = exc.errors()[0]
             where = ".".join(str(part) for part in problem["loc"])
             raise ApiError(400, f"bad parameter or input {where}: {problem['msg']}") from None
-        text = await answer(name, prompt, p)
+        text = await answer(http, name, prompt, p)
+        if isinstance(text, Response):
+            return text
         reply: dict = {
             "model_name": name,
             "model_version": VERSION,

@@ -6,15 +6,16 @@ import signal
 import socket
 import time
 
+import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
 
 from agent.contract import protocol
-from agent.contract.sampling import Sampled, SamplingParams
+from agent.contract.sampling import NO_TOKEN, Sampled, SamplingParams
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, slot_blocks, write_config
-from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable, GroupClient
+from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable, GroupClient, StepChunk
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,55 @@ def test_error_reply_raises_with_the_agents_message(agent):
 
     with pytest.raises(AgentRequestError, match="slot 3 holds no sequence"):
         asyncio.run(run())
+
+
+def only(tokens: list[int], vocab: int) -> np.ndarray:
+    """A token mask (int32 words) allowing just `tokens`."""
+    mask = np.zeros((vocab + 31) // 32, np.uint32)
+    for token in tokens:
+        mask[token // 32] |= np.uint32(1 << (token % 32))
+    return mask.view(np.int32)
+
+
+def test_a_choice_that_fails_is_its_sequences_error_and_the_call_goes_on(agent):
+    """A sequence whose mask allows only EOS while min_tokens keeps EOS out has nothing to sample:
+    its token is that sequence's fault on the wire, in a prefill and in a mixed step's chunk,
+    while the step's decode row gets its token and decodes on; the faulted slot decodes no more.
+    A reply value that is not a token id or a logprob is the fault of its sequence only."""
+    address, _ = agent
+
+    async def run():
+        client = AgentClient(address, timeout_s=30)
+        info = await client.info()
+        await client.reset()
+        vocab, (eos, *_) = info["vocab_size"], info["eos_ids"]
+        starved = SamplingParams(min_tokens=3)
+        try:
+            first = await client.prefill(1, [5, 6, 7], slot_blocks(1), 0, True, starved, only([eos], vocab))
+            fine = await client.prefill(0, [5, 6, 7], slot_blocks(0), 0, True, SamplingParams())
+            chunk = StepChunk(2, [8, 9], slot_blocks(2), 0, True, starved)
+            decoded, (chunk_first,) = await client.step(
+                [0], [slot_blocks(0)], [chunk], {2: only([eos], vocab)}
+            )
+            with pytest.raises(AgentRequestError, match="ended with an error"):
+                await client.decode([1], [slot_blocks(1)])
+            again = await client.decode([0], [slot_blocks(0)])
+            malformed = [
+                client._one_sampled(vocab + 5, None, None),
+                client._one_sampled(3, [float("nan"), []], None),
+            ]
+            return first, fine, decoded, chunk_first, again, malformed
+        finally:
+            for slot in range(3):
+                await client.release(slot)
+            client.close()
+
+    first, fine, decoded, chunk_first, again, malformed = asyncio.run(run())
+    for faulted in (first, chunk_first):
+        assert faulted.token == NO_TOKEN and faulted.fault.kind == "request"
+        assert "min_tokens" in faulted.fault.message
+    assert fine.fault is None and decoded[0].fault is None and again[0].fault is None
+    assert all(m.token == NO_TOKEN and m.fault.kind == "internal" for m in malformed), malformed
 
 
 def test_hung_agent_times_out_and_a_late_reply_is_not_mistaken(agent):

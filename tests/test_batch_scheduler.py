@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from agent.contract.sampling import Sampled, SamplingParams
 from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal
+from scheduler.client_share import ClientShares
 from scheduler.sequence import FinishReason, Sequence
 
 pytestmark = pytest.mark.unit
@@ -529,3 +530,101 @@ def test_random_workloads_keep_the_budget_lose_nothing_and_leak_no_block(
     step(scheduler, agents)  # the last releases
     assert scheduler.blocks[0].num_used == 0 and scheduler.tokens_in_flight == 0
     assert agents[0].slots == {} and scheduler.free_slots[0] == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------------------------- fairness
+
+
+def client_seq(rid: str, client: str, priority: int = 0, max_new: int = 5) -> Sequence:
+    s = seq(rid, max_new=max_new)
+    s.client, s.priority = client, priority
+    return s
+
+
+def test_a_free_slot_goes_to_the_client_running_the_fewest():
+    """Client a holds both slots and queued two more before b's one: b's request takes the next
+    slot that frees, then a's continue in order."""
+    scheduler, agents = make(slots=(2,))
+    scheduler.add(client_seq("a1", "a", max_new=3))
+    scheduler.add(client_seq("a2", "a", max_new=50))
+    step(scheduler, agents)
+    for rid in ("a3", "a4"):
+        scheduler.add(client_seq(rid, "a", max_new=50))
+    scheduler.add(client_seq("b1", "b"))
+    step(scheduler, agents)
+    assert sorted(scheduler.running) == ["a1", "a2"]
+    while "a1" in scheduler.running:
+        step(scheduler, agents)
+    step(scheduler, agents)
+    assert sorted(scheduler.running) == ["a2", "b1"]
+
+
+def test_the_share_of_a_full_queue_refuses_the_client_over_it_and_admits_the_others():
+    """max_waiting 4, no free slot: client a fills the queue (alone, it meets a full server); b,
+    under its share (half: 2), is admitted past the bound, up to 1.5 times it, while a's next
+    request is refused as over its share."""
+    scheduler, _ = make(slots=(1,), max_waiting=4, clients=ClientShares(share=0.5))
+    for i in range(5):  # one is placed at once (a free slot), four wait
+        scheduler.add(client_seq(f"a{i}", "a"))
+    scheduler.schedule()
+    with pytest.raises(AdmissionError, match="queue is full") as alone:
+        scheduler.add(client_seq("a5", "a"))
+    assert alone.value.reason is Refusal.OVERLOADED
+    scheduler.add(client_seq("b0", "b"))
+    with pytest.raises(AdmissionError, match="client_share") as over:
+        scheduler.add(client_seq("a5", "a"))
+    assert over.value.reason is Refusal.CLIENT_LIMIT
+    scheduler.add(client_seq("b1", "b"))
+    with pytest.raises(AdmissionError, match="even for clients under their share") as full:
+        scheduler.add(client_seq("c0", "c"))
+    assert full.value.reason is Refusal.OVERLOADED
+
+
+def test_one_client_alone_may_fill_every_slot():
+    scheduler, agents = make(slots=(4,), max_waiting=4, clients=ClientShares(share=0.5))
+    for i in range(6):
+        scheduler.add(client_seq(f"a{i}", "a"))
+    step(scheduler, agents)
+    assert (scheduler.num_running, scheduler.num_waiting) == (4, 2)
+
+
+def test_priority_orders_requests_within_their_clients_share():
+    """scheduling_policy priority: lower first among clients running alike; a client's priority
+    does not jump another client's fair share."""
+    scheduler, agents = make(slots=(2,), clients=ClientShares(by_priority=True))
+    scheduler.add(client_seq("hold", "a", max_new=60))
+    step(scheduler, agents)
+    scheduler.add(client_seq("a-late", "a", priority=5))
+    scheduler.add(client_seq("a-urgent", "a", priority=-5))
+    scheduler.add(client_seq("b-low", "b", priority=9))
+    order = []
+    for _ in range(40):
+        step(scheduler, agents)
+        order += [r for r in scheduler.running if r not in order and r != "hold"]
+    assert order == ["b-low", "a-urgent", "a-late"]
+
+
+def test_a_client_at_its_running_cap_waits_while_slots_are_free():
+    scheduler, agents = make(slots=(4,), clients=ClientShares(max_running=2))
+    for i in range(3):
+        scheduler.add(client_seq(f"a{i}", "a"))
+    scheduler.add(client_seq("b0", "b"))
+    step(scheduler, agents)
+    assert sorted(scheduler.running) == ["a0", "a1", "b0"] and scheduler.num_waiting == 1
+
+
+def test_a_sampling_fault_ends_only_its_sequence():
+    """The agent's reply carries a fault for one sequence of a step: it ends with an error of the
+    fault's status, its slot is released; the other sequence goes on."""
+    from agent.contract.sampling import NO_TOKEN, SequenceFault
+
+    scheduler, agents = make(slots=(2,))
+    a, b = seq("a", max_new=10), seq("b", max_new=10)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler, agents)
+    fault = SequenceFault("request", "no token can follow")
+    scheduler.decoded([a, b], [Sampled(NO_TOKEN, None, fault), Sampled(5)])
+    assert a.finish_reason is FinishReason.ERROR and (a.error, a.error_status) == ("no token can follow", 400)
+    assert NO_TOKEN not in a.output and not b.finished and b.output[-1] == 5
+    assert [r.slot for r in scheduler.schedule().releases] == [a.slot]

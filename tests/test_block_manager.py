@@ -355,3 +355,17 @@ BlockTables.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_block_tables = BlockTables.TestCase
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
+    """vLLM's cache_salt: a salted prompt neither hits nor leaves hits for unsalted prompts or
+    other salts; the same salt hits as unsalted prompts hit each other."""
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(1, 14))  # 3 full blocks and a token
+    assert blocks.allocate("plain", prompt) == 0
+    blocks.computed("plain", prompt, len(prompt))
+    assert blocks.allocate("tenant-a", prompt, salt="a") == 0  # no hit on the unsalted blocks
+    blocks.computed("tenant-a", prompt, len(prompt))
+    assert blocks.allocate("tenant-b", prompt, salt="b") == 0
+    assert blocks.allocate("tenant-a-again", prompt, salt="a") == 12
+    assert blocks.allocate("plain-again", prompt) == 12

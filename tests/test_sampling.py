@@ -253,3 +253,53 @@ def test_top_logprobs_are_exact_however_peaked_the_row(spread):
     assert sampler.choose_from_logits(logits) == 3
     want = np.lexsort((np.arange(VOCAB), -logits.astype(np.float32)))[:20]
     assert [t for t, _ in sampler.last.top] == list(want)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def test_a_temperature_below_the_greedy_bound_is_greedy_with_finite_logprobs():
+    """1e-300 divided every logit into +-inf and the logprobs into NaN; under 1e-5 it is greedy.
+    Just above it, the logits scaled 1e5 times still give finite logprobs (float64, shifted)."""
+    logits = np.random.default_rng(0).normal(0, 8, VOCAB)
+    tiny = SamplingParams(do_sample=True, temperature=1e-300, logprobs=3)
+    assert tiny.greedy
+    sampler = SlotSampler(tiny, [], VOCAB)
+    assert sampler.choose_from_logits(logits.copy()) == int(np.argmax(logits))
+    assert sampler.last is not None
+    assert sampler.last.logprob == pytest.approx(-np.log(np.exp(logits - logits.max()).sum()), abs=1e-9)
+    cold = SlotSampler(SamplingParams(do_sample=True, temperature=1.5e-5, logprobs=20, seed=1), [], VOCAB)
+    cold.choose_from_logits(logits.copy())
+    assert cold.last is not None
+    assert np.isfinite([cold.last.logprob, *(v for _, v in cold.last.top)]).all()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", 101.0),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 101.0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -0.1),
+    ],
+)
+def test_sampling_values_past_their_bounds_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_a_mask_that_allows_only_what_min_tokens_keeps_out_is_that_sequences_fault():
+    """The grammar allows EOS and a stop id, min_tokens keeps both out: nothing is left. The
+    choice fails with a request fault naming why (the runner makes it that sequence's error)."""
+    from agent.sampling import SamplingFault
+
+    eos, stop = 7, 9
+    sampler = SlotSampler(SamplingParams(min_tokens=3, stop_token_ids=(stop,)), [], VOCAB, eos_ids=[eos])
+    mask = np.zeros((VOCAB + 31) // 32, np.int32)
+    for token in (eos, stop):
+        mask[token // 32] |= 1 << (token % 32)
+    sampler.constrain(mask)
+    with pytest.raises(SamplingFault, match="min_tokens") as fault:
+        sampler.choose_from_logits(np.zeros(VOCAB))
+    assert fault.value.fault().kind == "request"

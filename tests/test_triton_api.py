@@ -98,7 +98,7 @@ def test_bad_triton_requests_name_the_problem(stack):
         reply = httpx.post(f"{base}/infer", content=json.dumps(body), headers=headers, timeout=30)
         assert reply.status_code == 400 and word in reply.json()["error"], reply.text
     reply = httpx.post(f"{base}/generate", json={"text_input": "x", "parameters": {"beams": 2}}, timeout=30)
-    assert reply.status_code == 422 and "beams" in reply.json()["error"]
+    assert reply.status_code == 400 and "beams" in reply.json()["error"]
 
 
 def test_the_one_model_server_lists_its_model_and_refuses_loads(stack):

@@ -6,7 +6,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from agent.contract.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOP_K, check_stop_strings
+from agent.contract.sampling import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_LOGPROBS,
+    MAX_PRIORITY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    check_stop_strings,
+)
 
 
 class TgiGrammar(BaseModel):
@@ -27,8 +37,8 @@ class Parameters(BaseModel):
     do_sample: bool = False
     top_k: int = 3
     top_p: float = 1.0
-    temperature: float = Field(1.0, ge=0.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     max_new_tokens: int = Field(300, ge=1)
     return_full_text: bool = False
     return_protocol: Literal["sse", "plain"] = "sse"
@@ -51,6 +61,15 @@ class Parameters(BaseModel):
         False, description="prompt logprobs: not computed, so true is refused rather than ignored"
     )
     grammar: TgiGrammar | None = None
+    priority: int = Field(
+        0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="lower first (server.scheduling_policy priority)"
+    )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="prefix-cache blocks shared only with requests of the same salt (vLLM's cache_salt)",
+    )
     # Accepted for TGI clients; they change nothing here.
     typical_p: float | None = None
     watermark: bool = False

@@ -46,6 +46,11 @@ word i set means token 32 i + j may be that slot's next token (the server's gram
 its tokenizer's vocabulary; tokens past the words are not allowed; one choice).
 Logprobs: a reply lists them only when a sequence's sampling asked for them (sampling.logprobs);
 an entry is [the token's logprob, [[id, logprob], ...] best first] (TokenLogprob.to_wire).
+Sequence errors: a choice that fails for one sequence (its grammar allows only what min_tokens
+forbids; a logprob that is not finite) is that sequence's error, not the call's: its token is -1
+and the reply's `errors` (`chunk_errors` for a step's chunks) lists [kind, message] for it, null for
+the others (SequenceFault.to_wire; absent when none failed). Such a slot decodes no more: the server
+releases it. A prefill with transfer sends nothing for it (and frees its slot).
 Block tables are the server's: an agent's KV cache is a pool of num_blocks blocks of block_size
 positions, and every call names the blocks of each sequence (position p in block table[p // block_size]).
 A reply carries the request's op and id, and "ok": true, or "ok": false with "error" (a message)
@@ -70,7 +75,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 OPS = ("info", "prefill", "decode", "step", "release", "kv_receive", "reset", "ping", "shutdown")
 SESSION_OPS = ("prefill", "decode", "step", "release", "kv_receive", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent

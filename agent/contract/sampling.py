@@ -24,6 +24,18 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 MAX_LOGIT_BIAS_VALUE = 100.0
 MAX_STOP_TOKEN_IDS = 64
+# Sampling numerics: the logits are divided by the temperature and the repetition penalty, so
+# values near zero overflow them (1e-300 made every logprob NaN). Below GREEDY_TEMPERATURE (vLLM's
+# 1e-5) a request is greedy; the bounds keep every scaled logit finite in float64.
+GREEDY_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: OpenAI's bound
+# A request's prefix-cache salt (vLLM's cache_salt): a tenant's requests share cached prompt blocks
+# only with each other.
+MAX_CACHE_SALT_CHARS = 256
+MAX_PRIORITY = 2**31 - 1  # a request's priority (lower first) lies within +-this
 
 
 def check_stop_strings(stop: list[str]) -> list[str]:
@@ -39,12 +51,12 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
 
     do_sample: bool = False
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)  # below GREEDY_TEMPERATURE: greedy
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)  # 0: no top-k limit
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    presence_penalty: float = Field(0.0, ge=0.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=0.0, le=2.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    presence_penalty: float = Field(0.0, ge=0.0, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=0.0, le=MAX_PENALTY)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     # None: no logprobs; n: the chosen token's and the n best tokens' (agent/sampling.py says of
     # which distribution)
@@ -72,7 +84,7 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0.0 or self.top_k == 1
+        return not self.do_sample or self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def largest_token_id(self) -> int:
         """The largest token id the parameters name (-1 if none): the caller checks its vocabulary."""
@@ -102,11 +114,44 @@ class TokenLogprob(NamedTuple):
         return entry
 
 
+MAX_FAULT_CHARS = 500
+FAULT_KINDS = ("request", "internal")
+
+
+class SequenceFault(NamedTuple):
+    """Why one sequence of a call got no token: that sequence's error, not the agent's (the call
+    went on for the others). kind "request": its own parameters left nothing to sample (a grammar
+    that allows only what min_tokens forbids); "internal": a value the agent could not compute."""
+
+    kind: str
+    message: str
+
+    def to_wire(self) -> list:
+        return [self.kind, self.message]
+
+    @classmethod
+    def from_wire(cls, value) -> SequenceFault:
+        """The inverse of to_wire(); anything else raises ValueError."""
+        if (
+            not isinstance(value, list)
+            or len(value) != 2
+            or value[0] not in FAULT_KINDS
+            or not isinstance(value[1], str)
+        ):
+            raise ValueError(f"not a sequence fault: {value!r:.200}")
+        return cls(value[0], value[1][:MAX_FAULT_CHARS])
+
+
 class Sampled(NamedTuple):
-    """A token an agent sampled, with its logprobs when the request asked for them."""
+    """A token an agent sampled, with its logprobs when the request asked for them; or, instead
+    of a token (NO_TOKEN), the fault that ended that sequence."""
 
     token: int
     logprob: TokenLogprob | None = None
+    fault: SequenceFault | None = None
+
+
+NO_TOKEN = -1  # the token of a sequence whose choice failed (its SequenceFault says why)
 
 
 # The command lines that sample (the client's, tools.generate) take the same options.
