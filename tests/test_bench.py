@@ -225,12 +225,17 @@ def test_hostile_summary_counts_by_kind_and_status():
 @contextlib.contextmanager
 def stand_in_server():
     """A native-API stand-in in a thread: each answer streams max_new_tokens pieces, 2 ms apart; a
-    body over 1 MiB is 413. Yields its base URL and the JSON bodies it answered."""
+    body over 1 MiB is 413; GET /health answers. Yields its base URL and the JSON bodies it
+    answered (with the Authorization header each came with, as `_auth`)."""
     seen: list[dict] = []
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
+
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
 
         def do_POST(self):
             raw = self.rfile.read(int(self.headers["Content-Length"]))
@@ -240,7 +245,7 @@ def stand_in_server():
                 self.wfile.write(b'{"error": "the request body is too large"}')
                 return
             body = json.loads(raw)
-            seen.append(body)
+            seen.append({**body, "_auth": self.headers.get("Authorization")})
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")
             self.end_headers()
@@ -282,6 +287,10 @@ def test_hostile_clients_run_beside_the_timed_streams_and_are_reported_apart(tmp
                 "3",
                 "--hostile-len",
                 "6",
+                "--api-key",
+                "timed-key",
+                "--hostile-api-key",
+                "hostile-key",
                 "--out",
                 str(tmp_path),
                 "--name",
@@ -303,6 +312,11 @@ def test_hostile_clients_run_beside_the_timed_streams_and_are_reported_apart(tmp
     assert len(timed) == 3 and not any(
         "stop" in b["parameters"] or "do_sample" in b["parameters"] for b in timed
     )
+    # Each side its own key (fairness between clients is measured so); no key in the results.
+    assert {b["_auth"] for b in timed} == {"Bearer timed-key"}
+    assert {b["_auth"] for b in seen if b not in timed} == {"Bearer hostile-key"}
+    assert "-key" not in (tmp_path / "run.json").read_text()
+    assert 0 < s["hostile_health_max_s"] < 5  # /health polled beside the hostile clients
     assert any(len(b["parameters"].get("stop", [])) == 4 for b in seen)
     assert any(b["parameters"].get("do_sample") for b in seen)
     md = (tmp_path / "run.md").read_text()

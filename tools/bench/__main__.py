@@ -207,6 +207,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="fields added to every request to that target (all targets without LABEL); for the native "
         'API, to its parameters: e.g. \'json={"structured_outputs": {"json": {...}}}\'; repeatable',
     )
+    p.add_argument("--api-key", help="sent by the timed clients as Authorization: Bearer KEY")
+    p.add_argument(
+        "--hostile-api-key",
+        help="the hostile clients' key (default --api-key): another key than the timed clients' "
+        "measures the fairness between clients (server.client_share)",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt order and sampled lengths")
     p.add_argument("--out", type=Path, default=PROJECT_ROOT / "output" / "bench")
     p.add_argument("--name", default=time.strftime("bench-%Y%m%d-%H%M%S"), help="output file stem")
@@ -221,7 +227,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if len({t.label for t in args.targets}) != len(args.targets):
         p.error("two targets share a label; name them with LABEL=URL")
     try:
-        args.targets = [t.with_extra(extra_fields(args.extra_body, t.label)) for t in args.targets]
+        args.targets = [
+            t.with_extra(extra_fields(args.extra_body, t.label)).with_key(args.api_key) for t in args.targets
+        ]
     except (TargetError, ValueError) as exc:
         p.error(f"--extra-body: {exc}")
     if args.hostile < 0 or args.hostile_len < 1:
@@ -254,7 +262,7 @@ def load_prompts(path: Path) -> list[str]:
 def openai_model(target: Target) -> str | None:
     base = target.url.split("/v1/")[0]
     try:
-        models = httpx.get(f"{base}/v1/models", timeout=10).json()["data"]
+        models = httpx.get(f"{base}/v1/models", headers=target.headers, timeout=10).json()["data"]
         return models[0]["id"] if models else None
     except (httpx.HTTPError, KeyError, ValueError):
         return None
@@ -396,7 +404,8 @@ def timed_run(
             "background", with_background(timed, target, bodies_of_background, args.background_interval)
         )
     if hostile is not None and args.hostile:
-        timed = keep("hostile", with_hostile(timed, target, hostile, args.hostile))
+        hostile_target = target.with_key(args.hostile_api_key or args.api_key)
+        timed = keep("hostile", with_hostile(timed, hostile_target, hostile, args.hostile))
 
     async def measured() -> tuple[list[RequestRecord], float]:
         return await timed
@@ -414,7 +423,8 @@ def timed_run(
         # the rate the prompts met: the window, not the interval, decides how many arrive in it
         summary["background_per_min"] = 60 * side["requests"] / wall if wall > 0 else 0.0
     if "hostile" in sides:
-        summary.update(summarize_hostile(sides["hostile"], args.hostile_kinds))
+        outcomes, health = sides["hostile"]
+        summary.update(summarize_hostile(outcomes, args.hostile_kinds, health))
     return summary
 
 
@@ -426,8 +436,9 @@ def main(argv=None) -> int:
     levels = args.rate if open_mode else args.concurrency
     per_run = {level: args.requests or (32 if open_mode else max(4, 2 * level)) for level in levels}
     total = len(args.targets) * (args.warmup + args.repeats * sum(per_run.values()))
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "targets"}
-    settings["targets"] = [vars(t) for t in args.targets]
+    secret = ("targets", "api_key", "hostile_api_key")  # no keys in the results
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in secret}
+    settings["targets"] = [{k: v for k, v in vars(t).items() if k != "headers"} for t in args.targets]
 
     background = background_prompt(prompts, args.background_words) if args.background_words else None
     invocation = secrets.token_hex(3)  # prompts differ from those of earlier invocations too

@@ -22,9 +22,9 @@ async def one_request(client: httpx.AsyncClient, target: Target, body: dict | by
     pieces = 0  # events that carried a token
     server_count = None
     payload: dict[str, Any] = (
-        {"content": body, "headers": {"content-type": "application/json"}}
+        {"content": body, "headers": {"content-type": "application/json", **target.headers}}
         if isinstance(body, bytes)
-        else {"json": body}
+        else {"json": body, "headers": target.headers}
     )
     try:
         async with client.stream("POST", target.url, **payload) as response:
@@ -168,12 +168,16 @@ class HostileRequest(NamedTuple):
     expect: int  # the HTTP status a well-defended server answers
 
 
+HEALTH_POLL_S = 0.1
+
+
 async def with_hostile(timed, target: Target, requests: Iterator[HostileRequest], clients: int):
     """Await the timed load `timed` while `clients` hostile clients send `requests` back to back
-    (each takes the next one as soon as its last one ends) -> (the load's result, a (kind, expected
-    status, record) per hostile request). Once the timed load is done no new hostile request starts
-    and those under way are awaited, so the next run starts on a quiet server. A client whose request
-    did not get its expected status waits 0.1 s (no busy loop against a server that is down)."""
+    (each takes the next one as soon as its last one ends) -> (the load's result, (a (kind, expected
+    status, record) per hostile request, the latencies of GET /health polled every HEALTH_POLL_S
+    meanwhile)). Once the timed load is done no new hostile request starts and those under way are
+    awaited, so the next run starts on a quiet server. A client whose request did not get its
+    expected status waits 0.1 s (no busy loop against a server that is down)."""
 
     async def client_loop(client: httpx.AsyncClient, stop: asyncio.Event, out: list) -> None:
         for request in requests:
@@ -187,12 +191,29 @@ async def with_hostile(timed, target: Target, requests: Iterator[HostileRequest]
                 except TimeoutError:
                     pass
 
-    async def side(stop: asyncio.Event) -> list[tuple[str, int, RequestRecord]]:
+    async def health(stop: asyncio.Event) -> list[float]:
+        latencies = []
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    await client.get(target.health_url)
+                except httpx.HTTPError:
+                    pass
+                latencies.append(time.monotonic() - started)
+                try:
+                    await asyncio.wait_for(stop.wait(), HEALTH_POLL_S)
+                except TimeoutError:
+                    pass
+        return latencies
+
+    async def side(stop: asyncio.Event) -> tuple[list[tuple[str, int, RequestRecord]], list[float]]:
         out: list[tuple[str, int, RequestRecord]] = []
         limits = httpx.Limits(max_connections=clients + 4)
+        polling = asyncio.ensure_future(health(stop))
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
             await asyncio.gather(*(client_loop(client, stop, out) for _ in range(clients)))
-        return out
+        return out, await polling
 
     return await beside(timed, side)
 

@@ -94,6 +94,7 @@ HOSTILE_COLUMNS = [  # (header, key suffix, scale, format)
     ("requests", "requests", 1, "{:.0f}"),
     ("HTTP 200", "http_200", 1, "{:.0f}"),
     ("HTTP 413", "http_413", 1, "{:.0f}"),
+    ("HTTP 429", "http_429", 1, "{:.0f}"),
     ("other HTTP", "http_other", 1, "{:.0f}"),
     ("no response", "no_response", 1, "{:.0f}"),
     ("unexpected", "unexpected", 1, "{:.0f}"),
@@ -114,11 +115,14 @@ def hostile_table(results: list[dict]) -> str:
     """The hostile requests beside each (target, level), one row per kind (medians over the runs;
     unexpected: another status than the kind's expected one, 413 for huge_prompt, else 200); ""
     if there were none."""
-    lines = table_header(["target", "level", "hostile kind", *(c[0] for c in HOSTILE_COLUMNS)])
+    header = ["target", "level", "hostile kind", *(c[0] for c in HOSTILE_COLUMNS), "/health max s"]
+    lines = table_header(header)
     for row in results:
+        worst = row["summary"].get("hostile_health_max_s")  # absent from results of older benches
+        health = ["-" if worst is None else f"{worst:.3f}"]
         for kind in hostile_kinds(row["summary"]):
             cells = formatted(row["summary"], HOSTILE_COLUMNS, f"hostile_{kind}_")
-            lines.append(table_line([row["target"], row["level"], kind, *cells]))
+            lines.append(table_line([row["target"], row["level"], kind, *cells, *health]))
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 

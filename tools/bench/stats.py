@@ -99,12 +99,18 @@ def is_unexpected(expect: int, record: RequestRecord) -> bool:
     return record.status != expect or (record.status == 200 and record.error is not None)
 
 
-def summarize_hostile(outcomes: Sequence[tuple[str, int, RequestRecord]], kinds: Sequence[str]) -> dict:
+def summarize_hostile(
+    outcomes: Sequence[tuple[str, int, RequestRecord]], kinds: Sequence[str], health: Sequence[float] = ()
+) -> dict:
     """The hostile requests beside a run, (kind, expected status, record) each -> flat counts by kind
-    and status (`hostile_KIND_http_200`, `_http_413`, `_http_other`, `_no_response`), `_unexpected`
-    (another status than the kind's expected one, or an error inside a 200 stream), output tokens
-    and median latency; every kind has every key, so repeated runs line up for median_of_runs()."""
-    out: dict[str, Any] = {"hostile_requests": len(outcomes)}
+    and status (`hostile_KIND_http_200`, `_http_413`, `_http_429`, `_http_other`, `_no_response`),
+    `_unexpected` (another status than the kind's expected one, or an error inside a 200 stream),
+    output tokens and median latency; every kind has every key, so repeated runs line up for
+    median_of_runs(). `health`: the latencies of /health polled meanwhile (their largest)."""
+    out: dict[str, Any] = {
+        "hostile_requests": len(outcomes),
+        "hostile_health_max_s": max(health, default=None),
+    }
     unexpected_total = 0
     for kind in kinds:
         mine = [(expect, r) for k, expect, r in outcomes if k == kind]
@@ -116,7 +122,10 @@ def summarize_hostile(outcomes: Sequence[tuple[str, int, RequestRecord]], kinds:
                 f"hostile_{kind}_requests": len(mine),
                 f"hostile_{kind}_http_200": sum(1 for _, r in mine if r.status == 200),
                 f"hostile_{kind}_http_413": sum(1 for _, r in mine if r.status == 413),
-                f"hostile_{kind}_http_other": sum(1 for _, r in mine if r.status not in (None, 200, 413)),
+                f"hostile_{kind}_http_429": sum(1 for _, r in mine if r.status == 429),
+                f"hostile_{kind}_http_other": sum(
+                    1 for _, r in mine if r.status not in (None, 200, 413, 429)
+                ),
                 f"hostile_{kind}_no_response": sum(1 for _, r in mine if r.status is None),
                 f"hostile_{kind}_unexpected": unexpected,
                 f"hostile_{kind}_output_tokens": sum(r.tokens for _, r in mine if r.error is None),

@@ -24,9 +24,19 @@ class Target:
     url: str
     api: str  # "native", "completions" or "chat"
     extra: dict = field(default_factory=dict, compare=False)  # added to each timed request (--extra-body)
+    headers: dict = field(default_factory=dict, compare=False)  # sent with each request (--api-key)
 
     def with_extra(self, extra: dict) -> Target:
         return replace(self, extra=extra)
+
+    def with_key(self, key: str | None) -> Target:
+        """The same target, its requests sending `key` as `Authorization: Bearer` (None: none)."""
+        return replace(self, headers={"Authorization": f"Bearer {key}"} if key else {})
+
+    @property
+    def health_url(self) -> str:
+        parsed = urlparse(self.url)
+        return f"{parsed.scheme}://{parsed.netloc}/health"
 
     @classmethod
     def parse(cls, spec: str) -> Target:
