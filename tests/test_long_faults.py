@@ -1,7 +1,8 @@
 """Long fault runs, outside `make test` (marked `long`; `make test-long` runs them): 200 streaming
 clients that disconnect at random points, a soak of mixed load (SOAK_S seconds, default 600)
 watching the server's and the agent's memory, file descriptors and ZeroMQ connections, and a chaos
-soak (SOAK_S seconds too): mixed load on two agents while they are killed and stopped at random."""
+soak (SOAK_S seconds too): mixed load on two agents while they are killed and stopped at random,
+and a hostile soak (SOAK_S seconds): the same load beside clients sending only hostile requests."""
 
 import json
 import os
@@ -20,6 +21,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.model.tokenizer import load_tokenizer
 from agent_harness import LONG_ANSWERS_RUNTIME, LauncherProcess, free_ports, serving_stack, write_config
 
 pytestmark = pytest.mark.long
@@ -695,3 +697,125 @@ def test_chaos_soak_every_answer_exact_or_a_clear_error_while_agents_are_killed_
     assert max(s["fds"] for s in settled) <= baseline["fds"] + 2 * CHAOS_CLIENTS + 8, samples
     assert idle_after["fds"] <= idle_before["fds"] + 2, (idle_before, idle_after)
     assert idle_after["zmq"] == [1, 1], idle_after  # one connection to each agent: the old ones closed
+
+
+# ----------------------------------------------------------------------------- hostile soak
+# The chaos soak's clients (every answer exact) beside clients that send only hostile requests (the
+# ones issue 43 found failing other requests, freezing the server or taking every slot), with no
+# agent fault: every answer of the normal clients is exact, every error belongs to a hostile request,
+# nothing hangs, and /health answers within a second throughout.
+
+HOSTILE_CLIENTS = 3
+HEALTH_BOUND_S = 1.0
+
+
+def hostile_requests(z: int) -> list[tuple[str, str, dict]]:
+    """(name, path, body) of each kind of hostile request (`z`: the token id of "z")."""
+    completion = {"model": "tiny", "prompt": "hostile", "max_tokens": 40}
+    return [
+        ("nan-temperature", "/v1/completions", {**completion, "temperature": 1e-300, "logprobs": 5}),
+        ("tiny-penalty", "/v1/completions", {**completion, "repetition_penalty": 1e-300, "logprobs": 2}),
+        (
+            "native-details-tiny-temperature",
+            "/models/tiny/generate",
+            {"inputs": "hostile", "parameters": {"do_sample": True, "temperature": 1e-300, "details": True}},
+        ),
+        (
+            "no-legal-token",
+            "/v1/completions",
+            {**completion, "structured_outputs": {"regex": "qz?"}, "min_tokens": 8, "stop_token_ids": [z]},
+        ),
+        ("huge-reply", "/v1/completions", {**completion, "n": 8, "max_tokens": 500, "logprobs": 20}),
+        ("bias-digits", "/v1/completions", {**completion, "logit_bias": {"9" * 5000: 1}}),
+        (
+            "infer-object",
+            "/v2/models/tiny/infer",
+            {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [{"a": 1}]}]},
+        ),
+        ("big-grammar", "/v1/completions", {**completion, "structured_outputs": {"grammar": "x" * 40000}}),
+        (
+            "flood-stream",
+            "/v1/completions",
+            {**completion, "max_tokens": 400, "ignore_eos": True, "stream": True, "n": 8},
+        ),
+    ]
+
+
+def hostile_client(
+    base: str, kinds: list, deadline: float, rng: random.Random, outcomes: Counter, lock: threading.Lock
+):
+    while time.monotonic() < deadline:
+        name, path, body = rng.choice(kinds)
+        try:
+            with httpx.stream("POST", base + path, json=body, timeout=REQUEST_TIMEOUT_S) as response:
+                response.read()
+                status = response.status_code
+        except httpx.HTTPError as exc:
+            status = type(exc).__name__
+        with lock:
+            outcomes[(name, status)] += 1
+
+
+def health_latencies(base: str, until: threading.Event) -> list[float]:
+    latencies = []
+    while not until.is_set():
+        started = time.monotonic()
+        httpx.get(f"{base}/health", timeout=30)
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.1)
+    return latencies
+
+
+def test_hostile_soak_fails_only_the_hostile_requests(chaos_stack, tiny_llama_dir):
+    stack = chaos_stack
+    (z,) = load_tokenizer(tiny_llama_dir).encode("z")
+    base = stack["base"]
+    duration = soak_seconds()
+    seed = int(os.environ.get("CHAOS_SEED", random.randrange(2**32)))
+    rng = random.Random(seed)
+    expected = answers_alone(base)
+    wait_idle(base)
+    deadline = time.monotonic() + duration
+    records: list[dict] = []
+    sent: Counter = Counter()
+    hostile: Counter = Counter()
+    lock = threading.Lock()
+    done = threading.Event()
+    with ThreadPoolExecutor(CHAOS_CLIENTS + HOSTILE_CLIENTS + 1) as pool:
+        health = pool.submit(health_latencies, base, done)
+        normal = [
+            pool.submit(
+                chaos_client, base, deadline, random.Random(rng.random()), expected, records, sent, lock
+            )
+            for _ in range(CHAOS_CLIENTS)
+        ]
+        attackers = [
+            pool.submit(
+                hostile_client,
+                base,
+                hostile_requests(z),
+                deadline,
+                random.Random(rng.random()),
+                hostile,
+                lock,
+            )
+            for _ in range(HOSTILE_CLIENTS)
+        ]
+        for future in normal + attackers:
+            future.result(timeout=duration + 2 * REQUEST_TIMEOUT_S)
+        done.set()
+        latencies = health.result(timeout=60)
+    wait_idle(base)
+    ok = Counter(r["kind"] for r in records if r["outcome"] == "ok")
+    bad = [r for r in records if r["outcome"] != "ok"]
+    print(
+        f"\nhostile soak {duration:.0f}s seed {seed}: normal sent {sum(sent.values())} = ok "
+        f"{sum(ok.values())} + errors {len(bad)}; hostile {sum(hostile.values())}: "
+        + ", ".join(f"{name} {status} x{n}" for (name, status), n in sorted(hostile.items(), key=str))
+        + f"; /health max {max(latencies) * 1000:.0f} ms over {len(latencies)} polls",
+        flush=True,
+    )
+    assert not bad, f"{len(bad)} normal request(s) not answered exactly, e.g. {bad[:3]}"
+    assert sum(sent.values()) == len(records) == sum(ok.values())
+    assert all(isinstance(status, int) and status < 500 for _, status in hostile), hostile
+    assert max(latencies) < HEALTH_BOUND_S, max(latencies)
