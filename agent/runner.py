@@ -493,7 +493,10 @@ class ModelRunner:
         sampler_state = state.get("sampler")
         if not isinstance(sampler_state, dict):
             raise RunnerError("the KV state needs a sampler map")
-        sampler = SlotSampler.from_state(sampler_state, self.spec.vocab_size, self.spec.eos_ids)
+        try:
+            sampler = SlotSampler.from_state(sampler_state, self.spec.vocab_size, self.spec.eos_ids)
+        except ValueError as exc:
+            raise RunnerError(f"the KV state's sampler is refused: {exc}") from exc
         padded_table = self._padded_table(slot, table, length + 1)
         done = 0
         for sub_table, n, size in self._transfer_pieces(padded_table, length):
