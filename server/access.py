@@ -6,9 +6,13 @@
   `server.cors_origins` (a page elsewhere may POST a text/plain body, read as JSON, with no CORS
   preflight: 403 before anything runs);
 - API keys (`Authorization: Bearer KEY`; every path but /health; the dashboard page also takes
-  `?api_key=` since a browser cannot set the header for a page load); loading and unloading models
-  takes only `server.admin_api_keys` where any are set (an ordinary key: 403), else the API keys;
-  an admin key also opens every other path;
+  `?api_key=` since a browser cannot set the header for a page load); an admin key also opens every
+  other path;
+- loading and unloading models: only `server.admin_api_keys` where any are set. Without admin keys
+  (model_control_mode explicit), an ordinary API key cannot (403 naming the setting), and with no
+  key at all they are as open as the rest of the server: to this machine only, since a server that
+  listens beyond loopback refuses to start in explicit mode without admin keys
+  (check_model_control);
 - the request body limit (413, on the bytes read: a request body is read here, within the limit
   and within `server.read_timeout_s` (408), and handed on).
 """
@@ -19,7 +23,7 @@ import asyncio
 import hmac
 from urllib.parse import parse_qs
 
-from config.schema import ServerSection, is_loopback
+from config.schema import ServerSection, ServingConfig, is_loopback
 from server.errors import error_response, is_openai_path
 
 OPEN_PATHS = {"/health"}
@@ -44,11 +48,76 @@ def body_too_large(max_body_bytes: int, openai: bool):
     return error_response(413, f"the request body is larger than {max_body_bytes} bytes", openai)
 
 
-class AccessMiddleware:
-    def __init__(self, app, server: ServerSection):
-        self.app = app
+def body_too_slow(read_timeout_s: float, openai: bool):
+    return error_response(408, f"the request body did not arrive within {read_timeout_s:g}s", openai)
+
+
+def check_model_control(config: ServingConfig) -> None:
+    """Refuse (ValueError naming the setting) a server that would let anyone who reaches its port
+    load and unload models: model_control_mode explicit beyond loopback without admin keys."""
+    s = config.server
+    if config.model_control_mode == "explicit" and not is_loopback(s.host) and not s.admin_api_keys:
+        raise ValueError(
+            f"model_control_mode explicit with server.host {s.host} (beyond loopback) needs "
+            "server.admin_api_keys (or $LLM_SERVING_ADMIN_API_KEYS): without them anyone who "
+            "reaches the server could load and unload models"
+        )
+
+
+class ApiKeys:
+    """Which keys open a path (the module docstring's rules). `model_control`: models are loaded
+    and unloaded on request (model_control_mode explicit)."""
+
+    def __init__(self, server: ServerSection, model_control: bool = False):
         self.api_keys = [k.encode() for k in server.api_keys]
         self.admin_keys = [k.encode() for k in server.admin_api_keys]
+        self.admin_only = bool(self.admin_keys) or (model_control and bool(self.api_keys))
+
+    def denied(self, scope, headers: dict) -> tuple[int, str] | None:
+        """(status, why) when the request's key does not open its path."""
+        path = scope["path"]
+        if is_admin_path(path) and self.admin_only:
+            if self._authorized(scope, headers, self.admin_keys):
+                return None
+            if self._authorized(scope, headers, self.api_keys):
+                if self.admin_keys:
+                    return 403, "loading and unloading models needs an admin key (server.admin_api_keys)"
+                return 403, (
+                    "loading and unloading models needs an admin key, and server.admin_api_keys is "
+                    "empty: ordinary API keys cannot load or unload models; set server.admin_api_keys "
+                    "(or $LLM_SERVING_ADMIN_API_KEYS)"
+                )
+            return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
+        if not self.api_keys or path in OPEN_PATHS:
+            return None
+        if self._authorized(scope, headers, self.api_keys + self.admin_keys):
+            return None
+        return 401, "missing or invalid API key (send Authorization: Bearer KEY)"
+
+    @staticmethod
+    def _authorized(scope, headers: dict, keys: list[bytes]) -> bool:
+        auth = headers.get(b"authorization", b"")
+        key = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+        if not key and scope["path"] in QUERY_KEY_PATHS:
+            key = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0].encode()
+        return any(hmac.compare_digest(key, k) for k in keys)
+
+
+def key_refusal(keys: ApiKeys, scope, headers: dict, openai: bool):
+    """The 401/403 response for a request whose key does not open its path; None when it does."""
+    denied = keys.denied(scope, headers)
+    if denied is None:
+        return None
+    status, message = denied
+    return error_response(
+        status, message, openai, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+class AccessMiddleware:
+    def __init__(self, app, server: ServerSection, model_control: bool = False):
+        self.app = app
+        self.keys = ApiKeys(server, model_control)
         self.max_body_bytes = server.max_body_bytes
         self.read_timeout_s = server.read_timeout_s
         self.port = server.port
@@ -64,13 +133,9 @@ class AccessMiddleware:
         refusal = self._refusal(headers)
         if refusal:
             return await error_response(403, refusal, openai, code="forbidden")(scope, receive, send)
-        denied = self._denied(scope, headers, path)
+        denied = key_refusal(self.keys, scope, headers, openai)
         if denied is not None:
-            status, message = denied
-            response = error_response(
-                status, message, openai, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
-            )
-            return await response(scope, receive, send)
+            return await denied(scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await self._too_large(scope, receive, send, openai)
@@ -82,8 +147,7 @@ class AccessMiddleware:
             async with asyncio.timeout(self.read_timeout_s):  # a body trickled in (slow POST)
                 body = await self._read_body(receive)
         except TimeoutError:
-            message = f"the request body did not arrive within {self.read_timeout_s:g}s"
-            return await error_response(408, message, openai)(scope, receive, send)
+            return await body_too_slow(self.read_timeout_s, openai)(scope, receive, send)
         if body is None:
             return None  # the client is gone
         if len(body) > self.max_body_bytes:
@@ -127,26 +191,6 @@ class AccessMiddleware:
             f"requests from web pages at {origin.decode(errors='replace')!r} are not allowed "
             "(server.cors_origins lists the origins that are)"
         )
-
-    def _denied(self, scope, headers: dict, path: str) -> tuple[int, str] | None:
-        """(status, why) when the request's key does not open the path."""
-        missing = (401, "missing or invalid API key (send Authorization: Bearer KEY)")
-        if is_admin_path(path) and self.admin_keys:
-            if self._authorized(scope, headers, self.admin_keys):
-                return None
-            if self._authorized(scope, headers, self.api_keys):
-                return 403, "loading and unloading models needs an admin key (server.admin_api_keys)"
-            return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
-        if not self.api_keys or path in OPEN_PATHS:
-            return None
-        return None if self._authorized(scope, headers, self.api_keys + self.admin_keys) else missing
-
-    def _authorized(self, scope, headers: dict, keys: list[bytes]) -> bool:
-        auth = headers.get(b"authorization", b"")
-        key = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-        if not key and scope["path"] in QUERY_KEY_PATHS:
-            key = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0].encode()
-        return any(hmac.compare_digest(key, k) for k in keys)
 
     async def _too_large(self, scope, receive, send, openai: bool):
         return await body_too_large(self.max_body_bytes, openai)(scope, receive, send)
