@@ -2,12 +2,15 @@
 channel; no model loaded, so no agent starts) and real servers: admin keys beyond loopback, ordinary
 keys never, and the control channel under CURVE whenever the agents are."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 import yaml
 import zmq
 
-from agent_harness import LauncherProcess, curve_keys, free_ports
+from agent_harness import LONG_ANSWERS_RUNTIME, LauncherProcess, curve_keys, free_ports, serving_stack
 from config import load_config
 
 USER = "user-key"
@@ -103,3 +106,54 @@ def test_curve_agents_need_a_curve_control_channel(tmp_path):
     config["agents"]["curve"]["launcher"] = {"public_key": public.decode(), "secret_key": secret.decode()}
     path.write_text(yaml.safe_dump(config))
     assert load_config(path).agents.curve.launcher.public_key == public.decode()
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory, tiny_llama_dir):
+    """A launcher and a server with the tiny model loaded at start (explicit mode, no keys)."""
+    directory = tmp_path_factory.mktemp("loaded")
+    control, agent, http = free_ports(3)
+    config = {
+        "model_control_mode": "explicit",
+        "startup_models": ["tiny"],
+        "models": [
+            {
+                "name": "tiny",
+                "path": str(tiny_llama_dir),
+                "runtime": LONG_ANSWERS_RUNTIME,
+                "agents": {"ports": [agent]},
+            }
+        ],
+        "agents": {"control_port": control, "shutdown_grace_s": 2, "startup_timeout_s": 180},
+        "logging": {"dir": str(directory / "logs")},
+        "server": {"port": http, "max_body_bytes": 8 << 20},
+    }
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with serving_stack(path) as (agents, server):
+        yield f"http://127.0.0.1:{http}", server
+
+
+@pytest.mark.parametrize(
+    "path, parameters",
+    [("/models/tiny/generate", {}), ("/models/tiny/generate_stream", {"chat_template": True})],
+    ids=["generate", "stream with the chat template"],
+)
+def test_an_unload_while_a_prompt_is_tokenized_is_a_503(loaded, path, parameters):
+    """The request found the model READY, then its long prompt was tokenized (off the event loop,
+    in the model's tokenizer pool, which the unload shuts down) while the model was unloaded: it
+    is refused as any request to an unloading model, 503 naming it, never a 500."""
+    base, server = loaded
+    assert httpx.post(f"{base}/v2/repository/models/tiny/load", timeout=120).status_code == 200
+    prompt = "the quick brown fox jumps over the lazy dog " * 100_000  # seconds to tokenize
+    body = {"inputs": prompt, "parameters": {"truncate": 16, "max_new_tokens": 4, **parameters}}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, f"{base}{path}", json=body, timeout=120)
+        time.sleep(0.3)  # the body is in, its tokens are being counted
+        unload = httpx.post(f"{base}{UNLOAD}", timeout=120)
+        reply = answer.result()
+    assert unload.status_code == 200, unload.text
+    assert reply.status_code == 503, reply.text
+    refusals = ("model 'tiny' is being unloaded", "model 'tiny' is UNLOADING")
+    assert reply.json()["error"] in refusals, reply.text
+    assert "Traceback" not in server.output()
