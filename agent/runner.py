@@ -479,7 +479,7 @@ class ModelRunner:
         if slot in self.slots:
             raise RunnerError(f"slot {slot} is in use; release it first")
         length, next_token = state.get("length"), state.get("next_token")
-        if not isinstance(length, int) or not isinstance(next_token, int):
+        if type(length) is not int or type(next_token) is not int:  # not a bool, nor a float
             raise RunnerError("the KV state needs integer length and next_token")
         self._check_transfer(length)
         shape = (2 * self.spec.num_layers, self._kv, length, self._hd)

@@ -202,10 +202,11 @@ def test_a_peers_state_with_token_ids_or_counts_out_of_range_is_refused(decode_a
     state = {"length": length, "next_token": 7, "sampler": sampler.state()}
     assert server.call("reset", session=session)[0]["ok"]
 
-    def receive(slot: int, ticket: int, sampler_state: dict) -> dict:
+    def receive(slot: int, ticket: int, sampler_state: dict, **changed) -> dict:
         fields = {"slot": slot, "session": session, "ticket": ticket}
         arrays = [blocks, slot_blocks(slot)]
-        return peer.call("kv_receive", arrays, state={**state, "sampler": sampler_state}, **fields)[0]
+        sent = {**state, "sampler": sampler_state, **changed}
+        return peer.call("kv_receive", arrays, state=sent, **fields)[0]
 
     assert receive(0, 1, state["sampler"])["ok"]  # a sequence decoding beside the refused ones
     good = state["sampler"]
@@ -224,6 +225,10 @@ def test_a_peers_state_with_token_ids_or_counts_out_of_range_is_refused(decode_a
         answer = receive(1, ticket, sampler_state)
         assert not answer["ok"] and "sampler is refused" in answer["error"], (sampler_state, answer)
         assert words in answer["error"], answer
+    bad_tokens = [(vocab, f"next_token {vocab} is outside"), (True, "integer")]
+    for ticket, (token, words) in enumerate(bad_tokens, start=50):
+        answer = receive(1, ticket, good, next_token=token)
+        assert not answer["ok"] and words in answer["error"], answer
     header, arrays = server.call("decode", [np.array([0], np.int32), slot_blocks(0)[None]], session=session)
     assert header["ok"] and 0 <= arrays[0][0] < vocab, header
     assert receive(1, 99, good)["ok"]  # the refused transfers left the slot as it was: free
