@@ -21,7 +21,14 @@ def packed(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(k, n // TILE, TILE).transpose(1, 0, 2))
 
 
-def fused_layer(lengths: np.ndarray, row_table: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, int]:
+@pytest.fixture
+def library(kernel_target):
+    return ctypes.CDLL(str(build(kernel_target)))
+
+
+def fused_layer(
+    library, lengths: np.ndarray, row_table: np.ndarray, tables: np.ndarray
+) -> tuple[np.ndarray, int]:
     """One FusedLayer call over 8 rows of a layer with 2 KV heads of 32 (one query head each); the
     same weights, inputs and cache on every call. (output, return code)"""
     rng = np.random.default_rng(7)
@@ -62,11 +69,10 @@ def fused_layer(lengths: np.ndarray, row_table: np.ndarray, tables: np.ndarray) 
         np.array([block], np.int32),
     ]
     out = np.full((rows, dim), np.nan, np.float32)
-    library = ctypes.CDLL(str(build()))
     return out, call(library.FusedLayer, arrays, out)
 
 
-def test_a_run_sizes_its_scratch_from_its_longest_kv_head():
+def test_a_run_sizes_its_scratch_from_its_longest_kv_head(library):
     """Eight rows of one sequence (a prompt-attention run) whose second KV head attends 32 positions
     more than the first: the run's packed keys and each block's scores must span the longer head.
     Sized from the first head's lengths (as before), the second head's softmax ran past its row of
@@ -74,10 +80,10 @@ def test_a_run_sizes_its_scratch_from_its_longest_kv_head():
     rows, entries = 8, 12
     lengths = np.stack([np.arange(1, rows + 1), np.arange(33, 33 + rows)], axis=1).reshape(-1)
     one_table = np.random.default_rng(3).permutation(16)[:entries]
-    as_run, code = fused_layer(lengths, np.zeros(rows, np.int32), one_table[None, :])
+    as_run, code = fused_layer(library, lengths, np.zeros(rows, np.int32), one_table[None, :])
     assert code == 0
     # The same rows, each through its own copy of the table: too short for a run, one row at a time.
-    one_by_one, code = fused_layer(lengths, np.arange(rows), np.tile(one_table, (rows, 1)))
+    one_by_one, code = fused_layer(library, lengths, np.arange(rows), np.tile(one_table, (rows, 1)))
     assert code == 0
     assert np.isfinite(one_by_one).all()
     np.testing.assert_allclose(as_run, one_by_one, rtol=1e-4, atol=1e-4)
