@@ -8,8 +8,9 @@ model_control_mode none starts every model, and a model whose agents cannot be m
 launcher (exit 1), as with one model. explicit starts config.startup_models and answers the control
 channel (agent/launcher_control.py): a load spawns the model's agents, within the memory budget
 (agent/memory_budget.py), and is followed between supervision passes until they are ready; an
-unload stops them (SIGTERM, SIGKILL after agents.shutdown_grace_s). A model that fails to load, or
-whose agents die beyond the restart policy, is UNAVAILABLE with the reason; the others go on.
+unload stops them (SIGTERM, SIGKILL after agents.shutdown_grace_s). A model that fails to load (its
+agents' error, or the spawn itself), or whose agents die beyond the restart policy, is UNAVAILABLE
+with the reason; the launcher and the other models go on.
 """
 
 from __future__ import annotations
@@ -95,9 +96,21 @@ class LaunchedModels:
         return [m for m in self.models.values() if m.state == state]
 
     def _load(self, model: LaunchedModel) -> str | None:
-        """Spawn the model's agents (idempotent); why not, when its memory does not fit."""
+        """Spawn the model's agents (idempotent); why not, when its memory does not fit or the
+        spawn itself failed (then whatever it started is stopped: that load fails, nothing else)."""
         if model.state in (control.READY, control.LOADING):
             return None
+        try:
+            return self._spawn(model)
+        except LaunchError as exc:
+            reason = str(exc)
+        except Exception as exc:  # process or file-descriptor limits, a broken pipe: this load's failure
+            log.exception("model %s: starting its agents failed", model.name)
+            reason = f"starting its agents failed: {type(exc).__name__}: {exc}"
+        self._stopped(model, control.clip(reason))
+        return reason
+
+    def _spawn(self, model: LaunchedModel) -> str | None:
         launcher = AgentLauncher(model.config, self.groups, f"{model.name}: " if self.named else "")
         agents = len(launcher.agents)
         need = need_mb(model.config, agents)
@@ -156,11 +169,7 @@ class LaunchedModels:
                 time.sleep(POLL_S)
             wait = 0.0 if self.control is not None else POLL_S / max(1, len(active))
             for model in active:
-                if model.state == control.LOADING:
-                    self._follow_load(model, wait)
-                    continue
-                assert model.launcher is not None  # active
-                failure = model.launcher.mend(wait)
+                failure = self._supervise_one(model, wait)
                 if failure is None:
                     continue
                 if not self.explicit:
@@ -173,6 +182,20 @@ class LaunchedModels:
                 self._stopped(model, failure)
         log.info("signal %d received: stopping agents", self.stop_signal)
         return 0 if self.stop() else 1
+
+    def _supervise_one(self, model: LaunchedModel, wait: float) -> str | None:
+        """One pass over a model's agents: a loading model followed, a loaded one mended; why its
+        agents cannot go on (a failed load has already stopped them). An unforeseen failure here
+        (a restart whose spawn fails) is that model's failure, never the launcher's."""
+        try:
+            if model.state == control.LOADING:
+                self._follow_load(model, wait)
+                return None
+            assert model.launcher is not None  # active
+            return model.launcher.mend(wait)
+        except Exception as exc:
+            log.exception("model %s: supervising its agents failed", model.name)
+            return f"supervising its agents failed: {type(exc).__name__}: {exc}"
 
     def stop(self) -> bool:
         """Every model's agents; True when none is left."""
@@ -201,10 +224,7 @@ class LaunchedModels:
                 "error": f"no model {name!r} in the launcher's config ({', '.join(self.models)})",
             }
         if op == "load":
-            try:
-                problem = self._load(model)
-            except LaunchError as exc:
-                problem = str(exc)
+            problem = self._load(model)
             if problem is not None:
                 return {"ok": False, "error": control.clip(problem)}
         elif model.launcher is not None:

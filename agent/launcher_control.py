@@ -52,6 +52,9 @@ class ControlChannel:
                 reply = handle(control.decode(frames[1]))
             except control.ControlError as exc:
                 reply = {"ok": False, "error": str(exc)}
+            except Exception as exc:  # that request's failure: the channel answers the next one
+                log.exception("a control request failed")
+                reply = {"ok": False, "error": f"the launcher failed: {type(exc).__name__}: {exc}"}
             self.socket.send_multipart([frames[0], control.encode(reply)])
 
     def close(self) -> None:

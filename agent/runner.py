@@ -484,7 +484,7 @@ class ModelRunner:
         if slot in self.slots:
             raise RunnerError(f"slot {slot} is in use; release it first")
         length, next_token = state.get("length"), state.get("next_token")
-        if not isinstance(length, int) or not isinstance(next_token, int):
+        if type(length) is not int or type(next_token) is not int:  # not a bool, nor a float
             raise RunnerError("the KV state needs integer length and next_token")
         self._check_transfer(length)
         shape = (2 * self.spec.num_layers, self._kv, length, self._hd)
@@ -498,7 +498,10 @@ class ModelRunner:
         sampler_state = state.get("sampler")
         if not isinstance(sampler_state, dict):
             raise RunnerError("the KV state needs a sampler map")
-        sampler = SlotSampler.from_state(sampler_state, self.spec.vocab_size, self.spec.eos_ids)
+        try:
+            sampler = SlotSampler.from_state(sampler_state, self.spec.vocab_size, self.spec.eos_ids)
+        except ValueError as exc:
+            raise RunnerError(f"the KV state's sampler is refused: {exc}") from exc
         padded_table = self._padded_table(slot, table, length + 1)
         done = 0
         for sub_table, n, size in self._transfer_pieces(padded_table, length):

@@ -226,12 +226,37 @@ class SlotSampler:
 
     @classmethod
     def from_state(cls, state: dict, vocab_size: int, eos_ids: Iterable[int] = ()) -> SlotSampler:
-        """The inverse of state(); a malformed state raises ValueError, TypeError or KeyError."""
-        sampler = cls(SamplingParams.model_validate(state["params"]), [], vocab_size, eos_ids)
-        sampler.generated = int(state["generated"])
-        sampler.seen = {int(t) for t in state["seen"]}
-        sampler.counts = {int(t): int(n) for t, n in state["counts"]}
-        sampler.rng.bit_generator.state = json.loads(state["rng"])
+        """The inverse of state(). It comes from another agent: every token id is checked against
+        the vocabulary and every count's range, so that a malformed or hostile state is refused here
+        (ValueError saying what is wrong) instead of failing a later step of every sequence in the
+        batch, or penalising tokens it does not name (a negative id indexes from the end)."""
+        try:
+            sampler = cls(SamplingParams.model_validate(state["params"]), [], vocab_size, eos_ids)
+            generated, seen, counts = state["generated"], state["seen"], state["counts"]
+            if not _is_int(generated) or generated < 0:
+                raise ValueError(f"generated must be a count (>= 0), got {generated!r:.50}")
+            sampler.generated = generated
+            sampler.seen = set(_token_ids(seen, vocab_size, "seen"))
+            if sampler.seen and not sampler.repetition:
+                raise ValueError("seen tokens without a repetition penalty")
+            if not isinstance(counts, list) or not all(isinstance(c, list) and len(c) == 2 for c in counts):
+                raise ValueError("counts must be [token id, occurrences] pairs")
+            tokens = _token_ids([token for token, _ in counts], vocab_size, "counts")
+            occurrences = [n for _, n in counts]
+            if not all(_is_int(n) and 1 <= n <= generated for n in occurrences):
+                raise ValueError(f"counts' occurrences must be 1..generated ({generated})")
+            if counts and not sampler.counted:
+                raise ValueError("counts without a presence or frequency penalty")
+            sampler.counts = dict(zip(tokens, occurrences))
+            sampler.rng.bit_generator.state = json.loads(state["rng"])
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            OverflowError,
+            RecursionError,
+        ) as exc:  # pydantic's are ValueErrors
+            raise ValueError(f"not a sampler state: {type(exc).__name__}: {exc}") from exc
         return sampler
 
     def observe(self, token: int) -> None:
@@ -241,6 +266,20 @@ class SlotSampler:
             self.seen.add(token)
         if self.counted:
             self.counts[token] = self.counts.get(token, 0) + 1
+
+
+def _is_int(value) -> bool:
+    return type(value) is int  # not a bool, nor a float msgpack carried
+
+
+def _token_ids(values, vocab_size: int, what: str) -> list[int]:
+    """`values` as token ids of a vocabulary of `vocab_size` (ValueError naming the first that is not)."""
+    if not isinstance(values, list) or len(values) > vocab_size:
+        raise ValueError(f"{what} must be a list of at most {vocab_size} token ids")
+    for token in values:
+        if not _is_int(token) or not 0 <= token < vocab_size:
+            raise ValueError(f"{what}: token id {token!r:.50} is outside the vocabulary 0..{vocab_size - 1}")
+    return values
 
 
 FIRST_NUCLEUS_GUESS = 64

@@ -601,8 +601,9 @@ class ServerSection(Section):
 
     admin_api_keys: list[str] = Field(
         default_factory=list,
-        description="if any: loading and unloading models needs one of these keys (also "
-        "$LLM_SERVING_ADMIN_API_KEYS); none: the api_keys, if any",
+        description="the only keys that may load and unload models (also $LLM_SERVING_ADMIN_API_KEYS); "
+        "none: with api_keys nobody may, without keys anyone on this machine (model_control_mode "
+        "explicit beyond loopback needs them)",
     )
 
     @field_validator("api_keys", "admin_api_keys")
@@ -812,6 +813,14 @@ class ServingConfig(Section):
             )
         if self.startup_models and self.model_control_mode == "none":
             raise ValueError("startup_models is for model_control_mode explicit (none starts every model)")
+        curve = self.agents.curve
+        secured = any(c.agents.curve is not None for c in self.model_configs().values())
+        if self.model_control_mode == "explicit" and secured and (curve is None or curve.launcher is None):
+            raise ValueError(
+                "agents.curve.launcher is missing: the agents use CURVE, so the launcher's control "
+                "channel (model_control_mode explicit) must too; `python -m tools.curve_keys --launcher` "
+                "prints a keypair for it"
+            )
         if self.agents.memory_limit_mb is not None:
             unplanned = [n for n, c in self.model_configs().items() if c.runtime.memory_budget_mb is None]
             if unplanned:

@@ -6,13 +6,20 @@
   `server.cors_origins` (a page elsewhere may POST a text/plain body, read as JSON, with no CORS
   preflight: 403 before anything runs);
 - API keys (`Authorization: Bearer KEY`; every path but /health; the dashboard page also takes
-  `?api_key=` since a browser cannot set the header for a page load); loading and unloading models
-  takes only `server.admin_api_keys` where any are set (an ordinary key: 403), else the API keys;
-  an admin key also opens every other path;
+  `?api_key=` since a browser cannot set the header for a page load); an admin key also opens every
+  other path;
+- loading and unloading models: only `server.admin_api_keys` where any are set. Without admin keys
+  (model_control_mode explicit), an ordinary API key cannot (403 naming the setting), and with no
+  key at all they are as open as the rest of the server: to this machine only, since a server that
+  listens beyond loopback refuses to start in explicit mode without admin keys
+  (check_model_control);
+- the operator's paths (/metrics, /info, /dashboard: per-request counts, prefix-cache hits among
+  them) take only `server.admin_api_keys` where any are set: an ordinary key holder could otherwise
+  learn from the counters whether another client's prompt was cached;
 - the request body limit (413, on the bytes read: a request body is read here, within the limit
   and within `server.read_timeout_s` (408), and handed on);
-- who the client is, for the scheduler's fair shares (scheduler/client_share.py): its API key
-  (a digest of it), or its address when keys are off (behind a proxy, every client is the proxy).
+- who the client is, for the scheduler's fair shares (scheduler/client_share.py): its API key (a
+  digest of it), or its address when keys are off (behind a proxy, every client is the proxy).
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ import hashlib
 import hmac
 from urllib.parse import parse_qs
 
-from config.schema import ServerSection, is_loopback
+from config.schema import ServerSection, ServingConfig, is_loopback
 from server.errors import error_response, is_openai_path
 
 OPEN_PATHS = {"/health"}
+OPERATOR_PATHS = {"/metrics", "/info", "/dashboard"}
 QUERY_KEY_PATHS = {"/dashboard"}
 ADMIN_PREFIX, ADMIN_ACTIONS = "/v2/repository/models/", ("/load", "/unload")
 
@@ -43,27 +51,106 @@ def loopback_hosts(port: int) -> set[bytes]:
     return {f"{name}{suffix}".encode() for name in LOOPBACK_NAMES for suffix in ("", f":{port}")}
 
 
+def body_too_large(max_body_bytes: int, openai: bool):
+    return error_response(413, f"the request body is larger than {max_body_bytes} bytes", openai)
+
+
+def body_too_slow(read_timeout_s: float, openai: bool):
+    return error_response(408, f"the request body did not arrive within {read_timeout_s:g}s", openai)
+
+
+def check_model_control(config: ServingConfig) -> None:
+    """Refuse (ValueError naming the setting) a server that would let anyone who reaches its port
+    load and unload models: model_control_mode explicit beyond loopback without admin keys."""
+    s = config.server
+    if config.model_control_mode == "explicit" and not is_loopback(s.host) and not s.admin_api_keys:
+        raise ValueError(
+            f"model_control_mode explicit with server.host {s.host} (beyond loopback) needs "
+            "server.admin_api_keys (or $LLM_SERVING_ADMIN_API_KEYS): without them anyone who "
+            "reaches the server could load and unload models"
+        )
+
+
+class ApiKeys:
+    """Which keys open a path (the module docstring's rules). `model_control`: models are loaded
+    and unloaded on request (model_control_mode explicit)."""
+
+    def __init__(self, server: ServerSection, model_control: bool = False):
+        self.api_keys = [k.encode() for k in server.api_keys]
+        self.admin_keys = [k.encode() for k in server.admin_api_keys]
+        self.admin_only = bool(self.admin_keys) or (model_control and bool(self.api_keys))
+
+    def denied(self, scope, headers: dict) -> tuple[int, str] | None:
+        """(status, why) when the request's key does not open its path."""
+        path = scope["path"]
+        if is_admin_path(path) and self.admin_only:
+            if self._authorized(scope, headers, self.admin_keys):
+                return None
+            if self._authorized(scope, headers, self.api_keys):
+                if self.admin_keys:
+                    return 403, "loading and unloading models needs an admin key (server.admin_api_keys)"
+                return 403, (
+                    "loading and unloading models needs an admin key, and server.admin_api_keys is "
+                    "empty: ordinary API keys cannot load or unload models; set server.admin_api_keys "
+                    "(or $LLM_SERVING_ADMIN_API_KEYS)"
+                )
+            return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
+        if path in OPERATOR_PATHS and self.admin_keys:
+            if self._authorized(scope, headers, self.admin_keys):
+                return None
+            if self._authorized(scope, headers, self.api_keys):
+                return 403, f"{path} is the operator's: it needs an admin key (server.admin_api_keys)"
+            return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
+        if not self.api_keys or path in OPEN_PATHS:
+            return None
+        if self._authorized(scope, headers, self.api_keys + self.admin_keys):
+            return None
+        return 401, "missing or invalid API key (send Authorization: Bearer KEY)"
+
+    def client(self, scope, headers: dict) -> str:
+        """Who sent a request whose key was checked: its key's digest with keys on; its address
+        with keys off (any key a request makes up would name a client then)."""
+        key = self._key(scope, headers) if self.api_keys or self.admin_keys else b""
+        if key:
+            return "key:" + hashlib.sha256(key).hexdigest()[:16]
+        address = scope.get("client")
+        return f"addr:{address[0]}" if address else "addr:unknown"
+
+    @classmethod
+    def _authorized(cls, scope, headers: dict, keys: list[bytes]) -> bool:
+        key = cls._key(scope, headers)
+        return any(hmac.compare_digest(key, k) for k in keys)
+
+    @staticmethod
+    def _key(scope, headers: dict) -> bytes:
+        """The key the request sends (b"" for none)."""
+        auth = headers.get(b"authorization", b"")
+        key = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+        if not key and scope["path"] in QUERY_KEY_PATHS:
+            key = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0].encode()
+        return key
+
+
 def client_of(scope) -> str:
     """The client a request came from, as the access middleware named it."""
     return scope.get("state", {}).get("client", "")
 
 
-def _client_identity(scope, key: bytes) -> str:
-    if key:
-        return "key:" + hashlib.sha256(key).hexdigest()[:16]
-    address = scope.get("client")
-    return f"addr:{address[0]}" if address else "addr:unknown"
-
-
-def body_too_large(max_body_bytes: int, openai: bool):
-    return error_response(413, f"the request body is larger than {max_body_bytes} bytes", openai)
+def key_refusal(keys: ApiKeys, scope, headers: dict, openai: bool):
+    """The 401/403 response for a request whose key does not open its path; None when it does."""
+    denied = keys.denied(scope, headers)
+    if denied is None:
+        return None
+    status, message = denied
+    return error_response(
+        status, message, openai, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+    )
 
 
 class AccessMiddleware:
-    def __init__(self, app, server: ServerSection):
+    def __init__(self, app, server: ServerSection, model_control: bool = False):
         self.app = app
-        self.api_keys = [k.encode() for k in server.api_keys]
-        self.admin_keys = [k.encode() for k in server.admin_api_keys]
+        self.keys = ApiKeys(server, model_control)
         self.max_body_bytes = server.max_body_bytes
         self.read_timeout_s = server.read_timeout_s
         self.port = server.port
@@ -79,17 +166,10 @@ class AccessMiddleware:
         refusal = self._refusal(headers)
         if refusal:
             return await error_response(403, refusal, openai, code="forbidden")(scope, receive, send)
-        denied = self._denied(scope, headers, path)
+        denied = key_refusal(self.keys, scope, headers, openai)
         if denied is not None:
-            status, message = denied
-            response = error_response(
-                status, message, openai, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
-            )
-            return await response(scope, receive, send)
-        # With keys on, the key (checked above) names the client; with keys off, any key a request
-        # makes up would, so its address does.
-        key = self._key(scope, headers) if self.api_keys or self.admin_keys else b""
-        scope.setdefault("state", {})["client"] = _client_identity(scope, key)
+            return await denied(scope, receive, send)
+        scope.setdefault("state", {})["client"] = self.keys.client(scope, headers)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await self._too_large(scope, receive, send, openai)
@@ -101,8 +181,7 @@ class AccessMiddleware:
             async with asyncio.timeout(self.read_timeout_s):  # a body trickled in (slow POST)
                 body = await self._read_body(receive)
         except TimeoutError:
-            message = f"the request body did not arrive within {self.read_timeout_s:g}s"
-            return await error_response(408, message, openai)(scope, receive, send)
+            return await body_too_slow(self.read_timeout_s, openai)(scope, receive, send)
         if body is None:
             return None  # the client is gone
         if len(body) > self.max_body_bytes:
@@ -146,31 +225,6 @@ class AccessMiddleware:
             f"requests from web pages at {origin.decode(errors='replace')!r} are not allowed "
             "(server.cors_origins lists the origins that are)"
         )
-
-    def _denied(self, scope, headers: dict, path: str) -> tuple[int, str] | None:
-        """(status, why) when the request's key does not open the path."""
-        missing = (401, "missing or invalid API key (send Authorization: Bearer KEY)")
-        if is_admin_path(path) and self.admin_keys:
-            if self._authorized(scope, headers, self.admin_keys):
-                return None
-            if self._authorized(scope, headers, self.api_keys):
-                return 403, "loading and unloading models needs an admin key (server.admin_api_keys)"
-            return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
-        if not self.api_keys or path in OPEN_PATHS:
-            return None
-        return None if self._authorized(scope, headers, self.api_keys + self.admin_keys) else missing
-
-    def _authorized(self, scope, headers: dict, keys: list[bytes]) -> bool:
-        key = self._key(scope, headers)
-        return any(hmac.compare_digest(key, k) for k in keys)
-
-    def _key(self, scope, headers: dict) -> bytes:
-        """The API key the request sends (b"" if none; checked elsewhere)."""
-        auth = headers.get(b"authorization", b"")
-        key = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-        if not key and scope["path"] in QUERY_KEY_PATHS:
-            key = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0].encode()
-        return key
 
     async def _too_large(self, scope, receive, send, openai: bool):
         return await body_too_large(self.max_body_bytes, openai)(scope, receive, send)

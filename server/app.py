@@ -66,7 +66,9 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
     app.include_router(triton_router(repository))
     app.include_router(repository_router(repository))
     app.add_middleware(StalledClientMiddleware, timeout_s=config.server.stream_write_timeout_s)
-    app.add_middleware(AccessMiddleware, server=config.server)
+    app.add_middleware(
+        AccessMiddleware, server=config.server, model_control=config.model_control_mode == "explicit"
+    )
     if config.server.cors_origins:
         app.add_middleware(
             CORSMiddleware,

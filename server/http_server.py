@@ -8,7 +8,7 @@
 A second signal during the drain skips the wait (uvicorn's own fast exit). A signal while the
 server still waits for its agents (before it listens) ends the wait at once: exit 0. If the
 engine's loop dies, the open requests get their error, then the process exits 1 so that a
-supervisor restarts it. Slow clients are bounded by `SlowClientGuard` (the connection's protocol).
+supervisor restarts it. Slow clients are bounded by `SlowClientGuard` (server/slow_clients.py).
 """
 
 from __future__ import annotations
@@ -21,51 +21,17 @@ import time
 
 import uvicorn
 from sse_starlette.sse import AppStatus
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from config.schema import ServingConfig, is_loopback
 from scheduler.agent_client import AgentError
 from server.model_repository import ModelRepository
+from server.slow_clients import SlowClientGuard
 
 log = logging.getLogger(__name__)
 
 # After the drain every response has had its final event; this only bounds the socket close.
 CLOSE_TIMEOUT_S = 5
 EXIT_OK, EXIT_ENGINE_DEAD, EXIT_NO_AGENTS = 0, 1, 3  # 3: uvicorn's own "startup failed"
-
-
-class SlowClientGuard(H11Protocol):
-    """h11 with a deadline for each request head (slowloris): from the connection's start, and from
-    the end of its previous response, the request line and headers must arrive within
-    `head_timeout_s`, else the connection is closed. uvicorn bounds only the idle wait between
-    requests (timeout_keep_alive), and any byte resets that."""
-
-    head_timeout_s = 10.0  # set from the config by serve()
-    _head_deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._expect_head()
-
-    def on_response_complete(self) -> None:
-        self._expect_head()  # before uvicorn handles a pipelined request's head, which counts
-        super().on_response_complete()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-        super().connection_lost(exc)
-
-    def _expect_head(self) -> None:
-        """Close the connection unless a new request (a new cycle) has begun by the deadline."""
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-        last_cycle = self.cycle
-        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._close_if_idle, last_cycle)
-
-    def _close_if_idle(self, last_cycle) -> None:
-        if self.cycle is last_cycle and not self.transport.is_closing():
-            self.transport.close()
 
 
 class DrainingServer(uvicorn.Server):

@@ -1,6 +1,6 @@
 """Triton's model repository extension: the models and their states, and (model_control_mode
 explicit) loading and unloading them at run time. Loading and unloading need an admin key where
-keys are on (server/access.py).
+any key is set, an ordinary one never opens them (server/access.py).
 
     POST /v2/repository/index                 [{"name", "version", "state", "reason"}, ...] (body
                                               empty, or {"ready": true}: the READY models only)

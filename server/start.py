@@ -10,6 +10,7 @@ import sys
 from agent.model.tokenizer import TokenizerError, load_tokenizer
 from config import ConfigError, load_config
 from config.logs import setup_logging
+from server.access import check_model_control
 from server.app import create_app
 from server.http_server import serve
 from server.model_repository import ModelRepository
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        check_model_control(config)
         models = config.model_configs()
         for model in models.values():
             if model.agents.curve is not None:

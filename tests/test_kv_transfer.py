@@ -1,17 +1,23 @@
 """PD disaggregation at the runner and agent-service level: a prefilled slot moved to another
 runner (its own KV cache) decodes exactly as it would have where it was prefilled; the transfer is
-refused into a busy slot, in a wrong shape, after the scheduler cancelled it, or from a stale session."""
+refused into a busy slot, in a wrong shape, after the scheduler cancelled it, or from a stale session.
+A real decode agent (CURVE on) refuses a peer's state whose token ids or counts are out of range."""
+
+import json
 
 import numpy as np
 import pytest
+import zmq
 
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
+from agent.contract.transport import ClientKeys, secure_client_socket
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner, RunnerError
 from agent.sampling import SlotSampler
 from agent.service import AgentService
+from agent_harness import LauncherProcess, curve_keys, free_ports, slot_blocks, write_config
 from conftest import TINY_RUNTIME
 
 SEEDED = SamplingParams(do_sample=True, top_k=20, temperature=0.9, repetition_penalty=1.3, seed=11)
@@ -131,3 +137,101 @@ def test_an_older_server_cannot_take_the_agent_back(receiver, release_all):
     assert not refused["ok"] and refused["kind"] == "stale_session" and "newer server" in refused["error"]
     assert service.session == 2
     assert reset(4, epoch=200)["ok"]  # the same server reconnecting opens a fresh session
+
+
+class CurveDealer:
+    """A synchronous DEALER to one agent under a CURVE keypair (the server's, or a peer agent's)."""
+
+    def __init__(self, port: int, keypair: tuple[str, str], agent_public_key: str):
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        secure_client_socket(self.socket, ClientKeys(*keypair, agent_public_key=agent_public_key))
+        self.socket.connect(f"tcp://127.0.0.1:{port}")
+
+    def call(self, op: str, arrays=(), **fields) -> tuple[dict, list]:
+        self.socket.send_multipart(protocol.encode({"op": op, "id": 1, **fields}, arrays))
+        assert self.socket.poll(30_000), f"no answer to {op}"
+        return protocol.decode(self.socket.recv_multipart())
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+@pytest.fixture(scope="module")
+def decode_agent(tmp_path_factory, tiny_llama_dir):
+    """The decode agent of a prefill/decode pair with CURVE keys, started alone (`--groups 1`, as
+    on its own host); yields a socket with the server's keys and one with the prefill agent's."""
+    ports = free_ports(2)
+    keys = curve_keys(2)
+    groups = [{"role": "prefill", "ports": [ports[0]]}, {"role": "decode", "ports": [ports[1]]}]
+    path = write_config(
+        tmp_path_factory.mktemp("decode-agent"),
+        tiny_llama_dir,
+        ports,
+        agents={"groups": groups, "curve": keys},
+    )
+    agents = LauncherProcess(path, args=("--groups", "1"))
+    server = peer = None
+    try:
+        agents.wait_for("all agents started", 240)
+        decode_public = keys["agents"][1]["public_key"]
+        server = CurveDealer(ports[1], (keys["server_public_key"], keys["server_secret_key"]), decode_public)
+        prefill = keys["agents"][0]
+        peer = CurveDealer(ports[1], (prefill["public_key"], prefill["secret_key"]), decode_public)
+        yield server, peer
+    finally:
+        for socket in (server, peer):
+            if socket is not None:
+                socket.close()
+        agents.close()
+
+
+def test_a_peers_state_with_token_ids_or_counts_out_of_range_is_refused(decode_agent, tiny_llama_dir):
+    """A prefill agent's key may send kv_receive; a state naming a token id outside the vocabulary
+    (or a count out of range) must be refused at once, leaving the slot free, and never reach a
+    decode step: there it failed the whole batch (an IndexError in numpy), or, with a negative id,
+    penalised a token the state did not name."""
+    server, peer = decode_agent
+    vocab = server.call("info")[0]["vocab_size"]
+    spec = load_checkpoint(tiny_llama_dir).spec
+    length, session = 5, 41
+    blocks = np.zeros((2 * spec.num_layers, spec.num_kv_heads, length, spec.head_dim), np.float32)
+    params = SamplingParams(do_sample=True, repetition_penalty=1.2, presence_penalty=0.5, seed=3)
+    sampler = SlotSampler(params, [1, 2, 3], vocab)
+    sampler.observe(4)
+    state = {"length": length, "next_token": 7, "sampler": sampler.state()}
+    assert server.call("reset", session=session)[0]["ok"]
+
+    def receive(slot: int, ticket: int, sampler_state: dict, **changed) -> dict:
+        fields = {"slot": slot, "session": session, "ticket": ticket}
+        arrays = [blocks, slot_blocks(slot)]
+        sent = {**state, "sampler": sampler_state, **changed}
+        return peer.call("kv_receive", arrays, state=sent, **fields)[0]
+
+    assert receive(0, 1, state["sampler"])["ok"]  # a sequence decoding beside the refused ones
+    good = state["sampler"]
+    hostile = [
+        ({**good, "seen": [1, vocab + 5]}, f"seen: token id {vocab + 5} is outside the vocabulary"),
+        ({**good, "seen": [-1]}, "seen: token id -1 is outside the vocabulary"),
+        ({**good, "seen": [2.0]}, "seen: token id 2.0"),
+        ({**good, "counts": [[vocab, 1]]}, f"counts: token id {vocab} is outside the vocabulary"),
+        ({**good, "counts": [[-3, 1]]}, "counts: token id -3"),
+        ({**good, "counts": [[4, -2]]}, "occurrences must be 1..generated"),
+        ({**good, "generated": -1}, "generated must be a count"),
+        ({**good, "params": {**good["params"], "stop_token_ids": [vocab]}}, f"token id {vocab}"),
+        ({**good, "rng": json.dumps({"bit_generator": "PCG64", "state": 1})}, "not a sampler state"),
+    ]
+    for ticket, (sampler_state, words) in enumerate(hostile, start=2):
+        answer = receive(1, ticket, sampler_state)
+        assert not answer["ok"] and "sampler is refused" in answer["error"], (sampler_state, answer)
+        assert words in answer["error"], answer
+    bad_tokens = [(vocab, f"next_token {vocab} is outside"), (True, "integer")]
+    for ticket, (token, words) in enumerate(bad_tokens, start=50):
+        answer = receive(1, ticket, good, next_token=token)
+        assert not answer["ok"] and words in answer["error"], answer
+    header, arrays = server.call("decode", [np.array([0], np.int32), slot_blocks(0)[None]], session=session)
+    assert header["ok"] and 0 <= arrays[0][0] < vocab, header
+    assert receive(1, 99, good)["ok"]  # the refused transfers left the slot as it was: free
+    tables = np.stack([slot_blocks(0), slot_blocks(1)])
+    header, arrays = server.call("decode", [np.array([0, 1], np.int32), tables], session=session)
+    assert header["ok"] and len(arrays[0]) == 2, header

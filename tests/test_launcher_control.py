@@ -1,16 +1,20 @@
 """The launcher's control channel on real ZeroMQ sockets, in one process: the server's client
 (scheduler/launcher_client.py) against the launcher's socket (agent/launcher_control.py), with
-CURVE keys (only the server's key is answered) and the message bound."""
+CURVE keys (only the server's key is answered) and the message bound; then the launcher's models
+in-process with real agents, where a failed spawn fails one model's load or restart, nothing else."""
 
 import asyncio
+import os
+import signal
 import threading
+import time
 
 import pytest
 import zmq
 
 from agent.contract import launcher_control as control
 from agent.launcher_control import ControlChannel
-from agent_harness import curve_keys, free_ports
+from agent_harness import LONG_ANSWERS_RUNTIME, curve_keys, free_ports
 from config.schema import ServingConfig
 from scheduler.launcher_client import LauncherClient, LauncherError, LauncherUnreachable
 
@@ -136,3 +140,105 @@ def test_the_launcher_answers_malformed_requests_with_an_error():
     ]:
         reply = models._handle(message)
         assert reply["ok"] is False and words in reply["error"], reply
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tiny_llama_dir):
+    """LaunchedModels in-process, supervising in a thread, with its real control channel: model
+    `a` (one real agent) loaded at start, `b` (two agents) and `c` loadable. Spawning an agent of
+    a model in `faults` raises as the OS would refuse a new process."""
+    from agent.launched_models import LaunchedModels
+    from agent.launcher import AgentLauncher
+
+    control_port, *ports = free_ports(5)
+    runtime = {**LONG_ANSWERS_RUNTIME, "num_slots": 2, "decode_batch_buckets": [1, 2]}
+
+    def model(name: str, agent_ports: list[int]) -> dict:
+        return {
+            "name": name,
+            "path": str(tiny_llama_dir),
+            "runtime": runtime,
+            "agents": {"ports": agent_ports},
+        }
+
+    config = ServingConfig.model_validate(
+        {
+            "model_control_mode": "explicit",
+            "startup_models": ["a"],
+            "agents": {"control_port": control_port, "shutdown_grace_s": 2, "startup_timeout_s": 180},
+            "logging": {"dir": str(tmp_path_factory.mktemp("launched") / "logs")},
+            "models": [model("a", ports[:1]), model("b", ports[1:3]), model("c", ports[3:])],
+        }
+    )
+    faults: dict[str, int] = {}  # model -> the rank whose spawn fails
+    spawned: list[int] = []  # pids of the agents spawned for the faulty models
+    original = AgentLauncher._spawn
+
+    def spawn(self, agent):
+        name = self.config.model.name
+        if faults.get(name) == agent.rank:
+            raise OSError(11, "Resource temporarily unavailable")  # fork's EAGAIN
+        original(self, agent)
+        if name in faults:
+            spawned.append(agent.process.pid)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AgentLauncher, "_spawn", spawn)
+        models = LaunchedModels(config)
+        models.start()
+        supervising = threading.Thread(target=models.supervise)
+        supervising.start()
+        try:
+            yield models, config, faults, spawned, ports
+        finally:
+            models.stop_signal = signal.SIGTERM
+            supervising.join(60)
+            models.stop()  # what a supervise() that died left running
+
+
+def test_a_failed_spawn_fails_that_load_only(launched):
+    """The spawn of a model's second agent raises (a mock: the OS refusing a process, which root
+    here cannot be made to): the load answers that error, the agent spawned before it is stopped,
+    the model is UNAVAILABLE with the reason; the launcher goes on answering and supervising, the
+    loaded model keeps serving, and the same model loads once the fault is gone."""
+    from agent_harness import AgentSocket, alive, wait_gone
+
+    models, config, faults, spawned, ports = launched
+    faults["b"] = 1
+    with pytest.raises(LauncherError, match="Resource temporarily unavailable"):
+        call(config, "load", timeout_s=30, model="b")
+    status = call(config, "status", timeout_s=30)["models"]
+    assert status["b"]["state"] == "UNAVAILABLE" and status["b"]["pids"] == []
+    assert "starting its agents failed: BlockingIOError" in status["b"]["reason"]
+    assert len(spawned) == 1 and wait_gone(spawned, 30) == [], "the agent spawned before the failure"
+    assert status["a"]["state"] == "READY" and all(alive(pid) for pid in status["a"]["pids"])
+    agent = AgentSocket(ports[0], session=False)
+    try:
+        assert agent.call("ping")[0]["ok"]
+    finally:
+        agent.close()
+    faults.clear()
+    assert call(config, "load", timeout_s=30, model="b")["state"] == "LOADING"
+    assert call(config, "unload", timeout_s=30, model="b")["state"] == "UNAVAILABLE"
+
+
+def test_a_failed_restart_fails_that_model_only(launched):
+    """A loaded model's agent dies and its restart's spawn raises (the same mock): that model is
+    UNAVAILABLE with the reason, the launcher and the other model go on."""
+    from agent_harness import alive
+
+    models, config, faults, _, _ = launched
+    assert call(config, "load", timeout_s=30, model="c")["ok"]
+    deadline = time.monotonic() + 180
+    while call(config, "status", timeout_s=30, model="c")["models"]["c"]["state"] != "READY":
+        assert time.monotonic() < deadline, "c did not load"
+        time.sleep(0.5)
+    (pid,) = call(config, "status", timeout_s=30, model="c")["models"]["c"]["pids"]
+    faults["c"] = 0
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while (c := call(config, "status", timeout_s=30)["models"])["c"]["state"] != "UNAVAILABLE":
+        assert time.monotonic() < deadline, c
+        time.sleep(0.2)
+    assert "supervising its agents failed: BlockingIOError" in c["c"]["reason"], c
+    assert c["a"]["state"] == "READY" and all(alive(p) for p in c["a"]["pids"])

@@ -28,22 +28,22 @@ inline int64_t tiles_of(int64_t n) { return (n + TILE - 1) / TILE; }
 // the packed layout: keys as [tiles_of(length), hd, TILE] (the scores' weights), values as
 // [hd / TILE, padded length, TILE] (the output's); positions past `length` are zeros.
 struct Run {
-  int64_t first, rows, length;  // length: the positions the run's last row attends
+  int64_t first, rows, length;  // length: the most positions any of its rows and KV heads attends
   float *keys = nullptr, *values = nullptr;  // per KV head, one after the other (padded() * hd each)
 
   int64_t padded() const { return tiles_of(length) * TILE; }
 };
 
 // Maximal runs of at least MIN_ROWS consecutive live rows with the same table; `len` is per (row,
-// KV head), row-major: a run's rows attend increasing lengths, the last the longest.
+// KV head), row-major. A run's length is the longest of every row and KV head: the packed keys and
+// values it sizes must hold each head's positions, whichever head attends furthest.
 inline std::vector<Run> find_runs(const int32_t *row_table, const int32_t *len, int64_t live, int64_t kv) {
   std::vector<Run> runs;
   for (int64_t b = 0; b < live;) {
     int64_t e = b + 1;
     while (e < live && row_table[e] == row_table[b]) ++e;
     if (e - b >= MIN_ROWS) {
-      int64_t longest = 0;
-      for (int64_t r = b; r < e; ++r) longest = std::max<int64_t>(longest, len[r * kv]);
+      const int64_t longest = *std::max_element(len + b * kv, len + e * kv);
       runs.push_back(Run{b, e - b, longest});
     }
     b = e;
@@ -75,8 +75,8 @@ inline void pack_tile(const Run &run, const float *k_cache, const float *v_cache
 inline void attend_block(const Run &run, const float *q, const int32_t *len, int64_t kv, int64_t groups,
                          int64_t hd, int64_t head, int64_t b0, int64_t b1, float *out) {
   const int64_t vectors = (b1 - b0) * groups, padded = run.padded();
-  int64_t longest = 0;
-  for (int64_t b = b0; b < b1; ++b) longest = std::max<int64_t>(longest, len[b * kv]);
+  int64_t longest = 0;  // of this head: its softmax runs over len positions of each row's scores
+  for (int64_t b = b0; b < b1; ++b) longest = std::max<int64_t>(longest, len[b * kv + head]);
   const int64_t width = tiles_of(longest) * TILE;  // key positions these rows reach
   thread_local std::vector<float> queries, scores, result;
   queries.resize(vectors * hd);

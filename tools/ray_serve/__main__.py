@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -50,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from tools.ray_serve.app import build_app
+    from tools.ray_serve.http_guard import proxy_environment
 
     address = args.address or config.ray.address
+    s = config.server
+    os.environ.update(proxy_environment(s))  # inherited by the Ray instance started here
     began = time.monotonic()
     started_ray = serving = False
     try:
@@ -69,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.get_runtime_context().gcs_address,
             time.monotonic() - began,
         )
-        s = config.server
-        serve.start(http_options={"host": s.host, "port": s.port})
+        serve.start(http_options={"host": s.host, "port": s.port, "keep_alive_timeout_s": s.keep_alive_s})
         serving = True
         serve.run(build_app(config), name=APP, route_prefix="/", blocking=False)
         log.info(

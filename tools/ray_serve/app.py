@@ -56,7 +56,7 @@ def build_app(config: ServingConfig) -> Application:
         max_ongoing_requests=config.server.max_connections,
         ray_actor_options={"num_cpus": 0},
     )(ServingProxy)
-    return proxy.bind(replicas.bind(config), ray, config.server.max_body_bytes)
+    return proxy.bind(replicas.bind(config), ray, config.server)
 
 
 def app_from_env(args: dict | None = None) -> Application:

@@ -6,6 +6,10 @@ GET /serving/get_bs, /serving/get_request_numbers   the sums over the replicas (
                                                     ?model=, goes to each); ?replica=ID: one's
 GET /ray/replicas                                   the replicas' ids and the prefix-routed count
 any path ?replica=ID                                that replica's answer (its /metrics, /info...)
+
+Every request passes the replicas' key check here first (server/access.py: what the proxy answers
+itself names the replicas), and its body must arrive within server.read_timeout_s (408), as with
+start_server.py; Ray Serve's HTTP proxy bounds the head (tools/ray_serve/http_guard.py).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations as objects.
@@ -19,11 +23,11 @@ from fastapi import FastAPI, Request
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from sse_starlette.sse import EventSourceResponse
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from config.schema import RaySection
-from server.access import body_too_large
+from config.schema import RaySection, ServerSection
+from server.access import ApiKeys, body_too_large, body_too_slow, key_refusal
 from server.errors import error_response, is_openai_path
 from server.native_api import one_event
 from tools.ray_serve import prefix  # its ROUTERS through the module: this class ships by value
@@ -62,11 +66,13 @@ class PassThrough(Response):
 
 @serve.ingress(app)
 class ServingProxy:
-    def __init__(self, replicas: DeploymentHandle, settings: RaySection, max_body_bytes: int):
+    def __init__(self, replicas: DeploymentHandle, settings: RaySection, server: ServerSection):
         self.replicas = replicas
         self.streaming = replicas.options(stream=True)
         self.settings = settings
-        self.max_body_bytes = max_body_bytes  # the replicas' server.max_body_bytes
+        self.keys = ApiKeys(server)
+        self.max_body_bytes = server.max_body_bytes  # the replicas' limits
+        self.read_timeout_s = server.read_timeout_s
 
     async def replica_ids(self) -> list[str]:
         """The replicas Ray Serve routes to now, as this proxy's router knows them."""
@@ -75,15 +81,27 @@ class ServingProxy:
         return prefix.ROUTERS[REPLICA_DEPLOYMENT].replica_ids()
 
     @app.get("/ray/replicas")
-    async def list_replicas(self) -> dict:
+    async def list_replicas(self, request: Request) -> Response:
+        refusal = key_refusal(self.keys, request.scope, dict(request.headers.raw), False)
+        if refusal is not None:
+            return refusal
         ids = await self.replica_ids()
-        return {"replicas": ids, "routed_by_prefix": prefix.ROUTERS[REPLICA_DEPLOYMENT].routed_by_prefix}
+        routed = prefix.ROUTERS[REPLICA_DEPLOYMENT].routed_by_prefix
+        return JSONResponse({"replicas": ids, "routed_by_prefix": routed})
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
     async def forward(self, request: Request, path: str) -> Response:
-        body = await self._body(request)
+        openai = is_openai_path(request.url.path)
+        refusal = key_refusal(self.keys, request.scope, dict(request.headers.raw), openai)
+        if refusal is not None:
+            return refusal
+        try:
+            async with asyncio.timeout(self.read_timeout_s):  # a body trickled in (slow POST)
+                body = await self._body(request)
+        except TimeoutError:
+            return body_too_slow(self.read_timeout_s, openai)
         if body is None:  # refused here as the replica would, before it is held whole in memory
-            return body_too_large(self.max_body_bytes, is_openai_path(request.url.path))
+            return body_too_large(self.max_body_bytes, openai)
         query = parse_qsl(request.url.query, keep_blank_values=True)
         named = [v for k, v in query if k == "replica"]
         call = {
