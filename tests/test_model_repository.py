@@ -179,7 +179,7 @@ def test_a_model_loads_on_request_with_an_admin_key(stack):
         ("b", "b", "READY"),
         ("big", "big", "UNAVAILABLE"),
     }
-    info = httpx.get(f"{base}/info", headers=AUTH).json()
+    info = httpx.get(f"{base}/info", headers=ADMIN_AUTH).json()
     assert info["model_id"] == "a" and info["model_control_mode"] == "explicit"
     assert [(m["model_id"], m["state"], m["slots"]) for m in info["models"]][:2] == [
         ("a", "READY", 8),
@@ -210,7 +210,12 @@ def test_two_models_answer_as_alone_under_concurrent_load(stack):
     assert unknown.status_code == 404 and "served: a, alpha, b, big, broken" in unknown.json()["error"]
     openai = httpx.post(f"{base}/v1/completions", json={"model": "gpt-5", "prompt": "x"}, headers=AUTH)
     assert openai.status_code == 404 and "a, alpha, b" in openai.json()["error"]["message"]
-    metrics = httpx.get(f"{base}/metrics", headers=AUTH).text
+    # The operator's counters (prefix-cache hits among them: whether another client's prompt was
+    # cached) are the admin keys' where any are set.
+    for path in ("/metrics", "/info", "/dashboard"):
+        refused = httpx.get(f"{base}{path}", headers=AUTH)
+        assert refused.status_code == 403 and "server.admin_api_keys" in refused.text, (path, refused.text)
+    metrics = httpx.get(f"{base}/metrics", headers=ADMIN_AUTH).text
     generated = {
         model: float(line.split()[-1])
         for model in ("a", "b")
