@@ -22,7 +22,7 @@ from pathlib import Path
 from agent.compile_cache import compile_cache_dir
 from agent.known_answer import KnownAnswer, KnownAnswerError
 from agent.llama_graphs import TensorSplit
-from agent.memory_plan import resolve_runtime
+from agent.memory_plan import checkpoint_weights_bytes, resolve_runtime
 from agent.mindir import read_known_answer, read_spec
 from agent.model.checkpoint import Checkpoint
 from agent.model.formats import load_checkpoint
@@ -105,7 +105,10 @@ def prepare_checkpoint(
             f"weights loaded in {time.perf_counter() - start:.1f}s ({checkpoint.format}, "
             f"{checkpoint.spec.parameter_count() / 1e6:.1f}M parameters)"
         )
-    runtime = resolve_runtime(checkpoint.spec, place.runtime(config.runtime), progress)
+    runtime = place.runtime(config.runtime)
+    runtime = resolve_runtime(
+        checkpoint.spec, runtime, progress, checkpoint_weights_bytes(checkpoint, runtime)
+    )
     cache = None if place.cache_user is None else compile_cache_dir(checkpoint, runtime, place.cache_user)
     configure_mindspore(runtime, place.device_id, cache)
     return checkpoint, runtime, cache

@@ -32,7 +32,7 @@ KERNELS = ("decode_attention", "skinny_matmul", "elementwise", "fused_layer")
 LIBRARY = "kernels"
 # -fopenmp-simd: `omp simd` loops are vectorised; the threads are thread_team.h's, not OpenMP's.
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=c++17", "-fopenmp-simd", "-pthread"]
-HEADERS = tuple(sorted(SOURCE_DIR.glob("*.h")))
+HEADERS = tuple(sorted(SOURCE_DIR.rglob("*.h")))
 
 TARGET_ENV = "MS_LLM_KERNEL_TARGET"
 TARGETS = ("native", "avx2", "portable")

@@ -1,4 +1,6 @@
-"""GGUF files (llama.cpp's format): metadata -> ModelSpec, tensors dequantized by the `gguf` package."""
+"""GGUF files (llama.cpp's format): metadata -> ModelSpec; matrices of a format the CPU kernels
+multiply kept in it (agent/model/quantized.py), the rest (norms, other types) dequantized by the
+`gguf` package."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from agent.model.checkpoint import Checkpoint, CheckpointError, Progress
-from agent.model.quantized import Q4Matrix, Q8Matrix
+from agent.model.quantized import BlockMatrix, has_kernel
 from agent.model.spec import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,8 @@ LAYER_NAMES = {
 }
 GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3.1 scaling)
-Q4_MATRICES = (".wq", ".wk", ".wv", ".wo", ".w_gate", ".w_up", ".w_down")
+MATRICES = (".wq", ".wk", ".wv", ".wo", ".w_gate", ".w_up", ".w_down", "embed", "lm_head")
+MB = 1 << 20
 
 
 def read_gguf(path: Path):
@@ -68,7 +71,7 @@ def _dequantize(path: Path, tensor) -> np.ndarray:
             f"{path}: tensor {tensor.name} uses quantization type "
             f"{tensor.tensor_type.name}, which cannot be dequantized"
         ) from exc
-    return np.ascontiguousarray(array, dtype=np.float32)
+    return np.array(array, dtype=np.float32, order="C")  # a copy: nothing keeps the file mapped
 
 
 def _rope_scaling(path: Path, reader, arch: str, tensors_by_name: dict) -> RopeScaling | None:
@@ -130,22 +133,13 @@ def load(path: Path, progress: Progress) -> Checkpoint:
     )
 
     tensors: dict[str, np.ndarray] = {}
-    q4: dict[str, Q4Matrix] = {}
-    q8: dict[str, Q8Matrix] = {}
-    lm_head = "embed" if spec.tied_embeddings else "lm_head"
+    blocks: dict[str, BlockMatrix] = {}
     for t in progress(reader.tensors):
         name = _canonical_name(t.name)
         if name is None:
             if t.name != ROPE_FREQS:
                 log.debug("ignoring GGUF tensor %s", t.name)
             continue
-        array = _dequantize(path, t)
-        # the layer matrices' Q4_1 blocks too: the fused kernel multiplies them for one or two rows
-        blocks = (
-            Q4Matrix.from_gguf(np.asarray(t.data))
-            if t.tensor_type == GGMLQuantizationType.Q4_1 and name.endswith(Q4_MATRICES)
-            else None
-        )
         heads = (
             spec.num_heads
             if name.endswith((".wq", ".bq"))
@@ -153,16 +147,29 @@ def load(path: Path, progress: Progress) -> Checkpoint:
             if name.endswith((".wk", ".bk"))
             else None
         )
-        if traits["permuted_qk"] and heads is not None:
-            array = unpermute_qk(array, heads)
-            if blocks is not None:
-                blocks = blocks.reorder_rows(functools.partial(unpermute_qk, n_heads=heads))
-        tensors[name] = array
-        if blocks is not None:
-            q4[name] = blocks
-        if t.tensor_type == GGMLQuantizationType.Q8_0 and name == lm_head:  # the LM head's blocks
-            q8[name] = Q8Matrix.from_gguf(np.asarray(t.data))
-    return Checkpoint(spec=spec, tensors=tensors, source=path, format="gguf", q4=q4, q8=q8)
+        reorder = (
+            functools.partial(unpermute_qk, n_heads=heads)
+            if traits["permuted_qk"] and heads is not None
+            else None
+        )
+        qtype = GGMLQuantizationType(t.tensor_type)
+        matrix = name.endswith(MATRICES) and len(t.shape) == 2
+        if matrix and has_kernel(qtype, int(t.shape[0])):
+            blocks[name] = BlockMatrix.from_gguf(qtype, np.asarray(t.data), int(t.shape[0]), reorder)
+            continue
+        array = _dequantize(path, t)
+        if matrix and qtype != GGMLQuantizationType.F32:
+            log.warning(
+                "%s: tensor %s of type %s has no CPU kernel: dequantized to float32 "
+                "(%.1f MB instead of %.1f MB)",
+                path.name,
+                t.name,
+                qtype.name,
+                array.nbytes / MB,
+                t.n_bytes / MB,
+            )
+        tensors[name] = array if reorder is None else reorder(array)
+    return Checkpoint(spec=spec, tensors=tensors, source=path, format="gguf", blocks=blocks)
 
 
 def _canonical_name(name: str) -> str | None:
