@@ -110,6 +110,19 @@ inline void prefetch_block(const uint8_t *block, int64_t block_bytes) {
 
 // The products of a weight format F (formats/format.h) for tile j, built from F::subs.
 
+// N of a formats::Group<N>.
+template <class G>
+constexpr int group_size() {
+  return std::extent_v<decltype(G::s)>;
+}
+
+// The group's weights: scale * q + offset (scale * q for formats without offsets).
+template <class F, int N>
+inline void weights_of(const vf *scale, const vf *offset, const vf (&q)[N], vf (&w)[N]) {
+#pragma GCC unroll 4
+  for (int n = 0; n < N; ++n) w[n] = F::OFFSET ? scale[n] * q[n] + offset[n] : scale[n] * q[n];
+}
+
 // Row `row` of tile j (+ residual), a sub-block at a time: sum_i x[i] q[i] in float32, times the
 // sub-block's scale, plus its offset times sum_i x[i].
 template <class F>
@@ -133,17 +146,25 @@ inline void row_tile(const float *x, int64_t k_dim, const uint8_t *w, const floa
     const uint8_t *block = tile + b * F::TILE_BYTES;
     prefetch_block(block, F::TILE_BYTES);
     const float *xb = xr + b * F::BLOCK;
-    const float *xs = sums.data() + b * (F::BLOCK / F::SUB);
+    const int64_t first_sub = b * (F::BLOCK / F::SUB);
 #pragma GCC unroll 4
     for (int c = 0; c < VECTORS; ++c)
-      F::subs(block, c, [&](int s, vf scale, vf offset, auto quants) {
-        vf acc = {}, other = {};  // two FMA chains, taking turns
-        quants([&](int i, vf q) {
-          acc += xb[s * F::SUB + i] * q;
-          std::swap(acc, other);
+      F::subs(block, c, [&](const auto &group, auto quants) {
+        constexpr int N = group_size<std::decay_t<decltype(group)>>();
+        // two FMA chains a sub-block, taking turns (one group of one sub-block is a chain of 32)
+        vf acc[N] = {}, other[N] = {};
+        quants([&](int i, const vf (&q)[N]) {
+#pragma GCC unroll 4
+          for (int n = 0; n < N; ++n) {
+            acc[n] += xb[group.s[n] * F::SUB + i] * q[n];
+            std::swap(acc[n], other[n]);
+          }
         });
-        total[c] += scale * (acc + other);
-        if constexpr (F::OFFSET) total[c] += offset * xs[s];
+#pragma GCC unroll 4
+        for (int n = 0; n < N; ++n) {
+          total[c] += group.scale[n] * (acc[n] + other[n]);
+          if constexpr (F::OFFSET) total[c] += group.offset[n] * sums[first_sub + group.s[n]];
+        }
       });
   }
 #pragma GCC unroll 4
@@ -169,10 +190,13 @@ inline void dequantize(const uint8_t *w, int64_t k_dim, int64_t j, float *out) {
     prefetch_block(block, F::TILE_BYTES);
     float *rows = out + b * F::BLOCK * TILE;
     for (int c = 0; c < VECTORS; ++c)
-      F::subs(block, c, [&](int s, vf scale, vf offset, auto quants) {
-        quants([&](int i, vf q) {
-          const vf weight = F::OFFSET ? scale * q + offset : scale * q;
-          std::memcpy(rows + (s * F::SUB + i) * TILE + c * LANES, &weight, sizeof weight);
+      F::subs(block, c, [&](const auto &group, auto quants) {
+        constexpr int N = group_size<std::decay_t<decltype(group)>>();
+        quants([&](int i, const vf (&q)[N]) {
+          vf weight[N];
+          weights_of<F, N>(group.scale, group.offset, q, weight);
+          for (int n = 0; n < N; ++n)
+            std::memcpy(rows + (group.s[n] * F::SUB + i) * TILE + c * LANES, &weight[n], sizeof(vf));
         });
       });
   }
@@ -185,9 +209,12 @@ inline void matrix_row(const uint8_t *w, int64_t k_dim, int64_t row, float *out)
   const uint8_t *tile = w + row / TILE * blocks * F::TILE_BYTES;
   const int c = row % TILE / LANES, lane = row % LANES;
   for (int64_t b = 0; b < blocks; ++b)
-    F::subs(tile + b * F::TILE_BYTES, c, [&](int s, vf scale, vf offset, auto quants) {
-      quants([&](int i, vf q) {
-        out[b * F::BLOCK + s * F::SUB + i] = (F::OFFSET ? scale * q + offset : scale * q)[lane];
+    F::subs(tile + b * F::TILE_BYTES, c, [&](const auto &group, auto quants) {
+      constexpr int N = group_size<std::decay_t<decltype(group)>>();
+      quants([&](int i, const vf (&q)[N]) {
+        vf weight[N];
+        weights_of<F, N>(group.scale, group.offset, q, weight);
+        for (int n = 0; n < N; ++n) out[b * F::BLOCK + group.s[n] * F::SUB + i] = weight[n][lane];
       });
     });
 }
@@ -209,12 +236,16 @@ inline void direct_rows(const float *x, int64_t k_dim, const uint8_t *w, const f
       const uint8_t *block = tile + b * F::TILE_BYTES;
       if (c == 0) prefetch_block(block, F::TILE_BYTES);
       const float *xb = xr + b * F::BLOCK;
-      F::subs(block, c, [&](int s, vf scale, vf offset, auto quants) {
-        quants([&](int i, vf q) {
-          const vf weight = F::OFFSET ? scale * q + offset : scale * q;
-          const float *xk = xb + s * F::SUB + i;
+      F::subs(block, c, [&](const auto &group, auto quants) {
+        constexpr int N = group_size<std::decay_t<decltype(group)>>();
+        quants([&](int i, const vf (&q)[N]) {
+#pragma GCC unroll 4
+          for (int n = 0; n < N; ++n) {  // one weight in a register at a time, beside R accumulators
+            const vf weight = F::OFFSET ? group.scale[n] * q[n] + group.offset[n] : group.scale[n] * q[n];
+            const float *xk = xb + group.s[n] * F::SUB + i;
 #pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) acc[r] += xk[r * k_dim] * weight;
+            for (int r = 0; r < R; ++r) acc[r] += xk[r * k_dim] * weight;
+          }
         });
       });
     }

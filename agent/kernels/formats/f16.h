@@ -14,11 +14,11 @@ struct Float16Bits {
   static constexpr int64_t TILE_BYTES = 64 * TILE;
   static constexpr int64_t ROW_BY_ROW = 1;
 
-  template <class Sub>
-  static void subs(const uint8_t *block, int c, Sub sub) {
-    sub(0, broadcast(1.f), vf{}, [&](auto each) {
+  template <class Use>
+  static void subs(const uint8_t *block, int c, Use use) {
+    use(Group<1>{{0}, {broadcast(1.f)}, {vf{}}}, [&](auto each) {
 #pragma GCC unroll 8
-      for (int i = 0; i < 32; ++i) each(i, Load(field(block, 0, 2, c, i)));
+      for (int i = 0; i < 32; ++i) each(i, {Load(field(block, 0, 2, c, i))});
     });
   }
 };

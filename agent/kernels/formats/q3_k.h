@@ -15,20 +15,28 @@ struct Q3_K {
   static constexpr int64_t TILE_BYTES = 110 * TILE;
   static constexpr int64_t ROW_BY_ROW = 1;
 
-  template <class Sub>
-  static void subs(const uint8_t *block, int c, Sub sub) {
+  // Groups as Q2_K's (four sub-blocks a byte of low bits), their high bits (bits 4 n + j of
+  // hmask byte 16 half + i) from one byte too.
+  template <class Use>
+  static void subs(const uint8_t *block, int c, Use use) {
     const vf d = packed::load_half(field(block, 108, 2, c));
-    for (int s = 0; s < 16; ++s) {
-      const vi low = (packed::widen(field(block, 96, 1, c, s % 8)) >> (4 * (s / 8))) & 15;
-      const vi top = (packed::widen(field(block, 96, 1, c, 8 + s % 4)) >> (2 * (s / 4))) & 3;
-      const vf scale = d * to_float((low | (top << 4)) - 32);
-      const int row = 32 * (s / 8) + 16 * (s % 2), shift = 2 * (s % 8 / 2), bit = s / 2;
-      sub(s, scale, -4.f * scale, [&](auto each) {
-#pragma GCC unroll 8
+    for (int g = 0; g < 4; ++g) {
+      const int n = g / 2, half = g % 2;
+      Group<4> group;
+      for (int j = 0; j < 4; ++j) {
+        const int s = 8 * n + 2 * j + half;
+        const vi low = (packed::widen(field(block, 96, 1, c, s % 8)) >> (4 * (s / 8))) & 15;
+        const vi top = (packed::widen(field(block, 96, 1, c, 8 + s % 4)) >> (2 * (s / 4))) & 3;
+        group.s[j] = s, group.scale[j] = d * to_float((low | (top << 4)) - 32);
+        group.offset[j] = -4.f * group.scale[j];
+      }
+      use(group, [&](auto each) {
+#pragma GCC unroll 4
         for (int i = 0; i < 16; ++i) {
-          const vi q = (packed::widen(field(block, 32, 1, c, row + i)) >> shift) & 3;
-          const vi h = (packed::widen(field(block, 0, 1, c, row % 32 + i)) >> bit) & 1;
-          each(i, to_float(q | (h << 2)));
+          const vi q = packed::widen(field(block, 32, 1, c, 32 * n + 16 * half + i));
+          const vi h = packed::widen(field(block, 0, 1, c, 16 * half + i)) >> (4 * n) << 2;
+          each(i, {to_float((q & 3) | (h & 4)), to_float(((q >> 2) & 3) | ((h >> 1) & 4)),
+                   to_float(((q >> 4) & 3) | ((h >> 2) & 4)), to_float((q >> 6) | ((h >> 3) & 4))});
         }
       });
     }

@@ -13,15 +13,15 @@ struct Q4_0 {
   static constexpr int64_t TILE_BYTES = 18 * TILE;
   static constexpr int64_t ROW_BY_ROW = 1;
 
-  template <class Sub>
-  static void subs(const uint8_t *block, int c, Sub sub) {
+  template <class Use>
+  static void subs(const uint8_t *block, int c, Use use) {
     const vf d = packed::load_half(field(block, 0, 2, c));
-    sub(0, d, -8.f * d, [&](auto each) {
+    use(Group<1>{{0}, {d}, {-8.f * d}}, [&](auto each) {
 #pragma GCC unroll 8
       for (int i = 0; i < 16; ++i) {
         const vi q = packed::widen(field(block, 2, 1, c, i));
-        each(i, to_float(q & 15));
-        each(i + 16, to_float(q >> 4));
+        each(i, {to_float(q & 15)});
+        each(i + 16, {to_float(q >> 4)});
       }
     });
   }

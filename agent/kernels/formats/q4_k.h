@@ -27,16 +27,23 @@ struct Q4_K {
   static constexpr int64_t TILE_BYTES = 144 * TILE;
   static constexpr int64_t ROW_BY_ROW = 1;
 
-  template <class Sub>
-  static void subs(const uint8_t *block, int c, Sub sub) {
+  // Groups of sub-blocks 2 j and 2 j + 1: the low and high nibbles of bytes 32 j .. 32 j + 31.
+  template <class Use>
+  static void subs(const uint8_t *block, int c, Use use) {
     const vf d = packed::load_half(field(block, 0, 2, c)), dmin = packed::load_half(field(block, 2, 2, c));
-    for (int s = 0; s < 8; ++s) {
-      vi scale, min;
-      k_scale_min(block, 4, c, s, scale, min);
-      const int shift = 4 * (s % 2);
-      sub(s, d * to_float(scale), -(dmin * to_float(min)), [&](auto each) {
+    for (int j = 0; j < 4; ++j) {
+      Group<2> group;
+      for (int h = 0; h < 2; ++h) {
+        vi scale, min;
+        k_scale_min(block, 4, c, 2 * j + h, scale, min);
+        group.s[h] = 2 * j + h, group.scale[h] = d * to_float(scale), group.offset[h] = -(dmin * to_float(min));
+      }
+      use(group, [&](auto each) {
 #pragma GCC unroll 8
-        for (int i = 0; i < 32; ++i) each(i, to_float((packed::widen(field(block, 16, 1, c, 32 * (s / 2) + i)) >> shift) & 15));
+        for (int i = 0; i < 32; ++i) {
+          const vi q = packed::widen(field(block, 16, 1, c, 32 * j + i));
+          each(i, {to_float(q & 15), to_float(q >> 4)});
+        }
       });
     }
   }

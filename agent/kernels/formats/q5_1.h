@@ -13,16 +13,16 @@ struct Q5_1 {
   static constexpr int64_t TILE_BYTES = 24 * TILE;
   static constexpr int64_t ROW_BY_ROW = 1;
 
-  template <class Sub>
-  static void subs(const uint8_t *block, int c, Sub sub) {
+  template <class Use>
+  static void subs(const uint8_t *block, int c, Use use) {
     const vf d = packed::load_half(field(block, 0, 2, c)), m = packed::load_half(field(block, 2, 2, c));
     const vi high = packed::load_u32(field(block, 4, 4, c));
-    sub(0, d, m, [&](auto each) {
+    use(Group<1>{{0}, {d}, {m}}, [&](auto each) {
 #pragma GCC unroll 8
       for (int i = 0; i < 16; ++i) {
         const vi q = packed::widen(field(block, 8, 1, c, i));
-        each(i, to_float((q & 15) | ((high >> i << 4) & 16)));
-        each(i + 16, to_float((q >> 4) | ((high >> (i + 16) << 4) & 16)));
+        each(i, {to_float((q & 15) | ((high >> i << 4) & 16))});
+        each(i + 16, {to_float((q >> 4) | ((high >> (i + 16) << 4) & 16))});
       }
     });
   }
