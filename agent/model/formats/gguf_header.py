@@ -42,53 +42,52 @@ class GgufFile:
 
     def __init__(self, path: Path):
         raw = np.memmap(path, dtype=np.uint8, mode="r")
-        buffer = memoryview(raw.data)
-        self.at = 0
-
-        def take(fmt: str) -> Any:
-            value = struct.unpack_from("<" + fmt, buffer, self.at)[0]
-            self.at += struct.calcsize(fmt)
-            return value
-
-        def string() -> str:
-            n = take("Q")
-            text = bytes(buffer[self.at : self.at + n]).decode("utf-8", errors="replace")
-            self.at += n
-            return text
-
-        def value(kind: int) -> Any:
-            if kind in SCALARS:
-                return take(SCALARS[kind])
-            if kind == STRING:
-                return string()
-            if kind == ARRAY:
-                item, count = take("I"), take("Q")
-                if item in SCALARS:  # numbers: one read
-                    fmt = SCALARS[item]
-                    items = list(struct.unpack_from(f"<{count}{fmt}", buffer, self.at))
-                    self.at += count * struct.calcsize(fmt)
-                    return items
-                return [value(item) for _ in range(count)]
-            raise ValueError(f"unknown metadata type {kind}")
-
-        if bytes(buffer[:4]) != b"GGUF":
+        self._buffer, self._at = memoryview(raw.data), 0
+        if bytes(self._buffer[:4]) != b"GGUF":
             raise ValueError("no GGUF magic")
-        self.at = 4
-        version, n_tensors, n_values = take("I"), take("Q"), take("Q")
+        self._at = 4
+        version, n_tensors, n_values = self._take("I"), self._take("Q"), self._take("Q")
         if version < 2:
             raise ValueError(f"GGUF version {version} (2 or later is read)")
         self.values: dict[str, Any] = {}
         for _ in range(n_values):
-            key = string()
-            self.values[key] = value(take("I"))
+            key = self._string()
+            self.values[key] = self._value(self._take("I"))
         infos = []
         for _ in range(n_tensors):
-            name = string()
-            dims = tuple(take("Q") for _ in range(take("I")))
-            infos.append((name, dims, GGMLQuantizationType(take("I")), take("Q")))
+            name = self._string()
+            dims = tuple(self._take("Q") for _ in range(self._take("I")))
+            infos.append((name, dims, GGMLQuantizationType(self._take("I")), self._take("Q")))
         alignment = int(self.values.get("general.alignment", 32))
-        start = -(-self.at // alignment) * alignment
+        start = -(-self._at // alignment) * alignment
+        self._buffer.release()  # the tensors hold the map; nothing else does once they are gone
         self.tensors = [self._tensor(raw, start, *info) for info in infos]
+
+    def _take(self, fmt: str) -> Any:
+        value = struct.unpack_from("<" + fmt, self._buffer, self._at)[0]
+        self._at += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        n = self._take("Q")
+        text = bytes(self._buffer[self._at : self._at + n]).decode("utf-8", errors="replace")
+        self._at += n
+        return text
+
+    def _value(self, kind: int) -> Any:
+        if kind in SCALARS:
+            return self._take(SCALARS[kind])
+        if kind == STRING:
+            return self._string()
+        if kind == ARRAY:
+            item, count = self._take("I"), self._take("Q")
+            if item in SCALARS:  # numbers: one read
+                fmt = f"<{count}{SCALARS[item]}"
+                items = list(struct.unpack_from(fmt, self._buffer, self._at))
+                self._at += struct.calcsize(fmt)
+                return items
+            return [self._value(item) for _ in range(count)]
+        raise ValueError(f"unknown metadata type {kind}")
 
     @staticmethod
     def _tensor(
