@@ -22,7 +22,7 @@ from pathlib import Path
 from agent.compile_cache import compile_cache_dir
 from agent.known_answer import KnownAnswer, KnownAnswerError
 from agent.llama_graphs import TensorSplit
-from agent.memory_plan import checkpoint_weights_bytes, resolve_runtime
+from agent.memory_plan import checkpoint_weights_bytes, refuse_what_cannot_fit, resolve_runtime
 from agent.mindir import read_known_answer, read_spec
 from agent.model.checkpoint import Checkpoint
 from agent.model.formats import load_checkpoint
@@ -99,6 +99,7 @@ def prepare_checkpoint(
     """The weights (loaded unless given), the planned runtime and the MindSpore context with the
     compile cache (its folder returned): what every runner built from a checkpoint needs first."""
     if checkpoint is None:
+        refuse_what_cannot_fit(Path(config.model.path), place.runtime(config.runtime))
         start = time.perf_counter()
         checkpoint = load_checkpoint(config.model.path)
         progress(

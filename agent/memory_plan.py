@@ -20,9 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from agent.graph_interface import scratch_blocks
+from agent.memory_budget import available_mb
 from agent.model.checkpoint import Checkpoint
+from agent.model.formats import gguf_file
 from agent.model.spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -170,3 +173,25 @@ def resolve_runtime(
     resolved, plan = plan_memory(spec, runtime, weights)
     log(plan.describe())
     return resolved
+
+
+def refuse_what_cannot_fit(path: Path, runtime: RuntimeSection) -> None:
+    """Before a GGUF file is loaded, its plan from the file's header alone (its weights at the size
+    they will take): a memory_budget_mb too small raises MemoryPlanError naming the sizes, and
+    without a budget so does a plan larger than the memory this machine has available."""
+    if (
+        path.suffix != ".gguf"
+        or not path.is_file()
+        or not runtime.matmul_kernel
+        or runtime.dtype != "float32"
+    ):
+        return
+    spec, weights = gguf_file.stored_weights(path)
+    _, plan = plan_memory(spec, runtime, weights)
+    available = available_mb()
+    if runtime.memory_budget_mb is None and plan.total_mb > available:
+        raise MemoryPlanError(
+            f"{path.name} does not fit: weights {plan.weights_mb:.0f} MB, KV cache {plan.kv_mb:.0f} MB, "
+            f"working {plan.working_mb:.0f} MB: {plan.total_mb:.0f} MB, and this machine has "
+            f"{available:.0f} MB available; lower num_slots or max_seq_len, or set memory_budget_mb"
+        )

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
-from agent.memory_plan import checkpoint_weights_bytes
-from agent.model.formats import load_checkpoint
+from agent.memory_plan import MB, MemoryPlanError, checkpoint_weights_bytes, refuse_what_cannot_fit
+from agent.model.formats import gguf_file, load_checkpoint
 from agent.model.quantized import FIELDS
 from conftest import TINY_RUNTIME
 from test_paged_kv import (
@@ -98,3 +98,17 @@ def test_every_format_matches_the_reference_at_every_row_count(every_format_path
     steps += decode_together(graphs, reference, tables[:2], caches[:2], tokens[:2], [23, 12], 2)  # 2
     steps += decode_together(graphs, reference, tables[:1], caches[:1], tokens[:1], [25], 2)  # 1
     assert max(steps) < TOLERANCE, steps
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(every_format_path, monkeypatch):
+    """The plan from the file's header counts the weights as loading will hold them; a budget or a
+    machine too small for it is refused naming the sizes, before any weight is read."""
+    spec, weights = gguf_file.stored_weights(every_format_path)
+    assert weights == checkpoint_weights_bytes(load_checkpoint(every_format_path), TINY_RUNTIME)
+    tight = TINY_RUNTIME.model_copy(update={"memory_budget_mb": 10, "num_blocks": "auto"})
+    with pytest.raises(MemoryPlanError, match=rf"does not hold the weights \({weights / MB:.0f} MB\)"):
+        refuse_what_cannot_fit(every_format_path, tight)
+    monkeypatch.setattr("agent.memory_plan.available_mb", lambda: 12.0)
+    with pytest.raises(MemoryPlanError, match=r"does not fit: weights \d+ MB, .* 12 MB available"):
+        refuse_what_cannot_fit(every_format_path, TINY_RUNTIME)
+    refuse_what_cannot_fit(every_format_path, TINY_RUNTIME.model_copy(update={"matmul": "mindspore"}))

@@ -88,8 +88,8 @@ def _rope_scaling(path: Path, reader, arch: str, tensors_by_name: dict) -> RopeS
     )
 
 
-def load(path: Path, progress: Progress) -> Checkpoint:
-    reader = read_gguf(path)
+def _spec(path: Path, reader: GgufFile) -> tuple[ModelSpec, dict]:
+    """The model's spec from the file's metadata, and its architecture's traits."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(
@@ -129,7 +129,28 @@ def load(path: Path, progress: Progress) -> Checkpoint:
         bos_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_ids=() if eos is None else (int(eos),),
     )
+    return spec, traits
 
+
+def stored_weights(path: Path) -> tuple[ModelSpec, int]:
+    """The model's spec and the bytes its weights will take when loaded (matrices of a kernel
+    format at their stored size, the rest as float32), from the file's header alone: a plan can
+    refuse a model that does not fit before loading it."""
+    reader = read_gguf(path)
+    spec, _ = _spec(path, reader)
+    total = 0
+    for t in reader.tensors:
+        name = _canonical_name(t.name)
+        if name is None:
+            continue
+        kept = name.endswith(MATRICES) and len(t.shape) == 2 and has_kernel(t.tensor_type, int(t.shape[0]))
+        total += t.n_bytes if kept else int(np.prod(t.shape)) * 4
+    return spec, total
+
+
+def load(path: Path, progress: Progress) -> Checkpoint:
+    reader = read_gguf(path)
+    spec, traits = _spec(path, reader)
     tensors: dict[str, np.ndarray] = {}
     kept: list[tuple[str, Callable[[], BlockMatrix]]] = []  # packed on threads below
     for t in reader.tensors:
