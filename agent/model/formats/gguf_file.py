@@ -174,8 +174,7 @@ def load(path: Path, progress: Progress) -> Checkpoint:
         qtype = GGMLQuantizationType(t.tensor_type)
         matrix = name.endswith(MATRICES) and len(t.shape) == 2
         if matrix and has_kernel(qtype, int(t.shape[0])):
-            pack = functools.partial(BlockMatrix.from_gguf, qtype, t.data, int(t.shape[0]), reorder)
-            kept.append((name, pack))
+            kept.append((name, functools.partial(_pack, reader, t, qtype, reorder)))
             continue
         array = _dequantize(path, t)
         if matrix and qtype != GGMLQuantizationType.F32:
@@ -194,6 +193,12 @@ def load(path: Path, progress: Progress) -> Checkpoint:
         packed = pool.map(lambda job: job[1](), kept)
         blocks = {name: matrix for (name, _), matrix in zip(kept, progress(packed))}
     return Checkpoint(spec=spec, tensors=tensors, source=path, format="gguf", blocks=blocks)
+
+
+def _pack(reader: GgufFile, t, qtype: GGMLQuantizationType, reorder: Callable | None) -> BlockMatrix:
+    matrix = BlockMatrix.from_gguf(qtype, t.data, int(t.shape[0]), reorder)
+    reader.drop_pages(t)
+    return matrix
 
 
 def _canonical_name(name: str) -> str | None:
