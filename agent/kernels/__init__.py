@@ -180,14 +180,14 @@ def build(name: str | None = None) -> Path:
     return lib
 
 
-# Calls of more rows than this take the int8 products under runtime.activations int8 (packed_matmul.h
+# Calls of more rows than this take the int8 products under runtime.activations int8 (int8_q4_1.h
 # q4i8::ABOVE_ROWS).
 INT8_ABOVE_ROWS = 4
 
 
 def has_int8_products(name: str | None = None) -> bool:
     """The kernels of a target (default: this process's) hold the opt-in int8 products
-    (packed_matmul.h q4i8): built with AVX512-VNNI and AVX512BW. Without them the library's int8 ops
+    (int8_q4_1.h q4i8): built with AVX512-VNNI and AVX512BW. Without them the library's int8 ops
     refuse every call."""
     return {"__AVX512VNNI__", "__AVX512BW__"} <= target_macros(name or target())
 

@@ -1,4 +1,10 @@
-// Opt-in int8 activations for Q4_1 products (formats/q4_1.h), see below.
+// Opt-in (runtime.activations: int8): Q4_1 products (formats/q4_1.h's packed blocks) of more than
+// ABOVE_ROWS rows (prompts, mixed steps, decode steps of more than ABOVE_ROWS streams) with the
+// activations quantized per block of 32 as llama.cpp's Q8_1 does: x[k] ~ dx * qx[k] (qx int8,
+// dx = max |x| / 127), sx = dx * sum qx; then per block sum_k x[k] w[k][t] ~ d[t] * dx * sum_k qx[k]
+// q[k][t] + m[t] * sx, the integer sums by AVX512-VNNI (64 byte products an instruction against a
+// float FMA's 16). Not exact: answers may differ from the float32 products', so it is never the
+// default. Other formats' products stay float32.
 #pragma once
 
 #include <cstdint>
@@ -8,12 +14,6 @@
 #include "formats/q4_1.h"
 #include "packed_matmul.h"
 
-// Opt-in (runtime.activations: int8): Q4_1 products of more than ABOVE_ROWS rows (prompts, mixed
-// steps, decode steps of more than ABOVE_ROWS streams) with the activations quantized per block of
-// 32 as llama.cpp's Q8_1 does: x[k] ~ dx * qx[k] (qx int8, dx = max |x| / 127), sx = dx * sum qx; then per block
-// sum_k x[k] w[k][t] ~ d[t] * dx * sum_k qx[k] q[k][t] + m[t] * sx, the integer sums by AVX512-VNNI
-// (64 byte products an instruction against a float FMA's 16). Not exact: answers may differ from the
-// float32 products', so it is never the default.
 namespace q4i8 {
 
 constexpr int BLOCK = formats::Q4_1::BLOCK;
