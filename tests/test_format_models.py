@@ -112,3 +112,27 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(every_format_path, mo
     with pytest.raises(MemoryPlanError, match=r"does not fit: weights \d+ MB, .* 12 MB available"):
         refuse_what_cannot_fit(every_format_path, TINY_RUNTIME)
     refuse_what_cannot_fit(every_format_path, TINY_RUNTIME.model_copy(update={"matmul": "mindspore"}))
+
+
+def test_a_type_without_a_kernel_loads_dequantized_and_says_so(tmp_path, default_model_path, caplog):
+    """IQ4_NL (no kernel): that matrix loads as float32 with a warning naming its type and memory,
+    and the layer multiplies it as float32 tiles beside its other matrices' blocks."""
+
+    def types(tensor: str, layers: int) -> gguf.GGMLQuantizationType:
+        return T.IQ4_NL if tensor == "blk.1.ffn_up.weight" else T.Q4_0
+
+    path = write_random_gguf(
+        tmp_path / "iq4.gguf", Shape(256, 2, 512, 4, 2), types, tokenizer=default_model_path, seed=3
+    )
+    with caplog.at_level("WARNING"):
+        checkpoint = load_checkpoint(path)
+    said = "blk.1.ffn_up.weight of type IQ4_NL has no CPU kernel: dequantized to float32"
+    assert f"{said} (0.5 MB instead of 0.1 MB)" in caplog.text
+    assert "layers.1.w_up" in checkpoint.tensors and "layers.1.w_up" not in checkpoint.blocks
+    graphs = graphs_of(path)
+    assert graphs.model.layers[1].formats.asnumpy().tolist() == [T.Q4_0] * 5 + [0, T.Q4_0]  # F32: 0
+    reference = ref.load_gguf_reference(path)
+    prompt = prompt_ids(20, 5, graphs.spec.vocab_size)
+    got, _ = chunked_prefill(graphs, shuffled_tables(graphs, 1, seed=2)[0], prompt, [3])
+    want = ref.forward(reference, prompt, ref.RefCache())
+    assert np.abs(got[0] - want[2]).max() < TOLERANCE and np.abs(got[1] - want[-1]).max() < TOLERANCE

@@ -60,9 +60,10 @@ HALF_FIELDS: dict[GGMLQuantizationType, tuple[int, int | None]] = {
     T.Q4_K: (0, 2),
     T.Q5_K: (0, 2),
     T.Q6_K: (208, None),
+    T.IQ4_NL: (0, None),  # a type without a CPU kernel (for the tests: it loads dequantized)
 }
 TYPICAL = {T.Q4_0: 4, T.Q4_1: 8, T.Q5_0: 8, T.Q5_1: 16, T.Q8_0: 64, T.Q2_K: 12, T.Q3_K: 40}
-TYPICAL.update({T.Q4_K: 240, T.Q5_K: 480, T.Q6_K: 1000})
+TYPICAL.update({T.Q4_K: 240, T.Q5_K: 480, T.Q6_K: 1000, T.IQ4_NL: 64})
 CENTRE = {T.Q4_1: -7.5, T.Q5_1: -15.5, T.Q2_K: 1.5, T.Q4_K: 7.5, T.Q5_K: 15.5}
 # llama.cpp's type for a matrix whose rows are no whole number of the K-quants' 256-weight blocks
 FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
