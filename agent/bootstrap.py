@@ -22,7 +22,7 @@ from pathlib import Path
 from agent.compile_cache import compile_cache_dir
 from agent.known_answer import KnownAnswer, KnownAnswerError
 from agent.llama_graphs import TensorSplit
-from agent.memory_plan import resolve_runtime
+from agent.memory_plan import checkpoint_weights_bytes, refuse_what_cannot_fit, resolve_runtime
 from agent.mindir import read_known_answer, read_spec
 from agent.model.checkpoint import Checkpoint
 from agent.model.formats import load_checkpoint
@@ -99,13 +99,17 @@ def prepare_checkpoint(
     """The weights (loaded unless given), the planned runtime and the MindSpore context with the
     compile cache (its folder returned): what every runner built from a checkpoint needs first."""
     if checkpoint is None:
+        refuse_what_cannot_fit(Path(config.model.path), place.runtime(config.runtime))
         start = time.perf_counter()
         checkpoint = load_checkpoint(config.model.path)
         progress(
             f"weights loaded in {time.perf_counter() - start:.1f}s ({checkpoint.format}, "
             f"{checkpoint.spec.parameter_count() / 1e6:.1f}M parameters)"
         )
-    runtime = resolve_runtime(checkpoint.spec, place.runtime(config.runtime), progress)
+    runtime = place.runtime(config.runtime)
+    runtime = resolve_runtime(
+        checkpoint.spec, runtime, progress, checkpoint_weights_bytes(checkpoint, runtime)
+    )
     cache = None if place.cache_user is None else compile_cache_dir(checkpoint, runtime, place.cache_user)
     configure_mindspore(runtime, place.device_id, cache)
     return checkpoint, runtime, cache

@@ -42,9 +42,8 @@ def cache_key(checkpoint: Checkpoint, runtime: RuntimeSection) -> dict:
         "runtime": settings,  # shapes, buckets, dtype, kernel choices, slots and lengths
         "format": checkpoint.format,  # layouts the readers produce
         "tensors": sorted((name, str(t.dtype), list(t.shape)) for name, t in checkpoint.tensors.items()),
-        # the GGUF Q4_1 blocks select the quantized layer kernel and add its parameters
-        "q4": sorted((name, list(m.shape)) for name, m in checkpoint.q4.items()),
-        "q8": sorted((name, list(m.shape)) for name, m in checkpoint.q8.items()),  # likewise the LM head's
+        # matrices kept in a GGUF's format: their format ids and packed shapes are the graphs' parameters
+        "blocks": sorted((name, m.qtype.name, list(m.packed.shape)) for name, m in checkpoint.blocks.items()),
         "weights": weights_fingerprint(checkpoint),
         "agent_code": _files_digest(sorted(AGENT_CODE.rglob("*.py")) + [ROOT / "config" / "schema.py"]),
         "kernels": build_id(),  # sources, headers, flags, compiler, CPU: the library path in the graphs
@@ -68,16 +67,11 @@ def compile_cache_dir(checkpoint: Checkpoint, runtime: RuntimeSection, user: str
 
 
 def weights_fingerprint(checkpoint: Checkpoint) -> str:
-    """SHA-256 over each tensor's name, shape and FINGERPRINT_SAMPLES evenly spaced elements (and
-    the quantized blocks' likewise): ~1 ms instead of ~0.4 s for hashing all 540 MB of the default model."""
+    """SHA-256 over each tensor's name, shape and FINGERPRINT_SAMPLES evenly spaced elements (and the
+    kept matrices' packed blocks likewise): ~1 ms instead of ~0.4 s for hashing a whole model."""
     digest = hashlib.sha256()
     arrays = list(checkpoint.tensors.items())
-    arrays += [
-        (f"{name}.{part}", getattr(m, part)) for name, m in checkpoint.q4.items() for part in ("d", "m", "q")
-    ]
-    arrays += [
-        (f"{name}.q8.{part}", getattr(m, part)) for name, m in checkpoint.q8.items() for part in ("d", "q")
-    ]
+    arrays += [(f"{name}.{m.qtype.name}", m.packed) for name, m in checkpoint.blocks.items()]
     for name, array in sorted(arrays, key=lambda item: item[0]):
         flat = array.reshape(-1)
         step = max(1, flat.size // FINGERPRINT_SAMPLES)

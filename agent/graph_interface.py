@@ -90,12 +90,6 @@ def uses_kernels(runtime: RuntimeSection) -> bool:
     return runtime.attention_kernel or runtime.matmul_kernel
 
 
-def packed_copy_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
-    """Weight memory beyond the parameters: the matmul kernel's float32 packed copy of a tied
-    lm_head (the embedding lookup still needs [vocab, hidden])."""
-    return spec.vocab_size * spec.hidden_size * 4 if runtime.matmul_kernel and spec.tied_embeddings else 0
-
-
 class GraphInputs:
     """Host-side inputs of one graph set's prefill and decode graphs, as NumPy arrays in graph order,
     from block tables (int arrays of MB block ids, position p in block table[p // B]).

@@ -54,7 +54,7 @@ class KnownAnswer:
     @classmethod
     def of_checkpoint(cls, checkpoint: Checkpoint, runtime: RuntimeSection) -> KnownAnswer:
         tokens = probe_tokens(checkpoint.spec.vocab_size, probe_length(runtime))
-        logits, kv = numpy_forward(checkpoint, tokens)
+        logits, kv = numpy_forward(checkpoint, tokens, kernels=runtime.matmul_kernel)
         return cls(tokens, logits[-2], logits[-1], kv[:, :, :-1])
 
     def save(self, directory: Path) -> Path:
@@ -117,24 +117,44 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos + rotated * sin
 
 
-def numpy_forward(checkpoint: Checkpoint, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def numpy_forward(
+    checkpoint: Checkpoint, tokens: np.ndarray, kernels: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Causal forward of `tokens` from position 0 -> logits [S, V] and K/V of every layer
     [2 * layers, KV heads, S, head_dim] (K after RoPE), as the cache holds them. Float32, the
-    checkpoint's own dtype: float64 would copy every weight and agrees to ~1e-5 anyway."""
+    checkpoint's own dtype: float64 would copy every weight and agrees to ~1e-5 anyway. `kernels`:
+    the matrices the checkpoint keeps in their format are multiplied by the CPU kernels' products
+    (agent/kernels/calls.py), called directly rather than through a graph: what the check catches,
+    a graph that does not fit the weights, it still catches, and it does not dequantize the model
+    (the products of every format are held to gguf's dequantization by the kernel tests)."""
     spec, t = checkpoint.spec, checkpoint.tensors
+
+    def product(x: np.ndarray, name: str) -> np.ndarray:
+        kept = checkpoint.blocks.get(name)
+        if kernels and kept is not None:
+            from agent.kernels import calls
+
+            return calls.product(x, kept)
+        return x @ checkpoint.matrix(name).T
+
     n, hd, kv_heads, group = len(tokens), spec.head_dim, spec.num_kv_heads, spec.group_size
     angles = np.concatenate([np.outer(np.arange(n), spec.rope_inv_freq())] * 2, 1)
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     causal = np.triu(np.full((n, n), -np.inf, np.float32), 1)
-    x = t["embed"][tokens]
+    embed = checkpoint.blocks.get("embed")
+    if kernels and embed is not None:
+        from agent.kernels import calls
+
+        x = calls.rows(embed, tokens)
+    else:
+        x = checkpoint.matrix("embed")[tokens]
     caches = []
     for i in range(spec.num_layers):
-        w = {
-            name[len(f"layers.{i}.") :]: value for name, value in t.items() if name.startswith(f"layers.{i}.")
-        }
-        h = _rms_norm(x, w["attn_norm"], spec.rms_eps)
+        p = f"layers.{i}."
+        h = _rms_norm(x, t[p + "attn_norm"], spec.rms_eps)
         q, k, v = (
-            h @ w[name].T + w.get(bias, 0) for name, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
+            product(h, p + name) + t.get(p + bias, 0)
+            for name, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
         )
         q = _rope(q.reshape(n, -1, hd).transpose(1, 0, 2), cos, sin)
         k = _rope(k.reshape(n, kv_heads, hd).transpose(1, 0, 2), cos, sin)
@@ -144,10 +164,10 @@ def numpy_forward(checkpoint: Checkpoint, tokens: np.ndarray) -> tuple[np.ndarra
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         attended = (probs @ np.repeat(v, group, axis=0)).transpose(1, 0, 2).reshape(n, -1)
-        x = x + attended @ w["wo"].T
-        h = _rms_norm(x, w["ffn_norm"], spec.rms_eps)
-        gate = h @ w["w_gate"].T
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ w["w_up"].T)) @ w["w_down"].T
-    head = t["embed"] if spec.tied_embeddings else t["lm_head"]
-    logits = _rms_norm(x, t["final_norm"], spec.rms_eps) @ head.T
+        x = x + product(attended, p + "wo")
+        h = _rms_norm(x, t[p + "ffn_norm"], spec.rms_eps)
+        gate = product(h, p + "w_gate")
+        x = x + product(gate / (1 + np.exp(-gate)) * product(h, p + "w_up"), p + "w_down")
+    head = "embed" if spec.tied_embeddings else "lm_head"
+    logits = product(_rms_norm(x, t["final_norm"], spec.rms_eps), head)
     return logits, np.stack(caches)

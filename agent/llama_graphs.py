@@ -23,19 +23,24 @@ embedding, norms and lm_head are whole on every rank, so every rank computes the
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mindspore as ms
 import numpy as np
+from gguf import GGMLQuantizationType
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Zero
 
 from agent.graph_interface import GraphInputs, pool_blocks
 from agent.kernels import TARGET_ENV, has_int8_products, op_path
 from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
-from agent.model.quantized import Q4Matrix
+from agent.model.quantized import BlockMatrix
 from agent.model.spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -75,6 +80,36 @@ def _param(array: np.ndarray, name: str, dtype=ms.float32) -> Parameter:
     )
 
 
+def _zeros(shape: tuple[int, ...], name: str, dtype) -> Parameter:
+    """A Parameter of zeros that MindSpore allocates itself: the KV cache, GBs that a numpy array
+    copied twice into (3.5 GB: 6.5 s of an agent's start); its pages are touched as the cache fills."""
+    param = Parameter(Tensor(shape=shape, dtype=dtype, init=Zero()), name=name, requires_grad=False)
+    param.init_data()
+    return param
+
+
+def release_freed_memory() -> None:
+    """Give the pages of freed heap memory back to the system (glibc's malloc_trim). The loader's
+    packed matrices are copied into Parameters and freed; glibc had served the later, weight-sized
+    ones from its heap (its mmap threshold rises with each large free), whose holes it keeps: 530 MB
+    of a 7B model's resident memory."""
+    libc = ctypes.util.find_library("c")
+    if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
+
+
+def _kept_param(checkpoint: Checkpoint, name: str, param_name: str) -> tuple[Parameter, Parameter]:
+    """A matrix packed for the kernels' products (product.h) as a Parameter (uint8, or float32 for a
+    float matrix) and its format id as an int32 [1] Parameter. A matrix the checkpoint keeps in its
+    format is then held once: the checkpoint's entry becomes a view of the Parameter's memory."""
+    kept = checkpoint.blocks.get(name)
+    matrix = kept if kept is not None else BlockMatrix.from_float(checkpoint.tensors[name])
+    weights = Parameter(Tensor(matrix.packed), name=param_name, requires_grad=False)
+    if kept is not None:
+        checkpoint.blocks[name] = dataclasses.replace(kept, packed=weights.asnumpy())
+    return weights, Parameter(Tensor(np.array([matrix.qtype], np.int32)), name=f"{param_name}_format")
+
+
 def rms_norm(x, weight, eps: float, dtype, half: bool, kernel=None, eps_tensor=None):
     """x / rms(x) * weight over the last axis; in half precision computed in float32 and cast back
     to `dtype` (a square of a large float16 activation overflows). `kernel`: the float32 CPU kernel
@@ -105,22 +140,24 @@ class CpuKernels:
     and with both a whole layer as one op (prefill and decode) where the layer's shapes allow (`layer`).
     None where MindSpore's own ops run."""
 
-    def __init__(self, attention: bool, matmul: bool, head_dim: int, int8_activations: bool = False):
-        def custom(function: str, out_shape):
-            return ops.Custom(
-                op_path(function), out_shape=out_shape, out_dtype=lambda x, *_: x, func_type="aot"
-            )
+    def __init__(
+        self, attention: bool, matmul: bool, head_dim: int, hidden: int, int8_activations: bool = False
+    ):
+        def custom(function: str, out_shape, out_dtype=lambda x, *_: x):
+            return ops.Custom(op_path(function), out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
 
         self.attention = custom("DecodeAttention", lambda q, *_: q) if attention else None
-        self.layer = custom("FusedLayer", lambda x, *_: x) if attention and matmul else None
-        # runtime.activations int8: the Q4_1 ops' products of more than 4 rows take int8 activations.
+        # Layers as one op (fused_layer.cc FusedStack: one layer, or all of them); runtime.activations
+        # int8: the Q4_1 matrices' products of more than 4 rows take int8 activations.
         suffix = "I8" if int8_activations else ""
-        self.layer_q4 = custom(f"FusedLayerQ4{suffix}", lambda x, *_: x) if attention and matmul else None
-        self.stack_q4 = custom(f"FusedStackQ4{suffix}", lambda x, *_: x) if attention and matmul else None
-        self.matmul = self.matmul_add = self.matmul_q8 = self.norm = self.swiglu = self.rope = None
+        self.stack = custom(f"FusedStack{suffix}", lambda x, *_: x) if attention and matmul else None
+        self.matmul = self.matmul_add = self.matmul_format = self.rows = None
+        self.norm = self.swiglu = self.rope = None
         if matmul:
             self.matmul = custom("SkinnyMatMul", lambda x, w: [x[0], w[0] * w[2]])
-            self.matmul_q8 = custom("SkinnyMatMulQ8", lambda x, w: [x[0], w[0] * MATMUL_TILE])
+            # products and embedding rows of a matrix in any format (product.h), with its format id
+            self.matmul_format = custom("SkinnyMatMulFormat", lambda x, w, f: [x[0], w[0] * MATMUL_TILE])
+            self.rows = custom("MatrixRows", lambda ids, *_: [ids[0], hidden], lambda ids, w, f: ms.float32)
             self.matmul_add = custom("SkinnyMatMulAdd", lambda x, w, r: r)
             self.norm = custom("RmsNorm", lambda x, *_: x)
             self.swiglu = custom("SwiGlu", lambda x: [x[0], x[1] // 2])
@@ -130,19 +167,20 @@ class CpuKernels:
 class LlamaLayer(nn.Cell):
     """One decoder layer: its weights, its slice of the KV cache, and the prefill/decode bodies."""
 
+    MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
     def __init__(
         self,
-        spec: ModelSpec,
-        tensors: dict[str, np.ndarray],
+        checkpoint: Checkpoint,
         index: int,
         cache_rows: int,
         block_size: int,
         kernels: CpuKernels,
         dtype=ms.float32,
         split: TensorSplit = TensorSplit(),
-        q4: dict[str, Q4Matrix] | None = None,
     ):
         super().__init__()
+        spec = checkpoint.spec
         self.attention = kernels.attention
         self.kernel_matmul, self.kernel_matmul_add = kernels.matmul, kernels.matmul_add
         self.kernel_norm, self.kernel_swiglu, self.kernel_rope = kernels.norm, kernels.swiglu, kernels.rope
@@ -150,26 +188,12 @@ class LlamaLayer(nn.Cell):
         # Half precision (Ascend/GPU, or float16 on CPU): weights, activations and cache in `dtype`,
         # norms and softmax in float32. A constant: the float32 graphs have no casts at all.
         self.dtype, self.half = dtype, dtype != ms.float32
-        t = {
-            name: tensors[f"layers.{index}.{name}"]
-            for name in ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
-        }
         p = f"layers.{index}."
         hd, group = spec.head_dim, spec.group_size
         kv_start, kv_end = split.share(spec.num_kv_heads)
         q_rows = slice(kv_start * group * hd, kv_end * group * hd)  # this rank's heads' rows
         kv_rows = slice(kv_start * hd, kv_end * hd)
         ffn_start, ffn_end = split.share(spec.intermediate_size)
-        t.update(
-            wq=t["wq"][q_rows],
-            wk=t["wk"][kv_rows],
-            wv=t["wv"][kv_rows],
-            wo=t["wo"][:, q_rows],
-            w_gate=t["w_gate"][ffn_start:ffn_end],
-            w_up=t["w_up"][ffn_start:ffn_end],
-            w_down=t["w_down"][:, ffn_start:ffn_end],
-        )
-        # The attention scale is folded into the Q rows (RoPE is linear, so this commutes).
         scale = 1.0 / np.sqrt(spec.head_dim)
         self.kv_heads, self.group = kv_end - kv_start, group
         self.heads = self.kv_heads * group
@@ -185,50 +209,55 @@ class LlamaLayer(nn.Cell):
         self.all_reduce: Any = ops.AllReduce() if self.parallel else None
         # The fused layer adds wo's and w_down's outputs to the residual itself, so it needs
         # the whole layer (no tensor parallelism) and a hidden size of whole kernel tiles.
-        fused = kernels.layer is not None and not self.parallel and spec.hidden_size % MATMUL_TILE == 0
-        self.kernel_layer: Any = kernels.layer if fused else None
-        # GGUF Q4_1 copies, which the fused kernel multiplies with (agent/model/quantized.py)
-        names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-        blocks = {name: b for name in names if (b := (q4 or {}).get(f"layers.{index}.{name}")) is not None}
-        self.quantized = fused and len(blocks) == len(names)
-        if self.quantized:
-            self.kernel_layer = kernels.layer_q4
-            packed = {
-                "wqkv_q4": Q4Matrix.stack([blocks["wq"].scaled(scale), blocks["wk"], blocks["wv"]]),
-                "wo_q4": blocks["wo"],
-                "w_gate_up_q4": Q4Matrix.stack([blocks["w_gate"], blocks["w_up"]]),
-                "w_down_q4": blocks["w_down"],
-            }
-            for name, matrix in packed.items():
-                setattr(
-                    self,
-                    name,
-                    Parameter(Tensor(matrix.pack(), dtype=ms.uint8), name=p + name, requires_grad=False),
-                )
-        self.attn_norm = _param(t["attn_norm"], p + "attn_norm")
-        # [in, out]; packed in tiles when the matmul kernel runs them. A quantized layer's kernel
-        # multiplies from the Q4_1 copies alone: its float32 inputs are one-element placeholders
-        # (a float32 copy of the layer weights is 4 bytes a weight, ~7x the Q4_1 blocks).
-        weight = (
-            self._weight if not self.quantized else (lambda _w, name: _param(np.zeros(1, np.float32), name))
-        )
-        self.wqkv = weight(np.concatenate([t["wq"] * scale, t["wk"], t["wv"]]).T, p + "wqkv")
+        fused = kernels.stack is not None and not self.parallel and spec.hidden_size % MATMUL_TILE == 0
+        self.kernel_layer: Any = kernels.stack if fused else None
+        self.attn_norm = _param(checkpoint.tensors[p + "attn_norm"], p + "attn_norm")
+        self.ffn_norm = _param(checkpoint.tensors[p + "ffn_norm"], p + "ffn_norm")
         self.has_bias = spec.qkv_bias
-        if spec.qkv_bias:
-            bias = np.concatenate(
-                [tensors[p + "bq"][q_rows] * scale, tensors[p + "bk"][kv_rows], tensors[p + "bv"][kv_rows]]
+        bias = (
+            np.concatenate(
+                [
+                    checkpoint.tensors[p + b][rows]
+                    for b, rows in (("bq", q_rows), ("bk", kv_rows), ("bv", kv_rows))
+                ]
             )
-        else:
-            bias = np.zeros(self.q_size + 2 * self.kv_size, np.float32)
-        self.bqkv = _param(bias, p + "bqkv", dtype)
-        self.wo = weight(t["wo"].T, p + "wo")
-        self.ffn_norm = _param(t["ffn_norm"], p + "ffn_norm")
-        self.w_gate_up = weight(np.concatenate([t["w_gate"], t["w_up"]]).T, p + "w_gate_up")
-        self.w_down = weight(t["w_down"].T, p + "w_down")
+            if spec.qkv_bias
+            else np.zeros(self.q_size + 2 * self.kv_size, np.float32)
+        )
         self.hidden = spec.hidden_size
-        zeros = np.zeros((cache_rows, spec.head_dim), np.float32)
-        self.k_cache = _param(zeros, p + "k_cache", dtype)
-        self.v_cache = _param(zeros, p + "v_cache", dtype)
+        if fused:
+            # Each matrix in its own format (a GGUF's, float32 tiles otherwise), multiplied by the
+            # kernel, which applies the attention scale to the queries itself.
+            for name in self.MATRICES:
+                weights, _ = _kept_param(checkpoint, p + name, p + name)
+                setattr(self, name, weights)
+            ids = [
+                int(checkpoint.blocks[p + n].qtype) if p + n in checkpoint.blocks else 0
+                for n in self.MATRICES
+            ]
+            self.formats = Parameter(Tensor(np.array(ids, np.int32)), name=p + "formats", requires_grad=False)
+            self.bqkv = _param(bias, p + "bqkv")
+        else:
+            t = {name: checkpoint.matrix(p + name) for name in self.MATRICES}
+            t.update(
+                wq=t["wq"][q_rows],
+                wk=t["wk"][kv_rows],
+                wv=t["wv"][kv_rows],
+                wo=t["wo"][:, q_rows],
+                w_gate=t["w_gate"][ffn_start:ffn_end],
+                w_up=t["w_up"][ffn_start:ffn_end],
+                w_down=t["w_down"][:, ffn_start:ffn_end],
+            )
+            # [in, out]; packed in tiles when the matmul kernel runs them. The attention scale is
+            # folded into the Q rows (RoPE is linear, so this commutes).
+            self.wqkv = self._weight(np.concatenate([t["wq"] * scale, t["wk"], t["wv"]]).T, p + "wqkv")
+            bias[: self.q_size] *= scale
+            self.bqkv = _param(bias, p + "bqkv", dtype)
+            self.wo = self._weight(t["wo"].T, p + "wo")
+            self.w_gate_up = self._weight(np.concatenate([t["w_gate"], t["w_up"]]).T, p + "w_gate_up")
+            self.w_down = self._weight(t["w_down"].T, p + "w_down")
+        self.k_cache = _zeros((cache_rows, spec.head_dim), p + "k_cache", dtype)
+        self.v_cache = _zeros((cache_rows, spec.head_dim), p + "v_cache", dtype)
         self.matmul = ops.MatMul()
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
         self.bmm = ops.BatchMatMul()
@@ -285,53 +314,33 @@ class LlamaLayer(nn.Cell):
         return self.add_projected(x, ops.silu(gate) * up, self.w_down, self.hidden)
 
     def fused(self, x, cos, sin, write_idx, lengths, tables, row_table, k_cache, v_cache):
-        """The whole layer in one kernel (agent/kernels/fused_layer.cc): x [N, D]; write_idx and
-        lengths [N*KV] (row-major): each (row, KV head)'s cache row and positions attended, 0 for
-        padding rows; tables [T, MB] block tables, row_table [N] each row's table."""
-        if self.quantized:
-            return self.kernel_layer(
-                x,
-                self.attn_norm,
-                self.wqkv,
-                self.bqkv,
-                cos,
-                sin,
-                k_cache,
-                v_cache,
-                write_idx,
-                lengths,
-                self.wo,
-                self.ffn_norm,
-                self.w_gate_up,
-                self.w_down,
-                self.eps_tensor,
-                self.wqkv_q4,
-                self.wo_q4,
-                self.w_gate_up_q4,
-                self.w_down_q4,
-                tables,
-                row_table,
-                self.block_size,
-            )
+        """The whole layer in one kernel (agent/kernels/fused_layer.cc FusedStack with one layer): x
+        [N, D]; write_idx and lengths [N*KV] (row-major): each (row, KV head)'s cache row and
+        positions attended, 0 for padding rows; tables [T, MB] block tables, row_table [N] each row's
+        table."""
         return self.kernel_layer(
             x,
-            self.attn_norm,
-            self.wqkv,
-            self.bqkv,
             cos,
             sin,
-            k_cache,
-            v_cache,
             write_idx,
             lengths,
-            self.wo,
-            self.ffn_norm,
-            self.w_gate_up,
-            self.w_down,
             self.eps_tensor,
             tables,
             row_table,
             self.block_size,
+            self.attn_norm,
+            self.bqkv,
+            k_cache,
+            v_cache,
+            self.ffn_norm,
+            self.formats,
+            self.wq,
+            self.wk,
+            self.wv,
+            self.wo,
+            self.w_gate,
+            self.w_up,
+            self.w_down,
         )
 
     def prefill(self, x, cos, sin, rot, write_idx, mask, tables, row_table, k_cache, v_cache):
@@ -401,14 +410,15 @@ class LlamaModel(nn.Cell):
         self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
         self.layers = nn.CellList(
             [
-                LlamaLayer(spec, tensors, i, cache_rows, block_size, kernels, dtype, split, checkpoint.q4)
+                LlamaLayer(checkpoint, i, cache_rows, block_size, kernels, dtype, split)
                 for i in range(spec.num_layers)
             ]
         )
         self.dtype, self.half = dtype, dtype != ms.float32
-        # Every layer quantized and fused: the whole stack is one op a step (FusedStackQ4, which
-        # takes each layer's inputs in a row) instead of one op a layer.
-        self.stack: Any = kernels.stack_q4 if all(layer.quantized for layer in self.layers) else None
+        # Every layer fused: the whole stack is one op a step (FusedStack, which takes each layer's
+        # inputs in a row) instead of one op a layer.
+        fused = all(layer.kernel_layer is not None for layer in self.layers)
+        self.stack: Any = kernels.stack if fused else None
         self.stack_inputs = tuple(
             p
             for layer in (self.layers if self.stack is not None else ())
@@ -418,28 +428,32 @@ class LlamaModel(nn.Cell):
                 layer.k_cache,
                 layer.v_cache,
                 layer.ffn_norm,
-                layer.wqkv_q4,
-                layer.wo_q4,
-                layer.w_gate_up_q4,
-                layer.w_down_q4,
+                layer.formats,
+                layer.wq,
+                layer.wk,
+                layer.wv,
+                layer.wo,
+                layer.w_gate,
+                layer.w_up,
+                layer.w_down,
             )
         )
-        self.embed = _param(tensors["embed"], "embed", dtype)
-        self.kernel_matmul = kernels.matmul
         head = "embed" if spec.tied_embeddings else "lm_head"
-        # A GGUF Q8_0 LM head is multiplied from its blocks (read every decode step: 30 MB instead of
-        # 113 for the default model); else a packed copy (the embedding lookup needs [vocab, hidden]).
-        self.lm_head_q8 = kernels.matmul_q8 is not None and head in checkpoint.q8 and not self.half
-        self.kernel_matmul_q8: Any = kernels.matmul_q8
-        if self.lm_head_q8:
-            self.lm_head = Parameter(
-                Tensor(checkpoint.q8[head].pack(), dtype=ms.uint8), name="lm_head_q8", requires_grad=False
+        # With the matmul kernel the embedding and LM head stay in their format (a GGUF's, float32
+        # tiles otherwise): the embedding's rows are read by MatrixRows, the LM head multiplied by
+        # SkinnyMatMulFormat, and a tied embedding is one matrix for both.
+        self.kernel_matmul_format: Any = kernels.matmul_format
+        self.kernel_rows: Any = kernels.rows
+        self.kept = kernels.matmul_format is not None and not self.half
+        if self.kept:
+            self.embed, self.embed_format = _kept_param(checkpoint, "embed", "embed")
+            self.lm_head, self.lm_head_format = (
+                (self.embed, self.embed_format) if head == "embed" else _kept_param(checkpoint, head, head)
             )
-        elif kernels.matmul is not None:
-            self.lm_head = _param(pack_for_kernel(tensors[head].T), "lm_head_packed")
         else:
+            self.embed = _param(checkpoint.matrix("embed"), "embed", dtype)
             self.lm_head = (
-                self.embed if spec.tied_embeddings else _param(tensors["lm_head"], "lm_head", dtype)
+                self.embed if spec.tied_embeddings else _param(checkpoint.matrix("lm_head"), "lm_head", dtype)
             )
         self.final_norm = _param(tensors["final_norm"], "final_norm")
         cos, sin, rot = rope_tables(spec, max_len)
@@ -454,7 +468,10 @@ class LlamaModel(nn.Cell):
         return self.stack(x, cos, sin, write_idx, lengths, self.eps_tensor, *paging, *self.stack_inputs)
 
     def embed_tokens(self, tokens, positions):
-        x = ops.gather(self.embed, tokens, 0)
+        if self.kept:
+            x = self.kernel_rows(tokens, self.embed, self.embed_format)
+        else:
+            x = ops.gather(self.embed, tokens, 0)
         cos = ops.expand_dims(ops.gather(self.cos, positions, 0), 1)  # [N, 1, hd]
         sin = ops.expand_dims(ops.gather(self.sin, positions, 0), 1)
         return x, cos, sin
@@ -464,12 +481,9 @@ class LlamaModel(nn.Cell):
         x = rms_norm(x, self.final_norm, self.eps, self.dtype, self.half, self.kernel_norm, self.eps_tensor)
         if self.half:
             return ops.cast(self.matmul_t(x, self.lm_head), ms.float32)
-        if self.kernel_matmul is None:
+        if not self.kept:
             return self.matmul_t(x, self.lm_head)
-        if self.lm_head_q8:
-            logits = self.kernel_matmul_q8(x, self.lm_head)
-        else:
-            logits = self.kernel_matmul(x, self.lm_head)
+        logits = self.kernel_matmul_format(x, self.lm_head, self.lm_head_format)
         vocab = self.spec.vocab_size
         return logits if vocab % MATMUL_TILE == 0 else logits[:, :vocab]
 
@@ -655,14 +669,24 @@ class LlamaGraphs:
             pool_blocks(runtime),
             runtime.block_size,
             runtime.planned_max_seq_len,
-            CpuKernels(runtime.attention_kernel, runtime.matmul_kernel, self.spec.head_dim, int8),
+            CpuKernels(
+                runtime.attention_kernel,
+                runtime.matmul_kernel,
+                self.spec.head_dim,
+                self.spec.hidden_size,
+                int8,
+            ),
             getattr(ms, runtime.dtype),
             split,
         )
-        if int8 and not any(layer.quantized for layer in self.model.layers):
+        release_freed_memory()
+        q4_1 = GGMLQuantizationType.Q4_1
+        if int8 and not any(
+            layer.kernel_layer is not None and q4_1 in layer.formats.asnumpy() for layer in self.model.layers
+        ):
             raise ValueError(
-                "runtime.activations: int8 applies to Q4_1 layers run by the fused kernel, and "
-                "this model has none (float32 weights or tensor parallelism); use float32"
+                "runtime.activations: int8 applies to Q4_1 layer matrices run by the fused kernel, and "
+                "this model has none (other formats, float32 weights or tensor parallelism); use float32"
             )
         self.inputs = GraphInputs(
             runtime,

@@ -2,8 +2,9 @@
 model's sizes and runtime.memory_budget_mb (or the numbers the config gives), with the plan in
 words for the log.
 
-    weights   parameters x dtype size (+ the matmul kernel's packed copy of a tied lm_head,
-              agent/graph_interface.py)
+    weights   each tensor at the size the graphs hold it (Checkpoint.weight_bytes: a GGUF's matrices
+              kept in their format at the file's size, with the matmul kernel), or parameters x dtype
+              size where only the model's spec is known (MindIR exports)
     KV block  layers x 2 (K and V) x kv_heads x head_dim x dtype size x block_size positions
     pool      num_blocks (what the budget leaves, or num_slots x ceil(max_seq_len / block_size)
               without one) + the scratch blocks that padding writes to
@@ -19,8 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from agent.graph_interface import packed_copy_bytes, scratch_blocks
+from agent.graph_interface import scratch_blocks
+from agent.memory_budget import available_mb
+from agent.model.checkpoint import Checkpoint
+from agent.model.formats import gguf_file
 from agent.model.spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -66,7 +71,17 @@ class MemoryPlan:
 
 
 def weights_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
-    return spec.parameter_count() * DTYPE_BYTES[runtime.dtype] + packed_copy_bytes(spec, runtime)
+    """The weights' memory from the model's spec alone (all dense in runtime.dtype)."""
+    return spec.parameter_count() * DTYPE_BYTES[runtime.dtype]
+
+
+def checkpoint_weights_bytes(checkpoint: Checkpoint, runtime: RuntimeSection) -> int:
+    """The weights' memory as the graphs will hold them: with the matmul kernel in float32, every
+    tensor at its size in the checkpoint (matrices kept in a GGUF's format at the file's size, the
+    embedding once whether tied or not); otherwise every tensor dense in runtime.dtype."""
+    if runtime.matmul_kernel and runtime.dtype == "float32":
+        return checkpoint.weight_bytes()
+    return weights_bytes(checkpoint.spec, runtime)
 
 
 def working_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
@@ -75,10 +90,14 @@ def working_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2
 
 
-def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSection, MemoryPlan]:
-    """The runtime with num_slots, max_seq_len and num_blocks resolved, and the plan. Raises
-    MemoryPlanError when the budget is too small, naming the sizes."""
-    weights, working = weights_bytes(spec, runtime), working_bytes(spec, runtime)
+def plan_memory(
+    spec: ModelSpec, runtime: RuntimeSection, weights: int | None = None
+) -> tuple[RuntimeSection, MemoryPlan]:
+    """The runtime with num_slots, max_seq_len and num_blocks resolved, and the plan; `weights`: the
+    weights' bytes (checkpoint_weights_bytes), else estimated from the spec. Raises MemoryPlanError
+    when the budget is too small, naming the sizes."""
+    weights = weights_bytes(spec, runtime) if weights is None else weights
+    working = working_bytes(spec, runtime)
     per_block = spec.kv_bytes_per_token * DTYPE_BYTES[runtime.dtype] // 4 * runtime.block_size
     scratch = scratch_blocks(runtime)
     budget = None if runtime.memory_budget_mb is None else runtime.memory_budget_mb * MB
@@ -147,8 +166,32 @@ def plan_memory(spec: ModelSpec, runtime: RuntimeSection) -> tuple[RuntimeSectio
     return resolved, plan
 
 
-def resolve_runtime(spec: ModelSpec, runtime: RuntimeSection, log: Callable[[str], None]) -> RuntimeSection:
+def resolve_runtime(
+    spec: ModelSpec, runtime: RuntimeSection, log: Callable[[str], None], weights: int | None = None
+) -> RuntimeSection:
     """plan_memory, with the plan logged: what every process that builds a runner calls first."""
-    resolved, plan = plan_memory(spec, runtime)
+    resolved, plan = plan_memory(spec, runtime, weights)
     log(plan.describe())
     return resolved
+
+
+def refuse_what_cannot_fit(path: Path, runtime: RuntimeSection) -> None:
+    """Before a GGUF file is loaded, its plan from the file's header alone (its weights at the size
+    they will take): a memory_budget_mb too small raises MemoryPlanError naming the sizes, and
+    without a budget so does a plan larger than the memory this machine has available."""
+    if (
+        path.suffix != ".gguf"
+        or not path.is_file()
+        or not runtime.matmul_kernel
+        or runtime.dtype != "float32"
+    ):
+        return
+    spec, weights = gguf_file.stored_weights(path)
+    _, plan = plan_memory(spec, runtime, weights)
+    available = available_mb()
+    if runtime.memory_budget_mb is None and plan.total_mb > available:
+        raise MemoryPlanError(
+            f"{path.name} does not fit: weights {plan.weights_mb:.0f} MB, KV cache {plan.kv_mb:.0f} MB, "
+            f"working {plan.working_mb:.0f} MB: {plan.total_mb:.0f} MB, and this machine has "
+            f"{available:.0f} MB available; lower num_slots or max_seq_len, or set memory_budget_mb"
+        )

@@ -38,7 +38,14 @@ from mindspore import Tensor
 from agent.contract.sampling import NO_TOKEN, SamplingParams, SequenceFault, TokenLogprob
 from agent.graph_interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket, mixed_rows
 from agent.kernels import INT8_ABOVE_ROWS
-from agent.known_answer import KnownAnswer, check_post_process, compare, probe_length, probe_tokens
+from agent.known_answer import (
+    KnownAnswer,
+    KnownAnswerError,
+    check_post_process,
+    compare,
+    probe_length,
+    probe_tokens,
+)
 from agent.llama_graphs import LlamaGraphs, TensorSplit
 from agent.mindir import MindIRGraphs
 from agent.model.checkpoint import Checkpoint
@@ -204,7 +211,13 @@ class ModelRunner:
                 "kv_export": f"KV export {length}",
                 "kv_import": f"KV import {length}",
             }[kind]
-            self._run_probe(kind, rows, length, probe, label if known is not None else None)
+            try:
+                self._run_probe(kind, rows, length, probe, label if known is not None else None)
+            except RuntimeError as exc:
+                if known is None:
+                    raise
+                # a kernel refuses inputs of other shapes or formats than the graph was built for
+                raise KnownAnswerError(f"the {label} graph failed on the probe ({exc})") from exc
             progress(f"graph {i}/{len(shapes)} {label}: {time.perf_counter() - t0:.1f}s")
         elapsed = time.perf_counter() - start
         progress(

@@ -116,8 +116,8 @@ def test_quantized_gguf_logits_match_reference(qtype, tmp_path):
     types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
     assert qtype in types, types
     runner = ModelRunner.from_checkpoint(load_checkpoint(path), TINY_RUNTIME)
-    # Q4_1 matrices are also multiplied in their quantized form (the one-row decode steps here)
-    assert runner.graphs.model.layers[0].quantized == (qtype == "Q4_1")
+    # every matrix is multiplied in its file's format
+    assert runner.graphs.model.layers[0].formats.asnumpy().tolist() == [gguf.GGMLQuantizationType[qtype]] * 7
     prompt = load_tokenizer(path).encode(PROMPT)
     diffs = compare_logits(runner, ref.load_gguf_reference(path), prompt, slot=2, steps=3)
     assert max(diffs) < 1e-3, diffs

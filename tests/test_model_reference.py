@@ -80,7 +80,8 @@ def test_default_model_logits_match_reference(default_runner, default_model_path
     tokenizer = load_tokenizer(default_model_path)
     prompt = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPTS[0]}])
     assert len(prompt) == 37
-    assert all(layer.quantized for layer in default_runner.graphs.model.layers)  # Q4_1 one-row steps
+    q4_1 = [3] * 7  # every layer matrix multiplied from its Q4_1 blocks (GGML type 3)
+    assert all(layer.formats.asnumpy().tolist() == q4_1 for layer in default_runner.graphs.model.layers)
     diffs = compare_logits(default_runner, reference, prompt, slot=0, steps=4)
     assert max(diffs) < 1e-3, diffs
 

@@ -1,6 +1,7 @@
 """The packed-tile product (agent/kernels/packed_matmul.h) called straight through its C entry points
 with ctypes: every row count from 1 to past two register blocks, with and without the residual, float32
-and Q8_0 weights, against numpy in float64."""
+weights, against numpy in float64; the thread team's split of the tiles (with Q8_0 weights). Every
+weight format's products: tests/test_weight_formats.py."""
 
 import ctypes
 
@@ -8,10 +9,12 @@ import numpy as np
 import pytest
 
 from agent.kernels import build
-from agent.model.quantized import Q8Matrix
+from agent.model.quantized import BlockMatrix
 from kernel_calls import call as _call
 
 pytestmark = pytest.mark.unit
+
+Q8_0 = np.array([8], np.int32)  # the format id (GGML's type number)
 
 
 def _packed(w: np.ndarray) -> np.ndarray:
@@ -27,8 +30,8 @@ def _q8_weights(rng: np.random.Generator, n_dim: int, k_dim: int) -> tuple[np.nd
     raw = gguf.quants.quantize(
         rng.standard_normal((n_dim, k_dim)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
     )
-    matrix = Q8Matrix.from_gguf(raw)
-    return matrix.dequantize().astype(np.float64), matrix.pack()
+    matrix = BlockMatrix.from_gguf(gguf.GGMLQuantizationType.Q8_0, raw, k_dim)
+    return matrix.dequantize().astype(np.float64), matrix.packed
 
 
 @pytest.fixture
@@ -80,23 +83,6 @@ def test_products_called_from_several_threads_at_once_match_numpy(library):
         np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("k_dim", [32, 160, 576])  # one block; odd block counts; the default model's
-def test_quantized_product_of_every_row_count_matches_numpy(library, k_dim):
-    """Q8_0 weights (the default model's LM head), packed_matmul.h quantized_tile: one and two rows a
-    row at a time; 3 to 32 straight from the blocks in equal blocks of rows (17: 9 + 8, 32: 16 +
-    16 on AVX-512); more from tiles dequantized whole."""
-    rng = np.random.default_rng(k_dim)
-    n_dim = 3 * 32
-    w, packed = _q8_weights(rng, n_dim, k_dim)
-    for rows in range(1, 42):
-        x = rng.standard_normal((rows, k_dim)).astype(np.float32)
-        out = np.full((rows, n_dim), np.nan, np.float32)
-        assert _call(library.SkinnyMatMulQ8, [x, packed], out) == 0
-        np.testing.assert_allclose(
-            out, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4, err_msg=f"{rows} rows"
-        )
-
-
 def test_every_tile_count_is_computed_once(library):
     """The team's loops give each thread a contiguous share of the tiles, taken in chunks of two
     from its front, and a thread done early takes chunks from the back of its mate's
@@ -113,7 +99,7 @@ def test_every_tile_count_is_computed_once(library):
             expected = x.astype(np.float64) @ w.T
             for _ in range(20):
                 out = np.full((rows, n_dim), np.nan, np.float32)
-                assert _call(library.SkinnyMatMulQ8, [x, packed], out) == 0
+                assert _call(library.SkinnyMatMulFormat, [x, packed, Q8_0], out) == 0
                 where = f"{tiles} tiles, {rows} rows"
                 np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4, err_msg=where)
 

@@ -162,7 +162,7 @@ def test_prompt_prefilled_in_chunks_equals_the_whole_prompt(
 def tiny_q4_path(tmp_path_factory):
     """A tiny GGUF of Q4_1 layer matrices and a Q8_0 embedding (head dim 64), as the default model:
     the fused kernel's quantized products and the Q8_0 LM head (tied). FFN 320: the down product's
-    k is 10 blocks of 32. Three layers: the whole stack's op (FusedStackQ4) alternates its layers
+    k is 10 blocks of 32. Three layers: the whole stack's op (FusedStack) alternates its layers
     between two buffers, and the default model's 30 cover an even count."""
     directory = tmp_path_factory.mktemp("q4")
     hf = write_tiny_checkpoint(
@@ -173,9 +173,9 @@ def tiny_q4_path(tmp_path_factory):
 
 def test_q4_one_and_two_row_steps_read_through_the_tables(tiny_q4_path, kernel_target):
     """Chunks of 1 and 2 tokens and decode steps of 1 and 2 sequences run the Q4_1 products (one
-    row: q4::tile_row; two: a block of packed::direct_rows)."""
+    row: packed::row_tile; two: a block of packed::direct_rows)."""
     graphs = graphs_of(tiny_q4_path)
-    assert graphs.model.stack is not None and graphs.model.lm_head_q8
+    assert graphs.model.stack is not None and graphs.model.kept
     reference = ref.load_gguf_reference(tiny_q4_path)
     tables = shuffled_tables(graphs, 2, seed=3)
     prompts = [prompt_ids(n, 10 + n, graphs.spec.vocab_size) for n in (20, 37)]
@@ -196,7 +196,7 @@ def test_q4_one_and_two_row_steps_read_through_the_tables(tiny_q4_path, kernel_t
 def test_q4_steps_of_many_rows_match_the_reference(tiny_q4_path, kernel_target):
     """Prompts of 3 to 40 tokens and decode steps of 3 and 4 sequences: up to 32 rows the Q4_1
     tiles are multiplied straight from their blocks (26 rows: two blocks of 13), above 32 they are
-    dequantized whole and multiplied as float32 tiles (40 rows; packed_matmul.h q4::tile)."""
+    dequantized whole and multiplied as float32 tiles (40 rows; packed_matmul.h quantized_tile)."""
     graphs = graphs_of(tiny_q4_path, num_slots=5)
     reference = ref.load_gguf_reference(tiny_q4_path)
     tables = shuffled_tables(graphs, 4, seed=4)
@@ -304,7 +304,7 @@ def test_table_entry_outside_the_pool_is_refused_before_the_graphs_run(tiny_llam
 def test_kernels_refuse_a_table_that_slipped_past_the_host(path, tiny_llama_dir, request):
     """Inputs made by hand, past GraphInputs' checks: the kernel refuses the call (MindSpore raises)
     instead of reading outside the cache, and the graphs keep working. The quantized model runs
-    every layer in one op (FusedStackQ4): a refusal of any layer refuses it."""
+    every layer in one op (FusedStack): a refusal of any layer refuses it."""
     if path == "whole stack (Q4_1)":
         directory = request.getfixturevalue("tiny_q4_path")
         graphs, reference = graphs_of(directory), ref.load_gguf_reference(directory)

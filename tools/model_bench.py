@@ -2,11 +2,13 @@
 
     python -m tools.model_bench [--batches 1 4 8 16 32] [--contexts 128 1024] [--prompts 32 128 512]
     python -m tools.model_bench --warm-up      # time the default config's full warm-up instead
+    python -m tools.model_bench --model models/random-1b-Q4_K_M.gguf   # another model, same runtime
 
 Each shape is compiled once, run once more to settle, then timed `--repeats` times (median reported).
 Decode at context C: the attention kernel reads C positions; the gather path
 (runtime.decode_attention: gather) attends over C rounded up to the next multiple of 256.
-Results go to the console and to output/model_bench.json.
+Load time and the process's resident memory (after loading, and with the graphs built) are reported
+too. Results go to the console and to output/model_bench.json.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from agent.process_env import set_process_defaults
 
@@ -27,6 +30,14 @@ from agent.model.checkpoint import CheckpointError  # noqa: E402
 from agent.model.formats import load_checkpoint  # noqa: E402
 from agent.runner import ModelRunner, configure_mindspore  # noqa: E402
 from config import PROJECT_ROOT, ConfigError, load_config  # noqa: E402
+
+
+def resident_mb() -> float:
+    """This process's resident memory (VmRSS)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -76,6 +87,7 @@ def run_grid(runner: ModelRunner, args) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="config file (default: config/default.yaml)")
+    parser.add_argument("--model", help="a model file or directory in place of the config's")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--prompts", type=int, nargs="+", default=[32, 128, 512])
@@ -87,12 +99,16 @@ def main() -> int:
     start = time.perf_counter()
     try:
         config = load_config(args.config)
+        if args.model:
+            model = config.model.model_copy(update={"path": Path(args.model).resolve()})
+            config = config.model_copy(update={"model": model})
         checkpoint = load_checkpoint(config.model.path)
     except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     load_s = time.perf_counter() - start
-    print(f"loaded {checkpoint.spec.name} in {load_s:.1f}s", flush=True)
+    loaded_mb = resident_mb()
+    print(f"loaded {checkpoint.spec.name} in {load_s:.1f}s, resident {loaded_mb:.0f} MB", flush=True)
     if args.warm_up:
         try:
             _, warm_up_s = build_runner(config, Placement("bench"), print, checkpoint)
@@ -117,7 +133,11 @@ def main() -> int:
             }
         )
         configure_mindspore(runtime)
-        results = {"load_s": load_s, **run_grid(ModelRunner.from_checkpoint(checkpoint, runtime), args)}
+        runner = ModelRunner.from_checkpoint(checkpoint, runtime)
+        built_mb = resident_mb()
+        kv_mb = runner.graphs.cache_bytes() / 2**20
+        print(f"graphs built, resident {built_mb:.0f} MB (KV cache {kv_mb:.0f} MB)", flush=True)
+        results = {"load_s": load_s, "loaded_mb": loaded_mb, "built_mb": built_mb, **run_grid(runner, args)}
     out = PROJECT_ROOT / "output" / "model_bench.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -32,7 +32,7 @@ KERNELS = ("decode_attention", "skinny_matmul", "elementwise", "fused_layer")
 LIBRARY = "kernels"
 # -fopenmp-simd: `omp simd` loops are vectorised; the threads are thread_team.h's, not OpenMP's.
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=c++17", "-fopenmp-simd", "-pthread"]
-HEADERS = tuple(sorted(SOURCE_DIR.glob("*.h")))
+HEADERS = tuple(sorted(SOURCE_DIR.rglob("*.h")))
 
 TARGET_ENV = "MS_LLM_KERNEL_TARGET"
 TARGETS = ("native", "avx2", "portable")
@@ -163,31 +163,52 @@ def build_dir(name: str | None = None) -> Path:
 
 
 def build(name: str | None = None) -> Path:
-    """The kernels' shared library of a target (default: this process's), compiled now if missing."""
+    """The kernels' shared library of a target (default: this process's), compiled now if missing:
+    each source to an object at once (every weight format's products make skinny_matmul.cc and
+    fused_layer.cc some 15 s each), then linked."""
     name = name or target()
     lib = build_dir(name) / f"{LIBRARY}.so"
     if lib.is_file():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_suffix(f".so.tmp{os.getpid()}")
-    sources = [str(source(kernel)) for kernel in KERNELS]
-    command = [_compiler(), *FLAGS, *target_flags(name), "-o", str(tmp), *sources]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise KernelBuildError(f"building {LIBRARY}.so ({name} target) failed:\n{done.stderr.strip()}")
+    objects = [lib.parent / f"{kernel}.o.tmp{os.getpid()}" for kernel in KERNELS]
+    compile_flags = [flag for flag in FLAGS if flag != "-shared"]
+    jobs = [
+        subprocess.Popen(
+            [_compiler(), *compile_flags, *target_flags(name), "-c", "-o", str(obj), str(source(kernel))],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for kernel, obj in zip(KERNELS, objects, strict=True)
+    ]
+    errors = [job.communicate()[1] for job in jobs]
+    try:
+        if any(job.returncode != 0 for job in jobs):
+            raise KernelBuildError(
+                f"building {LIBRARY}.so ({name} target) failed:\n" + "\n".join(e.strip() for e in errors if e)
+            )
+        command = [_compiler(), *FLAGS, *target_flags(name), "-o", str(tmp), *map(str, objects)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise KernelBuildError(f"linking {LIBRARY}.so ({name} target) failed:\n{done.stderr.strip()}")
+    finally:
+        for obj in objects:
+            obj.unlink(missing_ok=True)
     tmp.replace(lib)  # atomic: concurrent agents never load a half-written library
     return lib
 
 
-# Calls of more rows than this take the int8 products under runtime.activations int8 (packed_matmul.h
+# Calls of more rows than this take the int8 products under runtime.activations int8 (int8_q4_1.h
 # q4i8::ABOVE_ROWS).
 INT8_ABOVE_ROWS = 4
 
 
 def has_int8_products(name: str | None = None) -> bool:
     """The kernels of a target (default: this process's) hold the opt-in int8 products
-    (packed_matmul.h q4i8): built with AVX512-VNNI and AVX512BW. Without them the library's int8 ops
+    (int8_q4_1.h q4i8): built with AVX512-VNNI and AVX512BW. Without them the library's int8 ops
     refuse every call."""
     return {"__AVX512VNNI__", "__AVX512BW__"} <= target_macros(name or target())
 

@@ -1,38 +1,46 @@
-// One whole decoder layer as one kernel, for a decode step (one new token of each of B sequences)
-// and for a prefill (the S tokens of one prompt, row i at position i): RMSNorm, the fused QKV
-// product (+ bias), RoPE, the new K/V written into the cache, attention over each row's cached
+// A whole decoder layer as one kernel, for a decode step (one new token of each of B sequences)
+// and for a prefill (the S tokens of one prompt, row i at position i): RMSNorm, the Q, K and V
+// products (+ bias), RoPE, the new K/V written into the cache, attention over each row's cached
 // positions (a prompt chunk's rows as products: prompt_attention.h), the output product + residual,
-// RMSNorm, gate/up product, SwiGLU, down product + residual. Launched op by op, MindSpore spent
+// RMSNorm, gate/up products, SwiGLU, down product + residual. Launched op by op, MindSpore spent
 // about 14 ms of a 70 ms decode step (B = 16) between ~14 ops a layer and woke the kernels' thread
 // team once an op; here the team is woken once a layer and its stages are separated by barriers
-// (thread_team.h).
+// (thread_team.h). FusedStack runs every layer of the model in one op, layer after layer, each
+// layer's output the next one's input: one op a step instead of one a layer, each of whose launches
+// MindSpore checked and counted its inputs (a decode step of 1 row 6.25 -> 5.95 ms, of 16 rows 32.0
+// -> 30.7 ms: tools.model_bench, context 160, the 2-core EPYC); the per-layer graphs (MindIR
+// exports) call it with one layer.
 //
 // MindSpore AOT custom-op interface (CPU), float32 unless said:
-//   0 x [N, D]             1 attn_norm [D]           2 wqkv [Tq, D, TILE] (packed_matmul.h)
-//   3 bqkv [(H + 2 KV) hd] 4 cos [N, 1, hd]          5 sin [N, 1, hd] (rotate-half sign folded in)
-//   6 k_cache [R, hd]      7 v_cache [R, hd]: paged, R = blocks * KV * B; position p of KV head h
-//     of a sequence with block table T is row (T[p / B] * KV + h) * B + p % B (row_ops.h Paged);
-//   8 write [N KV] int32: cache row of each (row, KV head)'s new K/V, row-major;
-//   9 len [N KV] int32: positions that (row, head) attends, its own included: positions
+//   0 x [N, D]   1 cos [N, 1, hd]   2 sin [N, 1, hd] (rotate-half sign folded in)
+//   3 write [N KV] int32: cache row of each (row, KV head)'s new K/V, row-major;
+//   4 len [N KV] int32: positions that (row, head) attends, its own included: positions
 //     0 .. len - 1 of its sequence, read through its block table. Rows whose len is 0 are padding
 //     (batch or prompt bucket), all at the end: nothing is computed for them and their output is
 //     their input;
-//   10 wo [D / TILE, H hd, TILE]   11 ffn_norm [D]   12 w_gate_up [Tg, D, TILE] (gate columns, then
-//   up)   13 w_down [D / TILE, F, TILE]   14 eps [1]
-//   15 tables [T, MB] int32: block tables, MB blocks each   16 row_table [N] int32: the table of
-//   each row (a decode step: row b's own, 0..N-1; a prompt chunk: all 0, one sequence)
-//   17 block_size [1] int32: B
-//   output [N, D]. The attention scale is folded into the Q rows of wqkv and bqkv.
+//   5 eps [1]   6 tables [T, MB] int32: block tables, MB blocks each   7 row_table [N] int32: the
+//   table of each row (a decode step: row b's own, 0..N-1; a prompt chunk: all 0, one sequence)
+//   8 block_size [1] int32: B
+//   then each layer's 13 inputs: attn_norm [D], bqkv [(H + 2 KV) hd], k_cache [R, hd], v_cache
+//   [R, hd] (paged, R = blocks * KV * B: position p of KV head h of a sequence with block table T
+//   is row (T[p / B] * KV + h) * B + p % B, row_ops.h Paged), ffn_norm [D], formats [7] int32 (the
+//   format of each matrix, product.h), wq, wk, wv, wo, w_gate, w_up, w_down (rows as output columns,
+//   packed: product.h read_matrix);
+//   output [N, D] last.
+// Matrices of one layer may differ in format (a Q4_K_M file's attn_v and ffn_down are Q6_K in half
+// the layers). The attention scale 1 / sqrt(hd) is applied to the queries after their product.
 // The K/V caches are written in place: they are the layer's cache Parameters (or, in an exported
 // MindIR graph, the cache inputs), which no other op of the graph reads. The host computes `write`
 // from the tables and checks every index; the kernel refuses (returns 1) a call whose tables,
-// row_table or len would read outside the cache.
+// row_table or len would read outside the cache, or whose shapes do not fit together.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#include "packed_matmul.h"
+#include "int8_q4_1.h"
+#include "product.h"
 #include "prompt_attention.h"
 #include "row_ops.h"
 #include "thread_team.h"
@@ -42,11 +50,12 @@ namespace {
 using packed::TILE;
 
 constexpr int64_t MAX_HEAD_DIM = 512;  // one head's bias-added row lives on the stack
+constexpr int COMMON = 9, PER_LAYER = 13, MATRICES = 7;
+enum { WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN };
 
 int64_t padded(int64_t n) { return (n + TILE - 1) / TILE * TILE; }
 
-
-// The block tables of a call: inputs tables, row_table and block_size (at `first`, `first` + 1, + 2).
+// The block tables of a call.
 struct Paging {
   const int32_t *tables, *row_table;
   int64_t table_rows, entries, block;
@@ -56,63 +65,117 @@ struct Paging {
   }
 };
 
-bool read_paging(void **params, int *ndims, int64_t **shapes, int first, Paging &paging) {
-  if (ndims[first] != 2 || ndims[first + 1] != 1 || ndims[first + 2] != 1 ||
-      shapes[first + 1][0] != shapes[0][0] || shapes[first + 2][0] != 1)
+// The inputs every layer of a call shares (0-8).
+struct Step {
+  const float *cos, *sin;
+  const int32_t *write, *len;
+  float eps;
+  Paging paging;
+  int64_t batch, dim, kv;
+};
+
+// One layer's own inputs.
+struct Layer {
+  const float *attn_norm, *bqkv, *ffn_norm;
+  float *k_cache, *v_cache;
+  int64_t cache_rows, hd, bias;
+  product::Matrix m[MATRICES];
+};
+
+bool read_step(void **params, int *ndims, int64_t **shapes, Step &step) {
+  if (ndims[0] != 2 || ndims[3] != 1 || ndims[4] != 1 || ndims[6] != 2 || ndims[7] != 1 || ndims[8] != 1 ||
+      shapes[7][0] != shapes[0][0] || shapes[8][0] != 1 || shapes[3][0] != shapes[4][0] ||
+      shapes[0][0] <= 0 || shapes[3][0] % shapes[0][0] != 0)
     return false;
-  paging.tables = static_cast<const int32_t *>(params[first]);
-  paging.row_table = static_cast<const int32_t *>(params[first + 1]);
-  paging.table_rows = shapes[first][0];
-  paging.entries = shapes[first][1];
-  paging.block = *static_cast<const int32_t *>(params[first + 2]);
-  return paging.block > 0;
+  step.batch = shapes[0][0], step.dim = shapes[0][1], step.kv = shapes[3][0] / step.batch;
+  step.cos = static_cast<const float *>(params[1]);
+  step.sin = static_cast<const float *>(params[2]);
+  step.write = static_cast<const int32_t *>(params[3]);
+  step.len = static_cast<const int32_t *>(params[4]);
+  step.eps = *static_cast<const float *>(params[5]);
+  step.paging = {static_cast<const int32_t *>(params[6]), static_cast<const int32_t *>(params[7]), shapes[6][0],
+                 shapes[6][1], *static_cast<const int32_t *>(params[8])};
+  return step.paging.block > 0 && step.kv > 0;
 }
 
-int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], bool int8, const Paging &paging,
-              float *out) {
-  const int64_t batch = shapes[0][0], dim = shapes[0][1], hd = shapes[6][1];
-  const int64_t kv_rows = shapes[8][0], kv = kv_rows / batch;
-  const int64_t q_width = shapes[10][1], heads = q_width / hd, groups = heads / kv;
-  const int64_t ffn = shapes[13][1];
-  const int64_t qkv_width = (heads + 2 * kv) * hd, qkv_stride = padded(qkv_width);
-  const int64_t gate_up_stride = padded(2 * ffn);
-  if (kv_rows % batch != 0 || heads % kv != 0 || shapes[3][0] != qkv_width ||
-      shapes[2][0] * TILE != qkv_stride || shapes[12][0] * TILE != gate_up_stride ||
-      shapes[10][0] * TILE != dim || shapes[13][0] * TILE != dim || shapes[2][1] != dim ||
-      shapes[12][1] != dim || hd > MAX_HEAD_DIM)
-    return 1;
+// Layer inputs at `first` (the 13 of the interface); false where they do not fit each other or the step.
+bool read_layer(void **params, int *ndims, int64_t **shapes, int first, const Step &step, Layer &layer) {
+  const int at = first;
+  if (ndims[at] != 1 || ndims[at + 1] != 1 || ndims[at + 2] != 2 || ndims[at + 3] != 2 || ndims[at + 4] != 1 ||
+      ndims[at + 5] != 1 || shapes[at + 5][0] != MATRICES || shapes[at][0] != step.dim ||
+      shapes[at + 4][0] != step.dim)
+    return false;
+  const int32_t *formats = static_cast<const int32_t *>(params[at + 5]);
+  for (int i = 0; i < MATRICES; ++i)
+    if (!product::read_matrix(params[at + 6 + i], formats[i], ndims[at + 6 + i], shapes[at + 6 + i], layer.m[i]))
+      return false;
+  layer.attn_norm = static_cast<const float *>(params[at]);
+  layer.bqkv = static_cast<const float *>(params[at + 1]);
+  layer.k_cache = static_cast<float *>(params[at + 2]);
+  layer.v_cache = static_cast<float *>(params[at + 3]);
+  layer.ffn_norm = static_cast<const float *>(params[at + 4]);
+  layer.cache_rows = shapes[at + 2][0], layer.hd = shapes[at + 2][1], layer.bias = shapes[at + 1][0];
+  const int64_t hd = layer.hd, kv_width = step.kv * hd, q_width = layer.bias - 2 * kv_width;
+  const product::Matrix *m = layer.m;
+  const int64_t ffn = m[W_DOWN].k_dim;
+  return shapes[at + 3][0] == layer.cache_rows && shapes[at + 3][1] == hd && hd <= MAX_HEAD_DIM &&
+         q_width > 0 && q_width % (step.kv * hd) == 0 && step.dim % TILE == 0 &&
+         m[WQ].n_dim() == padded(q_width) && m[WK].n_dim() == padded(kv_width) &&
+         m[WV].n_dim() == padded(kv_width) && m[WQ].k_dim == step.dim && m[WK].k_dim == step.dim &&
+         m[WV].k_dim == step.dim && m[WO].k_dim == q_width && m[WO].n_dim() == step.dim &&
+         m[W_GATE].k_dim == step.dim && m[W_UP].k_dim == step.dim && m[W_GATE].n_dim() == padded(ffn) &&
+         m[W_UP].n_dim() == padded(ffn) && m[W_DOWN].n_dim() == step.dim;
+}
 
-  const float *x = static_cast<const float *>(params[0]);
-  const float *attn_norm = static_cast<const float *>(params[1]);
-  const float *wqkv = static_cast<const float *>(params[2]);
-  const float *bqkv = static_cast<const float *>(params[3]);
-  const float *cos = static_cast<const float *>(params[4]);
-  const float *sin = static_cast<const float *>(params[5]);
-  float *k_cache = static_cast<float *>(params[6]);
-  float *v_cache = static_cast<float *>(params[7]);
-  const int32_t *write = static_cast<const int32_t *>(params[8]);
-  const int32_t *len = static_cast<const int32_t *>(params[9]);
-  const float *wo = static_cast<const float *>(params[10]);
-  const float *ffn_norm = static_cast<const float *>(params[11]);
-  const float *w_gate_up = static_cast<const float *>(params[12]);
-  const float *w_down = static_cast<const float *>(params[13]);
-  const float eps = *static_cast<const float *>(params[14]);
+// Matrices computed as one product into one buffer, each at its own columns (Q, K and V; gate and
+// up): tile j of the whole is tile j - first of one of them.
+struct Parts {
+  const product::Matrix *m[3];
+  int count;
+
+  int64_t tiles() const {
+    int64_t n = 0;
+    for (int i = 0; i < count; ++i) n += m[i]->tiles;
+    return n;
+  }
+  int64_t width() const { return tiles() * TILE; }
+  template <class Use>
+  void at(int64_t j, Use use) const {  // use(matrix, its tile, its first output column)
+    int64_t column = 0;
+    for (int i = 0; i < count; ++i) {
+      if (j < m[i]->tiles) return use(*m[i], j, column);
+      j -= m[i]->tiles;
+      column += m[i]->n_dim();
+    }
+  }
+};
+
+int run_layer(const float *x, const Step &step, const Layer &layer, bool int8, float *out) {
+  const int64_t batch = step.batch, dim = step.dim, kv = step.kv, hd = layer.hd;
+  const int64_t q_width = layer.bias - 2 * kv * hd, heads = q_width / hd, groups = heads / kv;
+  const product::Matrix *m = layer.m;
+  const int64_t ffn = m[W_DOWN].k_dim;
+  const Parts qkv_parts{{&m[WQ], &m[WK], &m[WV]}, 3}, gate_up_parts{{&m[W_GATE], &m[W_UP]}, 2};
+  const int64_t qkv_stride = qkv_parts.width(), gate_up_stride = gate_up_parts.width();
+  const int64_t k_column = m[WQ].n_dim(), v_column = k_column + m[WK].n_dim(), up_column = m[W_GATE].n_dim();
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  const Paging &paging = step.paging;
+  const int32_t *write = step.write, *len = step.len;
+  float *k_cache = layer.k_cache, *v_cache = layer.v_cache;
 
   int64_t live = 0;  // rows before the padding
   while (live < batch && len[live * kv] > 0) ++live;
-  const int64_t cache_rows = shapes[6][0], blocks = cache_rows / (kv * paging.block);
-  if (shapes[7][0] != cache_rows || cache_rows % (kv * paging.block) != 0) return 1;
+  const int64_t cache_rows = layer.cache_rows, blocks = cache_rows / (kv * paging.block);
+  if (cache_rows % (kv * paging.block) != 0) return 1;
   for (int64_t n = 0; n < live * kv; ++n) {  // every block read and row written lies in the cache
     const int32_t table_row = paging.row_table[n / kv];
     if (table_row < 0 || table_row >= paging.table_rows || write[n] < 0 || write[n] >= cache_rows ||
         !rowwise::table_covers(paging.table(n / kv), paging.entries, paging.block, len[n], blocks))
       return 1;
   }
-  // Q4_1 copies of wqkv, wo, w_gate_up, w_down (packed_matmul.h q4), or null
-  const bool quantized = q4w[0] != nullptr;
-  if (int8 && (!quantized || !q4i8::AVAILABLE)) return 1;
-  // The opt-in int8 products (q4i8) take calls of more than q4i8::ABOVE_ROWS rows; each product's input
-  // is quantized first.
+  // The opt-in int8 products (int8_q4_1.h q4i8) take the Q4_1 matrices' products in calls of more
+  // than q4i8::ABOVE_ROWS rows; each product's input is quantized first.
+  if (int8 && !q4i8::AVAILABLE) return 1;
   const bool int8_rows = int8 && live > q4i8::ABOVE_ROWS;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> xd_buf, xs_buf;
@@ -132,12 +195,13 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], bool
   auto quantize = [&](team::Region &region, const float *in, int64_t k_dim) {
     if (int8_rows) region.for_static(live, [&](int64_t row) { q4i8::quantize_row(activations(k_dim), in, row); });
   };
-  // tile j of x @ W (+ residual) into out (rows of n_dim), from weights `which` (0 qkv, 1 wo, 2 gate/up, 3 down)
-  auto product = [&](int which, const float *w, const float *in, const float *residual, float *to,
-                     int64_t k_dim, int64_t n_dim, int64_t j) {
-    if (int8_rows) q4i8::tile(activations(k_dim), q4w[which], residual, to, live, n_dim, j);
-    else if (quantized) q4::tile(in, q4w[which], residual, to, live, k_dim, n_dim, j);
-    else packed::tile(in, w, residual, to, live, k_dim, n_dim, j);
+  // Tile j of the matrix into `to`'s columns from `column` on (rows of `stride`).
+  auto product = [&](const product::Matrix &w, const float *in, const float *residual, float *to, int64_t stride,
+                     int64_t j) {
+    if (int8_rows && w.format == formats::Q4_1::ID)
+      q4i8::tile(activations(w.k_dim), static_cast<const uint8_t *>(w.w), residual, to, live, stride, j);
+    else
+      product::tile(w, in, residual, to, live, stride, j);
   };
   std::memcpy(out + live * dim, x + live * dim, sizeof(float) * (batch - live) * dim);
   const int64_t live_rows = live * kv;
@@ -183,32 +247,37 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], bool
   const int64_t n_packs = static_cast<int64_t>(packs.size()), n_blocks = static_cast<int64_t>(blocks_todo.size());
   const int64_t n_attend = n_blocks + static_cast<int64_t>(single_rows.size());
 
+  const float *bqkv = layer.bqkv;
   team::Team::instance().run([&](team::Region &region) {
     // Each thread normalises all rows itself (a few us) rather than waiting at one more barrier.
     thread_local std::vector<float> normed;
     normed.resize(batch * dim);
     float *h = normed.data();
-    for (int64_t b = 0; b < live; ++b) rowwise::rms_norm(x + b * dim, attn_norm, eps, dim, h + b * dim);
+    for (int64_t b = 0; b < live; ++b) rowwise::rms_norm(x + b * dim, layer.attn_norm, step.eps, dim, h + b * dim);
     quantize(region, h, dim);
-    region.for_dynamic(qkv_stride / TILE, 2,
-                       [&](int64_t j) { product(0, wqkv, h, nullptr, qkv, dim, qkv_stride, j); });
+    region.for_dynamic(qkv_parts.tiles(), 2, [&](int64_t j) {
+      qkv_parts.at(j, [&](const product::Matrix &w, int64_t tile, int64_t column) {
+        product(w, h, nullptr, qkv + column, qkv_stride, tile);
+      });
+    });
 
-    // Per (row, KV head): bias, RoPE of its query heads and key, K/V into the cache; then, once all
-    // are written (a prompt's rows attend to each other's), attention.
+    // Per (row, KV head): bias, RoPE of its query heads (scaled) and key, K/V into the cache; then,
+    // once all are written (a prompt's rows attend to each other's), attention.
     region.for_static(live_rows, [&](int64_t n) {
       const int64_t b = n / kv, head = n % kv;
-      const float *row = qkv + b * qkv_stride, *c = cos + b * hd, *s = sin + b * hd;
+      const float *row = qkv + b * qkv_stride, *c = step.cos + b * hd, *s = step.sin + b * hd;
       float biased[MAX_HEAD_DIM];
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = (head * groups + g) * hd;
-        for (int64_t d = 0; d < hd; ++d) biased[d] = row[at + d] + bqkv[at + d];
+        for (int64_t d = 0; d < hd; ++d) biased[d] = (row[at + d] + bqkv[at + d]) * scale;
         rowwise::rope(biased, c, s, hd, q + (n * groups + g) * hd);
       }
-      const int64_t k_at = (heads + head) * hd, v_at = (heads + kv + head) * hd;
-      for (int64_t d = 0; d < hd; ++d) biased[d] = row[k_at + d] + bqkv[k_at + d];
+      const int64_t k_at = k_column + head * hd, v_at = v_column + head * hd;
+      const int64_t k_bias = q_width + head * hd, v_bias = q_width + (kv + head) * hd;
+      for (int64_t d = 0; d < hd; ++d) biased[d] = row[k_at + d] + bqkv[k_bias + d];
       rowwise::rope(biased, c, s, hd, k_cache + static_cast<int64_t>(write[n]) * hd);
       float *v_row = v_cache + static_cast<int64_t>(write[n]) * hd;
-      for (int64_t d = 0; d < hd; ++d) v_row[d] = row[v_at + d] + bqkv[v_at + d];
+      for (int64_t d = 0; d < hd; ++d) v_row[d] = row[v_at + d] + bqkv[v_bias + d];
     });
     region.for_dynamic(n_packs, 4, [&](int64_t i) {
       const auto &run = runs[packs[i].run];
@@ -228,131 +297,63 @@ int run_layer(void **params, int64_t **shapes, const uint8_t *const q4w[4], bool
     });
 
     quantize(region, attn, q_width);
-    region.for_dynamic(dim / TILE, 2, [&](int64_t j) { product(1, wo, attn, x, x1, q_width, dim, j); });
+    region.for_dynamic(m[WO].tiles, 2, [&](int64_t j) { product(m[WO], attn, x, x1, dim, j); });
 
-    for (int64_t b = 0; b < live; ++b) rowwise::rms_norm(x1 + b * dim, ffn_norm, eps, dim, h + b * dim);
+    for (int64_t b = 0; b < live; ++b) rowwise::rms_norm(x1 + b * dim, layer.ffn_norm, step.eps, dim, h + b * dim);
     quantize(region, h, dim);
-    region.for_dynamic(gate_up_stride / TILE, 2, [&](int64_t j) {
-      product(2, w_gate_up, h, nullptr, gate_up, dim, gate_up_stride, j);
+    region.for_dynamic(gate_up_parts.tiles(), 2, [&](int64_t j) {
+      gate_up_parts.at(j, [&](const product::Matrix &w, int64_t tile, int64_t column) {
+        product(w, h, nullptr, gate_up + column, gate_up_stride, tile);
+      });
     });
 
     region.for_static(live, [&](int64_t b) {
       const float *g = gate_up + b * gate_up_stride;
-      rowwise::swiglu(g, g + ffn, ffn, act + b * ffn);
+      rowwise::swiglu(g, g + up_column, ffn, act + b * ffn);
     });
 
     quantize(region, act, ffn);
-    region.for_dynamic(dim / TILE, 2, [&](int64_t j) { product(3, w_down, act, x1, out, ffn, dim, j); });
+    region.for_dynamic(m[W_DOWN].tiles, 2, [&](int64_t j) { product(m[W_DOWN], act, x1, out, dim, j); });
   });
   return 0;
 }
 
-bool valid(int *ndims) { return ndims[0] == 2 && ndims[6] == 2 && ndims[10] == 3 && ndims[13] == 3; }
-
-}  // namespace
-
-extern "C" int FusedLayer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                          void *stream, void *extra) {
-  (void)stream; (void)extra; (void)dtypes;
-  Paging paging;
-  if (nparam != 19 || !valid(ndims) || !read_paging(params, ndims, shapes, 15, paging)) return 1;
-  const uint8_t *const none[4] = {nullptr, nullptr, nullptr, nullptr};
-  return run_layer(params, shapes, none, false, paging, static_cast<float *>(params[18]));
-}
-
-namespace {
-
-// FusedLayerQ4's call on its 23 params (output at 22); int8: FusedLayerQ4I8's.
-int run_layer_q4(void **params, int *ndims, int64_t **shapes, bool int8) {
-  Paging paging;
-  if (ndims[0] != 2 || ndims[6] != 2 || !read_paging(params, ndims, shapes, 19, paging)) return 1;
-  const int slots[4] = {2, 10, 12, 13};  // where run_layer reads each product's [N / TILE, K, TILE]
-  int64_t dims[4][3];
-  int64_t *patched[23];
-  std::copy(shapes, shapes + 23, patched);
-  const uint8_t *q4w[4];
-  for (int i = 0; i < 4; ++i) {
-    const int64_t *shape = shapes[15 + i];
-    if (ndims[15 + i] != 3 || shape[0] <= 0 || shape[1] <= 0 || shape[2] != q4::TILE_BYTES) return 1;
-    dims[i][0] = shape[0], dims[i][1] = shape[1] * q4::BLOCK, dims[i][2] = TILE;
-    patched[slots[i]] = dims[i];
-    q4w[i] = static_cast<const uint8_t *>(params[15 + i]);
-  }
-  return run_layer(params, patched, q4w, int8, paging, static_cast<float *>(params[22]));
-}
-
-}  // namespace
-
-// The same with the Q4_1 copies as inputs 15-18 (wqkv, wo, w_gate_up, w_down; each
-// [N / TILE, K / 32, q4::TILE_BYTES] uint8); tables, row_table and block_size 19-21; output 22.
-// Inputs 2, 10, 12 and 13 (the float32 weights) are not read: any placeholder will do; the
-// products' shapes come from the Q4_1 copies (run_layer checks them against each other).
-extern "C" int FusedLayerQ4(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                            void *stream, void *extra) {
-  (void)stream; (void)extra; (void)dtypes;
-  if (nparam != 23) return 1;
-  return run_layer_q4(params, ndims, shapes, false);
-}
-
-// FusedLayerQ4 with the opt-in int8 products for calls of more than q4i8::ABOVE_ROWS rows.
-extern "C" int FusedLayerQ4I8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                              void *stream, void *extra) {
-  (void)stream; (void)extra; (void)dtypes;
-  if (nparam != 23) return 1;
-  return run_layer_q4(params, ndims, shapes, true);
-}
-
-namespace {
-
-// Every layer of the model in one op: FusedLayerQ4 layer after layer, each layer's output the
-// next one's input. One op a step instead of one a layer, each of whose launches MindSpore checked
-// and counted 23 inputs: a decode step of 1 row 6.25 -> 5.95 ms, of 16 rows 32.0 -> 30.7 ms
-// (tools.model_bench, context 160, medians of 6 alternating processes, the 2-core EPYC).
-//   0 x [N, D]   1 cos   2 sin   3 write [N KV]   4 len [N KV]   5 eps [1]   6 tables   7 row_table
-//   8 block_size (as FusedLayer's); then each layer's 9 inputs: attn_norm, bqkv, k_cache, v_cache,
-//   ffn_norm and the Q4_1 wqkv, wo, w_gate_up, w_down; output [N, D] last.
-int run_stack_q4(int nparam, void **params, int *ndims, int64_t **shapes, bool int8) {
-  constexpr int COMMON = 9, PER_LAYER = 9;
-  if (nparam < COMMON + PER_LAYER + 1 || (nparam - COMMON - 1) % PER_LAYER != 0 || ndims[0] != 2) return 1;
+// The stack's call: the common inputs, then PER_LAYER inputs a layer, the output last.
+int run_stack(int nparam, void **params, int *ndims, int64_t **shapes, bool int8) {
+  Step step;
+  if (nparam < COMMON + PER_LAYER + 1 || (nparam - COMMON - 1) % PER_LAYER != 0 ||
+      !read_step(params, ndims, shapes, step))
+    return 1;
   const int layers = (nparam - COMMON - 1) / PER_LAYER;
-  const int64_t rows = shapes[0][0], dim = shapes[0][1];
+  std::vector<Layer> each(layers);
+  for (int layer = 0; layer < layers; ++layer)
+    if (!read_layer(params, ndims, shapes, COMMON + layer * PER_LAYER, step, each[layer])) return 1;
   float *out = static_cast<float *>(params[nparam - 1]);
   // Layers alternate between out and this buffer so that the last one writes out.
   thread_local std::vector<float> other_buf;
-  other_buf.resize(rows * dim);
-  static float placeholder = 0.0f;
-  static int64_t one[1] = {1};
-  void *p[23];
-  int nd[23];
-  int64_t *sh[23];
-  const int common_at[9][2] = {{4, 1}, {5, 2}, {8, 3}, {9, 4}, {14, 5}, {19, 6}, {20, 7}, {21, 8}, {0, 0}};
-  for (const auto &c : common_at) p[c[0]] = params[c[1]], nd[c[0]] = ndims[c[1]], sh[c[0]] = shapes[c[1]];
-  for (int fp32 : {2, 10, 12, 13}) p[fp32] = &placeholder, nd[fp32] = 1, sh[fp32] = one;
-  const int own_at[9] = {1, 3, 6, 7, 11, 15, 16, 17, 18};  // the layer's inputs in FusedLayerQ4's order
+  other_buf.resize(step.batch * step.dim);
+  const float *x = static_cast<const float *>(params[0]);
   for (int layer = 0; layer < layers; ++layer) {
-    const int first = COMMON + layer * PER_LAYER;
-    for (int i = 0; i < PER_LAYER; ++i)
-      p[own_at[i]] = params[first + i], nd[own_at[i]] = ndims[first + i], sh[own_at[i]] = shapes[first + i];
     float *to = (layers - 1 - layer) % 2 == 0 ? out : other_buf.data();
-    if (layer > 0) p[0] = (layers - layer) % 2 == 0 ? out : other_buf.data();
-    p[22] = to;
-    const int failed = run_layer_q4(p, nd, sh, int8);
+    const int failed = run_layer(x, step, each[layer], int8, to);
     if (failed) return failed;
+    x = to;
   }
   return 0;
 }
 
 }  // namespace
 
-extern "C" int FusedStackQ4(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                            void *stream, void *extra) {
+extern "C" int FusedStack(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                          void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
-  return run_stack_q4(nparam, params, ndims, shapes, false);
+  return run_stack(nparam, params, ndims, shapes, false);
 }
 
-// FusedStackQ4 with the opt-in int8 products for calls of more than q4i8::ABOVE_ROWS rows.
-extern "C" int FusedStackQ4I8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                              void *stream, void *extra) {
+// FusedStack with the opt-in int8 products for the Q4_1 matrices in calls of more than
+// q4i8::ABOVE_ROWS rows.
+extern "C" int FusedStackI8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
-  return run_stack_q4(nparam, params, ndims, shapes, true);
+  return run_stack(nparam, params, ndims, shapes, true);
 }

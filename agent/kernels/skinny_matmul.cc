@@ -9,7 +9,7 @@
 // product little.
 #include <cstdint>
 
-#include "packed_matmul.h"
+#include "product.h"
 #include "thread_team.h"
 
 namespace {
@@ -47,22 +47,43 @@ extern "C" int SkinnyMatMulAdd(int nparam, void **params, int *ndims, int64_t **
                   shapes[0][1], shapes[1][0]);
 }
 
-// The product with W as GGUF Q8_0 blocks (packed_matmul.h q8): inputs x [M, K] float32, w [N / TILE,
-// K / 32, q8::TILE_BYTES] uint8; output [M, N] float32. The LM head of a Q8_0 embedding.
-extern "C" int SkinnyMatMulQ8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                              void *stream, void *extra) {
+// The product with W in a weight format (product.h): inputs x [M, K] float32, w (packed: F32
+// [N / TILE, K, TILE] float32, else [N / TILE, K / BLOCK, TILE_BYTES] uint8), format [1] int32;
+// output [M, N] float32. The LM head of a GGUF (its own format, or the tied embedding's).
+extern "C" int SkinnyMatMulFormat(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                  void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
-  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 3 || shapes[1][2] != q8::TILE_BYTES ||
-      shapes[1][1] * q8::BLOCK != shapes[0][1])
+  product::Matrix m;
+  if (nparam != 4 || ndims[0] != 2 || ndims[2] != 1 ||
+      !product::read_matrix(params[1], *static_cast<const int32_t *>(params[2]), ndims[1], shapes[1], m) ||
+      m.k_dim != shapes[0][1])
     return 1;
   const float *x = static_cast<const float *>(params[0]);
-  const uint8_t *w = static_cast<const uint8_t *>(params[1]);
-  float *out = static_cast<float *>(params[2]);
-  const int64_t m_dim = shapes[0][0], k_dim = shapes[0][1], tiles = shapes[1][0];
+  float *out = static_cast<float *>(params[3]);
+  const int64_t m_dim = shapes[0][0];
   team::Team::instance().run([&](team::Region &region) {
-    region.for_dynamic(tiles, 2, [&](int64_t j) {
-      q8::tile(x, w, nullptr, out, m_dim, k_dim, tiles * packed::TILE, j);
-    });
+    region.for_dynamic(m.tiles, 2, [&](int64_t j) { product::tile(m, x, nullptr, out, m_dim, m.n_dim(), j); });
   });
+  return 0;
+}
+
+// Rows of a matrix in a weight format, as float32: an embedding lookup that reads only the rows it
+// needs (a GGUF's token embedding stays in its format; when tied it is also the LM head, one copy).
+// Inputs ids [N] int32, w and format as SkinnyMatMulFormat's (rows are its output columns); output
+// [N, K] float32. An id outside the matrix's rows is refused (returns 1).
+extern "C" int MatrixRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                          void *stream, void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  product::Matrix m;
+  if (nparam != 4 || ndims[0] != 1 || ndims[2] != 1 || ndims[3] != 2 ||
+      !product::read_matrix(params[1], *static_cast<const int32_t *>(params[2]), ndims[1], shapes[1], m) ||
+      shapes[3][0] != shapes[0][0] || shapes[3][1] != m.k_dim)
+    return 1;
+  const int32_t *ids = static_cast<const int32_t *>(params[0]);
+  float *out = static_cast<float *>(params[3]);
+  const int64_t n = shapes[0][0];
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= m.n_dim()) return 1;
+  for (int64_t i = 0; i < n; ++i) product::matrix_row(m, ids[i], out + i * m.k_dim);
   return 0;
 }

@@ -1,7 +1,8 @@
 """Checkpoints: one in-memory weight format that every file format loads into.
 
-A `Checkpoint` is the model's `ModelSpec` and fp32 numpy tensors under canonical names, matrices in
-[out, in] layout, Q/K rows in HuggingFace (rotate-half RoPE) order:
+A `Checkpoint` is the model's `ModelSpec` and its tensors under canonical names, matrices in
+[out, in] layout, Q/K rows in HuggingFace (rotate-half RoPE) order: fp32 numpy arrays, or a GGUF's
+matrices kept in their file's format (`blocks`, agent/model/quantized.py; `matrix()` dequantizes one):
 
     embed [V, D], final_norm [D], lm_head [V, D] (absent when tied),
     layers.{i}.attn_norm [D], wq [H*hd, D], wk [KV*hd, D], wv [KV*hd, D], (bq, bk, bv with QKV bias),
@@ -20,7 +21,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from agent.model.quantized import Q4Matrix, Q8Matrix
+from agent.model.quantized import BlockMatrix
 from agent.model.spec import ModelSpec
 
 T = TypeVar("T")
@@ -34,13 +35,27 @@ class CheckpointError(Exception):
 @dataclass
 class Checkpoint:
     spec: ModelSpec
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, np.ndarray]  # float32
     source: Path
     format: str  # "gguf", "safetensors" or "ckpt"
-    # GGUF Q4_1 layer matrices also kept quantized (agent/quantized.py), same names and row order
-    q4: dict[str, Q4Matrix] = field(default_factory=dict)
-    # a GGUF Q8_0 LM head (the tied embedding or lm_head) also kept quantized
-    q8: dict[str, Q8Matrix] = field(default_factory=dict)
+    # GGUF matrices in a format the CPU kernels multiply, kept packed in that format (not in tensors)
+    blocks: dict[str, BlockMatrix] = field(default_factory=dict)
+
+    def matrix(self, name: str) -> np.ndarray:
+        """A tensor as float32, a kept matrix dequantized (a new array each call)."""
+        kept = self.blocks.get(name)
+        return self.tensors[name] if kept is None else kept.dequantize()
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        kept = self.blocks.get(name)
+        if kept is not None:
+            return kept.shape
+        tensor = self.tensors.get(name)
+        return None if tensor is None else tuple(tensor.shape)
+
+    def weight_bytes(self) -> int:
+        """The memory the weights take as loaded."""
+        return sum(t.nbytes for t in self.tensors.values()) + sum(b.nbytes for b in self.blocks.values())
 
 
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
@@ -80,10 +95,10 @@ def expected_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 def validate(ckpt: Checkpoint) -> None:
     spec = ckpt.spec
-    embed = ckpt.tensors.get("embed")
-    if embed is not None and embed.shape[0] != spec.vocab_size:
+    embed = ckpt.shape("embed")
+    if embed is not None and embed[0] != spec.vocab_size:
         raise CheckpointError(
-            f"{ckpt.source}: vocab/weight mismatch: the embedding has {embed.shape[0]} rows "
+            f"{ckpt.source}: vocab/weight mismatch: the embedding has {embed[0]} rows "
             f"but the vocabulary size is {spec.vocab_size}"
         )
     if spec.num_heads % spec.num_kv_heads:
@@ -92,10 +107,8 @@ def validate(ckpt: Checkpoint) -> None:
             f"multiple of {spec.num_kv_heads} KV heads"
         )
     for name, shape in expected_shapes(spec):
-        tensor = ckpt.tensors.get(name)
-        if tensor is None:
+        found = ckpt.shape(name)
+        if found is None:
             raise CheckpointError(f"{ckpt.source}: missing tensor {name}")
-        if tensor.shape != shape:
-            raise CheckpointError(
-                f"{ckpt.source}: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}"
-            )
+        if found != shape:
+            raise CheckpointError(f"{ckpt.source}: tensor {name} has shape {found}, expected {shape}")

@@ -1,119 +1,128 @@
-"""GGUF's Q4_1 matrices kept quantized, for the fused layer kernel's products (agent/kernels/
-packed_matmul.h, namespace q4): a decode step reads 0.75 bytes a weight instead of fp32's 4. The
-values are exactly gguf.quants.dequantize's: weight = d * q + m."""
+"""Weight matrices kept in their file's format for the CPU kernels' products (agent/kernels/product.h):
+a GGUF's blocks rearranged into column tiles, byte for byte (the packed matrix is the file's size),
+so that a decode step reads 0.5-2 bytes a weight instead of float32's 4. The values are exactly
+gguf.quants.dequantize's; `dequantize()` gives them as float32 for the paths without the kernels.
+
+Packed layout (agent/kernels/formats/format.h): a matrix of N rows (the product's output columns) and
+K columns as [ceil(N / TILE), K / BLOCK, TILE x the block's bytes]: per tile of TILE rows and block,
+each field of the file's block stored as [elements][TILE][element bytes]. Float32 matrices are
+[ceil(N / TILE), K, TILE] float32.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-BLOCK = 32  # weights along the input dimension per block
-TILE = 32  # output columns per packed tile (packed_matmul.h)
-Q4_1_BYTES = 20  # d and m as float16, 16 bytes of nibbles
+TILE = 32  # output columns per packed tile (agent/kernels/lanes.h)
+F32 = GGMLQuantizationType.F32
 
-
-@dataclass(frozen=True)
-class Q4Matrix:
-    """A [rows, cols] matrix as Q4_1 blocks along cols: scales d and offsets m [rows, cols / 32]
-    (float32), quants q [rows, cols / 32, 32] (0..15, in column order)."""
-
-    d: np.ndarray
-    m: np.ndarray
-    q: np.ndarray
-
-    @classmethod
-    def from_gguf(cls, raw: np.ndarray) -> Q4Matrix:
-        """GGUF Q4_1 tensor data [rows, blocks * 20] uint8 -> the blocks unpacked."""
-        blocks = raw.reshape(raw.shape[0], -1, Q4_1_BYTES)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        nibbles = blocks[..., 4:]  # byte j holds weight j (low nibble) and weight j + 16 (high)
-        return cls(d, m, np.concatenate([nibbles & 15, nibbles >> 4], axis=-1))
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape[0], self.q.shape[1] * BLOCK
-
-    def dequantize(self) -> np.ndarray:
-        return (self.d[..., None] * self.q + self.m[..., None]).reshape(self.shape)
-
-    def rows(self, index) -> Q4Matrix:
-        return Q4Matrix(self.d[index], self.m[index], self.q[index])
-
-    def reorder_rows(self, reorder) -> Q4Matrix:
-        """`reorder` (a function of an array over rows, like formats.gguf_file.unpermute_qk) on every part."""
-        return Q4Matrix(reorder(self.d), reorder(self.m), reorder(self.q))
-
-    def scaled(self, factor: float) -> Q4Matrix:
-        return Q4Matrix(self.d * np.float32(factor), self.m * np.float32(factor), self.q)
-
-    @staticmethod
-    def stack(parts: list[Q4Matrix]) -> Q4Matrix:
-        return Q4Matrix(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("d", "m", "q")))
-
-    def pack(self) -> np.ndarray:
-        """The kernel's layout, rows as output columns: [ceil(rows / TILE), blocks, 768] uint8; per tile
-        and block d[TILE] and m[TILE] as float32, then byte (i, t) = q[i][t] | q[i + 16][t] << 4."""
-        rows, blocks = self.d.shape
-        tiles = -(-rows // TILE)
-        pad = tiles * TILE - rows
-        d, m = (
-            np.pad(a, ((0, pad), (0, 0))).reshape(tiles, TILE, blocks).transpose(0, 2, 1)
-            for a in (self.d, self.m)
-        )
-        q = (
-            np.pad(self.q, ((0, pad), (0, 0), (0, 0)))
-            .reshape(tiles, TILE, blocks, BLOCK)
-            .transpose(0, 2, 3, 1)
-        )
-        nibbles = (q[:, :, : BLOCK // 2] | (q[:, :, BLOCK // 2 :] << 4)).astype(np.uint8)
-        return np.concatenate(
-            [
-                np.ascontiguousarray(d, np.float32).view(np.uint8),
-                np.ascontiguousarray(m, np.float32).view(np.uint8),
-                nibbles.reshape(tiles, blocks, -1),
-            ],
-            axis=-1,
-        )
+# Each format the kernels multiply (agent/kernels/formats/): its block's fields as (byte offset,
+# bytes, bytes an element), in the file's order. F16 and BF16 go in blocks of 32 weights.
+FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int, int], ...]] = {
+    GGMLQuantizationType.Q4_0: ((0, 2, 2), (2, 16, 1)),
+    GGMLQuantizationType.Q4_1: ((0, 2, 2), (2, 2, 2), (4, 16, 1)),
+    GGMLQuantizationType.Q5_0: ((0, 2, 2), (2, 4, 4), (6, 16, 1)),
+    GGMLQuantizationType.Q5_1: ((0, 2, 2), (2, 2, 2), (4, 4, 4), (8, 16, 1)),
+    GGMLQuantizationType.Q8_0: ((0, 2, 2), (2, 32, 1)),
+    GGMLQuantizationType.Q2_K: ((0, 16, 1), (16, 64, 1), (80, 2, 2), (82, 2, 2)),
+    GGMLQuantizationType.Q3_K: ((0, 32, 1), (32, 64, 1), (96, 12, 1), (108, 2, 2)),
+    GGMLQuantizationType.Q4_K: ((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 128, 1)),
+    GGMLQuantizationType.Q5_K: ((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 32, 1), (48, 128, 1)),
+    GGMLQuantizationType.Q6_K: ((0, 128, 1), (128, 64, 1), (192, 16, 1), (208, 2, 2)),
+    GGMLQuantizationType.F16: ((0, 64, 2),),
+    GGMLQuantizationType.BF16: ((0, 64, 2),),
+}
+KERNEL_TYPES = frozenset(FIELDS)
+FLOAT16_TYPES = (GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
-Q8_0_BYTES = 34  # d as float16, 32 int8 quants
+def block_shape(qtype: GGMLQuantizationType) -> tuple[int, int]:
+    """(weights, bytes) of one block as the kernels take it (F16 and BF16: 32 weights)."""
+    if qtype in FLOAT16_TYPES:
+        return 32, 64
+    return GGML_QUANT_SIZES[qtype]
+
+
+def has_kernel(qtype: GGMLQuantizationType, cols: int) -> bool:
+    """The kernels multiply a matrix of this type with rows of `cols` weights."""
+    return qtype in KERNEL_TYPES and cols % block_shape(qtype)[0] == 0
 
 
 @dataclass(frozen=True)
-class Q8Matrix:
-    """A [rows, cols] matrix as GGUF Q8_0 blocks along cols: scales d [rows, cols / 32] (float32),
-    quants q [rows, cols / 32, 32] (int8); weight = d * q. The default model's tied embedding is
-    Q8_0: as the LM head it is read every decode step, 1.06 bytes a weight instead of fp32's 4."""
+class BlockMatrix:
+    """A [rows, cols] matrix packed for the kernels (module docstring); qtype F32 for float32."""
 
-    d: np.ndarray
-    q: np.ndarray
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]
+    packed: np.ndarray
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray) -> Q8Matrix:
-        """GGUF Q8_0 tensor data [rows, blocks * 34] uint8 -> the blocks unpacked."""
-        blocks = raw.reshape(raw.shape[0], -1, Q8_0_BYTES)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        return cls(d, blocks[..., 2:].copy().view(np.int8))
+    def from_gguf(
+        cls, qtype: GGMLQuantizationType, raw: np.ndarray, cols: int, reorder: Callable | None = None
+    ) -> BlockMatrix:
+        """GGUF tensor data [rows, row bytes] (uint8) of a kernel type; `reorder`: a function of an
+        array over rows (formats.gguf_file.unpermute_qk) applied to the rows first."""
+        raw = np.asarray(raw).reshape(len(raw), -1).view(np.uint8)
+        if reorder is not None:
+            raw = reorder(raw)
+        return cls(qtype, (len(raw), cols), _pack_blocks(qtype, raw))
+
+    @classmethod
+    def from_float(cls, w: np.ndarray) -> BlockMatrix:
+        """A float32 [rows, cols] matrix as float32 tiles [ceil(rows / TILE), cols, TILE]."""
+        rows, cols = w.shape
+        tiles = -(-rows // TILE)
+        padded = np.zeros((tiles * TILE, cols), np.float32)
+        padded[:rows] = w
+        return cls(
+            F32, (rows, cols), np.ascontiguousarray(padded.reshape(tiles, TILE, cols).transpose(0, 2, 1))
+        )
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape[0], self.q.shape[1] * BLOCK
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def raw(self) -> np.ndarray:
+        """The file's blocks again, [rows, row bytes] uint8 (not for F32)."""
+        fields = FIELDS[self.qtype]
+        tiles, blocks, _ = self.packed.shape
+        size = fields[-1][0] + fields[-1][1]
+        out = np.empty((tiles, TILE, blocks, size), np.uint8)
+        for offset, n, element in fields:
+            part = self.packed[:, :, offset * TILE : (offset + n) * TILE]
+            part = part.reshape(tiles, blocks, n // element, TILE, element).transpose(0, 3, 1, 2, 4)
+            out[..., offset : offset + n] = part.reshape(tiles, TILE, blocks, n)
+        return out.reshape(tiles * TILE, blocks * size)[: self.shape[0]]
 
     def dequantize(self) -> np.ndarray:
-        return (self.d[..., None] * self.q).reshape(self.shape)
+        """The matrix as float32 [rows, cols], exactly as gguf.quants.dequantize gives the file's."""
+        if self.qtype == F32:
+            tiles = self.packed.shape[0]
+            return self.packed.transpose(0, 2, 1).reshape(tiles * TILE, -1)[: self.shape[0]]
+        import gguf
 
-    def pack(self) -> np.ndarray:
-        """The kernel's layout (packed_matmul.h q8), rows as output columns: [ceil(rows / TILE),
-        blocks, 1152] uint8; per tile and block d[TILE] as float32, then byte (i, t) = q[t][i]."""
-        rows, blocks = self.d.shape
-        tiles = -(-rows // TILE)
-        pad = tiles * TILE - rows
-        d = np.pad(self.d, ((0, pad), (0, 0))).reshape(tiles, TILE, blocks).transpose(0, 2, 1)
-        q = np.pad(self.q, ((0, pad), (0, 0), (0, 0)))
-        q = q.reshape(tiles, TILE, blocks, BLOCK).transpose(0, 2, 3, 1)
-        return np.concatenate(
-            [np.ascontiguousarray(d, np.float32).view(np.uint8), q.reshape(tiles, blocks, -1).view(np.uint8)],
-            axis=-1,
+        raw = self.raw()
+        return np.asarray(gguf.quants.dequantize(raw, self.qtype), np.float32).reshape(self.shape)
+
+
+def _pack_blocks(qtype: GGMLQuantizationType, raw: np.ndarray) -> np.ndarray:
+    """[rows, row bytes] of a kernel type -> [ceil(rows / TILE), blocks, TILE x block bytes]."""
+    fields = FIELDS[qtype]
+    size = fields[-1][0] + fields[-1][1]
+    rows = len(raw)
+    tiles, blocks = -(-rows // TILE), raw.shape[1] // size
+    if rows % TILE:  # zero rows: blocks whose scales are 0
+        raw = np.concatenate([raw, np.zeros((tiles * TILE - rows, raw.shape[1]), np.uint8)])
+    source = raw.reshape(tiles, TILE, blocks, size)
+    out = np.empty((tiles, blocks, TILE * size), np.uint8)
+    for offset, n, element in fields:
+        part = source[..., offset : offset + n].reshape(tiles, TILE, blocks, n // element, element)
+        target = out[:, :, offset * TILE : (offset + n) * TILE].reshape(
+            tiles, blocks, n // element, TILE, element
         )
+        target[...] = part.transpose(0, 2, 3, 1, 4)
+    return out

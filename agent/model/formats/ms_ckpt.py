@@ -20,9 +20,9 @@ def save(checkpoint: Checkpoint, path: Path, progress: Progress, dtype: StorageD
     import mindspore as ms
 
     ms_dtype = getattr(ms, dtype)
+    names = sorted({*checkpoint.tensors, *checkpoint.blocks})
     items = [
-        {"name": name, "data": ms.Tensor(tensor, dtype=ms_dtype)}
-        for name, tensor in progress(sorted(checkpoint.tensors.items()))
+        {"name": name, "data": ms.Tensor(checkpoint.matrix(name), dtype=ms_dtype)} for name in progress(names)
     ]
     ms.save_checkpoint(items, str(path), append_dict={SPEC_KEY: checkpoint.spec.model_dump_json()})
 

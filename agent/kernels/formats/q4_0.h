@@ -1,0 +1,30 @@
+// GGUF Q4_0: 32 weights a block: d (half), 16 bytes of nibbles (byte j: weight j low, j + 16 high);
+// weight = d * (q - 8).
+#pragma once
+
+#include "format.h"
+
+namespace formats {
+
+struct Q4_0 {
+  static constexpr int32_t ID = 2;
+  static constexpr int BLOCK = 32, SUB = 32;
+  static constexpr bool OFFSET = true;  // d * q - 8 d: exactly d * (q - 8), without a subtraction a weight
+  static constexpr int64_t TILE_BYTES = 18 * TILE;
+  static constexpr int64_t ROW_BY_ROW = 1;
+
+  template <class Use>
+  static void subs(const uint8_t *block, int c, Use use) {
+    const vf d = packed::load_half(field(block, 0, 2, c));
+    use(Group<1>{{0}, {d}, {-8.f * d}}, [&](auto each) {
+#pragma GCC unroll 8
+      for (int i = 0; i < 16; ++i) {
+        const vi q = packed::widen(field(block, 2, 1, c, i));
+        each(i, {to_float(q & 15)});
+        each(i + 16, {to_float(q >> 4)});
+      }
+    });
+  }
+};
+
+}  // namespace formats

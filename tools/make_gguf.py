@@ -1,0 +1,241 @@
+"""Llama-architecture GGUF files of a chosen shape and weight format, with random weights and the
+default model's tokenizer: for benchmarks and tests of how cost grows with a model's size.
+
+    python -m tools.make_gguf --shape 1b --format Q4_K_M --out models/random-1b-Q4_K_M.gguf
+    python -m tools.make_gguf --hidden 512 --layers 4 --ffn 1536 --heads 8 --kv-heads 2 \
+        --format Q8_0 --out x.gguf
+
+Formats: one type for every matrix (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16,
+BF16, F32), or llama.cpp's mixes Q4_K_M and Q5_K_M (Q4_K / Q5_K, with Q6_K for the LM head (the
+embedding when tied) and for attn_v and ffn_down in the layers llama.cpp gives more bits). A matrix
+whose rows do not fit the type's blocks gets llama.cpp's fallback type. Quants are random and
+scales small (weights of about 0.02): the loader and kernels take whatever blocks a file holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+T = GGMLQuantizationType
+DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    tied: bool = True
+
+
+SHAPES = {
+    "135m": Shape(576, 30, 1536, 9, 3),  # SmolLM2-135M
+    "0.5b": Shape(1024, 24, 4096, 16, 8),
+    "1b": Shape(2048, 16, 8192, 32, 8),  # Llama 3.2 1B
+    "3b": Shape(3072, 28, 8192, 24, 8),  # Llama 3.2 3B
+    "7b": Shape(4096, 32, 11008, 32, 32, tied=False),  # Llama 2 7B
+}
+
+# Each type's half-float fields (byte offsets in its block): its scale d, and the offset's factor m
+# (Q4_1/Q5_1: the offset itself; K-quants: dmin) if any. TYPICAL: a weight's size in units of d
+# (|quant| times sub-block scale); CENTRE: m in units of d that centres the weights on zero.
+HALF_FIELDS: dict[GGMLQuantizationType, tuple[int, int | None]] = {
+    T.Q4_0: (0, None),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0, None),
+    T.Q5_1: (0, 2),
+    T.Q8_0: (0, None),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108, None),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208, None),
+    T.IQ4_NL: (0, None),  # a type without a CPU kernel (for the tests: it loads dequantized)
+}
+TYPICAL = {T.Q4_0: 4, T.Q4_1: 8, T.Q5_0: 8, T.Q5_1: 16, T.Q8_0: 64, T.Q2_K: 12, T.Q3_K: 40}
+TYPICAL.update({T.Q4_K: 240, T.Q5_K: 480, T.Q6_K: 1000, T.IQ4_NL: 64})
+CENTRE = {T.Q4_1: -7.5, T.Q5_1: -15.5, T.Q2_K: 1.5, T.Q4_K: 7.5, T.Q5_K: 15.5}
+# llama.cpp's type for a matrix whose rows are no whole number of the K-quants' 256-weight blocks
+FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+
+def random_blocks(
+    qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.02
+):
+    """A [rows, cols] matrix of `qtype` as GGUF tensor data [rows, row bytes] (uint8), weights of
+    about `scale`: random quants, half-float scales spread over a decade and a half (the K-quants'
+    reach half denormals, which the kernels must read exactly) and offsets that roughly centre them."""
+    if qtype in (T.F32, T.F16, T.BF16):
+        values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        if qtype == T.F32:
+            return values
+        if qtype == T.F16:
+            return values.astype(np.float16).view(np.uint8)
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    d_at, m_at = HALF_FIELDS[qtype]
+    d = scale / TYPICAL[qtype] * 10 ** rng.uniform(-1, 0.5, blocks.shape[:2])
+    blocks[..., d_at : d_at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+    if m_at is not None:
+        m = CENTRE[qtype] * d * rng.uniform(0.5, 1.5, d.shape)
+        blocks[..., m_at : m_at + 2] = m.astype(np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def mix(name: str) -> Callable[[str, int], GGMLQuantizationType]:
+    """The type of each tensor (by GGUF name and layer count) for a format name."""
+    if name in ("Q4_K_M", "Q5_K_M"):
+        base = GGMLQuantizationType[name[:4]]
+
+        def mixed(tensor: str, layers: int) -> GGMLQuantizationType:
+            if tensor in ("output.weight", "token_embd.weight (tied)"):
+                return T.Q6_K
+            if tensor.endswith(("attn_v.weight", "ffn_down.weight")):
+                i = int(tensor.split(".")[1])
+                more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+                return T.Q6_K if more_bits else base
+            return base
+
+        return mixed
+    single = GGMLQuantizationType[name]
+    return lambda tensor, layers: single
+
+
+def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """GGUF names and [rows, cols] (or [n] for norms) of a llama model of this shape."""
+    hd = shape.hidden // shape.heads
+    out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (-1, shape.hidden))]
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        out += [
+            (b + "attn_norm.weight", (shape.hidden,)),
+            (b + "attn_q.weight", (shape.heads * hd, shape.hidden)),
+            (b + "attn_k.weight", (shape.kv_heads * hd, shape.hidden)),
+            (b + "attn_v.weight", (shape.kv_heads * hd, shape.hidden)),
+            (b + "attn_output.weight", (shape.hidden, shape.heads * hd)),
+            (b + "ffn_norm.weight", (shape.hidden,)),
+            (b + "ffn_gate.weight", (shape.ffn, shape.hidden)),
+            (b + "ffn_up.weight", (shape.ffn, shape.hidden)),
+            (b + "ffn_down.weight", (shape.hidden, shape.ffn)),
+        ]
+    out.append(("output_norm.weight", (shape.hidden,)))
+    if not shape.tied:
+        out.append(("output.weight", (-1, shape.hidden)))
+    return out
+
+
+def fitting(qtype: GGMLQuantizationType, cols: int) -> GGMLQuantizationType:
+    while qtype in GGML_QUANT_SIZES and cols % GGML_QUANT_SIZES[qtype][0]:
+        qtype = FALLBACK.get(qtype, T.F16)
+    return qtype
+
+
+def write_random_gguf(
+    path: Path,
+    shape: Shape,
+    types: Callable[[str, int], GGMLQuantizationType],
+    tokenizer: Path = DEFAULT_TOKENIZER,
+    seed: int = 0,
+    name: str = "random",
+) -> Path:
+    """A llama GGUF of `shape` with random weights, each matrix of `types(gguf name, layers)`
+    (the tied embedding asked as "token_embd.weight (tied)"), the vocabulary, merges and chat
+    template of the GGUF `tokenizer`. Tensors are written one at a time (a 7B file is not held in
+    memory)."""
+    source = GGUFReader(str(tokenizer))
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    hd = shape.hidden // shape.heads
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_name(name)
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_rope_freq_base(100000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):
+            value = field.contents()
+            kind = field.types[0]
+            if kind == GGUFValueType.ARRAY:
+                writer.add_array(key, value)
+            else:
+                writer.add_key_value(key, value, kind)
+    rng = np.random.default_rng(seed)
+    plan: list[tuple[str, tuple[int, ...], GGMLQuantizationType]] = []
+    for tensor, dims in tensor_shapes(shape):
+        if len(dims) == 1:
+            plan.append((tensor, dims, T.F32))
+            continue
+        rows, cols = (vocab if dims[0] == -1 else dims[0]), dims[1]
+        asked = "token_embd.weight (tied)" if tensor == "token_embd.weight" and shape.tied else tensor
+        plan.append((tensor, (rows, cols), fitting(types(asked, shape.layers), cols)))
+    for tensor, extent, qtype in plan:
+        if len(extent) == 1:
+            writer.add_tensor_info(tensor, extent, np.dtype(np.float32), extent[0] * 4)
+        elif qtype == T.F32:
+            writer.add_tensor_info(tensor, extent, np.dtype(np.float32), extent[0] * extent[1] * 4)
+        else:
+            block, size = GGML_QUANT_SIZES[qtype]
+            row_bytes = extent[1] // block * size
+            writer.add_tensor_info(
+                tensor, (extent[0], row_bytes), np.dtype(np.uint8), extent[0] * row_bytes, qtype
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, extent, qtype in plan:
+        if len(extent) == 1:
+            writer.write_tensor_data((1 + 0.1 * rng.standard_normal(extent)).astype(np.float32))
+        else:
+            writer.write_tensor_data(random_blocks(qtype, extent[0], extent[1], rng))
+    writer.close()
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a preset (or give every dimension)")
+    for dim in ("hidden", "layers", "ffn", "heads", "kv-heads"):
+        parser.add_argument(f"--{dim}", type=int, help="overrides the preset's")
+    parser.add_argument("--untied", action="store_true", help="an output.weight of its own")
+    parser.add_argument("--format", default="Q4_K_M", help="a GGML type name, Q4_K_M or Q5_K_M")
+    parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER, help="GGUF to take it from")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Shape) if f.name != "tied"}
+    if args.shape is None and None in given.values():
+        parser.error("give --shape or every one of --hidden --layers --ffn --heads --kv-heads")
+    shape = SHAPES[args.shape] if args.shape else Shape(**given)
+    shape = dataclasses.replace(
+        shape, **{k: v for k, v in given.items() if v is not None}, tied=shape.tied and not args.untied
+    )
+    try:
+        types = mix(args.format)
+    except KeyError:
+        parser.error(f"unknown format {args.format!r}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_random_gguf(args.out, shape, types, args.tokenizer, args.seed, name=f"random-{args.format}")
+    print(f"{args.out}: {shape}, {args.format}, {args.out.stat().st_size / 2**20:.0f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
