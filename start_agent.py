@@ -5,7 +5,7 @@ python start_agent.py [--config config/default.yaml] [--groups 0,1]
 
 import sys
 
-from agent.start import main
+from agent.launcher.start import main
 
 if __name__ == "__main__":
     sys.exit(main())

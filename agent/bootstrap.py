@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.compile_cache import compile_cache_dir
+from agent.graphs.decoder import TensorSplit
+from agent.graphs.mindir import read_known_answer, read_spec
 from agent.known_answer import KnownAnswer, KnownAnswerError
-from agent.llama_graphs import TensorSplit
 from agent.memory_plan import checkpoint_weights_bytes, refuse_what_cannot_fit, resolve_runtime
-from agent.mindir import read_known_answer, read_spec
 from agent.model.checkpoint import Checkpoint
 from agent.model.formats import load_checkpoint
 from agent.model.spec import ModelSpec
 from agent.runner import ModelRunner, configure_mindspore
+from agent.warm_up import warm_up
 from config.schema import RuntimeSection, ServingConfig
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def build_runner(
         f"{runner.num_slots} seats (max_seq_len {runner.max_len}), {runner.graphs.cache_bytes() / 1e6:.0f} MB"
     )
     try:
-        return runner, runner.warm_up(progress, place.role, known)
+        return runner, warm_up(runner, progress, place.role, known)
     except KnownAnswerError as exc:
         raise KnownAnswerError(f"{exc}; {remedy}") from exc
 

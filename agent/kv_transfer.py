@@ -1,4 +1,10 @@
-"""KVSender: a prefill agent's side of PD disaggregation. It sends a slot's K/V straight to a
+"""KV transfer between agents (PD disaggregation): a prefilled slot's K/V and sampling state out of
+one runner and into another's slot and blocks, and the prefill agent's sender.
+
+    blocks, state = export_kv(runner, slot)     # prefill agent: K/V [2 * layers, KV, n, hd] + state
+    import_kv(other, slot2, blocks, state, table)  # decode agent: written into its cache in the graph
+
+KVSender is a prefill agent's side of it. It sends a slot's K/V straight to a
 decode agent (a DEALER per decode agent, kept open; the K/V go as one raw frame, no pickle, no copy
 through the server) and waits for that agent's acknowledgement.
 
@@ -21,6 +27,9 @@ import zmq
 
 from agent.contract import protocol
 from agent.contract.transport import ClientKeys, secure_client_socket
+from agent.graphs.interface import bucket
+from agent.runner import BlockTable, ModelRunner, RunnerError, SlotState
+from agent.sampling import SlotSampler
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +101,93 @@ class KVSender:
     def close(self) -> None:
         for address in list(self._sockets):
             self._drop(address)
+
+
+def export_kv(runner: ModelRunner, slot: int) -> tuple[np.ndarray, dict]:
+    """A just-prefilled slot's K/V [2 * layers, KV heads, length, head_dim] (K then V of each
+    layer) and the state that goes with it (length, pending token, sampler)."""
+    state = runner.active(slot)
+    if state.sampler is None or state.next_token is None:
+        raise RunnerError(f"slot {slot} has not finished its prompt")
+    _check_transfer(runner, state.length)
+    pieces = [
+        runner.kv_graphs().kv_export(sub_table, size)[:, :, :n]
+        for sub_table, n, size in _transfer_pieces(runner, state.table, state.length)
+    ]
+    return (
+        np.ascontiguousarray(np.concatenate(pieces, axis=2)),
+        {"length": state.length, "next_token": state.next_token, "sampler": state.sampler.state()},
+    )
+
+
+def import_kv(
+    runner: ModelRunner, slot: int, blocks: np.ndarray, state: dict, table: BlockTable | None = None
+) -> None:
+    """Another agent's export_kv into a free slot and the blocks of `table`, which then
+    decodes as if prefilled here."""
+    runner.check_slot(slot)
+    if slot in runner.slots:
+        raise RunnerError(f"slot {slot} is in use; release it first")
+    length, next_token = state.get("length"), state.get("next_token")
+    if type(length) is not int or type(next_token) is not int:  # not a bool, nor a float
+        raise RunnerError("the KV state needs integer length and next_token")
+    _check_transfer(runner, length)
+    shape = (2 * runner.spec.num_layers, runner.graphs.inputs.kv_heads, length, runner.spec.head_dim)
+    if blocks.shape != shape or blocks.dtype != runner.cache_dtype():
+        raise RunnerError(
+            f"KV blocks of {blocks.dtype}{list(blocks.shape)} do not fit this "
+            f"model's cache ({np.dtype(runner.cache_dtype()).name}{list(shape)})"
+        )
+    if not 0 <= next_token < runner.spec.vocab_size:
+        raise RunnerError(f"next_token {next_token} is outside the vocabulary")
+    sampler_state = state.get("sampler")
+    if not isinstance(sampler_state, dict):
+        raise RunnerError("the KV state needs a sampler map")
+    try:
+        sampler = SlotSampler.from_state(sampler_state, runner.spec.vocab_size, runner.spec.eos_ids)
+    except ValueError as exc:
+        raise RunnerError(f"the KV state's sampler is refused: {exc}") from exc
+    padded_table = runner.padded_table(slot, table, length + 1)
+    done = 0
+    for sub_table, n, size in _transfer_pieces(runner, padded_table, length):
+        padded = np.zeros((*shape[:2], size, runner.spec.head_dim), blocks.dtype)
+        padded[:, :, :n] = blocks[:, :, done : done + n]
+        runner.kv_graphs().kv_import(sub_table, padded)
+        done += n
+    runner.slots[slot] = SlotState(length, padded_table, next_token, sampler)
+
+
+def largest_kv_transfer_bytes(runner: ModelRunner) -> int:
+    """The K/V frame of the longest transfer (a whole sequence, float32 at most)."""
+    return (
+        2 * runner.spec.num_layers * runner.graphs.inputs.kv_heads * runner.max_len * runner.spec.head_dim * 4
+    )
+
+
+def _check_transfer(runner: ModelRunner, length: int) -> None:
+    if not 1 <= length < runner.max_len:
+        raise RunnerError(f"a KV transfer holds 1..{runner.max_len - 1} positions, not {length}")
+    if runner.runtime.dtype == "bfloat16":
+        raise RunnerError("KV transfer of a bfloat16 cache is not supported (NumPy has no bfloat16)")
+
+
+def _transfer_pieces(
+    runner: ModelRunner, table: np.ndarray, length: int
+) -> list[tuple[np.ndarray, int, int]]:
+    """Positions 0..length-1 of the sequence with `table` as the KV graphs move them: pieces of
+    at most the largest prefill bucket, each starting on a block boundary, given as (the table
+    from the piece's first block on, its positions, its bucket)."""
+    block_size, largest = runner.graphs.inputs.block_size, runner.runtime.prefill_buckets[-1]
+    step = largest // block_size * block_size or largest
+    if step < length and step % block_size:
+        raise RunnerError(
+            f"a KV transfer of {length} positions needs the largest prefill bucket ({largest}) "
+            f"to hold a whole block ({block_size} positions)"
+        )
+    pieces = []
+    for start in range(0, length, step):
+        n = min(step, length - start)
+        first = start // block_size  # the table from this block on, scratch blocks after
+        sub_table = np.concatenate([table[first:], runner.graphs.inputs.scratch_table[:first]])
+        pieces.append((sub_table, n, bucket(runner.runtime.prefill_buckets, n)))
+    return pieces

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.graph_interface import scratch_blocks
-from agent.memory_budget import available_mb
+from agent.graphs.interface import scratch_blocks
+from agent.launcher.memory_budget import available_mb
 from agent.model.checkpoint import Checkpoint
 from agent.model.formats import gguf_file
 from agent.model.spec import ModelSpec

@@ -1,8 +1,8 @@
 """One agent process: load, warm up, bind a ROUTER socket, report ready, serve until told to stop.
 
-Started by the launcher (agent/launcher.py) through multiprocessing's spawn context. Stops on SIGTERM
-or SIGINT (after the step in flight: the handler only sets a flag), on a `shutdown` request, or by
-itself when its parent dies (PR_SET_PDEATHSIG, and a parent-pid check for non-Linux or races).
+Started by the launcher (agent/launcher/model_agents.py) through multiprocessing's spawn context.
+Stops on SIGTERM or SIGINT (after the step in flight: the handler only sets a flag), on a `shutdown`
+request, or by itself when its parent dies (PR_SET_PDEATHSIG, and a parent-pid check for non-Linux or races).
 """
 
 from __future__ import annotations

@@ -2,20 +2,17 @@
 
     runner = ModelRunner.from_checkpoint(checkpoint, runtime)  # weights and KV cache on the device
     runner = ModelRunner.from_mindir(files, runtime)  # or runs graphs exported by tools.export
-    runner = ModelRunner(graphs, runtime)       # or over any graph set (agent/graph_interface.py)
-    runner.warm_up(progress, known=answer)      # compiles every bucket, checks each against answer
+    runner = ModelRunner(graphs, runtime)       # or over any graph set (agent/graphs/interface.py)
     first = runner.prefill(slot, prompt_ids, sampling, table)          # the whole prompt
     runner.prefill(slot, ids[:end], sampling, table, start, sample=False)  # or a chunk of it
     nexts = runner.decode([slot, ...], [table, ...])  # one token for each slot, in order
     nexts, firsts = runner.step([slot, ...], [table, ...], [StepChunk(...), ...])  # both, one call
     runner.release(slot)
 
-PD disaggregation moves a prefilled slot to another agent's runner:
-    blocks, state = runner.export_kv(slot)      # prefill agent: K/V [2 * layers, KV, n, hd] + state
-    other.import_kv(slot2, blocks, state, table)  # decode agent: written into its cache in the graph
+PD disaggregation moves a prefilled slot to another agent's runner (agent/kv_transfer.py).
 
 A slot is a seat: the runner keeps its length, its table, its sampler and its sampled-but-not-yet-
-written token. The KV cache is a pool of blocks (agent/graph_interface.py) that the server hands out:
+written token. The KV cache is a pool of blocks (agent/graphs/interface.py) that the server hands out:
 every call names the blocks of each sequence (its block table), and a table may grow between calls.
 Without a table, a slot uses its fixed one (GraphInputs.slot_table: tools and tests). Shapes are
 padded to the configured buckets: padded decode rows and padded prefill positions write to the
@@ -25,9 +22,8 @@ scratch blocks, which are not part of the pool the server hands out (`num_blocks
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -36,25 +32,17 @@ import numpy as np
 from mindspore import Tensor
 
 from agent.contract.sampling import NO_TOKEN, SamplingParams, SequenceFault, TokenLogprob
-from agent.graph_interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket, mixed_rows
-from agent.kernels import INT8_ABOVE_ROWS
-from agent.known_answer import (
-    KnownAnswer,
-    KnownAnswerError,
-    check_post_process,
-    compare,
-    probe_length,
-    probe_tokens,
-)
-from agent.llama_graphs import LlamaGraphs, TensorSplit
-from agent.mindir import MindIRGraphs
+from agent.contract.step import StepChunk
+from agent.graphs.decoder import WHOLE_MODEL, TensorSplit
+from agent.graphs.interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket, mixed_rows
+from agent.graphs.mindir import MindIRGraphs
+from agent.graphs.step_graphs import LlamaGraphs
 from agent.model.checkpoint import Checkpoint
 from agent.sampling import SamplingFault, SlotSampler
 from config.schema import ModelSection, RuntimeSection
 
 log = logging.getLogger(__name__)
 
-WHOLE_MODEL = TensorSplit()  # no tensor parallelism: this process runs the whole model
 # A sequence's blocks, position p in block table[p // block_size].
 BlockTable = Sequence[int] | np.ndarray
 
@@ -69,20 +57,6 @@ class SlotState:
     table: np.ndarray  # its block table [MB], as of the last call
     next_token: int | None = None  # sampled, to be written by the next decode step
     sampler: SlotSampler | None = None  # none until the prompt's last chunk samples
-
-
-@dataclass
-class StepChunk:
-    """A prompt chunk of a mixed step: positions start..len(tokens)-1 of the slot's sequence
-    (`tokens`: its ids from position 0); `sample`: the prompt's last chunk, whose first token is
-    sampled with `params`."""
-
-    slot: int
-    tokens: Sequence[int]
-    table: BlockTable
-    start: int
-    sample: bool
-    params: SamplingParams
 
 
 def configure_mindspore(
@@ -102,7 +76,7 @@ def configure_mindspore(
 
 class ModelRunner:
     def __init__(self, graphs: ModelGraphs, runtime: RuntimeSection):
-        """A runner over a graph set built for `runtime` (agent.mindir.GraphExporter: every warm-up
+        """A runner over a graph set built for `runtime` (agent.graphs.mindir.GraphExporter: every warm-up
         call exports its graph)."""
         self.graphs = graphs
         self.spec = graphs.spec
@@ -110,7 +84,6 @@ class ModelRunner:
         self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
         self.topk_buckets = graphs.topk_buckets
         self.slots: dict[int, SlotState] = {}
-        self._kv, self._hd = graphs.inputs.kv_heads, self.spec.head_dim
 
     @classmethod
     def from_checkpoint(
@@ -132,7 +105,7 @@ class ModelRunner:
         return [s for s in range(self.num_slots) if s not in self.slots]
 
     def slot_length(self, slot: int) -> int:
-        return self._active(slot).length
+        return self.active(slot).length
 
     @property
     def num_blocks(self) -> int:
@@ -163,128 +136,8 @@ class ModelRunner:
         return self.max_len - 1 if self.chunked_prefill else min(self.max_len - 1, self.max_chunk)
 
     def release(self, slot: int) -> None:
-        self._check_slot(slot)
+        self.check_slot(slot)
         self.slots.pop(slot, None)
-
-    # --------------------------------------------------------------------------------- warm-up
-
-    def graph_shapes(self, role: str = "mixed") -> list[tuple[str, int, int]]:
-        """(kind, rows, length) of every graph an agent of `role` runs, in warm-up order: what
-        writes the probe's K/V into the scratch slot (prefill, KV import) before what reads it."""
-        rt = self.runtime
-        shapes = [] if role == "decode" else [("prefill", 1, s) for s in rt.prefill_buckets]
-        if role == "decode":
-            shapes += [("kv_import", 1, s) for s in rt.prefill_buckets]
-        if role != "prefill":
-            attends = self.graphs.inputs.decode_attends
-            shapes += [("decode", b, a) for b in rt.decode_batch_buckets for a in attends]
-        if role == "mixed" and self.mixed_rows:
-            shapes += [("mixed", b, self.mixed_rows) for b in rt.decode_batch_buckets]
-        shapes += [("argmax", 0, 0)] + [("topk", 0, k) for k in self.topk_buckets]
-        if role == "prefill":
-            shapes += [("kv_export", 1, s) for s in rt.prefill_buckets]
-        return shapes
-
-    def warm_up(
-        self,
-        progress: Callable[[str], None] = log.info,
-        role: str = "mixed",
-        known: KnownAnswer | None = None,
-    ) -> float:
-        """Compile (or load from the compile cache) and run every graph once, on the scratch slot,
-        with the known-answer probe as input; with `known`, each output is checked against it
-        (agent/known_answer.py) and a graph that disagrees raises KnownAnswerError."""
-        start = time.perf_counter()
-        shapes = self.graph_shapes(role)
-        zeros = np.zeros(self.spec.vocab_size, np.float32)
-        probe = known or KnownAnswer(
-            probe_tokens(self.spec.vocab_size, probe_length(self.runtime)), zeros, zeros
-        )
-        for i, (kind, rows, length) in enumerate(shapes, 1):
-            t0 = time.perf_counter()
-            label = {
-                "prefill": f"prefill length {length}",
-                "decode": f"decode batch {rows}" + (f" attend {length}" if length else ""),
-                "mixed": f"mixed step of {rows} sequences in {length} rows",
-                "argmax": "argmax",
-                "topk": f"top-k {length}",
-                "kv_export": f"KV export {length}",
-                "kv_import": f"KV import {length}",
-            }[kind]
-            try:
-                self._run_probe(kind, rows, length, probe, label if known is not None else None)
-            except RuntimeError as exc:
-                if known is None:
-                    raise
-                # a kernel refuses inputs of other shapes or formats than the graph was built for
-                raise KnownAnswerError(f"the {label} graph failed on the probe ({exc})") from exc
-            progress(f"graph {i}/{len(shapes)} {label}: {time.perf_counter() - t0:.1f}s")
-        elapsed = time.perf_counter() - start
-        progress(
-            f"warm-up done: {len(shapes)} graphs in {elapsed:.1f}s"
-            + (", each agreeing with the numpy forward of the weights" if known is not None else "")
-        )
-        return elapsed
-
-    def _run_probe(self, kind: str, rows: int, length: int, probe: KnownAnswer, check: str | None) -> None:
-        """One graph on the probe (the prompt at positions 0..n-1 of the scratch slot, the decode token
-        at n); `check`: the graph's label, to compare its output with `probe`."""
-        scratch, n, dtype = self.graphs.inputs.scratch_table, len(probe.prompt), self.runtime.dtype
-        expected = np.stack([probe.prefill_logits, probe.decode_logits])
-
-        def arithmetic(live_rows: int) -> str:  # the tolerance a call of `live_rows` rows is held to
-            int8 = self.runtime.activations == "int8" and live_rows > INT8_ABOVE_ROWS
-            return "int8" if int8 else dtype
-
-        if kind == "prefill":
-            got = self.graphs.prefill(scratch, probe.prompt, length).asnumpy()[0]
-            if check:
-                compare(check, got, probe.prefill_logits, dtype)
-        elif kind == "decode":
-            logits, greedy = self.graphs.decode(
-                np.tile(scratch, (rows, 1)), np.full(rows, probe.decode_token), np.full(rows, n), rows, length
-            )
-            if check:
-                got, held_to = logits.asnumpy(), arithmetic(rows)
-                for row in got:
-                    compare(check, row, probe.decode_logits, held_to)
-                # int8 products may reorder near-equal logits: the graph's argmax is of its own
-                chosen_from = got if held_to == "int8" else np.tile(probe.decode_logits, (rows, 1))
-                check_post_process(check, chosen_from, greedy.asnumpy())
-        elif kind == "mixed":  # the probe's prompt as a chunk and rows - 1 decode rows after it
-            assert isinstance(self.graphs, MixedStepGraphs)
-            decodes = rows - 1
-            logits, greedy = self.graphs.mixed(
-                np.tile(scratch, (decodes, 1)),
-                np.full(decodes, probe.decode_token),
-                np.full(decodes, n),
-                [(scratch, np.asarray(probe.prompt), 0, True)],
-                length,
-                rows,
-            )
-            if check:
-                got, held_to = logits.asnumpy(), arithmetic(decodes + n)
-                compare(check, got[decodes], probe.prefill_logits, held_to)
-                for row in got[:decodes]:
-                    compare(check, row, probe.decode_logits, held_to)
-                check_post_process(check, got, greedy.asnumpy())
-        elif kind == "kv_export":
-            blocks = self._kv_graphs().kv_export(scratch, length)
-            if check and probe.kv is not None:
-                compare(check, blocks[:, :, :n], probe.kv, dtype)
-        elif kind == "kv_import":
-            blocks = np.zeros((2 * self.spec.num_layers, self._kv, length, self._hd), self._cache_dtype())
-            if probe.kv is not None:  # the decode graphs then read it: a wrong import fails their check
-                blocks[:, :, :n] = probe.kv
-            self._kv_graphs().kv_import(scratch, blocks)
-        elif kind == "argmax":
-            ids = self.graphs.argmax(Tensor(expected)).asnumpy()
-            if check:
-                check_post_process(check, expected, ids)
-        else:
-            values, ids = (t.asnumpy() for t in self.graphs.topk(length, Tensor(expected)))
-            if check:
-                check_post_process(check, expected, ids, values)
 
     # -------------------------------------------------------------------------------- requests
 
@@ -342,7 +195,7 @@ class ModelRunner:
         self, slot: int, tokens: Sequence[int], table: BlockTable | None, start: int, sample: bool
     ) -> tuple[np.ndarray, np.ndarray]:
         """A chunk's checks (nothing changes): its token ids and its table padded to MB blocks."""
-        self._check_slot(slot)
+        self.check_slot(slot)
         ids = self._check_tokens(tokens)
         end = len(ids)
         if end > self.max_prompt_len and (sample or not self.chunked_prefill):
@@ -361,7 +214,7 @@ class ModelRunner:
                 f"a prefill computes positions start..{end - 1} after the "
                 f"{0 if state is None else state.length} the slot holds, not from {start}"
             )
-        return ids, self._padded_table(slot, table, end)
+        return ids, self.padded_table(slot, table, end)
 
     def decode(
         self,
@@ -397,7 +250,7 @@ class ModelRunner:
             raise RunnerError(f"decode slots repeat: {list(slots)}")
         if tables is not None and len(tables) != len(slots):
             raise RunnerError(f"decode of {len(slots)} slots got {len(tables)} block tables")
-        states = [self._active(s) for s in slots]
+        states = [self.active(s) for s in slots]
         for slot, state in zip(slots, states):
             if state.length >= self.max_len:
                 raise RunnerError(f"slot {slot} is full ({self.max_len} positions)")
@@ -409,9 +262,7 @@ class ModelRunner:
                 )
         if tables is None:
             return states, [s.table for s in states]
-        return states, [
-            self._padded_table(slot, t, s.length + 1) for slot, s, t in zip(slots, states, tables)
-        ]
+        return states, [self.padded_table(slot, t, s.length + 1) for slot, s, t in zip(slots, states, tables)]
 
     @staticmethod
     def _decoded(states: list[SlotState], tables: list[np.ndarray], tokens: list[int]) -> None:
@@ -449,8 +300,9 @@ class ModelRunner:
                 f"a mixed step of {rows} rows and {seqs} sequences exceeds {self.mixed_rows} rows "
                 f"or {self.runtime.decode_batch_buckets[-1]} sequences"
             )
-        sampling = [i for i, c in enumerate(chunks) if c.sample]  # their last rows' logits follow decode's
-        new = {i: self._sampler(chunks[i].params, chunks[i].tokens) for i in sampling}
+        # the sampling chunks' last rows' logits follow decode's
+        new = {i: self._sampler(c.sampling, c.tokens) for i, c in enumerate(chunks) if c.sampling is not None}
+        sampling = list(new)
         if masks:
             self._constrain(masks, {**dict(zip(slots, states)), **{chunks[i].slot: new[i] for i in sampling}})
         assert isinstance(self.graphs, MixedStepGraphs)  # mixed_rows says so
@@ -458,7 +310,7 @@ class ModelRunner:
             np.stack(padded) if padded else np.zeros((0, 0), np.int32),
             np.array([s.next_token for s in states], np.int64),
             np.array([s.length for s in states], np.int64),
-            [(table, ids[c.start :], c.start, c.sample) for c, (ids, table) in zip(chunks, checked)],
+            [replace(c, tokens=ids.tolist(), table=table) for c, (ids, table) in zip(chunks, checked)],
             self.mixed_rows,
             bucket(self.runtime.decode_batch_buckets, len(slots) + len(sampling)),
         )
@@ -474,124 +326,34 @@ class ModelRunner:
                 state.sampler, state.next_token = new[i], firsts[i]
         return tokens[: len(slots)], firsts
 
-    def export_kv(self, slot: int) -> tuple[np.ndarray, dict]:
-        """A just-prefilled slot's K/V [2 * layers, KV heads, length, head_dim] (K then V of each
-        layer) and the state that goes with it (length, pending token, sampler)."""
-        state = self._active(slot)
-        if state.sampler is None or state.next_token is None:
-            raise RunnerError(f"slot {slot} has not finished its prompt")
-        self._check_transfer(state.length)
-        pieces = [
-            self._kv_graphs().kv_export(sub_table, size)[:, :, :n]
-            for sub_table, n, size in self._transfer_pieces(state.table, state.length)
-        ]
-        return (
-            np.ascontiguousarray(np.concatenate(pieces, axis=2)),
-            {"length": state.length, "next_token": state.next_token, "sampler": state.sampler.state()},
-        )
-
-    def import_kv(self, slot: int, blocks: np.ndarray, state: dict, table: BlockTable | None = None) -> None:
-        """Another agent's export_kv into a free slot and the blocks of `table`, which then
-        decodes as if prefilled here."""
-        self._check_slot(slot)
-        if slot in self.slots:
-            raise RunnerError(f"slot {slot} is in use; release it first")
-        length, next_token = state.get("length"), state.get("next_token")
-        if type(length) is not int or type(next_token) is not int:  # not a bool, nor a float
-            raise RunnerError("the KV state needs integer length and next_token")
-        self._check_transfer(length)
-        shape = (2 * self.spec.num_layers, self._kv, length, self._hd)
-        if blocks.shape != shape or blocks.dtype != self._cache_dtype():
-            raise RunnerError(
-                f"KV blocks of {blocks.dtype}{list(blocks.shape)} do not fit this "
-                f"model's cache ({np.dtype(self._cache_dtype()).name}{list(shape)})"
-            )
-        if not 0 <= next_token < self.spec.vocab_size:
-            raise RunnerError(f"next_token {next_token} is outside the vocabulary")
-        sampler_state = state.get("sampler")
-        if not isinstance(sampler_state, dict):
-            raise RunnerError("the KV state needs a sampler map")
-        try:
-            sampler = SlotSampler.from_state(sampler_state, self.spec.vocab_size, self.spec.eos_ids)
-        except ValueError as exc:
-            raise RunnerError(f"the KV state's sampler is refused: {exc}") from exc
-        padded_table = self._padded_table(slot, table, length + 1)
-        done = 0
-        for sub_table, n, size in self._transfer_pieces(padded_table, length):
-            padded = np.zeros((*shape[:2], size, self._hd), blocks.dtype)
-            padded[:, :, :n] = blocks[:, :, done : done + n]
-            self._kv_graphs().kv_import(sub_table, padded)
-            done += n
-        self.slots[slot] = SlotState(length, padded_table, next_token, sampler)
-
-    def largest_kv_transfer_bytes(self) -> int:
-        """The K/V frame of the longest transfer (a whole sequence, float32 at most)."""
-        return 2 * self.spec.num_layers * self._kv * self.max_len * self._hd * 4
-
     # -------------------------------------------------------------------------------- internals
 
-    def _check_transfer(self, length: int) -> None:
-        if not 1 <= length < self.max_len:
-            raise RunnerError(f"a KV transfer holds 1..{self.max_len - 1} positions, not {length}")
-        if self.runtime.dtype == "bfloat16":
-            raise RunnerError("KV transfer of a bfloat16 cache is not supported (NumPy has no bfloat16)")
-
-    def _transfer_pieces(self, table: np.ndarray, length: int) -> list[tuple[np.ndarray, int, int]]:
-        """Positions 0..length-1 of the sequence with `table` as the KV graphs move them: pieces of
-        at most the largest prefill bucket, each starting on a block boundary, given as (the table
-        from the piece's first block on, its positions, its bucket)."""
-        block_size, largest = self.graphs.inputs.block_size, self.runtime.prefill_buckets[-1]
-        step = largest // block_size * block_size or largest
-        if step < length and step % block_size:
-            raise RunnerError(
-                f"a KV transfer of {length} positions needs the largest prefill bucket ({largest}) "
-                f"to hold a whole block ({block_size} positions)"
+    def padded_table(self, slot: int, table: BlockTable | None, positions: int) -> np.ndarray:
+        """The server's `table` for `positions` (GraphInputs.table checks and pads it); none: the
+        slot's fixed table."""
+        try:
+            return (
+                self.graphs.inputs.table(table, positions)
+                if table is not None
+                else self.graphs.inputs.slot_table(int(slot))
             )
-        pieces = []
-        for start in range(0, length, step):
-            n = min(step, length - start)
-            first = start // block_size  # the table from this block on, scratch blocks after
-            sub_table = np.concatenate([table[first:], self.graphs.inputs.scratch_table[:first]])
-            pieces.append((sub_table, n, bucket(self.runtime.prefill_buckets, n)))
-        return pieces
+        except ValueError as exc:
+            raise RunnerError(str(exc)) from exc
 
-    def _padded_table(self, slot: int, table: BlockTable | None, positions: int) -> np.ndarray:
-        """`table` (the server's, as long as the sequence needs) checked and padded to MB blocks
-        with scratch blocks; none: the slot's fixed table. It must cover `positions`."""
-        inputs = self.graphs.inputs
-        if table is None:
-            return inputs.slot_table(int(slot))
-        given = np.asarray(table)
-        if given.ndim != 1 or len(given) > inputs.blocks_per_seq or given.dtype.kind not in "iu":
-            raise RunnerError(
-                f"a block table lists at most {inputs.blocks_per_seq} integer blocks, "
-                f"got {given.dtype}{list(given.shape)}"
-            )
-        if len(given) * inputs.block_size < positions:
-            raise RunnerError(
-                f"a block table of {len(given)} blocks of {inputs.block_size} does not cover "
-                f"{positions} positions"
-            )
-        if given.size and (given.min() < 0 or given.max() >= self.num_blocks):
-            raise RunnerError(f"block table entries lie in 0..{self.num_blocks - 1}")
-        padded = inputs.scratch_table.copy()
-        padded[: len(given)] = given
-        return padded
-
-    def _kv_graphs(self) -> KVTransferGraphs:
+    def kv_graphs(self) -> KVTransferGraphs:
         if not isinstance(self.graphs, KVTransferGraphs):
             raise RunnerError("these graphs do not transfer KV (MindIR exports hold no KV transfer graphs)")
         return self.graphs
 
-    def _cache_dtype(self):
+    def cache_dtype(self):
         return np.float16 if self.runtime.dtype == "float16" else np.float32
 
-    def _check_slot(self, slot: int) -> None:
+    def check_slot(self, slot: int) -> None:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
             raise RunnerError(f"slot {slot!r} is out of range 0..{self.num_slots - 1}")
 
-    def _active(self, slot: int) -> SlotState:
-        self._check_slot(slot)
+    def active(self, slot: int) -> SlotState:
+        self.check_slot(slot)
         state = self.slots.get(slot)
         if state is None:
             raise RunnerError(f"slot {slot} holds no sequence")
@@ -630,13 +392,13 @@ class ModelRunner:
 
     def logprobs(self, slot: int) -> TokenLogprob | None:
         """The logprobs of the slot's last sampled token, if its request asked for them."""
-        state = self._active(slot)
+        state = self.active(slot)
         return state.sampler.last if state.sampler is not None else None
 
     def fault(self, slot: int) -> SequenceFault | None:
         """Why the slot's last choice failed (its token is NO_TOKEN), if it did: that sequence's
         error; the slot decodes no more."""
-        state = self._active(slot)
+        state = self.active(slot)
         return state.sampler.fault if state.sampler is not None else None
 
     def _check_tokens(self, prompt: Sequence[int]) -> np.ndarray:

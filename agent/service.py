@@ -15,9 +15,9 @@ import numpy as np
 from pydantic import ValidationError
 
 from agent.contract import protocol
-from agent.contract.sampling import SamplingParams
-from agent.kv_transfer import KVSender, TransferError
-from agent.runner import ModelRunner, RunnerError, StepChunk
+from agent.contract.step import StepChunk
+from agent.kv_transfer import KVSender, TransferError, export_kv, import_kv, largest_kv_transfer_bytes
+from agent.runner import ModelRunner, RunnerError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def largest_frame_bytes(runner: ModelRunner, role: str) -> int:
     """The largest frame a peer may legally send this agent: its ZeroMQ MAXMSGSIZE, so a larger one
     is dropped (with its connection) before it is held in memory. Only a decode agent takes K/V."""
     tokens = 16 * runner.max_len + HEADER_AND_TOKENS_BYTES
-    kv = runner.largest_kv_transfer_bytes() if role == "decode" else 0
+    kv = largest_kv_transfer_bytes(runner) if role == "decode" else 0
     return min(protocol.MAX_FRAME_BYTES, max(tokens, kv))
 
 
@@ -159,11 +159,8 @@ class AgentService:
     def _op_prefill(self, header: dict, arrays: list) -> tuple[dict, list]:
         arrays, masks = _token_masks(header, arrays)
         tokens, table = _int_arrays(arrays, "prefill", ("token ids", "block table"))
-        sampling = SamplingParams.model_validate(header.get("sampling") or {})
-        slot, start = _int_field(header, "slot"), _int_field(header, "start")
-        sample = header.get("sample")
-        if not isinstance(sample, bool):
-            raise ValueError(f"field 'sample' must be true or false, got {sample!r}")
+        chunk = StepChunk.from_wire(header, tokens, table)  # a prefill is one chunk, alone
+        slot, sample = chunk.slot, chunk.sample
         transfer = header.get("transfer")
         if transfer is not None:
             if self.sender is None:
@@ -174,10 +171,10 @@ class AgentService:
                 raise ValueError("a prefill that sends its KV computes the whole prompt (sample: true)")
         if set(masks) - {slot} or (masks and not sample):
             raise ValueError(f"a prefill's token mask is for its own slot ({slot}), when it samples")
-        if not sample:
-            self.runner.prefill_chunk(slot, tokens.tolist(), table, start)
+        if chunk.sampling is None:
+            self.runner.prefill_chunk(slot, chunk.tokens, table, chunk.start)
             return {"token": None}, []
-        token = self.runner.prefill(slot, tokens.tolist(), sampling, table, start, masks.get(slot))
+        token = self.runner.prefill(slot, chunk.tokens, chunk.sampling, table, chunk.start, masks.get(slot))
         reply = {"token": token, **self._per_slot([slot])}
         if transfer is None or self.sender is None:  # with a transfer there is a sender (checked above)
             return reply, []
@@ -185,7 +182,7 @@ class AgentService:
             self.runner.release(slot)
             return reply, []
         try:  # the slot is free again whatever happens to the transfer
-            blocks, state = self.runner.export_kv(slot)
+            blocks, state = export_kv(self.runner, slot)
         finally:
             self.runner.release(slot)
         address, decode_table = transfer.get("address"), transfer.get("table")
@@ -219,7 +216,7 @@ class AgentService:
         blocks, table = arrays
         if table.ndim != 1 or table.dtype.kind != "i":
             raise ValueError("kv_receive's second array is the block table: 1-D integers")
-        self.runner.import_kv(_int_field(header, "slot"), blocks, header["state"], table)
+        import_kv(self.runner, _int_field(header, "slot"), blocks, header["state"], table)
         return {}, []
 
     def _op_decode(self, header: dict, arrays: list) -> tuple[dict, list]:
@@ -230,9 +227,7 @@ class AgentService:
         tables = arrays[1]
         if len(tables) != len(slots):
             raise ValueError(f"decode of {len(slots)} slots got {len(tables)} block tables")
-        # The server pads tables with zeros to the longest; each slot needs its length's blocks.
-        tables = [self._used_blocks(s, t) for s, t in zip(slots, tables)]
-        tokens = self.runner.decode(slots.tolist(), tables, masks)
+        tokens = self.runner.decode(slots.tolist(), list(tables), masks)
         return self._per_slot(slots.tolist()), [np.asarray(tokens, dtype=np.int32)]
 
     def _op_step(self, header: dict, arrays: list) -> tuple[dict, list]:
@@ -250,21 +245,9 @@ class AgentService:
             raise ValueError(f"step decodes {len(slots)} slots with {len(arrays[1])} block tables")
         chunks = []
         for i, spec in enumerate(specs):
-            if not isinstance(spec, dict) or not isinstance(spec.get("sample"), bool):
-                raise ValueError(f"chunk {i} must be a map with slot, start, sample (true or false)")
             tokens, table = _int_arrays(arrays[2 + 2 * i : 4 + 2 * i], "step", ("token ids", "block table"))
-            chunks.append(
-                StepChunk(
-                    _int_field(spec, "slot"),
-                    tokens.tolist(),
-                    table,
-                    _int_field(spec, "start"),
-                    spec["sample"],
-                    SamplingParams.model_validate(spec.get("sampling") or {}),
-                )
-            )
-        tables = [self._used_blocks(s, t) for s, t in zip(slots.tolist(), arrays[1])]
-        decoded, firsts = self.runner.step(slots.tolist(), tables, chunks, masks)
+            chunks.append(StepChunk.from_wire(spec, tokens, table))
+        decoded, firsts = self.runner.step(slots.tolist(), list(arrays[1]), chunks, masks)
         sampled = [c.slot if t is not None else None for c, t in zip(chunks, firsts)]
         reply = {
             "chunk_tokens": firsts,
@@ -284,11 +267,6 @@ class AgentService:
             if any(e is not None for e in entries):
                 fields[prefix + field] = [None if e is None else e.to_wire() for e in entries]
         return fields
-
-    def _used_blocks(self, slot: int, table: np.ndarray) -> np.ndarray:
-        """The blocks of `table` a decode step of `slot` reads: those of its positions so far and next."""
-        length = self.runner.slot_length(int(slot))
-        return table[: length // self.runner.runtime.block_size + 1]
 
     def _op_release(self, header: dict, arrays: list) -> tuple[dict, list]:
         if "ticket" in header:

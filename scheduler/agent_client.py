@@ -17,7 +17,7 @@ import itertools
 import random
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
@@ -25,7 +25,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from agent.contract import protocol
-from agent.contract.sampling import NO_TOKEN, Sampled, SamplingParams, SequenceFault, TokenLogprob
+from agent.contract.sampling import NO_TOKEN, Sampled, SequenceFault, TokenLogprob
+from agent.contract.step import StepChunk
 from agent.contract.transport import ClientKeys, secure_client_socket
 
 HEARTBEAT_IVL_MS = 1000
@@ -71,17 +72,6 @@ def block_tables(tables: Sequence[Sequence[int]]) -> np.ndarray:
 TokenMasks = Mapping[int, np.ndarray]  # slot -> the tokens its next token may be (int32 bit words)
 
 
-class StepChunk(NamedTuple):
-    """A prompt chunk of a mixed step: positions start..len(tokens)-1 into the blocks of `table`."""
-
-    slot: int
-    tokens: Sequence[int]
-    table: Sequence[int]
-    start: int
-    sample: bool
-    sampling: SamplingParams
-
-
 class ModelClient(Protocol):
     """What the engine calls on a group's client, whichever it is: an AgentClient (one agent) or a
     GroupClient (a tensor-parallel group). Only an AgentClient has `prefill_and_send`: a prefill
@@ -107,16 +97,7 @@ class ModelClient(Protocol):
 
     async def reset(self, timeout_s: float | None = None) -> None: ...
 
-    async def prefill(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        table: Sequence[int],
-        start: int,
-        sample: bool,
-        sampling: SamplingParams,
-        mask: np.ndarray | None = None,
-    ) -> Sampled | None: ...
+    async def prefill(self, chunk: StepChunk, mask: np.ndarray | None = None) -> Sampled | None: ...
 
     async def decode(
         self, slots: Sequence[int], tables: Sequence[Sequence[int]], masks: TokenMasks | None = None
@@ -296,66 +277,29 @@ class AgentClient:
         """Open this client's session on the agent: every slot is released."""
         await self.call("reset", timeout_s=timeout_s, session=self.session, epoch=self.epoch)
 
-    async def prefill(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        table: Sequence[int],
-        start: int,
-        sample: bool,
-        sampling: SamplingParams,
-        mask: np.ndarray | None = None,
-    ) -> Sampled | None:
-        """Positions start..len(tokens)-1 computed into the blocks of `table`; `sample`: the
-        prompt's last chunk, whose first token is returned (and the slot seated); `mask`: the
-        tokens it may be (structured output)."""
-        masks = None if mask is None else {slot: mask}
-        header = await self._prefill(slot, tokens, table, start, sample, sampling, masks)
-        return self._sampled([header.get("token")], header, "")[0] if sample else None
+    async def prefill(self, chunk: StepChunk, mask: np.ndarray | None = None) -> Sampled | None:
+        """The chunk alone: its positions computed into its table's blocks; the prompt's last
+        chunk (it has sampling) returns the first token (and seats the slot); `mask`: the tokens
+        it may be (structured output)."""
+        header = await self._prefill(chunk, mask)
+        return self._sampled([header.get("token")], header, "")[0] if chunk.sample else None
 
     async def prefill_and_send(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        table: Sequence[int],
-        start: int,
-        sampling: SamplingParams,
-        transfer: dict,
-        mask: np.ndarray | None = None,
+        self, chunk: StepChunk, transfer: dict, mask: np.ndarray | None = None
     ) -> tuple[Sampled, int, float]:
-        """A prefill agent's whole prompt whose KV goes to a decode agent's slot (`transfer`:
-        address, slot, session, ticket, table) -> (first token, K/V bytes sent, transfer ms)."""
-        masks = None if mask is None else {slot: mask}
-        header = await self._prefill(slot, tokens, table, start, True, sampling, masks, transfer=transfer)
+        """A prefill agent's whole prompt (the chunk samples) whose KV goes to a decode agent's
+        slot (`transfer`: address, slot, session, ticket, table) -> (first token, K/V bytes sent,
+        transfer ms)."""
+        header = await self._prefill(chunk, mask, transfer=transfer)
         first = self._sampled([header.get("token")], header, "")[0]
         if first.fault is not None:  # the sequence ended at its first token: nothing was sent
             return first, 0, 0.0
         return first, int(header["kv_bytes"]), float(header["transfer_ms"])
 
-    async def _prefill(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        table: Sequence[int],
-        start: int,
-        sample: bool,
-        sampling: SamplingParams,
-        masks: TokenMasks | None,
-        **fields,
-    ) -> dict:
-        arrays, fields = _with_masks(
-            [np.asarray(tokens, np.int32), np.asarray(table, np.int32)], masks, fields
-        )
-        header, _ = await self.call(
-            "prefill",
-            arrays,
-            slot=slot,
-            start=start,
-            sample=sample,
-            sampling=sampling.model_dump(),
-            session=self.session,
-            **fields,
-        )
+    async def _prefill(self, chunk: StepChunk, mask: np.ndarray | None, **fields) -> dict:
+        masks = None if mask is None else {chunk.slot: mask}
+        arrays, fields = _with_masks(_chunk_arrays(chunk), masks, fields)
+        header, _ = await self.call("prefill", arrays, **chunk.to_wire(), session=self.session, **fields)
         return header
 
     async def decode(
@@ -377,17 +321,10 @@ class AgentClient:
         the decode tokens and each chunk's first token (None unless it samples)."""
         arrays = [np.asarray(slots, np.int32), block_tables(tables)]
         for chunk in chunks:
-            arrays += [np.asarray(chunk.tokens, np.int32), np.asarray(chunk.table, np.int32)]
+            arrays += _chunk_arrays(chunk)
         arrays, fields = _with_masks(arrays, masks, {})
         header, out = await self.call(
-            "step",
-            arrays,
-            **fields,
-            chunks=[
-                {"slot": c.slot, "start": c.start, "sample": c.sample, "sampling": c.sampling.model_dump()}
-                for c in chunks
-            ],
-            session=self.session,
+            "step", arrays, **fields, chunks=[c.to_wire() for c in chunks], session=self.session
         )
         self.decode_compute_s = float(header.get("compute_ms", 0.0)) / 1000
         firsts = header.get("chunk_tokens")
@@ -506,17 +443,8 @@ class GroupClient:
     async def reset(self, timeout_s: float | None = None) -> None:
         await self._all("reset", timeout_s)
 
-    async def prefill(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        table: Sequence[int],
-        start: int,
-        sample: bool,
-        sampling: SamplingParams,
-        mask: np.ndarray | None = None,
-    ) -> Sampled | None:
-        return await self._agreed("prefill", slot, tokens, table, start, sample, sampling, mask)
+    async def prefill(self, chunk: StepChunk, mask: np.ndarray | None = None) -> Sampled | None:
+        return await self._agreed("prefill", chunk, mask)
 
     async def decode(
         self, slots: Sequence[int], tables: Sequence[Sequence[int]], masks: TokenMasks | None = None
@@ -537,6 +465,11 @@ class GroupClient:
 
     async def ping(self, timeout_s: float | None = None) -> None:
         await self._all("ping", timeout_s)
+
+
+def _chunk_arrays(chunk: StepChunk) -> list[np.ndarray]:
+    """A chunk's tokens (from position 0) and block table, as the wire carries them."""
+    return [np.asarray(chunk.tokens, np.int32), np.asarray(chunk.table, np.int32)]
 
 
 def _with_masks(arrays: list[np.ndarray], masks: TokenMasks | None, fields: dict) -> tuple[list, dict]:

@@ -30,8 +30,9 @@ from functools import partial
 import numpy as np
 
 from agent.contract.sampling import Sampled, SamplingParams
+from agent.contract.step import StepChunk
 from config.schema import ServingConfig
-from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, AgentTakenOver, StepChunk
+from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, AgentTakenOver
 from scheduler.batch_scheduler import (
     AdmissionError,
     BatchScheduler,
@@ -391,17 +392,7 @@ class Engine:
         it as a bad request (nothing ran: the caller runs the parts one by one)."""
         client, blocks = self.clients[group], self.scheduler.blocks[group]
         attending = attended(seqs)
-        parts = [
-            StepChunk(
-                c.seq.placement[1],
-                c.seq.tokens(c.end),
-                blocks.table(c.seq.request_id),
-                c.start,
-                c.sample,
-                c.seq.sampling,
-            )
-            for c in chunks
-        ]
+        parts = [self._step_chunk(c) for c in chunks]
         try:
             with self.metrics.agent_step.labels(client.address, "step").time():
                 tokens, firsts = await client.step(
@@ -438,18 +429,12 @@ class Engine:
 
     async def _prefill(self, chunk: Chunk) -> None:
         seq = chunk.seq
-        group, slot = seq.placement
+        group = seq.placement[0]
         client = self.clients[group]
-        table = self.scheduler.blocks[group].table(seq.request_id)
         try:
             with self.metrics.agent_step.labels(client.address, "prefill").time():
                 token = await client.prefill(
-                    slot,
-                    seq.tokens(chunk.end),
-                    table,
-                    chunk.start,
-                    chunk.sample,
-                    seq.sampling,
+                    self._step_chunk(chunk),
                     seq.constraint.mask() if chunk.sample and seq.constraint else None,
                 )
         except AgentRequestError as exc:  # this request was bad; the group is fine
@@ -479,16 +464,11 @@ class Engine:
             "table": self.scheduler.blocks[group].table(seq.request_id),
         }
         table = self.scheduler.blocks[prefill_group].table(seq.request_id)
+        whole = StepChunk(prefill_slot, seq.prompt, table, chunk.start, seq.sampling)
         try:
             with self.metrics.agent_step.labels(prefill.address, "prefill").time():
                 token, kv_bytes, transfer_ms = await prefill.prefill_and_send(
-                    prefill_slot,
-                    seq.prompt,
-                    table,
-                    chunk.start,
-                    seq.sampling,
-                    transfer,
-                    seq.constraint.mask() if seq.constraint else None,
+                    whole, transfer, seq.constraint.mask() if seq.constraint else None
                 )
         except AgentRequestError as exc:  # this request failed (its KV did not arrive); the group is fine
             log.warning("request %s failed on %s: %s", seq.request_id, prefill.address, exc)
@@ -516,6 +496,16 @@ class Engine:
             self.scheduler.transferred(seq, token)
             self.on_update(seq)
         self._wake.set()
+
+    def _step_chunk(self, chunk: Chunk) -> StepChunk:
+        """The planned chunk as the agents take it: the slot's tokens up to its end, its blocks,
+        and its sequence's sampling where it samples."""
+        seq = chunk.seq
+        group, slot = seq.placement
+        table = self.scheduler.blocks[group].table(seq.request_id)
+        return StepChunk(
+            slot, seq.tokens(chunk.end), table, chunk.start, seq.sampling if chunk.sample else None
+        )
 
     def _fail(self, seqs: list[Sequence], error: str) -> None:
         for seq in seqs:

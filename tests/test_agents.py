@@ -17,7 +17,7 @@ import zmq
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
 from agent.contract.transport import ClientKeys
-from agent.launcher import RestartBudget
+from agent.launcher.model_agents import RestartBudget
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import (
     AgentSocket,

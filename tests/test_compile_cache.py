@@ -22,6 +22,7 @@ from agent.known_answer import KnownAnswer, KnownAnswerError
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner
+from agent.warm_up import warm_up
 from agent_harness import LauncherProcess, free_ports, write_config
 from config.schema import PROJECT_ROOT, RuntimeSection
 from conftest import TINY_RUNTIME
@@ -134,7 +135,7 @@ def test_key_holds_what_changes_the_graphs(tmp_path, tiny_llama_dir):
 def test_warm_up_checks_every_graph_against_the_weights(tiny_llama_runner, tiny_llama_dir, role):
     known = KnownAnswer.of_checkpoint(load_checkpoint(tiny_llama_dir), TINY_RUNTIME)
     lines: list[str] = []
-    tiny_llama_runner.warm_up(lines.append, role, known)
+    warm_up(tiny_llama_runner, lines.append, role, known)
     assert "each agreeing with the numpy forward of the weights" in lines[-1]
 
 
@@ -143,14 +144,16 @@ def test_graphs_of_other_weights_fail_the_check(tmp_path, tiny_llama_runner):
     follow from the loaded weights."""
     other = load_checkpoint(write_tiny_checkpoint(tmp_path / "other", "llama", seed=7))
     with pytest.raises(KnownAnswerError, match="the prefill length 16 graph disagrees"):
-        tiny_llama_runner.warm_up(lambda _line: None, "mixed", KnownAnswer.of_checkpoint(other, TINY_RUNTIME))
+        warm_up(
+            tiny_llama_runner, lambda _line: None, "mixed", KnownAnswer.of_checkpoint(other, TINY_RUNTIME)
+        )
 
 
 def test_gather_and_op_by_op_paths_pass_the_check(tiny_qwen2_dir):
     checkpoint = load_checkpoint(tiny_qwen2_dir)
     runtime = TINY_RUNTIME.model_copy(update={"decode_attention": "gather", "matmul": "mindspore"})
     runner = ModelRunner.from_checkpoint(checkpoint, runtime)
-    runner.warm_up(lambda _line: None, "mixed", KnownAnswer.of_checkpoint(checkpoint, runtime))
+    warm_up(runner, lambda _line: None, "mixed", KnownAnswer.of_checkpoint(checkpoint, runtime))
 
 
 def test_agent_refuses_a_cache_entry_of_other_graphs(tmp_path, tiny_llama_dir):

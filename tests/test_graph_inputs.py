@@ -1,11 +1,11 @@
-"""Host-side graph inputs over block tables (agent/graph_interface.py GraphInputs): the cache rows
+"""Host-side graph inputs over block tables (agent/graphs/interface.py GraphInputs): the cache rows
 each path writes and reads, checked against the layout written out by hand, and the indices refused
 before any graph (whose kernels check nothing the host can) sees them."""
 
 import numpy as np
 import pytest
 
-from agent.graph_interface import GraphInputs, pool_blocks
+from agent.graphs.interface import GraphInputs, pool_blocks
 from config.schema import RuntimeSection
 
 pytestmark = pytest.mark.unit

@@ -12,11 +12,13 @@ import zmq
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
 from agent.contract.transport import ClientKeys, secure_client_socket
+from agent.kv_transfer import export_kv, import_kv
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner, RunnerError
 from agent.sampling import SlotSampler
 from agent.service import AgentService
+from agent.warm_up import warm_up
 from agent_harness import LauncherProcess, curve_keys, free_ports, slot_blocks, write_config
 from conftest import TINY_RUNTIME
 
@@ -27,7 +29,7 @@ SEEDED = SamplingParams(do_sample=True, top_k=20, temperature=0.9, repetition_pe
 def receiver(tiny_llama_dir) -> ModelRunner:
     """A second runner of the tiny model: another cache, like a decode agent's."""
     runner = ModelRunner.from_checkpoint(load_checkpoint(tiny_llama_dir), TINY_RUNTIME)
-    runner.warm_up(lambda _line: None, role="decode")
+    warm_up(runner, lambda _line: None, role="decode")
     return runner
 
 
@@ -47,7 +49,7 @@ def test_moved_slot_decodes_as_it_would_have_at_home(
     tok = load_tokenizer(tiny_llama_dir)
     prompt = tok.encode("The quick brown fox jumps over the lazy dog, twice")
     first = tiny_llama_runner.prefill(1, prompt, params)
-    blocks, state = tiny_llama_runner.export_kv(1)
+    blocks, state = export_kv(tiny_llama_runner, 1)
     spec = tiny_llama_runner.spec
     assert blocks.shape == (2 * spec.num_layers, spec.num_kv_heads, len(prompt), spec.head_dim)
     assert state["next_token"] == first
@@ -58,7 +60,7 @@ def test_moved_slot_decodes_as_it_would_have_at_home(
     other_alone = [receiver.prefill(0, other, SamplingParams())] + continue_decoding(receiver, 0, 12)
     receiver.release(0)
     receiver.prefill(0, other, SamplingParams())
-    receiver.import_kv(3, blocks, state)
+    import_kv(receiver, 3, blocks, state)
     together = [receiver.decode([0, 3]) for _ in range(12)]
     assert [step[1] for step in together] == at_home
     assert [step[0] for step in together] == other_alone[1:]
@@ -78,16 +80,16 @@ def test_import_refuses_busy_slot_wrong_shape_and_bad_state(tiny_llama_runner, r
     release_all(tiny_llama_runner)
     release_all(receiver)
     tiny_llama_runner.prefill(0, [3, 4, 5, 6], SamplingParams())
-    blocks, state = tiny_llama_runner.export_kv(0)
+    blocks, state = export_kv(tiny_llama_runner, 0)
     receiver.prefill(2, [1, 2], SamplingParams())
     with pytest.raises(RunnerError, match="slot 2 is in use"):
-        receiver.import_kv(2, blocks, state)
+        import_kv(receiver, 2, blocks, state)
     with pytest.raises(RunnerError, match="do not fit"):
-        receiver.import_kv(1, blocks[:, :, :3], state)
+        import_kv(receiver, 1, blocks[:, :, :3], state)
     with pytest.raises(RunnerError, match="outside the vocabulary"):
-        receiver.import_kv(1, blocks, {**state, "next_token": 10**6})
+        import_kv(receiver, 1, blocks, {**state, "next_token": 10**6})
     with pytest.raises(RunnerError, match="1..63 positions"):
-        receiver.import_kv(1, np.zeros((1, 1, 65, 1), np.float32), {**state, "length": 65})
+        import_kv(receiver, 1, np.zeros((1, 1, 65, 1), np.float32), {**state, "length": 65})
     assert 1 not in receiver.slots
 
 
@@ -106,7 +108,7 @@ def test_service_refuses_a_cancelled_or_stale_transfer(tiny_llama_runner, receiv
     service = AgentService(receiver, model_name="tiny", rank=0, port=0, role="decode")
     service.handle(protocol.encode({"op": "reset", "id": 0, "session": 7}))
     tiny_llama_runner.prefill(0, [3, 4, 5, 6], SamplingParams())
-    blocks, state = tiny_llama_runner.export_kv(0)
+    blocks, state = export_kv(tiny_llama_runner, 0)
 
     header, _ = protocol.decode(service.handle(receive_frames(6, 1, 100, blocks, state)))
     assert not header["ok"] and header["kind"] == "stale_session"

@@ -1,5 +1,5 @@
 """The launcher's control channel on real ZeroMQ sockets, in one process: the server's client
-(scheduler/launcher_client.py) against the launcher's socket (agent/launcher_control.py), with
+(scheduler/launcher_client.py) against the launcher's socket (agent/launcher/control.py), with
 CURVE keys (only the server's key is answered) and the message bound; then the launcher's models
 in-process with real agents, where a failed spawn fails one model's load or restart, nothing else."""
 
@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from agent.contract import launcher_control as control
-from agent.launcher_control import ControlChannel
+from agent.launcher.control import ControlChannel
 from agent_harness import LONG_ANSWERS_RUNTIME, curve_keys, free_ports
 from config.schema import ServingConfig
 from scheduler.launcher_client import LauncherClient, LauncherError, LauncherUnreachable
@@ -119,7 +119,7 @@ def test_a_taken_port_fails_the_channel_and_bad_messages_get_an_error():
 def test_the_launcher_answers_malformed_requests_with_an_error():
     """LaunchedModels' handler, in-process (nothing started): every malformed request gets an
     error reply, and the launcher goes on."""
-    from agent.launched_models import LaunchedModels
+    from agent.launcher.models import LaunchedModels
 
     models = LaunchedModels(config_of(free_ports(1)[0], None))
     assert (
@@ -147,8 +147,8 @@ def launched(tmp_path_factory, tiny_llama_dir):
     """LaunchedModels in-process, supervising in a thread, with its real control channel: model
     `a` (one real agent) loaded at start, `b` (two agents) and `c` loadable. Spawning an agent of
     a model in `faults` raises as the OS would refuse a new process."""
-    from agent.launched_models import LaunchedModels
-    from agent.launcher import AgentLauncher
+    from agent.launcher.model_agents import AgentLauncher
+    from agent.launcher.models import LaunchedModels
 
     control_port, *ports = free_ports(5)
     runtime = {**LONG_ANSWERS_RUNTIME, "num_slots": 2, "decode_batch_buckets": [1, 2]}

@@ -10,12 +10,13 @@ import pytest
 import yaml
 
 from agent.contract.sampling import SamplingParams
+from agent.graphs.mindir import EXPORT_FORMAT, MindIRError, read_known_answer
 from agent.known_answer import KnownAnswerError
-from agent.mindir import EXPORT_FORMAT, MindIRError, read_known_answer
 from agent.model.detokenizer import IncrementalDetokenizer
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner
+from agent.warm_up import warm_up
 from agent_harness import free_ports, serving_stack, write_config
 from config import ConfigError, load_config
 from config.schema import PROJECT_ROOT, ModelSection
@@ -150,8 +151,8 @@ def test_files_of_another_export_fail_the_known_answer_check(exported, tmp_path,
     )
     runner = ModelRunner.from_mindir(mixed_files, TINY_RUNTIME)
     with pytest.raises(KnownAnswerError, match="the prefill length 16 graph disagrees"):
-        runner.warm_up(lambda _line: None, known=read_known_answer(mixed_files))
-    ModelRunner.from_mindir(files, TINY_RUNTIME).warm_up(lambda _line: None, known=read_known_answer(files))
+        warm_up(runner, lambda _line: None, known=read_known_answer(mixed_files))
+    warm_up(ModelRunner.from_mindir(files, TINY_RUNTIME), lambda _line: None, known=read_known_answer(files))
 
 
 @pytest.mark.parametrize(

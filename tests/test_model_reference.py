@@ -10,6 +10,7 @@ from agent.known_answer import KnownAnswer
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner
+from agent.warm_up import warm_up
 from conftest import DEFAULT_RUNTIME, TINY_RUNTIME
 from tiny_models import write_tiny_checkpoint
 
@@ -130,7 +131,7 @@ def test_default_model_with_int8_activations_warms_up_and_answers_as_the_int8_re
     )
     checkpoint = load_checkpoint(default_model_path)
     runner = ModelRunner.from_checkpoint(checkpoint, runtime)
-    runner.warm_up(lambda line: None, known=KnownAnswer.of_checkpoint(checkpoint, runtime))
+    warm_up(runner, lambda line: None, known=KnownAnswer.of_checkpoint(checkpoint, runtime))
     reference = ref.load_gguf_reference(default_model_path)
     tokenizer = load_tokenizer(default_model_path)
     prompt = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPTS[0]}])

@@ -1,4 +1,4 @@
-"""The paged KV cache through the graphs (agent/graph_interface.py, agent/kernels): K/V written and
+"""The paged KV cache through the graphs (agent/graphs/interface.py, agent/kernels): K/V written and
 read through block tables, against the independent numpy reference (tests/reference_numpy.py).
 
 The tables are shuffled blocks of the pool, so a kernel that read a sequence's positions as
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
-from agent.graph_interface import bucket
+from agent.graphs.interface import bucket
+from agent.graphs.step_graphs import LlamaGraphs, as_tensors
 from agent.kernels import has_int8_products
-from agent.llama_graphs import LlamaGraphs, as_tensors
 from agent.model.formats import load_checkpoint
 from config.schema import PROJECT_ROOT
 from conftest import TINY_RUNTIME
@@ -257,10 +257,10 @@ def test_int8_activations_match_the_q8_1_reference(tiny_q4_path):
 def test_int8_activations_are_refused_where_they_cannot_run(tiny_llama_dir, tiny_q4_path, monkeypatch):
     """A model without Q4_1 layers (the kernels' int8 products mocked present, whatever this CPU
     has), and kernels without AVX512-VNNI (mocked absent, whatever this CPU has)."""
-    monkeypatch.setattr("agent.llama_graphs.has_int8_products", lambda: True)
+    monkeypatch.setattr("agent.graphs.step_graphs.has_int8_products", lambda: True)
     with pytest.raises(ValueError, match="this model has none"):
         graphs_of(tiny_llama_dir, activations="int8")
-    monkeypatch.setattr("agent.llama_graphs.has_int8_products", lambda: False)
+    monkeypatch.setattr("agent.graphs.step_graphs.has_int8_products", lambda: False)
     with pytest.raises(ValueError, match="needs kernels built with AVX512-VNNI"):
         graphs_of(tiny_q4_path, activations="int8")
 

@@ -8,6 +8,7 @@ import pytest
 
 import reference_numpy as ref
 from agent.contract.sampling import SamplingParams
+from agent.kv_transfer import export_kv, import_kv
 from agent.model.formats import load_checkpoint
 from agent.runner import ModelRunner, RunnerError, StepChunk
 from config.schema import RuntimeSection
@@ -102,10 +103,10 @@ def test_kv_of_many_pieces_moves_to_other_blocks_and_decodes_the_same(runners, r
     ids = prompt(120, seed=4)
     home_table, moved_table = shuffled(2, seed=5)
     first = sender.prefill(0, ids, params, home_table)
-    blocks, state = sender.export_kv(0)
+    blocks, state = export_kv(sender, 0)
     assert blocks.shape[2] == 120 and state["length"] == 120
     at_home = decode_n(sender, 0, home_table, 8)
-    receiver.import_kv(2, blocks, state, moved_table[:8])  # 8 blocks: the prompt and the next 7
+    import_kv(receiver, 2, blocks, state, moved_table[:8])  # 8 blocks: the prompt and the next 7
     assert state["next_token"] == first and decode_n(receiver, 2, moved_table[:8], 8) == at_home
 
 

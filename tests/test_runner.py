@@ -6,6 +6,7 @@ import pytest
 from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import RunnerError
+from agent.warm_up import graph_shapes, warm_up
 
 GREEDY = SamplingParams()
 
@@ -154,8 +155,8 @@ def test_busy_slot_repeated_slot_and_full_slot(tiny_llama_runner, release_all):
 
 def test_warm_up_compiles_every_bucket(tiny_llama_runner):
     lines = []
-    elapsed = tiny_llama_runner.warm_up(lines.append)
-    shapes = tiny_llama_runner.graph_shapes()
+    elapsed = warm_up(tiny_llama_runner, lines.append)
+    shapes = graph_shapes(tiny_llama_runner)
     # 2 prefill buckets + 3 batch buckets (the attention kernel needs no attend buckets) + a mixed
     # step per batch bucket (fused layers) + argmax + top-k buckets
     assert tiny_llama_runner.mixed_rows > 0

@@ -17,12 +17,13 @@ import time
 from pathlib import Path
 
 from agent.process_env import set_process_defaults
+from agent.warm_up import warm_up
 
 set_process_defaults()  # before MindSpore loads
 from agent.bootstrap import Placement, prepare_checkpoint  # noqa: E402
+from agent.graphs.mindir import GraphExporter  # noqa: E402
 from agent.known_answer import KnownAnswer  # noqa: E402
 from agent.memory_plan import MemoryPlanError  # noqa: E402
-from agent.mindir import GraphExporter  # noqa: E402
 from agent.model.checkpoint import CheckpointError  # noqa: E402
 from agent.model.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
 from agent.runner import ModelRunner  # noqa: E402
@@ -37,7 +38,7 @@ def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
     checkpoint, runtime, _ = prepare_checkpoint(config, Placement(cache_user=None), progress)
     output.mkdir(parents=True, exist_ok=True)
     exporter = GraphExporter(checkpoint, runtime, output)
-    ModelRunner(exporter, runtime).warm_up(progress)  # the warm-up calls every graph shape once
+    warm_up(ModelRunner(exporter, runtime), progress)  # the warm-up calls every graph shape once
     exporter.write_manifest(runtime, KnownAnswer.of_checkpoint(checkpoint, runtime))
     tokenizer.save(output)
     return exporter.files

@@ -74,7 +74,7 @@ class ReplicaAgents:
     belong to Ray's worker, so the stop is a flag)."""
 
     def __init__(self, config: ServingConfig):
-        from agent.launched_models import LaunchedModels  # the launcher, not the agent runtime
+        from agent.launcher.models import LaunchedModels  # the launcher, not the agent runtime
 
         self.models = LaunchedModels(config)
         self.failure: str | None = None

@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     set_process_defaults()  # before MindSpore loads (the launcher imports it) and before agents spawn
-    from agent.launched_models import LaunchedModels
-    from agent.launcher import LaunchError
+    from agent.launcher.model_agents import LaunchError
+    from agent.launcher.models import LaunchedModels
 
     try:
         config = load_config(args.config)

@@ -6,8 +6,8 @@
 
 model_control_mode none starts every model, and a model whose agents cannot be mended stops the
 launcher (exit 1), as with one model. explicit starts config.startup_models and answers the control
-channel (agent/launcher_control.py): a load spawns the model's agents, within the memory budget
-(agent/memory_budget.py), and is followed between supervision passes until they are ready; an
+channel (agent/launcher/control.py): a load spawns the model's agents, within the memory budget
+(agent/launcher/memory_budget.py), and is followed between supervision passes until they are ready; an
 unload stops them (SIGTERM, SIGKILL after agents.shutdown_grace_s). A model that fails to load (its
 agents' error, or the spawn itself), or whose agents die beyond the restart policy, is UNAVAILABLE
 with the reason; the launcher and the other models go on.
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import zmq
 
 from agent.contract import launcher_control as control
-from agent.launcher import POLL_S, AgentLauncher, LaunchError
-from agent.launcher_control import ControlChannel
-from agent.memory_budget import need_mb, refusal
+from agent.launcher.control import ControlChannel
+from agent.launcher.memory_budget import need_mb, refusal
+from agent.launcher.model_agents import POLL_S, AgentLauncher, LaunchError
 from config.schema import ServingConfig
 
 log = logging.getLogger("agent_launcher")

@@ -22,11 +22,12 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from agent.graph_interface import GraphInputs, shape_settings, uses_kernels
+from agent.graphs.decoder import LlamaModel
+from agent.graphs.interface import GraphInputs, shape_settings, uses_kernels
+from agent.graphs.step_graphs import LlamaGraphs, as_tensors, logits_and_argmax, topk_buckets
 from agent.kernels import BUILD_ROOT, build_id
 from agent.known_answer import FILE_NAME as KNOWN_ANSWER_FILE
 from agent.known_answer import KnownAnswer
-from agent.llama_graphs import LlamaGraphs, LlamaModel, as_tensors, logits_and_argmax, topk_buckets
 from agent.model.checkpoint import Checkpoint
 from agent.model.spec import ModelSpec
 from config.schema import ModelSection, RuntimeSection
@@ -86,7 +87,7 @@ class ExportDecodeGraph(nn.Cell):
 
 
 class GraphExporter:
-    """agent.graph_interface.ModelGraphs, but each call exports its graph with the call's inputs as
+    """agent.graphs.interface.ModelGraphs, but each call exports its graph with the call's inputs as
     the example shapes (ModelRunner.warm_up calls every shape once) and returns zeros."""
 
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, directory: Path):
@@ -201,7 +202,7 @@ def read_known_answer(files: ModelSection) -> KnownAnswer:
 
 
 class MindIRGraphs:
-    """agent.graph_interface.ModelGraphs over MindIR files, with the KV cache held here."""
+    """agent.graphs.interface.ModelGraphs over MindIR files, with the KV cache held here."""
 
     def __init__(
         self, files: ModelSection, runtime: RuntimeSection, progress: Callable[[str], None] = log.info

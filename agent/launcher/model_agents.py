@@ -1,5 +1,5 @@
 """AgentLauncher: the agent processes of one model: one per configured port, started, followed until
-ready, supervised. agent/launched_models.py runs one per model, side by side:
+ready, supervised. agent/launcher/models.py runs one per model, side by side:
 
     launcher = AgentLauncher(config)
     launcher.begin_start()                  # spawns every agent

@@ -1,8 +1,8 @@
 """What ModelRunner and a graph set agree on: the calls (ModelGraphs, KVTransferGraphs) and how host-side
 values become the prefill and decode graphs' inputs (GraphInputs).
 
-Graph sets: agent.llama_graphs.LlamaGraphs (built from code), agent.mindir.MindIRGraphs (run from
-exported files) and agent.mindir.GraphExporter (exports each graph on its first call). The runner
+Graph sets: agent.graphs.step_graphs.LlamaGraphs (built from code), agent.graphs.mindir.MindIRGraphs (run from
+exported files) and agent.graphs.mindir.GraphExporter (exports each graph on its first call). The runner
 deals in slots, token ids, positions and bucket sizes; each graph set turns them into its own tensors
 through its GraphInputs. This module is the one place outside the graphs' own code that reads the
 kernel choice (runtime.attention_kernel, runtime.matmul_kernel): what it changes in the inputs, in
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
+from agent.contract.step import StepChunk
 from agent.model.spec import ModelSpec
 from config.schema import RuntimeSection
 
@@ -135,6 +136,30 @@ class GraphInputs:
             )
         return np.arange(slot * mb, (slot + 1) * mb, dtype=np.int32)
 
+    def table(self, given: Sequence[int] | np.ndarray, positions: int) -> np.ndarray:
+        """A server's block table of a sequence of `positions` positions, checked and padded to MB
+        with scratch blocks: the blocks that hold those positions lie in the pool the server hands
+        out; entries after them may be -1 (the server pads the tables of one call to the longest)."""
+        table = np.asarray(given)
+        mb, size = self.blocks_per_seq, self.block_size
+        if table.ndim != 1 or len(table) > mb or table.dtype.kind not in "iu":
+            raise ValueError(
+                f"a block table lists at most {mb} integer blocks, got {table.dtype}{list(table.shape)}"
+            )
+        used = -(-positions // size)
+        if len(table) < used:
+            raise ValueError(
+                f"a block table of {len(table)} blocks of {size} does not cover {positions} positions"
+            )
+        held, rest = table[:used], table[used:]
+        if ((held < 0) | (held >= self.pool)).any() or ((rest < -1) | (rest >= self.pool)).any():
+            raise ValueError(
+                f"block table entries lie in 0..{self.pool - 1} (then -1 past the sequence's blocks)"
+            )
+        padded = self.scratch_table.copy()
+        padded[: len(table)] = np.where(table >= 0, table, padded[: len(table)])
+        return padded
+
     def attend(self, positions: np.ndarray) -> int:
         """The decode graph's attended length for rows writing at `positions` (0: the kernel's)."""
         return 0 if self.attention_kernel else bucket(self.decode_attends, int(positions.max()) + 1)
@@ -235,13 +260,13 @@ class GraphInputs:
         decode_tables: np.ndarray,
         decode_tokens: np.ndarray,
         decode_positions: np.ndarray,
-        chunks: Sequence[tuple[np.ndarray, np.ndarray, int, bool]],
+        chunks: Sequence[StepChunk],
         rows: int,
         logit_rows: int,
     ) -> tuple[np.ndarray, ...]:
         """A mixed step as the prefill graph's inputs (fused layers only): the decode rows (one token at
         `decode_positions` of each of the sequences with `decode_tables` [d, MB]), then each chunk's
-        rows ((block table [MB], tokens, start, sample): its tokens at positions start..), then
+        rows (its new tokens at positions start.. of its table), then
         padding to `rows`; tables [max_seqs, MB] (the decode rows', then the chunks', then scratch),
         each row's table row, and the logit rows: each decode row, then the last row of each chunk
         that samples, then row 0 to `logit_rows` (a chunk that does not end its prompt needs none:
@@ -253,8 +278,8 @@ class GraphInputs:
         d = len(decode_tokens)
         if not len(decode_tables) == d == len(decode_positions):
             raise ValueError(f"a mixed step of {d} decode tokens got {len(decode_tables)} tables")
-        sizes = [len(tokens) for _, tokens, _, _ in chunks]
-        sampled = d + sum(sample for *_, sample in chunks)
+        sizes = [len(c.new_tokens) for c in chunks]
+        sampled = d + sum(c.sample for c in chunks)
         if (
             d + sum(sizes) > rows
             or d + len(chunks) > self.max_seqs
@@ -272,14 +297,14 @@ class GraphInputs:
             [np.arange(d)],
         )
         last = list(range(d))
-        for i, (table, chunk_tokens, start, sample) in enumerate(chunks):
-            if start < 0:
-                raise ValueError(f"a chunk starts at a position >= 0, not {start}")
-            tables.append(self.check_tables(table))
-            tokens.append(np.asarray(chunk_tokens, np.int64))
-            positions.append(start + np.arange(len(chunk_tokens)))
-            table_of.append(np.full(len(chunk_tokens), d + i))
-            if sample:
+        for i, chunk in enumerate(chunks):
+            if chunk.start < 0:
+                raise ValueError(f"a chunk starts at a position >= 0, not {chunk.start}")
+            tables.append(self.check_tables(np.asarray(chunk.table)))
+            tokens.append(np.asarray(chunk.new_tokens, np.int64))
+            positions.append(chunk.start + np.arange(sizes[i]))
+            table_of.append(np.full(sizes[i], d + i))
+            if chunk.sample:
                 last.append(d + sum(sizes[:i]) + sizes[i] - 1)
         pad = rows - d - sum(sizes)
         tables.append(np.repeat(self.scratch_table[None, :], self.max_seqs - d - len(chunks), 0))
@@ -389,7 +414,7 @@ class MixedStepGraphs(ModelGraphs, Protocol):
         decode_tables: np.ndarray,
         decode_tokens: np.ndarray,
         decode_positions: np.ndarray,
-        chunks: Sequence[tuple[np.ndarray, np.ndarray, int, bool]],
+        chunks: Sequence[StepChunk],
         rows: int,
         logit_rows: int,
     ) -> tuple[Tensor, Tensor]:

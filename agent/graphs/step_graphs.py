@@ -1,0 +1,286 @@
+"""The graphs of each step kind over one decoder (agent/graphs/decoder.py: its weights and KV cache
+as Parameters shared by all): prefill (a prompt chunk), decode (one token of each sequence), the
+mixed step (decode rows and prompt chunks in one call), argmax and top-k post-processing, and the KV
+export and import of a disaggregated prefill. LlamaGraphs is the set the runner calls
+(agent.graphs.interface.KVTransferGraphs)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mindspore as ms
+import numpy as np
+from gguf import GGMLQuantizationType
+from mindspore import Tensor, nn, ops
+
+from agent.contract.step import StepChunk
+from agent.graphs.decoder import (
+    WHOLE_MODEL,
+    CpuKernels,
+    LlamaLayer,
+    LlamaModel,
+    TensorSplit,
+    release_freed_memory,
+)
+from agent.graphs.interface import GraphInputs, pool_blocks
+from agent.kernels import TARGET_ENV, has_int8_products
+from agent.kernels import target as kernel_target
+from agent.model.checkpoint import Checkpoint
+from config.schema import RuntimeSection
+
+
+class PrefillLayer(nn.Cell):
+    """Calls one layer's prefill body. lazy_inline compiles the body once for all layers (a ~3x
+    shorter compile on CPU with the same step time, measured), instead of unrolling 30 copies."""
+
+    @ms.lazy_inline(policy="front")
+    def __init__(self, layer: LlamaLayer):
+        super().__init__()
+        self.layer = layer
+
+    def construct(self, x, cos, sin, rot, write_idx, mask, tables, row_table):
+        return self.layer.prefill(
+            x, cos, sin, rot, write_idx, mask, tables, row_table, self.layer.k_cache, self.layer.v_cache
+        )
+
+
+class DecodeLayer(nn.Cell):
+    """Calls one layer's decode body; lazy_inline as in PrefillLayer."""
+
+    @ms.lazy_inline(policy="front")
+    def __init__(self, layer: LlamaLayer):
+        super().__init__()
+        self.layer = layer
+
+    def construct(self, x, cos, sin, rot, write_idx, where, extent, row_table):
+        return self.layer.decode(
+            x, cos, sin, rot, write_idx, where, extent, row_table, self.layer.k_cache, self.layer.v_cache
+        )
+
+
+class TopGraph(nn.Cell):
+    """A graph called once a step. MindSpore's Cell call sets `compile_phase` on the cell and
+    through its whole tree of sub-cells every call (~94 here, each through Cell.__setattr__'s
+    checks: a batch-1 decode step 7.27 -> 6.60 ms without it). Here the tree is walked only when
+    this graph's phase changes: it is read while compiling, and a new input shape, which compiles,
+    is a new phase."""
+
+    @property
+    def compile_phase(self):
+        return self._compile_phase
+
+    @compile_phase.setter
+    def compile_phase(self, value):
+        if value != self._compile_phase:
+            nn.Cell.compile_phase.fset(self, value)
+
+
+class PrefillGraph(TopGraph):
+    """One prompt (or chunk) padded to a bucket -> its K/V written through its block table, the last
+    real token's logits."""
+
+    def __init__(self, model: LlamaModel):
+        super().__init__()
+        self.model = model
+        self.layers = nn.CellList([PrefillLayer(layer) for layer in model.layers])
+
+    def construct(self, tokens, positions, write_idx, mask, last_index, tables, row_table):
+        x, cos, sin = self.model.embed_tokens(tokens, positions)
+        if self.model.stack is not None:
+            x = self.model.run_stack(x, cos, sin, write_idx, mask, tables, row_table)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, self.model.rot, write_idx, mask, tables, row_table)
+        return self.model.logits(ops.gather(x, last_index, 0))
+
+
+class MixedStepGraph(TopGraph):
+    """Decode rows and prompt chunks in one prefill graph call -> the logit rows' logits and argmax
+    (as decode's: the argmax graph, its shape dynamic, cost ~1.6 ms a step at 16 rows)."""
+
+    def __init__(self, prefill: PrefillGraph):
+        super().__init__()
+        self.prefill = prefill
+
+    def construct(self, tokens, positions, write_idx, lengths, logit_rows, tables, row_table):
+        return logits_and_argmax(
+            self.prefill(tokens, positions, write_idx, lengths, logit_rows, tables, row_table)
+        )
+
+
+def logits_and_argmax(logits):
+    """A decode graph's outputs: the logits, and their argmax for all-greedy batches (in the graph:
+    a separate argmax graph cost ~1.5 ms a step at B = 1, its launch and MindSpore's threads)."""
+    return logits, ops.argmax(logits, -1).astype(ms.int32)
+
+
+class DecodeGraph(TopGraph):
+    """One new token for each of B sequences -> K/V written, logits [B, vocab] and their argmax [B]."""
+
+    def __init__(self, model: LlamaModel):
+        super().__init__()
+        self.model = model
+        self.layers = nn.CellList([DecodeLayer(layer) for layer in model.layers])
+
+    def construct(self, tokens, positions, write_idx, where, extent, row_table):
+        x, cos, sin = self.model.embed_tokens(tokens, positions)
+        if self.model.stack is not None:
+            x = self.model.run_stack(x, cos, sin, write_idx, extent, where, row_table)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, self.model.rot, write_idx, where, extent, row_table)
+        return logits_and_argmax(self.model.logits(x))
+
+
+class ArgmaxGraph(nn.Cell):
+    """Greedy post-process: logits [B, V] -> token ids [B]."""
+
+    def construct(self, logits):
+        return ops.argmax(logits, -1).astype(ms.int32)
+
+
+class TopKGraph(nn.Cell):
+    """Sampling post-process: logits [B, V] -> the k best (values, ids), best first."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def construct(self, logits):
+        values, ids = ops.topk(logits, self.k, -1, True, True)
+        return values, ids.astype(ms.int32)
+
+
+class KVExportGraph(nn.Cell):
+    """PD disaggregation, sending side: cache rows -> their K and V in every layer, [2 * layers, N, hd]."""
+
+    def __init__(self, model: LlamaModel):
+        super().__init__()
+        self.model = model
+
+    def construct(self, rows):
+        blocks = []
+        for layer in self.model.layers:
+            blocks.append(ops.gather(layer.k_cache, rows, 0))
+            blocks.append(ops.gather(layer.v_cache, rows, 0))
+        return ops.stack(blocks)
+
+
+class KVImportGraph(nn.Cell):
+    """PD disaggregation, receiving side: K and V [2 * layers, N, hd] written into cache rows."""
+
+    def __init__(self, model: LlamaModel):
+        super().__init__()
+        self.model = model
+
+    def construct(self, rows, blocks):
+        for i, layer in enumerate(self.model.layers):
+            ops.scatter_update(layer.k_cache, rows, blocks[2 * i])
+            ops.scatter_update(layer.v_cache, rows, blocks[2 * i + 1])
+        return rows
+
+
+def topk_buckets(vocab: int) -> list[int]:
+    """The k of each top-k graph: a request needing k candidates runs the smallest k' >= k."""
+    return sorted({k for k in (8, 64, 512, 4096) if k < vocab} | {vocab})
+
+
+def as_tensors(arrays: tuple[np.ndarray, ...]) -> tuple[Tensor, ...]:
+    return tuple(Tensor(a) for a in arrays)
+
+
+class LlamaGraphs:
+    """The four graphs built from code over one LlamaModel (weights and KV cache as Parameters), and
+    the KV transfer graphs: agent.graphs.interface.KVTransferGraphs for ModelRunner."""
+
+    def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = WHOLE_MODEL):
+        self.spec = checkpoint.spec
+        int8 = runtime.activations == "int8"
+        if int8 and not has_int8_products():
+            raise ValueError(
+                "runtime.activations: int8 needs kernels built with AVX512-VNNI (a CPU without it, or "
+                f"{TARGET_ENV}={kernel_target()}); use float32"
+            )
+        self.model = LlamaModel(
+            checkpoint,
+            pool_blocks(runtime),
+            runtime.block_size,
+            runtime.planned_max_seq_len,
+            CpuKernels(
+                runtime.attention_kernel,
+                runtime.matmul_kernel,
+                self.spec.head_dim,
+                self.spec.hidden_size,
+                int8,
+            ),
+            getattr(ms, runtime.dtype),
+            split,
+        )
+        release_freed_memory()
+        q4_1 = GGMLQuantizationType.Q4_1
+        if int8 and not any(
+            layer.kernel_layer is not None and q4_1 in layer.formats.asnumpy() for layer in self.model.layers
+        ):
+            raise ValueError(
+                "runtime.activations: int8 applies to Q4_1 layer matrices run by the fused kernel, and "
+                "this model has none (other formats, float32 weights or tensor parallelism); use float32"
+            )
+        self.inputs = GraphInputs(
+            runtime,
+            self.model.kv_heads,
+            self.spec.group_size,
+            fused_layers=self.model.layers[0].kernel_layer is not None,
+        )
+        self.prefill_graph = PrefillGraph(self.model)
+        self.mixed_graph = MixedStepGraph(self.prefill_graph)
+        self.decode_graph = DecodeGraph(self.model)
+        self.argmax_graph = ArgmaxGraph()
+        self.kv_export_graph = KVExportGraph(self.model)
+        self.kv_import_graph = KVImportGraph(self.model)
+        self.topk_buckets = topk_buckets(self.spec.vocab_size)
+        self.topk_graphs = {k: TopKGraph(k) for k in self.topk_buckets}
+        dynamic_rows = Tensor(
+            shape=[None, self.spec.vocab_size], dtype=ms.float32
+        )  # one graph for every batch
+        post_process: list[nn.Cell] = [self.argmax_graph, *self.topk_graphs.values()]
+        for graph in post_process:
+            graph.set_inputs(dynamic_rows)
+
+    def prefill(self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0) -> Tensor:
+        """One cell for every bucket `length`: MindSpore compiles a graph per input shape."""
+        return self.prefill_graph(*as_tensors(self.inputs.prefill(table, tokens, length, start)))
+
+    def decode(
+        self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        return self.decode_graph(*as_tensors(self.inputs.decode(tables, tokens, positions, rows, attend)))
+
+    def mixed(
+        self,
+        decode_tables: np.ndarray,
+        decode_tokens: np.ndarray,
+        decode_positions: np.ndarray,
+        chunks: Sequence[StepChunk],
+        rows: int,
+        logit_rows: int,
+    ) -> tuple[Tensor, Tensor]:
+        """The prefill graph with the step's tables and `logit_rows`: one graph per (rows, logit_rows)."""
+        inputs = self.inputs.mixed(decode_tables, decode_tokens, decode_positions, chunks, rows, logit_rows)
+        return self.mixed_graph(*as_tensors(inputs))
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        return self.argmax_graph(logits)
+
+    def topk(self, k: int, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return self.topk_graphs[k](logits)
+
+    def kv_export(self, table: np.ndarray, length: int) -> np.ndarray:
+        blocks = self.kv_export_graph(Tensor(self.inputs.kv_rows(table, length))).asnumpy()
+        return blocks.reshape(len(blocks), self.inputs.kv_heads, length, self.spec.head_dim)
+
+    def kv_import(self, table: np.ndarray, blocks: np.ndarray) -> None:
+        rows = Tensor(self.inputs.kv_rows(table, blocks.shape[2]))
+        self.kv_import_graph(rows, Tensor(blocks.reshape(len(blocks), -1, self.spec.head_dim))).asnumpy()
+
+    def cache_bytes(self) -> int:
+        return self.model.cache_bytes()

@@ -1,0 +1,159 @@
+"""Warm-up: every graph an agent runs is compiled (or loaded from the compile cache) and run once on
+the scratch blocks before the agent reports ready, with the known-answer probe as its input
+(agent/known_answer.py: a numpy forward of the same weights); each output is checked against it, so
+graphs that do not fit the weights (a stale compile cache, a kernel built for other formats) stop
+the agent instead of serving wrong answers.
+
+    seconds = warm_up(runner, progress, role, known=KnownAnswer.of_checkpoint(checkpoint, runtime))
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+from mindspore import Tensor
+
+from agent.contract.sampling import SamplingParams
+from agent.contract.step import StepChunk
+from agent.graphs.interface import MixedStepGraphs
+from agent.kernels import INT8_ABOVE_ROWS
+from agent.known_answer import (
+    KnownAnswer,
+    KnownAnswerError,
+    check_post_process,
+    compare,
+    probe_length,
+    probe_tokens,
+)
+from agent.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def graph_shapes(runner: ModelRunner, role: str = "mixed") -> list[tuple[str, int, int]]:
+    """(kind, rows, length) of every graph an agent of `role` runs, in warm-up order: what
+    writes the probe's K/V into the scratch slot (prefill, KV import) before what reads it."""
+    rt = runner.runtime
+    shapes = [] if role == "decode" else [("prefill", 1, s) for s in rt.prefill_buckets]
+    if role == "decode":
+        shapes += [("kv_import", 1, s) for s in rt.prefill_buckets]
+    if role != "prefill":
+        attends = runner.graphs.inputs.decode_attends
+        shapes += [("decode", b, a) for b in rt.decode_batch_buckets for a in attends]
+    if role == "mixed" and runner.mixed_rows:
+        shapes += [("mixed", b, runner.mixed_rows) for b in rt.decode_batch_buckets]
+    shapes += [("argmax", 0, 0)] + [("topk", 0, k) for k in runner.topk_buckets]
+    if role == "prefill":
+        shapes += [("kv_export", 1, s) for s in rt.prefill_buckets]
+    return shapes
+
+
+def warm_up(
+    runner: ModelRunner,
+    progress: Callable[[str], None] = log.info,
+    role: str = "mixed",
+    known: KnownAnswer | None = None,
+) -> float:
+    """Compile (or load from the compile cache) and run every graph once, on the scratch slot,
+    with the known-answer probe as input; with `known`, each output is checked against it
+    (agent/known_answer.py) and a graph that disagrees raises KnownAnswerError."""
+    start = time.perf_counter()
+    shapes = graph_shapes(runner, role)
+    zeros = np.zeros(runner.spec.vocab_size, np.float32)
+    probe = known or KnownAnswer(
+        probe_tokens(runner.spec.vocab_size, probe_length(runner.runtime)), zeros, zeros
+    )
+    for i, (kind, rows, length) in enumerate(shapes, 1):
+        t0 = time.perf_counter()
+        label = {
+            "prefill": f"prefill length {length}",
+            "decode": f"decode batch {rows}" + (f" attend {length}" if length else ""),
+            "mixed": f"mixed step of {rows} sequences in {length} rows",
+            "argmax": "argmax",
+            "topk": f"top-k {length}",
+            "kv_export": f"KV export {length}",
+            "kv_import": f"KV import {length}",
+        }[kind]
+        try:
+            _run_probe(runner, kind, rows, length, probe, label if known is not None else None)
+        except RuntimeError as exc:
+            if known is None:
+                raise
+            # a kernel refuses inputs of other shapes or formats than the graph was built for
+            raise KnownAnswerError(f"the {label} graph failed on the probe ({exc})") from exc
+        progress(f"graph {i}/{len(shapes)} {label}: {time.perf_counter() - t0:.1f}s")
+    elapsed = time.perf_counter() - start
+    progress(
+        f"warm-up done: {len(shapes)} graphs in {elapsed:.1f}s"
+        + (", each agreeing with the numpy forward of the weights" if known is not None else "")
+    )
+    return elapsed
+
+
+def _run_probe(
+    runner: ModelRunner, kind: str, rows: int, length: int, probe: KnownAnswer, check: str | None
+) -> None:
+    """One graph on the probe (the prompt at positions 0..n-1 of the scratch slot, the decode token
+    at n); `check`: the graph's label, to compare its output with `probe`."""
+    scratch, n, dtype = runner.graphs.inputs.scratch_table, len(probe.prompt), runner.runtime.dtype
+    expected = np.stack([probe.prefill_logits, probe.decode_logits])
+
+    def arithmetic(live_rows: int) -> str:  # the tolerance a call of `live_rows` rows is held to
+        int8 = runner.runtime.activations == "int8" and live_rows > INT8_ABOVE_ROWS
+        return "int8" if int8 else dtype
+
+    if kind == "prefill":
+        got = runner.graphs.prefill(scratch, probe.prompt, length).asnumpy()[0]
+        if check:
+            compare(check, got, probe.prefill_logits, dtype)
+    elif kind == "decode":
+        logits, greedy = runner.graphs.decode(
+            np.tile(scratch, (rows, 1)), np.full(rows, probe.decode_token), np.full(rows, n), rows, length
+        )
+        if check:
+            got, held_to = logits.asnumpy(), arithmetic(rows)
+            for row in got:
+                compare(check, row, probe.decode_logits, held_to)
+            # int8 products may reorder near-equal logits: the graph's argmax is of its own
+            chosen_from = got if held_to == "int8" else np.tile(probe.decode_logits, (rows, 1))
+            check_post_process(check, chosen_from, greedy.asnumpy())
+    elif kind == "mixed":  # the probe's prompt as a chunk and rows - 1 decode rows after it
+        assert isinstance(runner.graphs, MixedStepGraphs)
+        decodes = rows - 1
+        logits, greedy = runner.graphs.mixed(
+            np.tile(scratch, (decodes, 1)),
+            np.full(decodes, probe.decode_token),
+            np.full(decodes, n),
+            [StepChunk(0, list(probe.prompt), scratch, 0, SamplingParams())],
+            length,
+            rows,
+        )
+        if check:
+            got, held_to = logits.asnumpy(), arithmetic(decodes + n)
+            compare(check, got[decodes], probe.prefill_logits, held_to)
+            for row in got[:decodes]:
+                compare(check, row, probe.decode_logits, held_to)
+            check_post_process(check, got, greedy.asnumpy())
+    elif kind == "kv_export":
+        blocks = runner.kv_graphs().kv_export(scratch, length)
+        if check and probe.kv is not None:
+            compare(check, blocks[:, :, :n], probe.kv, dtype)
+    elif kind == "kv_import":
+        blocks = np.zeros(
+            (2 * runner.spec.num_layers, runner.graphs.inputs.kv_heads, length, runner.spec.head_dim),
+            runner.cache_dtype(),
+        )
+        if probe.kv is not None:  # the decode graphs then read it: a wrong import fails their check
+            blocks[:, :, :n] = probe.kv
+        runner.kv_graphs().kv_import(scratch, blocks)
+    elif kind == "argmax":
+        ids = runner.graphs.argmax(Tensor(expected)).asnumpy()
+        if check:
+            check_post_process(check, expected, ids)
+    else:
+        values, ids = (t.asnumpy() for t in runner.graphs.topk(length, Tensor(expected)))
+        if check:
+            check_post_process(check, expected, ids, values)
