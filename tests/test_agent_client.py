@@ -13,9 +13,10 @@ import zmq.asyncio
 
 from agent.contract import protocol
 from agent.contract.sampling import NO_TOKEN, Sampled, SamplingParams
+from agent.contract.step import StepChunk
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, slot_blocks, write_config
-from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable, GroupClient, StepChunk
+from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable, GroupClient
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,9 @@ def test_calls_match_the_in_process_runner(agent, tiny_llama_runner, tiny_llama_
         info = await client.info()
         await client.reset()
         tables = [slot_blocks(0), slot_blocks(1)]
-        got = [[await client.prefill(s, p, tables[s], 0, True, params[s])] for s, p in enumerate(prompts)]
+        got = [
+            [await client.prefill(StepChunk(s, p, tables[s], 0, params[s]))] for s, p in enumerate(prompts)
+        ]
         for _ in range(5):
             for seq, token in zip(got, await client.decode([0, 1], tables)):
                 seq.append(token)
@@ -98,9 +101,11 @@ def test_a_choice_that_fails_is_its_sequences_error_and_the_call_goes_on(agent):
         vocab, (eos, *_) = info["vocab_size"], info["eos_ids"]
         starved = SamplingParams(min_tokens=3)
         try:
-            first = await client.prefill(1, [5, 6, 7], slot_blocks(1), 0, True, starved, only([eos], vocab))
-            fine = await client.prefill(0, [5, 6, 7], slot_blocks(0), 0, True, SamplingParams())
-            chunk = StepChunk(2, [8, 9], slot_blocks(2), 0, True, starved)
+            first = await client.prefill(
+                StepChunk(1, [5, 6, 7], slot_blocks(1), 0, starved), only([eos], vocab)
+            )
+            fine = await client.prefill(StepChunk(0, [5, 6, 7], slot_blocks(0), 0, SamplingParams()))
+            chunk = StepChunk(2, [8, 9], slot_blocks(2), 0, starved)
             decoded, (chunk_first,) = await client.step(
                 [0], [slot_blocks(0)], [chunk], {2: only([eos], vocab)}
             )
@@ -153,9 +158,9 @@ def test_a_second_session_takes_over_and_the_first_is_refused(agent, tiny_llama_
         old, new = AgentClient(agent[0], timeout_s=30), AgentClient(agent[0], timeout_s=30)
         try:
             await old.reset()
-            await old.prefill(0, prompt, slot_blocks(0), 0, True, SamplingParams())
+            await old.prefill(StepChunk(0, prompt, slot_blocks(0), 0, SamplingParams()))
             await new.reset()  # releases slot 0
-            await new.prefill(0, prompt, slot_blocks(0), 0, True, SamplingParams())
+            await new.prefill(StepChunk(0, prompt, slot_blocks(0), 0, SamplingParams()))
             with pytest.raises(AgentUnavailable, match="another server took this agent over"):
                 await old.decode([0], [slot_blocks(0)])
             assert len(await new.decode([0], [slot_blocks(0)])) == 1

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
+from agent.contract.sampling import SamplingParams
+from agent.contract.step import StepChunk
 from agent.graphs.interface import bucket
 from agent.graphs.step_graphs import LlamaGraphs, as_tensors
 from agent.kernels import has_int8_products
@@ -240,7 +242,7 @@ def test_int8_activations_match_the_q8_1_reference(tiny_q4_path):
         tables[:2],
         np.array([next_a, next_b]),
         np.array([44, 5]),
-        [(tables[2], np.array(c), 0, True)],
+        [StepChunk(2, c, tables[2], 0, SamplingParams())],
         rows,
         4,
     )

@@ -8,9 +8,10 @@ import pytest
 
 import reference_numpy as ref
 from agent.contract.sampling import SamplingParams
+from agent.contract.step import StepChunk
 from agent.kv_transfer import export_kv, import_kv
 from agent.model.formats import load_checkpoint
-from agent.runner import ModelRunner, RunnerError, StepChunk
+from agent.runner import ModelRunner, RunnerError
 from config.schema import RuntimeSection
 
 # max_seq_len 160 in blocks of 16 (10 a table, 40 in the pool); the largest bucket (32) is far
@@ -141,15 +142,15 @@ def mixed_run(runner: ModelRunner, ids: list[list[int]], tables: list[list[int]]
     out: list[list[int]] = [[runner.prefill(s, ids[s], params, tables[s])] for s in (0, 1)]
     out += [[], []]
     steps = [
-        ([0, 1], [StepChunk(2, ids[2][:4], tables[2], 0, False, params)]),
+        ([0, 1], [StepChunk(2, ids[2][:4], tables[2], 0, None)]),
         (
             [0, 1],
             [
-                StepChunk(2, ids[2][:7], tables[2], 4, False, params),
-                StepChunk(3, ids[3], tables[3], 0, True, params),
+                StepChunk(2, ids[2][:7], tables[2], 4, None),
+                StepChunk(3, ids[3], tables[3], 0, params),
             ],
         ),
-        ([0, 1, 3], [StepChunk(2, ids[2], tables[2], 7, True, params)]),
+        ([0, 1, 3], [StepChunk(2, ids[2], tables[2], 7, params)]),
     ]
     for slots, chunks in steps:
         if mixed:
@@ -191,13 +192,13 @@ def test_mixed_steps_give_the_tokens_of_separate_calls(runners, runner, referenc
 def test_a_mixed_step_that_does_not_fit_changes_nothing(runner, reference):
     ids, tables = [prompt(20, seed=20), prompt(30, seed=21)], shuffled(2, seed=8)
     first = runner.prefill(0, ids[0], GREEDY, tables[0])
-    too_long = StepChunk(1, ids[1], tables[1], 0, True, GREEDY)  # 1 + 30 rows > 16
+    too_long = StepChunk(1, ids[1], tables[1], 0, GREEDY)  # 1 + 30 rows > 16
     with pytest.raises(RunnerError, match="exceeds 16 rows"):
         runner.step([0], [tables[0]], [too_long])
-    bad_table = StepChunk(1, ids[1][:10], [999], 0, True, GREEDY)
+    bad_table = StepChunk(1, ids[1][:10], [999], 0, GREEDY)
     with pytest.raises(RunnerError):
         runner.step([0], [tables[0]], [bad_table])
     assert runner.slot_length(0) == 20 and 1 not in runner.slots
     with pytest.raises(RunnerError, match="names a slot twice"):
-        runner.step([0], [tables[0]], [StepChunk(0, ids[0], tables[0], 0, False, GREEDY)])
+        runner.step([0], [tables[0]], [StepChunk(0, ids[0], tables[0], 0, None)])
     assert [first, *decode_n(runner, 0, tables[0], 2)] == ref.greedy(reference, ids[0], 3)
