@@ -3,7 +3,7 @@
     engine = Engine(config, vocab_size, eos_ids, on_update)
     await engine.start()                        # connects to every group and checks `info`
     seq = engine.add_request(request_id, prompt, sampling, max_new_tokens)   # or AdmissionError
-    ... on_update(seq) after each of its new tokens, and at its end ...
+    ... on_update(seq) after each of its new tokens, and at its end (it may return a finish) ...
     engine.get_bs_current(), engine.get_queue_current()
     engine.refuse_new_requests(); await engine.stop()
 
@@ -56,11 +56,13 @@ class Engine:
         config: ServingConfig,
         vocab_size: int,
         eos_ids: Iterable[int],
-        on_update: Callable[[Sequence], None],
+        on_update: Callable[[Sequence], FinishReason | None],
         metrics: ServingMetrics | None = None,
     ):
         self.config = config
-        self.on_update = on_update  # called with a sequence after its new tokens and at its end
+        # called with a sequence after its new tokens and at its end; it may decide the sequence
+        # ends (a stop string in its text): the engine finishes it
+        self.on_update = on_update
         self.metrics = metrics or ServingMetrics()
         self.links = GroupLinks(config, vocab_size)
         self.clients = self.links.clients
@@ -261,9 +263,11 @@ class Engine:
         self.scheduler.abort(request_id)
         self._wake.set()
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Finish from outside the token rules (a stop string found in the text)."""
-        self.scheduler.finish(seq, reason)
+    def _report(self, seq: Sequence) -> None:
+        """Hand the sequence to the output layer; a finish it decides (a stop string) is applied."""
+        reason = self.on_update(seq)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
 
     # ---------------------------------------------------------------------------- the loop
 
@@ -333,7 +337,7 @@ class Engine:
             return
         for seq in ended:
             try:
-                self.on_update(seq)
+                self._report(seq)
             except Exception:
                 log.exception("reporting the end of request %s failed", seq.request_id)
 
@@ -372,7 +376,7 @@ class Engine:
                 return
             self.scheduler.decoded(seqs, tokens)
             for seq in seqs:
-                self.on_update(seq)
+                self._report(seq)
         for chunk in plan.prefills:
             await self._prefill_chunk(chunk)
 
@@ -413,11 +417,11 @@ class Engine:
         )
         self.scheduler.decoded(seqs, tokens)
         for seq in seqs:
-            self.on_update(seq)
+            self._report(seq)
         for chunk, token in zip(chunks, firsts):
             self.scheduler.prefilled(chunk, token)
             if chunk.sample:
-                self.on_update(chunk.seq)
+                self._report(chunk.seq)
         return True
 
     def _transfer_ended(self, task: asyncio.Task) -> None:
@@ -445,7 +449,7 @@ class Engine:
             return
         self.scheduler.prefilled(chunk, token)
         if chunk.sample:
-            self.on_update(seq)
+            self._report(seq)
 
     async def _prefill_elsewhere(self, chunk: Chunk) -> None:
         """PD disaggregation: the prefill group computes the prompt (from its prefix-cache hit)
@@ -473,14 +477,14 @@ class Engine:
         except AgentRequestError as exc:  # this request failed (its KV did not arrive); the group is fine
             log.warning("request %s failed on %s: %s", seq.request_id, prefill.address, exc)
             self.scheduler.transfer_failed(seq, str(exc))
-            self.on_update(seq)
+            self._report(seq)
         except AgentError as exc:
             self._group_failed(prefill_group, exc)  # fails seq too
             self.scheduler.transfer_failed(seq, str(exc))
         except Exception as exc:  # a bug must not leave the request hanging
             log.exception("request %s: prefill on %s failed", seq.request_id, prefill.address)
             self.scheduler.transfer_failed(seq, f"internal error: {type(exc).__name__}: {exc}")
-            self.on_update(seq)
+            self._report(seq)
         else:
             self.metrics.kv_transfer_bytes.inc(kv_bytes)
             self.metrics.kv_transfer.observe(transfer_ms / 1000)
@@ -494,7 +498,7 @@ class Engine:
                 transfer_ms,
             )
             self.scheduler.transferred(seq, token)
-            self.on_update(seq)
+            self._report(seq)
         self._wake.set()
 
     def _step_chunk(self, chunk: Chunk) -> StepChunk:
@@ -512,7 +516,7 @@ class Engine:
             if not seq.finished:
                 seq.error = error
                 self.scheduler.finish(seq, FinishReason.ERROR)
-                self.on_update(seq)
+                self._report(seq)
 
     async def _decode(self, group: int, seqs: list[Sequence]) -> list[Sampled]:
         client = self.clients[group]
@@ -545,7 +549,7 @@ class Engine:
         if not self.scheduler.can_serve:
             failed += self.scheduler.fail_waiting(f"no agent is available: {address} failed: {exc}")
         for seq in failed:
-            self.on_update(seq)
+            self._report(seq)
         if not self._stopping and group not in self.links.taken_over:  # the newer server keeps it
             self._recoveries[group] = asyncio.create_task(self._recover(group), name=f"recover-group-{group}")
 

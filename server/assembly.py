@@ -9,6 +9,7 @@ import json
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -106,48 +107,63 @@ def check_first_token(grammar: Grammar, sampling: SamplingParams, eos_ids: froze
         )
 
 
-async def admit(
+@dataclass(frozen=True)
+class AnswerRequest:
+    """What one request asks of a model's engine: a prompt, one sampling per answer (OpenAI's `n`
+    choices), the answers' length, stops and grammar, and who asks (access.client_of), with what
+    priority and prefix-cache salt (scheduler/client_share.py, scheduler/block_manager.py)."""
+
+    prompt: list[int]
+    samplings: list[SamplingParams]
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    grammar: Grammar | None = None
+    cache_salt: str | None = None
+    client: str = ""
+    priority: int = 0
+
+
+def generate_answer(
+    engine: Engine,
     outputs: OutputProcessor,
-    prompt: list[int],
-    samplings: list[SamplingParams],
-    max_new_tokens: int,
-    stop: list[str],
-    ignore_eos: bool,
-    openai: bool,
-    grammar: Grammar | None = None,
-    cache_salt: str | None = None,
-    client: str = "",
-    priority: int = 0,
+    request: AnswerRequest,
+    sampling: SamplingParams,
+    request_id: str | None = None,
+) -> AnswerStream:
+    """One answer of the request, queued at once (AdmissionError if refused) with its stream;
+    closing the stream early (the client is gone) aborts it and frees its slot."""
+    seq = engine.add_request(
+        request_id or uuid.uuid4().hex,
+        request.prompt,
+        sampling,
+        request.max_new_tokens,
+        request.ignore_eos,
+        None if request.grammar is None else request.grammar.follow(),
+        request.cache_salt,
+        request.client,
+        request.priority,
+    )
+    return outputs.open(seq, request.stop, engine.abort)
+
+
+async def admit(
+    engine: Engine, outputs: OutputProcessor, request: AnswerRequest, openai: bool
 ) -> list[AnswerStream]:
-    """One answer stream per sampling (OpenAI's `n` choices), all admitted or none; each follows
-    `grammar` from its start when one is given. `client` (access.client_of) and `priority` are
-    the scheduler's (scheduler/client_share.py)."""
-    if priority and outputs.engine.config.server.scheduling_policy != "priority":
+    """One answer stream per sampling, all admitted or none (a refusal becomes an ApiError)."""
+    if request.priority and engine.config.server.scheduling_policy != "priority":
         raise ApiError(
             400,
             "priority needs server.scheduling_policy: priority (this server is first come, first served)",
             param="priority",
         )
-    if grammar is not None:
-        for sampling in samplings:
-            check_first_token(grammar, sampling, outputs.engine.stop_ids)
+    if request.grammar is not None:
+        for sampling in request.samplings:
+            check_first_token(request.grammar, sampling, engine.stop_ids)
     streams = []
     try:
-        for sampling in samplings:
-            streams.append(
-                outputs.generate_answer(
-                    uuid.uuid4().hex,
-                    prompt,
-                    sampling,
-                    max_new_tokens,
-                    tuple(stop),
-                    ignore_eos,
-                    None if grammar is None else grammar.follow(),
-                    cache_salt,
-                    client,
-                    priority,
-                )
-            )
+        for sampling in request.samplings:
+            streams.append(generate_answer(engine, outputs, request, sampling))
     except AdmissionError as exc:
         for stream in streams:  # admitted choices of a refused request go too
             await stream.aclose()

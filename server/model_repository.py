@@ -9,7 +9,7 @@ and engine (a ServedModel). Routes find a model with serving(name): 404 for a na
     await repository.load(name); await repository.unload(name)   # model_control_mode explicit
     await repository.drain(timeout_s) # SIGTERM: every model's
 
-A load asks the agent launcher (scheduler/launcher_client.py) to start the model's agents, follows
+A load asks the agent launcher (server/launcher_client.py) to start the model's agents, follows
 them until they are warm (a failure's reason is the failing agent's error and last log lines), then
 connects an engine: the model is routable only then. An unload refuses new requests (503 naming
 the state), drains the model's running ones (they finish, or end with an "error" event after
@@ -29,10 +29,10 @@ from agent.model.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
 from config.schema import ServingConfig
 from scheduler.agent_client import AgentError
 from scheduler.engine import Engine
-from scheduler.launcher_client import LauncherClient, LauncherError
 from scheduler.metrics import MetricsByModel, ServingMetrics
 from server.assembly import PromptEncoder
 from server.errors import ApiError
+from server.launcher_client import LauncherClient, LauncherError
 from server.logprob_format import LogprobFormatter
 from server.output import OutputProcessor
 from server.structured_output import Grammars
@@ -47,10 +47,13 @@ class LoadFailed(Exception):
 
 @dataclass
 class LoadedModel:
-    """What the routes use of a loaded model."""
+    """What the routes use of a loaded model: its engine and its answer streams, built side by side
+    (the engine reports each sequence to the streams' update), its prompt encoder, grammars and
+    logprob formatter."""
 
     name: str
     config: ServingConfig
+    engine: Engine
     outputs: OutputProcessor
     encoder: PromptEncoder
     grammars: Grammars
@@ -60,9 +63,20 @@ class LoadedModel:
     def tokenizer(self) -> TextTokenizer:
         return self.outputs.tokenizer
 
-    @property
-    def engine(self) -> Engine:
-        return self.outputs.engine
+    async def drain(self, timeout_s: float, reason: str | None = None) -> None:
+        """Refuse new requests (503) and wait up to `timeout_s` for every open stream to end;
+        stopping the engine then ends whatever is left with a final output saying so (`reason`:
+        why, default the server is shutting down)."""
+        self.engine.refuse_new_requests(reason)
+        deadline = time.monotonic() + timeout_s
+        streams = self.outputs.streams
+        if streams:
+            log.info("model %s: draining %d request(s), up to %gs", self.name, len(streams), timeout_s)
+        while streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if streams:
+            log.warning("model %s: drain timeout: ending %d unfinished request(s)", self.name, len(streams))
+        await self.engine.stop(reason)
 
 
 @dataclass
@@ -178,12 +192,14 @@ class ModelRepository:
 
     def _assemble(self, model: ServedModel, tokenizer: TextTokenizer) -> None:
         metrics = ServingMetrics()
-        outputs = OutputProcessor(model.config, tokenizer, metrics)
+        outputs = OutputProcessor(tokenizer, metrics)
+        engine = Engine(model.config, tokenizer.vocab_size, tokenizer.eos_ids, outputs.update, metrics)
         model.loaded = LoadedModel(
             model.name,
             model.config,
+            engine,
             outputs,
-            PromptEncoder(tokenizer, outputs.engine),
+            PromptEncoder(tokenizer, engine),
             Grammars(
                 tokenizer,
                 model.config.server.max_grammar_bytes,
@@ -270,7 +286,7 @@ class ModelRepository:
             if model.loaded is not None:
                 model.state, model.reason = UNLOADING, ""
                 log.info("unloading model %s", model.name)
-                await model.loaded.outputs.drain(
+                await model.loaded.drain(
                     self.config.server.drain_timeout_s, f"model {model.name!r} is being unloaded"
                 )
                 self._disassemble(model)
@@ -286,7 +302,7 @@ class ModelRepository:
     async def drain(self, timeout_s: float) -> None:
         """SIGTERM: every model refuses new requests; the running ones get up to `timeout_s`."""
         self.draining = True
-        await asyncio.gather(*(m.outputs.drain(timeout_s) for m in self.loaded()))
+        await asyncio.gather(*(m.drain(timeout_s) for m in self.loaded()))
 
     def refuse_new_requests(self) -> None:
         for model in self.loaded():

@@ -24,6 +24,7 @@ from sse_starlette.sse import EventSourceResponse
 from agent.contract.native_request import ClientRequest, TgiGrammar
 from server.access import client_of
 from server.assembly import (
+    AnswerRequest,
     admit,
     check_answer_fits,
     check_reply_size,
@@ -177,7 +178,7 @@ def native_router(repository: ModelRepository) -> APIRouter:
     ) -> tuple[AnswerStream, LogprobFormatter]:
         """The request admitted; `whole`: its answer is built in memory (not streamed)."""
         model = repository.serving(name)
-        outputs, encoder = model.outputs, model.encoder
+        encoder = model.encoder
         p = request.parameters
         chat = model.config.server.apply_chat_template if p.chat_template is None else p.chat_template
         bounded = p.truncate is None  # else cut to its last tokens: any length may fit
@@ -200,19 +201,18 @@ def native_router(repository: ModelRepository) -> APIRouter:
         )
         if whole and sampling.logprobs is not None:
             check_reply_size(1, p.max_new_tokens, sampling.logprobs, model.config.server.max_reply_logprobs)
-        [stream] = await admit(
-            outputs,
+        answer_request = AnswerRequest(
             prompt,
             [sampling],
             p.max_new_tokens,
-            p.stop,
+            tuple(p.stop),
             p.ignore_eos,
-            openai=False,
-            grammar=grammar,
-            cache_salt=p.cache_salt,
-            client=client_of(http.scope),
-            priority=p.priority,
+            grammar,
+            p.cache_salt,
+            client_of(http.scope),
+            p.priority,
         )
+        [stream] = await admit(model.engine, model.outputs, answer_request, openai=False)
         return stream, model.formatter
 
     @router.post("/models/{model}")

@@ -21,6 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 from server import tool_calls
 from server.access import client_of
 from server.assembly import (
+    AnswerRequest,
     admit,
     check_answer_fits,
     check_reply_size,
@@ -95,7 +96,7 @@ def openai_router(repository: ModelRepository) -> APIRouter:
         return model
 
     async def respond(http: Request, model: LoadedModel, req, prompt: list[int], max_tokens: int, chat: bool):
-        outputs, formatter = model.outputs, model.formatter
+        formatter = model.formatter
         # Temperature 0 is greedy; choice i samples with seed + i.
         top = req.top_logprobs_asked()
         samplings = [
@@ -124,19 +125,18 @@ def openai_router(repository: ModelRepository) -> APIRouter:
             grammar = await compile_grammar(model.grammars, req.grammar_spec, param, 400)
         if top is not None and not req.stream:
             check_reply_size(req.n, max_tokens, top, model.config.server.max_reply_logprobs)
-        streams = await admit(
-            outputs,
+        request = AnswerRequest(
             prompt,
             samplings,
             max_tokens,
-            req.stop,
+            tuple(req.stop),
             req.ignore_eos,
-            openai=True,
-            grammar=grammar,
-            cache_salt=req.cache_salt,
-            client=client_of(http.scope),
-            priority=req.priority,
+            grammar,
+            req.cache_salt,
+            client_of(http.scope),
+            req.priority,
         )
+        streams = await admit(model.engine, model.outputs, request, openai=True)
         object_name = "chat.completion" if chat else "text_completion"
         reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 

@@ -1,12 +1,12 @@
 """OutputProcessor: the server's side of the engine, one async stream of text per request.
 
-    outputs = OutputProcessor(config, tokenizer)    # builds its Engine (outputs.engine)
-    await outputs.engine.start()
-    async for out in outputs.generate_answer(request_id, prompt_ids, sampling, max_new_tokens):
+    outputs = OutputProcessor(tokenizer, metrics)
+    engine = Engine(config, tokenizer.vocab_size, tokenizer.eos_ids, outputs.update, metrics)
+    stream = outputs.open(engine.add_request(...), stop, engine.abort)   # server/assembly.py
+    async for out in stream:
         out.text ...                            # pieces join to the full answer; last one: finished
-    await outputs.drain(timeout_s)              # SIGTERM: refuse new requests, let the rest finish
 
-The engine reports a sequence after each of its new tokens and at its end; here they become text:
+The engine reports a sequence after each of its new tokens and at its end (update); here they become text:
 incremental UTF-8-safe detokenization, stop strings (with the text that could start one held
 back), and the per-request metrics (time to first token, inter-token latency, outcome).
 """
@@ -16,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agent.contract.sampling import SamplingParams, TokenLogprob
+from agent.contract.sampling import TokenLogprob
 from agent.model.detokenizer import IncrementalDetokenizer
 from agent.model.tokenizer import TextTokenizer
-from config.schema import ServingConfig
-from scheduler.engine import Engine
 from scheduler.metrics import ServingMetrics
-from scheduler.sequence import FinishReason, Sequence, TokenConstraint
+from scheduler.sequence import FinishReason, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +55,7 @@ class _Stream:
     stop: tuple[str, ...]
     # ids that end the answer without being part of it: EOS (unless ignore_eos), stop_token_ids
     hidden: frozenset[int]
+    abort: Callable[[str], None]  # ends the request (the engine's abort)
     hold: int = 0  # characters held back: the longest stop string but one
     consumed: int = 0  # tokens of seq.output already detokenized
     sent: int = 0  # characters of detokenizer.text already handed out
@@ -103,33 +103,19 @@ class AnswerStream:
 
 
 class OutputProcessor:
-    def __init__(
-        self, config: ServingConfig, tokenizer: TextTokenizer, metrics: ServingMetrics | None = None
-    ):
+    """The answer streams of one model's requests: what the engine reports of each sequence
+    (update, its on_update) becomes text on that request's stream; a stop string found in the text
+    is the processor's finish decision, which update returns for the engine to apply."""
+
+    def __init__(self, tokenizer: TextTokenizer, metrics: ServingMetrics | None = None):
         self.tokenizer = tokenizer
         self.metrics = metrics or ServingMetrics()
-        self.engine = Engine(config, tokenizer.vocab_size, tokenizer.eos_ids, self._update, self.metrics)
         self.streams: dict[str, _Stream] = {}
         self.metrics.open_streams.set_function(lambda: len(self.streams))
 
-    def generate_answer(
-        self,
-        request_id: str,
-        prompt: list[int],
-        sampling: SamplingParams,
-        max_new_tokens: int,
-        stop: tuple[str, ...] = (),
-        ignore_eos: bool = False,
-        constraint: TokenConstraint | None = None,
-        cache_salt: str | None = None,
-        client: str = "",
-        priority: int = 0,
-    ) -> AnswerStream:
-        """Registers the request at once (AdmissionError if it is refused) and returns its stream.
-        Closing the stream early (client gone) aborts the request and frees its slot."""
-        seq = self.engine.add_request(
-            request_id, prompt, sampling, max_new_tokens, ignore_eos, constraint, cache_salt, client, priority
-        )
+    def open(self, seq: Sequence, stop: tuple[str, ...], abort: Callable[[str], None]) -> AnswerStream:
+        """The stream of an admitted sequence; closing it early (the client is gone) calls
+        `abort(request_id)`, which ends the request and frees its slot."""
         stop = tuple(s for s in stop if s)
         stream = _Stream(
             seq,
@@ -137,37 +123,25 @@ class OutputProcessor:
             IncrementalDetokenizer(self.tokenizer),
             stop,
             seq.stop_ids,
+            abort,
             hold=max((len(s) for s in stop), default=1) - 1,
         )
-        self.streams[request_id] = stream
+        self.streams[seq.request_id] = stream
         return AnswerStream(self, stream)
-
-    async def drain(self, timeout_s: float, reason: str | None = None) -> None:
-        """Refuse new requests (503) and wait up to `timeout_s` for every open stream to end;
-        stopping the engine then ends whatever is left with a final output saying so (`reason`:
-        why, default the server is shutting down)."""
-        self.engine.refuse_new_requests(reason)
-        deadline = time.monotonic() + timeout_s
-        if self.streams:
-            log.info("draining %d request(s), up to %gs", len(self.streams), timeout_s)
-        while self.streams and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.streams:
-            log.warning("drain timeout: ending %d unfinished request(s)", len(self.streams))
-        await self.engine.stop(reason)
 
     def _close(self, stream: _Stream) -> None:
         """The reader is done with the stream: an unfinished request is aborted, its slot freed."""
-        if not stream.seq.finished:
-            self.engine.abort(stream.seq.request_id)
+        if not stream.seq.finished and not stream.stop_string:
+            stream.abort(stream.seq.request_id)
             self._count(stream)
         self.streams.pop(stream.seq.request_id, None)
 
-    def _update(self, seq: Sequence) -> None:
-        """Hand the sequence's newest token (as text) and/or its end to its stream."""
+    def update(self, seq: Sequence) -> FinishReason | None:
+        """Hand the sequence's newest token (as text) and/or its end to its stream; STOP when a
+        stop string ended its text (the engine then finishes it)."""
         stream = self.streams.get(seq.request_id)
         if stream is None:
-            return
+            return None
         first, new_tokens = stream.consumed, seq.output[stream.consumed :]
         stream.consumed = len(seq.output)
         shown = []
@@ -180,21 +154,24 @@ class OutputProcessor:
         piece = self._next_piece(stream)
         if new_tokens:
             self._time_tokens(stream, len(new_tokens))
-        if seq.finished:
-            self._count(stream)
+        finished = seq.finished or stream.stop_string
+        reason = FinishReason.STOP if stream.stop_string else seq.finish_reason
+        if finished:
+            self._count(stream, reason)
         stream.queue.put_nowait(
             GenerationOutput(
                 text=piece,
                 token_id=new_tokens[-1] if new_tokens else None,
                 index=len(seq.output),
-                finished=seq.finished,
-                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                finished=finished,
+                finish_reason=reason.value if reason else None,
                 error=seq.error,
                 error_status=seq.error_status,
                 tokens=shown,
                 stop_string=stream.stop_string,
             )
         )
+        return FinishReason.STOP if stream.stop_string and not seq.finished else None
 
     def _next_piece(self, stream: _Stream) -> str:
         """The text not yet handed out, up to a stop string (which finishes the sequence)."""
@@ -203,7 +180,6 @@ class OutputProcessor:
         if hits:
             text = text[: min(hits)]
             stream.stop_string = True
-            self.engine.finish(seq, FinishReason.STOP)
         elif stream.hold and not seq.finished:
             # Hold back what could be the start of a stop string: once sent it cannot be taken back.
             text = text[: max(stream.sent, len(text) - stream.hold)]
@@ -219,12 +195,12 @@ class OutputProcessor:
             self.metrics.inter_token.observe(now - stream.last_token)
         stream.last_token = now
 
-    def _count(self, stream: _Stream) -> None:
-        """A request's outcome and duration, once."""
+    def _count(self, stream: _Stream, reason: FinishReason | None = None) -> None:
+        """A request's outcome and duration, once (`reason`: how it ended, default its sequence's)."""
         if stream.counted:
             return
         stream.counted = True
-        reason = stream.seq.finish_reason
+        reason = reason or stream.seq.finish_reason
         outcome = (
             "ok"
             if reason in (FinishReason.STOP, FinishReason.LENGTH)

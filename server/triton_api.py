@@ -38,7 +38,7 @@ from agent.contract.sampling import (
     check_stop_strings,
 )
 from server.access import client_of
-from server.assembly import admit, check_answer_fits, sampling_params, unless_disconnected
+from server.assembly import AnswerRequest, admit, check_answer_fits, sampling_params, unless_disconnected
 from server.errors import ApiError
 from server.model_repository import ModelRepository
 from server.native_api import whole_answer
@@ -169,16 +169,10 @@ def triton_router(repository: ModelRepository) -> APIRouter:
         )
         check_answer_fits(len(prompt), p.max_tokens, model.engine.max_seq_len, False, "max_tokens")
         sampling = sampling_params(p, p.temperature > 0, p.seed, model.tokenizer.vocab_size)
-        [stream] = await admit(
-            model.outputs,
-            prompt,
-            [sampling],
-            p.max_tokens,
-            p.stop,
-            p.ignore_eos,
-            openai=False,
-            client=client_of(http.scope),
+        request = AnswerRequest(
+            prompt, [sampling], p.max_tokens, tuple(p.stop), p.ignore_eos, client=client_of(http.scope)
         )
+        [stream] = await admit(model.engine, model.outputs, request, openai=False)
         return stream
 
     async def answer(http: Request, name: str, prompt_text: str, p: TritonParameters) -> str | Response:

@@ -12,7 +12,7 @@ from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, write_config
 from config import load_config
-from server.output import OutputProcessor
+from engine_harness import EngineAndStreams
 
 GREEDY = SamplingParams()
 AGENT_TIMEOUT_S = 20
@@ -82,7 +82,7 @@ def test_a_stuck_group_holds_only_its_own_requests(groups, tiny_llama_dir):
     prompt = tokenizer.encode("The quick brown")
 
     async def scenario():
-        server = OutputProcessor(config, tokenizer)
+        server = EngineAndStreams(config, tokenizer)
         await server.engine.start()
         healthy = server.generate_answer("healthy", prompt, GREEDY, 40, ignore_eos=True)
         stuck = server.generate_answer("stuck", prompt, GREEDY, 40, ignore_eos=True)

@@ -1,5 +1,5 @@
 """The launcher's control channel on real ZeroMQ sockets, in one process: the server's client
-(scheduler/launcher_client.py) against the launcher's socket (agent/launcher/control.py), with
+(server/launcher_client.py) against the launcher's socket (agent/launcher/control.py), with
 CURVE keys (only the server's key is answered) and the message bound; then the launcher's models
 in-process with real agents, where a failed spawn fails one model's load or restart, nothing else."""
 
@@ -16,7 +16,7 @@ from agent.contract import launcher_control as control
 from agent.launcher.control import ControlChannel
 from agent_harness import LONG_ANSWERS_RUNTIME, curve_keys, free_ports
 from config.schema import ServingConfig
-from scheduler.launcher_client import LauncherClient, LauncherError, LauncherUnreachable
+from server.launcher_client import LauncherClient, LauncherError, LauncherUnreachable
 
 
 def config_of(port: int, curve: dict | None) -> ServingConfig:

@@ -1,5 +1,5 @@
-"""The engine and its answer streams (OutputProcessor) over a real agent process: streams, continuous
-batching, aborts, stop strings, limits."""
+"""The engine and its answer streams (OutputProcessor), built side by side, over a real agent
+process: streams, continuous batching, aborts, stop strings, limits."""
 
 import asyncio
 import gc
@@ -11,10 +11,10 @@ from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, write_config
 from config import load_config
+from engine_harness import EngineAndStreams
 from scheduler.batch_scheduler import AdmissionError, Refusal
 from scheduler.sequence import FinishReason
 from server.errors import refusal_status
-from server.output import OutputProcessor
 
 GREEDY = SamplingParams()
 TEXTS = [
@@ -71,7 +71,7 @@ def test_answers_under_load_equal_answers_alone(agent_config, tokenizer, tiny_ll
     want = [tokenizer.decode(alone(tiny_llama_runner, p, 20, stop_ids)) for p in prompts]
 
     async def scenario():
-        server = OutputProcessor(agent_config, tokenizer)
+        server = EngineAndStreams(agent_config, tokenizer)
         await server.engine.start()
         seen = {"bs": 0, "queue": 0}
 
@@ -102,7 +102,7 @@ def test_answers_under_load_equal_answers_alone(agent_config, tokenizer, tiny_ll
 
 def test_closing_a_stream_aborts_and_frees_the_slot(agent_config, tokenizer):
     async def scenario():
-        server = OutputProcessor(agent_config, tokenizer)
+        server = EngineAndStreams(agent_config, tokenizer)
         await server.engine.start()
         stream = server.generate_answer("gone", tokenizer.encode("The quick"), GREEDY, 60)
         await stream.__anext__()
@@ -132,7 +132,7 @@ def test_stop_string_truncates_and_finishes(agent_config, tokenizer, tiny_llama_
     assert stop.strip() and stop in full
 
     async def scenario():
-        server = OutputProcessor(agent_config, tokenizer)
+        server = EngineAndStreams(agent_config, tokenizer)
         await server.engine.start()
         text, outputs = await collect(server.generate_answer("st", prompt, GREEDY, 30, (stop,)))
         await server.engine.stop()
@@ -148,7 +148,7 @@ def test_queue_bound_and_prompt_bound(agent_config, tokenizer):
     )
 
     async def scenario():
-        server = OutputProcessor(config, tokenizer)
+        server = EngineAndStreams(config, tokenizer)
         await server.engine.start()
         # 4 free slots + 3 waiting places.
         streams = [server.generate_answer(f"q{i}", [7], GREEDY, 3) for i in range(7)]
@@ -173,7 +173,7 @@ def test_a_dropped_stream_is_closed_on_the_event_loop_not_inside_garbage_collect
     unraisable = []
 
     async def scenario():
-        server = OutputProcessor(agent_config, tokenizer)
+        server = EngineAndStreams(agent_config, tokenizer)
         await server.engine.start()
         stream = server.generate_answer("dropped", tokenizer.encode("The quick"), GREEDY, 60)
         seq = stream._stream.seq
@@ -198,7 +198,7 @@ def test_a_dropped_stream_is_closed_on_the_event_loop_not_inside_garbage_collect
 
 def test_a_dead_scheduler_loop_ends_every_request_refuses_new_ones_and_says_why(agent_config, tokenizer):
     async def scenario():
-        server = OutputProcessor(agent_config, tokenizer)
+        server = EngineAndStreams(agent_config, tokenizer)
         engine = server.engine
         await engine.start()
         running = server.generate_answer("running", tokenizer.encode("The quick"), GREEDY, 60)

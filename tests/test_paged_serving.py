@@ -1,5 +1,5 @@
-"""The paged engine end to end: the engine and its answer streams (OutputProcessor) over a real agent
-process whose KV pool is far smaller than its seats' whole lengths. A prompt many chunks long gives
+"""The paged engine end to end: the engine and its answer streams (OutputProcessor) over a real
+agent process whose KV pool is far smaller than its seats' whole lengths. A prompt many chunks long gives
 the greedy tokens of the independent numpy reference; a prefix-cache hit gives the tokens of a cold
 prefill; 16 concurrent streams in a pool that holds a third of them are preempted and resumed, and
 every answer equals its answer alone."""
@@ -14,7 +14,7 @@ from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, write_config
 from config import load_config
-from server.output import OutputProcessor
+from engine_harness import EngineAndStreams
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(do_sample=True, top_k=20, temperature=0.9, seed=3)
@@ -49,7 +49,7 @@ def tokenizer(tiny_llama_dir):
     return load_tokenizer(tiny_llama_dir)
 
 
-async def tokens_of(server: OutputProcessor, request_id: str, prompt, params, n: int) -> list[int]:
+async def tokens_of(server: EngineAndStreams, request_id: str, prompt, params, n: int) -> list[int]:
     outputs = [o async for o in server.generate_answer(request_id, prompt, params, n)]
     assert outputs[-1].finished and outputs[-1].error is None, outputs[-1]
     return [o.token_id for o in outputs if o.token_id is not None]
@@ -57,7 +57,7 @@ async def tokens_of(server: OutputProcessor, request_id: str, prompt, params, n:
 
 def serve(config, tokenizer, scenario):
     async def run():
-        server = OutputProcessor(config, tokenizer)
+        server = EngineAndStreams(config, tokenizer)
         await server.engine.start()
         try:
             return await scenario(server)
@@ -126,7 +126,7 @@ def test_sixteen_streams_in_a_third_of_their_blocks_are_preempted_and_lose_nothi
     assert got == want
 
 
-def mixed_steps(server: OutputProcessor) -> float:
+def mixed_steps(server: EngineAndStreams) -> float:
     """Agent calls that ran a decode and prompt chunks together (the agent_step histogram's count)."""
     return sum(
         sample.value
