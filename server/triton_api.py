@@ -119,6 +119,95 @@ class InferRequest(BaseModel):
     parameters: dict = Field(default_factory=dict)
 
 
+def model_metadata(name: str) -> dict:
+    return {
+        "name": name,
+        "versions": [VERSION],
+        "platform": "ms-llm-serving",
+        "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
+        "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}],
+    }
+
+
+async def model_readiness(repository: ModelRepository, name: str) -> str | None:
+    """Why the model cannot answer now (None: it can)."""
+    model = repository.resolve(name)
+    loaded = model.loaded if model.state == READY else None
+    return model.status() if loaded is None else await loaded.engine.readiness()
+
+
+async def start_answer(
+    repository: ModelRepository, client: str, name: str, prompt_text: str, p: TritonParameters
+) -> AnswerStream:
+    """The request admitted on the named model: its answer's stream."""
+    model = repository.serving(name)
+    chat = model.config.server.apply_chat_template if p.chat_template is None else p.chat_template
+    prompt = await (
+        model.encoder.encode_chat([{"role": "user", "content": prompt_text}], param="text_input")
+        if chat
+        else model.encoder.encode(prompt_text, param="text_input")
+    )
+    check_answer_fits(len(prompt), p.max_tokens, model.engine.max_seq_len, False, "max_tokens")
+    sampling = sampling_params(p, p.temperature > 0, p.seed, model.tokenizer.vocab_size)
+    request = AnswerRequest(prompt, [sampling], p.max_tokens, tuple(p.stop), p.ignore_eos, client=client)
+    [stream] = await admit(model.engine, model.outputs, request, openai=False)
+    return stream
+
+
+async def answer_text(
+    http: Request, repository: ModelRepository, name: str, prompt_text: str, p: TritonParameters
+) -> str | Response:
+    """The whole answer's text, or a Response when the client left first (its generation
+    stopped, its slot freed)."""
+    stream = await start_answer(repository, client_of(http.scope), name, prompt_text, p)
+    done = await unless_disconnected(http, [stream], whole_answer(stream))
+    if isinstance(done, Response):
+        return done
+    text, _ = done
+    return text if p.exclude_input_in_output else prompt_text + text
+
+
+async def text_pieces(name: str, prompt_text: str, p: TritonParameters, stream: AnswerStream):
+    """The answer as generate_stream's events: the prompt first unless excluded, then each piece of
+    text; an error is the last event."""
+    async with contextlib.aclosing(stream):
+        if not p.exclude_input_in_output:
+            yield json.dumps({"model_name": name, "model_version": VERSION, "text_output": prompt_text})
+        async for out in stream:
+            if out.text:
+                piece = {"model_name": name, "model_version": VERSION, "text_output": out.text}
+                yield json.dumps(piece, ensure_ascii=False)
+            if out.error:
+                yield json.dumps({"error": out.error})
+                return
+
+
+def infer_parameters(req: InferRequest, tensors: dict) -> tuple[str, TritonParameters]:
+    """An infer request's prompt (its BYTES text_input) and parameters (its request parameters and
+    its other one-element inputs, named as the parameters); 400 naming what is wrong."""
+    prompt = tensors.pop("text_input", None)
+    if not isinstance(prompt, str):
+        raise ApiError(400, "infer needs a BYTES input named text_input (the prompt: one string)")
+    try:
+        asked = {k: v for k, v in req.parameters.items() if k not in PROTOCOL_PARAMETERS}
+        return prompt, TritonParameters.model_validate({**asked, **tensors})
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        raise ApiError(400, f"bad parameter or input {where}: {problem['msg']}") from None
+
+
+def infer_reply(name: str, req: InferRequest, text: str) -> dict:
+    reply: dict = {
+        "model_name": name,
+        "model_version": VERSION,
+        "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1], "data": [text]}],
+    }
+    if req.id is not None:
+        reply["id"] = req.id
+    return reply
+
+
 def triton_router(repository: ModelRepository) -> APIRouter:
     router = APIRouter(prefix="/v2")
     generate_request = json_body(GenerateRequest)
@@ -140,103 +229,36 @@ def triton_router(repository: ModelRepository) -> APIRouter:
 
     @router.get("/models/{name}")
     @router.get("/models/{name}/versions/" + VERSION)
-    async def model_metadata(name: str):
+    async def metadata(name: str):
         repository.resolve(name)
-        return {
-            "name": name,
-            "versions": [VERSION],
-            "platform": "ms-llm-serving",
-            "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
-            "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}],
-        }
+        return model_metadata(name)
 
     @router.get("/models/{name}/ready")
     async def model_ready(name: str):
-        model = repository.resolve(name)
-        loaded = model.loaded if model.state == READY else None
-        reason = model.status() if loaded is None else await loaded.engine.readiness()
+        reason = await model_readiness(repository, name)
         if reason:
             raise ApiError(503, f"model {name!r} is not ready: {reason}")
         return {}
 
-    async def start(http: Request, name: str, prompt_text: str, p: TritonParameters) -> AnswerStream:
-        model = repository.serving(name)
-        chat = model.config.server.apply_chat_template if p.chat_template is None else p.chat_template
-        prompt = await (
-            model.encoder.encode_chat([{"role": "user", "content": prompt_text}], param="text_input")
-            if chat
-            else model.encoder.encode(prompt_text, param="text_input")
-        )
-        check_answer_fits(len(prompt), p.max_tokens, model.engine.max_seq_len, False, "max_tokens")
-        sampling = sampling_params(p, p.temperature > 0, p.seed, model.tokenizer.vocab_size)
-        request = AnswerRequest(
-            prompt, [sampling], p.max_tokens, tuple(p.stop), p.ignore_eos, client=client_of(http.scope)
-        )
-        [stream] = await admit(model.engine, model.outputs, request, openai=False)
-        return stream
-
-    async def answer(http: Request, name: str, prompt_text: str, p: TritonParameters) -> str | Response:
-        """The whole answer's text, or a Response when the client left first (its generation
-        stopped, its slot freed)."""
-        stream = await start(http, name, prompt_text, p)
-        done = await unless_disconnected(http, [stream], whole_answer(stream))
-        if isinstance(done, Response):
-            return done
-        text, _ = done
-        return text if p.exclude_input_in_output else prompt_text + text
-
     @router.post("/models/{name}/generate")
     async def generate(http: Request, name: str, req: GenerateRequest = Depends(generate_request)):
-        text = await answer(http, name, req.text_input, req.parameters)
+        text = await answer_text(http, repository, name, req.text_input, req.parameters)
         if isinstance(text, Response):
             return text
         return {"model_name": name, "model_version": VERSION, "text_output": text}
 
     @router.post("/models/{name}/generate_stream")
     async def generate_stream(http: Request, name: str, req: GenerateRequest = Depends(generate_request)):
-        stream = await start(http, name, req.text_input, req.parameters)
-
-        async def events():
-            async with contextlib.aclosing(stream):
-                if not req.parameters.exclude_input_in_output:
-                    yield json.dumps(
-                        {"model_name": name, "model_version": VERSION, "text_output": req.text_input}
-                    )
-                async for out in stream:
-                    if out.text:
-                        piece = {"model_name": name, "model_version": VERSION, "text_output": out.text}
-                        yield json.dumps(piece, ensure_ascii=False)
-                    if out.error:
-                        yield json.dumps({"error": out.error})
-                        return
-
-        return EventSourceResponse(events())
+        stream = await start_answer(repository, client_of(http.scope), name, req.text_input, req.parameters)
+        return EventSourceResponse(text_pieces(name, req.text_input, req.parameters, stream))
 
     @router.post("/models/{name}/infer")
     async def infer(name: str, http: Request):
         repository.serving(name)
         req, tensors = parse_infer(await http.body(), http.headers.get(BINARY_HEADER))
-        prompt = tensors.pop("text_input", None)
-        if not isinstance(prompt, str):
-            raise ApiError(400, "infer needs a BYTES input named text_input (the prompt: one string)")
-        try:
-            asked = {k: v for k, v in req.parameters.items() if k not in PROTOCOL_PARAMETERS}
-            p = TritonParameters.model_validate({**asked, **tensors})
-        except ValidationError as exc:
-            problem = exc.errors()[0]
-            where = ".".join(str(part) for part in problem["loc"])
-            raise ApiError(400, f"bad parameter or input {where}: {problem['msg']}") from None
-        text = await answer(http, name, prompt, p)
-        if isinstance(text, Response):
-            return text
-        reply: dict = {
-            "model_name": name,
-            "model_version": VERSION,
-            "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1], "data": [text]}],
-        }
-        if req.id is not None:
-            reply["id"] = req.id
-        return reply
+        prompt, p = infer_parameters(req, tensors)
+        text = await answer_text(http, repository, name, prompt, p)
+        return text if isinstance(text, Response) else infer_reply(name, req, text)
 
     return router
 
