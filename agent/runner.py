@@ -1,4 +1,4 @@
-"""ModelRunner: owns the model, its KV slots and its four graphs; the agent process calls it.
+"""ModelRunner: owns the model's graphs and its KV slots; the agent process calls it.
 
     runner = ModelRunner.from_checkpoint(checkpoint, runtime)  # weights and KV cache on the device
     runner = ModelRunner.from_mindir(files, runtime)  # or runs graphs exported by tools.export

@@ -113,9 +113,6 @@ class BlockManager:
     def can_allocate(self, tokens: Sequence[int], salt: str | None = None) -> bool:
         return self.blocks_needed(tokens, salt) <= self.num_free
 
-    def can_append(self, key: Hashable, length: int) -> bool:
-        return self.blocks_for(length) - len(self._tables[key]) <= self.num_free
-
     # --- changes ---
 
     def allocate(self, key: Hashable, tokens: Sequence[int], salt: str | None = None) -> int | None:

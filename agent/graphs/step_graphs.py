@@ -190,7 +190,7 @@ def as_tensors(arrays: tuple[np.ndarray, ...]) -> tuple[Tensor, ...]:
 
 
 class LlamaGraphs:
-    """The four graphs built from code over one LlamaModel (weights and KV cache as Parameters), and
+    """The step graphs built from code over one LlamaModel (weights and KV cache as Parameters), and
     the KV transfer graphs: agent.graphs.interface.KVTransferGraphs for ModelRunner."""
 
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = WHOLE_MODEL):
