@@ -26,7 +26,7 @@ lint: setup
 
 # The tests that need neither MindSpore nor a process (tests/conftest.py proves MindSpore stays out).
 unit: setup
-	@$(PY) -m pytest -m unit
+	@$(PY) -m pytest tests/unit
 
 test: lint browser
 	@$(PY) -m pytest

@@ -1,8 +1,8 @@
 """Shared fixtures: MindSpore's process context, tiny checkpoints, and runners built once per session.
 
-Tests marked `unit` (`make unit`: `pytest -m unit`) need neither MindSpore nor a process. This file
-imports MindSpore only where a fixture or a test that is not unit needs it, `-m unit` collects only
-the modules marked unit, and a run of unit tests fails where MindSpore gets imported all the same."""
+The layout mirrors the packages: tests/unit/<package>/ need neither MindSpore nor a process (`make
+unit` runs exactly them, and fails a run of them that imports MindSpore); tests/integration/ run
+the graphs, agent processes, servers. tests/support/ holds the helpers both import (on sys.path)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests' own helper modules
+TESTS = Path(__file__).parent
+UNIT = TESTS / "unit"
+sys.path.insert(0, str(TESTS / "support"))  # the tests' own helper modules
 
 from agent.process_env import set_process_defaults  # noqa: E402
 
@@ -27,7 +29,6 @@ from tiny_models import write_tiny_checkpoint  # noqa: E402
 if TYPE_CHECKING:
     from agent.runner import ModelRunner
 
-UNIT_MARK_LINE = "pytestmark = pytest.mark.unit"
 UNIT_ONLY = pytest.StashKey[bool]()
 DEFAULT_MODEL = PROJECT_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -49,19 +50,20 @@ DEFAULT_RUNTIME = RuntimeSection(
 )
 
 
-def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """Under `-m unit`, skip the test modules not marked unit: pytest imports a module before it can
-    read its marks, and most of the others import MindSpore. The mark line is read from the source."""
-    if config.getoption("markexpr") != "unit" or not collection_path.name.startswith("test_"):
-        return None
-    lines = collection_path.read_text(encoding="utf-8").splitlines()
-    return True if UNIT_MARK_LINE not in lines else None  # None: --ignore and the others still apply
+def is_unit(item: pytest.Item) -> bool:
+    return UNIT in Path(item.path).parents
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:  # `-m unit` selects them too
+        if is_unit(item):
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """MindSpore's context, configured before the fixtures of the first test that may use it."""
-    if item.get_closest_marker("unit") is None:
+    if not is_unit(item):
         _configure_mindspore()
 
 
@@ -75,11 +77,11 @@ def _configure_mindspore() -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A run of unit tests only (`make unit`) proves they need no MindSpore: their modules must not
     import it, and the fixture below fails a test that does."""
-    unit_only = bool(session.items) and all(item.get_closest_marker("unit") for item in session.items)
+    unit_only = bool(session.items) and all(is_unit(item) for item in session.items)
     session.config.stash[UNIT_ONLY] = unit_only
     if unit_only and "mindspore" in sys.modules:
         pytest.exit(
-            "MindSpore was imported while collecting unit tests: a module marked unit (or what "
+            "MindSpore was imported while collecting unit tests: a module in tests/unit (or what "
             "it imports) loads it",
             returncode=pytest.ExitCode.TESTS_FAILED,
         )
@@ -90,9 +92,7 @@ def _unit_runs_leave_mindspore_out(request: pytest.FixtureRequest):
     loaded_before = "mindspore" in sys.modules
     yield
     if request.config.stash.get(UNIT_ONLY, False) and not loaded_before and "mindspore" in sys.modules:
-        pytest.fail(
-            "this unit test imported MindSpore: move it out of the unit modules or make the import lazy"
-        )
+        pytest.fail("this unit test imported MindSpore: move it to tests/integration or make the import lazy")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

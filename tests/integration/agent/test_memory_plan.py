@@ -1,0 +1,154 @@
+"""Memory planning (agent/memory_plan.py) and half precision: sizes from the model's spec, slots and
+lengths from a budget, clear refusals, and a float16 runner against the numpy reference."""
+
+import numpy as np
+import pytest
+from conftest import TINY_RUNTIME
+
+import reference_numpy as ref
+from agent.contract.sampling import SamplingParams
+from agent.memory_plan import MB, MemoryPlanError, plan_memory
+from agent.model.formats import load_checkpoint
+from agent.model.tokenizer import load_tokenizer
+from agent.runner import ModelRunner
+from config.schema import RuntimeSection
+
+BUDGETED = dict(
+    prefill_buckets=[32, 64],
+    decode_batch_buckets=[1, 4, 8, 16],
+    attend_buckets=[256, 512, 2048],
+    compile_cache_dir=None,
+)
+
+
+def test_plan_sizes_come_from_the_spec(default_model_path):
+    spec = load_checkpoint(default_model_path).spec
+    runtime = RuntimeSection(num_slots=8, max_seq_len=2048, **BUDGETED)
+    resolved, plan = plan_memory(spec, runtime)
+    # without a budget, each seat gets its whole length: 8 x 2048 / 16 blocks
+    assert (resolved.num_slots, resolved.max_seq_len, resolved.num_blocks, plan.budget_mb) == (
+        8,
+        2048,
+        1024,
+        None,
+    )
+    # SmolLM2-135M: 30 layers x 2 x 3 KV heads x 64 x 4 bytes = 46080 bytes per position.
+    assert plan.block_mb == pytest.approx(46080 * 16 / MB)
+    assert plan.kv_mb == pytest.approx((1024 + 64 // 16) * 46080 * 16 / MB)  # + the scratch blocks
+    # from the spec alone: 134.5M fp32 parameters
+    assert plan.weights_mb == pytest.approx(spec.parameter_count() * 4 / MB)
+    assert (
+        "memory plan: weights 513 MB, KV cache 723 MB: 1024 blocks of 16 positions (16384 positions, "
+        "8.0 sequences of max_seq_len 2048) shared by 8 seats"
+    ) in plan.describe()
+
+
+def test_a_budget_fills_the_pool_and_auto_seats_are_the_largest_batch(default_model_path):
+    spec = load_checkpoint(default_model_path).spec
+    runtime = RuntimeSection(num_slots="auto", max_seq_len=2048, memory_budget_mb=1500, **BUDGETED)
+    resolved, plan = plan_memory(spec, runtime)
+    assert resolved.num_slots == plan.num_slots == 16  # a decode step never runs more rows
+    assert resolved.num_blocks == plan.num_blocks and plan.num_blocks * 16 > 2048
+    assert plan.total_mb <= 1500 < plan.total_mb + plan.block_mb
+    # fewer blocks than the seats' whole lengths: they share the pool
+    assert plan.num_blocks < 16 * 2048 // 16
+    given = plan_memory(spec, runtime.model_copy(update={"num_blocks": 300}))[1]
+    assert given.num_blocks == 300 and given.total_mb < plan.total_mb
+
+
+def test_auto_length_is_the_context_shortened_to_the_budget(default_model_path):
+    spec = load_checkpoint(default_model_path).spec  # trained context 8192
+    roomy = RuntimeSection(num_slots=4, max_seq_len="auto", memory_budget_mb=100_000, **BUDGETED)
+    assert plan_memory(spec, roomy)[0].max_seq_len == spec.max_context == 8192
+    tight = roomy.model_copy(update={"memory_budget_mb": 800})
+    resolved, plan = plan_memory(spec, tight)
+    assert resolved.max_seq_len % 256 == 0 and 512 <= resolved.max_seq_len < 8192
+    assert resolved.attend_buckets[-1] == resolved.max_seq_len
+    assert plan.total_mb <= 800 and resolved.num_blocks * 16 >= resolved.max_seq_len
+
+
+def test_the_default_plan_holds_the_context_and_64_short_chats_at_once(default_model_path):
+    from config import load_config
+
+    runtime = load_config().runtime
+    resolved, plan = plan_memory(load_checkpoint(default_model_path).spec, runtime)
+    assert resolved.max_seq_len == 8192 and resolved.num_slots == 64
+    assert plan.num_blocks >= 64 * -(-300 // 16)  # 64 chats of ~300 tokens with their answers
+    assert plan.total_mb <= runtime.memory_budget_mb
+
+
+def test_budgets_too_small_are_refused_with_the_sizes(default_model_path):
+    spec = load_checkpoint(default_model_path).spec
+    with pytest.raises(MemoryPlanError, match=r"does not hold the weights \(513 MB\)"):
+        plan_memory(spec, RuntimeSection(num_slots="auto", memory_budget_mb=500, **BUDGETED))
+    with pytest.raises(MemoryPlanError, match="num_blocks 2048 of 16 positions: .* holds at most"):
+        plan_memory(spec, RuntimeSection(num_blocks=2048, memory_budget_mb=1000, **BUDGETED))
+    with pytest.raises(MemoryPlanError, match="at least 128 blocks"):
+        plan_memory(spec, RuntimeSection(max_seq_len=2048, memory_budget_mb=600, **BUDGETED))
+    with pytest.raises(ValueError, match="num_blocks 100 of 16 positions do not hold one sequence"):
+        RuntimeSection(num_blocks=100, **BUDGETED)
+    with pytest.raises(ValueError, match="auto need memory_budget_mb"):
+        RuntimeSection(num_slots="auto")
+
+
+def test_float16_is_half_the_memory():
+    runtime = RuntimeSection(dtype="float16", matmul="mindspore", decode_attention="gather")
+    with pytest.raises(ValueError, match="float16 on CPU needs matmul: mindspore"):
+        RuntimeSection(dtype="float16")
+    with pytest.raises(ValueError, match="bfloat16 has no MindSpore CPU kernels"):
+        RuntimeSection(dtype="bfloat16", matmul="mindspore", decode_attention="gather")
+    assert runtime.dtype == "float16"
+
+
+def test_float16_runner_follows_the_reference(tiny_llama_dir):
+    """The half-precision graphs (what Ascend runs) on CPU: logits within fp16 rounding of the fp64
+    reference, the same greedy tokens, and a KV cache of half the bytes."""
+    runtime = TINY_RUNTIME.model_copy(
+        update={"dtype": "float16", "matmul": "mindspore", "decode_attention": "gather"}
+    )
+    checkpoint = load_checkpoint(tiny_llama_dir)
+    half = ModelRunner.from_checkpoint(checkpoint, runtime)
+    gather = TINY_RUNTIME.model_copy(update={"decode_attention": "gather"})
+    full = ModelRunner.from_checkpoint(checkpoint, gather)
+    assert half.graphs.cache_bytes() * 2 == full.graphs.cache_bytes()
+    prompt = load_tokenizer(tiny_llama_dir).encode("The capital of France is Paris.")
+    reference = ref.load_hf_reference(tiny_llama_dir)
+    got = half.graphs.prefill(half.graphs.inputs.slot_table(0), np.asarray(prompt), 64).asnumpy()[0]
+    want = ref.forward(reference, prompt, ref.RefCache())[-1]
+    assert got.dtype == np.float32
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+    tokens = [half.prefill(1, prompt, SamplingParams())] + [half.decode([1])[0] for _ in range(8)]
+    assert tokens == ref.greedy(reference, prompt, 9)
+
+
+def test_shipped_ascend_example_plans_llama2_7b_into_its_budget():
+    """config/llama2_7b_ascend.yaml with Llama-2-7B's published sizes (no NPU here to run it)."""
+    from agent.model.spec import ModelSpec
+    from config import load_config
+    from config.schema import PROJECT_ROOT
+
+    config = load_config(PROJECT_ROOT / "config" / "llama2_7b_ascend.yaml")
+    assert (config.runtime.device_target, config.runtime.dtype) == ("Ascend", "float16")
+    llama2_7b = ModelSpec(
+        architecture="llama",
+        name="Llama-2-7b",
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        intermediate_size=11008,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        tied_embeddings=False,
+        qkv_bias=False,
+        max_context=4096,
+        bos_id=1,
+        eos_ids=(2,),
+    )
+    resolved, plan = plan_memory(llama2_7b, config.runtime)
+    assert plan.weights_mb == pytest.approx(6738.4e6 * 2 / MB, rel=1e-3)  # 6.74B parameters
+    assert plan.block_mb == 8  # 32 layers x 2 x 4096 x 2 bytes x 16 positions
+    # 32 seats (the largest decode batch), blocks for about 13 sequences of 2048 positions
+    assert resolved.num_slots == 32 and 13 * 2048 <= resolved.num_blocks * 16 and plan.total_mb <= 28000

@@ -1,0 +1,95 @@
+"""The prompt-attention path of the fused layer (agent/kernels/prompt_attention.h, through FusedStack
+of one layer) called straight with ctypes: a run of prompt rows sharing one block table attends as
+products, and must give what the same rows give one by one (row_ops.h attend_paged), whatever each
+KV head's length."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from agent.kernels import build
+from kernel_calls import call
+
+TILE = 32
+
+
+def packed(w: np.ndarray) -> np.ndarray:
+    """[K, N] -> [N / TILE, K, TILE] (agent/graphs/decoder.py pack_for_kernel; N a multiple of TILE)."""
+    k, n = w.shape
+    return np.ascontiguousarray(w.reshape(k, n // TILE, TILE).transpose(1, 0, 2))
+
+
+@pytest.fixture
+def library(kernel_target):
+    return ctypes.CDLL(str(build(kernel_target)))
+
+
+def fused_layer(
+    library, lengths: np.ndarray, row_table: np.ndarray, tables: np.ndarray
+) -> tuple[np.ndarray, int]:
+    """One FusedStack call of one layer over 8 rows with 2 KV heads of 32 (one query head each); the
+    same weights, inputs and cache on every call. (output, return code)"""
+    rng = np.random.default_rng(7)
+    rows, dim, hd, kv, heads, ffn, block = 8, 32, 32, 2, 2, 32, 4
+    pool = 16
+
+    def normal(*shape, scale=0.3):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    x = normal(rows, dim, scale=1.0)
+    qkv_width = (heads + 2 * kv) * hd
+    angles = rng.random((rows, 1, hd)).astype(np.float32)
+    cache_rows = pool * kv * block
+    k_cache, v_cache = normal(cache_rows, hd, scale=1.0), normal(cache_rows, hd, scale=1.0)
+    # each (row, KV head) writes its newest position, lengths - 1, through its row's table
+    n = np.arange(rows * kv)
+    position = lengths - 1
+    table = tables[row_table[n // kv]]
+    write = ((table[n, position // block] * kv + n % kv) * block + position % block).astype(np.int32)
+    common = [
+        x,
+        np.cos(angles),
+        np.sin(angles),
+        write,
+        lengths.astype(np.int32),
+        np.array([1e-5], np.float32),
+        tables.astype(np.int32),
+        row_table.astype(np.int32),
+        np.array([block], np.int32),
+    ]
+    layer = [
+        np.ones(dim, np.float32),
+        normal(qkv_width, scale=0.1),
+        k_cache,
+        v_cache,
+        np.ones(dim, np.float32),
+        np.zeros(7, np.int32),  # every matrix float32 (product.h F32)
+        packed(normal(dim, heads * hd)),
+        packed(normal(dim, kv * hd)),
+        packed(normal(dim, kv * hd)),
+        packed(normal(heads * hd, dim)),
+        packed(normal(dim, ffn)),
+        packed(normal(dim, ffn)),
+        packed(normal(ffn, dim)),
+    ]
+    arrays = common + layer
+    out = np.full((rows, dim), np.nan, np.float32)
+    return out, call(library.FusedStack, arrays, out)
+
+
+def test_a_run_sizes_its_scratch_from_its_longest_kv_head(library):
+    """Eight rows of one sequence (a prompt-attention run) whose second KV head attends 32 positions
+    more than the first: the run's packed keys and each block's scores must span the longer head.
+    Sized from the first head's lengths (as before), the second head's softmax ran past its row of
+    scores and attended positions that were never packed."""
+    rows, entries = 8, 12
+    lengths = np.stack([np.arange(1, rows + 1), np.arange(33, 33 + rows)], axis=1).reshape(-1)
+    one_table = np.random.default_rng(3).permutation(16)[:entries]
+    as_run, code = fused_layer(library, lengths, np.zeros(rows, np.int32), one_table[None, :])
+    assert code == 0
+    # The same rows, each through its own copy of the table: too short for a run, one row at a time.
+    one_by_one, code = fused_layer(library, lengths, np.arange(rows), np.tile(one_table, (rows, 1)))
+    assert code == 0
+    assert np.isfinite(one_by_one).all()
+    np.testing.assert_allclose(as_run, one_by_one, rtol=1e-4, atol=1e-4)

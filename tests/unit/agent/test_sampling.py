@@ -1,0 +1,303 @@
+"""SlotSampler on fixed candidate lists: distributions, top-k/top-p truncation, seeds, penalties."""
+
+import numpy as np
+import pytest
+
+from agent.contract.sampling import SamplingParams, TokenLogprob
+from agent.sampling import SlotSampler
+
+VOCAB = 1000
+
+
+def candidates(logits: np.ndarray):
+    order = np.argsort(-logits, kind="stable")
+    return logits[order].astype(np.float32), order.astype(np.int32)
+
+
+def draw(params, logits, n):
+    sampler = SlotSampler(params, [], VOCAB)
+    values, ids = candidates(logits)
+    return np.array([sampler.choose(values, ids) for _ in range(n)])
+
+
+def expected(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """HF warper order: top-k, then top-p over the renormalised survivors."""
+    order = np.argsort(-logits, kind="stable")
+    if top_k:
+        order = order[:top_k]
+    probs = np.exp((logits[order] - logits[order][0]) / temperature)
+    probs /= probs.sum()
+    keep = len(order)
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
+    out = np.zeros(VOCAB)
+    out[order[:keep]] = probs[:keep] / probs[:keep].sum()
+    return out
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (1.0, 8, 0.8)]
+)
+def test_empirical_distribution_matches(temperature, top_k, top_p):
+    rng = np.random.default_rng(0)
+    logits = np.full(VOCAB, -20.0)
+    logits[:12] = rng.normal(0, 1.0, 12)  # a few plausible tokens, the rest negligible
+    params = SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+    n = 20_000
+    counts = np.bincount(draw(params, logits, n), minlength=VOCAB) / n
+    want = expected(logits, temperature, top_k, top_p)
+    assert np.all(counts[want == 0] == 0), "a token outside top-k/top-p was drawn"
+    assert np.abs(counts - want).max() < 0.015
+
+
+def test_same_seed_same_draws_and_different_seed_differs():
+    logits = np.random.default_rng(1).normal(0, 2, VOCAB)
+    params = SamplingParams(do_sample=True, seed=42)
+    a, b = draw(params, logits, 50), draw(params, logits, 50)
+    c = draw(params.model_copy(update={"seed": 43}), logits, 50)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_candidates_needed_covers_penalised_tokens():
+    p = SamplingParams(do_sample=True, top_k=10, repetition_penalty=1.3)
+    sampler = SlotSampler(p, [1, 2, 3, 3], VOCAB)
+    assert sampler.candidates_needed() == 13
+    assert SlotSampler(SamplingParams(do_sample=True), [], VOCAB).candidates_needed() == VOCAB
+    assert SlotSampler(SamplingParams(), [], VOCAB).candidates_needed() == 1
+    assert SlotSampler(SamplingParams(), [], VOCAB).plain_greedy
+
+
+def test_penalty_can_promote_a_lower_candidate():
+    logits = np.zeros(VOCAB)
+    logits[[5, 6]] = [4.0, 3.0]
+    sampler = SlotSampler(SamplingParams(repetition_penalty=2.0), [5], VOCAB)
+    values, ids = candidates(logits)
+    assert sampler.choose(values[:2], ids[:2]) == 6  # 4/2 < 3
+    assert sampler.seen == {5, 6}
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    """logit - presence * [count > 0] - frequency * count, over output tokens only."""
+    logits = np.zeros(VOCAB)
+    logits[[5, 6, 7]] = [4.0, 3.5, 2.0]
+    params = SamplingParams(presence_penalty=0.4, frequency_penalty=0.5)
+    sampler = SlotSampler(params, [6], VOCAB)  # the prompt is not penalised
+    values, ids = candidates(logits)
+    picks = [sampler.choose(values[: 3 + i], ids[: 3 + i]) for i in range(4)]
+    scores = {5: 4.0, 6: 3.5, 7: 2.0}
+    counts = {}
+    want = []
+    for _ in range(4):
+        adjusted = {t: v - (0.4 + 0.5 * counts[t] if counts.get(t) else 0) for t, v in scores.items()}
+        best = max(adjusted, key=lambda t: (adjusted[t], -t))
+        counts[best] = counts.get(best, 0) + 1
+        want.append(best)
+    assert picks == want and len(set(picks)) > 1
+    assert sampler.counts == counts and sampler.candidates_needed() == 1 + len(counts)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -2},
+        {"repetition_penalty": 0},
+        {"seed": -1},
+        {"presence_penalty": -0.5},
+        {"frequency_penalty": 2.5},
+    ],
+)
+def test_invalid_parameters_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def draw_from_logits(params, logits, n, prompt=()):
+    sampler = SlotSampler(params, list(prompt), VOCAB)
+    return np.array([sampler.choose_from_logits(logits.astype(np.float32)) for _ in range(n)])
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (1.0, 8, 0.8), (1.0, 0, 0.9999)],
+)
+def test_whole_vocabulary_draws_on_the_host_match_the_distribution(temperature, top_k, top_p):
+    """The host path (rows that would need a top-k over the whole vocabulary on the device) draws
+    from the same distribution as the candidate path."""
+    rng = np.random.default_rng(0)
+    logits = np.full(VOCAB, -20.0)
+    logits[rng.choice(VOCAB, 12, replace=False)] = rng.normal(0, 1.0, 12)  # scattered ids: no id order
+    params = SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+    n = 20_000
+    counts = np.bincount(draw_from_logits(params, logits, n), minlength=VOCAB) / n
+    want = expected(logits, temperature, top_k, top_p)
+    assert np.all(counts[want == 0] == 0), "a token outside top-k/top-p was drawn"
+    assert np.abs(counts - want).max() < 0.015
+
+
+def test_whole_vocabulary_draws_reproduce_by_seed_and_use_one_number_each():
+    logits = np.random.default_rng(1).normal(0, 2, VOCAB)
+    params = SamplingParams(do_sample=True, seed=42, top_p=0.9)
+    a, b = draw_from_logits(params, logits, 50), draw_from_logits(params, logits, 50)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, draw_from_logits(params.model_copy(update={"seed": 43}), logits, 50))
+    sampler = SlotSampler(params, [], VOCAB)
+    sampler.choose_from_logits(logits)
+    # one RNG number per token, as choose() uses: a PD transfer's sampler state carries on either path
+    assert sampler.rng.bit_generator.state == _after_draws(42, 1)
+
+
+def _after_draws(seed: int, n: int) -> dict:
+    rng = np.random.default_rng(seed)
+    rng.random(n)
+    return rng.bit_generator.state
+
+
+def test_penalties_on_the_host_path_equal_the_candidate_path():
+    logits = np.random.default_rng(2).normal(0, 2, VOCAB)
+    prompt = list(np.argsort(-logits)[:5])  # the best tokens are penalised: the answer moves
+    params = SamplingParams(repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=0.3)
+    on_candidates, on_logits = SlotSampler(params, prompt, VOCAB), SlotSampler(params, prompt, VOCAB)
+    values, ids = candidates(logits)
+    for _ in range(8):
+        assert on_logits.choose_from_logits(logits.astype(np.float32)) == on_candidates.choose(values, ids)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(logprobs=5), SamplingParams(do_sample=True, temperature=0.7, seed=3, logprobs=20)],
+)
+def test_logprobs_are_the_log_softmax_of_the_distribution_drawn_from(params):
+    logits = np.random.default_rng(4).normal(0, 3, VOCAB)
+    sampler = SlotSampler(params, [], VOCAB)
+    token = sampler.choose_from_logits(logits.astype(np.float32))
+    scale = params.temperature if params.do_sample else 1.0
+    reference = log_softmax(logits.astype(np.float32).astype(np.float64) / scale)
+    entry = sampler.last
+    assert entry is not None and entry.logprob == pytest.approx(reference[token], abs=1e-5)
+    assert [t for t, _ in entry.top] == list(np.argsort(-reference, kind="stable")[: params.logprobs])
+    assert [v for _, v in entry.top] == pytest.approx(
+        sorted(reference, reverse=True)[: params.logprobs], abs=1e-5
+    )
+    if not params.do_sample:
+        assert entry.top[0][0] == token  # greedy: the chosen token is the most likely
+
+
+def test_logprobs_follow_the_penalties_applied():
+    logits = np.random.default_rng(5).normal(0, 2, VOCAB)
+    best = int(np.argmax(logits))
+    sampler = SlotSampler(SamplingParams(repetition_penalty=3.0, logprobs=1), [best], VOCAB)
+    token = sampler.choose_from_logits(logits)
+    penalised = logits.copy()
+    penalised[best] = penalised[best] / 3.0 if penalised[best] > 0 else penalised[best] * 3.0
+    assert token == int(np.argmax(penalised)) != best
+    assert sampler.last.logprob == pytest.approx(log_softmax(penalised)[token], abs=1e-5)
+
+
+def test_logit_bias_moves_the_choice_and_needs_the_whole_row():
+    logits = np.random.default_rng(6).normal(0, 2, VOCAB)
+    best, lifted = int(np.argmax(logits)), int(np.argmin(logits))
+    params = SamplingParams(logit_bias=((lifted, 100.0),))
+    sampler = SlotSampler(params, [], VOCAB)
+    assert sampler.needs_logits and not sampler.plain_greedy
+    assert sampler.choose_from_logits(logits) == lifted
+    banned = SlotSampler(SamplingParams(logit_bias=((best, -100.0),)), [], VOCAB)
+    assert banned.choose_from_logits(logits) != best
+
+
+def test_min_tokens_suppresses_eos_and_stop_token_ids_until_reached():
+    eos, stop = 7, 9
+    logits = np.zeros(VOCAB)
+    logits[[eos, stop]] = [10.0, 9.0]  # EOS first, the stop id next, whenever they are allowed
+    sampler = SlotSampler(SamplingParams(min_tokens=2, stop_token_ids=(stop,)), [], VOCAB, eos_ids=(eos,))
+    first, second = sampler.choose_from_logits(logits), sampler.choose_from_logits(logits)
+    assert {first, second}.isdisjoint({eos, stop})
+    assert not sampler.needs_logits and sampler.choose_from_logits(logits) == eos
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SlotSampler(SamplingParams(logit_bias=((VOCAB, 1.0),)), [], VOCAB)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SlotSampler(SamplingParams(stop_token_ids=(VOCAB + 5,)), [], VOCAB)
+
+
+@pytest.mark.parametrize(
+    "wire", [None, [0.5, []], [-1.0, [[1, float("nan")]]], [-1.0, [[1]]], [-1.0, [[1, -1.0]] * 21], "x"]
+)
+def test_malformed_logprob_entries_are_refused(wire):
+    with pytest.raises(ValueError):
+        TokenLogprob.from_wire(wire)
+
+
+def test_a_logprob_entry_survives_the_wire():
+    entry = TokenLogprob(-0.25, ((3, -0.25), (4, -1.5)))
+    assert TokenLogprob.from_wire(entry.to_wire()) == entry
+
+
+@pytest.mark.parametrize("spread", [0.1, 20.0, 200.0])
+def test_top_logprobs_are_exact_however_peaked_the_row(spread):
+    """The top tokens are searched near the peak first: rows where few (or no) others are near it."""
+    logits = np.random.default_rng(7).normal(0, spread, VOCAB)
+    logits[3] = logits.max() + 50  # one token far ahead of the rest
+    sampler = SlotSampler(SamplingParams(logprobs=20), [], VOCAB)
+    assert sampler.choose_from_logits(logits) == 3
+    want = np.lexsort((np.arange(VOCAB), -logits.astype(np.float32)))[:20]
+    assert [t for t, _ in sampler.last.top] == list(want)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def test_a_temperature_below_the_greedy_bound_is_greedy_with_finite_logprobs():
+    """1e-300 divided every logit into +-inf and the logprobs into NaN; under 1e-5 it is greedy.
+    Just above it, the logits scaled 1e5 times still give finite logprobs (float64, shifted)."""
+    logits = np.random.default_rng(0).normal(0, 8, VOCAB)
+    tiny = SamplingParams(do_sample=True, temperature=1e-300, logprobs=3)
+    assert tiny.greedy
+    sampler = SlotSampler(tiny, [], VOCAB)
+    assert sampler.choose_from_logits(logits.copy()) == int(np.argmax(logits))
+    assert sampler.last is not None
+    assert sampler.last.logprob == pytest.approx(-np.log(np.exp(logits - logits.max()).sum()), abs=1e-9)
+    cold = SlotSampler(SamplingParams(do_sample=True, temperature=1.5e-5, logprobs=20, seed=1), [], VOCAB)
+    cold.choose_from_logits(logits.copy())
+    assert cold.last is not None
+    assert np.isfinite([cold.last.logprob, *(v for _, v in cold.last.top)]).all()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", 101.0),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 101.0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -0.1),
+    ],
+)
+def test_sampling_values_past_their_bounds_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_a_mask_that_allows_only_what_min_tokens_keeps_out_is_that_sequences_fault():
+    """The grammar allows EOS and a stop id, min_tokens keeps both out: nothing is left. The
+    choice fails with a request fault naming why (the runner makes it that sequence's error)."""
+    from agent.sampling import SamplingFault
+
+    eos, stop = 7, 9
+    sampler = SlotSampler(SamplingParams(min_tokens=3, stop_token_ids=(stop,)), [], VOCAB, eos_ids=[eos])
+    mask = np.zeros((VOCAB + 31) // 32, np.int32)
+    for token in (eos, stop):
+        mask[token // 32] |= 1 << (token % 32)
+    sampler.constrain(mask)
+    with pytest.raises(SamplingFault, match="min_tokens") as fault:
+        sampler.choose_from_logits(np.zeros(VOCAB))
+    assert fault.value.fault().kind == "request"

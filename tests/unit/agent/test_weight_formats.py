@@ -1,0 +1,75 @@
+"""Every weight format's product (agent/kernels/product.h, one header per format in
+agent/kernels/formats/) called straight through its C entry points with ctypes, at every kernel
+target: each row count from 1 to 64 (a row at a time, straight from the blocks, tiles dequantized
+whole), against an fp64 product with gguf.quants.dequantize's matrix of the same file blocks; and an
+embedding's rows read from the packed blocks."""
+
+import ctypes
+
+import gguf
+import numpy as np
+import pytest
+
+from agent.kernels import build
+from agent.model.quantized import FIELDS, BlockMatrix, block_shape
+from kernel_calls import call
+from tools.make_gguf import random_blocks
+
+FORMATS = sorted(FIELDS, key=lambda t: t.value)
+
+
+@pytest.fixture
+def library(kernel_target):
+    return ctypes.CDLL(str(build(kernel_target)))
+
+
+def random_matrix(qtype, rows: int, cols: int, seed: int) -> tuple[np.ndarray, BlockMatrix]:
+    """A random matrix of `qtype`: gguf's dequantization of its blocks (float64) and its packing."""
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(seed))
+    expected = np.asarray(gguf.quants.dequantize(raw, qtype), np.float64).reshape(rows, cols)
+    return expected, BlockMatrix.from_gguf(qtype, raw, cols)
+
+
+def product(library, x: np.ndarray, matrix: BlockMatrix) -> np.ndarray:
+    out = np.full((len(x), matrix.packed.shape[0] * 32), np.nan, np.float32)
+    format_id = np.array([matrix.qtype.value], np.int32)
+    assert call(library.SkinnyMatMulFormat, [x, matrix.packed, format_id], out) == 0
+    return out[:, : matrix.shape[0]]
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_every_row_count_matches_the_dequantized_product(library, qtype):
+    """Two blocks of k (K-quants: 512 inputs), 70 rows of weights (a tile of padding columns)."""
+    cols = 2 * block_shape(qtype)[0] if block_shape(qtype)[0] > 32 else 96
+    w, matrix = random_matrix(qtype, 70, cols, seed=qtype.value)
+    assert matrix.nbytes == 3 * 32 * w.shape[1] // block_shape(qtype)[0] * block_shape(qtype)[1]
+    rng = np.random.default_rng(1)
+    for rows in range(1, 65):
+        x = rng.standard_normal((rows, cols)).astype(np.float32)
+        want = x.astype(np.float64) @ w.T
+        scale = np.abs(want).max()
+        got = product(library, x, matrix)
+        np.testing.assert_allclose(
+            got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{qtype.name}, {rows} rows"
+        )
+
+
+def test_matrix_rows_are_the_dequantized_rows(library):
+    """MatrixRows (a GGUF embedding's lookup) of every format: the rows asked for, exactly."""
+    for qtype in FORMATS:
+        w, matrix = random_matrix(qtype, 70, block_shape(qtype)[0] * 2, seed=qtype.value + 100)
+        ids = np.array([0, 69, 33, 31, 32, 5, 5], np.int32)
+        out = np.full((len(ids), w.shape[1]), np.nan, np.float32)
+        format_id = np.array([qtype.value], np.int32)
+        assert call(library.MatrixRows, [ids, matrix.packed, format_id], out) == 0
+        np.testing.assert_allclose(out, w[ids], rtol=1e-6, atol=0, err_msg=qtype.name)
+        bad = np.array([0, 96], np.int32)  # past the padded rows
+        assert call(library.MatrixRows, [bad, matrix.packed, format_id], out[:2]) == 1
+
+
+def test_a_shape_that_does_not_fit_the_format_is_refused(library):
+    _, matrix = random_matrix(gguf.GGMLQuantizationType.Q4_K, 32, 256, seed=3)
+    x = np.ones((1, 256), np.float32)
+    out = np.zeros((1, 32), np.float32)
+    for format_id in (gguf.GGMLQuantizationType.Q6_K.value, 99):  # another format's block size; unknown
+        assert call(library.SkinnyMatMulFormat, [x, matrix.packed, np.array([format_id], np.int32)], out) == 1

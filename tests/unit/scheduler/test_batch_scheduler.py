@@ -1,0 +1,628 @@
+"""BatchScheduler as pure logic, driven against fake agents (one per group) that enforce the runner's
+slot rules."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.contract.sampling import Sampled, SamplingParams
+from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal
+from scheduler.client_share import ClientShares
+from scheduler.sequence import FinishReason, Sequence
+
+EOS = 99
+
+
+class FakeAgent:
+    """A group's agent as the scheduler must drive it: slots (sampling state) and a pool of KV
+    blocks read and written through the tables it is sent. Each position's "KV" records the whole
+    token prefix it was computed from, so a table that points at the wrong block, a prefix-cache
+    hit on other tokens or a position never computed fails an assertion. The next token is the
+    previous one + 1."""
+
+    def __init__(self, num_slots: int, block_size: int):
+        self.num_slots, self.block_size = num_slots, block_size
+        self.slots: dict[int, dict] = {}  # slot -> {"tokens": written so far + pending, "length"}
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
+        self.calls: list[str] = []
+        self.computed_positions = 0  # prompt positions computed, all chunks together
+
+    def _check(self, table, tokens, upto):
+        for p in range(upto):
+            at = (table[p // self.block_size], p % self.block_size)
+            assert self.kv.get(at) == tuple(tokens[: p + 1]), f"position {p}: wrong or missing KV"
+
+    def _write(self, table, tokens, start, end):
+        for p in range(start, end):
+            self.kv[(table[p // self.block_size], p % self.block_size)] = tuple(tokens[: p + 1])
+
+    def prefill(self, slot, tokens, table, start, end, sample):
+        assert len(table) * self.block_size >= end and 0 <= start < end <= len(tokens)
+        self._check(table, tokens, start)
+        self._write(table, tokens, start, end)
+        self.computed_positions += end - start
+        self.calls.append(f"prefill {slot} {start}:{end}")
+        if not sample:  # a prompt's earlier chunk, or a preempted sequence's KV: the state is kept
+            assert slot not in self.slots or end <= self.slots[slot]["length"]
+            return None
+        assert slot not in self.slots, f"prefill into busy slot {slot}"
+        self.slots[slot] = {"tokens": list(tokens[:end]) + [tokens[end - 1] + 1], "length": end}
+        return tokens[end - 1] + 1
+
+    def decode(self, slots, tables):
+        self.calls.append(f"decode {slots}")
+        out = []
+        for slot, table in zip(slots, tables):
+            state = self.slots[slot]
+            length, tokens = state["length"], state["tokens"]
+            self._check(table, tokens, length)
+            self._write(table, tokens, length, length + 1)
+            state["length"] += 1
+            tokens.append(tokens[-1] + 1)
+            out.append(tokens[-1])
+        return out
+
+    def release(self, slot):
+        self.slots.pop(slot, None)  # none: a prompt that ended before its last chunk
+        self.calls.append(f"release {slot}")
+
+
+def sampled(tokens):
+    return [Sampled(t) for t in tokens]
+
+
+def seq(rid, prompt=(1, 2, 3), max_new=5, stop_ids=frozenset({EOS})):
+    return Sequence(rid, list(prompt), SamplingParams(), max_new, stop_ids)
+
+
+def step(scheduler, agents, busy=()):
+    plan = scheduler.schedule(busy)
+    for group, slot, _ticket in plan.releases:
+        agents[group].release(slot)
+    for group, seqs in plan.decodes.items():
+        tables = [scheduler.blocks[group].table(s.request_id) for s in seqs]
+        scheduler.decoded(seqs, sampled(agents[group].decode([s.slot for s in seqs], tables)))
+    for chunk in plan.prefills:
+        s = chunk.seq
+        table = scheduler.blocks[s.group].table(s.request_id)
+        token = agents[s.group].prefill(
+            s.slot, s.tokens(chunk.end), table, chunk.start, chunk.end, chunk.sample
+        )
+        scheduler.prefilled(chunk, None if token is None else Sampled(token))
+    return plan
+
+
+def capacity(num_slots=2, max_seq_len=64, num_blocks=None, block_size=4, max_chunk=32, role="mixed"):
+    blocks = num_blocks if num_blocks is not None else num_slots * max_seq_len // block_size
+    return GroupCapacity(num_slots, max_seq_len, blocks, block_size, max_chunk, role)
+
+
+def make(slots=(2,), max_waiting=8, max_seq_len=64, num_blocks=None, block_size=4, max_chunk=32, **kw):
+    caps = [capacity(n, max_seq_len, num_blocks, block_size, max_chunk) for n in slots]
+    return BatchScheduler(caps, max_waiting, **kw), [FakeAgent(n, block_size) for n in slots]
+
+
+def prefilled(plan):
+    return [chunk.seq for chunk in plan.prefills]
+
+
+def run_all(scheduler, agents, limit=10_000):
+    for _ in range(limit):
+        if not (scheduler.num_running or scheduler.num_waiting):
+            return
+        step(scheduler, agents)
+    raise AssertionError("the requests never finished")
+
+
+def test_fifo_admission_and_continuous_batching():
+    scheduler, agents = make(slots=(2,))
+    a, b, c = seq("a", max_new=3), seq("b", max_new=6), seq("c", (10,), max_new=2)
+    for s in (a, b, c):
+        scheduler.add(s)
+    step(scheduler, agents)
+    assert (scheduler.num_running, scheduler.num_waiting) == (2, 1)  # c waits for a slot
+    for _ in range(2):
+        step(scheduler, agents)
+    assert a.finished and a.finish_reason is FinishReason.LENGTH and a.output == [4, 5, 6]
+    plan = step(scheduler, agents)  # a's slot is released, then c is admitted into it
+    assert plan.releases == [(0, a.slot, None)] and prefilled(plan) == [c] and c.slot == a.slot
+    assert agents[0].calls.index(f"release {a.slot}") < len(agents[0].calls) - 2
+    while scheduler.num_running:
+        step(scheduler, agents)
+    assert b.output == [4, 5, 6, 7, 8, 9] and c.output == [11, 12]
+
+
+def test_eos_stops_and_slot_end_stops():
+    scheduler, agents = make(max_seq_len=8)
+    eos = seq("eos", prompt=(96,), max_new=10)
+    full = seq("full", prompt=(1, 2, 3, 4, 5), max_new=10)
+    scheduler.add(eos)
+    scheduler.add(full)
+    while scheduler.num_running or scheduler.num_waiting:
+        step(scheduler, agents)
+    assert eos.output == [97, 98, 99] and eos.finish_reason is FinishReason.STOP
+    # 5 prompt positions + 3 decodes fill 8 positions; the 4th output token can never be written
+    assert full.output == [6, 7, 8, 9] and full.finish_reason is FinishReason.LENGTH
+    step(scheduler, agents)
+    assert agents[0].slots == {}  # every slot released on the agent
+
+
+def test_admission_errors():
+    scheduler, _ = make(max_waiting=1, max_seq_len=5)
+    with pytest.raises(AdmissionError, match="empty") as e:
+        scheduler.add(seq("e", prompt=()))
+    assert e.value.reason is Refusal.EMPTY_PROMPT
+    with pytest.raises(AdmissionError, match="5 tokens; the longest accepted is 4") as e:
+        scheduler.add(seq("long", prompt=(1, 2, 3, 4, 5)))
+    assert e.value.reason is Refusal.TOO_LONG
+    for i in range(3):  # 2 free slots + 1 waiting place: a burst is not refused while slots are idle
+        scheduler.add(seq(f"ok{i}"))
+    with pytest.raises(AdmissionError, match="queue is full") as e:
+        scheduler.add(seq("more"))
+    assert e.value.reason is Refusal.OVERLOADED
+
+
+def test_tokens_in_flight_bound_counts_prompt_and_answer_until_the_end():
+    scheduler, agents = make(slots=(4,), max_tokens_in_flight=40)
+    first = seq("first", prompt=(1, 2, 3, 4, 5), max_new=25)  # 30 tokens
+    scheduler.add(first)
+    with pytest.raises(AdmissionError, match="needs up to 15 .* 10 of 40 are free") as e:
+        scheduler.add(seq("second", prompt=(1, 2, 3, 4, 5), max_new=10))
+    assert e.value.reason is Refusal.OVERLOADED
+    scheduler.add(seq("small", prompt=(1, 2), max_new=8))
+    assert scheduler.tokens_in_flight == 40
+    while scheduler.num_running or scheduler.num_waiting:
+        step(scheduler, agents)
+    assert scheduler.tokens_in_flight == 0
+
+
+def one_running_one_waiting():
+    """One slot: a long answer running in it, a second request waiting."""
+    scheduler, agents = make(slots=(1,))
+    running, waiting = seq("run", max_new=50), seq("wait")
+    scheduler.add(running)
+    scheduler.add(waiting)
+    step(scheduler, agents)
+    return scheduler, agents, running, waiting
+
+
+def test_no_healthy_group_refuses_new_requests_and_fails_the_waiting():
+    scheduler, _, running, waiting = one_running_one_waiting()
+    assert scheduler.group_failed(0, "gone") == [running]
+    assert scheduler.fail_waiting("no agent") == [waiting] and waiting.error == "no agent"
+    with pytest.raises(AdmissionError, match="no agent is available") as e:
+        scheduler.add(seq("new"))
+    assert e.value.reason is Refusal.NO_GROUP
+    assert scheduler.tokens_in_flight == 0
+
+
+def test_abort_all_ends_waiting_and_running_and_releases_the_slots():
+    scheduler, _, run, wait = one_running_one_waiting()
+    assert scheduler.abort_all("shutting down") == [wait, run]
+    assert all(s.finish_reason is FinishReason.ABORT and s.error == "shutting down" for s in (run, wait))
+    assert (scheduler.num_running, scheduler.num_waiting, scheduler.tokens_in_flight) == (0, 0, 0)
+    assert scheduler.schedule().releases == [(0, run.slot, None)]
+
+
+def test_abort_waiting_running_and_in_flight():
+    scheduler, agents, run, wait = one_running_one_waiting()
+    assert scheduler.abort("wait") is wait and wait.finish_reason is FinishReason.ABORT
+    assert scheduler.num_waiting == 0
+    plan = scheduler.schedule()
+    table = scheduler.blocks[0].table("run")
+    scheduler.abort("run")  # while its decode is "in flight"
+    scheduler.decoded(plan.decodes[0], sampled(agents[0].decode([run.slot], [table])))
+    assert run.finish_reason is FinishReason.ABORT and len(run.output) == 1
+    assert scheduler.schedule().releases == [(0, run.slot, None)]
+    assert scheduler.abort("unknown") is None
+
+
+@pytest.mark.parametrize("max_new, first_token", [(1, 4), (5, EOS)])
+def test_abort_during_a_prefill_whose_token_ends_the_sequence_counts_it_once(max_new, first_token):
+    """The client left while the prefill ran, and the first token would end the sequence anyway
+    (max_new_tokens 1, or EOS): tokens_in_flight went negative and stopped bounding anything."""
+    scheduler, _ = make(max_tokens_in_flight=100)
+    request = seq("a", max_new=max_new)
+    scheduler.add(request)
+    plan = scheduler.schedule()
+    scheduler.abort("a")
+    scheduler.prefilled(plan.prefills[0], Sampled(first_token))
+    assert scheduler.tokens_in_flight == 0 and request.finish_reason is FinishReason.ABORT
+    assert request.output == []
+
+
+def test_requests_spread_over_groups_and_a_failed_group_fails_only_its_own():
+    scheduler, agents = make(slots=(2, 2))
+    seqs = [seq(str(i), max_new=30) for i in range(4)]
+    for s in seqs:
+        scheduler.add(s)
+    step(scheduler, agents)
+    assert sorted(s.group for s in seqs) == [0, 0, 1, 1]
+    failed = scheduler.group_failed(1, "agent 1 timed out")
+    assert {s.request_id for s in failed} == {s.request_id for s in seqs if s.group == 1}
+    assert all(s.finish_reason is FinishReason.ERROR and "timed out" in s.error for s in failed)
+    newcomer = seq("new")
+    scheduler.add(newcomer)
+    plan = step(scheduler, agents)
+    assert 1 not in plan.decodes and newcomer not in prefilled(plan)  # group 0 is full
+    scheduler.group_recovered(1, capacity(2))
+    agents[1] = FakeAgent(2, 4)
+    plan = step(scheduler, agents)
+    assert prefilled(plan) == [newcomer] and newcomer.group == 1
+
+
+def test_external_finish_releases_the_slot():
+    scheduler, agents = make()
+    s = seq("s", max_new=50)
+    scheduler.add(s)
+    step(scheduler, agents)
+    scheduler.finish(s, FinishReason.STOP)
+    assert scheduler.num_running == 0 and scheduler.schedule().releases == [(0, s.slot, None)]
+
+
+def disaggregated(decode_slots=(2,), prefill_slots=1):
+    caps = [capacity(prefill_slots, role="prefill")]
+    caps += [capacity(n, role="decode") for n in decode_slots]
+    return BatchScheduler(caps, 8)
+
+
+def test_prefill_group_slots_bound_transfers_and_transferring_sequences_are_not_decoded():
+    scheduler = disaggregated(decode_slots=(2, 2))
+    a, b = seq("a", max_new=4), seq("b", max_new=4)
+    scheduler.add(a)
+    scheduler.add(b)
+    plan = scheduler.schedule()
+    # One prefill slot: one transfer at a time; the decode group with the most free slots.
+    assert prefilled(plan) == [a] and (a.prefill_group, a.prefill_slot) == (0, 0)
+    assert a.group in (1, 2) and a.transferring and a.ticket is not None and not plan.decodes
+    assert scheduler.schedule().prefills == []  # b waits for the prefill slot
+    scheduler.transferred(a, Sampled(7))
+    plan = scheduler.schedule()
+    assert prefilled(plan) == [b] and plan.decodes == {a.group: [a]} and a.output == [7]
+    assert b.group != a.group  # now the other decode group has more free slots
+
+
+def test_failed_transfer_releases_the_decode_slot_with_its_ticket():
+    scheduler = disaggregated()
+    a = seq("a")
+    scheduler.add(a)
+    scheduler.schedule()
+    scheduler.transfer_failed(a, "the decode agent did not acknowledge the KV")
+    assert a.finish_reason is FinishReason.ERROR and "acknowledge" in a.error
+    plan = scheduler.schedule()
+    assert plan.releases == [(1, a.slot, a.ticket)]
+    assert scheduler.free_slots[0] == [0]  # the prefill group freed its own slot
+
+
+def test_aborted_during_transfer_cancels_the_ticket_and_ignores_the_late_token():
+    scheduler = disaggregated()
+    a = seq("a")
+    scheduler.add(a)
+    scheduler.schedule()
+    scheduler.abort("a")
+    assert scheduler.schedule().releases == [(1, a.slot, a.ticket)]
+    scheduler.transferred(a, Sampled(5))
+    assert a.output == [] and scheduler.free_slots[0] == [0]
+
+
+def test_prefill_group_failure_fails_its_transfers_and_leaves_no_path():
+    scheduler = disaggregated()
+    a = seq("a")
+    scheduler.add(a)
+    scheduler.schedule()
+    failed = scheduler.group_failed(0, "prefill agent died")
+    assert failed == [a] and a.finish_reason is FinishReason.ERROR
+    assert scheduler.schedule().releases == [(1, a.slot, a.ticket)]
+    assert not scheduler.can_serve
+    with pytest.raises(AdmissionError, match="no agent is available"):
+        scheduler.add(seq("b"))
+
+
+def test_a_busy_group_is_left_out_of_the_plan_until_its_step_is_over():
+    """Groups progress independently: while group 1's step is in flight, a plan holds only group 0's
+    work, and group 1's release waits for the plan after its step, before any prefill into the slot."""
+    scheduler, agents = make(slots=(1, 1))
+    a, b = seq("a", max_new=50), seq("b", max_new=50)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler, agents)
+    assert (a.group, b.group) == (0, 1)
+    scheduler.abort("b")
+    c = seq("c")
+    scheduler.add(c)
+    plan = scheduler.schedule(busy={1})
+    assert plan.releases == [] and plan.prefills == [] and list(plan.decodes) == [0]
+    assert [s.request_id for s in plan.decodes[0]] == ["a"]
+    plan = scheduler.schedule()
+    assert plan.releases == [(1, 0, None)] and prefilled(plan) == [c] and c.group == 1
+    parts = plan.by_group()
+    assert sorted(parts) == [0, 1]
+    assert parts[1].releases == plan.releases and prefilled(parts[1]) == [c] and parts[1].decodes == {}
+    assert parts[0].decodes == {0: [a]} and not parts[0].releases and not parts[0].prefills
+
+
+def alone(request: Sequence, **make_kw) -> list[int]:
+    """The request's answer with the whole (default) group to itself."""
+    scheduler, agents = make(**make_kw)
+    copy = seq(request.request_id, request.prompt, request.max_new_tokens, request.stop_ids)
+    scheduler.add(copy)
+    run_all(scheduler, agents)
+    return copy.output
+
+
+def start_streams(scheduler, agents, count, max_new):
+    """`count` one-token prompts, admitted and prefilled: decoding from the next step on."""
+    streams = [seq(f"s{i}", prompt=(i + 1,), max_new=max_new) for i in range(count)]
+    for s in streams:
+        scheduler.add(s)
+    step(scheduler, agents)
+    return streams
+
+
+def test_a_long_prompt_runs_in_chunks_within_the_budget_while_every_stream_decodes_each_step():
+    scheduler, agents = make(slots=(3,), max_seq_len=256, max_chunk=32, max_batched_tokens=20)
+    streams = start_streams(scheduler, agents, 2, max_new=60)
+    long = seq("long", prompt=range(100, 200), max_new=3)
+    scheduler.add(long)
+    steps_with_chunks = 0
+    while scheduler.num_running:
+        ready = [s for s in streams if not s.finished]
+        plan = step(scheduler, agents)
+        sizes = [chunk.end - chunk.start for chunk in plan.prefills]
+        assert sum(sizes) + len(plan.decodes.get(0, [])) <= 20  # the step's token budget
+        assert all(s in plan.decodes.get(0, []) for s in ready)  # no stream waits for the prompt
+        steps_with_chunks += bool(sizes)
+    assert steps_with_chunks >= 100 // 18  # the prompt took several steps
+    assert long.output == alone(long, max_seq_len=256) and all(s.output == alone(s) for s in streams)
+
+
+def test_prompt_positions_beside_decode_rows_follow_the_learned_step_costs():
+    scheduler, agents = make(slots=(3,), max_seq_len=256, max_batched_tokens=40, decode_stall_ratio=1.5)
+    streams = start_streams(scheduler, agents, 2, max_new=80)
+    costs = scheduler.step_costs[0]
+    costs.decoded(2, 40, 0.020)
+    costs.mixed(2, 40, [(0, 10)], 0.040)  # 2 ms a position: half of a 20 ms decode step is 5 positions
+    long = seq("long", prompt=range(100, 160), max_new=2)
+    scheduler.add(long)
+    sizes = []
+    while long.needs_prefill or not long.output:
+        plan = step(scheduler, agents)
+        assert all(s in plan.decodes[0] for s in streams)
+        sizes.append(sum(c.end - c.start for c in plan.prefills))
+    # one waiting prompt beside two streams weighs half a stream more: 5 * 1.5 positions a step
+    assert max(sizes) == 7 and sum(sizes) == 60
+    assert costs.prompt_positions(2, 40) == pytest.approx(5, abs=1)  # half a decode step alone
+
+
+def test_a_burst_of_prompts_beside_few_streams_gets_a_larger_share_of_the_step():
+    scheduler, agents = make(slots=(12,), max_seq_len=256, max_batched_tokens=200, decode_stall_ratio=1.5)
+    streams = start_streams(scheduler, agents, 2, max_new=80)
+    costs = scheduler.step_costs[0]
+    costs.decoded(2, 40, 0.020)
+    costs.mixed(
+        2, 40, [(0, 10)], 0.040
+    )  # 2 ms a position: 5 positions beside the streams for one prompt alone
+    burst = [seq(f"p{i}", prompt=range(10 * i + 1, 10 * i + 11), max_new=3) for i in range(8)]
+    for s in burst:
+        scheduler.add(s)
+    plan = step(scheduler, agents)
+    assert all(s in plan.decodes[0] for s in streams)
+    # 8 prompts wait beside 2 streams: the step may take 1 + 0.5 * (1 + 8 / 2) decode steps
+    assert sum(c.end - c.start for c in plan.prefills) == pytest.approx(0.5 * 0.020 * 5 / 0.002, abs=1)  # 25
+    run_all(scheduler, agents)
+    assert all(s.output == alone(s, max_seq_len=256) for s in streams + burst)
+
+
+def test_a_short_prompt_gets_its_first_token_before_a_long_one_ends_which_still_advances():
+    scheduler, agents = make(slots=(3,), max_seq_len=256, block_size=4, max_batched_tokens=12)
+    [stream] = start_streams(scheduler, agents, 1, max_new=100)
+    long = seq("long", prompt=range(100, 200), max_new=2)
+    scheduler.add(long)
+    step(scheduler, agents)
+    short = seq("short", prompt=range(5, 13), max_new=2)  # 8 positions
+    scheduler.add(short)
+    plan = step(scheduler, agents)
+    chunks = {c.seq.request_id: c.end - c.start for c in plan.prefills}
+    # 11 positions beside the stream: the short prompt first, the oldest keeps its floor (a block)
+    assert chunks == {"short": 7, "long": 4}
+    plan = step(scheduler, agents)
+    assert short.output and long.needs_prefill  # its answer began while the long one computes
+    assert {c.seq.request_id: c.end - c.start for c in plan.prefills} == {"short": 1, "long": 10}
+    run_all(scheduler, agents)
+    assert [s.output == alone(s, max_seq_len=256) for s in (stream, long, short)] == [True] * 3
+
+
+def test_a_shared_prefix_is_computed_once_and_answers_are_unchanged():
+    scheduler, agents = make(slots=(2,), max_seq_len=128)
+    system = list(range(1, 41))  # 10 full blocks of 4
+    first = seq("first", prompt=system + [50], max_new=4)
+    scheduler.add(first)
+    run_all(scheduler, agents)
+    computed = agents[0].computed_positions
+    second = seq("second", prompt=system + [60, 61], max_new=4)
+    scheduler.add(second)
+    plan = step(scheduler, agents)
+    assert [(c.start, c.end) for c in plan.prefills] == [(40, 42)]  # 40 positions from the cache
+    run_all(scheduler, agents)
+    assert agents[0].computed_positions - computed == 2
+    assert second.output == alone(second, max_seq_len=128)
+    blocks = scheduler.blocks[0]
+    assert (blocks.query_tokens, blocks.hit_tokens) == (41 + 42, 40) and blocks.num_used == 0
+
+
+def test_without_blocks_the_newest_sequence_is_preempted_and_every_answer_is_its_answer_alone():
+    # 16 streams of up to 36 positions (9 blocks of 4) share 24 blocks: most must wait their turn.
+    scheduler, agents = make(slots=(16,), max_seq_len=64, num_blocks=24, max_batched_tokens=64)
+    requests = [seq(f"r{i}", prompt=(i + 1, i + 2, i + 3, i + 4, i + 5), max_new=31) for i in range(16)]
+    for r in requests:
+        scheduler.add(r)
+    run_all(scheduler, agents)
+    assert scheduler.preemptions > 0
+    assert all(r.finish_reason is FinishReason.LENGTH and r.output == alone(r) for r in requests)
+    assert scheduler.blocks[0].num_used == 0 and scheduler.tokens_in_flight == 0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    block_size=st.sampled_from([1, 2, 4]),
+    num_blocks=st.integers(12, 40),
+    max_chunk=st.integers(1, 16),
+    budget=st.integers(4, 24),
+    caching=st.booleans(),
+    stall=st.sampled_from([0.0, 1.2, 3.0]),
+    requests=st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 3), min_size=1, max_size=10),  # prompts that share prefixes
+            st.integers(1, 12),  # max_new_tokens
+            st.integers(0, 30),  # arrives at this step
+            st.one_of(st.none(), st.integers(0, 40)),  # aborted at this step
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_random_workloads_keep_the_budget_lose_nothing_and_leak_no_block(
+    block_size, num_blocks, max_chunk, budget, caching, stall, requests, seed
+):
+    """Random arrivals, aborts, busy steps and step costs on a small pool: every step stays within
+    its budget, every sequence with its KV complete decodes unless it was just preempted, nothing
+    starves, each answer equals its answer alone (the fake agent checks every KV position it reads),
+    and at the end no block, slot or in-flight token is left."""
+    rng = random.Random(seed)
+    max_seq_len = min(24, num_blocks * block_size)  # a sequence alone always fits (agents plan so)
+    kw = {"slots": (4,), "max_seq_len": max_seq_len, "num_blocks": num_blocks, "block_size": block_size}
+    kw |= {"max_chunk": max_chunk}
+    scheduler, agents = make(
+        **kw, max_batched_tokens=budget, enable_prefix_caching=caching, decode_stall_ratio=stall
+    )
+    seqs = [seq(f"q{i}", prompt, max_new) for i, (prompt, max_new, _, _) in enumerate(requests)]
+    for tick in range(2000):
+        for s, (_, _, arrives, aborted) in zip(seqs, requests):
+            if arrives == tick:
+                scheduler.add(s)
+            if aborted == tick:
+                scheduler.abort(s.request_id)
+        if tick > 31 and not (scheduler.num_running or scheduler.num_waiting):
+            break
+        if rng.random() < 0.2:  # the group's step is "in flight": nothing of it is planned
+            assert scheduler.schedule(busy={0}).empty
+            continue
+        costs = scheduler.step_costs[0]  # what the agent's steps took
+        costs.decoded(rng.randint(1, 4), rng.randint(1, 99), rng.uniform(0.01, 0.05))
+        costs.mixed(rng.randint(1, 4), rng.randint(1, 99), [(0, rng.randint(1, 10))], rng.uniform(0.01, 0.2))
+        complete = [s for s in scheduler.running.values() if not s.needs_prefill and s.output]
+        preempted_before = {s.request_id: s.preemptions for s in complete}
+        plan = step(scheduler, agents)
+        decoded = plan.decodes.get(0, [])
+        assert sum(c.end - c.start for c in plan.prefills) + len(decoded) <= budget
+        for s in complete:
+            assert s in decoded or s.preemptions > preempted_before[s.request_id], s.request_id
+    else:
+        raise AssertionError("the workload never finished")
+    for s in seqs:
+        if s.finish_reason is not FinishReason.ABORT:
+            assert s.output == alone(s, **kw), s.request_id
+    step(scheduler, agents)  # the last releases
+    assert scheduler.blocks[0].num_used == 0 and scheduler.tokens_in_flight == 0
+    assert agents[0].slots == {} and scheduler.free_slots[0] == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------------------------- fairness
+
+
+def client_seq(rid: str, client: str, priority: int = 0, max_new: int = 5) -> Sequence:
+    s = seq(rid, max_new=max_new)
+    s.client, s.priority = client, priority
+    return s
+
+
+def test_a_free_slot_goes_to_the_client_running_the_fewest():
+    """Client a holds both slots and queued two more before b's one: b's request takes the next
+    slot that frees, then a's continue in order."""
+    scheduler, agents = make(slots=(2,))
+    scheduler.add(client_seq("a1", "a", max_new=3))
+    scheduler.add(client_seq("a2", "a", max_new=50))
+    step(scheduler, agents)
+    for rid in ("a3", "a4"):
+        scheduler.add(client_seq(rid, "a", max_new=50))
+    scheduler.add(client_seq("b1", "b"))
+    step(scheduler, agents)
+    assert sorted(scheduler.running) == ["a1", "a2"]
+    while "a1" in scheduler.running:
+        step(scheduler, agents)
+    step(scheduler, agents)
+    assert sorted(scheduler.running) == ["a2", "b1"]
+
+
+def test_the_share_of_a_full_queue_refuses_the_client_over_it_and_admits_the_others():
+    """max_waiting 4, no free slot: client a fills the queue (alone, it meets a full server); b,
+    under its share (half: 2), is admitted past the bound, up to 1.5 times it, while a's next
+    request is refused as over its share."""
+    scheduler, _ = make(slots=(1,), max_waiting=4, clients=ClientShares(share=0.5))
+    for i in range(5):  # one is placed at once (a free slot), four wait
+        scheduler.add(client_seq(f"a{i}", "a"))
+    scheduler.schedule()
+    with pytest.raises(AdmissionError, match="queue is full") as alone:
+        scheduler.add(client_seq("a5", "a"))
+    assert alone.value.reason is Refusal.OVERLOADED
+    scheduler.add(client_seq("b0", "b"))
+    with pytest.raises(AdmissionError, match="client_share") as over:
+        scheduler.add(client_seq("a5", "a"))
+    assert over.value.reason is Refusal.CLIENT_LIMIT
+    scheduler.add(client_seq("b1", "b"))
+    with pytest.raises(AdmissionError, match="even for clients under their share") as full:
+        scheduler.add(client_seq("c0", "c"))
+    assert full.value.reason is Refusal.OVERLOADED
+
+
+def test_one_client_alone_may_fill_every_slot():
+    scheduler, agents = make(slots=(4,), max_waiting=4, clients=ClientShares(share=0.5))
+    for i in range(6):
+        scheduler.add(client_seq(f"a{i}", "a"))
+    step(scheduler, agents)
+    assert (scheduler.num_running, scheduler.num_waiting) == (4, 2)
+
+
+def test_priority_orders_requests_within_their_clients_share():
+    """scheduling_policy priority: lower first among clients running alike; a client's priority
+    does not jump another client's fair share."""
+    scheduler, agents = make(slots=(2,), clients=ClientShares(by_priority=True))
+    scheduler.add(client_seq("hold", "a", max_new=60))
+    step(scheduler, agents)
+    scheduler.add(client_seq("a-late", "a", priority=5))
+    scheduler.add(client_seq("a-urgent", "a", priority=-5))
+    scheduler.add(client_seq("b-low", "b", priority=9))
+    order = []
+    for _ in range(40):
+        step(scheduler, agents)
+        order += [r for r in scheduler.running if r not in order and r != "hold"]
+    assert order == ["b-low", "a-urgent", "a-late"]
+
+
+def test_a_client_at_its_running_cap_waits_while_slots_are_free():
+    scheduler, agents = make(slots=(4,), clients=ClientShares(max_running=2))
+    for i in range(3):
+        scheduler.add(client_seq(f"a{i}", "a"))
+    scheduler.add(client_seq("b0", "b"))
+    step(scheduler, agents)
+    assert sorted(scheduler.running) == ["a0", "a1", "b0"] and scheduler.num_waiting == 1
+
+
+def test_a_sampling_fault_ends_only_its_sequence():
+    """The agent's reply carries a fault for one sequence of a step: it ends with an error of the
+    fault's status, its slot is released; the other sequence goes on."""
+    from agent.contract.sampling import NO_TOKEN, SequenceFault
+
+    scheduler, agents = make(slots=(2,))
+    a, b = seq("a", max_new=10), seq("b", max_new=10)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler, agents)
+    fault = SequenceFault("request", "no token can follow")
+    scheduler.decoded([a, b], [Sampled(NO_TOKEN, None, fault), Sampled(5)])
+    assert a.finish_reason is FinishReason.ERROR and (a.error, a.error_status) == ("no token can follow", 400)
+    assert NO_TOKEN not in a.output and not b.finished and b.output[-1] == 5
+    assert [r.slot for r in scheduler.schedule().releases] == [a.slot]
