@@ -1,6 +1,7 @@
-"""The prompt-attention path of the fused layer (agent/kernels/prompt_attention.h, through FusedLayer)
-called straight with ctypes: a run of prompt rows sharing one block table attends as products, and
-must give what the same rows give one by one (row_ops.h attend_paged), whatever each KV head's length."""
+"""The prompt-attention path of the fused layer (agent/kernels/prompt_attention.h, through FusedStack
+of one layer) called straight with ctypes: a run of prompt rows sharing one block table attends as
+products, and must give what the same rows give one by one (row_ops.h attend_paged), whatever each
+KV head's length."""
 
 import ctypes
 
@@ -16,7 +17,7 @@ TILE = 32
 
 
 def packed(w: np.ndarray) -> np.ndarray:
-    """[K, N] -> [N / TILE, K, TILE] (agent/llama_graphs.py pack_for_kernel; N a multiple of TILE)."""
+    """[K, N] -> [N / TILE, K, TILE] (agent/graphs/decoder.py pack_for_kernel; N a multiple of TILE)."""
     k, n = w.shape
     return np.ascontiguousarray(w.reshape(k, n // TILE, TILE).transpose(1, 0, 2))
 
@@ -29,7 +30,7 @@ def library(kernel_target):
 def fused_layer(
     library, lengths: np.ndarray, row_table: np.ndarray, tables: np.ndarray
 ) -> tuple[np.ndarray, int]:
-    """One FusedLayer call over 8 rows of a layer with 2 KV heads of 32 (one query head each); the
+    """One FusedStack call of one layer over 8 rows with 2 KV heads of 32 (one query head each); the
     same weights, inputs and cache on every call. (output, return code)"""
     rng = np.random.default_rng(7)
     rows, dim, hd, kv, heads, ffn, block = 8, 32, 32, 2, 2, 32, 4
@@ -48,28 +49,35 @@ def fused_layer(
     position = lengths - 1
     table = tables[row_table[n // kv]]
     write = ((table[n, position // block] * kv + n % kv) * block + position % block).astype(np.int32)
-    arrays = [
+    common = [
         x,
-        np.ones(dim, np.float32),
-        packed(normal(dim, qkv_width)),
-        normal(qkv_width, scale=0.1),
         np.cos(angles),
         np.sin(angles),
-        k_cache,
-        v_cache,
         write,
         lengths.astype(np.int32),
-        packed(normal(heads * hd, dim)),
-        np.ones(dim, np.float32),
-        packed(normal(dim, 2 * ffn)),
-        packed(normal(ffn, dim)),
         np.array([1e-5], np.float32),
         tables.astype(np.int32),
         row_table.astype(np.int32),
         np.array([block], np.int32),
     ]
+    layer = [
+        np.ones(dim, np.float32),
+        normal(qkv_width, scale=0.1),
+        k_cache,
+        v_cache,
+        np.ones(dim, np.float32),
+        np.zeros(7, np.int32),  # every matrix float32 (product.h F32)
+        packed(normal(dim, heads * hd)),
+        packed(normal(dim, kv * hd)),
+        packed(normal(dim, kv * hd)),
+        packed(normal(heads * hd, dim)),
+        packed(normal(dim, ffn)),
+        packed(normal(dim, ffn)),
+        packed(normal(ffn, dim)),
+    ]
+    arrays = common + layer
     out = np.full((rows, dim), np.nan, np.float32)
-    return out, call(library.FusedLayer, arrays, out)
+    return out, call(library.FusedStack, arrays, out)
 
 
 def test_a_run_sizes_its_scratch_from_its_longest_kv_head(library):
