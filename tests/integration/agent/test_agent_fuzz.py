@@ -155,6 +155,15 @@ def _frame(draw, spec) -> bytes:
     return draw(st.binary(max_size=64))
 
 
+@pytest.fixture(autouse=True)
+def alive_after(stack):
+    """Every test ends proving the agent lived: the same process, never restarted, answering."""
+    yield
+    agents, port, _, _, pids = stack
+    assert agents.agent_pids() == pids and not any("restarting" in line for line in agents.lines)
+    assert AgentSocket(port, session=False).call("ping")[0]["ok"]
+
+
 def _expect_error_reply(fuzzer: AgentSocket, frames: list[bytes]) -> None:
     header, _ = fuzzer.raw(frames, timeout=REPLY_TIMEOUT_S)
     assert header["ok"] is False and header["kind"] in {"bad_request", "stale_session"}, header

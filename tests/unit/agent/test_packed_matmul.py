@@ -1,7 +1,7 @@
 """The packed-tile product (agent/kernels/packed_matmul.h) called straight through its C entry points
 with ctypes: every row count from 1 to past two register blocks, with and without the residual, float32
 weights, against numpy in float64; the thread team's split of the tiles (with Q8_0 weights). Every
-weight format's products: tests/test_weight_formats.py."""
+weight format's products: tests/unit/agent/test_weight_formats.py."""
 
 import ctypes
 
