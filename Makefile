@@ -1,38 +1,48 @@
 # Set-up contract: `make setup` (idempotent), `make test` (set-up, lint, whole suite), `make serve`.
+# Serving installs only what serving needs; the tests, lint and the benchmark add the dev, bench and
+# Ray extras (`make setup-dev`).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup lint unit test test-long serve browser clean-venv
+.PHONY: setup setup-dev lint unit test test-long serve browser clean-venv
 
 setup: $(STAMP)
 	@$(PY) -m tools.fetch_model
 	@$(PY) -m agent.kernels
+
+setup-dev: setup $(DEV_STAMP)
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) with $$($(PYTHON) --version)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "==> installing pinned dependencies (MindSpore is ~800 MB; the first run takes a few minutes)"
 	@$(PY) -m pip install --upgrade --progress-bar off -q pip
-	@$(PY) -m pip install --progress-bar off -e '.[dev,bench,ray]'
+	@$(PY) -m pip install --progress-bar off -e .
 	@touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP)
+	@echo "==> installing the test, lint, benchmark and Ray extras"
+	@$(PY) -m pip install --progress-bar off -e '.[dev,bench,ray]'
+	@touch $(DEV_STAMP)
+
 # The project's packages and tests: ruff's lint rules and format, mypy's types (pyproject.toml).
-lint: setup
+lint: setup-dev
 	@$(VENV)/bin/ruff check .
 	@$(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/mypy
 
 # The tests that need neither MindSpore nor a process (tests/conftest.py proves MindSpore stays out).
-unit: setup
+unit: setup-dev
 	@$(PY) -m pytest tests/unit
 
 test: lint browser
 	@$(PY) -m pytest
 
 # The long fault suite: 200 disconnecting clients and a soak (SOAK_S seconds, default 600).
-test-long: setup
+test-long: setup-dev
 	@$(PY) -m pytest -m long -s
 
 # Headless Chromium for the dashboard's browser test (Debian packages), where this machine allows
