@@ -127,7 +127,7 @@ def step_arrays(slots: list[int], tables: list[list[int]]) -> list[np.ndarray]:
         (lambda c: c.prefill(99, [1, 2]), "slot 99 is out of range"),
         (lambda c: c.prefill(0, np.ones(64)), "exceeds the longest prompt"),
         (lambda c: c.prefill(0, [1], sampling={"top_p": 7}), "top_p"),
-        (lambda c: c.prefill(0, [1], sample="yes"), r"sample \(true or false\)"),
+        (lambda c: c.prefill(0, [1], sample="yes"), "sample (true or false)"),
         (lambda c: c.prefill(0, [1], sample=False), "its sampling when it samples, and only then"),
         (lambda c: c.call("prefill", [np.array([1], np.int32)], slot=0), "2 1-D integer arrays"),
         (lambda c: c.prefill(0, [1, 2], start=5), "after the 0 the slot holds"),
@@ -139,7 +139,9 @@ def step_arrays(slots: list[int], tables: list[list[int]]) -> list[np.ndarray]:
         (lambda c: c.call("step", step_arrays([0], [[1]]), chunks=[{"slot": 1}]), "sample (true or false)"),
         (
             lambda c: c.call(
-                "step", step_arrays([3], [[1]]), chunks=[{"slot": 1, "start": 0, "sample": True}]
+                "step",
+                step_arrays([3], [[1]]),
+                chunks=[{"slot": 1, "start": 0, "sample": True, "sampling": {}}],
             ),
             "slot 3 holds no sequence",
         ),
@@ -161,6 +163,7 @@ def step_arrays(slots: list[int], tables: list[list[int]]) -> list[np.ndarray]:
                 slot=0,
                 start=0,
                 sample=True,
+                sampling={},
                 masked=[1],
             ),
             "its own slot",
