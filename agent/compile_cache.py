@@ -35,7 +35,8 @@ FINGERPRINT_SAMPLES = 4096  # elements read from each weight tensor for the fing
 
 def cache_key(checkpoint: Checkpoint, runtime: RuntimeSection) -> dict:
     """Everything a compiled graph depends on, as JSON-able values."""
-    settings = runtime.model_dump(mode="json", exclude={"compile_cache_dir", "cpu_threads"})
+    # (speculation is the scheduler's: the graphs are the same with it on or off)
+    settings = runtime.model_dump(mode="json", exclude={"compile_cache_dir", "cpu_threads", "speculation"})
     settings["num_blocks"] = runtime.planned_num_blocks  # the same pool, however it was given
     return {
         "spec": json.loads(checkpoint.spec.model_dump_json()),

@@ -43,6 +43,8 @@ from config.schema import ModelSection, RuntimeSection
 
 log = logging.getLogger(__name__)
 
+MAX_DRAFT_TOKENS = 16  # tokens proposed for one slot in one step (speculative decoding)
+
 # A sequence's blocks, position p in block table[p // block_size].
 BlockTable = Sequence[int] | np.ndarray
 
@@ -243,16 +245,21 @@ class ModelRunner:
         return tokens
 
     def _check_decode(
-        self, slots: Sequence[int], tables: Sequence[BlockTable] | None
+        self,
+        slots: Sequence[int],
+        tables: Sequence[BlockTable] | None,
+        drafts: Mapping[int, Sequence[int]] | None = None,
     ) -> tuple[list[SlotState], list[np.ndarray]]:
-        """A decode step's checks (nothing changes): each slot's state and its padded table."""
+        """A decode step's checks (nothing changes): each slot's state and its padded table, which
+        covers its next position and those of its proposals (`drafts`)."""
+        drafts = drafts or {}
         if len(set(slots)) != len(slots):
             raise RunnerError(f"decode slots repeat: {list(slots)}")
         if tables is not None and len(tables) != len(slots):
             raise RunnerError(f"decode of {len(slots)} slots got {len(tables)} block tables")
         states = [self.active(s) for s in slots]
         for slot, state in zip(slots, states):
-            if state.length >= self.max_len:
+            if state.length + len(drafts.get(slot, ())) >= self.max_len:
                 raise RunnerError(f"slot {slot} is full ({self.max_len} positions)")
             if state.sampler is None or state.next_token is None:
                 raise RunnerError(f"slot {slot} has not finished its prompt")
@@ -262,7 +269,10 @@ class ModelRunner:
                 )
         if tables is None:
             return states, [s.table for s in states]
-        return states, [self.padded_table(slot, t, s.length + 1) for slot, s, t in zip(slots, states, tables)]
+        return states, [
+            self.padded_table(slot, t, s.length + 1 + len(drafts.get(slot, ())))
+            for slot, s, t in zip(slots, states, tables)
+        ]
 
     @staticmethod
     def _decoded(states: list[SlotState], tables: list[np.ndarray], tokens: list[int]) -> None:
@@ -277,54 +287,144 @@ class ModelRunner:
         tables: Sequence[BlockTable],
         chunks: Sequence[StepChunk],
         masks: Mapping[int, np.ndarray] | None = None,
-    ) -> tuple[list[int], list[int | None]]:
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> tuple[list[list[int]], list[int | None]]:
         """A decode step of `slots` and the prompt `chunks` in one graph call, which reads the
-        weights once (decode and prefill called back to back read them twice): the decode tokens
-        (as decode's) and each chunk's first token (None unless it samples). Everything is checked
+        weights once (decode and prefill called back to back read them twice): each decode slot's
+        tokens and each chunk's first token (None unless it samples). `drafts`: slot -> the tokens
+        proposed after its pending token (speculative decoding): that slot's rows are its pending
+        token and the proposals, each verified by its sampler (SlotSampler.verify), and its tokens
+        are the proposals kept and one more; another slot's are its one next token. The KV of the
+        proposals not kept is left behind its length, to be written over. Everything is checked
         before anything runs: a refused step changes nothing."""
+        drafts = dict(drafts or {})
         if not self.mixed_rows:
             raise RunnerError("these graphs run no mixed steps (fused layers, graphs built here)")
-        if not chunks:
-            raise RunnerError("a mixed step needs at least one prompt chunk")
+        if not chunks and not drafts:
+            raise RunnerError("a mixed step needs prompt chunks or proposals")
         chunk_slots = [c.slot for c in chunks]
         if len(set(chunk_slots)) != len(chunk_slots) or set(chunk_slots) & set(slots):
             raise RunnerError(f"a mixed step names a slot twice: decode {list(slots)}, chunks {chunk_slots}")
-        states, padded = self._check_decode(slots, tables)
+        self._check_drafts(drafts, slots, masks or {})
+        states, padded = self._check_decode(slots, tables, drafts)
         checked = [self._check_chunk(c.slot, c.tokens, c.table, c.start, c.sample) for c in chunks]
         if masks:
             self._check_masks(masks, [*slots, *(c.slot for c in chunks if c.sample)])
-        rows = len(slots) + sum(len(ids) - c.start for c, (ids, _) in zip(chunks, checked))
+        plain = [i for i, slot in enumerate(slots) if slot not in drafts]
+        scored = []
+        for i, slot in enumerate(slots):
+            pending = states[i].next_token
+            if slot in drafts and pending is not None:  # checked: a decode slot has its next token
+                scored.append(
+                    StepChunk(slot, [pending, *drafts[slot]], padded[i], states[i].length, scored=True)
+                )
+        prompt_rows = sum(len(ids) - c.start for c, (ids, _) in zip(chunks, checked))
+        rows = len(plain) + sum(len(c.tokens) for c in scored) + prompt_rows
         seqs = len(slots) + len(chunks)
-        if rows > self.mixed_rows or seqs > self.runtime.decode_batch_buckets[-1]:
+        largest = self.runtime.decode_batch_buckets[-1]
+        logit_rows = len(plain) + sum(len(c.tokens) for c in scored) + sum(c.sample for c in chunks)
+        if rows > self.mixed_rows or seqs > largest or logit_rows > largest:
             raise RunnerError(
-                f"a mixed step of {rows} rows and {seqs} sequences exceeds {self.mixed_rows} rows "
-                f"or {self.runtime.decode_batch_buckets[-1]} sequences"
+                f"a mixed step of {rows} rows, {seqs} sequences and {logit_rows} rows of logits exceeds "
+                f"{self.mixed_rows} rows or {largest} sequences and rows of logits"
             )
-        # the sampling chunks' last rows' logits follow decode's
+        # the sampling chunks' last rows' logits follow the decode and the scored rows'
         new = {i: self._sampler(c.sampling, c.tokens) for i, c in enumerate(chunks) if c.sampling is not None}
         sampling = list(new)
         if masks:
             self._constrain(masks, {**dict(zip(slots, states)), **{chunks[i].slot: new[i] for i in sampling}})
         assert isinstance(self.graphs, MixedStepGraphs)  # mixed_rows says so
         logits, greedy = self.graphs.mixed(
-            np.stack(padded) if padded else np.zeros((0, 0), np.int32),
-            np.array([s.next_token for s in states], np.int64),
-            np.array([s.length for s in states], np.int64),
-            [replace(c, tokens=ids.tolist(), table=table) for c, (ids, table) in zip(chunks, checked)],
+            np.stack([padded[i] for i in plain]) if plain else np.zeros((0, 0), np.int32),
+            np.array([states[i].next_token for i in plain], np.int64),
+            np.array([states[i].length for i in plain], np.int64),
+            [
+                *scored,
+                *(replace(c, tokens=ids.tolist(), table=table) for c, (ids, table) in zip(chunks, checked)),
+            ],
             self.mixed_rows,
-            bucket(self.runtime.decode_batch_buckets, len(slots) + len(sampling)),
+            bucket(self.runtime.decode_batch_buckets, logit_rows),
         )
-        samplers = [s.sampler for s in states if s.sampler is not None] + [new[i] for i in sampling]
-        tokens = self._sample(logits, samplers, greedy)
-        self._decoded(states, padded, tokens[: len(slots)])
+        samplers = [s for i in plain if (s := states[i].sampler) is not None] + [new[i] for i in sampling]
+        if scored:
+            by_slot = {slot: states[i].sampler for i, slot in enumerate(slots)}
+            tokens, verified = self._verify(logits, greedy, samplers, len(plain), scored, by_slot)
+        else:
+            tokens, verified = self._sample(logits, samplers, greedy), {}
+        decoded: list[list[int]] = [[] for _ in slots]
+        for row, i in enumerate(plain):
+            decoded[i] = [tokens[row]]
+        for i, slot in enumerate(slots):
+            state = states[i]
+            state.table = padded[i]
+            if slot in drafts:
+                decoded[i] = verified[slot]
+            state.length += len(decoded[i])  # the pending token and the proposals kept
+            state.next_token = decoded[i][-1]
         firsts: list[int | None] = [None] * len(chunks)
-        for i, token in zip(sampling, tokens[len(slots) :]):
+        for i, token in zip(sampling, tokens[len(plain) :]):
             firsts[i] = token
         for i, (chunk, (ids, table)) in enumerate(zip(chunks, checked)):
             state = self._computed(chunk.slot, len(ids), table)
             if chunk.sample:
                 state.sampler, state.next_token = new[i], firsts[i]
-        return tokens[: len(slots)], firsts
+        return decoded, firsts
+
+    def _verify(
+        self,
+        logits: Tensor,
+        greedy: Tensor,
+        samplers: list[SlotSampler],
+        plain: int,
+        scored: list[StepChunk],
+        by_slot: Mapping[int, SlotSampler | None],
+    ) -> tuple[list[int], dict[int, list[int]]]:
+        """A step with scored rows (after the `plain` decode rows): the plain decode rows' and the
+        sampling chunks' tokens (`samplers`, chosen as _sample chooses them, from those rows alone)
+        and each scored slot's verified tokens. A plain greedy sampler keeps a proposal where the
+        graph's argmax is it; the others verify on the host."""
+        ids = greedy.asnumpy()
+        host = logits.asnumpy()
+        sizes = [len(c.tokens) for c in scored]
+        after = plain + sum(sizes)  # the sampling chunks' rows follow the scored ones
+        normal = [*range(plain), *range(after, after + len(samplers) - plain)]
+        tokens = self._sample(Tensor(host[normal]), samplers, Tensor(ids[normal])) if normal else []
+        verified: dict[int, list[int]] = {}
+        row = plain
+        for chunk, size in zip(scored, sizes):
+            sampler = by_slot[chunk.slot]
+            assert sampler is not None  # checked: a decode slot has finished its prompt
+            proposed = list(chunk.tokens[1:])
+            sampler.recent = []
+            if sampler.plain_greedy:
+                kept = []
+                for j in range(size):
+                    kept.append(int(ids[row + j]))
+                    sampler.observe(kept[-1])
+                    if j == len(proposed) or kept[-1] != proposed[j]:
+                        break
+            else:
+                try:
+                    kept = sampler.verify(host[row : row + size], proposed)
+                except SamplingFault as exc:
+                    sampler.fault, kept = exc.fault(), [NO_TOKEN]
+            verified[chunk.slot] = kept
+            row += size
+        return tokens, verified
+
+    def _check_drafts(
+        self, drafts: Mapping[int, Sequence[int]], slots: Sequence[int], masks: Mapping[int, np.ndarray]
+    ) -> None:
+        """Proposals for decode slots of this call, at most MAX_DRAFT_TOKENS token ids each, and
+        none for a slot whose next token is masked (a grammar's mask holds for one token only)."""
+        for slot, proposed in drafts.items():
+            if slot not in slots:
+                raise RunnerError(f"proposals for slot {slot}, which this step does not decode")
+            if slot in masks:
+                raise RunnerError(f"slot {slot} has a token mask: its next token cannot be proposed")
+            if not 1 <= len(proposed) <= MAX_DRAFT_TOKENS:
+                raise RunnerError(f"a slot's proposals are 1..{MAX_DRAFT_TOKENS} tokens, got {len(proposed)}")
+            self._check_tokens(proposed)
 
     # -------------------------------------------------------------------------------- internals
 
@@ -394,6 +494,12 @@ class ModelRunner:
         """The logprobs of the slot's last sampled token, if its request asked for them."""
         state = self.active(slot)
         return state.sampler.last if state.sampler is not None else None
+
+    def recent_logprobs(self, slot: int) -> list[TokenLogprob | None]:
+        """The logprobs of the tokens the slot's last verified step chose (speculative decoding),
+        if its request asked for them."""
+        state = self.active(slot)
+        return list(state.sampler.recent) if state.sampler is not None else []
 
     def fault(self, slot: int) -> SequenceFault | None:
         """Why the slot's last choice failed (its token is NO_TOKEN), if it did: that sequence's

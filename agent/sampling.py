@@ -26,7 +26,7 @@ only the chosen token's and the `logprobs` best tokens' values leave the agent, 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -64,6 +64,7 @@ class SlotSampler:
         self.generated = 0  # tokens chosen so far (min_tokens)
         self.last: TokenLogprob | None = None  # the logprobs of the last choice, when asked for
         self.fault: SequenceFault | None = None  # why its last choice failed: it samples no more
+        self.recent: list[TokenLogprob] = []  # the logprobs of the choices of the last verify()
         self.allowed: np.ndarray | None = None  # the next choice's token mask (structured output)
         self.rng = np.random.default_rng(params.seed)
         self.repetition = params.repetition_penalty != 1.0
@@ -139,21 +140,59 @@ class SlotSampler:
         self.observe(token)
         return token
 
-    def choose_from_logits(self, row: np.ndarray) -> int:
+    def choose_from_logits(self, row: np.ndarray, proposal: int | None = None) -> int:
         """The choice choose() makes, from the row's logits for every token (indexed by id), with
-        the logit bias and suppressed stop ids applied; its logprobs in `last` when asked for."""
+        the logit bias and suppressed stop ids applied; its logprobs in `last` when asked for.
+        `proposal`: a token proposed for this position (speculative decoding), kept as the target
+        distribution allows (verify)."""
         p = self.params
         logits = self._adjusted(self._penalised(row.astype(np.float64)))
         if not np.isfinite(logits).any():
             raise SamplingFault("request", self._why_nothing_is_allowed())
         if p.greedy:
             token = int(np.argmax(logits))
-        else:
+        elif proposal is None:
             token = self._draw(np.exp((logits - logits.max()) / p.temperature))
+        else:
+            token = self._keep_or_redraw(np.exp((logits - logits.max()) / p.temperature), proposal)
         if p.logprobs is not None:
             self.last = self._logprob(logits / (1.0 if p.greedy else p.temperature), token, p.logprobs)
+            self.recent.append(self.last)
         self.observe(token)
         return token
+
+    def verify(self, rows: np.ndarray, proposed: Sequence[int]) -> list[int]:
+        """Speculative decoding: rows[j] are the logits after the j-th proposed token (row 0: after
+        the pending token), one more row than proposals. Each proposal in turn is kept as the
+        target distribution allows it (greedy: it is the argmax; sampled: with its probability,
+        else a draw from the other tokens: the rejection sampling of a proposal that was certain,
+        which leaves the tokens' distribution the target's); the tokens chosen: the proposals kept
+        and one more (the first rejected one's replacement, or the token after all of them)."""
+        tokens: list[int] = []
+        self.recent = []
+        for j, row in enumerate(rows):
+            proposal = proposed[j] if j < len(proposed) else None
+            tokens.append(self.choose_from_logits(row, proposal))
+            if tokens[-1] != proposal:
+                break
+        return tokens
+
+    def _keep_or_redraw(self, probs: np.ndarray, proposal: int) -> int:
+        """The proposal with its probability under the distribution a draw would take (probs:
+        unnormalised, top-k and top-p applied here), else a draw from that distribution without it."""
+        p = self.params
+        if p.top_k == 0 and p.top_p >= 1.0:
+            dense = probs / probs.sum()
+        else:
+            ids, cumulative = _nucleus(probs, p.top_k or len(probs), p.top_p)
+            dense = np.zeros_like(probs)
+            dense[ids] = np.diff(cumulative, prepend=0.0)
+        if self.rng.random() < dense[proposal]:
+            return proposal
+        dense[proposal] = 0.0
+        cumulative = np.cumsum(dense)
+        index = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+        return min(index, len(dense) - 1)
 
     def _why_nothing_is_allowed(self) -> str:
         forbidden = self.generated < self.params.min_tokens and self.suppressed.size

@@ -233,8 +233,9 @@ class AgentService:
     def _op_step(self, header: dict, arrays: list) -> tuple[dict, list]:
         arrays, masks = _token_masks(header, arrays)
         specs = header.get("chunks")
-        if not isinstance(specs, list) or not 1 <= len(specs) <= self.runner.num_slots:
-            raise ValueError(f"step takes a list of 1..{self.runner.num_slots} chunks")
+        drafts = _drafts(header)
+        if not isinstance(specs, list) or len(specs) > self.runner.num_slots or not (specs or drafts):
+            raise ValueError(f"step takes a list of up to {self.runner.num_slots} chunks, or drafts, or both")
         if len(arrays) != 2 + 2 * len(specs) or arrays[1].ndim != 2 or arrays[1].dtype.kind != "i":
             raise ValueError(
                 "step takes decode slot ids [n], their block tables [n, blocks], then tokens and a block "
@@ -247,14 +248,32 @@ class AgentService:
         for i, spec in enumerate(specs):
             tokens, table = _int_arrays(arrays[2 + 2 * i : 4 + 2 * i], "step", ("token ids", "block table"))
             chunks.append(StepChunk.from_wire(spec, tokens, table))
-        decoded, firsts = self.runner.step(slots.tolist(), list(arrays[1]), chunks, masks)
+        decoded, firsts = self.runner.step(slots.tolist(), list(arrays[1]), chunks, masks, drafts)
         sampled = [c.slot if t is not None else None for c, t in zip(chunks, firsts)]
         reply = {
             "chunk_tokens": firsts,
-            **self._per_slot(slots.tolist()),
+            **(self._per_token(slots.tolist(), decoded) if drafts else self._per_slot(slots.tolist())),
             **self._per_slot(sampled, "chunk_"),
         }
-        return reply, [np.asarray(decoded, dtype=np.int32)]
+        flat = [token for tokens in decoded for token in tokens]
+        return reply, [np.asarray(flat, dtype=np.int32)]
+
+    def _per_token(self, slots: list[int], decoded: list[list[int]]) -> dict:
+        """A step with drafts: `counts`, each decode slot's number of tokens, and the fields of
+        _per_slot with one entry per token (a slot's tokens in order)."""
+        fields: dict = {"counts": [len(tokens) for tokens in decoded]}
+        logprobs = [
+            entry
+            for slot, tokens in zip(slots, decoded)
+            for entry in (
+                self.runner.recent_logprobs(slot) if len(tokens) > 1 else [self.runner.logprobs(slot)]
+            )
+        ]
+        errors = [self.runner.fault(slot) for slot, tokens in zip(slots, decoded) for _ in tokens]
+        for field, entries in (("logprobs", logprobs), ("errors", errors)):
+            if any(e is not None for e in entries):
+                fields[field] = [None if e is None else e.to_wire() for e in entries]
+        return fields
 
     def _per_slot(self, slots: list[int | None], prefix: str = "") -> dict:
         """The fields that go with the slots' tokens where any slot has them, else none (which
@@ -291,6 +310,24 @@ def _token_masks(header: dict, arrays: list) -> tuple[list, dict[int, np.ndarray
     if not arrays or arrays[-1].ndim != 2 or arrays[-1].dtype != np.int32 or len(arrays[-1]) != len(masked):
         raise ValueError("token masks: an int32 array [masked slots, words] after the other arrays")
     return arrays[:-1], dict(zip(masked, arrays[-1]))
+
+
+def _drafts(header: dict) -> dict[int, list[int]]:
+    """A step's `drafts`: [[slot, [token, ...]], ...] (the runner checks the slots and tokens)."""
+    drafts = header.get("drafts", [])
+    if not isinstance(drafts, list) or not all(
+        isinstance(d, list)
+        and len(d) == 2
+        and type(d[0]) is int
+        and isinstance(d[1], list)
+        and all(type(t) is int for t in d[1])
+        for d in drafts
+    ):
+        raise ValueError("field 'drafts' must list [slot, [token ids]] pairs")
+    found = dict(drafts)
+    if len(found) != len(drafts):
+        raise ValueError("field 'drafts' names a slot twice")
+    return found
 
 
 def _int_field(header: dict[str, Any], name: str) -> int:

@@ -90,6 +90,33 @@ _UNPLANNED = (
 )
 
 
+class SpeculationSection(Section):
+    """Speculative decoding: tokens proposed for a decoding sequence are verified together in one
+    step (the target's answers stay exactly its own), a win while a step is bound by reading the
+    weights (few streams) and the proposals are often right (answers that copy from the prompt)."""
+
+    method: Literal["none", "ngram"] = Field(
+        "none",
+        description="ngram: propose what followed the latest earlier occurrence of the sequence's "
+        "last n tokens in its prompt and answer (prompt lookup); none: off",
+    )
+    num_tokens: int = Field(4, ge=1, le=16, description="tokens proposed for a sequence in one step")
+    ngram_min: int = Field(2, ge=1, le=8, description="the shortest n-gram matched")
+    ngram_max: int = Field(4, ge=1, le=8, description="the longest n-gram matched (tried first)")
+    max_batch: int = Field(
+        4,
+        ge=1,
+        description="sequences decoding in a group beyond which nothing is proposed: with more, a "
+        "step is bound by its arithmetic, not by reading the weights, and proposals cost time",
+    )
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> SpeculationSection:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) exceeds ngram_max ({self.ngram_max})")
+        return self
+
+
 class RuntimeSection(Section):
     """How each agent builds and runs its graphs (shapes, KV slots, MindSpore context)."""
 
@@ -167,6 +194,7 @@ class RuntimeSection(Section):
     compile_cache_dir: Path | None = Field(
         Path("output/compile_cache"), description="MindSpore compile cache; null disables it"
     )
+    speculation: SpeculationSection = Field(default_factory=SpeculationSection)
 
     @field_validator("prefill_buckets", "decode_batch_buckets", "attend_buckets")
     @classmethod

@@ -109,7 +109,8 @@ class ModelClient(Protocol):
         tables: Sequence[Sequence[int]],
         chunks: Sequence[StepChunk],
         masks: TokenMasks | None = None,
-    ) -> tuple[list[Sampled], list[Sampled | None]]: ...
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> tuple[list[list[Sampled]], list[Sampled | None]]: ...
 
     async def release(self, slot: int, ticket: int | None = None) -> None: ...
 
@@ -316,13 +317,17 @@ class AgentClient:
         tables: Sequence[Sequence[int]],
         chunks: Sequence[StepChunk],
         masks: TokenMasks | None = None,
-    ) -> tuple[list[Sampled], list[Sampled | None]]:
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> tuple[list[list[Sampled]], list[Sampled | None]]:
         """A decode of `slots` and the prompt `chunks` in one call (the agent's info says mixed_rows):
-        the decode tokens and each chunk's first token (None unless it samples)."""
+        each decode slot's tokens (one; with `drafts`, the tokens proposed after its pending token,
+        the proposals the agent kept and one more) and each chunk's first token (None unless it
+        samples)."""
         arrays = [np.asarray(slots, np.int32), block_tables(tables)]
         for chunk in chunks:
             arrays += _chunk_arrays(chunk)
-        arrays, fields = _with_masks(arrays, masks, {})
+        fields: dict[str, Any] = {"drafts": [[s, list(t)] for s, t in drafts.items()]} if drafts else {}
+        arrays, fields = _with_masks(arrays, masks, fields)
         header, out = await self.call(
             "step", arrays, **fields, chunks=[c.to_wire() for c in chunks], session=self.session
         )
@@ -334,7 +339,22 @@ class AgentClient:
         chunk_firsts: list[Sampled | None] = [None] * len(chunks)
         for i, first in zip(sampled, self._sampled(firsts, header, "chunk_", sampled)):
             chunk_firsts[i] = first
-        return self._sampled(out[0].tolist(), header, ""), chunk_firsts
+        tokens = self._sampled(out[0].tolist(), header, "")
+        counts = header.get("counts") if drafts else [1] * len(slots)
+        if (
+            not isinstance(counts, list)
+            or len(counts) != len(slots)
+            or not all(
+                type(n) is int and 1 <= n <= 1 + len((drafts or {}).get(s, ())) for s, n in zip(slots, counts)
+            )
+            or sum(counts) != len(tokens)
+        ):
+            raise AgentUnavailable(f"agent {self.address}: step reply's counts do not fit its tokens")
+        per_slot, at = [], 0
+        for n in counts:
+            per_slot.append(tokens[at : at + n])
+            at += n
+        return per_slot, chunk_firsts
 
     def _sampled(
         self, tokens: list, header: dict, prefix: str, picked: list[int] | None = None
@@ -457,8 +477,9 @@ class GroupClient:
         tables: Sequence[Sequence[int]],
         chunks: Sequence[StepChunk],
         masks: TokenMasks | None = None,
-    ) -> tuple[list[Sampled], list[Sampled | None]]:
-        return await self._agreed("step", slots, tables, chunks, masks)
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> tuple[list[list[Sampled]], list[Sampled | None]]:
+        return await self._agreed("step", slots, tables, chunks, masks, drafts)
 
     async def release(self, slot: int, ticket: int | None = None) -> None:
         await self._all("release", slot, ticket)

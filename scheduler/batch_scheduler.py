@@ -43,6 +43,7 @@ from agent.contract.sampling import Sampled
 from scheduler.block_manager import BlockManager
 from scheduler.client_share import ClientShares
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler.speculation import Speculator
 from scheduler.step_costs import StepCosts
 
 # A sequence fault's HTTP status (agent.contract.sampling.SequenceFault's kinds).
@@ -84,11 +85,16 @@ class GroupCapacity:
     mixed_rows: int = 0  # rows of one call that runs a decode and prompt chunks together (0: none)
     max_batch: int = 1  # the most sequences one decode (or mixed step) call takes
 
-    def mixes(self, decodes: int, chunks: list[Chunk]) -> bool:
-        """Whether a step of `decodes` decode rows and these local chunks fits one mixed call."""
-        rows = decodes + sum(c.end - c.start for c in chunks)
+    def mixes(self, decodes: int, chunks: list[Chunk], proposed: int = 0) -> bool:
+        """Whether a step of `decodes` decode rows (with `proposed` tokens proposed after them)
+        and these local chunks fits one mixed call: its rows, its sequences and its logit rows."""
+        rows = decodes + proposed + sum(c.end - c.start for c in chunks)
+        logits = decodes + proposed + sum(c.sample for c in chunks)
         return (
-            bool(decodes and chunks) and rows <= self.mixed_rows and decodes + len(chunks) <= self.max_batch
+            bool(decodes and (chunks or proposed))
+            and rows <= self.mixed_rows
+            and decodes + len(chunks) <= self.max_batch
+            and logits <= self.max_batch
         )
 
     def __post_init__(self) -> None:
@@ -144,10 +150,17 @@ class StepPlan:
     releases: list[Release] = field(default_factory=list)
     prefills: list[Chunk] = field(default_factory=list)
     decodes: dict[int, list[Sequence]] = field(default_factory=dict)  # group -> its decoding seqs
+    # request id -> the tokens proposed after its pending token (speculative decoding): verified
+    # in its decode's step, and the blocks of their positions taken
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
         return not (self.releases or self.prefills or self.decodes)
+
+    def proposed(self, seqs: list[Sequence]) -> int:
+        """Tokens proposed for these sequences."""
+        return sum(len(self.drafts.get(s.request_id, ())) for s in seqs)
 
     def by_group(self) -> dict[int, StepPlan]:
         """The plan split into one plan per group it touches (a prefill belongs to the group that
@@ -158,7 +171,11 @@ class StepPlan:
         for chunk in self.prefills:
             parts.setdefault(chunk.seq.placement[0], StepPlan()).prefills.append(chunk)
         for group, seqs in self.decodes.items():
-            parts.setdefault(group, StepPlan()).decodes[group] = seqs
+            part = parts.setdefault(group, StepPlan())
+            part.decodes[group] = seqs
+            part.drafts = {
+                s.request_id: self.drafts[s.request_id] for s in seqs if s.request_id in self.drafts
+            }
         return parts
 
 
@@ -173,6 +190,7 @@ class BatchScheduler:
         enable_prefix_caching: bool = True,
         decode_stall_ratio: float = 0.0,
         clients: ClientShares | None = None,
+        speculator: Speculator | None = None,
     ):
         self.groups = groups
         self.max_waiting = max_waiting
@@ -193,6 +211,10 @@ class BatchScheduler:
         self.preemptions = 0  # cumulative, for the metrics
         self.prefix_query_tokens = 0  # cumulative: prompt tokens looked up in a prefix cache
         self.prefix_hit_tokens = 0  # of those, found computed
+        self.speculator = speculator  # proposes tokens for decoding sequences (speculative decoding)
+        self.proposed_tokens = 0  # cumulative: tokens proposed
+        self.accepted_tokens = 0  # of those, kept by the agents
+        self.speculative_steps = 0  # a sequence's step that verified proposals: accepted per step
         self.clients = clients or ClientShares()  # what each client holds; the fair admission order
         self._arrivals = 0
 
@@ -298,6 +320,8 @@ class BatchScheduler:
                 plan.decodes[group] = decodes
             if not self._restore_preempted(group):
                 starved.add(group)
+            elif decodes:
+                self._plan_drafts(group, decodes, plan)
         admitted = 0
         while self.waiting and admitted < self.max_prefills_per_step:
             seq = self.clients.next_to_admit(self.waiting)
@@ -306,20 +330,50 @@ class BatchScheduler:
             self.waiting.remove(seq)
             admitted += 1
         for group in open_groups:
-            self._plan_prompts(group, self._prompt_budget(group, plan.decodes.get(group, [])), plan)
+            decodes = plan.decodes.get(group, [])
+            self._plan_prompts(group, self._prompt_budget(group, decodes, plan.proposed(decodes)), plan)
         return plan
 
-    def _prompt_budget(self, group: int, decodes: list[Sequence]) -> int:
-        """Prompt positions a step of the `decodes` rows may carry: what the token budget leaves,
-        within one mixed call's rows, and no more than the group's step costs allow for the prompts
-        waiting (a stream waits for the step); never below the costs' floor, so prompts advance
-        beside any batch."""
+    def _plan_drafts(self, group: int, decodes: list[Sequence], plan: StepPlan) -> None:
+        """Tokens proposed after the group's decoding sequences' pending tokens (speculative
+        decoding), while few sequences decode and within the logit rows of one mixed call (one
+        left for a prompt's first token), each with the blocks of their positions: free blocks
+        only, a proposal never preempts. A grammar's sequence proposes nothing (its mask holds for
+        one token), nor one whose request opted out."""
+        speculator, capacity = self.speculator, self.groups[group]
+        if speculator is None or not speculator.enabled or not capacity.mixed_rows:
+            return
+        if len(decodes) > speculator.settings.max_batch:
+            return
+        room = min(capacity.max_batch - 1, capacity.mixed_rows) - len(decodes)
+        blocks = self.blocks[group]
+        for seq in decodes:
+            if room <= 0:
+                return
+            if not seq.speculate or seq.constraint is not None:
+                continue
+            k = min(
+                speculator.settings.num_tokens,
+                room,
+                seq.max_new_tokens - len(seq.output) - 1,  # the step's last token is always its own
+                capacity.max_seq_len - 1 - seq.computed,
+            )
+            proposed = speculator.propose(seq, k) if k > 0 else []
+            if proposed and blocks.append(seq.request_id, seq.computed + 1 + len(proposed)):
+                plan.drafts[seq.request_id] = proposed
+                room -= len(proposed)
+
+    def _prompt_budget(self, group: int, decodes: list[Sequence], proposed: int = 0) -> int:
+        """Prompt positions a step of the `decodes` rows (and the `proposed` tokens after them) may
+        carry: what the token budget leaves, within one mixed call's rows, and no more than the
+        group's step costs allow for the prompts waiting (a stream waits for the step); never below
+        the costs' floor, so prompts advance beside any batch."""
         if not decodes:
             return self.max_batched_tokens
         capacity, costs = self.groups[group], self.step_costs[group]
-        budget = self.max_batched_tokens - len(decodes)
+        budget = self.max_batched_tokens - len(decodes) - proposed
         if capacity.mixed_rows:
-            budget = min(budget, max(capacity.mixed_rows - len(decodes), costs.floor))
+            budget = min(budget, max(capacity.mixed_rows - len(decodes) - proposed, costs.floor))
         # Prompts without a first token: the group's placed ones and the queue not yet placed.
         pending = [s for s in self._group_seqs(group) if s.needs_prefill and not s.transferring]
         allowed = costs.prompt_positions(
@@ -514,15 +568,40 @@ class BatchScheduler:
             self.free_slots[group].append(slot)
             self.free_slots[group].sort()
 
-    def decoded(self, seqs: list[Sequence], tokens: list[Sampled]) -> None:
-        for seq, token in zip(seqs, tokens):
+    def decoded(
+        self, seqs: list[Sequence], tokens: list[list[Sampled]], drafts: dict[str, list[int]] | None = None
+    ) -> None:
+        """Each sequence's tokens of a decode step: one, or with proposals (`drafts`) the ones
+        its agent kept and one more. The KV of its pending token and of the proposals kept is
+        written; the blocks taken for the proposals not kept go back."""
+        drafts = drafts or {}
+        for seq, sampled in zip(seqs, tokens):
             if seq.finished:  # aborted while its step was in flight
                 continue
-            seq.computed += 1  # the pending token's KV
+            proposed = drafts.get(seq.request_id, [])
             blocks = self.blocks[seq.placement[0]]
-            if seq.computed % blocks.block_size == 0:  # a block just filled: it joins the cache
-                blocks.computed(seq.request_id, seq.tokens(seq.computed), seq.computed)
-            self._append(seq, token)
+            before = seq.computed
+            seq.computed += len(sampled)  # the pending token's KV and the kept proposals'
+            if seq.computed // blocks.block_size > before // blocks.block_size:  # blocks filled: cached
+                written = seq.tokens(len(seq.prompt) + len(seq.output)) + [s.token for s in sampled]
+                blocks.computed(seq.request_id, written, seq.computed)
+            if proposed and self.speculator is not None:
+                self.speculator.verified(seq, len(proposed), len(sampled) - 1)
+                self.proposed_tokens += len(proposed)
+                self.accepted_tokens += len(sampled) - 1
+                self.speculative_steps += 1
+            for token in sampled:
+                self._append(seq, token)
+                if seq.finished:  # a stop among the kept tokens: the ones after it are not the answer
+                    break
+            if proposed and not seq.finished:
+                blocks.truncate(seq.request_id, seq.computed + 1)
+
+    def drop_drafts(self, seqs: list[Sequence], drafts: dict[str, list[int]]) -> None:
+        """The sequences decode without their proposals: the blocks taken for them go back."""
+        for seq in seqs:
+            if seq.request_id in drafts and not seq.finished:
+                self.blocks[seq.placement[0]].truncate(seq.request_id, seq.computed + 1)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finish from outside the token rules (a stop string found in the text)."""

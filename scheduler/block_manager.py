@@ -174,6 +174,19 @@ class BlockManager:
             self._content_of[block] = content
             progress.blocks, progress.serial = i + 1, content.serial
 
+    def truncate(self, key: Hashable, length: int) -> None:
+        """Shrink `key`'s table to the blocks of `length` positions: blocks taken for positions it
+        did not keep (speculative decoding's rejected proposals) go back, never yet registered."""
+        table = self._tables[key]
+        keep = self.blocks_for(length)
+        if keep < self._progress[key].blocks:
+            raise ValueError(f"{key!r} cannot drop blocks it registered as computed")
+        for block in reversed(table[keep:]):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free_plain.append(block)
+        del table[keep:]
+
     def free(self, key: Hashable) -> None:
         """Drop `key`'s table (no-op if it has none). Its blocks with no other holder become free;
         registered ones keep their KV, hit-able until evicted, the table's tail first in line."""

@@ -46,6 +46,7 @@ from scheduler.client_share import ClientShares
 from scheduler.group_links import GroupLinks
 from scheduler.metrics import ServingMetrics
 from scheduler.sequence import FinishReason, Sequence, TokenConstraint
+from scheduler.speculation import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class Engine:
             s.enable_prefix_caching,
             s.decode_stall_ratio,
             ClientShares(s.client_share, s.max_running_per_client, s.scheduling_policy == "priority"),
+            Speculator(self.config.runtime.speculation),
         )
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         self._task.add_done_callback(self._loop_ended)
@@ -223,6 +225,7 @@ class Engine:
         cache_salt: str | None = None,
         client: str = "",
         priority: int = 0,
+        speculate: bool = True,
     ) -> Sequence:
         """Queues the request's sequence at once, or raises AdmissionError if it is refused.
         `constraint`: the grammar its tokens follow (structured output); `cache_salt`: its prompt
@@ -248,6 +251,7 @@ class Engine:
             cache_salt=cache_salt,
             client=client,
             priority=priority,
+            speculate=speculate,
         )
         try:
             self.scheduler.add(seq)
@@ -293,6 +297,9 @@ class Engine:
             (m.prefix_cache_queries, s.prefix_query_tokens),
             (m.prefix_cache_hits, s.prefix_hit_tokens),
             (m.preemptions, s.preemptions),
+            (m.proposed_tokens, s.proposed_tokens),
+            (m.accepted_tokens, s.accepted_tokens),
+            (m.speculative_steps, s.speculative_steps),
         ):
             counter.inc(total - self._counted.get(counter, 0))
             self._counted[counter] = total
@@ -362,19 +369,28 @@ class Engine:
         rest: list[Chunk] = []  # PD transfers, aborted sequences
         for chunk in plan.prefills:
             (local if chunk.seq.prefill_group is None and not chunk.seq.finished else rest).append(chunk)
-        if self.scheduler.healthy[group] and self.scheduler.groups[group].mixes(len(seqs), local):
-            if await self._mixed(group, seqs, local):
+        healthy, capacity = self.scheduler.healthy[group], self.scheduler.groups[group]
+        proposed = plan.proposed(seqs)
+        if healthy and capacity.mixes(len(seqs), local, proposed):
+            if await self._mixed(group, seqs, local, plan.drafts):
                 for chunk in rest:
                     await self._prefill_chunk(chunk)
                 return
             # the agent refused the step (a bad request in it): each part alone, so only that one fails
+        elif healthy and proposed and capacity.mixes(len(seqs), [], proposed):
+            # the prompts do not fit beside the proposals: the decode and its proposals first
+            if await self._mixed(group, seqs, [], plan.drafts):
+                for chunk in plan.prefills:
+                    await self._prefill_chunk(chunk)
+                return
         if seqs and self.scheduler.healthy[group]:
+            self.scheduler.drop_drafts(seqs, plan.drafts)  # decoded alone: the proposals go unverified
             try:
                 tokens = await self._decode(group, seqs)
             except Exception as exc:
                 self._group_failed(group, exc)
                 return
-            self.scheduler.decoded(seqs, tokens)
+            self.scheduler.decoded(seqs, [[token] for token in tokens])
             for seq in seqs:
                 self._report(seq)
         for chunk in plan.prefills:
@@ -391,9 +407,12 @@ class Engine:
         elif not seq.finished:  # else aborted, or its group failed earlier in this plan
             await self._prefill(chunk)
 
-    async def _mixed(self, group: int, seqs: list[Sequence], chunks: list[Chunk]) -> bool:
-        """The group's decode and its prompt chunks in one agent call; False when the agent refused
-        it as a bad request (nothing ran: the caller runs the parts one by one)."""
+    async def _mixed(
+        self, group: int, seqs: list[Sequence], chunks: list[Chunk], drafts: dict[str, list[int]]
+    ) -> bool:
+        """The group's decode (with the tokens proposed after its sequences' pending tokens:
+        `drafts`) and its prompt chunks in one agent call; False when the agent refused it as a bad
+        request (nothing ran: the caller runs the parts one by one)."""
         client, blocks = self.clients[group], self.scheduler.blocks[group]
         attending = attended(seqs)
         parts = [self._step_chunk(c) for c in chunks]
@@ -404,6 +423,7 @@ class Engine:
                     [blocks.table(s.request_id) for s in seqs],
                     parts,
                     _masks([*seqs, *(c.seq for c in chunks if c.sample)]),
+                    {s.placement[1]: drafts[s.request_id] for s in seqs if s.request_id in drafts},
                 )
         except AgentRequestError as exc:
             log.warning("agent %s refused a mixed step (%s): its parts run one by one", client.address, exc)
@@ -415,7 +435,7 @@ class Engine:
         self.scheduler.step_costs[group].mixed(
             len(seqs), attending, [(c.start, c.end) for c in chunks], client.decode_compute_s
         )
-        self.scheduler.decoded(seqs, tokens)
+        self.scheduler.decoded(seqs, tokens, drafts)
         for seq in seqs:
             self._report(seq)
         for chunk, token in zip(chunks, firsts):

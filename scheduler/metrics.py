@@ -100,6 +100,17 @@ class ServingMetrics:
             "Sequences whose KV blocks were taken for others (recomputed later, nothing lost)",
             registry=r,
         )
+        # Speculative decoding: accepted / proposed is the acceptance rate, accepted / steps the
+        # tokens a verifying step gains.
+        self.proposed_tokens = Counter(
+            p + "spec_proposed_tokens", "Tokens proposed after decoding sequences' pending tokens", registry=r
+        )
+        self.accepted_tokens = Counter(
+            p + "spec_accepted_tokens", "Proposed tokens the agents verified and kept", registry=r
+        )
+        self.speculative_steps = Counter(
+            p + "spec_steps", "Decode steps of a sequence that verified proposals", registry=r
+        )
 
 
 class MetricsByModel:

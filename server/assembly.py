@@ -122,6 +122,7 @@ class AnswerRequest:
     cache_salt: str | None = None
     client: str = ""
     priority: int = 0
+    speculate: bool = True  # its tokens may be proposed (runtime.speculation): false opts out
 
 
 def generate_answer(
@@ -143,6 +144,7 @@ def generate_answer(
         request.cache_salt,
         request.client,
         request.priority,
+        request.speculate,
     )
     return outputs.open(seq, request.stop, engine.abort)
 

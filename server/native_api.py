@@ -211,6 +211,7 @@ def native_router(repository: ModelRepository) -> APIRouter:
             p.cache_salt,
             client_of(http.scope),
             p.priority,
+            p.speculate,
         )
         [stream] = await admit(model.engine, model.outputs, answer_request, openai=False)
         return stream, model.formatter

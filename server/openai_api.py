@@ -163,6 +163,7 @@ async def admit_choices(
         req.cache_salt,
         client_of(http.scope),
         req.priority,
+        req.speculate,
     )
     streams = await admit(model.engine, model.outputs, request, openai=True)
     calls = isinstance(req, ChatCompletionRequest) and tool_calls.offered(req)

@@ -127,7 +127,8 @@ class _Common(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     # vLLM's: prefix-cache blocks shared only with requests of the same salt
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
-    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower first (scheduling_policy priority)
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    speculate: bool = True  # false: no tokens proposed for it (runtime.speculation)
 
     def grammar_spec(self) -> GrammarSpec | None:
         """The grammar the answer must follow, if any (GrammarError for a JSON text that is not)."""

@@ -15,6 +15,12 @@ import sys
 import threading
 from pathlib import Path
 
+SPECULATION = {  # --spec: xllamacpp's common_speculative_type
+    "none": "COMMON_SPECULATIVE_TYPE_NONE",
+    "ngram-simple": "COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE",
+    "ngram-map-k": "COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K",
+    "ngram-mod": "COMMON_SPECULATIVE_TYPE_NGRAM_MOD",
+}
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -28,6 +34,22 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=16, help="slots (concurrent sequences)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=16 * 2048, help="total context, shared by the slots")
+    parser.add_argument(
+        "--spec",
+        choices=sorted(SPECULATION),
+        default="none",
+        help="speculative decoding: ngram-simple (prompt lookup, llama-server --spec-type ngram-simple), "
+        "ngram-map-k, ngram-mod, or none",
+    )
+    parser.add_argument(
+        "--spec-ngram-n", type=int, default=None, help="the n-gram length looked up (llama.cpp's default: 12)"
+    )
+    parser.add_argument(
+        "--spec-ngram-m",
+        type=int,
+        default=None,
+        help="the tokens drafted after a match (llama.cpp's default: 48)",
+    )
     args = parser.parse_args()
     try:
         import xllamacpp
@@ -48,10 +70,18 @@ def main() -> int:
     params.port = args.port
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
+    if args.spec != "none":
+        kind = getattr(xllamacpp.common_speculative_type, SPECULATION[args.spec])
+        params.speculative.types = [kind]
+        for ngram in (params.speculative.ngram_simple, params.speculative.ngram_map_k):
+            if args.spec_ngram_n:
+                ngram.size_n = args.spec_ngram_n
+            if args.spec_ngram_m:
+                ngram.size_m = args.spec_ngram_m
     server = xllamacpp.Server(params)
     print(
         f"llama.cpp server (xllamacpp) on http://{args.host}:{args.port}/v1 "
-        f"({args.parallel} slots, {args.threads} threads)",
+        f"({args.parallel} slots, {args.threads} threads, speculation {args.spec})",
         flush=True,
     )
     stop = threading.Event()

@@ -22,13 +22,18 @@ Requests (op: fields -> reply fields):
               (kv_receive below) and this slot is free again -> also kv_bytes, transfer_ms
     decode:   arrays [slots int32 [n], block tables int32 [n, w] (-1 past a row's blocks)]
               -> arrays [tokens int32], [logprobs: [entry or null per slot]]
-    step:     chunks [{slot, start, sample, sampling {...}}, ...];
+    step:     chunks [{slot, start, sample, [sampling {...} when sample]}, ...] (StepChunk),
+              [drafts [[slot, [token, ...]], ...]];
               arrays [decode slots int32 [n], their block tables int32 [n, w], then per chunk its
               tokens int32 (positions 0..end-1) and block table int32]
-              -> arrays [decode tokens int32 [n]], chunk_tokens [token or null per chunk],
-              [logprobs, chunk_logprobs: [entry or null per decode slot / chunk]]: a decode
+              -> arrays [decode tokens int32], chunk_tokens [token or null per chunk],
+              [logprobs, chunk_logprobs: [entry or null per decode token / chunk]]: a decode
               and prompt chunks (as prefill without transfer) in one call of at most mixed_rows
-              rows (info; 0: this agent runs none); refused whole if any part is wrong
+              rows (info; 0: this agent runs none); refused whole if any part is wrong. drafts
+              (speculative decoding): tokens proposed after a decode slot's pending token (at most
+              16; never for a masked slot; its table covers their positions): its rows are
+              verified, and the reply's `counts` gives each decode slot's number of tokens (the
+              proposals kept and one more; the tokens array holds them slot after slot)
     release:  slot, [ticket]                               -> - (ticket: a transfer into this slot
                                                               that the scheduler gave up on; it is
                                                               refused if it still arrives)
@@ -75,7 +80,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 OPS = ("info", "prefill", "decode", "step", "release", "kv_receive", "reset", "ping", "shutdown")
 SESSION_OPS = ("prefill", "decode", "step", "release", "kv_receive", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent

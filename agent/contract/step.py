@@ -5,6 +5,11 @@ position 0; the positions before `start` are in the blocks of `table` already: e
 prefix-cache hit) into the blocks of `table`. The prompt's last chunk samples its first token with
 `sampling`; the chunks before it have none and sample nothing.
 
+A scored chunk is a decoding slot's pending token and the tokens proposed after it (speculative
+decoding), built by the agent from a step's `drafts`, never sent: `tokens` are those rows' ids alone
+(position `start` on), and every row's logits are computed, to verify each proposal with the slot's
+own sampler.
+
 On the wire (agent/contract/protocol.py: `step`'s `chunks`) a chunk is the map to_wire() writes, its
 tokens and its table travelling as arrays of their own.
 """
@@ -27,6 +32,7 @@ class StepChunk:
     table: Sequence[int] | np.ndarray
     start: int
     sampling: SamplingParams | None = None  # the prompt's last chunk: it samples with these
+    scored: bool = False  # a decoding slot's pending token and its proposals (see above)
 
     @property
     def sample(self) -> bool:
@@ -35,7 +41,7 @@ class StepChunk:
     @property
     def new_tokens(self) -> Sequence[int]:
         """The ids of the positions this chunk computes."""
-        return self.tokens[self.start :]
+        return self.tokens if self.scored else self.tokens[self.start :]
 
     def to_wire(self) -> dict[str, Any]:
         """The chunk's header map (its sampling only where it samples)."""

@@ -268,9 +268,10 @@ class GraphInputs:
         `decode_positions` of each of the sequences with `decode_tables` [d, MB]), then each chunk's
         rows (its new tokens at positions start.. of its table), then
         padding to `rows`; tables [max_seqs, MB] (the decode rows', then the chunks', then scratch),
-        each row's table row, and the logit rows: each decode row, then the last row of each chunk
-        that samples, then row 0 to `logit_rows` (a chunk that does not end its prompt needs none:
-        16 streams beside one such chunk take the 16-row LM head, not the 32-row one)."""
+        each row's table row, and the logit rows: each decode row, then every row of a scored chunk
+        and the last row of each chunk that samples, then row 0 to `logit_rows` (a chunk that does
+        not end its prompt needs none: 16 streams beside one such chunk take the 16-row LM head,
+        not the 32-row one)."""
         if not self.fused_layers:
             raise ValueError("a mixed step needs the fused layers")
         decode_tables = self.check_tables(decode_tables) if len(decode_tables) else np.zeros((0, 0), np.int32)
@@ -279,7 +280,7 @@ class GraphInputs:
         if not len(decode_tables) == d == len(decode_positions):
             raise ValueError(f"a mixed step of {d} decode tokens got {len(decode_tables)} tables")
         sizes = [len(c.new_tokens) for c in chunks]
-        sampled = d + sum(c.sample for c in chunks)
+        sampled = d + sum(size if c.scored else c.sample for c, size in zip(chunks, sizes))
         if (
             d + sum(sizes) > rows
             or d + len(chunks) > self.max_seqs
@@ -304,8 +305,11 @@ class GraphInputs:
             tokens.append(np.asarray(chunk.new_tokens, np.int64))
             positions.append(chunk.start + np.arange(sizes[i]))
             table_of.append(np.full(sizes[i], d + i))
-            if chunk.sample:
-                last.append(d + sum(sizes[:i]) + sizes[i] - 1)
+            first = d + sum(sizes[:i])
+            if chunk.scored:  # a decoding slot's rows and its proposals: every row's logits
+                last.extend(range(first, first + sizes[i]))
+            elif chunk.sample:
+                last.append(first + sizes[i] - 1)
         pad = rows - d - sum(sizes)
         tables.append(np.repeat(self.scratch_table[None, :], self.max_seqs - d - len(chunks), 0))
         all_tables = np.concatenate(tables).astype(np.int32)

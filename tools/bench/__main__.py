@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from agent.contract.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -43,10 +44,16 @@ from tools.bench.load import (
     with_background,
     with_hostile,
 )
-from tools.bench.stats import RequestRecord, median_of_runs, summarize, summarize_hostile
+from tools.bench.stats import RequestRecord, median_of_runs, speculation, summarize, summarize_hostile
 from tools.bench.targets import Target, TargetError
 
-PROMPTS = Path(__file__).with_name("prompts.jsonl")
+# The prompt files of the named workloads: chat-style questions, and copy-heavy ones (a ~500-token
+# document and an instruction to return it with small edits or to extract its sentences: what
+# speculative decoding's prompt lookup proposes well).
+WORKLOADS = {
+    "normal": Path(__file__).with_name("prompts.jsonl"),
+    "copy": Path(__file__).with_name("copy_prompts.jsonl"),
+}
 HOSTILE_KINDS = ("stop_flood", "huge_prompt", "full_vocab", "greedy")  # greedy: the control
 DEFAULT_HOSTILE_KINDS = "stop_flood,huge_prompt,full_vocab"
 HUGE_PROMPT_BYTES = 1 << 20
@@ -145,7 +152,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "for a while (vLLM's CPU worker ~1 s on one core), which would tax the next target's run",
     )
     p.add_argument("--model", help="the `model` field for OpenAI targets (default: their first /v1/models)")
-    p.add_argument("--prompts", type=Path, default=PROMPTS, help='JSONL with a "prompt" per line')
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="normal",
+        help="the prompts: normal (chat questions) or copy (a document to return edited or to "
+        "extract from); --prompts gives a file instead",
+    )
+    p.add_argument("--prompts", type=Path, help='JSONL with a "prompt" per line (default: the --workload\'s)')
     p.add_argument(
         "--background-words",
         type=int,
@@ -217,6 +231,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=PROJECT_ROOT / "output" / "bench")
     p.add_argument("--name", default=time.strftime("bench-%Y%m%d-%H%M%S"), help="output file stem")
     args = p.parse_args(argv)
+    args.prompts = args.prompts or WORKLOADS[args.workload]
     specs = args.target + args.vs
     if not specs:
         p.error("give at least one --target")
@@ -257,6 +272,28 @@ def load_prompts(path: Path) -> list[str]:
     if not prompts:
         raise SystemExit(f"error: no prompts in {path}")
     return prompts
+
+
+def speculation_counters(target: Target) -> tuple[float, float] | None:
+    """Speculative decoding's (proposed, accepted) token counters from the target's /metrics, where
+    it exports this project's (llm_serving_spec_*); None elsewhere."""
+    try:
+        reply = httpx.get(target.metrics_url, headers=target.headers, timeout=10)
+    except httpx.HTTPError:
+        return None
+    if reply.status_code != 200:
+        return None
+    counts = {}
+    for family in text_string_to_metric_families(reply.text):
+        for sample in family.samples:
+            if sample.name in (
+                "llm_serving_spec_proposed_tokens_total",
+                "llm_serving_spec_accepted_tokens_total",
+            ):
+                counts[sample.name] = counts.get(sample.name, 0.0) + sample.value
+    if len(counts) != 2:
+        return None
+    return counts["llm_serving_spec_proposed_tokens_total"], counts["llm_serving_spec_accepted_tokens_total"]
 
 
 def openai_model(target: Target) -> str | None:
@@ -410,8 +447,12 @@ def timed_run(
     async def measured() -> tuple[list[RequestRecord], float]:
         return await timed
 
+    before = speculation_counters(target)
     records, wall = asyncio.run(measured())
     summary = summarize(records, wall)
+    after = speculation_counters(target)
+    if before is not None and after is not None:  # the server's own counts (this project's /metrics)
+        summary.update(speculation(after[0] - before[0], after[1] - before[1]))
     if "background" in sides:
         side = summarize(sides["background"], wall)
         summary.update(
@@ -506,6 +547,8 @@ def main(argv=None) -> int:
         print(report.ttft_split_table(results))
     if args.hostile:
         print(report.hostile_table(results))
+    if report.speculation_table(results):
+        print(report.speculation_table(results))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 1 if any(r["summary"]["errors"] for r in results) else 0
 

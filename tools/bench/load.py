@@ -43,6 +43,8 @@ async def one_request(client: httpx.AsyncClient, target: Target, body: dict | by
                     break
                 if event.tokens is not None:
                     server_count = event.tokens
+                if event.drafted is not None:
+                    record.drafted, record.accepted = event.drafted, event.accepted
                 record.text += event.text
                 if event.token:
                     now = time.monotonic()

@@ -90,6 +90,26 @@ def background_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
+SPECULATION_COLUMNS = [  # (header, key, scale, format)
+    ("proposed", "spec_proposed", 1, "{:.0f}"),
+    ("accepted", "spec_accepted", 1, "{:.0f}"),
+    ("acceptance", "spec_acceptance", 100, "{:.0f}%"),
+    ("out tokens", "output_tokens", 1, "{:.0f}"),
+]
+
+
+def speculation_table(results: list[dict]) -> str:
+    """Speculative decoding's tokens proposed and accepted per (target, level) (medians over the
+    runs), where the target reports them; "" if none does."""
+    lines = table_header(["target", "level", *(c[0] for c in SPECULATION_COLUMNS)])
+    for row in results:
+        if row["summary"].get("spec_proposed") is not None:
+            lines.append(
+                table_line([row["target"], row["level"], *formatted(row["summary"], SPECULATION_COLUMNS)])
+            )
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 HOSTILE_COLUMNS = [  # (header, key suffix, scale, format)
     ("requests", "requests", 1, "{:.0f}"),
     ("HTTP 200", "http_200", 1, "{:.0f}"),
@@ -161,8 +181,10 @@ def write(results: list[dict], settings: dict, out_dir: Path, stem: str) -> dict
         json.dumps({"settings": settings, "results": results}, indent=2, ensure_ascii=False)
     )
     background, hostile = background_table(results), hostile_table(results)
+    speculated = speculation_table(results)
     paths["md"].write_text(
         markdown_table(results)
+        + (f"\nSpeculative decoding:\n\n{speculated}" if speculated else "")
         + (f"\nLong prompts beside the runs:\n\n{background}" if background else "")
         + (f"\nHostile requests beside the runs:\n\n{hostile}" if hostile else "")
     )

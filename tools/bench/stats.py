@@ -21,6 +21,8 @@ class RequestRecord:
     status: int | None = None  # the HTTP status; None when no response came (a connection error)
     text: str = ""  # the answer (a multi-turn chat's next prompt holds it)
     turn: int = 0  # its turn in a multi-turn chat (0: the first)
+    drafted: int | None = None  # speculative decoding, where the server reports it per request
+    accepted: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -46,6 +48,7 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
     itl = [gap for r in ok for gap in r.inter_token]
     latency = [r.latency for r in ok if r.latency is not None]
     tokens = sum(r.tokens for r in ok)
+    reported = [r for r in ok if r.drafted is not None]  # per-request speculation counts (llama.cpp)
     return {
         "requests": len(records),
         "errors": len(records) - len(ok),
@@ -63,6 +66,19 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "latency_p90_s": percentile(latency, 90),
         "latency_p99_s": percentile(latency, 99),
         **prefix_split(ok),
+        **speculation(
+            sum(r.drafted for r in reported) if reported else None, sum(r.accepted or 0 for r in reported)
+        ),
+    }
+
+
+def speculation(proposed: int | None, accepted: int) -> dict:
+    """Speculative decoding's tokens proposed and accepted in a run, and their ratio (None where the
+    server reports none)."""
+    return {
+        "spec_proposed": proposed,
+        "spec_accepted": None if proposed is None else accepted,
+        "spec_acceptance": accepted / proposed if proposed else None,
     }
 
 

@@ -38,6 +38,11 @@ class Target:
         parsed = urlparse(self.url)
         return f"{parsed.scheme}://{parsed.netloc}/health"
 
+    @property
+    def metrics_url(self) -> str:
+        parsed = urlparse(self.url)
+        return f"{parsed.scheme}://{parsed.netloc}/metrics"
+
     @classmethod
     def parse(cls, spec: str) -> Target:
         label, _, url = spec.rpartition("=") if "=" in spec.split("://")[0] else ("", "", spec)
@@ -107,6 +112,10 @@ class StreamEvent:
     text: str = ""  # new output text (may be empty)
     token: bool = False  # it carries a generated token, even one with no text of its own
     tokens: int | None = None  # the server's own count of output tokens, when it reports one
+    # speculative decoding: tokens drafted and accepted, where the server reports them per request
+    # (llama.cpp's `timings`)
+    drafted: int | None = None
+    accepted: int | None = None
     error: str | None = None
     done: bool = False
 
@@ -132,6 +141,9 @@ def parse_line(api: str, line: str) -> StreamEvent | None:
     event = StreamEvent()
     if data.get("usage"):
         event.tokens = data["usage"].get("completion_tokens")
+    timings = data.get("timings") or {}
+    if "draft_n" in timings:
+        event.drafted, event.accepted = timings["draft_n"], timings.get("draft_n_accepted", 0)
     for choice in data.get("choices") or []:
         delta = choice if api == "completions" else (choice.get("delta") or {})
         piece = delta.get("text" if api == "completions" else "content")

@@ -127,7 +127,7 @@ def test_tables_that_do_not_fit_are_refused(runner):
         runner.decode([1], [[4, 5]])
     runner.prefill(0, ids, GREEDY, [1, 2, 3])
     with pytest.raises(RunnerError, match=r"entries lie in 0..39"):
-        runner.decode([0], [[1, 2, 3, -1]])
+        runner.decode([0], [[1, -1, 3]])  # -1 pads only past the held blocks
     with pytest.raises(RunnerError, match="does not cover 49 positions"):
         for _ in range(10):  # position 48 needs a fourth block
             runner.decode([0], [[1, 2, 3]])
@@ -154,12 +154,13 @@ def mixed_run(runner: ModelRunner, ids: list[list[int]], tables: list[list[int]]
     ]
     for slots, chunks in steps:
         if mixed:
-            tokens, firsts = runner.step(slots, [tables[s] for s in slots], chunks)
+            decoded, firsts = runner.step(slots, [tables[s] for s in slots], chunks)
+            tokens = [only for (only,) in decoded]
         else:
             tokens = runner.decode(slots, [tables[s] for s in slots])
             firsts = [
-                runner.prefill(c.slot, c.tokens, c.params, c.table, c.start)
-                if c.sample
+                runner.prefill(c.slot, c.tokens, c.sampling, c.table, c.start)
+                if c.sampling is not None
                 else runner.prefill_chunk(c.slot, c.tokens, c.table, c.start)
                 for c in chunks
             ]
@@ -202,3 +203,88 @@ def test_a_mixed_step_that_does_not_fit_changes_nothing(runner, reference):
     with pytest.raises(RunnerError, match="names a slot twice"):
         runner.step([0], [tables[0]], [StepChunk(0, ids[0], tables[0], 0, None)])
     assert [first, *decode_n(runner, 0, tables[0], 2)] == ref.greedy(reference, ids[0], 3)
+
+
+# ------------------------------------------------------------------------------ speculative decoding
+
+
+def speculated(runner: ModelRunner, ids: list[int], table: list[int], params, proposals, steps: int):
+    """A sequence decoded in steps whose proposals come from `proposals(tokens so far)` (verified in
+    one step each, the table covering them) -> its tokens and the number of tokens each step gave."""
+    tokens = [runner.prefill(0, ids, params, table)]
+    gave = []
+    for _ in range(steps):
+        drafts = {0: proposals(ids + tokens)} if proposals(ids + tokens) else {}
+        decoded, _ = (
+            runner.step([0], [table], [], drafts=drafts) if drafts else ([runner.decode([0], [table])], [])
+        )
+        tokens += decoded[0]
+        gave.append(len(decoded[0]))
+    return tokens, gave
+
+
+def test_proposals_kept_and_rejected_give_exactly_the_greedy_tokens(runner, reference):
+    """Greedy verification: proposals that are the reference's next tokens are kept (a step then
+    gives them and one more), wrong ones are not (from the first wrong one on); either way the
+    sequence's tokens are the reference's, the rejected positions' KV written over later."""
+    ids, table = prompt(21, seed=30), shuffled(1, seed=9)[0]
+    want = ref.greedy(reference, ids, 40)
+
+    def right(known: list[int]) -> list[int]:  # the next 3 tokens of the reference's answer
+        done = len(known) - len(ids)
+        return want[done : done + 3]
+
+    def half_right(known: list[int]) -> list[int]:  # the next one, then a wrong one
+        done = len(known) - len(ids)
+        return [want[done], (want[done + 1] + 1) % 250] if done + 1 < len(want) else []
+
+    got, gave = speculated(runner, ids, table, GREEDY, right, 8)
+    assert got == want[: len(got)] and max(gave) == 4 and len(got) > 8
+    runner.release(0)
+    got, gave = speculated(runner, ids, table, GREEDY, half_right, 8)
+    assert got == want[: len(got)] and set(gave) == {2}
+
+
+def test_verified_steps_beside_prompt_chunks_and_plain_rows(runners, runner, reference):
+    """Slot 0 verifies 2 proposals while slot 1 decodes plainly and slot 2's first prompt chunk
+    arrives, in one call (4 rows of logits, the largest decode bucket): every slot gets the tokens
+    it gets alone."""
+    ids = [prompt(20, seed=40), prompt(25, seed=41), prompt(9, seed=42)]
+    tables = shuffled(3, seed=10)
+    want = [ref.greedy(reference, p, 8) for p in ids]
+    first = [runner.prefill(s, ids[s], GREEDY, tables[s]) for s in (0, 1)]
+    decoded, firsts = runner.step(
+        [0, 1], tables[:2], [StepChunk(2, ids[2][:5], tables[2], 0, None)], drafts={0: want[0][1:3]}
+    )
+    assert [first[0], *decoded[0]] == want[0][:4] and [first[1], *decoded[1]] == want[1][:2]
+    assert firsts == [None] and runner.prefill(2, ids[2], GREEDY, tables[2], start=5) == want[2][0]
+    with pytest.raises(RunnerError, match="proposals for slot 3"):
+        runner.step([0, 1], tables[:2], [], drafts={3: [5]})
+    with pytest.raises(RunnerError, match="1..16 tokens"):
+        runner.step([0, 1], tables[:2], [], drafts={0: list(range(5, 22))})
+    assert runner.slot_length(0) == 20 + 3  # a refused step changes nothing
+
+
+def test_sampled_verification_keeps_the_targets_distribution():
+    """Rejection sampling of certain proposals: over many draws with a fixed seed, the first token
+    of a step has the target's distribution whatever is proposed (a likely token, an unlikely one,
+    one outside top-k), within a few standard errors."""
+    from agent.sampling import SlotSampler
+
+    vocab, draws = 8, 20_000
+    logits = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005]))
+    for params in (SamplingParams(do_sample=True, seed=1), SamplingParams(do_sample=True, seed=2, top_k=4)):
+        target = np.exp(logits[: params.top_k or vocab])
+        target = np.pad(target / target.sum(), (0, vocab - len(target)))
+        for proposal in (0, 3, 6):
+            sampler = SlotSampler(params, [], vocab)
+            counts = np.zeros(vocab)
+            for _ in range(draws):
+                counts[sampler.verify(np.stack([logits, logits]), [proposal])[0]] += 1
+            freq = counts / draws
+            assert np.all(np.abs(freq - target) < 5 * np.sqrt(target * (1 - target) / draws) + 1e-9), (
+                params,
+                proposal,
+                freq,
+                target,
+            )

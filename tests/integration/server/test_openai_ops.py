@@ -3,7 +3,6 @@ the Python client, against a real agent + `start_server.py` on the tiny model wi
 
 import asyncio
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, wait_gone, write_config
+from browser import chromium_driver
 from client import AsyncClient, Client, ServerError
 from config.schema import PROJECT_ROOT
 
@@ -647,25 +647,6 @@ def test_command_line(stack):
 
 
 # ------------------------------------------------------------------------------------ dashboard
-
-
-def chromium_driver():
-    """Headless Chromium through chromium-driver (Debian packages; `make test` installs them when
-    it runs as root)."""
-    chromedriver, chromium = shutil.which("chromedriver"), shutil.which("chromium")
-    if not (chromedriver and chromium):
-        pytest.skip(
-            "Chromium is not installed (Debian packages chromium, chromium-driver; `make test` "
-            "installs them when run as root)"
-        )
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,900"):
-        options.add_argument(flag)
-    return webdriver.Chrome(service=Service(chromedriver), options=options)
 
 
 def test_dashboard_in_a_real_browser_under_load(stack):

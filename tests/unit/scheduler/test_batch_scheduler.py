@@ -8,9 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.contract.sampling import Sampled, SamplingParams
+from config.schema import SpeculationSection
 from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal
 from scheduler.client_share import ClientShares
 from scheduler.sequence import FinishReason, Sequence
+from scheduler.speculation import Speculator
 
 EOS = 99
 
@@ -20,14 +22,18 @@ class FakeAgent:
     blocks read and written through the tables it is sent. Each position's "KV" records the whole
     token prefix it was computed from, so a table that points at the wrong block, a prefix-cache
     hit on other tokens or a position never computed fails an assertion. The next token is the
-    previous one + 1."""
+    previous one + 1 (or, with a `cycle`, the next of the cycle: answers that repeat themselves, for
+    speculative decoding's proposals)."""
 
-    def __init__(self, num_slots: int, block_size: int):
-        self.num_slots, self.block_size = num_slots, block_size
+    def __init__(self, num_slots: int, block_size: int, cycle: int = 0):
+        self.num_slots, self.block_size, self.cycle = num_slots, block_size, cycle
         self.slots: dict[int, dict] = {}  # slot -> {"tokens": written so far + pending, "length"}
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
         self.calls: list[str] = []
         self.computed_positions = 0  # prompt positions computed, all chunks together
+
+    def next(self, token: int) -> int:
+        return (token + 1) % self.cycle if self.cycle else token + 1
 
     def _check(self, table, tokens, upto):
         for p in range(upto):
@@ -48,20 +54,32 @@ class FakeAgent:
             assert slot not in self.slots or end <= self.slots[slot]["length"]
             return None
         assert slot not in self.slots, f"prefill into busy slot {slot}"
-        self.slots[slot] = {"tokens": list(tokens[:end]) + [tokens[end - 1] + 1], "length": end}
-        return tokens[end - 1] + 1
+        self.slots[slot] = {"tokens": list(tokens[:end]) + [self.next(tokens[end - 1])], "length": end}
+        return self.next(tokens[end - 1])
 
-    def decode(self, slots, tables):
+    def decode(self, slots, tables, drafts=None):
+        """Each slot's next token; with `drafts` (slot -> proposed tokens) each slot's proposals
+        kept while they are its next tokens, and one more. The KV of every proposed position is
+        written, kept or not (as the model's step does): a position read before it is written over
+        fails the next check."""
         self.calls.append(f"decode {slots}")
         out = []
         for slot, table in zip(slots, tables):
             state = self.slots[slot]
             length, tokens = state["length"], state["tokens"]
+            proposed = (drafts or {}).get(slot, [])
+            assert len(table) * self.block_size >= length + 1 + len(proposed), "proposals without blocks"
             self._check(table, tokens, length)
-            self._write(table, tokens, length, length + 1)
-            state["length"] += 1
-            tokens.append(tokens[-1] + 1)
-            out.append(tokens[-1])
+            self._write(table, tokens + proposed, length, length + 1 + len(proposed))
+            kept = []
+            for token in proposed:
+                if token != self.next(tokens[-1]):
+                    break
+                tokens.append(token)
+                kept.append(token)
+            tokens.append(self.next(tokens[-1]))
+            state["length"] += len(kept) + 1
+            out.append([*kept, tokens[-1]])
         return out
 
     def release(self, slot):
@@ -83,7 +101,9 @@ def step(scheduler, agents, busy=()):
         agents[group].release(slot)
     for group, seqs in plan.decodes.items():
         tables = [scheduler.blocks[group].table(s.request_id) for s in seqs]
-        scheduler.decoded(seqs, sampled(agents[group].decode([s.slot for s in seqs], tables)))
+        drafts = {s.slot: plan.drafts[s.request_id] for s in seqs if s.request_id in plan.drafts}
+        tokens = agents[group].decode([s.slot for s in seqs], tables, drafts)
+        scheduler.decoded(seqs, [sampled(t) for t in tokens], plan.drafts)
     for chunk in plan.prefills:
         s = chunk.seq
         table = scheduler.blocks[s.group].table(s.request_id)
@@ -94,14 +114,30 @@ def step(scheduler, agents, busy=()):
     return plan
 
 
-def capacity(num_slots=2, max_seq_len=64, num_blocks=None, block_size=4, max_chunk=32, role="mixed"):
+def capacity(
+    num_slots=2, max_seq_len=64, num_blocks=None, block_size=4, max_chunk=32, role="mixed", mixed_rows=0
+):
+    """A group's capacity; with `mixed_rows`, steps that mix decodes with prompt chunks or
+    proposals, of at most 8 rows of logits."""
     blocks = num_blocks if num_blocks is not None else num_slots * max_seq_len // block_size
-    return GroupCapacity(num_slots, max_seq_len, blocks, block_size, max_chunk, role)
+    return GroupCapacity(
+        num_slots, max_seq_len, blocks, block_size, max_chunk, role, mixed_rows=mixed_rows, max_batch=8
+    )
 
 
-def make(slots=(2,), max_waiting=8, max_seq_len=64, num_blocks=None, block_size=4, max_chunk=32, **kw):
-    caps = [capacity(n, max_seq_len, num_blocks, block_size, max_chunk) for n in slots]
-    return BatchScheduler(caps, max_waiting, **kw), [FakeAgent(n, block_size) for n in slots]
+def make(
+    slots=(2,),
+    max_waiting=8,
+    max_seq_len=64,
+    num_blocks=None,
+    block_size=4,
+    max_chunk=32,
+    cycle=0,
+    mixed_rows=0,
+    **kw,
+):
+    caps = [capacity(n, max_seq_len, num_blocks, block_size, max_chunk, mixed_rows=mixed_rows) for n in slots]
+    return BatchScheduler(caps, max_waiting, **kw), [FakeAgent(n, block_size, cycle) for n in slots]
 
 
 def prefilled(plan):
@@ -213,7 +249,7 @@ def test_abort_waiting_running_and_in_flight():
     plan = scheduler.schedule()
     table = scheduler.blocks[0].table("run")
     scheduler.abort("run")  # while its decode is "in flight"
-    scheduler.decoded(plan.decodes[0], sampled(agents[0].decode([run.slot], [table])))
+    scheduler.decoded(plan.decodes[0], [sampled(t) for t in agents[0].decode([run.slot], [table])])
     assert run.finish_reason is FinishReason.ABORT and len(run.output) == 1
     assert scheduler.schedule().releases == [(0, run.slot, None)]
     assert scheduler.abort("unknown") is None
@@ -622,7 +658,120 @@ def test_a_sampling_fault_ends_only_its_sequence():
     scheduler.add(b)
     step(scheduler, agents)
     fault = SequenceFault("request", "no token can follow")
-    scheduler.decoded([a, b], [Sampled(NO_TOKEN, None, fault), Sampled(5)])
+    scheduler.decoded([a, b], [[Sampled(NO_TOKEN, None, fault)], [Sampled(5)]])
     assert a.finish_reason is FinishReason.ERROR and (a.error, a.error_status) == ("no token can follow", 400)
     assert NO_TOKEN not in a.output and not b.finished and b.output[-1] == 5
     assert [r.slot for r in scheduler.schedule().releases] == [a.slot]
+
+
+# ------------------------------------------------------------------------------- speculative decoding
+
+
+def speculator(num_tokens=4) -> Speculator:
+    return Speculator(SpeculationSection(method="ngram", num_tokens=num_tokens, ngram_min=1, ngram_max=3))
+
+
+def steps_to_finish(scheduler, agents, limit=1000) -> int:
+    for steps in range(limit):
+        if not (scheduler.num_running or scheduler.num_waiting):
+            return steps
+        step(scheduler, agents)
+    raise AssertionError("the requests never finished")
+
+
+def test_proposals_are_kept_where_right_and_answers_equal_those_without_them():
+    """Answers that cycle through 0..6 repeat themselves: after one cycle the n-gram proposals are
+    the answer's next tokens, and a step keeps them all and gives one more. Each answer equals its
+    answer without proposals, in fewer steps, and when they end no block is held."""
+    runs = {}
+    for name, proposer in (("plain", None), ("speculating", speculator())):
+        scheduler, agents = make(slots=(4,), mixed_rows=32, cycle=7, speculator=proposer)
+        requests = [seq(f"r{i}", prompt=(i, i + 1, i + 2), max_new=40) for i in range(3)]
+        for r in requests:
+            scheduler.add(r)
+        steps = steps_to_finish(scheduler, agents)
+        step(scheduler, agents)  # the last releases
+        assert scheduler.blocks[0].num_used == 0 and agents[0].slots == {}
+        runs[name] = ([r.output for r in requests], steps, scheduler)
+    (plain, plain_steps, _), (fast, fast_steps, spec) = runs["plain"], runs["speculating"]
+    assert fast == plain and all(len(answer) == 40 for answer in fast)
+    assert fast_steps < 0.6 * plain_steps, (fast_steps, plain_steps)  # 4 proposals a step: <= 7 tokens, not 3
+    assert 0 < spec.accepted_tokens <= spec.proposed_tokens
+
+
+def test_a_stop_among_the_kept_proposals_ends_the_answer_there():
+    """The step keeps 4 proposals and gives a fifth token; the third kept is a stop id: the answer
+    ends with it, the tokens after it are not the answer's, and its blocks go back."""
+    scheduler, agents = make(slots=(2,), mixed_rows=32, cycle=7, speculator=speculator())
+    request = Sequence("r", [1, 2, 3, 4, 5, 6, 0, 1, 2], SamplingParams(), 20, frozenset({6}))
+    scheduler.add(request)
+    step(scheduler, agents)  # the prompt: its first token 3
+    plan = step(scheduler, agents)  # proposes 4 5 6 0 after the 3, the agent keeps all and adds 1
+    assert plan.drafts == {"r": [4, 5, 6, 0]}
+    assert request.output == [3, 4, 5, 6] and request.finish_reason is FinishReason.STOP
+    step(scheduler, agents)
+    assert scheduler.blocks[0].num_used == 0 and scheduler.tokens_in_flight == 0
+
+
+def test_rejected_proposals_give_back_their_blocks_and_failing_sequences_back_off():
+    """An answer that never repeats (each token the last + 1) after a prompt where each of its
+    tokens is followed by a 0: the prompt's n-grams propose tokens the agent rejects; after every
+    step the table holds no more than the blocks of the written positions and the pending token's,
+    and after steps that keep nothing the sequence proposes less and less often."""
+    scheduler, agents = make(
+        slots=(2,), max_seq_len=128, block_size=2, max_chunk=128, mixed_rows=32, speculator=speculator()
+    )
+    request = seq("r", prompt=[x for t in range(9, 40) for x in (t, 0)] + [8], max_new=30)
+    scheduler.add(request)
+    proposing = []
+    blocks = scheduler.blocks[0]
+    for _ in range(28):
+        plan = step(scheduler, agents)
+        proposing.append("r" in plan.drafts)
+        if request.finished:
+            break
+        assert len(blocks.table("r")) <= blocks.blocks_for(request.computed + 1)
+    assert request.output == list(range(9, 39))[: len(request.output)]
+    assert scheduler.accepted_tokens == 0 < scheduler.proposed_tokens
+    assert request.speculation is not None and request.speculation.backoff > 1
+    # the prompt's step, then: propose, skip 1, propose, skip 2, propose, skip 4, propose
+    assert proposing[:12] == [False, True, False, True, False, False, True, *[False] * 4, True]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(6, 16),
+    requests=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 4), min_size=1, max_size=10), st.integers(1, 14), st.integers(0, 12)
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    cycle=st.sampled_from([5, 0]),  # answers that repeat (proposals kept) or not (rejected)
+)
+def test_speculating_workloads_under_preemption_equal_their_answers_alone_and_leak_no_block(
+    num_blocks, requests, cycle
+):
+    """Random prompts arriving over time on a pool small enough to preempt: with proposals, every
+    answer equals its answer alone without them, the proposals never take a block a decode needs
+    (a step's rows and blocks hold), and at the end no block, slot or in-flight token is left."""
+    kw = {"slots": (4,), "max_seq_len": min(24, num_blocks * 2), "num_blocks": num_blocks, "block_size": 2}
+    kw |= {"mixed_rows": 16, "cycle": cycle}
+    scheduler, agents = make(**kw, speculator=speculator(num_tokens=3))
+    seqs = [seq(f"q{i}", prompt, max_new) for i, (prompt, max_new, _) in enumerate(requests)]
+    for tick in range(2000):
+        for s, (_, _, arrives) in zip(seqs, requests):
+            if arrives == tick:
+                scheduler.add(s)
+        if tick > 12 and not (scheduler.num_running or scheduler.num_waiting):
+            break
+        plan = step(scheduler, agents)
+        decoded = plan.decodes.get(0, [])
+        assert len(decoded) + plan.proposed(decoded) + sum(c.end - c.start for c in plan.prefills) <= 512
+    else:
+        raise AssertionError("the workload never finished")
+    for s in seqs:
+        assert s.output == alone(s, **kw), s.request_id
+    step(scheduler, agents)
+    assert scheduler.blocks[0].num_used == 0 and scheduler.tokens_in_flight == 0 and agents[0].slots == {}

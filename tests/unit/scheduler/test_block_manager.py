@@ -289,6 +289,34 @@ class BlockTables(RuleBasedStateMachine):
             assert state(self.bm) == before
 
     @precondition(lambda self: self.live)
+    @rule(
+        data=st.data(),
+        proposed=st.lists(st.integers(0, 1), min_size=1, max_size=5),
+        kept=st.integers(0, 5),
+    )
+    def speculate(self, data, proposed, kept):
+        """Speculative decoding's step: blocks for the pending token and the proposals, the KV of
+        all of them written, `kept` proposals kept (the step's token after them is the next
+        decode's pending one), the rest's blocks given back (truncate)."""
+        key = data.draw(st.sampled_from(sorted(self.live)))
+        seq, size = self.live[key], self.bm.block_size
+        if seq.computed < len(seq.tokens):
+            return
+        before = state(self.bm)
+        pending = data.draw(st.integers(0, 1))
+        if not self.bm.append(key, len(seq.tokens) + 1 + len(proposed)):
+            assert state(self.bm) == before
+            return
+        written, table = [*seq.tokens, pending, *proposed], self.bm.table(key)
+        for p in range(len(seq.tokens), len(written)):
+            assert self.owners(table[p // size]) == 1, "a proposal's block is shared"
+            self.kv[table[p // size]][p % size] = tuple(written[: p + 1])
+        seq.tokens = written[: len(seq.tokens) + 1 + min(kept, len(proposed))]
+        self.bm.computed(key, seq.tokens, len(seq.tokens))
+        seq.computed = len(seq.tokens)
+        self.bm.truncate(key, len(seq.tokens))
+
+    @precondition(lambda self: self.live)
     @rule(data=st.data())
     def free(self, data):
         key = data.draw(st.sampled_from(sorted(self.live)))

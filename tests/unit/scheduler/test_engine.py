@@ -77,9 +77,18 @@ class FakeAgent:
         await self._check()
         return [self._next(slot) for slot in slots]
 
-    async def step(self, slots, tables, chunks, masks=None):
+    async def step(self, slots, tables, chunks, masks=None, drafts=None):
         await self._check()
-        return [self._next(slot) for slot in slots], [self._chunk(c) for c in chunks]
+        drafts = drafts or {}
+        decoded = []
+        for slot in slots:  # a proposal is kept where it is the next token (last + 1)
+            tokens = [self._next(slot)]
+            for proposal in drafts.get(slot, []):
+                if tokens[-1].token != proposal:
+                    break
+                tokens.append(self._next(slot))
+            decoded.append(tokens)
+        return decoded, [self._chunk(c) for c in chunks]
 
     async def release(self, slot: int, ticket=None) -> None:
         await self._check()

@@ -132,6 +132,32 @@ def test_summary_of_synthetic_requests():
     assert median_of_runs(runs)["output_tok_s"] == 3.0 and median_of_runs(runs)["runs"] == 3
 
 
+def test_speculation_counts_from_llamacpp_timings_and_the_speculation_table():
+    """llama.cpp reports a request's drafted and accepted tokens in its last chunk's `timings`: a
+    run sums them, the acceptance is their ratio; a server that reports none has no row."""
+    last = {"choices": [], "timings": {"draft_n": 12, "draft_n_accepted": 9, "predicted_n": 30}}
+    event = parse_line("chat", "data: " + json.dumps(last))
+    assert (event.drafted, event.accepted) == (12, 9)
+    records = [
+        RequestRecord(start=0, first_token=0.1, end=1, tokens=30, drafted=12, accepted=9),
+        RequestRecord(start=0, first_token=0.1, end=1, tokens=30, drafted=8, accepted=1),
+    ]
+    summary = summarize(records, 1.0)
+    assert (summary["spec_proposed"], summary["spec_accepted"], summary["spec_acceptance"]) == (20, 10, 0.5)
+    plain = summarize([RequestRecord(start=0, first_token=0.1, end=1, tokens=30)], 1.0)
+    assert plain["spec_proposed"] is None and plain["spec_acceptance"] is None
+    rows = [{"target": t, "level": 1, "summary": s} for t, s in (("spec", summary), ("plain", plain))]
+    table = report.speculation_table(rows)
+    assert "| spec | 1 | 20 | 10 | 50% | 60 |" in table and "plain" not in table
+    assert report.speculation_table(rows[1:]) == ""
+
+
+def test_the_copy_workload_names_its_prompt_file():
+    args = parse_args(["--target", "http://h:1/models/m", "--workload", "copy"])
+    assert args.prompts.name == "copy_prompts.jsonl"
+    assert parse_args(["--target", "http://h:1/models/m"]).prompts.name == "prompts.jsonl"
+
+
 def test_report_files(tmp_path):
     summary = summarize(
         [RequestRecord(start=0, first_token=0.5, end=1.0, token_times=[0.5, 0.6], tokens=2)], 1.0

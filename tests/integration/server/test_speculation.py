@@ -1,0 +1,155 @@
+"""Speculative decoding (runtime.speculation, n-gram prompt lookup) through the HTTP API on the tiny
+model: every answer equals the same request's answer with speculation opted out (`speculate:
+false`), whatever the proposals were; grammars, stop strings, min_tokens, logprobs and preemption
+on a small KV pool stay correct; /metrics counts proposed and kept tokens."""
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
+from browser import chromium_driver
+
+# Prompts that repeat themselves (what prompt lookup proposes from), and one that does not.
+PROMPTS = [
+    "one two three four five six, one two three four five six, one two three",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "zq8 #x! 4@m",
+]
+SPECULATION = {"method": "ngram", "num_tokens": 4, "ngram_min": 1, "ngram_max": 3, "max_batch": 4}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_llama_dir):
+    """Agent + server on the tiny model with n-gram speculation, and a KV pool of 24 blocks of 16
+    (two sequences of 192 positions): 8 long requests at once preempt."""
+    agent_port, http_port = free_ports(2)
+    runtime = {**LONG_ANSWERS_RUNTIME, "max_seq_len": 192, "attend_buckets": [64, 192]}
+    runtime |= {"num_blocks": 24, "block_size": 16, "speculation": SPECULATION}
+    path = write_config(
+        tmp_path_factory.mktemp("speculation"),
+        tiny_llama_dir,
+        [agent_port],
+        runtime=runtime,
+        server={"port": http_port, "max_waiting_requests": 16},
+    )
+    with serving_stack(path) as (_agents, _server):
+        yield f"http://127.0.0.1:{http_port}"
+
+
+def generate(base: str, inputs: str, speculate: bool, **parameters) -> dict:
+    parameters = {"max_new_tokens": 48, "ignore_eos": True, "speculate": speculate, **parameters}
+    reply = httpx.post(
+        f"{base}/models/tiny/generate", json={"inputs": inputs, "parameters": parameters}, timeout=120
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def counters(base: str) -> dict[str, float]:
+    families = text_string_to_metric_families(httpx.get(f"{base}/metrics").text)
+    return {s.name: s.value for f in families for s in f.samples if s.name.startswith("llm_serving_spec_")}
+
+
+def test_greedy_answers_equal_the_answers_without_speculation_and_proposals_are_kept(stack):
+    before = counters(stack)
+    for prompt in PROMPTS:
+        fast, plain = generate(stack, prompt, True), generate(stack, prompt, False)
+        assert fast["generated_text"] == plain["generated_text"], prompt
+    after = counters(stack)
+    proposed = (
+        after["llm_serving_spec_proposed_tokens_total"] - before["llm_serving_spec_proposed_tokens_total"]
+    )
+    kept = after["llm_serving_spec_accepted_tokens_total"] - before["llm_serving_spec_accepted_tokens_total"]
+    steps = after["llm_serving_spec_steps_total"] - before["llm_serving_spec_steps_total"]
+    assert 0 < kept <= proposed and 0 < steps <= proposed, (kept, proposed, steps)
+
+
+def test_opting_out_proposes_nothing(stack):
+    before = counters(stack)
+    generate(stack, PROMPTS[0], False)
+    assert counters(stack) == before
+
+
+def test_stop_strings_min_tokens_and_logprobs_are_those_without_speculation(stack):
+    """A stop string met inside a step's kept proposals ends the text where it would end; min_tokens
+    holds the stop ids back for each verified position; each token keeps its own logprobs."""
+    plain = generate(stack, PROMPTS[0], False)["generated_text"]
+    stop = plain[20:23]
+    for parameters in ({"stop": [stop]}, {"details": True, "top_n_tokens": 2}):
+        fast, slow = (
+            generate(stack, PROMPTS[0], True, **parameters),
+            generate(stack, PROMPTS[0], False, **parameters),
+        )
+        assert fast["generated_text"] == slow["generated_text"], parameters
+        if "details" in parameters:
+            fast_tokens, slow_tokens = fast["details"]["tokens"], slow["details"]["tokens"]
+            assert [t["id"] for t in fast_tokens] == [t["id"] for t in slow_tokens]
+            assert [t["logprob"] for t in fast_tokens] == pytest.approx(
+                [t["logprob"] for t in slow_tokens], abs=1e-3
+            )
+            assert [[t["id"] for t in top] for top in fast["details"]["top_tokens"]] == [
+                [t["id"] for t in top] for top in slow["details"]["top_tokens"]
+            ]
+    assert stop not in generate(stack, PROMPTS[0], True, stop=[stop])["generated_text"]
+    completions = [
+        httpx.post(
+            f"{stack}/v1/completions",
+            json={"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 40, "min_tokens": 30, "temperature": 0}
+            | {"speculate": speculate},
+            timeout=120,
+        ).json()["choices"][0]
+        for speculate in (True, False)
+    ]
+    assert completions[0] == completions[1]
+
+
+def test_grammar_requests_beside_speculating_ones_follow_their_grammar(stack):
+    """A sequence under a grammar proposes nothing (its mask holds for one token); it runs beside
+    speculating sequences in the same steps and its answer is its answer alone."""
+    grammar = {"type": "regex", "value": "[a-z]{3}-[0-9]{2}( [a-z]{3}-[0-9]{2})*"}
+    with ThreadPoolExecutor(4) as pool:
+        spec = [pool.submit(generate, stack, p, True) for p in PROMPTS[:3]]
+        constrained = pool.submit(generate, stack, PROMPTS[0], True, grammar=grammar, max_new_tokens=30)
+        answers = [f.result()["generated_text"] for f in spec]
+        text = constrained.result()["generated_text"]
+    assert re.fullmatch(grammar["value"], text), text
+    assert text == generate(stack, PROMPTS[0], False, grammar=grammar, max_new_tokens=30)["generated_text"]
+    assert answers == [generate(stack, p, False)["generated_text"] for p in PROMPTS[:3]]
+
+
+def test_the_dashboard_shows_the_acceptance_rate(stack):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver = chromium_driver()
+    try:
+        driver.get(f"{stack}/dashboard")
+        with ThreadPoolExecutor(1) as pool:
+            load = pool.submit(lambda: [generate(stack, p, True, max_new_tokens=100) for p in PROMPTS[:2]])
+            chart = lambda name: driver.find_element("id", "chart-" + name)  # noqa: E731
+            WebDriverWait(driver, 60, 0.2).until(lambda d: float(chart("spec").get_attribute("data-max")) > 0)
+            assert 0 < float(chart("spec").get_attribute("data-max")) <= 100
+            assert float(chart("specstep").get_attribute("data-max")) > 0
+            load.result()
+        assert " / " in driver.find_element("id", "models").text
+    finally:
+        driver.quit()
+
+
+def test_answers_under_preemption_equal_their_answers_alone(stack):
+    """8 requests of ~160 positions on a pool of 24 blocks of 16: sequences are preempted and
+    recomputed while others speculate; every answer is the one it gets alone without speculation."""
+    prompts = [PROMPTS[i % 3] + f" {i}" for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(
+            pool.map(lambda p: generate(stack, p, True, max_new_tokens=80)["generated_text"], prompts)
+        )
+    metrics = httpx.get(f"{stack}/metrics").text
+    preempted = re.search(r"^llm_serving_preemptions_total\{[^}]*\} (\S+)", metrics, re.M)
+    assert preempted and float(preempted.group(1)) > 0, "nothing was preempted: the test tests nothing"
+    alone = [generate(stack, p, False, max_new_tokens=80)["generated_text"] for p in prompts]
+    assert answers == alone
