@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "==> installing pinned dependencies (MindSpore is ~800 MB; the first run takes a few minutes)"
 	@$(PY) -m pip install --upgrade --progress-bar off -q pip
-	@$(PY) -m pip install --progress-bar off -e '.[dev,bench,ray]'
+	@$(PY) -m pip install --progress-bar off -e '.[dev,bench,ray,tracing]'
 	@touch $(STAMP)
 
 # The project's packages and tests: ruff's lint rules and format, mypy's types (pyproject.toml).
