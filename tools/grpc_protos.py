@@ -23,7 +23,7 @@ PACKAGE = "server.protos"
 
 def generate() -> dict[str, str]:
     """The generated modules' (and their type stubs') texts by file name."""
-    from grpc_tools import protoc  # dev extra only: the generated modules are committed
+    from grpc_tools import protoc  # type: ignore[import-untyped]  # dev extra only: the modules are committed
 
     with tempfile.TemporaryDirectory() as out:
         include = Path(protoc.__file__).parent / "_proto"
