@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from agent.contract.sampling import SamplingParams, TokenLogprob
+from scheduler.timeline import Timeline
 
 
 class SequenceStatus(enum.Enum):
@@ -74,6 +75,7 @@ class Sequence:
     client: str = ""  # who asked (an API key's digest, or an address): fairness between clients
     priority: int = 0  # lower first, with scheduling_policy priority (vLLM's)
     arrival: int = 0  # its place in the order of admissions (the scheduler's count)
+    timeline: Timeline | None = None  # its agent calls' times, while tracing is on (scheduler/timeline.py)
 
     @property
     def finished(self) -> bool:

@@ -26,6 +26,7 @@ from server.responses_api import responses_router
 from server.responses_store import ResponseStore
 from server.stalled_clients import StalledClientMiddleware
 from server.tokenize_api import tokenize_router
+from server.tracing import TracingMiddleware
 from server.triton_api import triton_router
 
 
@@ -82,5 +83,7 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "traceparent"],
         )
+    if repository.tracing is not None:  # outermost: refused requests are traced too
+        app.add_middleware(TracingMiddleware, tracing=repository.tracing)
 
     return app

@@ -109,9 +109,15 @@ class OutputProcessor:
     (update, its on_update) becomes text on that request's stream; a stop string found in the text
     is the processor's finish decision, which update returns for the engine to apply."""
 
-    def __init__(self, tokenizer: TextTokenizer, metrics: ServingMetrics | None = None):
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        metrics: ServingMetrics | None = None,
+        on_close: Callable[[Sequence], None] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.metrics = metrics or ServingMetrics()
+        self.on_close = on_close  # called once per stream when its reader is done (tracing)
         self.streams: dict[str, _Stream] = {}
         self.metrics.open_streams.set_function(lambda: len(self.streams))
 
@@ -136,7 +142,11 @@ class OutputProcessor:
         if not stream.seq.finished and not stream.stop_string:
             stream.abort(stream.seq.request_id)
             self._count(stream)
-        self.streams.pop(stream.seq.request_id, None)
+        if self.streams.pop(stream.seq.request_id, None) is not None and self.on_close is not None:
+            try:
+                self.on_close(stream.seq)
+            except Exception:  # tracing must never fail an answer
+                log.exception("on_close of request %s failed", stream.seq.request_id)
 
     def update(self, seq: Sequence) -> FinishReason | None:
         """Hand the sequence's newest token (as text) and/or its end to its stream; STOP when a

@@ -1,10 +1,6 @@
 """The committed gRPC modules are what the vendored protos generate (tools.grpc_protos)."""
 
-import pytest
-
 from tools import grpc_protos
-
-pytestmark = pytest.mark.unit
 
 
 def test_generated_modules_match_the_protos():
