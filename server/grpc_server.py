@@ -40,6 +40,7 @@ from server.ops_api import package_version
 from server.protos import grpc_service_pb2 as pb
 from server.protos import grpc_service_pb2_grpc as pb_grpc
 from server.protos import model_config_pb2
+from server.tracing import traced
 from server.triton_api import VERSION, binary_value, infer_parameters, model_readiness, start_answer
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self.repository = repository
         self.keys = ApiKeys(config.server, config.model_control_mode == "explicit")
 
+    def _traced(self, context: grpc.aio.ServicerContext, call: str):
+        """The call's trace (tracing on), a child of the client's `traceparent` metadata."""
+        headers = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        return traced(self.repository.tracing, "gRPC", call, headers)
+
     async def _client(self, context: grpc.aio.ServicerContext, path: str) -> str:
         """The client a call comes from, once its key opens `path` (the HTTP path of the same
         call: the same keys open it); the call is aborted otherwise."""
@@ -191,12 +197,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         client = await self._client(context, f"/v2/models/{request.model_name}/infer")
-        async with failures(context):
-            parameters, values = request_values(request)
-            prompt, p = infer_parameters(parameters, values)
-            stream = await start_answer(self.repository, client, request.model_name, prompt, p)
-            text, _ = await whole_answer(stream)  # a cancelled call closes the stream: aborted
-        return text_response(request, text if p.exclude_input_in_output else prompt + text)
+        with self._traced(context, "ModelInfer"):
+            async with failures(context):
+                parameters, values = request_values(request)
+                prompt, p = infer_parameters(parameters, values)
+                stream = await start_answer(self.repository, client, request.model_name, prompt, p)
+                text, _ = await whole_answer(stream)  # a cancelled call closes the stream: aborted
+            return text_response(request, text if p.exclude_input_in_output else prompt + text)
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[pb.ModelStreamInferResponse]:
         client = await self._client(context, "/v2/models/stream/infer")
@@ -205,37 +212,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         reading = True
 
         async def answer(request: pb.ModelInferRequest) -> None:
-            asked_final = (
-                request.parameters[ASK_FINAL].bool_param if ASK_FINAL in request.parameters else False
-            )
-            flag = False if asked_final else None
-            try:
-                parameters, values = request_values(request)
-                prompt, p = infer_parameters(parameters, values)
-                # The key opens every model alike: the per-request model needs no second check.
-                stream = await start_answer(self.repository, client, request.model_name, prompt, p)
-                async with contextlib.aclosing(stream):
-                    if not p.exclude_input_in_output:
-                        await responses.put(
-                            pb.ModelStreamInferResponse(infer_response=text_response(request, prompt, flag))
-                        )
-                    async for out in stream:
-                        if out.error:
-                            raise ApiError(out.error_status, out.error)
-                        if out.text:
-                            piece = text_response(request, out.text, flag)
-                            await responses.put(pb.ModelStreamInferResponse(infer_response=piece))
-            except ApiError as exc:
-                await responses.put(
-                    pb.ModelStreamInferResponse(
-                        error_message=exc.message, infer_response=text_response(request, None)
-                    )
-                )
-                return
-            if asked_final:
-                await responses.put(
-                    pb.ModelStreamInferResponse(infer_response=text_response(request, None, True))
-                )
+            with self._traced(context, "ModelStreamInfer"):
+                await self._answer_on_stream(request, client, responses)
 
         def answered(task: asyncio.Task) -> None:
             answering.discard(task)
@@ -263,6 +241,40 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             for task in list(answering):  # the client is gone: their answers are aborted
                 task.cancel()
             await asyncio.gather(reader, *answering, return_exceptions=True)
+
+    async def _answer_on_stream(
+        self, request: pb.ModelInferRequest, client: str, responses: asyncio.Queue
+    ) -> None:
+        """One request of a stream: its pieces as responses, or its error; with
+        triton_enable_empty_final_response, a last empty response flagged final."""
+        asked_final = request.parameters[ASK_FINAL].bool_param if ASK_FINAL in request.parameters else False
+        flag = False if asked_final else None
+        try:
+            parameters, values = request_values(request)
+            prompt, p = infer_parameters(parameters, values)
+            # The key opens every model alike: the per-request model needs no second check.
+            stream = await start_answer(self.repository, client, request.model_name, prompt, p)
+            async with contextlib.aclosing(stream):
+                if not p.exclude_input_in_output:
+                    await responses.put(
+                        pb.ModelStreamInferResponse(infer_response=text_response(request, prompt, flag))
+                    )
+                async for out in stream:
+                    if out.error:
+                        raise ApiError(out.error_status, out.error)
+                    if out.text:
+                        piece = text_response(request, out.text, flag)
+                        await responses.put(pb.ModelStreamInferResponse(infer_response=piece))
+        except ApiError as exc:
+            error = pb.ModelStreamInferResponse(
+                error_message=exc.message, infer_response=text_response(request, None)
+            )
+            await responses.put(error)
+            return
+        if asked_final:
+            await responses.put(
+                pb.ModelStreamInferResponse(infer_response=text_response(request, None, True))
+            )
 
     # ------------------------------------------------------------------------------ repository
 

@@ -1,25 +1,28 @@
 """OpenTelemetry tracing of requests (opt-in: `server.otlp_endpoint`), exported over OTLP/gRPC.
 
-Each HTTP request gets a SERVER span, a child of the client's W3C `traceparent` when it sends one,
-named as the GenAI semantic conventions name an inference span (`chat tiny`, `text_completion
-tiny`, `generate tiny`) once its model is known, with their attributes (gen_ai.operation.name,
-gen_ai.request.model and sampling parameters, gen_ai.usage.input_tokens / output_tokens,
-gen_ai.response.finish_reasons, gen_ai.server.time_to_first_token). Under it, per answer, from the
-engine's Timeline of the sequence (scheduler/timeline.py):
+Each HTTP request (and gRPC inference request: `traced`) gets a SERVER span, a child of the
+client's W3C `traceparent` when it sends one, named as the GenAI semantic conventions name an
+inference span (`chat tiny`, `text_completion tiny`, `generate tiny`) once its model is known, with
+their attributes (gen_ai.operation.name, gen_ai.request.model and sampling parameters,
+gen_ai.usage.input_tokens / output_tokens, gen_ai.response.finish_reasons,
+gen_ai.server.time_to_first_token). Under it, per answer, from the engine's Timeline of the
+sequence (scheduler/timeline.py):
 
     queue                      admitted -> its first prompt chunk starts
     prefill                    the prompt's chunks, each a child span `prefill chunk` (one agent call:
                                its agent, op and positions)
     decode                     first token -> end, each decode call a child span `agent step`
 
-This module imports OpenTelemetry only when a Tracing is built (server.otlp_endpoint is set): with
-tracing off nothing of it is loaded and the engine keeps no timelines.
+This module imports OpenTelemetry's SDK only when a Tracing is built (server.otlp_endpoint is set):
+with tracing off none of it is loaded and the engine keeps no timelines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from config.schema import ServerSection
@@ -75,12 +78,18 @@ def current_request() -> RequestTrace | None:
 
 class Tracing:
     def __init__(self, server: ServerSection, service: str = "ms-llm-serving"):
-        from opentelemetry import trace
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        try:
+            from opentelemetry import trace
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        except ImportError as exc:
+            raise ValueError(
+                f"server.otlp_endpoint needs OpenTelemetry's SDK and OTLP exporter ({exc}): "
+                "pip install -e '.[tracing]' (make setup installs it)"
+            ) from exc
 
         endpoint = server.otlp_endpoint or ""
         self.provider = TracerProvider(resource=Resource.create({"service.name": service}))
@@ -168,6 +177,25 @@ class Tracing:
     def shutdown(self) -> None:
         """Export what is left."""
         self.provider.shutdown()
+
+
+@contextlib.contextmanager
+def traced(tracing: Tracing | None, method: str, path: str, headers: dict[str, str]) -> Iterator[None]:
+    """A request served outside HTTP (gRPC) traced as TracingMiddleware traces HTTP's; nothing
+    when tracing is off."""
+    if tracing is None:
+        yield
+        return
+    trace = tracing.start_request(method, path, headers)
+    token = CURRENT.set(trace)
+    try:
+        yield
+    except BaseException:
+        trace.span.set_status(tracing.trace.StatusCode.ERROR)
+        raise
+    finally:
+        CURRENT.reset(token)
+        trace.span.end()
 
 
 class TracingMiddleware:

@@ -9,7 +9,9 @@ from concurrent import futures
 
 import grpc
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
@@ -38,7 +40,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory, tiny_llama_dir):
-    agent_port, http_port, otlp_port = free_ports(3)
+    agent_port, http_port, otlp_port, grpc_port = free_ports(4)
     receiver = Receiver()
     collector = grpc.server(futures.ThreadPoolExecutor(2))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, collector)
@@ -50,11 +52,11 @@ def traced(tmp_path_factory, tiny_llama_dir):
         [agent_port],
         runtime=LONG_ANSWERS_RUNTIME,
         agents={"restart_policy": "exit"},
-        server={"port": http_port, "otlp_endpoint": f"http://127.0.0.1:{otlp_port}"},
+        server={"port": http_port, "grpc_port": grpc_port, "otlp_endpoint": f"http://127.0.0.1:{otlp_port}"},
     )
     try:
         with serving_stack(path):
-            yield f"http://127.0.0.1:{http_port}", receiver
+            yield f"http://127.0.0.1:{http_port}", receiver, f"127.0.0.1:{grpc_port}"
     finally:
         collector.stop(0)
 
@@ -71,7 +73,7 @@ def attributes(span) -> dict:
 
 
 def test_one_request_gives_the_span_tree_under_the_clients_trace(traced):
-    base, receiver = traced
+    base, receiver, _ = traced
     prompt = "Tell me about the weather in Paris, in London and in Rome, in detail. " * 2  # chunks of 64
     reply = httpx.post(
         f"{base}/v1/chat/completions",
@@ -132,7 +134,7 @@ def test_one_request_gives_the_span_tree_under_the_clients_trace(traced):
 
 
 def test_a_request_without_traceparent_starts_its_own_trace(traced):
-    base, receiver = traced
+    base, receiver, _ = traced
     before = {s.trace_id for s in receiver.spans}
     reply = httpx.post(
         f"{base}/models/tiny/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}}
@@ -146,3 +148,28 @@ def test_a_request_without_traceparent_starts_its_own_trace(traced):
         time.sleep(0.1)
     [root] = roots
     assert not root.parent_span_id and attributes(root)["gen_ai.usage.output_tokens"] == 3
+
+
+def spans_of(receiver: Receiver, trace_id: str, name: str) -> list:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not any(s.name == name for s in receiver.of_trace(trace_id)):
+        time.sleep(0.1)
+    return receiver.of_trace(trace_id)
+
+
+def test_a_grpc_infer_is_traced_under_the_clients_traceparent(traced):
+    _, receiver, grpc_address = traced
+    trace_id, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    text = triton_grpc.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Hello"], dtype=object))
+    with triton_grpc.InferenceServerClient(grpc_address) as client:
+        client.infer(
+            "tiny",
+            [text],
+            parameters={"max_tokens": 3},
+            headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        )
+    spans = spans_of(receiver, trace_id, "decode")
+    [root] = [s for s in spans if s.parent_span_id.hex() == parent]
+    assert root.name == "generate tiny" and attributes(root)["gen_ai.usage.output_tokens"] == 3
+    assert {s.name for s in spans if s.parent_span_id == root.span_id} == {"queue", "prefill", "decode"}
