@@ -21,7 +21,6 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
 from sse_starlette.sse import EventSourceResponse
 
 from server.anthropic_schema import CountTokensRequest, MessagesRequest
@@ -149,8 +148,7 @@ def anthropic_router(repository: ModelRepository) -> APIRouter:
         answer = await admit_chat(http, repository, translated_chat(req.chat_fields(), NAMES))
         if req.stream:
             return EventSourceResponse(message_events(req, answer))
-        reply = await unless_disconnected(http, answer.streams, whole_message(req, answer))
-        return reply if isinstance(reply, Response) else reply
+        return await unless_disconnected(http, answer.streams, whole_message(req, answer))
 
     @router.post("/count_tokens")
     async def count_tokens(req: CountTokensRequest = Depends(count_request)):

@@ -185,7 +185,9 @@ async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> 
 
     def event(kind: str, **fields) -> dict:
         data = {"type": kind, "sequence_number": next(numbers), **fields}
-        return {"event": kind, "data": json.dumps(data, ensure_ascii=False)}
+        # ASCII: a response echoes the request's instructions, metadata and tools, whose strings
+        # may hold lone surrogates (valid JSON escapes, not encodable as UTF-8)
+        return {"event": kind, "data": json.dumps(data)}
 
     started = turn.response("in_progress", [])
     yield event("response.created", response=started)
@@ -313,11 +315,15 @@ def responses_router(repository: ModelRepository, store: ResponseStore) -> APIRo
         if req.stream:
             return EventSourceResponse(response_events(turn, answer, store))
         reply = await unless_disconnected(http, answer.streams, whole_response(turn, answer, store))
-        return reply if isinstance(reply, Response) else reply
+        if isinstance(reply, Response):
+            return reply
+        return Response(json.dumps(reply), media_type="application/json")  # ASCII, as the events
 
     @router.get("/responses/{response_id}")
     async def retrieve(http: Request, response_id: str):
-        return kept(response_id, client_of(http.scope)).response
+        return Response(
+            json.dumps(kept(response_id, client_of(http.scope)).response), media_type="application/json"
+        )
 
     @router.delete("/responses/{response_id}")
     async def delete(http: Request, response_id: str):
