@@ -88,7 +88,7 @@ class Turn:
             "store": req.keeps,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": req.text_config(),
-            "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
+            "tool_choice": req.echoed_tool_choice(),
             "tools": req.tools or [],
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "truncation": "disabled",
@@ -99,17 +99,17 @@ class Turn:
         }
 
     def finished(self, output: list[dict], finish_reason: str | None, usage: dict) -> dict:
-        """The final response; kept for previous_response_id unless the request said store: false."""
+        """The final response: `incomplete` when max_output_tokens cut its text."""
         cut = finish_reason == "length" and not any(item["type"] == "function_call" for item in output)
-        response = self.response(
+        return self.response(
             "incomplete" if cut else "completed",
             output,
             usage,
             incomplete_details={"reason": "max_output_tokens"} if cut else None,
         )
-        return response
 
     def keep(self, store: ResponseStore, response: dict) -> None:
+        """Kept for previous_response_id, unless the request said store: false."""
         if self.req.keeps:
             store.put(
                 self.id, StoredResponse(self.client, self.messages + output_messages(response), response)

@@ -151,6 +151,12 @@ class ResponsesRequest(BaseModel):
             for t in self.tools
         ]
 
+    def echoed_tool_choice(self) -> str | dict:
+        """`tool_choice` as a response echoes it."""
+        if isinstance(self.tool_choice, NamedFunction):
+            return self.tool_choice.model_dump(exclude_none=True)
+        return self.tool_choice or ("auto" if self.tools else "none")
+
     def chat_tool_choice(self) -> str | dict | None:
         if isinstance(self.tool_choice, NamedFunction):
             return {"type": "function", "function": {"name": self.tool_choice.name}}

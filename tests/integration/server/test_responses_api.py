@@ -124,6 +124,12 @@ def test_function_tool_calls_and_results_are_the_chat_answer(sdk):
     assert (call.name, call.arguments) == (chat_call.function.name, chat_call.function.arguments)
     assert call.call_id.startswith("call_") and reply.status == "completed"
 
+    named = sdk.responses.create(
+        **{**kwargs, "tool_choice": {"type": "function", "name": "get_weather"}}, input=question
+    )
+    assert [item.name for item in named.output if item.type == "function_call"] == ["get_weather"]
+    assert named.tool_choice.type == "function" and named.tool_choice.name == "get_weather"
+
     with sdk.responses.stream(input=question, **kwargs) as stream:
         events = list(stream)
         final = stream.get_final_response()
