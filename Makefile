@@ -1,6 +1,6 @@
 # Set-up contract: `make setup` (idempotent), `make test` (set-up, lint, whole suite), `make serve`.
 # Serving installs only what serving needs; the tests, lint and the benchmark add the dev, bench and
-# Ray extras (`make setup-dev`).
+# Ray and tracing extras (`make setup-dev`).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	@echo "==> installing the test, lint, benchmark and Ray extras"
-	@$(PY) -m pip install --progress-bar off -e '.[dev,bench,ray]'
+	@echo "==> installing the test, lint, benchmark, Ray and tracing extras"
+	@$(PY) -m pip install --progress-bar off -e '.[dev,bench,ray,tracing]'
 	@touch $(DEV_STAMP)
 
 # The project's packages and tests: ruff's lint rules and format, mypy's types (pyproject.toml).

@@ -626,6 +626,28 @@ class ServerSection(Section):
     grammar_compile_timeout_s: float = Field(
         10.0, gt=0, description="a grammar that compiles longer is refused (400), and so is its next try"
     )
+    responses_store_size: int = Field(
+        1024,
+        ge=0,
+        description="responses /v1/responses keeps for previous_response_id (in memory, least recently "
+        "used dropped first; each holds its conversation); 0: none is kept",
+    )
+    responses_ttl_s: float = Field(
+        3600.0, gt=0, description="how long a kept response stays usable as previous_response_id"
+    )
+    grpc_port: int | None = Field(
+        None,
+        gt=0,
+        lt=65536,
+        description="KServe v2 gRPC (Triton's GRPCInferenceService) on server.host at this port, "
+        "beside HTTP, with the same keys and limits; none: off",
+    )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry: export a trace of every request (queueing, prefill chunks, "
+        "decode, agent calls) over OTLP/gRPC to this collector (http://HOST:4317); none: off, "
+        "at no cost",
+    )
 
     admin_api_keys: list[str] = Field(
         default_factory=list,

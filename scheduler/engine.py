@@ -14,6 +14,10 @@ stuck group holds only its own requests. A prefill on a prefill group (PD disagg
 of its own beside the loop, so decode steps never wait for it. The engine knows token ids only:
 text, stop strings and the answer streams are the server's (server/output.py).
 
+With tracing on (server.otlp_endpoint) each sequence gets a Timeline (scheduler/timeline.py): its
+admission, the agent calls it took part in, its first token and its end; the server turns it into
+spans. Off, nothing is measured.
+
 Should the loop die anyway (a bug), `engine.failure` says why and `engine.dead` is set: every open
 request ends with an error, new ones are refused, readiness() reports it. A group whose agent
 refuses this server's session (another server opened its own: the newer server wins) is left to
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 from functools import partial
 
@@ -47,6 +52,7 @@ from scheduler.group_links import GroupLinks
 from scheduler.metrics import ServingMetrics
 from scheduler.sequence import FinishReason, Sequence, TokenConstraint
 from scheduler.speculation import Speculator
+from scheduler.timeline import AgentCall, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,7 @@ class Engine:
         self._stopping = False
         self.capacities: list[GroupCapacity] = []
         self._counted: dict = {}  # counter -> the scheduler's total it last reached
+        self.timed = config.server.otlp_endpoint is not None  # sequences keep a Timeline
         self._bind_gauges()
 
     def _bind_gauges(self) -> None:
@@ -252,6 +259,7 @@ class Engine:
             client=client,
             priority=priority,
             speculate=speculate,
+            timeline=Timeline(time.monotonic()) if self.timed else None,
         )
         try:
             self.scheduler.add(seq)
@@ -269,9 +277,30 @@ class Engine:
 
     def _report(self, seq: Sequence) -> None:
         """Hand the sequence to the output layer; a finish it decides (a stop string) is applied."""
+        if seq.timeline is not None:
+            now = time.monotonic()
+            if seq.timeline.first_token is None and seq.output:
+                seq.timeline.first_token = now
+            if seq.finished:
+                seq.timeline.finished = now
         reason = self.on_update(seq)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            if seq.timeline is not None:
+                seq.timeline.finished = time.monotonic()
+
+    def _timed(
+        self, op: str, agent: str, start: float, seqs: Iterable[Sequence], chunks: Iterable[Chunk] = ()
+    ) -> None:
+        """An agent call that ended now, on the timelines of the sequences it decoded and of those
+        whose prompt chunks it computed (tracing)."""
+        end = time.monotonic()
+        for seq in seqs:
+            if seq.timeline is not None:
+                seq.timeline.called(AgentCall(op, agent, start, end))
+        for chunk in chunks:
+            if chunk.seq.timeline is not None:
+                chunk.seq.timeline.called(AgentCall(op, agent, start, end, (chunk.start, chunk.end)))
 
     # ---------------------------------------------------------------------------- the loop
 
@@ -416,6 +445,7 @@ class Engine:
         client, blocks = self.clients[group], self.scheduler.blocks[group]
         attending = attended(seqs)
         parts = [self._step_chunk(c) for c in chunks]
+        start = time.monotonic()
         try:
             with self.metrics.agent_step.labels(client.address, "step").time():
                 tokens, firsts = await client.step(
@@ -431,6 +461,8 @@ class Engine:
         except AgentError as exc:
             self._group_failed(group, exc)
             return True
+        if self.timed:
+            self._timed("step", client.address, start, seqs, chunks)
         self.metrics.agent_compute.labels(client.address, "step").observe(client.decode_compute_s)
         self.scheduler.step_costs[group].mixed(
             len(seqs), attending, [(c.start, c.end) for c in chunks], client.decode_compute_s
@@ -455,6 +487,7 @@ class Engine:
         seq = chunk.seq
         group = seq.placement[0]
         client = self.clients[group]
+        start = time.monotonic()
         try:
             with self.metrics.agent_step.labels(client.address, "prefill").time():
                 token = await client.prefill(
@@ -467,6 +500,8 @@ class Engine:
         except AgentError as exc:
             self._group_failed(group, exc)
             return
+        if self.timed:
+            self._timed("prefill", client.address, start, (), [chunk])
         self.scheduler.prefilled(chunk, token)
         if chunk.sample:
             self._report(seq)
@@ -489,6 +524,7 @@ class Engine:
         }
         table = self.scheduler.blocks[prefill_group].table(seq.request_id)
         whole = StepChunk(prefill_slot, seq.prompt, table, chunk.start, seq.sampling)
+        start = time.monotonic()
         try:
             with self.metrics.agent_step.labels(prefill.address, "prefill").time():
                 token, kv_bytes, transfer_ms = await prefill.prefill_and_send(
@@ -506,6 +542,8 @@ class Engine:
             self.scheduler.transfer_failed(seq, f"internal error: {type(exc).__name__}: {exc}")
             self._report(seq)
         else:
+            if self.timed:
+                self._timed("prefill_and_send", prefill.address, start, (), [chunk])
             self.metrics.kv_transfer_bytes.inc(kv_bytes)
             self.metrics.kv_transfer.observe(transfer_ms / 1000)
             log.debug(
@@ -543,8 +581,11 @@ class Engine:
         blocks = self.scheduler.blocks[group]
         tables = [blocks.table(s.request_id) for s in seqs]
         attending = attended(seqs)
+        start = time.monotonic()
         with self.metrics.agent_step.labels(client.address, "decode").time():
             tokens = await client.decode([s.placement[1] for s in seqs], tables, _masks(seqs))
+        if self.timed:
+            self._timed("decode", client.address, start, seqs)
         self.metrics.agent_compute.labels(client.address, "decode").observe(client.decode_compute_s)
         self.scheduler.step_costs[group].decoded(len(seqs), attending, client.decode_compute_s)
         return tokens

@@ -10,6 +10,7 @@ import numpy as np
 
 from agent.contract.sampling import SamplingParams, TokenLogprob
 from scheduler.ngram import SpeculationState
+from scheduler.timeline import Timeline
 
 
 class SequenceStatus(enum.Enum):
@@ -77,6 +78,7 @@ class Sequence:
     arrival: int = 0  # its place in the order of admissions (the scheduler's count)
     speculate: bool = True  # the request lets the scheduler propose its tokens (speculative decoding)
     speculation: SpeculationState | None = None  # its proposals' state, once it proposed
+    timeline: Timeline | None = None  # its agent calls' times, while tracing is on (scheduler/timeline.py)
 
     @property
     def finished(self) -> bool:

@@ -5,7 +5,8 @@
 - the Origin header a browser sends with a page's requests: only the server's own pages and
   `server.cors_origins` (a page elsewhere may POST a text/plain body, read as JSON, with no CORS
   preflight: 403 before anything runs);
-- API keys (`Authorization: Bearer KEY`; every path but /health; the dashboard page also takes
+- API keys (`Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients send it; every
+  path but /health; the dashboard page also takes
   `?api_key=` since a browser cannot set the header for a page load); an admin key also opens every
   other path;
 - loading and unloading models: only `server.admin_api_keys` where any are set. Without admin keys
@@ -30,7 +31,7 @@ import hmac
 from urllib.parse import parse_qs
 
 from config.schema import ServerSection, ServingConfig, is_loopback
-from server.errors import error_response, is_openai_path
+from server.errors import ErrorShape, error_response, error_shape
 
 OPEN_PATHS = {"/health"}
 OPERATOR_PATHS = {"/metrics", "/info", "/dashboard"}
@@ -51,11 +52,11 @@ def loopback_hosts(port: int) -> set[bytes]:
     return {f"{name}{suffix}".encode() for name in LOOPBACK_NAMES for suffix in ("", f":{port}")}
 
 
-def body_too_large(max_body_bytes: int, openai: bool):
+def body_too_large(max_body_bytes: int, openai: ErrorShape | bool):
     return error_response(413, f"the request body is larger than {max_body_bytes} bytes", openai)
 
 
-def body_too_slow(read_timeout_s: float, openai: bool):
+def body_too_slow(read_timeout_s: float, openai: ErrorShape | bool):
     return error_response(408, f"the request body did not arrive within {read_timeout_s:g}s", openai)
 
 
@@ -126,6 +127,8 @@ class ApiKeys:
         """The key the request sends (b"" for none)."""
         auth = headers.get(b"authorization", b"")
         key = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+        if not key:  # Anthropic's clients send their key so
+            key = headers.get(b"x-api-key", b"").strip()
         if not key and scope["path"] in QUERY_KEY_PATHS:
             key = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0].encode()
         return key
@@ -136,7 +139,7 @@ def client_of(scope) -> str:
     return scope.get("state", {}).get("client", "")
 
 
-def key_refusal(keys: ApiKeys, scope, headers: dict, openai: bool):
+def key_refusal(keys: ApiKeys, scope, headers: dict, openai: ErrorShape | bool):
     """The 401/403 response for a request whose key does not open its path; None when it does."""
     denied = keys.denied(scope, headers)
     if denied is None:
@@ -161,7 +164,7 @@ class AccessMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        openai = is_openai_path(path)
+        openai = error_shape(path)
         headers = dict(scope["headers"])
         refusal = self._refusal(headers)
         if refusal:
@@ -226,5 +229,5 @@ class AccessMiddleware:
             "(server.cors_origins lists the origins that are)"
         )
 
-    async def _too_large(self, scope, receive, send, openai: bool):
+    async def _too_large(self, scope, receive, send, openai: ErrorShape):
         return await body_too_large(self.max_body_bytes, openai)(scope, receive, send)

@@ -15,14 +15,18 @@ from starlette.exceptions import HTTPException
 
 from config.schema import ServingConfig
 from server.access import AccessMiddleware
-from server.errors import ApiError, error_response, is_openai_path
+from server.anthropic_api import anthropic_router
+from server.errors import ApiError, error_response, error_shape
 from server.model_repository import ModelRepository
 from server.native_api import native_router
 from server.openai_api import openai_router
 from server.ops_api import ops_router
 from server.repository_api import repository_router
+from server.responses_api import responses_router
+from server.responses_store import ResponseStore
 from server.stalled_clients import StalledClientMiddleware
 from server.tokenize_api import tokenize_router
+from server.tracing import TracingMiddleware
 from server.triton_api import triton_router
 
 
@@ -36,30 +40,33 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
 
     app = FastAPI(title="ms-llm-serving", lifespan=lifespan)
 
-    def is_openai(request: Request) -> bool:
-        return is_openai_path(request.url.path)
+    def shape(request: Request):
+        return error_shape(request.url.path)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return error_response(exc.status, exc.message, is_openai(request), exc.param, exc.code)
+        return error_response(exc.status, exc.message, shape(request), exc.param, exc.code)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
         # Unknown paths and wrong methods answer in the same JSON shape as every other error.
-        return error_response(exc.status_code, str(exc.detail), is_openai(request), headers=exc.headers)
+        return error_response(exc.status_code, str(exc.detail), shape(request), headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return error_response(400, "the request body is not valid JSON", is_openai(request))
+            return error_response(400, "the request body is not valid JSON", shape(request))
         fields = [".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors]
         problems = "; ".join(f"{field}: {e['msg']}" for field, e in zip(fields, errors))
         # OpenAI's and Triton's clients expect 400 for a bad parameter; the native API says 422.
-        status = 400 if is_openai(request) or request.url.path.startswith("/v2/") else 422
-        return error_response(status, problems, is_openai(request), param=fields[0])
+        status = 400 if shape(request) != "native" or request.url.path.startswith("/v2/") else 422
+        return error_response(status, problems, shape(request), param=fields[0])
 
     app.include_router(openai_router(repository))
+    store = ResponseStore(config.server.responses_store_size, config.server.responses_ttl_s)
+    app.include_router(responses_router(repository, store))
+    app.include_router(anthropic_router(repository))
     app.include_router(ops_router(config, repository))
     app.include_router(native_router(repository))
     app.include_router(tokenize_router(repository))
@@ -74,7 +81,9 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
             CORSMiddleware,
             allow_origins=config.server.cors_origins,
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "traceparent"],
         )
+    if repository.tracing is not None:  # outermost: refused requests are traced too
+        app.add_middleware(TracingMiddleware, tracing=repository.tracing)
 
     return app

@@ -24,6 +24,7 @@ from scheduler.engine import Engine
 from server.errors import ApiError, refusal_status
 from server.output import AnswerStream, OutputProcessor
 from server.structured_output import Grammar, GrammarError, Grammars, GrammarSpec
+from server.tracing import current_request
 
 T = TypeVar("T")
 # Prompts up to this many characters are tokenized on the event loop (well under a millisecond);
@@ -146,6 +147,11 @@ def generate_answer(
         request.priority,
         request.speculate,
     )
+    if seq.timeline is not None:  # tracing is on: the answer's spans go under its request's
+        trace = current_request()
+        if trace is not None:
+            seq.timeline.context = trace
+            trace.admitted(engine.config.model.name, len(request.prompt), seq)
     return outputs.open(seq, request.stop, engine.abort)
 
 

@@ -1,9 +1,11 @@
 """Errors the HTTP layer answers with, in the shape each API's clients expect:
-native `{"error": message}`; OpenAI `{"error": {"message", "type", "param", "code"}}`."""
+native `{"error": message}`; OpenAI `{"error": {"message", "type", "param", "code"}}`; Anthropic
+(/v1/messages) `{"type": "error", "error": {"type", "message"}}`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 from fastapi.responses import JSONResponse
 
@@ -23,6 +25,20 @@ OPENAI_TYPES = {
     429: "rate_limit_error",
     503: "server_error",
 }
+# Anthropic's error types by status (its clients retry 429 and 5xx; 529 is its "overloaded").
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+ErrorShape = Literal["native", "openai", "anthropic"]
 REFUSAL_STATUS = {
     Refusal.EMPTY_PROMPT: 400,
     Refusal.TOO_LONG: 413,
@@ -44,6 +60,25 @@ def is_openai_path(path: str) -> bool:
     return path.startswith("/v1/") or path in OPENAI_ROOT_PATHS
 
 
+def error_shape(path: str) -> ErrorShape:
+    """The error shape the clients of this path parse."""
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        return "anthropic"
+    return "openai" if is_openai_path(path) else "native"
+
+
+def error_body(status: int, message: str, shape: ErrorShape, param: str | None = None, code=None) -> dict:
+    if shape == "anthropic":
+        return {
+            "type": "error",
+            "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message},
+        }
+    if shape == "openai":
+        kind = OPENAI_TYPES.get(status, "server_error")
+        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": message}
+
+
 def refusal_status(reason: Refusal, openai: bool = False) -> int:
     """The HTTP status of a refused request. OpenAI's clients expect 429 for "no room now" (and
     retry it); the native API's clients know 503 for it."""
@@ -53,24 +88,16 @@ def refusal_status(reason: Refusal, openai: bool = False) -> int:
 def error_response(
     status: int,
     message: str,
-    openai: bool = False,
+    shape: ErrorShape | bool = False,
     param: str | None = None,
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
+    """`shape`: an ErrorShape, or True for OpenAI's and False for the native one."""
     headers = dict(headers or {})
     if status in (429, 503):
         headers["Retry-After"] = RETRY_AFTER_S
-    body = (
-        {
-            "error": {
-                "message": message,
-                "type": OPENAI_TYPES.get(status, "server_error"),
-                "param": param,
-                "code": code,
-            }
-        }
-        if openai
-        else {"error": message}
-    )
+    if isinstance(shape, bool):
+        shape = "openai" if shape else "native"
+    body = error_body(status, message, shape, param, code)
     return JSONResponse(body, status_code=status, headers=headers or None)

@@ -9,6 +9,8 @@ A second signal during the drain skips the wait (uvicorn's own fast exit). A sig
 server still waits for its agents (before it listens) ends the wait at once: exit 0. If the
 engine's loop dies, the open requests get their error, then the process exits 1 so that a
 supervisor restarts it. Slow clients are bounded by `SlowClientGuard` (server/slow_clients.py).
+With `server.grpc_port`, the KServe v2 gRPC server (server/grpc_server.py) listens beside HTTP on
+the same loop from the same start, and stops with it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import gc
 import logging
 import signal
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 from sse_starlette.sse import AppStatus
@@ -27,18 +30,30 @@ from scheduler.agent_client import AgentError
 from server.model_repository import ModelRepository
 from server.slow_clients import SlowClientGuard
 
+if TYPE_CHECKING:
+    import grpc
+
 log = logging.getLogger(__name__)
 
 # After the drain every response has had its final event; this only bounds the socket close.
 CLOSE_TIMEOUT_S = 5
 EXIT_OK, EXIT_ENGINE_DEAD, EXIT_NO_AGENTS = 0, 1, 3  # 3: uvicorn's own "startup failed"
+EXIT_NO_PORT = 2  # the gRPC port cannot be listened on: a configuration error
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, repository: ModelRepository, drain_timeout_s: float):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        repository: ModelRepository,
+        drain_timeout_s: float,
+        serving: ServingConfig | None = None,
+    ):
         super().__init__(config)
         self.repository = repository
         self.drain_timeout_s = drain_timeout_s
+        self.serving = serving  # with server.grpc_port: the gRPC server starts beside HTTP
+        self.grpc: grpc.aio.Server | None = None  # that server, while it runs
         self.exit_code = EXIT_OK
         self._drain: asyncio.Task | None = None
         self._agents_wait: asyncio.Task | None = None
@@ -61,6 +76,16 @@ class DrainingServer(uvicorn.Server):
             self.exit_code, self.should_exit = EXIT_NO_AGENTS, True
             await self.repository.stop()
             return
+        if self.serving is not None and self.serving.server.grpc_port is not None:
+            from server.grpc_server import start_grpc  # grpcio only where it is asked for
+
+            try:
+                self.grpc = await start_grpc(self.serving, self.repository)
+            except OSError as exc:
+                log.error("%s", exc)
+                self.exit_code, self.should_exit = EXIT_NO_PORT, True
+                await self.repository.stop()
+                return
         await super().startup(sockets)
         # What start-up built lives as long as the server: out of the cyclic collector's full passes,
         # which otherwise walk all of it while every stream waits (measured: client-side ITL p99).
@@ -107,6 +132,8 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         if self._engine_watch is not None:
             self._engine_watch.cancel()
+        if self.grpc is not None:  # after the drain: its calls have had their answers or errors
+            await self.grpc.stop(CLOSE_TIMEOUT_S)
         await super().shutdown(sockets)
 
 
@@ -142,6 +169,6 @@ def serve(config: ServingConfig, app, repository: ModelRepository) -> int:
         timeout_keep_alive=s.keep_alive_s,
         timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
     )
-    server = DrainingServer(uv_config, repository, s.drain_timeout_s)
+    server = DrainingServer(uv_config, repository, s.drain_timeout_s, config)
     server.run()
     return server.exit_code

@@ -36,6 +36,7 @@ from server.launcher_client import LauncherClient, LauncherError
 from server.logprob_format import LogprobFormatter
 from server.output import OutputProcessor
 from server.structured_output import Grammars
+from server.tracing import Tracing
 
 log = logging.getLogger(__name__)
 STATUS_POLL_S = 0.25  # how often a load asks the launcher how its agents are doing
@@ -109,6 +110,8 @@ class ModelRepository:
         self.draining = False
         self.failure: str | None = None  # a model's engine died (a bug): the server must restart
         self.dead = asyncio.Event()
+        # OpenTelemetry only when server.otlp_endpoint asks for it (server/tracing.py)
+        self.tracing = Tracing(config.server) if config.server.otlp_endpoint else None
         for name, tokenizer in tokenizers.items():
             self._assemble(self.models[name], tokenizer)
             self.models[name].state, self.models[name].reason = LOADING, "connecting to its agents"
@@ -192,7 +195,7 @@ class ModelRepository:
 
     def _assemble(self, model: ServedModel, tokenizer: TextTokenizer) -> None:
         metrics = ServingMetrics()
-        outputs = OutputProcessor(tokenizer, metrics)
+        outputs = OutputProcessor(tokenizer, metrics, self.tracing.sequence_closed if self.tracing else None)
         engine = Engine(model.config, tokenizer.vocab_size, tokenizer.eos_ids, outputs.update, metrics)
         model.loaded = LoadedModel(
             model.name,
@@ -314,6 +317,8 @@ class ModelRepository:
         await asyncio.gather(*(m.engine.stop() for m in self.loaded()))
         if self.launcher is not None:
             self.launcher.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the last spans are exported
 
     async def readiness(self) -> str | None:
         """Why the server cannot serve now: starting, shutting down, or a loaded model's agents."""

@@ -5,7 +5,9 @@ Temperature 0 is greedy; `n` runs n sequences in the batch (seeds seed, seed+1, 
 given); usage counts prompt tokens and generated tokens (an EOS that ended a choice included).
 
 A request is admitted by `admit_choices` into a Choices context (the request, its model, prompt and
-answer streams); `whole_reply` and `stream_events` read that context into OpenAI's two shapes.
+answer streams); `whole_reply` and `stream_events` read that context into OpenAI's two shapes. The
+APIs that translate into a chat request (Responses, Anthropic's Messages: `translated_chat`) are
+admitted by `admit_chat` and read their one choice with `whole_choice` or `choice_pieces`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from server import tool_calls
@@ -321,19 +324,102 @@ async def completion(http: Request, repository: ModelRepository, req: Completion
     return await respond(http, await admit_choices(http, model, req, prompt, max_tokens, chat=False))
 
 
-async def chat_completion(http: Request, repository: ModelRepository, req: ChatCompletionRequest):
-    model = serving(repository, req)
+async def chat_prompt(model: LoadedModel, req: ChatCompletionRequest, param: str = "messages") -> list[int]:
+    """The conversation's prompt tokens: its messages (and tools) through the chat template."""
     takes_tools = model.tokenizer.template_takes_tools
     messages = tool_calls.template_messages(req, takes_tools)
     tools = tool_calls.template_tools(req) if takes_tools else None
-    prompt = await model.encoder.encode_chat(messages, param="messages", tools=tools)
+    return await model.encoder.encode_chat(messages, param=param, tools=tools)
+
+
+async def admit_chat(
+    http: Request, repository: ModelRepository, req: ChatCompletionRequest, length_param: str | None = None
+) -> Choices:
+    """A chat request admitted: what /v1/chat/completions serves, and the APIs that translate into
+    it (OpenAI's Responses, Anthropic's Messages; `length_param`: how they name max_tokens)."""
+    model = serving(repository, req)
+    prompt = await chat_prompt(model, req)
     asked, param = (
         (req.max_completion_tokens, "max_completion_tokens")
         if req.max_completion_tokens
         else (req.max_tokens, "max_tokens")
     )
-    max_tokens = answer_length(model, len(prompt), asked, param)
-    return await respond(http, await admit_choices(http, model, req, prompt, max_tokens, chat=True))
+    max_tokens = answer_length(model, len(prompt), asked, length_param or param)
+    return await admit_choices(http, model, req, prompt, max_tokens, chat=True)
+
+
+async def chat_completion(http: Request, repository: ModelRepository, req: ChatCompletionRequest):
+    return await respond(http, await admit_chat(http, repository, req))
+
+
+def translated_chat(fields: dict, names: Mapping[str, str]) -> ChatCompletionRequest:
+    """The chat request another API's request translates into; a field it refuses is a 400 named
+    as the other API names it (`names`: chat field -> its name there)."""
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = [str(p) for p in problem["loc"]]
+        field_name = names.get(where[0], where[0]) if where else "body"
+        shown = ".".join([field_name, *where[1:]])
+        raise ApiError(400, f"{shown}: {problem['msg']}", param=field_name) from None
+
+
+@dataclass
+class WholeChoice:
+    """A translated request's one choice, read to its end."""
+
+    text: str  # the whole answer
+    content: str | None  # the text outside tool calls (the whole text when none was asked for)
+    calls: list[dict]  # its tool calls in OpenAI's shape
+    tokens: int  # generated tokens (an EOS that ended it included)
+    finish_reason: str | None
+    stop_sequence: str | None  # the stop string that ended it
+
+
+async def whole_choice(answer: Choices) -> WholeChoice:
+    texts: list[str] = []
+    last = None
+    async with contextlib.aclosing(merged(answer.streams)) as outputs:
+        async for _, out in outputs:
+            if out.error:
+                raise ApiError(out.error_status, out.error)
+            texts.append(out.text)
+            last = out
+    assert last is not None  # a stream ends with a finished output
+    text, content, calls = "".join(texts), None, list[dict]()
+    if answer.calls:
+        assert isinstance(answer.req, ChatCompletionRequest)
+        content, calls = tool_calls.parse_calls(text, answer.req.tools or [], answer.req.parallel_tool_calls)
+    else:
+        content = text
+    return WholeChoice(text, content, calls, last.index, last.finish_reason, last.stop_sequence)
+
+
+@dataclass
+class ChoicePiece:
+    text: str  # what may go out now (text that could be a tool call is held back)
+    out: GenerationOutput  # the output it came from: finished, finish_reason, index, error ...
+    calls: list[dict]  # at the end: the answer's tool calls
+
+
+async def choice_pieces(answer: Choices) -> AsyncGenerator[ChoicePiece]:
+    """A translated request's one choice as it streams; closing this aborts it."""
+    req = answer.req
+    watcher = (
+        tool_calls.CallWatcher(req.tools or [], req.parallel_tool_calls)
+        if answer.calls and isinstance(req, ChatCompletionRequest)
+        else None
+    )
+    async with contextlib.aclosing(merged(answer.streams)) as outputs:
+        async for _, out in outputs:
+            text, calls = out.text, list[dict]()
+            if watcher is not None and not out.error:
+                text = watcher.feed(out.text)
+                if out.finished:
+                    rest, calls = watcher.finish()
+                    text += rest
+            yield ChoicePiece(text, out, calls)
 
 
 def openai_router(repository: ModelRepository) -> APIRouter:

@@ -45,6 +45,7 @@ class GenerationOutput:
     error_status: int = 503  # the HTTP status of `error` (scheduler.sequence.Sequence.error_status)
     tokens: list[GeneratedToken] = field(default_factory=list)  # new since the previous, as in text
     stop_string: bool = False  # finished by one of the request's stop strings
+    stop_sequence: str | None = None  # which one (Anthropic's `stop_sequence`)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class _Stream:
     last_token: float | None = None  # when the previous token went out
     counted: bool = False  # its outcome is in the metrics
     stop_string: bool = False  # a stop string ended it
+    matched: str | None = None  # that stop string
 
 
 class AnswerStream:
@@ -107,9 +109,15 @@ class OutputProcessor:
     (update, its on_update) becomes text on that request's stream; a stop string found in the text
     is the processor's finish decision, which update returns for the engine to apply."""
 
-    def __init__(self, tokenizer: TextTokenizer, metrics: ServingMetrics | None = None):
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        metrics: ServingMetrics | None = None,
+        on_close: Callable[[Sequence], None] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.metrics = metrics or ServingMetrics()
+        self.on_close = on_close  # called once per stream when its reader is done (tracing)
         self.streams: dict[str, _Stream] = {}
         self.metrics.open_streams.set_function(lambda: len(self.streams))
 
@@ -134,7 +142,11 @@ class OutputProcessor:
         if not stream.seq.finished and not stream.stop_string:
             stream.abort(stream.seq.request_id)
             self._count(stream)
-        self.streams.pop(stream.seq.request_id, None)
+        if self.streams.pop(stream.seq.request_id, None) is not None and self.on_close is not None:
+            try:
+                self.on_close(stream.seq)
+            except Exception:  # tracing must never fail an answer
+                log.exception("on_close of request %s failed", stream.seq.request_id)
 
     def update(self, seq: Sequence) -> FinishReason | None:
         """Hand the sequence's newest token (as text) and/or its end to its stream; STOP when a
@@ -169,6 +181,7 @@ class OutputProcessor:
                 error_status=seq.error_status,
                 tokens=shown,
                 stop_string=stream.stop_string,
+                stop_sequence=stream.matched,
             )
         )
         return FinishReason.STOP if stream.stop_string and not seq.finished else None
@@ -176,9 +189,10 @@ class OutputProcessor:
     def _next_piece(self, stream: _Stream) -> str:
         """The text not yet handed out, up to a stop string (which finishes the sequence)."""
         seq, text = stream.seq, stream.detokenizer.text
-        hits = [i for i in (text.find(s, max(0, stream.sent - len(s))) for s in stream.stop) if i >= 0]
+        hits = [(i, s) for s in stream.stop if (i := text.find(s, max(0, stream.sent - len(s)))) >= 0]
         if hits:
-            text = text[: min(hits)]
+            end, stream.matched = min(hits)
+            text = text[:end]
             stream.stop_string = True
         elif stream.hold and not seq.finished:
             # Hold back what could be the start of a stop string: once sent it cannot be taken back.

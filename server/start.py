@@ -35,5 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     s = config.server
     setup_logging(config.logging, "server_app.log", console=True, secrets=[*s.api_keys, *s.admin_api_keys])
-    repository = ModelRepository(config, tokenizers)
+    try:
+        repository = ModelRepository(config, tokenizers)
+    except ValueError as exc:  # tracing asked for without OpenTelemetry installed
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return serve(config, create_app(config, repository), repository)

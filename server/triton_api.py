@@ -52,6 +52,7 @@ NUMPY_TYPES = {"BOOL": "?", "INT32": "<i4", "INT64": "<i8", "FP32": "<f4", "FP64
 # Request parameters of Triton's own protocol (tritonclient sends some): not generation parameters.
 PROTOCOL_PARAMETERS = {
     "binary_data_output",
+    "triton_enable_empty_final_response",
     "priority",
     "timeout",
     "sequence_id",
@@ -182,14 +183,15 @@ async def text_pieces(name: str, prompt_text: str, p: TritonParameters, stream: 
                 return
 
 
-def infer_parameters(req: InferRequest, tensors: dict) -> tuple[str, TritonParameters]:
-    """An infer request's prompt (its BYTES text_input) and parameters (its request parameters and
-    its other one-element inputs, named as the parameters); 400 naming what is wrong."""
+def infer_parameters(parameters: dict, tensors: dict) -> tuple[str, TritonParameters]:
+    """An infer request's prompt (its BYTES text_input) and parameters (its request `parameters` and
+    its other one-element inputs, named as the parameters); 400 naming what is wrong. (HTTP and
+    gRPC alike: server/grpc_server.py.)"""
     prompt = tensors.pop("text_input", None)
     if not isinstance(prompt, str):
         raise ApiError(400, "infer needs a BYTES input named text_input (the prompt: one string)")
     try:
-        asked = {k: v for k, v in req.parameters.items() if k not in PROTOCOL_PARAMETERS}
+        asked = {k: v for k, v in parameters.items() if k not in PROTOCOL_PARAMETERS}
         return prompt, TritonParameters.model_validate({**asked, **tensors})
     except ValidationError as exc:
         problem = exc.errors()[0]
@@ -256,7 +258,7 @@ def triton_router(repository: ModelRepository) -> APIRouter:
     async def infer(name: str, http: Request):
         repository.serving(name)
         req, tensors = parse_infer(await http.body(), http.headers.get(BINARY_HEADER))
-        prompt, p = infer_parameters(req, tensors)
+        prompt, p = infer_parameters(req.parameters, tensors)
         text = await answer_text(http, repository, name, prompt, p)
         return text if isinstance(text, Response) else infer_reply(name, req, text)
 
@@ -293,27 +295,23 @@ def parse_infer(body: bytes, header_length: str | None) -> tuple[InferRequest, d
         else:
             if not isinstance(size, int) or size < 0 or offset + size > len(binary):
                 raise ApiError(400, f"input {tensor.name}: binary_data_size {size} past the body")
-            value = _binary_value(tensor, binary[offset : offset + size])
+            value = binary_value(tensor.name, tensor.datatype, binary[offset : offset + size])
             offset += size
         values[tensor.name] = value
     return req, values
 
 
-def _binary_value(tensor: InferTensor, raw: bytes):
-    """One element of Triton's binary tensor format: BYTES as a 4-byte little-endian length and
-    the bytes; numbers as their little-endian values."""
-    if tensor.datatype == "BYTES":
+def binary_value(name: str, datatype: str, raw: bytes):
+    """One element of Triton's binary tensor format (HTTP's binary extension, gRPC's raw contents):
+    BYTES as a 4-byte little-endian length and the bytes; numbers as their little-endian values."""
+    if datatype == "BYTES":
         if len(raw) < 4 or struct.unpack("<I", raw[:4])[0] != len(raw) - 4:
-            raise ApiError(
-                400, f"input {tensor.name}: a BYTES element is a 4-byte length and that many bytes"
-            )
+            raise ApiError(400, f"input {name}: a BYTES element is a 4-byte length and that many bytes")
         try:
             return raw[4:].decode()
         except UnicodeDecodeError:
-            raise ApiError(400, f"input {tensor.name}: the text is not UTF-8") from None
-    dtype = NUMPY_TYPES.get(tensor.datatype)
+            raise ApiError(400, f"input {name}: the text is not UTF-8") from None
+    dtype = NUMPY_TYPES.get(datatype)
     if dtype is None or len(raw) != np.dtype(dtype).itemsize:
-        raise ApiError(
-            400, f"input {tensor.name}: datatype {tensor.datatype} of {len(raw)} bytes is not served"
-        )
+        raise ApiError(400, f"input {name}: datatype {datatype} of {len(raw)} bytes is not served")
     return np.frombuffer(raw, dtype).item()

@@ -2,7 +2,8 @@
 
 - the server, scheduler and client processes import the contract (agent.contract), the model's
   files (agent.model) and config, never MindSpore or the agent runtime, and importing them changes
-  nothing in the environment;
+  nothing in the environment; OpenTelemetry's SDK and exporter are imported only when tracing is
+  configured (its API alone may be: FastAPI imports it where it is installed);
 - no import cycle anywhere in the project (imports inside functions included).
 """
 
@@ -29,6 +30,7 @@ for package in {packages}:
         importlib.import_module(module.name)
 agent = sorted(m for m in sys.modules if m == "agent" or m.startswith("agent."))
 print(json.dumps({{"mindspore": sorted(m for m in sys.modules if m.split(".")[0] == "mindspore"),
+                  "opentelemetry": sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry"),
                   "agent": agent, "env": sorted(k for k in set(before) | set(os.environ)
                                                 if before.get(k) != os.environ.get(k))}}))
 """
@@ -45,6 +47,8 @@ def test_front_end_processes_import_neither_mindspore_nor_the_agent_runtime():
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["mindspore"] == []
+    sdk = [m for m in found["opentelemetry"] if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter"))]
+    assert sdk == [], "tracing must cost nothing (not even its import) while it is off"
     runtime = [m for m in found["agent"] if m != "agent" and not m.startswith(SHARED)]
     assert runtime == [], f"the front end imports the agent runtime: {runtime}"
     assert found["env"] == [], f"importing the front end changed the environment: {found['env']}"

@@ -22,6 +22,9 @@ POST_PATHS = [
     "/v1/chat/completions",
     "/v2/repository/index",
     "/v2/repository/models/tiny/load",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
 ]
 GET_PATHS = [
     "/health",
@@ -195,6 +198,103 @@ chat_bodies = st.fixed_dictionaries(
     optional=openai_fields,
 )
 
+responses_bodies = st.fixed_dictionaries(
+    {
+        "model": st.one_of(st.just("tiny"), hostile_text),
+        "input": st.one_of(
+            hostile_text,
+            st.lists(
+                st.fixed_dictionaries(
+                    {},
+                    optional={
+                        "type": st.one_of(
+                            st.sampled_from(["message", "function_call", "function_call_output"]),
+                            hostile_text,
+                        ),
+                        "role": st.one_of(st.sampled_from(["user", "assistant", "developer"]), hostile_text),
+                        "content": st.one_of(hostile_text, json_values),
+                        "call_id": json_values,
+                        "name": json_values,
+                        "arguments": json_values,
+                        "output": json_values,
+                    },
+                ),
+                max_size=3,
+            ),
+            json_values,
+        ),
+    },
+    optional={
+        name: st.one_of(numbers, json_values)
+        for name in (
+            "instructions",
+            "max_output_tokens",
+            "temperature",
+            "top_p",
+            "tools",
+            "tool_choice",
+            "text",
+            "stream",
+            "previous_response_id",
+            "store",
+            "metadata",
+            "background",
+            "reasoning",
+        )
+    }
+    | {"max_output_tokens": st.integers(min_value=1, max_value=8)},
+)
+messages_bodies = st.fixed_dictionaries(
+    {
+        "model": st.one_of(st.just("tiny"), hostile_text),
+        "max_tokens": st.one_of(st.integers(min_value=1, max_value=8), numbers),
+        "messages": st.one_of(
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "role": st.one_of(st.sampled_from(["user", "assistant"]), hostile_text),
+                        "content": st.one_of(
+                            hostile_text,
+                            st.lists(
+                                st.fixed_dictionaries(
+                                    {"type": st.sampled_from(["text", "tool_use", "tool_result", "image"])},
+                                    optional={
+                                        "text": json_values,
+                                        "id": json_values,
+                                        "name": json_values,
+                                        "input": json_values,
+                                        "tool_use_id": json_values,
+                                        "content": json_values,
+                                    },
+                                ),
+                                max_size=3,
+                            ),
+                            json_values,
+                        ),
+                    }
+                ),
+                max_size=3,
+            ),
+            json_values,
+        ),
+    },
+    optional={
+        name: st.one_of(numbers, json_values)
+        for name in (
+            "system",
+            "tools",
+            "tool_choice",
+            "stop_sequences",
+            "temperature",
+            "top_p",
+            "top_k",
+            "stream",
+            "output_config",
+            "thinking",
+        )
+    },
+)
+
 
 def as_json(value) -> bytes:
     """JSON as hostile clients send it: NaN and Infinity included, surrogates left unpaired."""
@@ -238,6 +338,20 @@ def test_chat_completions_with_hostile_fields(server, body):
             "/v1/chat/completions", content=as_json(body), headers={"content-type": "application/json"}
         )
     )
+
+
+@FUZZ
+@given(body=responses_bodies)
+def test_responses_with_hostile_fields(server, body):
+    client, _ = server
+    check(client.post("/v1/responses", content=as_json(body), headers={"content-type": "application/json"}))
+
+
+@FUZZ
+@given(body=messages_bodies, path=st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]))
+def test_anthropic_messages_with_hostile_fields(server, body, path):
+    client, _ = server
+    check(client.post(path, content=as_json(body), headers={"content-type": "application/json"}))
 
 
 @settings(

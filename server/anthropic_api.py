@@ -1,0 +1,159 @@
+"""Anthropic's Messages API over the chat path, so that the `anthropic` package works unchanged:
+
+    POST /v1/messages               system, messages with text / tool_use / tool_result blocks,
+                                    tools, tool_choice, stop_sequences, temperature / top_p /
+                                    top_k (default 1.0 / 1.0 / none; the 2026 client sends them
+                                    through extra_body), output_config.format (a JSON Schema),
+                                    streaming (message_start, content_block_start/delta/stop,
+                                    message_delta, message_stop)
+    POST /v1/messages/count_tokens  {"input_tokens": the prompt's tokens}
+
+A request translates into a chat request (server/anthropic_schema.py) and is served as
+/v1/chat/completions serves it. The key may come as `x-api-key` (server/access.py); errors are
+Anthropic's `{"type": "error", "error": {"type", "message"}}` (server/errors.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from sse_starlette.sse import EventSourceResponse
+
+from server.anthropic_schema import CountTokensRequest, MessagesRequest
+from server.assembly import unless_disconnected
+from server.errors import ApiError, error_body
+from server.model_repository import ModelRepository
+from server.openai_api import (
+    Choices,
+    admit_chat,
+    chat_prompt,
+    choice_pieces,
+    serving,
+    translated_chat,
+    whole_choice,
+)
+from server.request_body import json_body
+
+# Chat fields as Anthropic names them, for the errors of the translated request.
+NAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}
+
+
+def stop_reason(finish_reason: str | None, stop_sequence: str | None, calls: list[dict]) -> str:
+    if calls:
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence is not None else "end_turn"
+
+
+def tool_use(call: dict) -> dict:
+    """An OpenAI-shaped call as a tool_use block."""
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call["id"].removeprefix("call_"),
+        "name": call["function"]["name"],
+        "input": json.loads(call["function"]["arguments"]),
+    }
+
+
+def message(
+    req: MessagesRequest, content: list[dict], reason: str | None, stop: str | None, usage: dict
+) -> dict:
+    return {
+        "id": "msg_" + uuid.uuid4().hex,
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": stop,
+        "usage": usage,
+    }
+
+
+async def whole_message(req: MessagesRequest, answer: Choices) -> dict:
+    choice = await whole_choice(answer)
+    text = [{"type": "text", "text": choice.content or ""}] if choice.content or not choice.calls else []
+    content = text + [tool_use(call) for call in choice.calls]
+    reason = stop_reason(choice.finish_reason, choice.stop_sequence, choice.calls)
+    usage = {"input_tokens": len(answer.prompt), "output_tokens": choice.tokens}
+    return message(req, content, reason, choice.stop_sequence, usage)
+
+
+async def message_events(req: MessagesRequest, answer: Choices) -> AsyncIterator[dict]:
+    """The streaming events: message_start, a text block whose deltas come as the text does, each
+    tool_use block whole at the end (its input as one input_json_delta), message_delta with the
+    stop reason and usage, message_stop; an `error` event if the answer fails."""
+
+    def event(kind: str, **fields) -> dict:
+        return {"event": kind, "data": json.dumps({"type": kind, **fields}, ensure_ascii=False)}
+
+    start = message(req, [], None, None, {"input_tokens": len(answer.prompt), "output_tokens": 0})
+    yield event("message_start", message=start)
+    yield event("ping")
+    blocks, text_open, last, calls = 0, False, None, list[dict]()
+    async with contextlib.aclosing(choice_pieces(answer)) as pieces:
+        async for piece in pieces:
+            last = piece.out
+            if last.error:
+                yield {
+                    "event": "error",
+                    "data": json.dumps(error_body(last.error_status, last.error, "anthropic")),
+                }
+                return
+            if piece.text:
+                if not text_open:
+                    text_open, blocks = True, blocks + 1
+                    yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+                yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece.text})
+            calls = piece.calls or calls
+    assert last is not None
+    if not text_open and not calls:  # an empty answer is one empty text block, as whole_message gives
+        text_open, blocks = True, blocks + 1
+        yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+    if text_open:
+        yield event("content_block_stop", index=0)
+    for call in calls:
+        block = tool_use(call)
+        yield event("content_block_start", index=blocks, content_block={**block, "input": {}})
+        delta = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
+        yield event("content_block_delta", index=blocks, delta=delta)
+        yield event("content_block_stop", index=blocks)
+        blocks += 1
+    reason = stop_reason(last.finish_reason, last.stop_sequence, calls)
+    yield event(
+        "message_delta",
+        delta={"stop_reason": reason, "stop_sequence": last.stop_sequence},
+        usage={"output_tokens": last.index},
+    )
+    yield event("message_stop")
+
+
+def anthropic_router(repository: ModelRepository) -> APIRouter:
+    router = APIRouter(prefix="/v1/messages")
+    messages_request, count_request = json_body(MessagesRequest), json_body(CountTokensRequest)
+
+    def refuse_unsupported(req: CountTokensRequest) -> None:
+        problem = req.unsupported()
+        if problem:
+            raise ApiError(400, problem)
+
+    @router.post("")
+    async def create(http: Request, req: MessagesRequest = Depends(messages_request)):
+        refuse_unsupported(req)
+        answer = await admit_chat(http, repository, translated_chat(req.chat_fields(), NAMES))
+        if req.stream:
+            return EventSourceResponse(message_events(req, answer))
+        return await unless_disconnected(http, answer.streams, whole_message(req, answer))
+
+    @router.post("/count_tokens")
+    async def count_tokens(req: CountTokensRequest = Depends(count_request)):
+        refuse_unsupported(req)
+        chat = translated_chat(req.chat_fields(), NAMES)
+        return {"input_tokens": len(await chat_prompt(serving(repository, chat), chat))}
+
+    return router
