@@ -427,6 +427,10 @@ class ModelRunner:
             except SamplingFault as exc:
                 sampler.fault = exc.fault()
                 return NO_TOKEN
+            except Exception as exc:  # a bug in one row's choice: that sequence's error, logged
+                log.exception("sampling one sequence's token failed")
+                sampler.fault = SequenceFault("internal", f"sampling failed: {type(exc).__name__}: {exc}")
+                return NO_TOKEN
 
         vocab = self.spec.vocab_size
         whole = {

@@ -127,7 +127,7 @@ def test_tables_that_do_not_fit_are_refused(runner):
         runner.decode([1], [[4, 5]])
     runner.prefill(0, ids, GREEDY, [1, 2, 3])
     with pytest.raises(RunnerError, match=r"entries lie in 0..39"):
-        runner.decode([0], [[1, 2, 3, -1]])
+        runner.decode([0], [[1, -1, 3]])  # -1 pads only past the held blocks
     with pytest.raises(RunnerError, match="does not cover 49 positions"):
         for _ in range(10):  # position 48 needs a fourth block
             runner.decode([0], [[1, 2, 3]])
@@ -158,8 +158,8 @@ def mixed_run(runner: ModelRunner, ids: list[list[int]], tables: list[list[int]]
         else:
             tokens = runner.decode(slots, [tables[s] for s in slots])
             firsts = [
-                runner.prefill(c.slot, c.tokens, c.params, c.table, c.start)
-                if c.sample
+                runner.prefill(c.slot, c.tokens, c.sampling, c.table, c.start)
+                if c.sampling is not None
                 else runner.prefill_chunk(c.slot, c.tokens, c.table, c.start)
                 for c in chunks
             ]
@@ -202,3 +202,32 @@ def test_a_mixed_step_that_does_not_fit_changes_nothing(runner, reference):
     with pytest.raises(RunnerError, match="names a slot twice"):
         runner.step([0], [tables[0]], [StepChunk(0, ids[0], tables[0], 0, None)])
     assert [first, *decode_n(runner, 0, tables[0], 2)] == ref.greedy(reference, ids[0], 3)
+
+
+def test_a_bug_in_one_rows_choice_is_that_sequences_fault(runner, reference, monkeypatch):
+    """One sequence's sampler raises something no sampler should (a bug: caused here by a patch, as
+    nothing from outside can): that sequence gets NO_TOKEN and an internal fault, the other
+    sequence of the same step its own token."""
+    from agent.contract.sampling import NO_TOKEN
+    from agent.sampling import SlotSampler
+
+    ids, tables = [prompt(12, seed=50), prompt(14, seed=51)], shuffled(2, seed=11)
+    sampled = SamplingParams(do_sample=True, seed=3, logprobs=1)  # the host path: choose_from_logits
+    runner.prefill(0, ids[0], sampled, tables[0])
+    first = runner.prefill(1, ids[1], GREEDY, tables[1])
+    broken = runner.slots[0].sampler
+
+    def choose(self, *args, **kwargs):
+        if self is broken:
+            raise IndexError("a bug")
+        return original(self, *args, **kwargs)
+
+    original = SlotSampler.choose_from_logits
+    monkeypatch.setattr(SlotSampler, "choose_from_logits", choose)
+    tokens = runner.decode([0, 1], tables)
+    assert (
+        tokens[0] == NO_TOKEN
+        and runner.fault(0).kind == "internal"
+        and "IndexError: a bug" in runner.fault(0).message
+    )
+    assert tokens[1] == ref.greedy(reference, ids[1], 2)[1] and first == ref.greedy(reference, ids[1], 1)[0]
