@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import mindspore as ms
 import numpy as np
@@ -47,6 +48,22 @@ MAX_DRAFT_TOKENS = 16  # tokens proposed for one slot in one step (speculative d
 
 # A sequence's blocks, position p in block table[p // block_size].
 BlockTable = Sequence[int] | np.ndarray
+
+
+Choice = TypeVar("Choice")
+
+
+def guarded(sampler: SlotSampler, choose: Callable[[], Choice], failed: Choice) -> Choice:
+    """One sequence's choice, or `failed` with the sampler's fault set: a failed choice is that
+    sequence's error, the others of the step go on."""
+    try:
+        return choose()
+    except SamplingFault as exc:
+        sampler.fault = exc.fault()
+    except Exception as exc:  # a bug in one row's choice: that sequence's error, logged
+        log.exception("sampling one sequence's token failed")
+        sampler.fault = SequenceFault("internal", f"sampling failed: {type(exc).__name__}: {exc}")
+    return failed
 
 
 class RunnerError(ValueError):
@@ -404,10 +421,7 @@ class ModelRunner:
                     if j == len(proposed) or kept[-1] != proposed[j]:
                         break
             else:
-                try:
-                    kept = sampler.verify(host[row : row + size], proposed)
-                except SamplingFault as exc:
-                    sampler.fault, kept = exc.fault(), [NO_TOKEN]
+                kept = guarded(sampler, partial(sampler.verify, host[row : row + size], proposed), [NO_TOKEN])
             verified[chunk.slot] = kept
             row += size
         return tokens, verified
@@ -527,12 +541,7 @@ class ModelRunner:
             return [int(t) for t in ids[: len(samplers)]]
 
         def choice(sampler: SlotSampler, choose: Callable[[], int]) -> int:
-            """One row's choice; a failed one is that sequence's fault, the others go on."""
-            try:
-                return choose()
-            except SamplingFault as exc:
-                sampler.fault = exc.fault()
-                return NO_TOKEN
+            return guarded(sampler, choose, NO_TOKEN)
 
         vocab = self.spec.vocab_size
         whole = {

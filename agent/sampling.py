@@ -342,6 +342,7 @@ def _best_ids(values: np.ndarray, peak: float, best: int) -> np.ndarray:
 def _nucleus(probs: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     """The ids a top-k then top-p draw can reach, best first, with their cumulative share (ending
     at 1). Sorts a growing prefix of the best tokens until it holds the nucleus, not the vocabulary."""
+    top_k = min(top_k, len(probs))  # a top_k past the vocabulary keeps it all
     kept = np.argpartition(-probs, top_k - 1)[:top_k] if top_k < len(probs) else np.arange(len(probs))
     total = probs[kept].sum()
     size = min(top_k, FIRST_NUCLEUS_GUESS)

@@ -288,3 +288,32 @@ def test_sampled_verification_keeps_the_targets_distribution():
                 freq,
                 target,
             )
+
+
+def test_a_bug_in_one_rows_choice_is_that_sequences_fault(runner, reference, monkeypatch):
+    """One sequence's sampler raises something no sampler should (a bug: caused here by a patch, as
+    nothing from outside can): that sequence gets NO_TOKEN and an internal fault, the other
+    sequence of the same step its own token."""
+    from agent.contract.sampling import NO_TOKEN
+    from agent.sampling import SlotSampler
+
+    ids, tables = [prompt(12, seed=50), prompt(14, seed=51)], shuffled(2, seed=11)
+    sampled = SamplingParams(do_sample=True, seed=3, logprobs=1)  # the host path: choose_from_logits
+    runner.prefill(0, ids[0], sampled, tables[0])
+    first = runner.prefill(1, ids[1], GREEDY, tables[1])
+    broken = runner.slots[0].sampler
+
+    def choose(self, *args, **kwargs):
+        if self is broken:
+            raise IndexError("a bug")
+        return original(self, *args, **kwargs)
+
+    original = SlotSampler.choose_from_logits
+    monkeypatch.setattr(SlotSampler, "choose_from_logits", choose)
+    tokens = runner.decode([0, 1], tables)
+    assert (
+        tokens[0] == NO_TOKEN
+        and runner.fault(0).kind == "internal"
+        and "IndexError: a bug" in runner.fault(0).message
+    )
+    assert tokens[1] == ref.greedy(reference, ids[1], 2)[1] and first == ref.greedy(reference, ids[1], 1)[0]

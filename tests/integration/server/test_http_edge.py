@@ -279,7 +279,6 @@ def test_a_dead_scheduler_loop_ends_requests_and_the_server_exits_1(stack, monke
     repository = ModelRepository(config, {config.model.name: load_tokenizer(config.model.path)})
     loaded = repository.models[config.model.name].loaded
     assert loaded is not None
-    outputs = loaded.outputs
     base = f"http://127.0.0.1:{http_port}"
     results: dict = {}
     served = threading.Event()
@@ -295,7 +294,7 @@ def test_a_dead_scheduler_loop_ends_requests_and_the_server_exits_1(stack, monke
                     os.kill(os.getpid(), signal.SIGTERM)
 
     def stream_then_break_the_scheduler() -> list[str]:
-        assert wait_until(lambda: outputs.engine.started, 60)
+        assert wait_until(lambda: loaded.engine.started, 60)
         body = {"inputs": "The quick", "parameters": {"max_new_tokens": 450, "ignore_eos": True}}
         with httpx.stream("POST", f"{base}/models/tiny/generate_stream", json=body, timeout=20) as r:
             lines = r.iter_lines()
@@ -305,7 +304,7 @@ def test_a_dead_scheduler_loop_ends_requests_and_the_server_exits_1(stack, monke
                 raise RuntimeError("a scheduler bug")
 
             # The loop plans again when the stream's step ends, and dies there.
-            monkeypatch.setattr(outputs.engine.scheduler, "schedule", broken)
+            monkeypatch.setattr(loaded.engine.scheduler, "schedule", broken)
             deadline, rest = time.monotonic() + 20, []
             for line in lines:  # a hung stream still gets sse-starlette's ping every 15 s
                 rest.append(line)
@@ -325,5 +324,5 @@ def test_a_dead_scheduler_loop_ends_requests_and_the_server_exits_1(stack, monke
             signal.signal(signum, handler)
     thread.join(30)
     assert code == 1 and time.monotonic() - started < 60
-    assert outputs.engine.dead.is_set() and "a scheduler bug" in outputs.engine.failure
+    assert loaded.engine.dead.is_set() and "a scheduler bug" in loaded.engine.failure
     assert any("error" in line for line in results.get("rest", [])), results

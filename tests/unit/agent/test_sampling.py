@@ -137,6 +137,19 @@ def test_whole_vocabulary_draws_on_the_host_match_the_distribution(temperature, 
     assert np.abs(counts - want).max() < 0.015
 
 
+def test_a_top_k_past_a_small_vocabulary_draws_as_no_top_k():
+    """A vocabulary smaller than the host path's first nucleus guess (512), and a top_k past it: the
+    draws are those of no top_k (it once raised, failing every sequence of the step)."""
+    vocab = 300
+    logits = np.random.default_rng(3).normal(0, 2, vocab)
+    huge = SlotSampler(SamplingParams(do_sample=True, seed=5, top_k=2**31 - 1), [], vocab)
+    assert all(0 <= huge.choose_from_logits(logits) < vocab for _ in range(50))
+    huge, none = (SamplingParams(do_sample=True, seed=5, top_k=k, top_p=0.9) for k in (2**31 - 1, 0))
+    a, b = SlotSampler(huge, [], vocab), SlotSampler(none, [], vocab)
+    draws = [(a.choose_from_logits(logits), b.choose_from_logits(logits)) for _ in range(50)]
+    assert all(x == y for x, y in draws)
+
+
 def test_whole_vocabulary_draws_reproduce_by_seed_and_use_one_number_each():
     logits = np.random.default_rng(1).normal(0, 2, VOCAB)
     params = SamplingParams(do_sample=True, seed=42, top_p=0.9)
