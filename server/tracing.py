@@ -88,7 +88,7 @@ class Tracing:
         except ImportError as exc:
             raise ValueError(
                 f"server.otlp_endpoint needs OpenTelemetry's SDK and OTLP exporter ({exc}): "
-                "pip install -e '.[tracing]' (make setup installs it)"
+                "pip install -e '.[tracing]' (make setup-dev installs it)"
             ) from exc
 
         endpoint = server.otlp_endpoint or ""

@@ -29,7 +29,7 @@ from agent.contract.sampling import SamplingParams  # noqa: E402
 from agent.model.formats import load_checkpoint  # noqa: E402
 from agent.model.tokenizer import load_tokenizer  # noqa: E402
 from config import PROJECT_ROOT, ServingConfig, load_config  # noqa: E402
-from tools.bench.__main__ import PROMPTS, background_prompt  # noqa: E402
+from tools.bench.__main__ import WORKLOADS, background_prompt  # noqa: E402
 
 OUTPUT = PROJECT_ROOT / "output" / "agreement.json"
 
@@ -71,7 +71,9 @@ def main() -> int:
     parser.add_argument("--against", help="the baseline config (default: config/default.yaml)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--prompts", type=Path, default=PROMPTS, help='JSONL with a "prompt" per line')
+    parser.add_argument(
+        "--prompts", type=Path, default=WORKLOADS["normal"], help='JSONL with a "prompt" per line'
+    )
     parser.add_argument("--prompt-words", type=int, default=0, metavar="N")
     args = parser.parse_args()
     config, baseline = load_config(args.config), load_config(args.against)

@@ -283,7 +283,7 @@ def speculation_counters(target: Target) -> tuple[float, float] | None:
         return None
     if reply.status_code != 200:
         return None
-    counts = {}
+    counts: dict[str, float] = {}
     for family in text_string_to_metric_families(reply.text):
         for sample in family.samples:
             if sample.name in (

@@ -67,12 +67,13 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "latency_p99_s": percentile(latency, 99),
         **prefix_split(ok),
         **speculation(
-            sum(r.drafted for r in reported) if reported else None, sum(r.accepted or 0 for r in reported)
+            sum(r.drafted or 0 for r in reported) if reported else None,
+            sum(r.accepted or 0 for r in reported),
         ),
     }
 
 
-def speculation(proposed: int | None, accepted: int) -> dict:
+def speculation(proposed: float | None, accepted: float) -> dict:
     """Speculative decoding's tokens proposed and accepted in a run, and their ratio (None where the
     server reports none)."""
     return {
