@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.compile_cache import compile_cache_dir
+from agent.drafter import Drafter, DraftMismatch, check_vocabularies
 from agent.graphs.decoder import TensorSplit
 from agent.graphs.mindir import read_known_answer, read_spec
 from agent.known_answer import KnownAnswer, KnownAnswerError
@@ -92,6 +93,37 @@ def build_runner(
         return runner, warm_up(runner, progress, place.role, known)
     except KnownAnswerError as exc:
         raise KnownAnswerError(f"{exc}; {remedy}") from exc
+
+
+def build_drafter(
+    config: ServingConfig, runner: ModelRunner, progress: Progress = log.info
+) -> Drafter | None:
+    """The draft model of runtime.speculation method draft (None for other methods), beside
+    `runner` with the same runtime: its vocabulary checked against the model's (DraftMismatch),
+    its graphs warmed up and checked against a numpy forward of its weights."""
+    speculation = config.runtime.speculation
+    if speculation.method != "draft" or speculation.draft_model is None:
+        return None
+    check_vocabularies(config.model.path, speculation.draft_model)
+    start = time.perf_counter()
+    checkpoint = load_checkpoint(speculation.draft_model)
+    progress(
+        f"draft model {speculation.draft_model.name} loaded in {time.perf_counter() - start:.1f}s "
+        f"({checkpoint.format}, {checkpoint.spec.parameter_count() / 1e6:.1f}M parameters)"
+    )
+    if checkpoint.spec.vocab_size != runner.spec.vocab_size:
+        raise DraftMismatch(
+            f"runtime.speculation.draft_model {speculation.draft_model}: {checkpoint.spec.vocab_size} "
+            f"logits a position, the model's {runner.spec.vocab_size}"
+        )
+    draft = ModelRunner.from_checkpoint(checkpoint, runner.runtime)
+    warm_up(
+        draft,
+        lambda line: progress(f"draft model: {line}"),
+        "draft",
+        KnownAnswer.of_checkpoint(checkpoint, runner.runtime),
+    )
+    return Drafter(draft)
 
 
 def prepare_checkpoint(

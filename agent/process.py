@@ -15,10 +15,11 @@ import os
 import signal
 import time
 import traceback
+from dataclasses import replace
 
 import zmq
 
-from agent.bootstrap import Placement, build_runner
+from agent.bootstrap import Placement, build_drafter, build_runner
 from agent.contract.transport import ClientKeys, is_peer, secure_agent_socket
 from agent.kv_transfer import KVSender
 from agent.service import AgentService, largest_frame_bytes
@@ -108,7 +109,13 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         place.device_id,
         config.model.path,
     )
+    if config.runtime.speculation.method == "draft" and place.cache_user is not None:
+        # the compile cache is keyed by one model's weights and shapes (agent/compile_cache.py):
+        # two models' graphs in one process would share a folder, so neither is cached
+        log.info("compile cache off: the draft model's graphs run in this process beside the model's")
+        place = replace(place, cache_user=None)
     runner, warm_up_s = build_runner(config, place, log.info)
+    drafter = build_drafter(config, runner, log.info) if place.role != "prefill" else None
     socket: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, largest_frame_bytes(runner, place.role))
@@ -133,7 +140,13 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         else None
     )
     service = AgentService(
-        runner, model_name=config.model.name, rank=rank, port=port, role=place.role, sender=sender
+        runner,
+        model_name=config.model.name,
+        rank=rank,
+        port=port,
+        role=place.role,
+        sender=sender,
+        drafter=drafter,
     )
     log.info("role %s", place.role)
     return socket, service, warm_up_s, authenticator

@@ -76,6 +76,9 @@ class SlotState:
     table: np.ndarray  # its block table [MB], as of the last call
     next_token: int | None = None  # sampled, to be written by the next decode step
     sampler: SlotSampler | None = None  # none until the prompt's last chunk samples
+    # the ids of the positions written (a draft model catches up from them); None where the KV
+    # came from elsewhere (a KV import)
+    tokens: list[int] | None = None
 
 
 def configure_mindspore(
@@ -200,14 +203,16 @@ class ModelRunner:
             logits = self.graphs.prefill(
                 padded, piece, bucket(self.runtime.prefill_buckets, len(piece)), start=piece_start
             )
-        return self._computed(slot, end, padded), logits
+        return self._computed(slot, ids, padded), logits
 
-    def _computed(self, slot: int, end: int, table: np.ndarray) -> SlotState:
-        """The slot (seated if free) holds positions 0..end-1 in the blocks of `table`."""
+    def _computed(self, slot: int, ids: np.ndarray, table: np.ndarray) -> SlotState:
+        """The slot (seated if free) holds positions 0..len(ids)-1, the KV of `ids`, in the blocks
+        of `table`."""
+        end = len(ids)
         state = self.slots.get(slot)
         if state is None:
             state = self.slots[slot] = SlotState(length=end, table=table)
-        state.length, state.table = end, table
+        state.length, state.table, state.tokens = end, table, ids.tolist()
         return state
 
     def _check_chunk(
@@ -296,6 +301,8 @@ class ModelRunner:
         for state, table, token in zip(states, tables, tokens):
             state.table = table
             state.length += 1
+            if state.tokens is not None and state.next_token is not None:
+                state.tokens.append(state.next_token)
             state.next_token = token
 
     def step(
@@ -377,12 +384,14 @@ class ModelRunner:
             if slot in drafts:
                 decoded[i] = verified[slot]
             state.length += len(decoded[i])  # the pending token and the proposals kept
+            if state.tokens is not None and state.next_token is not None:
+                state.tokens += [state.next_token, *decoded[i][:-1]]
             state.next_token = decoded[i][-1]
         firsts: list[int | None] = [None] * len(chunks)
         for i, token in zip(sampling, tokens[len(plain) :]):
             firsts[i] = token
         for i, (chunk, (ids, table)) in enumerate(zip(chunks, checked)):
-            state = self._computed(chunk.slot, len(ids), table)
+            state = self._computed(chunk.slot, ids, table)
             if chunk.sample:
                 state.sampler, state.next_token = new[i], firsts[i]
         return decoded, firsts
@@ -514,6 +523,14 @@ class ModelRunner:
         if its request asked for them."""
         state = self.active(slot)
         return list(state.sampler.recent) if state.sampler is not None else []
+
+    def known_tokens(self, slot: int) -> list[int] | None:
+        """The slot's tokens: those of the positions written, then its pending one (None where its
+        KV came from elsewhere, or before its prompt ends)."""
+        state = self.active(slot)
+        if state.tokens is None or state.next_token is None or state.next_token < 0:
+            return None
+        return [*state.tokens, state.next_token]
 
     def fault(self, slot: int) -> SequenceFault | None:
         """Why the slot's last choice failed (its token is NO_TOKEN), if it did: that sequence's

@@ -16,8 +16,9 @@ from pydantic import ValidationError
 
 from agent.contract import protocol
 from agent.contract.step import StepChunk
+from agent.drafter import Drafter
 from agent.kv_transfer import KVSender, TransferError, export_kv, import_kv, largest_kv_transfer_bytes
-from agent.runner import ModelRunner, RunnerError
+from agent.runner import MAX_DRAFT_TOKENS, ModelRunner, RunnerError
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,10 @@ class AgentService:
         port: int,
         role: str = "mixed",
         sender: KVSender | None = None,
+        drafter: Drafter | None = None,
     ):
         self.runner = runner
+        self.drafter = drafter  # the draft model's proposals (runtime.speculation method draft)
         self.sender = sender  # a prefill agent's connections to the decode agents
         self.facts = {
             "protocol": protocol.PROTOCOL_VERSION,
@@ -233,8 +236,8 @@ class AgentService:
     def _op_step(self, header: dict, arrays: list) -> tuple[dict, list]:
         arrays, masks = _token_masks(header, arrays)
         specs = header.get("chunks")
-        drafts = _drafts(header)
-        if not isinstance(specs, list) or len(specs) > self.runner.num_slots or not (specs or drafts):
+        asked = _drafts(header)
+        if not isinstance(specs, list) or len(specs) > self.runner.num_slots or not (specs or asked):
             raise ValueError(f"step takes a list of up to {self.runner.num_slots} chunks, or drafts, or both")
         if len(arrays) != 2 + 2 * len(specs) or arrays[1].ndim != 2 or arrays[1].dtype.kind != "i":
             raise ValueError(
@@ -248,15 +251,37 @@ class AgentService:
         for i, spec in enumerate(specs):
             tokens, table = _int_arrays(arrays[2 + 2 * i : 4 + 2 * i], "step", ("token ids", "block table"))
             chunks.append(StepChunk.from_wire(spec, tokens, table))
-        decoded, firsts = self.runner.step(slots.tolist(), list(arrays[1]), chunks, masks, drafts)
+        drafts = self._proposals(asked, slots.tolist(), list(arrays[1]))
+        if chunks or drafts:
+            decoded, firsts = self.runner.step(slots.tolist(), list(arrays[1]), chunks, masks, drafts)
+        else:  # the draft model proposed nothing (slots it cannot follow): a plain decode
+            decoded, firsts = [[t] for t in self.runner.decode(slots.tolist(), list(arrays[1]), masks)], []
         sampled = [c.slot if t is not None else None for c, t in zip(chunks, firsts)]
         reply = {
             "chunk_tokens": firsts,
-            **(self._per_token(slots.tolist(), decoded) if drafts else self._per_slot(slots.tolist())),
+            **(self._per_token(slots.tolist(), decoded) if asked else self._per_slot(slots.tolist())),
             **self._per_slot(sampled, "chunk_"),
         }
         flat = [token for tokens in decoded for token in tokens]
         return reply, [np.asarray(flat, dtype=np.int32)]
+
+    def _proposals(
+        self, asked: dict[int, list[int] | int], slots: list[int], tables: list[np.ndarray]
+    ) -> dict[int, list[int]]:
+        """The step's proposals: the server's tokens, and the draft model's for the slots that
+        ask it for a number of them (a slot it cannot follow gets none)."""
+        counts = {slot: v for slot, v in asked.items() if isinstance(v, int)}
+        drafts = {slot: v for slot, v in asked.items() if isinstance(v, list)}
+        if not counts:
+            return drafts
+        if self.drafter is None:
+            raise ValueError("this agent has no draft model (runtime.speculation method draft)")
+        if not set(counts) <= set(slots) or any(not 1 <= k <= MAX_DRAFT_TOKENS for k in counts.values()):
+            raise ValueError(f"draft counts are 1..{MAX_DRAFT_TOKENS} tokens for slots this step decodes")
+        for slot in counts:
+            self.runner.active(slot)  # a slot that holds nothing is refused before the draft runs
+        by_slot = dict(zip(slots, tables))
+        return drafts | self.drafter.propose(counts, {s: by_slot[s] for s in counts}, self.runner)
 
     def _per_token(self, slots: list[int], decoded: list[list[int]]) -> dict:
         """A step with drafts: `counts`, each decode slot's number of tokens, and the fields of
@@ -312,18 +337,18 @@ def _token_masks(header: dict, arrays: list) -> tuple[list, dict[int, np.ndarray
     return arrays[:-1], dict(zip(masked, arrays[-1]))
 
 
-def _drafts(header: dict) -> dict[int, list[int]]:
-    """A step's `drafts`: [[slot, [token, ...]], ...] (the runner checks the slots and tokens)."""
+def _drafts(header: dict) -> dict[int, list[int] | int]:
+    """A step's `drafts`: [[slot, [token, ...]], ...] (the server's proposals) or [[slot, k], ...]
+    (k tokens the draft model proposes); the runner checks the slots and tokens."""
     drafts = header.get("drafts", [])
     if not isinstance(drafts, list) or not all(
         isinstance(d, list)
         and len(d) == 2
         and type(d[0]) is int
-        and isinstance(d[1], list)
-        and all(type(t) is int for t in d[1])
+        and (type(d[1]) is int or (isinstance(d[1], list) and all(type(t) is int for t in d[1])))
         for d in drafts
     ):
-        raise ValueError("field 'drafts' must list [slot, [token ids]] pairs")
+        raise ValueError("field 'drafts' must list [slot, [token ids]] or [slot, count] pairs")
     found = dict(drafts)
     if len(found) != len(drafts):
         raise ValueError("field 'drafts' names a slot twice")

@@ -95,10 +95,15 @@ class SpeculationSection(Section):
     step (the target's answers stay exactly its own), a win while a step is bound by reading the
     weights (few streams) and the proposals are often right (answers that copy from the prompt)."""
 
-    method: Literal["none", "ngram"] = Field(
+    method: Literal["none", "ngram", "draft"] = Field(
         "none",
         description="ngram: propose what followed the latest earlier occurrence of the sequence's "
-        "last n tokens in its prompt and answer (prompt lookup); none: off",
+        "last n tokens in its prompt and answer (prompt lookup); draft: the greedy tokens of "
+        "draft_model, a smaller model with the same vocabulary run by each agent beside the "
+        "model; none: off",
+    )
+    draft_model: Path | None = Field(
+        None, description="method draft: the draft model's file or folder (any format the agents load)"
     )
     num_tokens: int = Field(4, ge=1, le=16, description="tokens proposed for a sequence in one step")
     ngram_min: int = Field(2, ge=1, le=8, description="the shortest n-gram matched")
@@ -110,10 +115,17 @@ class SpeculationSection(Section):
         "step is bound by its arithmetic, not by reading the weights, and proposals cost time",
     )
 
+    @field_validator("draft_model")
+    @classmethod
+    def _absolute(cls, path: Path | None) -> Path | None:
+        return None if path is None else resolve_path(path)
+
     @model_validator(mode="after")
-    def _ngram_range(self) -> SpeculationSection:
+    def _consistent(self) -> SpeculationSection:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) exceeds ngram_max ({self.ngram_max})")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("method draft needs draft_model, and draft_model needs method draft")
         return self
 
 

@@ -26,7 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from agent.contract import protocol
 from agent.contract.sampling import NO_TOKEN, Sampled, SequenceFault, TokenLogprob
-from agent.contract.step import StepChunk
+from agent.contract.step import Proposal, StepChunk, proposal_size
 from agent.contract.transport import ClientKeys, secure_client_socket
 
 HEARTBEAT_IVL_MS = 1000
@@ -109,7 +109,7 @@ class ModelClient(Protocol):
         tables: Sequence[Sequence[int]],
         chunks: Sequence[StepChunk],
         masks: TokenMasks | None = None,
-        drafts: Mapping[int, Sequence[int]] | None = None,
+        drafts: Mapping[int, Proposal] | None = None,
     ) -> tuple[list[list[Sampled]], list[Sampled | None]]: ...
 
     async def release(self, slot: int, ticket: int | None = None) -> None: ...
@@ -317,16 +317,20 @@ class AgentClient:
         tables: Sequence[Sequence[int]],
         chunks: Sequence[StepChunk],
         masks: TokenMasks | None = None,
-        drafts: Mapping[int, Sequence[int]] | None = None,
+        drafts: Mapping[int, Proposal] | None = None,
     ) -> tuple[list[list[Sampled]], list[Sampled | None]]:
         """A decode of `slots` and the prompt `chunks` in one call (the agent's info says mixed_rows):
-        each decode slot's tokens (one; with `drafts`, the tokens proposed after its pending token,
-        the proposals the agent kept and one more) and each chunk's first token (None unless it
-        samples)."""
+        each decode slot's tokens (one; with `drafts`, the tokens proposed after its pending token
+        or the number its draft model is to propose, the proposals the agent kept and one more) and
+        each chunk's first token (None unless it samples)."""
         arrays = [np.asarray(slots, np.int32), block_tables(tables)]
         for chunk in chunks:
             arrays += _chunk_arrays(chunk)
-        fields: dict[str, Any] = {"drafts": [[s, list(t)] for s, t in drafts.items()]} if drafts else {}
+        fields: dict[str, Any] = (
+            {"drafts": [[s, t if isinstance(t, int) else list(t)] for s, t in drafts.items()]}
+            if drafts
+            else {}
+        )
         arrays, fields = _with_masks(arrays, masks, fields)
         header, out = await self.call(
             "step", arrays, **fields, chunks=[c.to_wire() for c in chunks], session=self.session
@@ -345,7 +349,8 @@ class AgentClient:
             not isinstance(counts, list)
             or len(counts) != len(slots)
             or not all(
-                type(n) is int and 1 <= n <= 1 + len((drafts or {}).get(s, ())) for s, n in zip(slots, counts)
+                type(n) is int and 1 <= n <= 1 + proposal_size((drafts or {}).get(s, []))
+                for s, n in zip(slots, counts)
             )
             or sum(counts) != len(tokens)
         ):
@@ -477,7 +482,7 @@ class GroupClient:
         tables: Sequence[Sequence[int]],
         chunks: Sequence[StepChunk],
         masks: TokenMasks | None = None,
-        drafts: Mapping[int, Sequence[int]] | None = None,
+        drafts: Mapping[int, Proposal] | None = None,
     ) -> tuple[list[list[Sampled]], list[Sampled | None]]:
         return await self._agreed("step", slots, tables, chunks, masks, drafts)
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from agent.contract.sampling import Sampled
+from agent.contract.step import Proposal, proposal_size
 from scheduler.block_manager import BlockManager
 from scheduler.client_share import ClientShares
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
@@ -152,7 +153,7 @@ class StepPlan:
     decodes: dict[int, list[Sequence]] = field(default_factory=dict)  # group -> its decoding seqs
     # request id -> the tokens proposed after its pending token (speculative decoding): verified
     # in its decode's step, and the blocks of their positions taken
-    drafts: dict[str, list[int]] = field(default_factory=dict)
+    drafts: dict[str, Proposal] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -160,7 +161,7 @@ class StepPlan:
 
     def proposed(self, seqs: list[Sequence]) -> int:
         """Tokens proposed for these sequences."""
-        return sum(len(self.drafts.get(s.request_id, ())) for s in seqs)
+        return sum(proposal_size(self.drafts.get(s.request_id, [])) for s in seqs)
 
     def by_group(self) -> dict[int, StepPlan]:
         """The plan split into one plan per group it touches (a prefill belongs to the group that
@@ -359,9 +360,10 @@ class BatchScheduler:
                 capacity.max_seq_len - 1 - seq.computed,
             )
             proposed = speculator.propose(seq, k) if k > 0 else []
-            if proposed and blocks.append(seq.request_id, seq.computed + 1 + len(proposed)):
+            size = proposal_size(proposed)
+            if size and blocks.append(seq.request_id, seq.computed + 1 + size):
                 plan.drafts[seq.request_id] = proposed
-                room -= len(proposed)
+                room -= size
 
     def _prompt_budget(self, group: int, decodes: list[Sequence], proposed: int = 0) -> int:
         """Prompt positions a step of the `decodes` rows (and the `proposed` tokens after them) may
@@ -569,7 +571,7 @@ class BatchScheduler:
             self.free_slots[group].sort()
 
     def decoded(
-        self, seqs: list[Sequence], tokens: list[list[Sampled]], drafts: dict[str, list[int]] | None = None
+        self, seqs: list[Sequence], tokens: list[list[Sampled]], drafts: dict[str, Proposal] | None = None
     ) -> None:
         """Each sequence's tokens of a decode step: one, or with proposals (`drafts`) the ones
         its agent kept and one more. The KV of its pending token and of the proposals kept is
@@ -578,7 +580,7 @@ class BatchScheduler:
         for seq, sampled in zip(seqs, tokens):
             if seq.finished:  # aborted while its step was in flight
                 continue
-            proposed = drafts.get(seq.request_id, [])
+            proposed = proposal_size(drafts.get(seq.request_id, []))
             blocks = self.blocks[seq.placement[0]]
             before = seq.computed
             seq.computed += len(sampled)  # the pending token's KV and the kept proposals'
@@ -586,8 +588,8 @@ class BatchScheduler:
                 written = seq.tokens(len(seq.prompt) + len(seq.output)) + [s.token for s in sampled]
                 blocks.computed(seq.request_id, written, seq.computed)
             if proposed and self.speculator is not None:
-                self.speculator.verified(seq, len(proposed), len(sampled) - 1)
-                self.proposed_tokens += len(proposed)
+                self.speculator.verified(seq, proposed, len(sampled) - 1)
+                self.proposed_tokens += proposed
                 self.accepted_tokens += len(sampled) - 1
                 self.speculative_steps += 1
             for token in sampled:
@@ -597,7 +599,7 @@ class BatchScheduler:
             if proposed and not seq.finished:
                 blocks.truncate(seq.request_id, seq.computed + 1)
 
-    def drop_drafts(self, seqs: list[Sequence], drafts: dict[str, list[int]]) -> None:
+    def drop_drafts(self, seqs: list[Sequence], drafts: dict[str, Proposal]) -> None:
         """The sequences decode without their proposals: the blocks taken for them go back."""
         for seq in seqs:
             if seq.request_id in drafts and not seq.finished:

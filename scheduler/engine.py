@@ -35,7 +35,7 @@ from functools import partial
 import numpy as np
 
 from agent.contract.sampling import Sampled, SamplingParams
-from agent.contract.step import StepChunk
+from agent.contract.step import Proposal, StepChunk
 from config.schema import ServingConfig
 from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, AgentTakenOver
 from scheduler.batch_scheduler import (
@@ -437,7 +437,7 @@ class Engine:
             await self._prefill(chunk)
 
     async def _mixed(
-        self, group: int, seqs: list[Sequence], chunks: list[Chunk], drafts: dict[str, list[int]]
+        self, group: int, seqs: list[Sequence], chunks: list[Chunk], drafts: dict[str, Proposal]
     ) -> bool:
         """The group's decode (with the tokens proposed after its sequences' pending tokens:
         `drafts`) and its prompt chunks in one agent call; False when the agent refused it as a bad

@@ -1,8 +1,11 @@
-"""Speculative decoding's proposals (n-gram prompt lookup) and how much each sequence gets. Pure
-logic, like the batching policy that asks for them (scheduler/batch_scheduler.py).
+"""Speculative decoding's proposals (n-gram prompt lookup, or a count for the agents' draft
+model) and how much each sequence gets. Pure logic, like the batching policy that asks for them
+(scheduler/batch_scheduler.py).
 
     proposer = Speculator(settings)                     # runtime.speculation
-    tokens = proposer.propose(seq, k)                  # what followed the latest earlier occurrence
+    proposal = proposer.propose(seq, k)                # ngram: the tokens that followed the latest
+                                                       # earlier occurrence; draft: k (the agent's
+                                                       # draft model proposes them)
     proposer.verified(seq, proposed, kept)             # its acceptance steers its next proposals
 
 Prompt lookup: the sequence's last n tokens (n from ngram_max down to ngram_min) are looked up in
@@ -17,6 +20,7 @@ A sequence whose proposals keep failing proposes less often: after a step that k
 
 from __future__ import annotations
 
+from agent.contract.step import Proposal
 from config.schema import SpeculationSection
 from scheduler.ngram import NgramIndex, SpeculationState
 from scheduler.sequence import Sequence
@@ -32,8 +36,9 @@ class Speculator:
     def enabled(self) -> bool:
         return self.settings.method != "none"
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """At most k tokens proposed after the sequence's pending token (none while it backs off)."""
+    def propose(self, seq: Sequence, k: int) -> Proposal:
+        """At most k tokens proposed after the sequence's pending token, or with a draft model k,
+        the number it is to propose (none while the sequence backs off)."""
         state = seq.speculation
         if state is None:
             state = seq.speculation = SpeculationState(
@@ -42,6 +47,8 @@ class Speculator:
         if state.skip:
             state.skip -= 1
             return []
+        if self.settings.method == "draft":
+            return k
         tokens = seq.tokens(len(seq.prompt) + len(seq.output))
         state.index.update(tokens)
         return state.index.propose(tokens, k)

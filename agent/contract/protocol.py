@@ -23,7 +23,7 @@ Requests (op: fields -> reply fields):
     decode:   arrays [slots int32 [n], block tables int32 [n, w] (-1 past a row's blocks)]
               -> arrays [tokens int32], [logprobs: [entry or null per slot]]
     step:     chunks [{slot, start, sample, [sampling {...} when sample]}, ...] (StepChunk),
-              [drafts [[slot, [token, ...]], ...]];
+              [drafts [[slot, [token, ...] or count], ...]];
               arrays [decode slots int32 [n], their block tables int32 [n, w], then per chunk its
               tokens int32 (positions 0..end-1) and block table int32]
               -> arrays [decode tokens int32], chunk_tokens [token or null per chunk],
@@ -31,9 +31,11 @@ Requests (op: fields -> reply fields):
               and prompt chunks (as prefill without transfer) in one call of at most mixed_rows
               rows (info; 0: this agent runs none); refused whole if any part is wrong. drafts
               (speculative decoding): tokens proposed after a decode slot's pending token (at most
-              16; never for a masked slot; its table covers their positions): its rows are
-              verified, and the reply's `counts` gives each decode slot's number of tokens (the
-              proposals kept and one more; the tokens array holds them slot after slot)
+              16; never for a masked slot; its table covers their positions), or a count: that
+              many tokens of the agent's draft model (runtime.speculation method draft; fewer, or
+              none, where it cannot follow the slot): its rows are verified, and the reply's
+              `counts` gives each decode slot's number of tokens (the proposals kept and one more;
+              the tokens array holds them slot after slot)
     release:  slot, [ticket]                               -> - (ticket: a transfer into this slot
                                                               that the scheduler gave up on; it is
                                                               refused if it still arrives)

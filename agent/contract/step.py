@@ -24,6 +24,15 @@ import numpy as np
 
 from agent.contract.sampling import SamplingParams
 
+# Speculative decoding's proposal for one decoding slot of a step (`drafts`): the tokens proposed
+# after its pending token (the server's n-gram lookup), or how many of them the agent's draft model
+# is to propose (runtime.speculation method draft).
+Proposal = list[int] | int
+
+
+def proposal_size(proposal: Proposal) -> int:
+    return proposal if isinstance(proposal, int) else len(proposal)
+
 
 @dataclass(frozen=True)
 class StepChunk:

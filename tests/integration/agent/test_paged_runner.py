@@ -317,3 +317,61 @@ def test_a_bug_in_one_rows_choice_is_that_sequences_fault(runner, reference, mon
         and "IndexError: a bug" in runner.fault(0).message
     )
     assert tokens[1] == ref.greedy(reference, ids[1], 2)[1] and first == ref.greedy(reference, ids[1], 1)[0]
+
+
+def drafted(
+    target: ModelRunner, drafter, slot: int, ids: list[int], table: list[int], params, k: int, steps: int
+):
+    """A sequence decoded in steps whose proposals are the draft model's (k a step) -> its tokens
+    and the tokens each step gave."""
+    tokens, gave = [target.prefill(slot, ids, params, table)], []
+    for _ in range(steps):
+        drafts = drafter.propose({slot: k}, {slot: table}, target)
+        decoded, _ = target.step([slot], [table], [], drafts=drafts)
+        tokens += decoded[0]
+        gave.append(len(decoded[0]))
+    return tokens, gave
+
+
+def test_the_model_as_its_own_draft_has_every_proposal_kept(runners, runner, reference, release_all):
+    """The draft model is the model itself (its own runner and cache): each step keeps the k
+    proposals and gives one more, and the tokens are the reference's; a slot seated anew with
+    another sequence is followed from its first position, not from the last one's KV."""
+    from agent.drafter import Drafter
+
+    release_all(runners[1])
+    drafter = Drafter(runners[1])
+    for seed in (60, 61):
+        ids, table = prompt(17, seed=seed), shuffled(1, seed=seed)[0]
+        got, gave = drafted(runner, drafter, 0, ids, table, GREEDY, 3, 6)
+        assert got == ref.greedy(reference, ids, len(got)) and gave == [4] * 6
+        runner.release(0)
+
+
+def test_another_draft_model_changes_no_token(runner, reference, tmp_path):
+    """A smaller model of the same vocabulary (other weights: most proposals rejected) as the
+    draft: greedy tokens are the reference's; sampled sequences verify its proposals too (their
+    distribution: test_sampled_verification_keeps_the_targets_distribution)."""
+    from agent.drafter import Drafter, check_vocabularies
+    from agent.model.formats import load_checkpoint
+    from tiny_models import write_tiny_checkpoint
+
+    small = write_tiny_checkpoint(tmp_path / "draft", seed=9, layers=1, hidden=32, heads=2, kv_heads=1)
+    check_vocabularies(small, small)
+    drafter = Drafter(ModelRunner.from_checkpoint(load_checkpoint(small), runner.runtime))
+    ids, table = prompt(23, seed=70), shuffled(1, seed=12)[0]
+    got, gave = drafted(runner, drafter, 1, ids, table, GREEDY, 3, 8)
+    assert got == ref.greedy(reference, ids, len(got)) and all(1 <= n <= 4 for n in gave)
+    runner.release(1)
+    got, _ = drafted(runner, drafter, 1, ids, table, SEEDED, 3, 4)
+    assert len(got) >= 5 and all(0 <= t < 400 for t in got)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_naming_it(tiny_llama_dir, tmp_path):
+    from agent.drafter import DraftMismatch, check_vocabularies
+    from tiny_models import write_tiny_checkpoint, write_tokenizer
+
+    other = write_tiny_checkpoint(tmp_path / "other", seed=3)
+    write_tokenizer(other, vocab_size=300)
+    with pytest.raises(DraftMismatch, match="300 tokens, the model's 400"):
+        check_vocabularies(tiny_llama_dir, other)

@@ -4,6 +4,8 @@ false`), whatever the proposals were; grammars, stop strings, min_tokens, logpro
 on a small KV pool stay correct; /metrics counts proposed and kept tokens."""
 
 import re
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -12,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
 from browser import chromium_driver
+from config.schema import PROJECT_ROOT
 
 # Prompts that repeat themselves (what prompt lookup proposes from), and one that does not.
 PROMPTS = [
@@ -153,3 +156,59 @@ def test_answers_under_preemption_equal_their_answers_alone(stack):
     assert preempted and float(preempted.group(1)) > 0, "nothing was preempted: the test tests nothing"
     alone = [generate(stack, p, False, max_new_tokens=80)["generated_text"] for p in prompts]
     assert answers == alone
+
+
+# ------------------------------------------------------------------------------------ draft model
+
+
+@pytest.fixture(scope="module")
+def draft_stack(tmp_path_factory, tiny_llama_dir):
+    """Agent + server on the tiny model with the model itself as its draft model."""
+    agent_port, http_port = free_ports(2)
+    runtime = {**LONG_ANSWERS_RUNTIME, "max_seq_len": 192, "attend_buckets": [64, 192]}
+    runtime["speculation"] = {"method": "draft", "draft_model": str(tiny_llama_dir), "num_tokens": 3}
+    path = write_config(
+        tmp_path_factory.mktemp("draft"),
+        tiny_llama_dir,
+        [agent_port],
+        runtime=runtime,
+        server={"port": http_port},
+    )
+    with serving_stack(path) as (agents, _server):
+        yield f"http://127.0.0.1:{http_port}", agents
+
+
+def test_a_draft_model_changes_no_answer_and_itself_as_draft_has_every_proposal_kept(draft_stack):
+    base, agents = draft_stack
+    log = (agents.config_path.parent / "logs" / "agent_0.log").read_text()
+    assert "draft model tiny-llama" in log and "compile cache off" in log
+    before = counters(base)
+    with ThreadPoolExecutor(3) as pool:  # three sequences draft in one batch
+        fast = list(pool.map(lambda p: generate(base, p, True)["generated_text"], PROMPTS[:3]))
+    after = counters(base)
+    assert fast == [generate(base, p, False)["generated_text"] for p in PROMPTS[:3]]
+    proposed = (
+        after["llm_serving_spec_proposed_tokens_total"] - before["llm_serving_spec_proposed_tokens_total"]
+    )
+    kept = after["llm_serving_spec_accepted_tokens_total"] - before["llm_serving_spec_accepted_tokens_total"]
+    assert proposed > 0 and kept == proposed
+
+
+def test_a_draft_model_of_another_vocabulary_stops_the_agents_naming_it(tmp_path, tiny_llama_dir):
+    from tiny_models import write_tiny_checkpoint, write_tokenizer
+
+    other = write_tiny_checkpoint(tmp_path / "other", seed=3)
+    write_tokenizer(other, vocab_size=300)
+    runtime = {"speculation": {"method": "draft", "draft_model": str(other)}}
+    path = write_config(tmp_path, tiny_llama_dir, free_ports(1), runtime=runtime)
+    done = subprocess.run(
+        [sys.executable, "start_agent.py", "--config", str(path)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = done.stdout + done.stderr + (tmp_path / "logs" / "agent_0.log").read_text()
+    assert (
+        done.returncode != 0 and "its vocabulary is not the model's (300 tokens, the model's 400)" in output
+    )

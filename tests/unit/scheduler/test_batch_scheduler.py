@@ -1,6 +1,7 @@
 """BatchScheduler as pure logic, driven against fake agents (one per group) that enforce the runner's
 slot rules."""
 
+import itertools
 import random
 
 import pytest
@@ -68,6 +69,10 @@ class FakeAgent:
             state = self.slots[slot]
             length, tokens = state["length"], state["tokens"]
             proposed = (drafts or {}).get(slot, [])
+            if isinstance(proposed, int):  # a draft model's: here one that is always right
+                proposed = [
+                    *itertools.accumulate(range(proposed), lambda t, _: self.next(t), initial=tokens[-1])
+                ][1:]
             assert len(table) * self.block_size >= length + 1 + len(proposed), "proposals without blocks"
             self._check(table, tokens, length)
             self._write(table, tokens + proposed, length, length + 1 + len(proposed))
@@ -775,3 +780,17 @@ def test_speculating_workloads_under_preemption_equal_their_answers_alone_and_le
         assert s.output == alone(s, **kw), s.request_id
     step(scheduler, agents)
     assert scheduler.blocks[0].num_used == 0 and scheduler.tokens_in_flight == 0 and agents[0].slots == {}
+
+
+def test_a_draft_models_proposals_are_counts_the_agent_fills():
+    """With method draft the plan asks the agent for a number of tokens; blocks are taken for
+    them, and an agent whose draft is always right gives k + 1 tokens a step."""
+    settings = SpeculationSection(method="draft", draft_model="/nonexistent/draft", num_tokens=3)
+    scheduler, agents = make(slots=(2,), mixed_rows=32, speculator=Speculator(settings))
+    request = seq("r", prompt=(1, 2, 3), max_new=13)
+    scheduler.add(request)
+    step(scheduler, agents)
+    plan = step(scheduler, agents)
+    assert plan.drafts == {"r": 3} and request.output == [4, 5, 6, 7, 8]
+    assert steps_to_finish(scheduler, agents) == 2 and request.output == list(range(4, 17))
+    assert scheduler.accepted_tokens == scheduler.proposed_tokens == 9
