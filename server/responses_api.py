@@ -189,6 +189,15 @@ async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> 
         # may hold lone surrogates (valid JSON escapes, not encodable as UTF-8)
         return {"event": kind, "data": json.dumps(data)}
 
+    def message_opened(item_id: str) -> list[dict]:
+        """The events that open the answer's message and its (empty) text part."""
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item = message_item(item_id, "", "in_progress") | {"content": []}
+        return [
+            event("response.output_item.added", output_index=0, item=item),
+            event("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part),
+        ]
+
     started = turn.response("in_progress", [])
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
@@ -210,19 +219,8 @@ async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> 
                 return
             if piece.text and not opened:
                 opened = True
-                yield event(
-                    "response.output_item.added",
-                    output_index=0,
-                    item=message_item(message_id, "", "in_progress") | {"content": []},
-                )
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                yield event(
-                    "response.content_part.added",
-                    item_id=message_id,
-                    output_index=0,
-                    content_index=0,
-                    part=part,
-                )
+                for opening in message_opened(message_id):
+                    yield opening
             if piece.text:
                 text += piece.text
                 yield event(
@@ -237,15 +235,8 @@ async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> 
     assert last is not None
     if not opened and not calls:  # an empty answer is an empty message, as whole_response gives
         opened = True
-        yield event(
-            "response.output_item.added",
-            output_index=0,
-            item=message_item(message_id, "", "in_progress") | {"content": []},
-        )
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield event(
-            "response.content_part.added", item_id=message_id, output_index=0, content_index=0, part=part
-        )
+        for opening in message_opened(message_id):
+            yield opening
     output = []
     if opened:
         done = message_item(message_id, text)
