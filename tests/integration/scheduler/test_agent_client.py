@@ -126,7 +126,7 @@ def test_a_choice_that_fails_is_its_sequences_error_and_the_call_goes_on(agent):
     for faulted in (first, chunk_first):
         assert faulted.token == NO_TOKEN and faulted.fault.kind == "request"
         assert "min_tokens" in faulted.fault.message
-    assert fine.fault is None and decoded[0].fault is None and again[0].fault is None
+    assert fine.fault is None and decoded[0][0].fault is None and again[0].fault is None
     assert all(m.token == NO_TOKEN and m.fault.kind == "internal" for m in malformed), malformed
 
 
