@@ -223,7 +223,7 @@ def test_benchmark_tool_runs_against_the_server(stack, tmp_path):
             "--concurrency",
             "2",
             "--requests",
-            "4",
+            "8",
             "--output-len",
             "20",
             "--settle",
@@ -233,7 +233,7 @@ def test_benchmark_tool_runs_against_the_server(stack, tmp_path):
             "--background-words",
             "6",
             "--background-interval",
-            "0.2",
+            "0.02",
             "--out",
             str(tmp_path),
             "--name",
@@ -244,11 +244,13 @@ def test_benchmark_tool_runs_against_the_server(stack, tmp_path):
     )
     assert code == 0
     s = json.loads((tmp_path / "mixed.json").read_text())["results"][0]["summary"]
-    assert s["requests"] == 4 and s["errors"] == 0 and 0 < s["output_tokens"] <= 4 * 20
+    assert s["requests"] == 8 and s["errors"] == 0 and 0 < s["output_tokens"] <= 8 * 20
+    # an interval far below the run's length (the tiny model ends 8 answers in ~0.1 s): a first
+    # prompt at 0.2 s / 2 came after a fast run had ended
     assert s["background_requests"] >= 1 and s["background_errors"] == 0 and s["background_ttft_p50_s"] > 0
     # the first arrives after half an interval: the window's count is its length over the interval,
     # rounded (starting at once would add one)
-    assert s["background_requests"] <= s["wall_s"] / 0.2 + 0.5
+    assert s["background_requests"] <= s["wall_s"] / 0.02 + 0.5
     assert s["background_per_min"] == pytest.approx(60 * s["background_requests"] / s["wall_s"])
     assert "| prompts | per minute |" in (tmp_path / "mixed.md").read_text()
 
