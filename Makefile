@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 .PHONY: setup lint unit test test-long serve browser clean-venv
 
 setup: $(STAMP)
-	@$(PY) -m tools.fetch_model
+	@$(PY) -m tools.fetch_model --model all
 	@$(PY) -m agent.kernels
 
 $(STAMP): pyproject.toml
