@@ -123,6 +123,12 @@ class ModelRunner:
         return self.graphs.inputs.fused_layers
 
     @property
+    def prefix_caching(self) -> bool:
+        """Whether a prompt may start from another sequence's blocks (a prefix-cache hit): not where
+        sliding-window layers keep their KV in each seat's ring (agent/graphs/interface.py)."""
+        return self.chunked_prefill and not self.graphs.inputs.ring
+
+    @property
     def mixed_rows(self) -> int:
         """Rows of one mixed step (decode rows and prompt chunks in one graph call), 0 where these
         graphs run none."""
@@ -179,7 +185,7 @@ class ModelRunner:
         for piece_start in pieces:
             piece = ids[piece_start : piece_start + self.max_chunk]
             logits = self.graphs.prefill(
-                padded, piece, bucket(self.runtime.prefill_buckets, len(piece)), start=piece_start
+                padded, piece, bucket(self.runtime.prefill_buckets, len(piece)), start=piece_start, slot=slot
             )
         return self._computed(slot, end, padded), logits
 
@@ -237,6 +243,7 @@ class ModelRunner:
             positions,
             rows,
             self.graphs.inputs.attend(positions),
+            slots=list(slots),
         )
         tokens = self._sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
         self._decoded(states, padded, tokens)
@@ -313,6 +320,7 @@ class ModelRunner:
             [replace(c, tokens=ids.tolist(), table=table) for c, (ids, table) in zip(chunks, checked)],
             self.mixed_rows,
             bucket(self.runtime.decode_batch_buckets, len(slots) + len(sampling)),
+            decode_slots=list(slots),
         )
         samplers = [s.sampler for s in states if s.sampler is not None] + [new[i] for i in sampling]
         tokens = self._sample(logits, samplers, greedy)

@@ -136,6 +136,14 @@ def gemma_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma_path(tmp_path_factory, gemma_model_path) -> Path:
+    """A tiny Gemma-3-shaped GGUF (tests/support/tiny_models.py write_tiny_gemma)."""
+    from tiny_models import write_tiny_gemma
+
+    return write_tiny_gemma(tmp_path_factory.mktemp("tiny-gemma") / "tiny-gemma3.gguf", gemma_model_path)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_runner(tiny_llama_dir) -> ModelRunner:
     from agent.runner import ModelRunner
 

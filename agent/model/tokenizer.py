@@ -22,7 +22,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from agent.model.formats.gguf_file import gguf_field, read_gguf
+from agent.model.formats.gguf_file import gguf_eos_ids, gguf_field, read_gguf
 
 # GGUF pre-tokenizer names (tokenizer.ggml.pre) whose HuggingFace equivalent is known and tested.
 GGUF_PRE_TOKENIZERS = {
@@ -39,7 +39,6 @@ GGUF_PRE_TOKENIZERS = {
 GGUF_NORMAL_TOKEN, GGUF_UNKNOWN_TOKEN, GGUF_CONTROL_TOKEN, GGUF_USER_DEFINED_TOKEN = 1, 2, 3, 4
 GGUF_BYTE_TOKEN = 6
 SPACE = "\u2581"  # SentencePiece's space
-END_OF_TURN = "<end_of_turn>"  # Gemma's
 TEMPLATES = Path(__file__).parent / "templates"
 SHIPPED_TEMPLATES = {"gemma3": "gemma.jinja", "gemma2": "gemma.jinja", "gemma": "gemma.jinja"}
 
@@ -248,20 +247,6 @@ def _from_gguf(path: Path) -> TextTokenizer:
         eos_ids=gguf_eos_ids(reader),
         pieces=pieces,
     )
-
-
-def gguf_eos_ids(reader) -> tuple[int, ...]:
-    """The file's EOS, and an end-of-turn token of the vocabulary's (Gemma's <end_of_turn>, which ends
-    its chat turns; its generation config lists both)."""
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens") or []
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    ids = [] if eos is None else [int(eos)]
-    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
-    if eot is None and END_OF_TURN in tokens:
-        eot = tokens.index(END_OF_TURN)
-    if eot is not None and int(eot) not in ids:
-        ids.append(int(eot))
-    return tuple(ids)
 
 
 def shipped_template(architecture: str | None) -> str | None:
