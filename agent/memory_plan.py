@@ -13,7 +13,8 @@ words for the log.
               ceil((window - 1 + the largest prefill bucket) / block_size) blocks each, whatever
               the sequences' lengths (agent/graphs/interface.py)
     working   prefill attention scores of every layer at the largest prefill bucket (fp32),
-              and logits of the largest decode batch
+              logits of the largest decode batch, and the RoPE tables (cos and sin of every
+              position: 134 MB for Gemma 3's two bases over its 32768 positions)
     total     weights + pool x KV block + working
 
 Seats (num_slots: sequences placed at once) cost no KV: their sequences take blocks as they grow,
@@ -98,7 +99,10 @@ def checkpoint_weights_bytes(checkpoint: Checkpoint, runtime: RuntimeSection) ->
 def working_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     longest = runtime.prefill_buckets[-1]
     scores = spec.num_layers * spec.num_heads * longest * longest * 4
-    return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2
+    positions = spec.max_context if runtime.max_seq_len == "auto" else runtime.max_seq_len
+    tables = 2 if spec.local_layers and spec.rope_local_theta is not None else 1
+    rope = tables * 2 * positions * spec.head_dim * 4
+    return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2 + rope
 
 
 def plan_memory(
