@@ -180,7 +180,7 @@ def numpy_forward(
         h = _rms_norm(x, t[p + "ffn_norm"], spec.rms_eps)
         gate = product(h, p + "w_gate")
         if spec.activation == "gelu_tanh":
-            gate = gate / (1 + np.exp(-2 * np.float32(0.7978845608028654) * (gate + 0.044715 * gate**3)))
+            gate = 0.5 * gate * (1 + np.tanh(np.float32(0.7978845608028654) * (gate + 0.044715 * gate**3)))
         else:
             gate = gate / (1 + np.exp(-gate))
         x = residual(x, product(gate * product(h, p + "w_up"), p + "w_down"), p + "post_ffn_norm")
