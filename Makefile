@@ -13,7 +13,9 @@ setup: $(STAMP)
 	@$(PY) -m tools.fetch_model
 	@$(PY) -m agent.kernels
 
+# The tests also serve Gemma 3 270M (its vocabulary, the repository example, make test-long).
 setup-dev: setup $(DEV_STAMP)
+	@$(PY) -m tools.fetch_model --model gemma3-270m
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) with $$($(PYTHON) --version)"

@@ -138,9 +138,11 @@ def numpy_forward(
         return x @ checkpoint.matrix(name).T
 
     n, hd, kv_heads, group = len(tokens), spec.head_dim, spec.num_kv_heads, spec.group_size
-    angles = np.concatenate([np.outer(np.arange(n), spec.rope_inv_freq())] * 2, 1)
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    causal = np.triu(np.full((n, n), -np.inf, np.float32), 1)
+    ropes = {}
+    for local in {spec.is_local(i) for i in range(spec.num_layers)}:
+        angles = np.concatenate([np.outer(np.arange(n), spec.rope_inv_freq(local))] * 2, 1)
+        ropes[local] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    distance = np.arange(n)[:, None] - np.arange(n)[None, :]  # query position - key position
     embed = checkpoint.blocks.get("embed")
     if kernels and embed is not None:
         from agent.kernels import calls
@@ -148,26 +150,40 @@ def numpy_forward(
         x = calls.rows(embed, tokens)
     else:
         x = checkpoint.matrix("embed")[tokens]
+    x = x * np.float32(spec.embed_scale)
+
+    def residual(x: np.ndarray, out: np.ndarray, norm: str) -> np.ndarray:  # post-norms: Gemma's
+        return x + (_rms_norm(out, t[norm], spec.rms_eps) if spec.post_norms else out)
+
     caches = []
     for i in range(spec.num_layers):
-        p = f"layers.{i}."
+        p, local = f"layers.{i}.", spec.is_local(i)
+        cos, sin = ropes[local]
         h = _rms_norm(x, t[p + "attn_norm"], spec.rms_eps)
         q, k, v = (
             product(h, p + name) + t.get(p + bias, 0)
             for name, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
         )
-        q = _rope(q.reshape(n, -1, hd).transpose(1, 0, 2), cos, sin)
-        k = _rope(k.reshape(n, kv_heads, hd).transpose(1, 0, 2), cos, sin)
+        q, k = q.reshape(n, -1, hd).transpose(1, 0, 2), k.reshape(n, kv_heads, hd).transpose(1, 0, 2)
+        if spec.qk_norm:
+            q, k = _rms_norm(q, t[p + "q_norm"], spec.rms_eps), _rms_norm(k, t[p + "k_norm"], spec.rms_eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         v = v.reshape(n, kv_heads, hd).transpose(1, 0, 2)
         caches += [k, v]
-        scores = q @ np.repeat(k, group, axis=0).transpose(0, 2, 1) / np.float32(np.sqrt(hd)) + causal
+        hidden = (distance < 0) | (local & (distance >= spec.sliding_window))
+        mask = np.where(hidden, -np.inf, 0).astype(np.float32)
+        scores = q @ np.repeat(k, group, axis=0).transpose(0, 2, 1) * np.float32(spec.query_scale) + mask
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         attended = (probs @ np.repeat(v, group, axis=0)).transpose(1, 0, 2).reshape(n, -1)
-        x = x + product(attended, p + "wo")
+        x = residual(x, product(attended, p + "wo"), p + "post_attn_norm")
         h = _rms_norm(x, t[p + "ffn_norm"], spec.rms_eps)
         gate = product(h, p + "w_gate")
-        x = x + product(gate / (1 + np.exp(-gate)) * product(h, p + "w_up"), p + "w_down")
+        if spec.activation == "gelu_tanh":
+            gate = 0.5 * gate * (1 + np.tanh(np.float32(0.7978845608028654) * (gate + 0.044715 * gate**3)))
+        else:
+            gate = gate / (1 + np.exp(-gate))
+        x = residual(x, product(gate * product(h, p + "w_up"), p + "w_down"), p + "post_ffn_norm")
     head = "embed" if spec.tied_embeddings else "lm_head"
     logits = product(_rms_norm(x, t["final_norm"], spec.rms_eps), head)
     return logits, np.stack(caches)

@@ -5,11 +5,16 @@ words for the log.
     weights   each tensor at the size the graphs hold it (Checkpoint.weight_bytes: a GGUF's matrices
               kept in their format at the file's size, with the matmul kernel), or parameters x dtype
               size where only the model's spec is known (MindIR exports)
-    KV block  layers x 2 (K and V) x kv_heads x head_dim x dtype size x block_size positions
+    KV block  layers x 2 (K and V) x kv_heads x head_dim x dtype size x block_size positions (the
+              global layers only where sliding-window layers keep rings of their own)
     pool      num_blocks (what the budget leaves, or num_slots x ceil(max_seq_len / block_size)
               without one) + the scratch blocks that padding writes to
+    rings     sliding-window layers (Gemma 3's local layers): (num_slots + 1) seats' rings of
+              ceil((window - 1 + the largest prefill bucket) / block_size) blocks each, whatever
+              the sequences' lengths (agent/graphs/interface.py)
     working   prefill attention scores of every layer at the largest prefill bucket (fp32),
-              and logits of the largest decode batch
+              logits of the largest decode batch, and the RoPE tables (cos and sin of every
+              position: 134 MB for Gemma 3's two bases over its 32768 positions)
     total     weights + pool x KV block + working
 
 Seats (num_slots: sequences placed at once) cost no KV: their sequences take blocks as they grow,
@@ -22,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.graphs.interface import scratch_blocks
+from agent.graphs.interface import local_ring_blocks, scratch_blocks
 from agent.launcher.memory_budget import available_mb
 from agent.model.checkpoint import Checkpoint
 from agent.model.formats import gguf_file
@@ -49,10 +54,11 @@ class MemoryPlan:
     scratch_blocks: int
     block_size: int
     budget_mb: int | None
+    rings_mb: float = 0.0  # the sliding-window layers' rings, every seat's
 
     @property
     def kv_mb(self) -> float:
-        return (self.num_blocks + self.scratch_blocks) * self.block_mb
+        return (self.num_blocks + self.scratch_blocks) * self.block_mb + self.rings_mb
 
     @property
     def total_mb(self) -> float:
@@ -65,7 +71,13 @@ class MemoryPlan:
             f"memory plan: weights {self.weights_mb:.0f} MB, KV cache {self.kv_mb:.0f} MB: "
             f"{self.num_blocks} blocks of {self.block_size} positions ({positions} positions, "
             f"{positions / self.max_seq_len:.1f} sequences of max_seq_len {self.max_seq_len}) "
-            f"shared by {self.num_slots} seats, working {self.working_mb:.0f} MB: "
+            f"shared by {self.num_slots} seats"
+            + (
+                f" (global layers; sliding-window layers' rings {self.rings_mb:.0f} MB)"
+                if self.rings_mb
+                else ""
+            )
+            + f", working {self.working_mb:.0f} MB: "
             f"{self.total_mb:.0f} MB{budget}"
         )
 
@@ -87,7 +99,10 @@ def checkpoint_weights_bytes(checkpoint: Checkpoint, runtime: RuntimeSection) ->
 def working_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     longest = runtime.prefill_buckets[-1]
     scores = spec.num_layers * spec.num_heads * longest * longest * 4
-    return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2
+    positions = spec.max_context if runtime.max_seq_len == "auto" else runtime.max_seq_len
+    tables = 2 if spec.local_layers and spec.rope_local_theta is not None else 1
+    rope = tables * 2 * positions * spec.head_dim * 4
+    return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2 + rope
 
 
 def plan_memory(
@@ -98,17 +113,25 @@ def plan_memory(
     when the budget is too small, naming the sizes."""
     weights = weights_bytes(spec, runtime) if weights is None else weights
     working = working_bytes(spec, runtime)
-    per_block = spec.kv_bytes_per_token * DTYPE_BYTES[runtime.dtype] // 4 * runtime.block_size
+    slots = runtime.decode_batch_buckets[-1] if runtime.num_slots == "auto" else runtime.num_slots
+    # Sliding-window layers keep per-seat rings (unless a ring would hold a whole sequence)
+    longest = spec.max_context if runtime.max_seq_len == "auto" else runtime.max_seq_len
+    ring = local_ring_blocks(runtime, spec, longest)
+    pool_layers = spec.global_layers if ring else spec.num_layers
+    position_bytes = 2 * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[runtime.dtype]
+    per_block = pool_layers * position_bytes * runtime.block_size
+    rings = (slots + 1) * ring * (spec.num_layers - pool_layers) * position_bytes * runtime.block_size
     scratch = scratch_blocks(runtime)
     budget = None if runtime.memory_budget_mb is None else runtime.memory_budget_mb * MB
     # blocks the budget leaves for the pool (None: no budget)
-    room = None if budget is None else (budget - weights - working) // per_block - scratch
+    room = None if budget is None else (budget - weights - working - rings) // per_block - scratch
     if room is not None and room <= 0:
         raise MemoryPlanError(
             f"memory_budget_mb {runtime.memory_budget_mb} does not hold the weights "
-            f"({weights / MB:.0f} MB), working memory ({working / MB:.0f} MB) and a KV cache"
+            f"({weights / MB:.0f} MB), working memory ({working / MB:.0f} MB)"
+            + (f", the sliding-window layers' rings ({rings / MB:.0f} MB)" if rings else "")
+            + " and a KV cache"
         )
-    slots = runtime.decode_batch_buckets[-1] if runtime.num_slots == "auto" else runtime.num_slots
 
     if runtime.max_seq_len == "auto":
         assert room is not None, "the runtime's validation asks a budget of max_seq_len auto"
@@ -162,6 +185,7 @@ def plan_memory(
         scratch,
         runtime.block_size,
         runtime.memory_budget_mb,
+        rings / MB,
     )
     return resolved, plan
 

@@ -145,6 +145,12 @@ class ModelRunner:
         return self.graphs.inputs.fused_layers
 
     @property
+    def prefix_caching(self) -> bool:
+        """Whether a prompt may start from another sequence's blocks (a prefix-cache hit): not where
+        sliding-window layers keep their KV in each seat's ring (agent/graphs/interface.py)."""
+        return self.chunked_prefill and not self.graphs.inputs.ring
+
+    @property
     def mixed_rows(self) -> int:
         """Rows of one mixed step (decode rows and prompt chunks in one graph call), 0 where these
         graphs run none."""
@@ -201,7 +207,7 @@ class ModelRunner:
         for piece_start in pieces:
             piece = ids[piece_start : piece_start + self.max_chunk]
             logits = self.graphs.prefill(
-                padded, piece, bucket(self.runtime.prefill_buckets, len(piece)), start=piece_start
+                padded, piece, bucket(self.runtime.prefill_buckets, len(piece)), start=piece_start, slot=slot
             )
         return self._computed(slot, ids, padded), logits
 
@@ -261,6 +267,7 @@ class ModelRunner:
             positions,
             rows,
             self.graphs.inputs.attend(positions),
+            slots=list(slots),
         )
         tokens = self._sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
         self._decoded(states, padded, tokens)
@@ -368,6 +375,7 @@ class ModelRunner:
             ],
             self.mixed_rows,
             bucket(self.runtime.decode_batch_buckets, logit_rows),
+            decode_slots=[slots[i] for i in plain],
         )
         samplers = [s for i in plain if (s := states[i].sampler) is not None] + [new[i] for i in sampling]
         if scored:

@@ -68,6 +68,7 @@ class AgentService:
             "block_size": runner.runtime.block_size,
             "max_chunk": runner.max_chunk,
             "chunked_prefill": runner.chunked_prefill,
+            "prefix_caching": runner.prefix_caching,
             "mixed_rows": runner.mixed_rows if role == "mixed" else 0,
             "prefill_buckets": runner.runtime.prefill_buckets,
             "decode_batch_buckets": runner.runtime.decode_batch_buckets,

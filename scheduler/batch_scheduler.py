@@ -85,6 +85,8 @@ class GroupCapacity:
     chunked_prefill: bool = True
     mixed_rows: int = 0  # rows of one call that runs a decode and prompt chunks together (0: none)
     max_batch: int = 1  # the most sequences one decode (or mixed step) call takes
+    # whether a prompt may reuse another's blocks (not with sliding-window layers' per-seat rings)
+    prefix_caching: bool = True
 
     def mixes(self, decodes: int, chunks: list[Chunk], proposed: int = 0) -> bool:
         """Whether a step of `decodes` decode rows (with `proposed` tokens proposed after them)
@@ -221,7 +223,12 @@ class BatchScheduler:
 
     def _block_manager(self, capacity: GroupCapacity) -> BlockManager:
         # A decode group's blocks are written by transfers of whole prompts: no hits there.
-        caching = self.enable_prefix_caching and capacity.chunked_prefill and capacity.role != "decode"
+        caching = (
+            self.enable_prefix_caching
+            and capacity.chunked_prefill
+            and capacity.prefix_caching
+            and capacity.role != "decode"
+        )
         return BlockManager(capacity.num_blocks, capacity.block_size, caching)
 
     # ------------------------------------------------------------------------------- requests

@@ -102,6 +102,7 @@ class GroupLinks:
                 info["chunked_prefill"],
                 info["mixed_rows"],
                 info["decode_batch_buckets"][-1],
+                bool(info.get("prefix_caching", True)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentIncompatible(f"agent {client.address} reported an unusable KV cache: {exc}") from exc

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 UNIT_ONLY = pytest.StashKey[bool]()
 DEFAULT_MODEL = PROJECT_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA_MODEL = PROJECT_ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"  # tools.fetch_model --model gemma3-270m
 
 TINY_RUNTIME = RuntimeSection(
     num_slots=4,
@@ -125,6 +126,21 @@ def default_model_path() -> Path:
     if not DEFAULT_MODEL.is_file():
         pytest.fail(f"{DEFAULT_MODEL} is missing: run `make setup` (make test does it first)")
     return DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def gemma_model_path() -> Path:
+    if not GEMMA_MODEL.is_file():
+        pytest.fail(f"{GEMMA_MODEL} is missing: run `make setup` (make test does it first)")
+    return GEMMA_MODEL
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_path(tmp_path_factory, gemma_model_path) -> Path:
+    """A tiny Gemma-3-shaped GGUF (tests/support/tiny_models.py write_tiny_gemma)."""
+    from tiny_models import write_tiny_gemma
+
+    return write_tiny_gemma(tmp_path_factory.mktemp("tiny-gemma") / "tiny-gemma3.gguf", gemma_model_path)
 
 
 @pytest.fixture(scope="session")

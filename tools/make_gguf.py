@@ -1,9 +1,17 @@
-"""Llama-architecture GGUF files of a chosen shape and weight format, with random weights and the
-default model's tokenizer: for benchmarks and tests of how cost grows with a model's size.
+"""Llama- or Gemma-3-architecture GGUF files of a chosen shape and weight format, with random weights
+and the default model's tokenizer (or another GGUF's, cut to its first tokens): for benchmarks and
+tests of how cost grows with a model's size, and tiny models of each architecture for the tests.
 
     python -m tools.make_gguf --shape 1b --format Q4_K_M --out models/random-1b-Q4_K_M.gguf
     python -m tools.make_gguf --hidden 512 --layers 4 --ffn 1536 --heads 8 --kv-heads 2 \
         --format Q8_0 --out x.gguf
+    python -m tools.make_gguf --shape gemma3-270m --format gemma --tokenizer models/gemma-3-270m-q4_k_m.gguf \
+        --out models/random-gemma3-270m.gguf
+
+Gemma 3 (`--shape gemma3-270m`, or `arch="gemma3"`): its four norms a layer and QK-norm (weights
+near 1, as a GGUF holds Gemma's 1 + w), the head size of its own, the sliding window and the file's
+RoPE base; format `gemma`: the real 270M file's mix (Q5_0 Q, K, gate and up, Q8_0 V and embedding,
+Q4_K output, Q6_K down).
 
 Formats: one type for every matrix (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16,
 BF16, F32), or llama.cpp's mixes Q4_K_M and Q5_K_M (Q4_K / Q5_K, with Q6_K for the LM head (the
@@ -36,6 +44,15 @@ class Shape:
     heads: int
     kv_heads: int
     tied: bool = True
+    arch: str = "llama"
+    head_dim: int | None = None  # None: hidden / heads
+    window: int = 0  # gemma3: the local layers' sliding window
+    context: int = 8192
+    rope_base: float = 100000.0
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 SHAPES = {
@@ -44,6 +61,9 @@ SHAPES = {
     "1b": Shape(2048, 16, 8192, 32, 8),  # Llama 3.2 1B
     "3b": Shape(3072, 28, 8192, 24, 8),  # Llama 3.2 3B
     "7b": Shape(4096, 32, 11008, 32, 32, tied=False),  # Llama 2 7B
+    "gemma3-270m": Shape(
+        640, 18, 2048, 4, 1, arch="gemma3", head_dim=256, window=512, context=32768, rope_base=1e6
+    ),
 }
 
 # Each type's half-float fields (byte offsets in its block): its scale d, and the offset's factor m
@@ -93,8 +113,23 @@ def random_blocks(
     return blocks.reshape(rows, -1)
 
 
+GEMMA_MIX = {
+    "attn_q": T.Q5_0,
+    "attn_k": T.Q5_0,
+    "attn_v": T.Q8_0,
+    "attn_output": T.Q4_K,
+    "ffn_gate": T.Q5_0,
+    "ffn_up": T.Q5_0,
+    "ffn_down": T.Q6_K,
+}
+
+
 def mix(name: str) -> Callable[[str, int], GGMLQuantizationType]:
     """The type of each tensor (by GGUF name and layer count) for a format name."""
+    if name == "gemma":  # the formats of the Gemma 3 270M Q4_K_M file
+        return lambda tensor, layers: (
+            T.Q8_0 if tensor.startswith("token_embd") else GEMMA_MIX[tensor.split(".")[2]]
+        )
     if name in ("Q4_K_M", "Q5_K_M"):
         base = GGMLQuantizationType[name[:4]]
 
@@ -113,11 +148,18 @@ def mix(name: str) -> Callable[[str, int], GGMLQuantizationType]:
 
 
 def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
-    """GGUF names and [rows, cols] (or [n] for norms) of a llama model of this shape."""
-    hd = shape.hidden // shape.heads
+    """GGUF names and [rows, cols] (or [n] for norms) of a model of this shape."""
+    hd = shape.hd
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (-1, shape.hidden))]
     for i in range(shape.layers):
         b = f"blk.{i}."
+        if shape.arch == "gemma3":
+            out += [
+                (b + "attn_q_norm.weight", (hd,)),
+                (b + "attn_k_norm.weight", (hd,)),
+                (b + "post_attention_norm.weight", (shape.hidden,)),
+                (b + "post_ffw_norm.weight", (shape.hidden,)),
+            ]
         out += [
             (b + "attn_norm.weight", (shape.hidden,)),
             (b + "attn_q.weight", (shape.heads * hd, shape.hidden)),
@@ -141,6 +183,21 @@ def fitting(qtype: GGMLQuantizationType, cols: int) -> GGMLQuantizationType:
     return qtype
 
 
+def cut_vocabulary(fields: dict, limit: int) -> dict:
+    """A SentencePiece vocabulary's first `limit` tokens (Gemma's: its control and user-defined tokens,
+    byte tokens and best pieces), then its one-character pieces for printable ASCII and the space
+    (U+2581), so that small models still merge words: tokens, scores and token types cut alike."""
+    tokens = fields["tokenizer.ggml.tokens"]
+    chars = {chr(c) for c in range(33, 127)} | {"\u2581"}
+    keep = list(range(min(limit, len(tokens))))
+    keep += [i for i in range(limit, len(tokens)) if tokens[i] in chars]
+    cut = dict(fields)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        if key in fields:
+            cut[key] = [fields[key][i] for i in keep]
+    return cut
+
+
 def write_random_gguf(
     path: Path,
     shape: Shape,
@@ -148,35 +205,46 @@ def write_random_gguf(
     tokenizer: Path = DEFAULT_TOKENIZER,
     seed: int = 0,
     name: str = "random",
+    vocab_limit: int | None = None,
+    embed_scale: float = 0.02,
 ) -> Path:
-    """A llama GGUF of `shape` with random weights, each matrix of `types(gguf name, layers)`
-    (the tied embedding asked as "token_embd.weight (tied)"), the vocabulary, merges and chat
-    template of the GGUF `tokenizer`. Tensors are written one at a time (a 7B file is not held in
-    memory)."""
+    """A GGUF of `shape` (its arch) with random weights, each matrix of `types(gguf name, layers)`
+    (the tied embedding asked as "token_embd.weight (tied)"), the vocabulary, merges (or scores)
+    and chat template of the GGUF `tokenizer`, cut to `vocab_limit` tokens where given
+    (cut_vocabulary: SentencePiece vocabularies). `embed_scale`: the embedding's weights' size (a
+    tied one is the LM head: larger spreads tiny models' logits). Tensors are written one at a time
+    (a 7B file is not held in memory)."""
     source = GGUFReader(str(tokenizer))
-    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
-    hd = shape.hidden // shape.heads
-    writer = GGUFWriter(str(path), "llama")
+    fields = {
+        key: (field.contents(), field.types[0])
+        for key, field in source.fields.items()
+        if key.startswith("tokenizer.")
+    }
+    values = {key: value for key, (value, _) in fields.items()}
+    if vocab_limit is not None:
+        values = cut_vocabulary(values, vocab_limit)
+    vocab = len(values["tokenizer.ggml.tokens"])
+    hd = shape.hd
+    writer = GGUFWriter(str(path), shape.arch)
     writer.add_name(name)
     writer.add_block_count(shape.layers)
-    writer.add_context_length(8192)
+    writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_feed_forward_length(shape.ffn)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_key_length(hd)
     writer.add_value_length(hd)
-    writer.add_rope_freq_base(100000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(shape.rope_base)
+    writer.add_layer_norm_rms_eps(1e-6 if shape.arch == "gemma3" else 1e-5)
     writer.add_vocab_size(vocab)
-    for key, field in source.fields.items():
-        if key.startswith("tokenizer."):
-            value = field.contents()
-            kind = field.types[0]
-            if kind == GGUFValueType.ARRAY:
-                writer.add_array(key, value)
-            else:
-                writer.add_key_value(key, value, kind)
+    if shape.window:
+        writer.add_sliding_window(shape.window)
+    for key, (_, kind) in fields.items():
+        if kind == GGUFValueType.ARRAY:
+            writer.add_array(key, values[key])
+        else:
+            writer.add_key_value(key, values[key], kind)
     rng = np.random.default_rng(seed)
     plan: list[tuple[str, tuple[int, ...], GGMLQuantizationType]] = []
     for tensor, dims in tensor_shapes(shape):
@@ -204,7 +272,8 @@ def write_random_gguf(
         if len(extent) == 1:
             writer.write_tensor_data((1 + 0.1 * rng.standard_normal(extent)).astype(np.float32))
         else:
-            writer.write_tensor_data(random_blocks(qtype, extent[0], extent[1], rng))
+            scale = embed_scale if extent[0] == vocab else 0.02
+            writer.write_tensor_data(random_blocks(qtype, extent[0], extent[1], rng, scale))
     writer.close()
     return path
 
@@ -217,10 +286,12 @@ def main() -> int:
     parser.add_argument("--untied", action="store_true", help="an output.weight of its own")
     parser.add_argument("--format", default="Q4_K_M", help="a GGML type name, Q4_K_M or Q5_K_M")
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER, help="GGUF to take it from")
+    parser.add_argument("--vocab-limit", type=int, help="a SentencePiece vocabulary's first tokens only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Shape) if f.name != "tied"}
+    dims = ("hidden", "layers", "ffn", "heads", "kv_heads")
+    given = {name: getattr(args, name) for name in dims}
     if args.shape is None and None in given.values():
         parser.error("give --shape or every one of --hidden --layers --ffn --heads --kv-heads")
     shape = SHAPES[args.shape] if args.shape else Shape(**given)
@@ -232,7 +303,9 @@ def main() -> int:
     except KeyError:
         parser.error(f"unknown format {args.format!r}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_random_gguf(args.out, shape, types, args.tokenizer, args.seed, name=f"random-{args.format}")
+    write_random_gguf(
+        args.out, shape, types, args.tokenizer, args.seed, f"random-{args.format}", args.vocab_limit
+    )
     print(f"{args.out}: {shape}, {args.format}, {args.out.stat().st_size / 2**20:.0f} MB")
     return 0
 

@@ -9,7 +9,7 @@ Requests (op: fields -> reply fields):
     info:     -                                  -> protocol, model, vocab_size, eos_ids, num_slots,
                                                     max_seq_len, max_prompt_len, num_blocks,
                                                     block_size, max_chunk, chunked_prefill,
-                                                    mixed_rows,
+                                                    prefix_caching, mixed_rows,
                                                     prefill_buckets, decode_batch_buckets,
                                                     attend_buckets, role, rank, port
     prefill:  slot, start, sample, sampling {...}, [transfer];

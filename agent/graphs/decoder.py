@@ -42,11 +42,14 @@ from agent.model.quantized import BlockMatrix
 from agent.model.spec import ModelSpec
 
 
-def rope_tables(spec: ModelSpec, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rope_tables(
+    spec: ModelSpec, max_len: int, local: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """cos and signed sin tables [max_len, head_dim] and the rotate-half matrix R, so that
-    rope(x) = x * cos + (x @ R) * sin, with x @ R = concat(x2, x1) and the sign folded into sin."""
+    rope(x) = x * cos + (x @ R) * sin, with x @ R = concat(x2, x1) and the sign folded into sin;
+    `local`: the sliding-window layers' frequencies."""
     hd = spec.head_dim
-    angles = np.outer(np.arange(max_len, dtype=np.float64), spec.rope_inv_freq())  # [max_len, hd/2]
+    angles = np.outer(np.arange(max_len, dtype=np.float64), spec.rope_inv_freq(local))  # [max_len, hd/2]
     cos = np.concatenate([np.cos(angles)] * 2, axis=1)
     sin = np.concatenate([-np.sin(angles), np.sin(angles)], axis=1)
     half = hd // 2
@@ -164,8 +167,22 @@ class CpuKernels:
             self.rope = custom("Rope", lambda x, *_: [x[0], x[1] // head_dim, head_dim])
 
 
+def gemma_traits(spec: ModelSpec) -> list[str]:
+    """What of a model's layers only the fused kernel computes (Gemma 3's): empty for the LLaMA family."""
+    traits = {
+        "QK-norm": spec.qk_norm,
+        "post-norms": spec.post_norms,
+        "GeGLU": spec.activation != "silu",
+        "sliding-window layers": bool(spec.local_layers and spec.sliding_window),
+        "scaled embeddings": spec.embed_scale != 1.0,
+    }
+    return [name for name, present in traits.items() if present]
+
+
 class LlamaLayer(nn.Cell):
-    """One decoder layer: its weights, its slice of the KV cache, and the prefill/decode bodies."""
+    """One decoder layer: its weights, its slice of the KV cache, and the prefill/decode bodies. The
+    LLaMA family's layers run op by op or as one kernel; Gemma 3's (QK-norm, four norms, GeGLU, a
+    sliding window on local layers) as one kernel only (fused_layer.cc's options)."""
 
     MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -184,7 +201,9 @@ class LlamaLayer(nn.Cell):
         self.attention = kernels.attention
         self.kernel_matmul, self.kernel_matmul_add = kernels.matmul, kernels.matmul_add
         self.kernel_norm, self.kernel_swiglu, self.kernel_rope = kernels.norm, kernels.swiglu, kernels.rope
-        self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
+        # the RMSNorms' epsilon, then the attention scale where the model has its own
+        scales = [spec.rms_eps] + ([spec.attention_scale] if spec.attention_scale is not None else [])
+        self.eps_tensor = Tensor(np.array(scales, np.float32))
         # Half precision (Ascend/GPU, or float16 on CPU): weights, activations and cache in `dtype`,
         # norms and softmax in float32. A constant: the float32 graphs have no casts at all.
         self.dtype, self.half = dtype, dtype != ms.float32
@@ -194,7 +213,7 @@ class LlamaLayer(nn.Cell):
         q_rows = slice(kv_start * group * hd, kv_end * group * hd)  # this rank's heads' rows
         kv_rows = slice(kv_start * hd, kv_end * hd)
         ffn_start, ffn_end = split.share(spec.intermediate_size)
-        scale = 1.0 / np.sqrt(spec.head_dim)
+        scale = spec.query_scale
         self.kv_heads, self.group = kv_end - kv_start, group
         self.heads = self.kv_heads * group
         self.head_dim, self.eps = hd, spec.rms_eps
@@ -211,6 +230,14 @@ class LlamaLayer(nn.Cell):
         # the whole layer (no tensor parallelism) and a hidden size of whole kernel tiles.
         fused = kernels.stack is not None and not self.parallel and spec.hidden_size % MATMUL_TILE == 0
         self.kernel_layer: Any = kernels.stack if fused else None
+        traits = gemma_traits(spec)
+        if traits and not fused:
+            raise ValueError(
+                f"{spec.architecture}: layers with {', '.join(traits)} run on the fused CPU kernel only "
+                "(runtime.matmul and runtime.decode_attention kernel, float32, a hidden size that is a "
+                "multiple of 32, no tensor parallelism)"
+            )
+        self.local = spec.is_local(index)
         self.attn_norm = _param(checkpoint.tensors[p + "attn_norm"], p + "attn_norm")
         self.ffn_norm = _param(checkpoint.tensors[p + "ffn_norm"], p + "ffn_norm")
         self.has_bias = spec.qkv_bias
@@ -237,6 +264,20 @@ class LlamaLayer(nn.Cell):
             ]
             self.formats = Parameter(Tensor(np.array(ids, np.int32)), name=p + "formats", requires_grad=False)
             self.bqkv = _param(bias, p + "bqkv")
+            # Gemma's: QK-norm and post-norm weights ([1], unread, where the layer has none), options
+            none = np.ones(1, np.float32)
+            for name in ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"):
+                setattr(self, name, _param(checkpoint.tensors.get(p + name, none), p + name))
+            options = [
+                spec.sliding_window if self.local else 0,
+                int(self.local),
+                int(spec.activation == "gelu_tanh"),
+                int(spec.qk_norm),
+                int(spec.post_norms),
+            ]
+            self.options = Parameter(
+                Tensor(np.array(options, np.int32)), name=p + "options", requires_grad=False
+            )
         else:
             t = {name: checkpoint.matrix(p + name) for name in self.MATRICES}
             t.update(
@@ -317,7 +358,7 @@ class LlamaLayer(nn.Cell):
         """The whole layer in one kernel (agent/kernels/fused_layer.cc FusedStack with one layer): x
         [N, D]; write_idx and lengths [N*KV] (row-major): each (row, KV head)'s cache row and
         positions attended, 0 for padding rows; tables [T, MB] block tables, row_table [N] each row's
-        table."""
+        table. (A model with local layers runs as a stack: LlamaModel.run_stack.)"""
         return self.kernel_layer(
             x,
             cos,
@@ -328,6 +369,10 @@ class LlamaLayer(nn.Cell):
             tables,
             row_table,
             self.block_size,
+            cos,
+            sin,
+            write_idx,
+            tables,
             self.attn_norm,
             self.bqkv,
             k_cache,
@@ -341,6 +386,11 @@ class LlamaLayer(nn.Cell):
             self.w_gate,
             self.w_up,
             self.w_down,
+            self.q_norm,
+            self.k_norm,
+            self.post_attn_norm,
+            self.post_ffn_norm,
+            self.options,
         )
 
     def prefill(self, x, cos, sin, rot, write_idx, mask, tables, row_table, k_cache, v_cache):
@@ -397,20 +447,31 @@ class LlamaModel(nn.Cell):
         kernels: CpuKernels,
         dtype=ms.float32,
         split: TensorSplit = TensorSplit(),
+        local_blocks: int = 0,
     ):
         """num_blocks of block_size positions in the KV cache (agent/graphs/interface.py); max_len:
-        the positions of the RoPE tables."""
+        the positions of the RoPE tables; local_blocks: the blocks of the sliding-window layers' own
+        caches (every seat's ring, interface.local_ring_blocks), 0: they take the pool's."""
         super().__init__()
         spec, tensors = checkpoint.spec, checkpoint.tensors
         self.spec = spec
         start, end = split.share(spec.num_kv_heads)
         self.kv_heads = end - start  # this rank's
         cache_rows = num_blocks * self.kv_heads * block_size
+        local_rows = local_blocks * self.kv_heads * block_size
         self.kernel_norm = kernels.norm
         self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
         self.layers = nn.CellList(
             [
-                LlamaLayer(checkpoint, i, cache_rows, block_size, kernels, dtype, split)
+                LlamaLayer(
+                    checkpoint,
+                    i,
+                    local_rows if local_rows and spec.is_local(i) else cache_rows,
+                    block_size,
+                    kernels,
+                    dtype,
+                    split,
+                )
                 for i in range(spec.num_layers)
             ]
         )
@@ -436,6 +497,11 @@ class LlamaModel(nn.Cell):
                 layer.w_gate,
                 layer.w_up,
                 layer.w_down,
+                layer.q_norm,
+                layer.k_norm,
+                layer.post_attn_norm,
+                layer.post_ffn_norm,
+                layer.options,
             )
         )
         head = "embed" if spec.tied_embeddings else "lm_head"
@@ -459,19 +525,48 @@ class LlamaModel(nn.Cell):
         cos, sin, rot = rope_tables(spec, max_len)
         self.cos, self.sin = _param(cos, "rope_cos", dtype), _param(sin, "rope_sin", dtype)
         self.rot = _param(rot, "rope_rot", dtype)
+        # Sliding-window layers with a RoPE base of their own (Gemma 3's 10,000 beside 1,000,000)
+        self.local_rope = bool(spec.local_layers and spec.rope_local_theta is not None)
+        if self.local_rope:
+            cos, sin, _ = rope_tables(spec, max_len, local=True)
+            self.cos_local, self.sin_local = _param(cos, "rope_cos_local"), _param(sin, "rope_sin_local")
+        self.embed_scale = spec.embed_scale  # a constant: 1 (no op) but for Gemma
         self.eps = spec.rms_eps
         self.matmul_t = ops.MatMul(transpose_b=True)
 
-    def run_stack(self, x, cos, sin, write_idx, lengths, tables, row_table):
-        """Every layer in one op (self.stack); arguments as LlamaLayer.fused's."""
+    def run_stack(self, x, cos, sin, write_idx, lengths, tables, row_table, positions, local):
+        """Every layer in one op (self.stack); arguments as LlamaLayer.fused's, then the rows'
+        positions (the local layers' RoPE) and `local`: the local layers' write rows and block tables
+        where they have a cache of their own (GraphInputs.local_windows), else empty."""
+        if self.local_rope:
+            cos_local = ops.expand_dims(ops.gather(self.cos_local, positions, 0), 1)
+            sin_local = ops.expand_dims(ops.gather(self.sin_local, positions, 0), 1)
+        else:
+            cos_local, sin_local = cos, sin
+        write_local, tables_local = (local[0], local[1]) if local else (write_idx, tables)
         paging = (tables, row_table, self.layers[0].block_size)
-        return self.stack(x, cos, sin, write_idx, lengths, self.eps_tensor, *paging, *self.stack_inputs)
+        return self.stack(
+            x,
+            cos,
+            sin,
+            write_idx,
+            lengths,
+            self.layers[0].eps_tensor,
+            *paging,
+            cos_local,
+            sin_local,
+            write_local,
+            tables_local,
+            *self.stack_inputs,
+        )
 
     def embed_tokens(self, tokens, positions):
         if self.kept:
             x = self.kernel_rows(tokens, self.embed, self.embed_format)
         else:
             x = ops.gather(self.embed, tokens, 0)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         cos = ops.expand_dims(ops.gather(self.cos, positions, 0), 1)  # [N, 1, hd]
         sin = ops.expand_dims(ops.gather(self.sin, positions, 0), 1)
         return x, cos, sin
@@ -488,5 +583,4 @@ class LlamaModel(nn.Cell):
         return logits if vocab % MATMUL_TILE == 0 else logits[:, :vocab]
 
     def cache_bytes(self) -> int:
-        layer = self.layers[0]
-        return 2 * len(self.layers) * layer.k_cache.size * (2 if self.half else 4)
+        return 2 * sum(layer.k_cache.size for layer in self.layers) * (2 if self.half else 4)

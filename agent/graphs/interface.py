@@ -18,6 +18,18 @@ one repeated). Where the pool holds every seat's whole length, slot s has a fixe
 s * MB .. s * MB + MB - 1 (slot_table: tools and tests). The graphs take block tables, not slots:
 the host computes write rows (and, for the gather path, read rows) from them and checks every
 index, since the kernels check none of what they are given beyond refusing a call.
+
+Sliding-window layers (Gemma 3's local layers, which attend the last `window` positions) do not take
+blocks of the pool: each seat has a ring of RB = ceil((window - 1 + the largest prefill bucket) / B)
+blocks of its own in those layers' caches (local_ring_blocks), and position p of its sequence lives
+in ring block (p // B) % RB, so a block is written over once the window has left it behind. Their
+table of seat s is s * RB + (j % RB) for j = 0..MB-1, a table like any other (the kernels read a
+sequence's positions through it the same way); the ring after the last seat's is the scratch one
+(padding, warm-up). A call writes at most the largest bucket's positions of a sequence, and its
+rows read at most window - 1 positions before the first of them, so no position a row reads has been
+written over. The pool then holds only the global layers' K and V, and a sequence's local layers
+hold RB blocks whatever its length. (A prefix-cache hit cannot give a seat's ring the window before
+it: sliding-window models run without prefix caching.)
 """
 
 from __future__ import annotations
@@ -74,6 +86,18 @@ def scratch_blocks(runtime: RuntimeSection) -> int:
     return -(-runtime.prefill_buckets[-1] // runtime.block_size)
 
 
+def local_ring_blocks(runtime: RuntimeSection, spec: ModelSpec, max_len: int | None = None) -> int:
+    """Blocks of each seat's ring in the sliding-window layers' caches (module docstring); 0 where the
+    model has no such layers, or where a ring would be no shorter than a whole sequence of max_len
+    (default: the runtime's planned one; those layers then take the pool's blocks like the others)."""
+    if not (spec.sliding_window and spec.local_layers):
+        return 0
+    size = runtime.block_size
+    ring = -(-(spec.sliding_window - 1 + runtime.prefill_buckets[-1]) // size)
+    longest = runtime.planned_max_seq_len if max_len is None else max_len
+    return ring if ring < -(-longest // size) else 0
+
+
 def pool_blocks(runtime: RuntimeSection) -> int:
     """Blocks of the KV cache: the pool the server hands out, then the scratch blocks."""
     return runtime.planned_num_blocks + scratch_blocks(runtime)
@@ -103,10 +127,14 @@ class GraphInputs:
     (0..B-1). Indices are checked here: a table entry outside the pool, a position beyond a table
     or the rope tables is a ValueError."""
 
-    def __init__(self, runtime: RuntimeSection, kv_heads: int, group: int, fused_layers: bool):
+    def __init__(
+        self, runtime: RuntimeSection, kv_heads: int, group: int, fused_layers: bool, ring_blocks: int = 0
+    ):
         """kv_heads: this rank's; fused_layers: each layer is one kernel, which takes row-major
         write rows and lengths in place of the prefill mask, and reads earlier positions from the
-        cache (a prompt chunk may start after position 0)."""
+        cache (a prompt chunk may start after position 0); ring_blocks: each seat's ring in the
+        sliding-window layers (local_ring_blocks), whose write rows and tables then follow each
+        call's inputs (`slots`: each sequence's seat)."""
         self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
         self.max_seqs = runtime.decode_batch_buckets[-1]  # sequences of one mixed step
         self.block_size = runtime.block_size
@@ -119,6 +147,29 @@ class GraphInputs:
         self._head_rows = np.arange(kv_heads, dtype=np.int64)
         scratch = self.pool + np.minimum(np.arange(self.blocks_per_seq), scratch_blocks(runtime) - 1)
         self.scratch_table = scratch.astype(np.int32)
+        self.ring = ring_blocks
+
+    @property
+    def local_cache_rows(self) -> int:
+        """Rows of each sliding-window layer's K (and V) cache: every seat's ring and the scratch one."""
+        return (self.num_slots + 1) * self.ring * self.kv_heads * self.block_size
+
+    def ring_table(self, slot: int | None) -> np.ndarray:
+        """The sliding-window layers' table [MB] of a seat (None: the scratch ring)."""
+        seat = self.num_slots if slot is None else int(slot)
+        if not 0 <= seat <= self.num_slots:
+            raise ValueError(f"slot {slot} is out of range 0..{self.num_slots - 1}")
+        return (seat * self.ring + np.arange(self.blocks_per_seq) % self.ring).astype(np.int32)
+
+    def _local(self, slots: Sequence[int | None], row_table: np.ndarray, positions: np.ndarray) -> tuple:
+        """The sliding-window layers' write rows [rows * KV] (row-major) and tables [len(slots), MB]:
+        table row t is seat slots[t]'s ring (None: the scratch ring), row i at positions[i] writes
+        through table row row_table[i]; () without rings."""
+        if not self.ring:
+            return ()
+        tables = np.stack([self.ring_table(s) for s in slots])
+        write = self.rows(tables[row_table], np.asarray(positions, np.int64)[:, None])[:, 0]
+        return write.reshape(-1).astype(np.int32), tables
 
     @property
     def cache_rows(self) -> int:
@@ -208,11 +259,12 @@ class GraphInputs:
             )
 
     def prefill(
-        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0
+        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0, slot: int | None = None
     ) -> tuple[np.ndarray, ...]:
         """Prompt `tokens` padded to `length`, at positions start..start+n-1 of the sequence with block
         `table`; positions 0..start-1 must already be in the cache (chunked prefill, prefix hits).
-        Padding rows write to the scratch slot (the mask path) or nowhere (fused layers)."""
+        Padding rows write to the scratch slot (the mask path) or nowhere (fused layers). `slot`:
+        the sequence's seat (its ring in sliding-window layers; None: the scratch ring)."""
         n = len(tokens)
         tables = self.check_tables(table)
         if tables.shape[0] != 1:
@@ -250,6 +302,7 @@ class GraphInputs:
                 np.repeat(lengths, self.kv_heads).astype(np.int32),
                 last,
                 *paging,
+                *self._local([slot], paging[1], positions),
             )
         causal = np.where(index[None, :] > index[:, None], -np.inf, 0.0).astype(np.float32)
         mask = np.tile(causal, (self.group, 1))  # [G*S, S], query rows grouped per head
@@ -263,6 +316,7 @@ class GraphInputs:
         chunks: Sequence[StepChunk],
         rows: int,
         logit_rows: int,
+        decode_slots: Sequence[int] | None = None,
     ) -> tuple[np.ndarray, ...]:
         """A mixed step as the prefill graph's inputs (fused layers only): the decode rows (one token at
         `decode_positions` of each of the sequences with `decode_tables` [d, MB]), then each chunk's
@@ -324,6 +378,7 @@ class GraphInputs:
             self.rows(self.scratch_table[None, :], np.zeros((1, 1), np.int64))[0, 0][None, :],
         )  # [rows, KV]; padding rows write nothing (the kernel skips them)
         lengths = np.where(real, positions_all + 1, 0)
+        seats = [*(decode_slots if decode_slots is not None else [None] * d), *(c.slot for c in chunks)]
         return (
             np.concatenate([*tokens, np.zeros(pad, np.int64)]).astype(np.int32),
             positions_all.astype(np.int32),
@@ -332,14 +387,22 @@ class GraphInputs:
             np.array(last + [0] * (logit_rows - len(last)), np.int32),
             all_tables,
             row_table,
+            *self._local(seats + [None] * (len(all_tables) - len(seats)), row_table, positions_all),
         )
 
     def decode(
-        self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int
+        self,
+        tables: np.ndarray,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        rows: int,
+        attend: int,
+        slots: Sequence[int] | None = None,
     ) -> tuple[np.ndarray, ...]:
         """Tokens at `positions` of the sequences with block `tables` [n, MB], padded to `rows`
         (padding rows write to the scratch slot and attend nothing); `attend`: the gather path's
-        bucket, ignored by the kernel."""
+        bucket, ignored by the kernel; `slots`: the sequences' seats (their rings in sliding-window
+        layers; None: the scratch ring)."""
         tables = self.check_tables(tables)
         positions = np.asarray(positions, np.int64)
         if not len(tables) == len(tokens) == len(positions) <= rows:
@@ -356,6 +419,7 @@ class GraphInputs:
         write = self.rows(tables, positions[:, None])[:, 0]  # [rows, KV]
         row_table = np.arange(rows, dtype=np.int32)
         if self.attention_kernel:  # the fused layer computes nothing for padding rows
+            seats = [*(slots if slots is not None else [None] * (rows - pad)), *[None] * pad]
             return (
                 tokens,
                 positions.astype(np.int32),
@@ -363,6 +427,7 @@ class GraphInputs:
                 tables,
                 np.repeat(lengths, self.kv_heads).astype(np.int32),
                 row_table,
+                *self._local(seats, row_table, positions),
             )
         if attend > self.max_len:
             raise ValueError(f"attend bucket {attend} exceeds max_seq_len {self.max_len}")
@@ -386,17 +451,25 @@ class ModelGraphs(Protocol):
     inputs: GraphInputs  # how this set takes its prefill and decode inputs, and its cache rows
     topk_buckets: list[int]  # the k of each top-k graph
 
-    def prefill(self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0) -> Tensor:
+    def prefill(
+        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0, slot: int | None = None
+    ) -> Tensor:
         """Prompt `tokens` padded to bucket `length`, at positions start.. of the sequence with block
         `table` [MB] -> logits [1, vocab] of its last token. Positions 0..start-1 are read from the
-        cache (GraphInputs.prefill: fused layers only)."""
+        cache (GraphInputs.prefill: fused layers only). `slot`: its seat (sliding-window rings)."""
 
     def decode(
-        self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+        self,
+        tables: np.ndarray,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        rows: int,
+        attend: int = 0,
+        slots: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Tokens at `positions` of the sequences with block `tables` [n, MB], padded to `rows` ->
         logits [rows, V] and their argmax [rows]. Each row attends to its positions 0..position;
-        `attend`: the gather path's bucket."""
+        `attend`: the gather path's bucket; `slots`: their seats (sliding-window rings)."""
 
     def argmax(self, logits: Tensor) -> Tensor:
         """Logits [B, V] -> token ids [B]."""
@@ -421,6 +494,7 @@ class MixedStepGraphs(ModelGraphs, Protocol):
         chunks: Sequence[StepChunk],
         rows: int,
         logit_rows: int,
+        decode_slots: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """GraphInputs.mixed's step -> logits [logit_rows, V] (each decode row's, then the last row's
         of each chunk that samples, then padding) and their argmax [logit_rows]."""

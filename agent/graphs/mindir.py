@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mindspore as ms
@@ -92,6 +92,11 @@ class GraphExporter:
 
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, directory: Path):
         self.code = LlamaGraphs(checkpoint, runtime)
+        if self.code.inputs.ring:
+            raise MindIRError(
+                "a model with sliding-window layers (their per-seat rings) is not exported: serve it "
+                "from its checkpoint"
+            )
         self.spec, self.topk_buckets, self.inputs = self.code.spec, self.code.topk_buckets, self.code.inputs
         self.directory = directory
         model = self.code.model
@@ -111,7 +116,9 @@ class GraphExporter:
     def _logits(self, rows: int) -> Tensor:
         return Tensor(np.zeros((rows, self.spec.vocab_size), np.float32))
 
-    def prefill(self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0) -> Tensor:
+    def prefill(
+        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0, slot: int | None = None
+    ) -> Tensor:
         inputs = as_tensors(self.inputs.prefill(table, tokens, length, start))
         self._export(
             self.prefill_cell, (*inputs, *self.caches), f"prefill_{length}", "prefill_model", length=length
@@ -119,7 +126,13 @@ class GraphExporter:
         return self._logits(1)
 
     def decode(
-        self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+        self,
+        tables: np.ndarray,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        rows: int,
+        attend: int = 0,
+        slots: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         inputs = as_tensors(self.inputs.decode(tables, tokens, positions, rows, attend))
         name = f"decode_b{rows}" + (f"_a{attend}" if attend else "")
@@ -281,12 +294,20 @@ class MindIRGraphs:
         progress(f"loaded {path.name}")
         return cell
 
-    def prefill(self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0) -> Tensor:
+    def prefill(
+        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0, slot: int | None = None
+    ) -> Tensor:
         inputs = as_tensors(self.inputs.prefill(table, tokens, length, start))
         return self.prefill_cells[length](*inputs, *self.caches)
 
     def decode(
-        self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+        self,
+        tables: np.ndarray,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        rows: int,
+        attend: int = 0,
+        slots: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         inputs = as_tensors(self.inputs.decode(tables, tokens, positions, rows, attend))
         return self.decode_cells[(rows, attend)](*inputs, *self.caches)

@@ -22,7 +22,7 @@ from agent.graphs.decoder import (
     TensorSplit,
     release_freed_memory,
 )
-from agent.graphs.interface import GraphInputs, pool_blocks
+from agent.graphs.interface import GraphInputs, local_ring_blocks, pool_blocks
 from agent.kernels import TARGET_ENV, has_int8_products
 from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
@@ -84,10 +84,10 @@ class PrefillGraph(TopGraph):
         self.model = model
         self.layers = nn.CellList([PrefillLayer(layer) for layer in model.layers])
 
-    def construct(self, tokens, positions, write_idx, mask, last_index, tables, row_table):
+    def construct(self, tokens, positions, write_idx, mask, last_index, tables, row_table, *local):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         if self.model.stack is not None:
-            x = self.model.run_stack(x, cos, sin, write_idx, mask, tables, row_table)
+            x = self.model.run_stack(x, cos, sin, write_idx, mask, tables, row_table, positions, local)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, self.model.rot, write_idx, mask, tables, row_table)
@@ -102,9 +102,9 @@ class MixedStepGraph(TopGraph):
         super().__init__()
         self.prefill = prefill
 
-    def construct(self, tokens, positions, write_idx, lengths, logit_rows, tables, row_table):
+    def construct(self, tokens, positions, write_idx, lengths, logit_rows, tables, row_table, *local):
         return logits_and_argmax(
-            self.prefill(tokens, positions, write_idx, lengths, logit_rows, tables, row_table)
+            self.prefill(tokens, positions, write_idx, lengths, logit_rows, tables, row_table, *local)
         )
 
 
@@ -122,10 +122,10 @@ class DecodeGraph(TopGraph):
         self.model = model
         self.layers = nn.CellList([DecodeLayer(layer) for layer in model.layers])
 
-    def construct(self, tokens, positions, write_idx, where, extent, row_table):
+    def construct(self, tokens, positions, write_idx, where, extent, row_table, *local):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         if self.model.stack is not None:
-            x = self.model.run_stack(x, cos, sin, write_idx, extent, where, row_table)
+            x = self.model.run_stack(x, cos, sin, write_idx, extent, where, row_table, positions, local)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, self.model.rot, write_idx, where, extent, row_table)
@@ -201,6 +201,7 @@ class LlamaGraphs:
                 "runtime.activations: int8 needs kernels built with AVX512-VNNI (a CPU without it, or "
                 f"{TARGET_ENV}={kernel_target()}); use float32"
             )
+        ring = local_ring_blocks(runtime, self.spec)
         self.model = LlamaModel(
             checkpoint,
             pool_blocks(runtime),
@@ -215,6 +216,7 @@ class LlamaGraphs:
             ),
             getattr(ms, runtime.dtype),
             split,
+            local_blocks=(runtime.planned_num_slots + 1) * ring,
         )
         release_freed_memory()
         q4_1 = GGMLQuantizationType.Q4_1
@@ -230,6 +232,7 @@ class LlamaGraphs:
             self.model.kv_heads,
             self.spec.group_size,
             fused_layers=self.model.layers[0].kernel_layer is not None,
+            ring_blocks=ring,
         )
         self.prefill_graph = PrefillGraph(self.model)
         self.mixed_graph = MixedStepGraph(self.prefill_graph)
@@ -246,14 +249,23 @@ class LlamaGraphs:
         for graph in post_process:
             graph.set_inputs(dynamic_rows)
 
-    def prefill(self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0) -> Tensor:
+    def prefill(
+        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0, slot: int | None = None
+    ) -> Tensor:
         """One cell for every bucket `length`: MindSpore compiles a graph per input shape."""
-        return self.prefill_graph(*as_tensors(self.inputs.prefill(table, tokens, length, start)))
+        return self.prefill_graph(*as_tensors(self.inputs.prefill(table, tokens, length, start, slot)))
 
     def decode(
-        self, tables: np.ndarray, tokens: np.ndarray, positions: np.ndarray, rows: int, attend: int = 0
+        self,
+        tables: np.ndarray,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        rows: int,
+        attend: int = 0,
+        slots: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor]:
-        return self.decode_graph(*as_tensors(self.inputs.decode(tables, tokens, positions, rows, attend)))
+        inputs = self.inputs.decode(tables, tokens, positions, rows, attend, slots)
+        return self.decode_graph(*as_tensors(inputs))
 
     def mixed(
         self,
@@ -263,9 +275,12 @@ class LlamaGraphs:
         chunks: Sequence[StepChunk],
         rows: int,
         logit_rows: int,
+        decode_slots: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The prefill graph with the step's tables and `logit_rows`: one graph per (rows, logit_rows)."""
-        inputs = self.inputs.mixed(decode_tables, decode_tokens, decode_positions, chunks, rows, logit_rows)
+        inputs = self.inputs.mixed(
+            decode_tables, decode_tokens, decode_positions, chunks, rows, logit_rows, decode_slots
+        )
         return self.mixed_graph(*as_tensors(inputs))
 
     def argmax(self, logits: Tensor) -> Tensor:
@@ -275,12 +290,21 @@ class LlamaGraphs:
         return self.topk_graphs[k](logits)
 
     def kv_export(self, table: np.ndarray, length: int) -> np.ndarray:
+        self._check_transfers()
         blocks = self.kv_export_graph(Tensor(self.inputs.kv_rows(table, length))).asnumpy()
         return blocks.reshape(len(blocks), self.inputs.kv_heads, length, self.spec.head_dim)
 
     def kv_import(self, table: np.ndarray, blocks: np.ndarray) -> None:
+        self._check_transfers()
         rows = Tensor(self.inputs.kv_rows(table, blocks.shape[2]))
         self.kv_import_graph(rows, Tensor(blocks.reshape(len(blocks), -1, self.spec.head_dim))).asnumpy()
+
+    def _check_transfers(self) -> None:
+        if self.inputs.ring:
+            raise ValueError(
+                "a model with sliding-window layers keeps their KV in per-seat rings that a transfer "
+                "does not move: serve it with mixed groups (no prefill/decode disaggregation)"
+            )
 
     def cache_bytes(self) -> int:
         return self.model.cache_bytes()

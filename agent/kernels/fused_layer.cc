@@ -18,17 +18,26 @@
 //     0 .. len - 1 of its sequence, read through its block table. Rows whose len is 0 are padding
 //     (batch or prompt bucket), all at the end: nothing is computed for them and their output is
 //     their input;
-//   5 eps [1]   6 tables [T, MB] int32: block tables, MB blocks each   7 row_table [N] int32: the
+//   5 eps [1] or [2]: the RMSNorms' epsilon (then the attention scale)   6 tables [T, MB] int32: block tables, MB blocks each   7 row_table [N] int32: the
 //   table of each row (a decode step: row b's own, 0..N-1; a prompt chunk: all 0, one sequence)
 //   8 block_size [1] int32: B
-//   then each layer's 13 inputs: attn_norm [D], bqkv [(H + 2 KV) hd], k_cache [R, hd], v_cache
+//   9 cos_local, 10 sin_local, 11 write_local, 12 tables_local: what a sliding-window ("local")
+//   layer takes in place of 1, 2, 3 and 6 (its own RoPE base; its own cache, whose table recycles
+//   the blocks a window has left behind); the same tensors again for a model without such layers
+//   then each layer's 18 inputs: attn_norm [D], bqkv [(H + 2 KV) hd], k_cache [R, hd], v_cache
 //   [R, hd] (paged, R = blocks * KV * B: position p of KV head h of a sequence with block table T
 //   is row (T[p / B] * KV + h) * B + p % B, row_ops.h Paged), ffn_norm [D], formats [7] int32 (the
 //   format of each matrix, product.h), wq, wk, wv, wo, w_gate, w_up, w_down (rows as output columns,
-//   packed: product.h read_matrix);
+//   packed: product.h read_matrix), q_norm [hd], k_norm [hd], post_attn_norm [D], post_ffn_norm [D]
+//   (each [1] and unread where the layer has none), options [5] int32: the sliding window (0: none,
+//   else the positions a row attends, its own included), local (1: inputs 9-12), the activation
+//   (0 SwiGLU, 1 GeGLU with tanh GELU), QK-norm (1: each query and key head RMS-normed by q_norm,
+//   k_norm before RoPE), post-norms (1: the attention's and the FFN's outputs RMS-normed by
+//   post_attn_norm, post_ffn_norm before their residual adds: Gemma's four norms a layer);
 //   output [N, D] last.
 // Matrices of one layer may differ in format (a Q4_K_M file's attn_v and ffn_down are Q6_K in half
-// the layers). The attention scale 1 / sqrt(hd) is applied to the queries after their product.
+// the layers). The attention scale, 1 / sqrt(hd) or eps's second value where it has one (Gemma's
+// query_pre_attn_scalar), is applied to the queries after their product.
 // The K/V caches are written in place: they are the layer's cache Parameters (or, in an exported
 // MindIR graph, the cache inputs), which no other op of the graph reads. The host computes `write`
 // from the tables and checks every index; the kernel refuses (returns 1) a call whose tables,
@@ -50,7 +59,7 @@ namespace {
 using packed::TILE;
 
 constexpr int64_t MAX_HEAD_DIM = 512;  // one head's bias-added row lives on the stack
-constexpr int COMMON = 9, PER_LAYER = 13, MATRICES = 7;
+constexpr int COMMON = 13, PER_LAYER = 18, MATRICES = 7, OPTIONS = 5;
 enum { WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN };
 
 int64_t padded(int64_t n) { return (n + TILE - 1) / TILE * TILE; }
@@ -65,46 +74,87 @@ struct Paging {
   }
 };
 
-// The inputs every layer of a call shares (0-8).
-struct Step {
+// Where a layer's RoPE, cache writes and block tables come from: the global layers' (inputs 1, 2, 3,
+// 6) or the sliding-window layers' (9-12).
+struct Positions {
   const float *cos, *sin;
-  const int32_t *write, *len;
-  float eps;
+  const int32_t *write;
   Paging paging;
+};
+
+// The inputs every layer of a call shares (0-12).
+struct Step {
+  Positions global, local;
+  const int32_t *len;
+  float eps, scale;  // scale: 0 for 1 / sqrt(hd)
   int64_t batch, dim, kv;
 };
 
 // One layer's own inputs.
 struct Layer {
   const float *attn_norm, *bqkv, *ffn_norm;
+  const float *q_norm = nullptr, *k_norm = nullptr, *post_attn_norm = nullptr, *post_ffn_norm = nullptr;
   float *k_cache, *v_cache;
   int64_t cache_rows, hd, bias;
+  int64_t window = 0;  // positions a row attends (0: all it has)
+  bool local = false, geglu = false;
   product::Matrix m[MATRICES];
 };
 
-bool read_step(void **params, int *ndims, int64_t **shapes, Step &step) {
-  if (ndims[0] != 2 || ndims[3] != 1 || ndims[4] != 1 || ndims[6] != 2 || ndims[7] != 1 || ndims[8] != 1 ||
-      shapes[7][0] != shapes[0][0] || shapes[8][0] != 1 || shapes[3][0] != shapes[4][0] ||
-      shapes[0][0] <= 0 || shapes[3][0] % shapes[0][0] != 0)
+// RoPE tables at cos, sin; write rows at write; block tables at tables (the step's row_table, block).
+bool read_positions(void **params, int *ndims, int64_t **shapes, int cos, int sin, int write, int tables,
+                    Positions &at) {
+  if (ndims[cos] != 3 || ndims[sin] != 3 || ndims[write] != 1 || ndims[tables] != 2 ||
+      shapes[cos][0] != shapes[0][0] || shapes[sin][0] != shapes[0][0] || shapes[cos][2] != shapes[sin][2] ||
+      shapes[write][0] != shapes[4][0])
     return false;
-  step.batch = shapes[0][0], step.dim = shapes[0][1], step.kv = shapes[3][0] / step.batch;
-  step.cos = static_cast<const float *>(params[1]);
-  step.sin = static_cast<const float *>(params[2]);
-  step.write = static_cast<const int32_t *>(params[3]);
-  step.len = static_cast<const int32_t *>(params[4]);
-  step.eps = *static_cast<const float *>(params[5]);
-  step.paging = {static_cast<const int32_t *>(params[6]), static_cast<const int32_t *>(params[7]), shapes[6][0],
-                 shapes[6][1], *static_cast<const int32_t *>(params[8])};
-  return step.paging.block > 0 && step.kv > 0;
+  at.cos = static_cast<const float *>(params[cos]);
+  at.sin = static_cast<const float *>(params[sin]);
+  at.write = static_cast<const int32_t *>(params[write]);
+  at.paging = {static_cast<const int32_t *>(params[tables]), static_cast<const int32_t *>(params[7]),
+               shapes[tables][0], shapes[tables][1], *static_cast<const int32_t *>(params[8])};
+  return true;
 }
 
-// Layer inputs at `first` (the 13 of the interface); false where they do not fit each other or the step.
+bool read_step(void **params, int *ndims, int64_t **shapes, Step &step) {
+  if (ndims[0] != 2 || ndims[4] != 1 || ndims[5] != 1 || ndims[7] != 1 || ndims[8] != 1 ||
+      shapes[7][0] != shapes[0][0] || shapes[8][0] != 1 || shapes[5][0] < 1 || shapes[5][0] > 2 ||
+      shapes[0][0] <= 0 || shapes[4][0] % shapes[0][0] != 0)
+    return false;
+  step.batch = shapes[0][0], step.dim = shapes[0][1], step.kv = shapes[4][0] / step.batch;
+  step.len = static_cast<const int32_t *>(params[4]);
+  const float *eps = static_cast<const float *>(params[5]);
+  step.eps = eps[0], step.scale = shapes[5][0] == 2 ? eps[1] : 0.f;
+  return read_positions(params, ndims, shapes, 1, 2, 3, 6, step.global) &&
+         read_positions(params, ndims, shapes, 9, 10, 11, 12, step.local) && step.global.paging.block > 0 &&
+         step.kv > 0;
+}
+
+// Layer inputs at `first` (the 18 of the interface); false where they do not fit each other or the step.
 bool read_layer(void **params, int *ndims, int64_t **shapes, int first, const Step &step, Layer &layer) {
   const int at = first;
   if (ndims[at] != 1 || ndims[at + 1] != 1 || ndims[at + 2] != 2 || ndims[at + 3] != 2 || ndims[at + 4] != 1 ||
       ndims[at + 5] != 1 || shapes[at + 5][0] != MATRICES || shapes[at][0] != step.dim ||
-      shapes[at + 4][0] != step.dim)
+      shapes[at + 4][0] != step.dim || ndims[at + 17] != 1 || shapes[at + 17][0] != OPTIONS)
     return false;
+  for (int i = 13; i < 17; ++i)
+    if (ndims[at + i] != 1) return false;
+  const int32_t *options = static_cast<const int32_t *>(params[at + 17]);
+  layer.window = options[0], layer.local = options[1] != 0, layer.geglu = options[2] != 0;
+  const bool qk_norm = options[3] != 0, post_norms = options[4] != 0;
+  if (layer.window < 0 || options[2] < 0 || options[2] > 1) return false;
+  const int64_t head_dim = shapes[at + 2][1];
+  if (qk_norm) {
+    if (shapes[at + 13][0] != head_dim || shapes[at + 14][0] != head_dim) return false;
+    layer.q_norm = static_cast<const float *>(params[at + 13]);
+    layer.k_norm = static_cast<const float *>(params[at + 14]);
+  }
+  if (post_norms) {
+    if (shapes[at + 15][0] != step.dim || shapes[at + 16][0] != step.dim) return false;
+    layer.post_attn_norm = static_cast<const float *>(params[at + 15]);
+    layer.post_ffn_norm = static_cast<const float *>(params[at + 16]);
+  }
+  if (shapes[layer.local ? 9 : 1][2] != head_dim) return false;
   const int32_t *formats = static_cast<const int32_t *>(params[at + 5]);
   for (int i = 0; i < MATRICES; ++i)
     if (!product::read_matrix(params[at + 6 + i], formats[i], ndims[at + 6 + i], shapes[at + 6 + i], layer.m[i]))
@@ -158,9 +208,11 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8, f
   const Parts qkv_parts{{&m[WQ], &m[WK], &m[WV]}, 3}, gate_up_parts{{&m[W_GATE], &m[W_UP]}, 2};
   const int64_t qkv_stride = qkv_parts.width(), gate_up_stride = gate_up_parts.width();
   const int64_t k_column = m[WQ].n_dim(), v_column = k_column + m[WK].n_dim(), up_column = m[W_GATE].n_dim();
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  const Paging &paging = step.paging;
-  const int32_t *write = step.write, *len = step.len;
+  const float scale = step.scale > 0.f ? step.scale : 1.f / std::sqrt(static_cast<float>(hd));
+  const Positions &at_positions = layer.local ? step.local : step.global;
+  const Paging &paging = at_positions.paging;
+  const int32_t *write = at_positions.write, *len = step.len;
+  const int64_t window = layer.window;
   float *k_cache = layer.k_cache, *v_cache = layer.v_cache;
 
   int64_t live = 0;  // rows before the padding
@@ -207,28 +259,30 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8, f
   const int64_t live_rows = live * kv;
 
   // Activations between the stages, reused across calls (this is MindSpore's launching thread).
-  thread_local std::vector<float> qkv_buf, q_buf, attn_buf, x1_buf, gate_up_buf, act_buf;
+  thread_local std::vector<float> qkv_buf, q_buf, attn_buf, x1_buf, gate_up_buf, act_buf, post_buf;
   qkv_buf.resize(batch * qkv_stride);
   q_buf.resize(batch * q_width);
   attn_buf.resize(batch * q_width);
   x1_buf.resize(batch * dim);
   gate_up_buf.resize(batch * gate_up_stride);
   act_buf.resize(batch * ffn);
+  const bool post_norms = layer.post_attn_norm != nullptr;
+  if (post_norms) post_buf.resize(batch * dim);  // wo's and w_down's products before their norms
   float *qkv = qkv_buf.data(), *q = q_buf.data(), *attn = attn_buf.data(), *x1 = x1_buf.data();
-  float *gate_up = gate_up_buf.data(), *act = act_buf.data();
+  float *gate_up = gate_up_buf.data(), *act = act_buf.data(), *post = post_buf.data();
 
   // Prompt chunks (runs of rows sharing a table) attend as products; the other rows one by one.
   struct Block { int64_t run, head, b0, b1; };
   struct Pack { int64_t run, head, tile; };
   std::vector<prompt_attention::Run> runs;
-  if (hd % TILE == 0) runs = prompt_attention::find_runs(paging.row_table, len, live, kv);
+  if (hd % TILE == 0) runs = prompt_attention::find_runs(paging.row_table, len, live, kv, window);
   std::vector<Pack> packs;
   std::vector<Block> blocks_todo;
   std::vector<int64_t> single_rows;
   std::vector<bool> in_run(live, false);
   thread_local std::vector<float> run_buf;  // the runs' packed keys and values, kept across calls
   int64_t run_floats = 0;
-  for (const auto &run : runs) run_floats += 2 * kv * run.padded() * hd;
+  for (const auto &run : runs) run_floats += 2 * kv * run.padded() * hd;  // (after `lowest` is set)
   run_buf.resize(run_floats);
   for (int64_t r = 0, at = 0; r < static_cast<int64_t>(runs.size()); ++r) {
     auto &run = runs[r];
@@ -236,7 +290,8 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8, f
     run.values = run.keys + kv * run.padded() * hd;
     at += 2 * kv * run.padded() * hd;
     for (int64_t head = 0; head < kv; ++head) {
-      for (int64_t t = 0; t < prompt_attention::tiles_of(run.length); ++t) packs.push_back({r, head, t});
+      for (int64_t t = 0; t < prompt_attention::tiles_of(run.length - run.lowest); ++t)
+        packs.push_back({r, head, t});
       for (int64_t b0 = run.first; b0 < run.first + run.rows; b0 += prompt_attention::BLOCK_ROWS)
         blocks_todo.push_back({r, head, b0, std::min(b0 + prompt_attention::BLOCK_ROWS, run.first + run.rows)});
     }
@@ -262,19 +317,24 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8, f
     });
 
     // Per (row, KV head): bias, RoPE of its query heads (scaled) and key, K/V into the cache; then,
-    // once all are written (a prompt's rows attend to each other's), attention.
+    // once all are written (a prompt's rows attend to each other's), attention. With QK-norm each
+    // query and key head is RMS-normed before its RoPE.
+    const float *q_norm = layer.q_norm, *k_norm = layer.k_norm;
     region.for_static(live_rows, [&](int64_t n) {
       const int64_t b = n / kv, head = n % kv;
-      const float *row = qkv + b * qkv_stride, *c = step.cos + b * hd, *s = step.sin + b * hd;
+      const float *row = qkv + b * qkv_stride, *c = at_positions.cos + b * hd, *s = at_positions.sin + b * hd;
       float biased[MAX_HEAD_DIM];
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = (head * groups + g) * hd;
-        for (int64_t d = 0; d < hd; ++d) biased[d] = (row[at + d] + bqkv[at + d]) * scale;
+        for (int64_t d = 0; d < hd; ++d) biased[d] = row[at + d] + bqkv[at + d];
+        if (q_norm != nullptr) rowwise::rms_norm(biased, q_norm, step.eps, hd, biased);
+        for (int64_t d = 0; d < hd; ++d) biased[d] *= scale;
         rowwise::rope(biased, c, s, hd, q + (n * groups + g) * hd);
       }
       const int64_t k_at = k_column + head * hd, v_at = v_column + head * hd;
       const int64_t k_bias = q_width + head * hd, v_bias = q_width + (kv + head) * hd;
       for (int64_t d = 0; d < hd; ++d) biased[d] = row[k_at + d] + bqkv[k_bias + d];
+      if (k_norm != nullptr) rowwise::rms_norm(biased, k_norm, step.eps, hd, biased);
       rowwise::rope(biased, c, s, hd, k_cache + static_cast<int64_t>(write[n]) * hd);
       float *v_row = v_cache + static_cast<int64_t>(write[n]) * hd;
       for (int64_t d = 0; d < hd; ++d) v_row[d] = row[v_at + d] + bqkv[v_bias + d];
@@ -287,17 +347,26 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8, f
     region.for_dynamic(n_attend, 1, [&](int64_t i) {
       if (i < n_blocks) {
         const Block &w = blocks_todo[i];
-        prompt_attention::attend_block(runs[w.run], q, len, kv, groups, hd, w.head, w.b0, w.b1, attn);
+        prompt_attention::attend_block(runs[w.run], q, len, kv, groups, hd, w.head, w.b0, w.b1, window, attn);
         return;
       }
       const int64_t n = single_rows[i - n_blocks];
       const rowwise::Paged at{paging.table(n / kv), kv, paging.block, n % kv};
       rowwise::attend_paged(q + n * groups * hd, k_cache, v_cache, at, len[n], groups, hd,
-                            attn + n * groups * hd);
+                            attn + n * groups * hd, prompt_attention::first_attended(len[n], window));
     });
 
     quantize(region, attn, q_width);
-    region.for_dynamic(m[WO].tiles, 2, [&](int64_t j) { product(m[WO], attn, x, x1, dim, j); });
+    if (post_norms) {  // x1 = x + norm(attn @ wo)
+      region.for_dynamic(m[WO].tiles, 2, [&](int64_t j) { product(m[WO], attn, nullptr, post, dim, j); });
+      region.for_static(live, [&](int64_t b) {
+        float *row = x1 + b * dim;
+        rowwise::rms_norm(post + b * dim, layer.post_attn_norm, step.eps, dim, row);
+        for (int64_t d = 0; d < dim; ++d) row[d] += x[b * dim + d];
+      });
+    } else {
+      region.for_dynamic(m[WO].tiles, 2, [&](int64_t j) { product(m[WO], attn, x, x1, dim, j); });
+    }
 
     for (int64_t b = 0; b < live; ++b) rowwise::rms_norm(x1 + b * dim, layer.ffn_norm, step.eps, dim, h + b * dim);
     quantize(region, h, dim);
@@ -309,11 +378,23 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8, f
 
     region.for_static(live, [&](int64_t b) {
       const float *g = gate_up + b * gate_up_stride;
-      rowwise::swiglu(g, g + up_column, ffn, act + b * ffn);
+      if (layer.geglu)
+        rowwise::geglu(g, g + up_column, ffn, act + b * ffn);
+      else
+        rowwise::swiglu(g, g + up_column, ffn, act + b * ffn);
     });
 
     quantize(region, act, ffn);
-    region.for_dynamic(m[W_DOWN].tiles, 2, [&](int64_t j) { product(m[W_DOWN], act, x1, out, dim, j); });
+    if (post_norms) {  // out = x1 + norm(act @ w_down)
+      region.for_dynamic(m[W_DOWN].tiles, 2, [&](int64_t j) { product(m[W_DOWN], act, nullptr, post, dim, j); });
+      region.for_static(live, [&](int64_t b) {
+        float *row = out + b * dim;
+        rowwise::rms_norm(post + b * dim, layer.post_ffn_norm, step.eps, dim, row);
+        for (int64_t d = 0; d < dim; ++d) row[d] += x1[b * dim + d];
+      });
+    } else {
+      region.for_dynamic(m[W_DOWN].tiles, 2, [&](int64_t j) { product(m[W_DOWN], act, x1, out, dim, j); });
+    }
   });
   return 0;
 }

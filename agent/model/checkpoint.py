@@ -6,7 +6,11 @@ matrices kept in their file's format (`blocks`, agent/model/quantized.py; `matri
 
     embed [V, D], final_norm [D], lm_head [V, D] (absent when tied),
     layers.{i}.attn_norm [D], wq [H*hd, D], wk [KV*hd, D], wv [KV*hd, D], (bq, bk, bv with QKV bias),
-    wo [D, H*hd], ffn_norm [D], w_gate [F, D], w_up [F, D], w_down [D, F]
+    wo [D, H*hd], ffn_norm [D], w_gate [F, D], w_up [F, D], w_down [D, F],
+    (q_norm, k_norm [hd] with QK-norm; post_attn_norm, post_ffn_norm [D] with post-norms: Gemma 3's)
+
+Norm weights multiply as they are: a Gemma checkpoint's (1 + w) is formed at load (llama.cpp's
+converter has already added the 1 in a GGUF file).
 
 The readers live in agent/model/formats/ (GGUF files, HuggingFace directories, MindSpore .ckpt
 files), with load_checkpoint() choosing one by the path.
@@ -60,6 +64,8 @@ class Checkpoint:
 
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
 BIAS_TENSORS = ("bq", "bk", "bv")
+QK_NORM_TENSORS = ("q_norm", "k_norm")
+POST_NORM_TENSORS = ("post_attn_norm", "post_ffn_norm")
 
 
 def no_progress(items: Iterable[T]) -> Iterable[T]:
@@ -86,8 +92,13 @@ def expected_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
         "bq": (q,),
         "bk": (kv,),
         "bv": (kv,),
+        "q_norm": (hd,),
+        "k_norm": (hd,),
+        "post_attn_norm": (d,),
+        "post_ffn_norm": (d,),
     }
     names = LAYER_TENSORS + (BIAS_TENSORS if spec.qkv_bias else ())
+    names += (QK_NORM_TENSORS if spec.qk_norm else ()) + (POST_NORM_TENSORS if spec.post_norms else ())
     for i in range(spec.num_layers):
         for name in names:
             yield f"layers.{i}.{name}", shapes[name]

@@ -1,4 +1,6 @@
-"""Hyperparameters of a LLaMA-family checkpoint, read from its files (never hard-coded per model)."""
+"""Hyperparameters of a decoder-only checkpoint, read from its files (never hard-coded per model): the
+LLaMA family's shape, and the choices by which Gemma 3 differs from it (each a field with the LLaMA
+family's value as its default)."""
 
 from __future__ import annotations
 
@@ -62,16 +64,41 @@ class ModelSpec(BaseModel):
     max_context: int
     bos_id: int | None
     eos_ids: tuple[int, ...]
+    # Gemma 3's choices (defaults: the LLaMA family's)
+    embed_scale: float = 1.0  # the embedding's rows multiplied by this (Gemma: sqrt(hidden_size))
+    qk_norm: bool = False  # each query and key head RMS-normed before RoPE (q_norm, k_norm [head_dim])
+    post_norms: bool = False  # the attention's and the FFN's outputs RMS-normed before their residual
+    activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated FFN's: SwiGLU, or GeGLU (tanh GELU)
+    attention_scale: float | None = None  # the queries' scale; None: 1 / sqrt(head_dim)
+    sliding_window: int = 0  # positions a local layer attends, its own included (0: no local layers)
+    local_layers: tuple[int, ...] = ()  # the layers that attend within the sliding window
+    rope_local_theta: float | None = None  # the local layers' RoPE base (unscaled); None: rope_theta
 
     @property
     def group_size(self) -> int:
         """Query heads per KV head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
 
-    def rope_inv_freq(self) -> np.ndarray:
-        """[head_dim / 2] rotation frequencies, float64, after any scaling."""
+    @property
+    def query_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether the layer attends within the sliding window (else to every earlier position)."""
+        return self.sliding_window > 0 and layer in self.local_layers
+
+    @property
+    def global_layers(self) -> int:
+        return self.num_layers - sum(1 for i in range(self.num_layers) if self.is_local(i))
+
+    def rope_inv_freq(self, local: bool = False) -> np.ndarray:
+        """[head_dim / 2] rotation frequencies, float64, after any scaling; `local`: the local
+        layers' (their own base where the model has one, never scaled)."""
         hd = self.head_dim
-        inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+        theta = self.rope_local_theta if local and self.rope_local_theta is not None else self.rope_theta
+        inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+        if local and self.rope_local_theta is not None:
+            return inv_freq
         return inv_freq if self.rope_scaling is None else self.rope_scaling.apply(inv_freq)
 
     @property
@@ -85,5 +112,9 @@ class ModelSpec(BaseModel):
         per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
         if self.qkv_bias:
             per_layer += q + 2 * kv
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        if self.post_norms:
+            per_layer += 2 * d
         head = 0 if self.tied_embeddings else v * d
         return v * d + head + d + self.num_layers * per_layer

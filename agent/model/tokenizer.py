@@ -1,4 +1,17 @@
-"""Tokenizer and chat template from the model's own files (GGUF vocabulary or tokenizer.json)."""
+"""Tokenizer and chat template from the model's own files (GGUF vocabulary or tokenizer.json).
+
+GGUF vocabularies of two kinds are built into a HuggingFace `tokenizers` Tokenizer, as transformers'
+GGUF converters do:
+- `tokenizer.ggml.model: gpt2`: byte-level BPE from the tokens and merges;
+- `tokenizer.ggml.model: llama`: SentencePiece BPE (Llama 2, Mistral, Gemma) from the tokens, their
+  scores and types: a BPE model whose merges are every split of a piece into two pieces, ranked by
+  the merged piece's score (SentencePiece merges the adjacent pair whose piece scores highest,
+  leftmost first), byte fallback (<0xXX> tokens) for characters outside the vocabulary, spaces as
+  U+2581, a prefix space only where the file says (`add_space_prefix`), control tokens special,
+  user-defined tokens (Gemma's runs of newlines, spaces and tabs, HTML tags) always whole.
+
+A file without a chat template gets the one its architecture ships with (agent/model/templates/).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +20,9 @@ from pathlib import Path
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from agent.model.formats.gguf_file import gguf_field, read_gguf
+from agent.model.formats.gguf_file import gguf_eos_ids, gguf_field, read_gguf
 
 # GGUF pre-tokenizer names (tokenizer.ggml.pre) whose HuggingFace equivalent is known and tested.
 GGUF_PRE_TOKENIZERS = {
@@ -22,7 +35,12 @@ GGUF_PRE_TOKENIZERS = {
     "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
 }
-GGUF_CONTROL_TOKEN = 3  # llama.cpp's token_type for special (control) tokens
+# llama.cpp's token types (tokenizer.ggml.token_type)
+GGUF_NORMAL_TOKEN, GGUF_UNKNOWN_TOKEN, GGUF_CONTROL_TOKEN, GGUF_USER_DEFINED_TOKEN = 1, 2, 3, 4
+GGUF_BYTE_TOKEN = 6
+SPACE = "\u2581"  # SentencePiece's space
+TEMPLATES = Path(__file__).parent / "templates"
+SHIPPED_TEMPLATES = {"gemma3": "gemma.jinja", "gemma2": "gemma.jinja", "gemma": "gemma.jinja"}
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -55,8 +73,13 @@ class TextTokenizer:
         bos_token: str | None,
         eos_token: str | None,
         eos_ids: tuple[int, ...],
+        pieces: bool = False,
     ):
+        """pieces: the tokens are SentencePiece pieces that concatenate to the decode (no prefix
+        space to strip): a piece's bytes are its text with U+2581 as a space, a <0xXX> token's its
+        byte (token_bytes)."""
         self.tokenizer = tokenizer
+        self.pieces = pieces
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
         self.eos_ids = eos_ids
@@ -84,8 +107,9 @@ class TextTokenizer:
 
     @property
     def byte_level(self) -> bool:
-        """Whether every token stands for bytes (token_bytes), as in GPT-2 style BPE."""
-        return isinstance(self.tokenizer.decoder, decoders.ByteLevel)
+        """Whether every token stands for bytes (token_bytes) that join to the decode: GPT-2 style
+        byte-level BPE, and SentencePiece pieces without a prefix space (`pieces`)."""
+        return self.pieces or isinstance(self.tokenizer.decoder, decoders.ByteLevel)
 
     def token_bytes(self, token: int) -> bytes:
         """A byte-level token's bytes (b"" for a special token, which decode skips); unlike decode,
@@ -102,6 +126,10 @@ class TextTokenizer:
         text = self.tokenizer.id_to_token(token)
         if text is None:
             return b""  # decode skips an unknown id too
+        if self.pieces:
+            if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                return bytes([int(text[3:5], 16)])  # a byte-fallback token
+            return text.replace(SPACE, " ").encode()
         return bytes(BYTE_OF_CHAR[char] for char in text if char in BYTE_OF_CHAR)
 
     def token_piece(self, token: int) -> tuple[str, bytes, bool]:
@@ -182,18 +210,58 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
 def _from_gguf(path: Path) -> TextTokenizer:
     reader = read_gguf(path)
     kind = gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    types = gguf_field(reader, "tokenizer.ggml.token_type") or [GGUF_NORMAL_TOKEN] * len(tokens)
+    pieces = False
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(path, reader, tokens, types)
+    elif kind == "llama":
+        scores = gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+        space_prefix = bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+        unknown = gguf_field(reader, "tokenizer.ggml.unknown_token_id")
+        tokenizer = sentencepiece_bpe(tokens, scores, types, space_prefix, unknown)
+        pieces = not space_prefix
+    else:
         raise TokenizerError(
-            f"{path}: tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE)"
+            f"{path}: tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE, "
+            "llama SentencePiece BPE)"
         )
+
+    def token_at(key: str) -> str | None:
+        index = gguf_field(reader, key)
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    bos = token_at("tokenizer.ggml.bos_token_id")
+    if gguf_field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        bos_id = int(gguf_field(reader, "tokenizer.ggml.bos_token_id"))
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    architecture = gguf_field(reader, "general.architecture")
+    template = gguf_field(reader, "tokenizer.chat_template") or shipped_template(architecture)
+    return TextTokenizer(
+        tokenizer,
+        template,
+        bos_token=bos,
+        eos_token=token_at("tokenizer.ggml.eos_token_id"),
+        eos_ids=gguf_eos_ids(reader),
+        pieces=pieces,
+    )
+
+
+def shipped_template(architecture: str | None) -> str | None:
+    """The chat template this project ships for an architecture (agent/model/templates/), if any."""
+    name = SHIPPED_TEMPLATES.get(architecture or "")
+    return None if name is None else (TEMPLATES / name).read_text(encoding="utf-8")
+
+
+def _byte_level_bpe(path: Path, reader, tokens: list[str], types: list[int]) -> Tokenizer:
     pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
         raise TokenizerError(
             f"{path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(GGUF_PRE_TOKENIZERS)})"
         )
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
     merges = gguf_field(reader, "tokenizer.ggml.merges") or []
-    types = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {token: i for i, token in enumerate(tokens)}
     bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
     tokenizer = Tokenizer(bpe)
@@ -206,24 +274,60 @@ def _from_gguf(path: Path) -> TextTokenizer:
             if t == GGUF_CONTROL_TOKEN
         ]
     )
+    return tokenizer
 
-    def token_at(key: str) -> str | None:
-        index = gguf_field(reader, key)
-        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
-    bos = token_at("tokenizer.ggml.bos_token_id")
-    if gguf_field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
-        )
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return TextTokenizer(
-        tokenizer,
-        gguf_field(reader, "tokenizer.chat_template"),
-        bos_token=bos,
-        eos_token=token_at("tokenizer.ggml.eos_token_id"),
-        eos_ids=() if eos is None else (int(eos),),
+def sentencepiece_bpe(
+    tokens: list[str],
+    scores: list[float],
+    types: list[int],
+    space_prefix: bool,
+    unknown: int | None = None,
+) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (module docstring) as a `tokenizers` BPE model."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = sentencepiece_merges(tokens, scores, types)
+    unk = tokens[unknown] if unknown is not None and 0 <= unknown < len(tokens) else None
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    spaces = normalizers.Replace(" ", SPACE)
+    tokenizer.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(SPACE), spaces]) if space_prefix else spaces
     )
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(types)
+            if t == GGUF_USER_DEFINED_TOKEN
+        ]
+    )
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, t in enumerate(types)
+            if t in (GGUF_CONTROL_TOKEN, GGUF_UNKNOWN_TOKEN)
+        ]
+    )
+    return tokenizer
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Every pair of pieces whose concatenation is a piece, the pairs of higher-scoring pieces first
+    (ties: by the pieces' ids): SentencePiece's merge order as BPE merge ranks. Pieces that merges
+    may form are the normal and user-defined ones (SentencePiece's own; control and byte tokens
+    are never formed)."""
+    pieces = {
+        token: i for i, token in enumerate(tokens) if types[i] in (GGUF_NORMAL_TOKEN, GGUF_USER_DEFINED_TOKEN)
+    }
+    ranked = []
+    for piece, i in pieces.items():
+        for cut in range(1, len(piece)):
+            left, right = pieces.get(piece[:cut]), pieces.get(piece[cut:])
+            if left is not None and right is not None:
+                ranked.append((-scores[i], i, left, right))
+    ranked.sort()
+    return [(tokens[left], tokens[right]) for _, _, left, right in ranked]
 
 
 def _special_text(value) -> str | None:

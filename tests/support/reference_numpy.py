@@ -4,6 +4,16 @@ It shares no code with agent/: it reads the weight files itself (gguf / safetens
 the files' own layouts, and for GGUF applies RoPE in the interleaved (GPT-J) order on the raw rows,
 as llama.cpp does, instead of un-permuting them. Attention is computed per head with an explicit
 repeat of the KV heads, in float64, so that it checks the graphs' float32 arithmetic too.
+
+Gemma 3 (`general.architecture: gemma3`), as its description (the Gemma 3 report, HuggingFace's
+Gemma3ForCausalLM) has it: the embedding's rows times sqrt(hidden); per layer RMSNorm -> Q, K, V; each
+query and key head RMS-normed (q_norm, k_norm) -> RoPE in the rotate-half (NeoX) order, base 10,000
+on local layers and the file's on global ones (every 6th layer: 5, 11, 17, ...) -> queries scaled by
+1 / sqrt(key_length); a local layer's query at position i attends positions i - 511 .. i (a sliding
+window of 512), a global one 0 .. i; output product -> RMSNorm (post_attention_norm) -> + residual;
+RMSNorm -> down(gelu_tanh(gate) * up) -> RMSNorm (post_ffw_norm) -> + residual; final RMSNorm; the
+tied embedding as the LM head. Gemma's RMSNorm multiplies by (1 + w): a GGUF holds 1 + w already
+(llama.cpp's converter adds the 1), so the file's norm weights multiply as they are.
 """
 
 from __future__ import annotations
@@ -28,6 +38,17 @@ class RefModel:
     eps: float
     interleaved_rope: bool
     rope_scaling: dict | None = None  # config.json's rope_scaling, or {"type": "linear", ...} from GGUF
+    gemma: GemmaTraits | None = None
+
+
+@dataclass
+class GemmaTraits:
+    """Gemma 3's departures from the LLaMA layer (module docstring)."""
+
+    window: int  # positions a local layer attends, its own included
+    local_layers: set[int]
+    local_theta: float
+    query_scale: float
 
 
 @dataclass
@@ -65,9 +86,23 @@ def load_gguf_reference(path: str | Path) -> RefModel:
                 "bq": raw.get(p + "attn_q.bias"),
                 "bk": raw.get(p + "attn_k.bias"),
                 "bv": raw.get(p + "attn_v.bias"),
+                "q_norm": raw.get(p + "attn_q_norm.weight"),
+                "k_norm": raw.get(p + "attn_k_norm.weight"),
+                "post_attn_norm": raw.get(p + "post_attention_norm.weight"),
+                "post_ffn_norm": raw.get(p + "post_ffw_norm.weight"),
             }
         )
     heads = meta("attention.head_count")
+    head_dim = meta("embedding_length") // heads
+    gemma = None
+    if arch == "gemma3":
+        head_dim = meta("attention.key_length")
+        gemma = GemmaTraits(
+            window=meta("attention.sliding_window"),
+            local_layers={i for i in range(n_layers) if (i + 1) % 6 != 0},
+            local_theta=10000.0,
+            query_scale=1.0 / np.sqrt(head_dim),
+        )
     return RefModel(
         layers=layers,
         embed=raw["token_embd.weight"],
@@ -75,11 +110,12 @@ def load_gguf_reference(path: str | Path) -> RefModel:
         head=raw.get("output.weight", raw["token_embd.weight"]),
         n_heads=heads,
         n_kv=meta("attention.head_count_kv"),
-        head_dim=meta("embedding_length") // heads,
+        head_dim=head_dim,
         theta=float(meta("rope.freq_base")),
         eps=float(meta("attention.layer_norm_rms_epsilon")),
         interleaved_rope=(arch == "llama"),
         rope_scaling=_gguf_rope_scaling(reader, arch),
+        gemma=gemma,
     )
 
 
@@ -220,6 +256,10 @@ def q8_1(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
 
 
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
 def forward(model: RefModel, tokens: list[int], cache: RefCache, int8: bool = False) -> np.ndarray:
     """Run `tokens` after what `cache` already holds; returns logits [len(tokens), vocab]. int8: every
     layer product's input rounded to Q8_1 first (runtime.activations: int8); not the LM head."""
@@ -227,34 +267,56 @@ def forward(model: RefModel, tokens: list[int], cache: RefCache, int8: bool = Fa
     start = cache.length
     positions = np.arange(start, start + len(tokens), dtype=np.float64)
     x = model.embed[np.asarray(tokens)]
+    gemma = model.gemma
+    if gemma is not None:
+        x = x * np.sqrt(x.shape[1])
     hd, group = model.head_dim, model.n_heads // model.n_kv
     freqs = _frequencies(model.theta, hd, model.rope_scaling)
     if not cache.keys:
         cache.keys = [[] for _ in model.layers]
         cache.values = [[] for _ in model.layers]
     for li, layer in enumerate(model.layers):
+        local = gemma is not None and li in gemma.local_layers
+        layer_freqs = _frequencies(gemma.local_theta, hd, None) if local and gemma else freqs
         h = act(_rms(x, layer["attn_norm"], model.eps))
         q, k, v = h @ layer["q"].T, h @ layer["k"].T, h @ layer["v"].T
         if layer["bq"] is not None:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-        q = _rope(q.reshape(len(tokens), model.n_heads, hd), positions, freqs, model.interleaved_rope)
-        k = _rope(k.reshape(len(tokens), model.n_kv, hd), positions, freqs, model.interleaved_rope)
+        q = q.reshape(len(tokens), model.n_heads, hd)
+        k = k.reshape(len(tokens), model.n_kv, hd)
+        if gemma is not None:
+            q, k = _rms(q, layer["q_norm"], model.eps), _rms(k, layer["k_norm"], model.eps)
+        q = _rope(q, positions, layer_freqs, model.interleaved_rope)
+        k = _rope(k, positions, layer_freqs, model.interleaved_rope)
         v = v.reshape(len(tokens), model.n_kv, hd)
         cache.keys[li].extend(k)
         cache.values[li].extend(v)
         keys, values = np.stack(cache.keys[li]), np.stack(cache.values[li])  # [T_all, n_kv, hd]
+        key_positions = np.arange(keys.shape[0])[None, :]
+        hidden = key_positions > positions[:, None]  # causal
+        if local and gemma:
+            hidden |= key_positions <= positions[:, None] - gemma.window
+        scale = gemma.query_scale if gemma else 1.0 / np.sqrt(hd)
         out = np.empty((len(tokens), model.n_heads, hd))
         for head in range(model.n_heads):
             kv_head = head // group
-            scores = q[:, head] @ keys[:, kv_head].T / np.sqrt(hd)  # [T, T_all]
-            causal = np.arange(keys.shape[0])[None, :] > (positions[:, None])
-            scores = np.where(causal, -np.inf, scores)
+            scores = q[:, head] @ keys[:, kv_head].T * scale  # [T, T_all]
+            scores = np.where(hidden, -np.inf, scores)
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             out[:, head] = (scores / scores.sum(axis=-1, keepdims=True)) @ values[:, kv_head]
-        x = x + act(out.reshape(len(tokens), -1)) @ layer["o"].T
+        attended = act(out.reshape(len(tokens), -1)) @ layer["o"].T
+        if gemma is not None:
+            attended = _rms(attended, layer["post_attn_norm"], model.eps)
+        x = x + attended
         h = act(_rms(x, layer["ffn_norm"], model.eps))
         gate = h @ layer["gate"].T
-        x = x + act((gate / (1.0 + np.exp(-gate))) * (h @ layer["up"].T)) @ layer["down"].T
+        if gemma is not None:
+            ffn = _rms(
+                (_gelu_tanh(gate) * (h @ layer["up"].T)) @ layer["down"].T, layer["post_ffn_norm"], model.eps
+            )
+        else:
+            ffn = act((gate / (1.0 + np.exp(-gate))) * (h @ layer["up"].T)) @ layer["down"].T
+        x = x + ffn
     return _rms(x, model.norm, model.eps) @ model.head.T
 
 

@@ -1,5 +1,6 @@
 """Tiny random checkpoints written by the tests themselves: HuggingFace directories (Llama, Qwen2,
-InternLM2; one file or shards with an index) and GGUF files (F32 to Q6_K) of the same weights."""
+InternLM2; one file or shards with an index) and GGUF files (F32 to Q6_K) of the same weights, and a
+tiny Gemma-3-shaped GGUF."""
 
 from __future__ import annotations
 
@@ -285,3 +286,23 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ------------------------------------------------------------------------------------ Gemma 3
+
+GEMMA_WINDOW = 16
+
+
+def write_tiny_gemma(path: Path, vocabulary: Path, seed: int = 3) -> Path:
+    """A Gemma 3 GGUF of hidden 128, 4 query heads and 1 KV head of 64 (not hidden / heads), FFN 256,
+    6 layers (5 local with a sliding window of GEMMA_WINDOW, the last global), QK-norm and four norms
+    a layer; the real 270M file's weight formats (Q5_0, Q8_0, Q4_K, Q6_K) and its SentencePiece
+    vocabulary (`vocabulary`: that file) cut to its first 1,024 tokens and ASCII's characters; a
+    tied Q8_0 embedding of weights near 1 (the LM head: logits far apart, so greedy tokens are no
+    near-ties)."""
+    from tools.make_gguf import Shape, mix, write_random_gguf
+
+    shape = Shape(
+        128, 6, 256, 4, 1, arch="gemma3", head_dim=64, window=GEMMA_WINDOW, context=512, rope_base=1e6
+    )
+    return write_random_gguf(path, shape, mix("gemma"), vocabulary, seed, vocab_limit=1024, embed_scale=1.0)

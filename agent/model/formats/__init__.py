@@ -13,7 +13,10 @@ def load_checkpoint(path: str | Path, progress: Progress = no_progress) -> Check
     or a MindSpore `.ckpt` (a file, or a directory holding model.ckpt, as tools.convert writes)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"model path does not exist: {path}")
+        raise CheckpointError(
+            f"model path does not exist: {path} (`python -m tools.fetch_model --model all` fetches the "
+            "shipped models into models/: the default SmolLM2 and Gemma 3 270M)"
+        )
     if path.is_file() and path.suffix == ".gguf":
         checkpoint = gguf_file.load(path, progress)
     elif path.is_file() and path.suffix == ".ckpt":

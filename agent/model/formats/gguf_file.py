@@ -26,7 +26,14 @@ log = logging.getLogger(__name__)
 ARCHITECTURES = {
     "llama": {"permuted_qk": True, "qkv_bias": False},
     "qwen2": {"permuted_qk": False, "qkv_bias": True},
+    "gemma3": {"permuted_qk": False, "qkv_bias": False},
 }
+# Gemma 3: what llama.cpp's gemma3 architecture takes when the file does not say (its converter
+# writes neither): a local layer's RoPE base, and every 6th layer global (layer i local unless
+# (i + 1) % 6 == 0), as the model's config says (rope_local_base_freq, sliding_window_pattern).
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_PATTERN = 6
+END_OF_TURN = "<end_of_turn>"  # Gemma's end of a chat turn
 
 LAYER_NAMES = {
     "attn_norm.weight": "attn_norm",
@@ -41,6 +48,10 @@ LAYER_NAMES = {
     "attn_q.bias": "bq",
     "attn_k.bias": "bk",
     "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "post_attention_norm.weight": "post_attn_norm",
+    "post_ffw_norm.weight": "post_ffn_norm",
 }
 GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3.1 scaling)
@@ -109,7 +120,6 @@ def _spec(path: Path, reader: GgufFile) -> tuple[ModelSpec, dict]:
     kv_heads = meta("attention.head_count_kv", heads)
     head_dim = meta("attention.key_length", hidden // heads, required=False) or hidden // heads
     by_name = {t.name: t for t in reader.tensors}
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     spec = ModelSpec(
         architecture=arch,
         name=gguf_field(reader, "general.name", path.stem),
@@ -127,9 +137,50 @@ def _spec(path: Path, reader: GgufFile) -> tuple[ModelSpec, dict]:
         qkv_bias=traits["qkv_bias"],
         max_context=meta("context_length"),
         bos_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_ids=() if eos is None else (int(eos),),
+        eos_ids=gguf_eos_ids(reader),
+        **(_gemma3(path, reader, meta, hidden, head_dim, meta("block_count")) if arch == "gemma3" else {}),
     )
     return spec, traits
+
+
+def _gemma3(path: Path, reader: GgufFile, meta, hidden: int, head_dim: int, layers: int) -> dict:
+    """Gemma 3's fields of the spec: embeddings scaled by sqrt(hidden), QK-norm, four norms a layer,
+    GeGLU, the queries scaled by the head size the file gives (key_length: query_pre_attn_scalar of
+    every size but 27B, whose file llama.cpp special-cases), local layers of a sliding window with
+    their own RoPE base. A file's pattern (attention.sliding_window_pattern: a period, or one flag a
+    layer) wins over the default period."""
+    window = int(meta("attention.sliding_window", 0, required=False) or 0)
+    pattern = meta("attention.sliding_window_pattern", GEMMA3_PATTERN, required=False)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise CheckpointError(f"{path}: attention.sliding_window_pattern has {len(pattern)} flags")
+        local = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:
+        local = tuple(i for i in range(layers) if (i + 1) % int(pattern) != 0)
+    return {
+        "embed_scale": float(np.sqrt(np.float32(hidden))),
+        "qk_norm": True,
+        "post_norms": True,
+        "activation": "gelu_tanh",
+        "attention_scale": 1.0 / float(np.sqrt(head_dim)),
+        "sliding_window": window,
+        "local_layers": local if window else (),
+        "rope_local_theta": float(meta("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE, required=False)),
+    }
+
+
+def gguf_eos_ids(reader: GgufFile) -> tuple[int, ...]:
+    """The file's EOS, and an end-of-turn token of the vocabulary's (Gemma's <end_of_turn>, which ends
+    its chat turns; its generation config lists both)."""
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens") or []
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    ids = [] if eos is None else [int(eos)]
+    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+    if eot is None and END_OF_TURN in tokens:
+        eot = tokens.index(END_OF_TURN)
+    if eot is not None and int(eot) not in ids:
+        ids.append(int(eot))
+    return tuple(ids)
 
 
 def stored_weights(path: Path) -> tuple[ModelSpec, int]:

@@ -152,3 +152,28 @@ def test_shipped_ascend_example_plans_llama2_7b_into_its_budget():
     assert plan.block_mb == 8  # 32 layers x 2 x 4096 x 2 bytes x 16 positions
     # 32 seats (the largest decode batch), blocks for about 13 sequences of 2048 positions
     assert resolved.num_slots == 32 and 13 * 2048 <= resolved.num_blocks * 16 and plan.total_mb <= 28000
+
+
+def test_gemma_plans_its_pool_for_the_global_layers_and_a_ring_a_seat(gemma_model_path):
+    """Gemma 3 270M (config/model_repository.yaml's runtime): 15 of its 18 layers attend a window of
+    512, so they keep each seat's ring of ceil((511 + 512) / 16) = 64 blocks and the pool's blocks
+    hold the 3 global layers' K and V only: 3 x 2 x 256 x 4 bytes = 6 KB a position instead of 36."""
+    from agent.model.formats import gguf_file
+
+    spec, weights = gguf_file.stored_weights(gemma_model_path)
+    runtime = RuntimeSection(
+        num_slots=16,
+        max_seq_len="auto",
+        memory_budget_mb=2048,
+        prefill_buckets=[32, 64, 128, 512],
+        decode_batch_buckets=[1, 4, 8, 16],
+        attend_buckets=[256, 512, 2048],
+        compile_cache_dir=None,
+    )
+    resolved, plan = plan_memory(spec, runtime, weights)
+    position = 2 * 256 * 4
+    assert plan.block_mb == pytest.approx(3 * position * 16 / MB)
+    assert plan.rings_mb == pytest.approx(17 * 64 * 16 * 15 * position / MB)  # 16 seats + scratch
+    assert resolved.max_seq_len == 32768 and plan.total_mb <= 2048
+    assert plan.num_blocks * 16 >= 4 * 32768  # the budget holds four whole contexts' global layers
+    assert "sliding-window layers' rings 510 MB" in plan.describe()

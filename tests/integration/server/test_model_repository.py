@@ -1,7 +1,8 @@
 """Several models in one server (a model repository, model_control_mode explicit): a real launcher
 with its control channel, real agent processes, ZeroMQ and uvicorn, native HTTP, SSE and Triton's
-own client (`tritonclient[http]`). Two tiny models of other weights (llama and qwen2) answer side
-by side; a third needs more memory than agents.memory_limit_mb leaves, a fourth's file is corrupt.
+own client (`tritonclient[http]`). Two tiny models of two families (Llama, and Gemma 3 with its
+SentencePiece vocabulary and sliding-window layers, as config/model_repository.yaml pairs them) answer
+side by side; a third needs more memory than agents.memory_limit_mb leaves, a fourth's file is corrupt.
 Tests run in file order on one stack (the last stops it with SIGTERM)."""
 
 import json
@@ -29,7 +30,7 @@ BUDGET_MB, LIMIT_MB = 48, 120  # two tiny models fit the limit, a third of 100 M
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_llama_dir, tiny_qwen2_dir):
+def stack(tmp_path_factory, tiny_llama_dir, tiny_qwen2_dir, tiny_gemma_path):
     directory = tmp_path_factory.mktemp("repository")
     corrupt = directory / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + bytes(range(256)) * 8)  # the magic, then no valid header
@@ -54,7 +55,7 @@ def stack(tmp_path_factory, tiny_llama_dir, tiny_qwen2_dir):
                 "runtime": runtime,
                 "agents": {"ports": [a]},
             },
-            {"name": "b", "path": str(tiny_qwen2_dir), "runtime": runtime, "agents": {"ports": [b]}},
+            {"name": "b", "path": str(tiny_gemma_path), "runtime": runtime, "agents": {"ports": [b]}},
             {
                 "name": "big",
                 "path": str(tiny_qwen2_dir),
@@ -223,6 +224,71 @@ def test_two_models_answer_as_alone_under_concurrent_load(stack):
         if line.startswith(f'llm_serving_generated_tokens_total{{model="{model}"}}')
     }
     assert generated["a"] > 0 and generated["b"] > 0
+
+
+def test_gemma_chats_calls_tools_and_follows_a_schema_through_the_openai_api(stack):
+    """Model b is Gemma-shaped and its file has no chat template: the one shipped for Gemma renders
+    the messages (its turns' control tokens are what the model reads); a required tool call and a
+    JSON Schema are followed token by token through its SentencePiece vocabulary."""
+    base, url = stack["base"], f"{stack['base']}/v1/chat/completions"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    tokenized = httpx.post(
+        f"{base}/tokenize", json={"model": "b", "messages": messages}, headers=AUTH, timeout=TIMEOUT
+    )
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"][:2] == [2, 105]  # <bos> <start_of_turn>
+    chat = httpx.post(
+        url, json={"model": "b", "messages": messages, "max_tokens": 8}, headers=AUTH, timeout=TIMEOUT
+    )
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant", chat.text
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}},  # short: a random model's call ends
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    called = httpx.post(
+        url,
+        json={
+            "model": "b",
+            "messages": messages,
+            "tools": [weather],
+            "tool_choice": "required",
+            "max_tokens": 96,  # the tiny vocabulary spells JSON a character at a time
+        },
+        headers=AUTH,
+        timeout=TIMEOUT,
+    ).json()
+    assert "tool_calls" in called["choices"][0]["message"], called
+    calls = called["choices"][0]["message"]["tool_calls"]
+    assert calls and calls[0]["function"]["name"] == "get_weather", called
+    assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Paris", "Rome")
+    schema = {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 2, 3]}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    shaped = httpx.post(
+        url,
+        json={
+            "model": "b",
+            "messages": messages,
+            "max_tokens": 64,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        },
+        headers=AUTH,
+        timeout=TIMEOUT,
+    ).json()
+    content = shaped["choices"][0]["message"]["content"]
+    assert shaped["choices"][0]["finish_reason"] == "stop", shaped
+    assert json.loads(content)["n"] in (1, 2, 3)
 
 
 def test_tritonclient_sees_the_repository_and_infers_on_both(stack):

@@ -126,3 +126,44 @@ def test_block_size_larger_than_a_sequence_and_block_size_one():
     assert one.blocks_per_seq == 40 and one.num_blocks == 3 * 40 + 32  # 32 scratch blocks of 1
     table = np.arange(40)[::-1].astype(np.int32)
     assert one.kv_rows(table, 3).tolist() == [row(table, p, h, 1) for h in range(KV) for p in range(3)]
+
+
+def test_sliding_window_layers_write_each_seat_s_ring_as_the_window_moves():
+    """The ring's size (local_ring_blocks: the window and the largest bucket's positions, when shorter
+    than a sequence), then rings of 2 blocks given by hand: seat s's table is blocks 2s, 2s + 1, 2s
+    again..., so position 40 of seat 1 is written in block 2 over position 8's; padding rows take the
+    scratch ring after the seats'."""
+    from agent.graphs.interface import local_ring_blocks
+    from agent.model.spec import ModelSpec
+
+    long = RUNTIME.model_copy(update={"max_seq_len": 128, "attend_buckets": [16, 128]})
+    spec = ModelSpec(
+        architecture="gemma3", name="t", num_layers=6, hidden_size=64, num_heads=6, num_kv_heads=KV,
+        head_dim=16, intermediate_size=64, vocab_size=10, rope_theta=1e6, rms_eps=1e-6,
+        tied_embeddings=True, qkv_bias=False, max_context=128, bos_id=None, eos_ids=(),
+        sliding_window=8, local_layers=(0, 1, 2, 3, 4),
+    )  # fmt: skip
+    assert local_ring_blocks(long, spec) == 3  # ceil((8 - 1 + 32) / 16) < 8 blocks a sequence
+    assert local_ring_blocks(RUNTIME, spec) == 0  # 3 blocks: no shorter than a sequence of 40
+    assert local_ring_blocks(long, spec.model_copy(update={"sliding_window": 0})) == 0
+    rings = GraphInputs(long, KV, GROUP, fused_layers=True, ring_blocks=2)
+    assert rings.local_cache_rows == (3 + 1) * 2 * KV * 16  # every seat's ring and the scratch one
+    assert rings.ring_table(1).tolist() == [2, 3, 2, 3, 2, 3, 2, 3]
+    assert rings.ring_table(None).tolist() == [6, 7] * 4
+    table = FUSED.slot_table(2)
+    padded = np.concatenate([table, rings.scratch_table[3:]])
+    inputs = rings.prefill(padded, np.arange(5), 8, start=38, slot=1)
+    assert len(inputs) == 9  # the seven of a fused prefill, then the local write rows and tables
+    write_local, tables_local = inputs[7], inputs[8]
+    assert tables_local.tolist() == [rings.ring_table(1).tolist()]
+    ring = rings.ring_table(1)
+    assert write_local.reshape(8, KV)[:5].tolist() == [
+        [row(ring, p, h) for h in range(KV)] for p in range(38, 43)
+    ]
+    decode = rings.decode(np.stack([padded, padded]), np.array([1, 2]), np.array([40, 9]), 4, 0, slots=[1, 0])
+    assert decode[-1].tolist() == [rings.ring_table(s).tolist() for s in (1, 0, None, None)]
+    assert decode[-2].reshape(4, KV)[:2].tolist() == [
+        [row(rings.ring_table(1), 40, h) for h in range(KV)],
+        [row(rings.ring_table(0), 9, h) for h in range(KV)],
+    ]
+    assert len(FUSED.prefill(FUSED.slot_table(0), np.arange(5), 8)) == 7  # no rings: as before

@@ -1,7 +1,8 @@
 """The prompt-attention path of the fused layer (agent/kernels/prompt_attention.h, through FusedStack
 of one layer) called straight with ctypes: a run of prompt rows sharing one block table attends as
 products, and must give what the same rows give one by one (row_ops.h attend_paged), whatever each
-KV head's length."""
+KV head's length, and in a sliding-window layer whatever part of the run's positions each row's
+window leaves out."""
 
 import ctypes
 
@@ -26,13 +27,14 @@ def library(kernel_target):
 
 
 def fused_layer(
-    library, lengths: np.ndarray, row_table: np.ndarray, tables: np.ndarray
+    library, lengths: np.ndarray, row_table: np.ndarray, tables: np.ndarray, window: int = 0
 ) -> tuple[np.ndarray, int]:
     """One FusedStack call of one layer over 8 rows with 2 KV heads of 32 (one query head each); the
-    same weights, inputs and cache on every call. (output, return code)"""
+    same weights, inputs and cache on every call; `window`: the layer's sliding window (its rows then
+    also QK-normed, post-normed and GeGLU, as Gemma's are). (output, return code)"""
     rng = np.random.default_rng(7)
     rows, dim, hd, kv, heads, ffn, block = 8, 32, 32, 2, 2, 32, 4
-    pool = 16
+    pool = 24
 
     def normal(*shape, scale=0.3):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -58,6 +60,7 @@ def fused_layer(
         row_table.astype(np.int32),
         np.array([block], np.int32),
     ]
+    common += [common[1], common[2], common[3], common[6]]  # no sliding-window layer's own
     layer = [
         np.ones(dim, np.float32),
         normal(qkv_width, scale=0.1),
@@ -73,6 +76,9 @@ def fused_layer(
         packed(normal(dim, ffn)),
         packed(normal(ffn, dim)),
     ]
+    gemma = int(window > 0)
+    layer += [1 + normal(hd), 1 + normal(hd), 1 + normal(dim), 1 + normal(dim)]  # read by a Gemma layer
+    layer.append(np.array([window, 0, gemma, gemma, gemma], np.int32))
     arrays = common + layer
     out = np.full((rows, dim), np.nan, np.float32)
     return out, call(library.FusedStack, arrays, out)
@@ -93,3 +99,20 @@ def test_a_run_sizes_its_scratch_from_its_longest_kv_head(library):
     assert code == 0
     assert np.isfinite(one_by_one).all()
     np.testing.assert_allclose(as_run, one_by_one, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 5, 30, 40])
+def test_a_run_in_a_sliding_window_attends_as_its_rows_one_by_one(library, window):
+    """Rows at positions 33..40 of one sequence, a second KV head 32 positions further: with a window
+    of 5 each row attends its last 5 positions (the run packs from the earliest any row reads); a
+    window longer than some rows' lengths attends all they have."""
+    rows, entries = 8, 20
+    lengths = np.stack([np.arange(33, 33 + rows), np.arange(65, 65 + rows)], axis=1).reshape(-1)
+    one_table = np.random.default_rng(4).permutation(20)[:entries]
+    as_run, code = fused_layer(library, lengths, np.zeros(rows, np.int32), one_table[None, :], window)
+    assert code == 0
+    one_by_one, code = fused_layer(library, lengths, np.arange(rows), np.tile(one_table, (rows, 1)), window)
+    assert code == 0 and np.isfinite(one_by_one).all()
+    np.testing.assert_allclose(as_run, one_by_one, rtol=1e-4, atol=1e-4)
+    whole, _ = fused_layer(library, lengths, np.arange(rows), np.tile(one_table, (rows, 1)), 10_000)
+    assert not np.allclose(whole, one_by_one, atol=1e-3)  # the window changed what they attend

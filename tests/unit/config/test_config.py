@@ -226,10 +226,10 @@ def test_admin_keys_from_the_environment_add_to_the_file(tmp_path):
     assert config.server.admin_api_keys == ["file-key", "env-1", "env-2"] and config.server.api_keys == []
 
 
-def test_the_shipped_repository_serves_the_default_and_loads_a_second_model():
+def test_the_shipped_repository_serves_the_default_and_loads_gemma_on_request():
     config = load_config(PROJECT_ROOT / "config" / "model_repository.yaml")
-    default, lite = config.model_configs().values()
+    default, gemma = config.model_configs().values()
     assert config.model_control_mode == "explicit" and config.startup() == [default.model.name]
     assert default.model == load_config().model and default.runtime == load_config().runtime
-    assert lite.model.path == default.model.path and lite.runtime != default.runtime
-    assert (default.agents.ports, lite.agents.ports, config.agents.control_port) == ([9820], [9821], 9819)
+    assert gemma.model.path.name == "gemma-3-270m-q4_k_m.gguf" and "gemma" in gemma.model.aliases
+    assert (default.agents.ports, gemma.agents.ports, config.agents.control_port) == ([9820], [9821], 9819)
