@@ -101,7 +101,7 @@ def test_a_mixed_step_matches_the_reference(tiny_gemma_path, layout):
     runner.prefill_chunk(1, second[:16], runner.graphs.inputs.slot_table(1))
     chunk = StepChunk(1, second, runner.graphs.inputs.slot_table(1), 16, greedy)
     nexts, firsts = runner.step([0], [runner.graphs.inputs.slot_table(0)], [chunk])
-    assert nexts == [int(np.argmax(ref.forward(reference, [token], cache)[-1]))]
+    assert nexts == [[int(np.argmax(ref.forward(reference, [token], cache)[-1]))]]  # a slot's tokens kept
     assert firsts == [int(np.argmax(ref.forward(reference, second, ref.RefCache())[-1]))]
 
 
@@ -123,6 +123,27 @@ def test_greedy_answers_of_8_prompts_equal_the_reference(tiny_gemma_path, kernel
             got += runner.decode([slot])
         runner.release(slot)
         assert got == want, n
+
+
+def test_speculative_steps_in_the_rings_give_the_greedy_answer(tiny_gemma_path):
+    """Proposals verified in one step each (4 rows of a seat written into its ring at once), right
+    ones kept and a wrong one's position written over by the next step, across the window: the
+    tokens are the reference's greedy answer."""
+    runtime = TINY_RUNTIME.model_copy(update=KV_LAYOUTS["rings"])
+    runner = ModelRunner.from_checkpoint(load_checkpoint(tiny_gemma_path), runtime)
+    reference = ref.load_gguf_reference(tiny_gemma_path)
+    prompt = prompt_ids(20, 60, runner.spec.vocab_size)
+    want = ref.greedy(reference, prompt, 40)
+    table = runner.graphs.inputs.slot_table(0)
+    got = [runner.prefill(0, prompt, SamplingParams(), table)]
+    gave = []
+    while len(got) < 32:
+        right = want[len(got) : len(got) + 3]
+        proposals = right if len(gave) % 2 == 0 else [right[0], (right[1] + 1) % runner.spec.vocab_size]
+        decoded, _ = runner.step([0], [table], [], drafts={0: proposals})
+        got += decoded[0]
+        gave.append(len(decoded[0]))
+    assert got == want[: len(got)] and gave[0] == 4 and gave[1] == 2
 
 
 def test_gemma_layers_off_the_fused_kernel_are_refused(tiny_gemma_path):
