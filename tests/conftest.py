@@ -131,7 +131,7 @@ def default_model_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma_model_path() -> Path:
     if not GEMMA_MODEL.is_file():
-        pytest.fail(f"{GEMMA_MODEL} is missing: run `make setup` (make test does it first)")
+        pytest.fail(f"{GEMMA_MODEL} is missing: run `make setup-dev` (make test does it first)")
     return GEMMA_MODEL
 
 

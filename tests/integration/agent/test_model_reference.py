@@ -1,5 +1,7 @@
 """The MindSpore graphs against the independent numpy reference (tests/reference_numpy.py)."""
 
+import json
+
 import numpy as np
 import pytest
 from conftest import DEFAULT_RUNTIME, TINY_RUNTIME
@@ -12,6 +14,8 @@ from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner
 from agent.warm_up import warm_up
+from config.schema import PROJECT_ROOT
+from scheduler.ngram import NgramIndex
 from tiny_models import write_tiny_checkpoint
 
 GREEDY = SamplingParams()
@@ -144,3 +148,49 @@ def test_default_model_with_int8_activations_warms_up_and_answers_as_the_int8_re
         want.append(int(np.argmax(ref.forward(reference, [want[-1]], cache)[-1])))
     assert got == want, (tokenizer.decode(got), tokenizer.decode(want))
     assert got != ref.greedy(reference, prompt, 8)
+
+
+@pytest.mark.default_model
+def test_default_model_greedy_answers_with_ngram_speculation_equal_those_without(default_model_path):
+    """Every prompt of the benchmark's sets (normal and copy, through the chat template, as served)
+    and the held-out prompts above: 32 greedy tokens with n-gram proposals (2..4-grams, 4 tokens,
+    the default settings) verified a step at a time equal the tokens without; the copy prompts'
+    proposals are kept."""
+    runtime = DEFAULT_RUNTIME.model_copy(
+        update={
+            "num_slots": 1,
+            "max_seq_len": 1024,
+            "prefill_buckets": [64, 1024],
+            "decode_batch_buckets": [1, 8],  # 5 rows of logits: a token and its 4 proposals
+            "attend_buckets": [1024],
+        }
+    )
+    runner = ModelRunner.from_checkpoint(load_checkpoint(default_model_path), runtime)
+    tokenizer = load_tokenizer(default_model_path)
+    bench = PROJECT_ROOT / "tools" / "bench"
+    sets = {
+        name: [json.loads(line)["prompt"] for line in (bench / f"{name}.jsonl").read_text().splitlines()]
+        for name in ("prompts", "copy_prompts")
+    } | {"held_out": CHAT_PROMPTS}
+    table = runner.graphs.inputs.slot_table(0)
+    kept = dict.fromkeys(sets, 0)
+    for name, prompts in sets.items():
+        for question in prompts:
+            prompt = tokenizer.encode_chat([{"role": "user", "content": question}])
+            want = [runner.prefill(0, prompt, GREEDY, table)]
+            while len(want) < 32:
+                want += runner.decode([0], [table])
+            runner.release(0)
+            got, index = [runner.prefill(0, prompt, GREEDY, table)], NgramIndex(2, 4)
+            while len(got) < 32:
+                index.update(prompt + got)
+                proposed = index.propose(prompt + got, 4)
+                if proposed:
+                    decoded, _ = runner.step([0], [table], [], drafts={0: proposed})
+                    kept[name] += len(decoded[0]) - 1
+                    got += decoded[0]
+                else:
+                    got += runner.decode([0], [table])
+            runner.release(0)
+            assert got[:32] == want, (question, tokenizer.decode(got), tokenizer.decode(want))
+    assert kept["copy_prompts"] >= 32, kept
