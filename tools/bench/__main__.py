@@ -505,10 +505,13 @@ def main(argv=None) -> int:
         run_tags = (f"{invocation}-{i}" for i in itertools.count())
         for level in levels:
             for _ in range(args.repeats):
-                run = next(run_tags)
-                for target in args.targets:  # alternate: every target sees the same drift
+                tag = next(run_tags)
+                for number, target in enumerate(args.targets):  # alternate: every target sees the same drift
                     bar.set_description(f"{target.label} @ {level:g}{' req/s' if open_mode else ' streams'}")
                     time.sleep(args.settle)
+                    # each target's own tag, of one length: two targets on one server (an option on
+                    # and off) must not answer the second from the first one's prompts in its cache
+                    run = f"{tag}.{number:02d}"
                     bodies = request_bodies(target, args, prompts, models[target.label], run)
                     hostile = (
                         hostile_requests(target, args, prompts, models[target.label], run)
