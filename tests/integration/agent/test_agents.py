@@ -395,9 +395,9 @@ def test_agent_plans_its_block_pool_from_the_memory_budget_and_logs_the_plan(
         runtime={
             "num_slots": 4,
             "max_seq_len": 8192,
-            "memory_budget_mb": 2,
+            "memory_budget_mb": 2,  # the weights and working memory (RoPE tables of 8192), not one sequence
             "attend_buckets": [8192],
-        },  # holds the weights and working memory (its RoPE tables of 8192 positions), not one sequence
+        },
     )
     assert failing.process.wait(START_TIMEOUT) != 0
     assert "a pool needs at least 512 blocks (one sequence of max_seq_len 8192)" in failing.output()

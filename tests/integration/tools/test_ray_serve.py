@@ -291,7 +291,7 @@ def test_a_config_without_ray_or_a_replica_that_cannot_start_is_a_clear_error(tm
         broken.wait_for("Ray started", 120)
         processes = broken.descendant_pids()
         assert broken.process.wait(240) == 1
-        broken.wait_for(f"a replica failed to start: {CHECKPOINT_ERROR}{tmp_path / 'missing'})", 5)
+        broken.wait_for(f"a replica failed to start: {CHECKPOINT_ERROR}{tmp_path / 'missing'} (", 5)
         assert wait_gone(processes, 30) == []
     finally:
         broken.close()
