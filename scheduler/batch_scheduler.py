@@ -219,7 +219,6 @@ class BatchScheduler:
         self.accepted_tokens = 0  # of those, kept by the agents
         self.speculative_steps = 0  # a sequence's step that verified proposals: accepted per step
         self.clients = clients or ClientShares()  # what each client holds; the fair admission order
-        self._arrivals = 0
 
     def _block_manager(self, capacity: GroupCapacity) -> BlockManager:
         # A decode group's blocks are written by transfers of whole prompts: no hits there.
@@ -285,8 +284,6 @@ class BatchScheduler:
             message, over_share = refused
             raise AdmissionError(message, Refusal.CLIENT_LIMIT if over_share else Refusal.OVERLOADED)
         self.tokens_in_flight += seq.token_budget
-        self._arrivals += 1
-        seq.arrival = self._arrivals
         self.clients.queued(seq)
         self.waiting.append(seq)
 
@@ -330,10 +327,10 @@ class BatchScheduler:
                 starved.add(group)
             elif decodes:
                 self._plan_drafts(group, decodes, plan)
-        admitted = 0
+        admitted, admissible = 0, [g for g in open_groups if g not in starved]
         while self.waiting and admitted < self.max_prefills_per_step:
             seq = self.clients.next_to_admit(self.waiting)
-            if seq is None or not self._admit(seq, [g for g in open_groups if g not in starved], plan):
+            if seq is None or not self._admit(seq, admissible, plan):
                 break
             self.waiting.remove(seq)
             admitted += 1
@@ -372,7 +369,7 @@ class BatchScheduler:
                 plan.drafts[seq.request_id] = proposed
                 room -= size
 
-    def _prompt_budget(self, group: int, decodes: list[Sequence], proposed: int = 0) -> int:
+    def _prompt_budget(self, group: int, decodes: list[Sequence], proposed: int) -> int:
         """Prompt positions a step of the `decodes` rows (and the `proposed` tokens after them) may
         carry: what the token budget leaves, within one mixed call's rows, and no more than the
         group's step costs allow for the prompts waiting (a stream waits for the step); never below

@@ -86,7 +86,8 @@ class ClientShares:
         ]
         return min(
             candidates,
-            key=lambda s: (self.load(s.client).running, s.priority if self.by_priority else 0, s.arrival),
+            # min keeps the first of equal keys: the waiting queue is in arrival order
+            key=lambda s: (self.load(s.client).running, s.priority if self.by_priority else 0),
             default=None,
         )
 

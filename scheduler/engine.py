@@ -400,18 +400,14 @@ class Engine:
             (local if chunk.seq.prefill_group is None and not chunk.seq.finished else rest).append(chunk)
         healthy, capacity = self.scheduler.healthy[group], self.scheduler.groups[group]
         proposed = plan.proposed(seqs)
-        if healthy and capacity.mixes(len(seqs), local, proposed):
-            if await self._mixed(group, seqs, local, plan.drafts):
-                for chunk in rest:
+        # the prompts that do not fit beside the proposals run after the decode and its proposals
+        together = local if capacity.mixes(len(seqs), local, proposed) else []
+        if healthy and capacity.mixes(len(seqs), together, proposed):
+            if await self._mixed(group, seqs, together, plan.drafts):
+                for chunk in rest if together else plan.prefills:
                     await self._prefill_chunk(chunk)
                 return
             # the agent refused the step (a bad request in it): each part alone, so only that one fails
-        elif healthy and proposed and capacity.mixes(len(seqs), [], proposed):
-            # the prompts do not fit beside the proposals: the decode and its proposals first
-            if await self._mixed(group, seqs, [], plan.drafts):
-                for chunk in plan.prefills:
-                    await self._prefill_chunk(chunk)
-                return
         if seqs and self.scheduler.healthy[group]:
             self.scheduler.drop_drafts(seqs, plan.drafts)  # decoded alone: the proposals go unverified
             try:

@@ -37,6 +37,7 @@ class SpeculationState:
     """One sequence's proposals: its n-gram index, and its record of kept proposals."""
 
     index: NgramIndex
+    tokens: list[int] = field(default_factory=list)  # prompt + output, extended as tokens arrive
     skip: int = 0  # steps left without proposals
     backoff: int = 1  # the skip after the next step that keeps none
     proposed: int = 0

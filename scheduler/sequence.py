@@ -75,7 +75,6 @@ class Sequence:
     cache_salt: str | None = None  # its prefix-cache blocks are shared only with this salt's
     client: str = ""  # who asked (an API key's digest, or an address): fairness between clients
     priority: int = 0  # lower first, with scheduling_policy priority (vLLM's)
-    arrival: int = 0  # its place in the order of admissions (the scheduler's count)
     speculate: bool = True  # the request lets the scheduler propose its tokens (speculative decoding)
     speculation: SpeculationState | None = None  # its proposals' state, once it proposed
     timeline: Timeline | None = None  # its agent calls' times, while tracing is on (scheduler/timeline.py)

@@ -42,14 +42,15 @@ class Speculator:
         state = seq.speculation
         if state is None:
             state = seq.speculation = SpeculationState(
-                NgramIndex(self.settings.ngram_min, self.settings.ngram_max)
+                NgramIndex(self.settings.ngram_min, self.settings.ngram_max), list(seq.prompt)
             )
         if state.skip:
             state.skip -= 1
             return []
         if self.settings.method == "draft":
             return k
-        tokens = seq.tokens(len(seq.prompt) + len(seq.output))
+        tokens = state.tokens  # an answer only grows: its new tokens, not the whole copied each step
+        tokens += seq.output[len(tokens) - len(seq.prompt) :]
         state.index.update(tokens)
         return state.index.propose(tokens, k)
 

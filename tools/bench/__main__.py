@@ -550,8 +550,9 @@ def main(argv=None) -> int:
         print(report.ttft_split_table(results))
     if args.hostile:
         print(report.hostile_table(results))
-    if report.speculation_table(results):
-        print(report.speculation_table(results))
+    speculated = report.speculation_table(results)
+    if speculated:
+        print(speculated)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 1 if any(r["summary"]["errors"] for r in results) else 0
 
