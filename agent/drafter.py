@@ -80,9 +80,10 @@ class Drafter:
             same = self.sequences.get(slot) is target.slots[slot] and slot in self.runner.slots
             held = self.runner.slots[slot].tokens if same else None
             self.sequences[slot] = target.slots[slot]
-            start = min(shared_prefix(held or [], known), len(known) - 1)
-            if not self.runner.chunked_prefill:
-                start = 0  # these graphs compute a prompt in one call from its start
+            # graphs without chunked prefill compute a prompt in one call from its start
+            start = 0
+            if self.runner.chunked_prefill:
+                start = min(shared_prefix(held or [], known), len(known) - 1)
             self.runner.release(slot)  # seated anew: what it holds past `start` is written over
             proposed[slot] = [self.runner.prefill(slot, known, GREEDY, tables[slot], start)]
         while True:

@@ -418,18 +418,24 @@ class ModelRunner:
         and each scored slot's verified tokens. A plain greedy sampler keeps a proposal where the
         graph's argmax is it; the others verify on the host."""
         ids = greedy.asnumpy()
-        host = logits.asnumpy()
+        all_greedy = all(s.plain_greedy for s in samplers)
+        # the logits leave the device only for a row that is not plain greedy
+        scored_greedy = all((s := by_slot[c.slot]) is not None and s.plain_greedy for c in scored)
+        host = logits.asnumpy() if not (all_greedy and scored_greedy) else None
         sizes = [len(c.tokens) for c in scored]
         after = plain + sum(sizes)  # the sampling chunks' rows follow the scored ones
         normal = [*range(plain), *range(after, after + len(samplers) - plain)]
-        tokens = self._sample(Tensor(host[normal]), samplers, Tensor(ids[normal])) if normal else []
+        if all_greedy:
+            tokens = [int(t) for t in ids[normal]]  # as _sample chooses for plain greedy rows
+        else:
+            assert host is not None
+            tokens = self._sample(Tensor(host[normal]), samplers, Tensor(ids[normal]))
         verified: dict[int, list[int]] = {}
         row = plain
         for chunk, size in zip(scored, sizes):
             sampler = by_slot[chunk.slot]
             assert sampler is not None  # checked: a decode slot has finished its prompt
             proposed = list(chunk.tokens[1:])
-            sampler.recent = []
             if sampler.plain_greedy:
                 kept = []
                 for j in range(size):
@@ -438,6 +444,7 @@ class ModelRunner:
                     if j == len(proposed) or kept[-1] != proposed[j]:
                         break
             else:
+                assert host is not None  # fetched for every row that is not plain greedy
                 kept = guarded(sampler, partial(sampler.verify, host[row : row + size], proposed), [NO_TOKEN])
             verified[chunk.slot] = kept
             row += size

@@ -252,15 +252,16 @@ class AgentService:
         for i, spec in enumerate(specs):
             tokens, table = _int_arrays(arrays[2 + 2 * i : 4 + 2 * i], "step", ("token ids", "block table"))
             chunks.append(StepChunk.from_wire(spec, tokens, table))
-        drafts = self._proposals(asked, slots.tolist(), list(arrays[1]))
+        slot_ids, tables = slots.tolist(), list(arrays[1])
+        drafts = self._proposals(asked, slot_ids, tables)
         if chunks or drafts:
-            decoded, firsts = self.runner.step(slots.tolist(), list(arrays[1]), chunks, masks, drafts)
+            decoded, firsts = self.runner.step(slot_ids, tables, chunks, masks, drafts)
         else:  # the draft model proposed nothing (slots it cannot follow): a plain decode
-            decoded, firsts = [[t] for t in self.runner.decode(slots.tolist(), list(arrays[1]), masks)], []
+            decoded, firsts = [[t] for t in self.runner.decode(slot_ids, tables, masks)], []
         sampled = [c.slot if t is not None else None for c, t in zip(chunks, firsts)]
         reply = {
             "chunk_tokens": firsts,
-            **(self._per_token(slots.tolist(), decoded) if asked else self._per_slot(slots.tolist())),
+            **(self._per_token(slot_ids, decoded) if asked else self._per_slot(slot_ids)),
             **self._per_slot(sampled, "chunk_"),
         }
         flat = [token for tokens in decoded for token in tokens]
