@@ -99,7 +99,7 @@ def model_path(name: str = DEFAULT_MODEL, dest: Path = DEFAULT_DEST) -> Path:
 
 def fetch_model(name: str = DEFAULT_MODEL, dest: Path = DEFAULT_DEST, log=print) -> Path:
     model = MODELS[name]
-    target = dest / model.name
+    target = model_path(name, dest)
     if target.is_file():
         if sha256_of(target) == model.sha256:
             log(f"model {name} present: {target} (SHA-256 verified)")

@@ -537,7 +537,7 @@ class LlamaModel(nn.Cell):
     def run_stack(self, x, cos, sin, write_idx, lengths, tables, row_table, positions, local):
         """Every layer in one op (self.stack); arguments as LlamaLayer.fused's, then the rows'
         positions (the local layers' RoPE) and `local`: the local layers' write rows and block tables
-        where they have a cache of their own (GraphInputs.local_windows), else empty."""
+        where they have a cache of their own (GraphInputs._local), else empty."""
         if self.local_rope:
             cos_local = ops.expand_dims(ops.gather(self.cos_local, positions, 0), 1)
             sin_local = ops.expand_dims(ops.gather(self.sin_local, positions, 0), 1)

@@ -148,6 +148,11 @@ class GraphInputs:
         scratch = self.pool + np.minimum(np.arange(self.blocks_per_seq), scratch_blocks(runtime) - 1)
         self.scratch_table = scratch.astype(np.int32)
         self.ring = ring_blocks
+        # each seat's ring table (the scratch ring last): fixed by the seat, built once
+        self._ring_tables = None
+        if ring_blocks:
+            seats, blocks = np.arange(self.num_slots + 1)[:, None], np.arange(self.blocks_per_seq)
+            self._ring_tables = (seats * ring_blocks + blocks % ring_blocks).astype(np.int32)
 
     @property
     def local_cache_rows(self) -> int:
@@ -159,15 +164,19 @@ class GraphInputs:
         seat = self.num_slots if slot is None else int(slot)
         if not 0 <= seat <= self.num_slots:
             raise ValueError(f"slot {slot} is out of range 0..{self.num_slots - 1}")
-        return (seat * self.ring + np.arange(self.blocks_per_seq) % self.ring).astype(np.int32)
+        assert self._ring_tables is not None, "no sliding-window rings"
+        return self._ring_tables[seat].copy()
 
     def _local(self, slots: Sequence[int | None], row_table: np.ndarray, positions: np.ndarray) -> tuple:
         """The sliding-window layers' write rows [rows * KV] (row-major) and tables [len(slots), MB]:
         table row t is seat slots[t]'s ring (None: the scratch ring), row i at positions[i] writes
         through table row row_table[i]; () without rings."""
-        if not self.ring:
+        if self._ring_tables is None:
             return ()
-        tables = np.stack([self.ring_table(s) for s in slots])
+        seats = np.array([self.num_slots if s is None else int(s) for s in slots], np.int64)
+        if seats.size and not 0 <= seats.min() <= seats.max() <= self.num_slots:
+            raise ValueError(f"slots {list(slots)} are out of range 0..{self.num_slots - 1}")
+        tables = self._ring_tables[seats]
         write = self.rows(tables[row_table], np.asarray(positions, np.int64)[:, None])[:, 0]
         return write.reshape(-1).astype(np.int32), tables
 

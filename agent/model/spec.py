@@ -101,11 +101,6 @@ class ModelSpec(BaseModel):
             return inv_freq
         return inv_freq if self.rope_scaling is None else self.rope_scaling.apply(inv_freq)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """fp32 K and V for one position of one sequence, all layers."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
-
     def parameter_count(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

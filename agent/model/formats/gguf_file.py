@@ -194,9 +194,14 @@ def stored_weights(path: Path) -> tuple[ModelSpec, int]:
         name = _canonical_name(t.name)
         if name is None:
             continue
-        kept = name.endswith(MATRICES) and len(t.shape) == 2 and has_kernel(t.tensor_type, int(t.shape[0]))
-        total += t.n_bytes if kept else int(np.prod(t.shape)) * 4
+        total += t.n_bytes if _kept_in_format(name, t) else int(np.prod(t.shape)) * 4
     return spec, total
+
+
+def _kept_in_format(name: str, t) -> bool:
+    """Whether the tensor stays in its GGUF format (a layer or head matrix with a kernel for its
+    type): the memory plan counts and the loader keeps the same ones."""
+    return name.endswith(MATRICES) and len(t.shape) == 2 and has_kernel(t.tensor_type, int(t.shape[0]))
 
 
 def load(path: Path, progress: Progress) -> Checkpoint:
@@ -224,7 +229,7 @@ def load(path: Path, progress: Progress) -> Checkpoint:
         )
         qtype = GGMLQuantizationType(t.tensor_type)
         matrix = name.endswith(MATRICES) and len(t.shape) == 2
-        if matrix and has_kernel(qtype, int(t.shape[0])):
+        if _kept_in_format(name, t):
             kept.append((name, functools.partial(_pack, reader, t, qtype, reorder)))
             continue
         array = _dequantize(path, t)
