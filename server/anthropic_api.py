@@ -95,7 +95,7 @@ async def message_events(req: MessagesRequest, answer: Choices) -> AsyncIterator
     start = message(req, [], None, None, {"input_tokens": len(answer.prompt), "output_tokens": 0})
     yield event("message_start", message=start)
     yield event("ping")
-    blocks, text_open, last, calls = 0, False, None, list[dict]()
+    text_open, last, calls = False, None, list[dict]()
     async with contextlib.aclosing(choice_pieces(answer)) as pieces:
         async for piece in pieces:
             last = piece.out
@@ -107,23 +107,22 @@ async def message_events(req: MessagesRequest, answer: Choices) -> AsyncIterator
                 return
             if piece.text:
                 if not text_open:
-                    text_open, blocks = True, blocks + 1
+                    text_open = True
                     yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
                 yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece.text})
             calls = piece.calls or calls
     assert last is not None
     if not text_open and not calls:  # an empty answer is one empty text block, as whole_message gives
-        text_open, blocks = True, blocks + 1
+        text_open = True
         yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
     if text_open:
         yield event("content_block_stop", index=0)
-    for call in calls:
+    for index, call in enumerate(calls, start=int(text_open)):  # after the text block, if any
         block = tool_use(call)
-        yield event("content_block_start", index=blocks, content_block={**block, "input": {}})
+        yield event("content_block_start", index=index, content_block={**block, "input": {}})
         delta = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
-        yield event("content_block_delta", index=blocks, delta=delta)
-        yield event("content_block_stop", index=blocks)
-        blocks += 1
+        yield event("content_block_delta", index=index, delta=delta)
+        yield event("content_block_stop", index=index)
     reason = stop_reason(last.finish_reason, last.stop_sequence, calls)
     yield event(
         "message_delta",

@@ -166,7 +166,9 @@ async def admit(
             param="priority",
         )
     if request.grammar is not None:
-        for sampling in request.samplings:
+        # once per distinct min_tokens and stop ids (n choices differ only in their seeds)
+        distinct = {(s.min_tokens, tuple(s.stop_token_ids)): s for s in request.samplings}
+        for sampling in distinct.values():
             check_first_token(request.grammar, sampling, engine.stop_ids)
     streams = []
     try:

@@ -36,7 +36,7 @@ from server.assembly import (
     sampling_params,
     unless_disconnected,
 )
-from server.errors import OPENAI_TYPES, ApiError
+from server.errors import ApiError, error_body
 from server.model_repository import LoadedModel, ModelRepository
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
 from server.output import AnswerStream, GeneratedToken, GenerationOutput
@@ -81,6 +81,20 @@ class Choices:
             "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,
         }
+
+    def watcher(self) -> tool_calls.CallWatcher | None:
+        """What holds back a streamed choice's text that may be a tool call (None: no tools)."""
+        if not self.calls:
+            return None
+        assert isinstance(self.req, ChatCompletionRequest)  # only chats are read for calls
+        return tool_calls.CallWatcher(self.req.tools or [], self.req.parallel_tool_calls)
+
+    def split_calls(self, text: str) -> tuple[str | None, list[dict]]:
+        """A whole choice's text outside tool calls, and its calls (none where none were asked)."""
+        if not self.calls:
+            return text, []
+        assert isinstance(self.req, ChatCompletionRequest)
+        return tool_calls.parse_calls(text, self.req.tools or [], self.req.parallel_tool_calls)
 
     def logprobs(self, i: int, tokens: list[GeneratedToken]) -> dict | None:
         """Choice i's logprobs of these tokens (its next ones), if the request asked."""
@@ -200,18 +214,26 @@ async def whole_reply(answer: Choices) -> Response:
         for i, choice in enumerate(choices):
             choice["logprobs"] = answer.logprobs(i, generated[i])
             choice["finish_reason"] = reasons[i]
-            if answer.calls:
-                assert isinstance(answer.req, ChatCompletionRequest)
-                content, found = tool_calls.parse_calls(
-                    texts[i], answer.req.tools or [], answer.req.parallel_tool_calls
-                )
-                if found:
-                    choice["message"] = {"role": "assistant", "content": content, "tool_calls": found}
-                    choice["finish_reason"] = "tool_calls"
+            content, found = answer.split_calls(texts[i])
+            if found:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": found}
+                choice["finish_reason"] = "tool_calls"
         reply = {**answer.envelope(choices, False), "usage": answer.usage(sum(tokens))}
         return json.dumps(reply, ensure_ascii=False).encode()
 
     return Response(await asyncio.to_thread(body), media_type="application/json")
+
+
+def held(watcher: tool_calls.CallWatcher | None, out: GenerationOutput) -> tuple[str, list[dict]]:
+    """The output's text that may go out now (text that may be a tool call waits) and, at the
+    choice's end, its tool calls."""
+    if watcher is None or out.error:
+        return out.text, []
+    text = watcher.feed(out.text)
+    if not out.finished:
+        return text, []
+    rest, calls = watcher.finish()
+    return text + rest, calls
 
 
 def piece(
@@ -231,32 +253,17 @@ async def stream_events(answer: Choices) -> AsyncIterator[str]:
     choice's end, an error chunk for a choice that fails, usage if asked for, then [DONE]."""
     req, n = answer.req, answer.req.n
     tokens = [0] * n
-    watchers = (
-        [tool_calls.CallWatcher(req.tools or [], req.parallel_tool_calls) for _ in range(n)]
-        if answer.calls and isinstance(req, ChatCompletionRequest)
-        else []
-    )
+    watchers = [answer.watcher() for _ in range(n)]
     if answer.chat:
         yield json.dumps(answer.envelope([piece(answer, i, None) for i in range(n)], True))
     async with contextlib.aclosing(merged(answer.streams)) as outputs:
         async for i, out in outputs:
             if out.error:
-                error = {
-                    "message": out.error,
-                    "type": OPENAI_TYPES.get(out.error_status, "server_error"),
-                    "param": None,
-                    "code": out.error_status,
-                }
-                yield json.dumps({"error": error})
+                yield json.dumps(error_body(out.error_status, out.error, "openai", code=out.error_status))
                 break
             tokens[i] = out.index
-            text, reason = out.text, out.finish_reason
-            found: list[dict] = []
-            if watchers:  # text that may be a call waits; calls go out whole at the end
-                text = watchers[i].feed(out.text)
-                if out.finished:
-                    rest, found = watchers[i].finish()
-                    text += rest
+            reason = out.finish_reason
+            text, found = held(watchers[i], out)  # calls go out whole at the end
             if found:
                 if text:
                     yield json.dumps(answer.envelope([piece(answer, i, out, text)], True), ensure_ascii=False)
@@ -324,12 +331,12 @@ async def completion(http: Request, repository: ModelRepository, req: Completion
     return await respond(http, await admit_choices(http, model, req, prompt, max_tokens, chat=False))
 
 
-async def chat_prompt(model: LoadedModel, req: ChatCompletionRequest, param: str = "messages") -> list[int]:
+async def chat_prompt(model: LoadedModel, req: ChatCompletionRequest) -> list[int]:
     """The conversation's prompt tokens: its messages (and tools) through the chat template."""
     takes_tools = model.tokenizer.template_takes_tools
     messages = tool_calls.template_messages(req, takes_tools)
     tools = tool_calls.template_tools(req) if takes_tools else None
-    return await model.encoder.encode_chat(messages, param=param, tools=tools)
+    return await model.encoder.encode_chat(messages, param="messages", tools=tools)
 
 
 async def admit_chat(
@@ -369,7 +376,6 @@ def translated_chat(fields: dict, names: Mapping[str, str]) -> ChatCompletionReq
 class WholeChoice:
     """A translated request's one choice, read to its end."""
 
-    text: str  # the whole answer
     content: str | None  # the text outside tool calls (the whole text when none was asked for)
     calls: list[dict]  # its tool calls in OpenAI's shape
     tokens: int  # generated tokens (an EOS that ended it included)
@@ -387,13 +393,8 @@ async def whole_choice(answer: Choices) -> WholeChoice:
             texts.append(out.text)
             last = out
     assert last is not None  # a stream ends with a finished output
-    text, content, calls = "".join(texts), None, list[dict]()
-    if answer.calls:
-        assert isinstance(answer.req, ChatCompletionRequest)
-        content, calls = tool_calls.parse_calls(text, answer.req.tools or [], answer.req.parallel_tool_calls)
-    else:
-        content = text
-    return WholeChoice(text, content, calls, last.index, last.finish_reason, last.stop_sequence)
+    content, calls = answer.split_calls("".join(texts))
+    return WholeChoice(content, calls, last.index, last.finish_reason, last.stop_sequence)
 
 
 @dataclass
@@ -405,20 +406,10 @@ class ChoicePiece:
 
 async def choice_pieces(answer: Choices) -> AsyncGenerator[ChoicePiece]:
     """A translated request's one choice as it streams; closing this aborts it."""
-    req = answer.req
-    watcher = (
-        tool_calls.CallWatcher(req.tools or [], req.parallel_tool_calls)
-        if answer.calls and isinstance(req, ChatCompletionRequest)
-        else None
-    )
+    watcher = answer.watcher()
     async with contextlib.aclosing(merged(answer.streams)) as outputs:
         async for _, out in outputs:
-            text, calls = out.text, list[dict]()
-            if watcher is not None and not out.error:
-                text = watcher.feed(out.text)
-                if out.finished:
-                    rest, calls = watcher.finish()
-                    text += rest
+            text, calls = held(watcher, out)
             yield ChoicePiece(text, out, calls)
 
 

@@ -208,13 +208,8 @@ async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> 
         async for piece in pieces:
             out = last = piece.out
             if out.error:
-                failed = turn.response("failed", [], None)
-                code = (
-                    "server_error"
-                    if out.error_status >= 500
-                    else OPENAI_TYPES.get(out.error_status, "server_error")
-                )
-                failed["error"] = {"code": code, "message": out.error}
+                code = OPENAI_TYPES.get(out.error_status, "server_error")  # 5xx: server_error
+                failed = turn.response("failed", [], None, error={"code": code, "message": out.error})
                 yield event("response.failed", response=failed)
                 return
             if piece.text and not opened:
