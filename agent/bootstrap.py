@@ -123,7 +123,7 @@ def build_drafter(
         "draft",
         KnownAnswer.of_checkpoint(checkpoint, runner.runtime),
     )
-    return Drafter(draft)
+    return Drafter(draft, runner)
 
 
 def prepare_checkpoint(

@@ -2,8 +2,8 @@
 model in the agent's process whose greedy tokens are proposed after a decoding sequence's pending
 token, for the model to verify in its step (ModelRunner.step's drafts).
 
-    drafter = Drafter(draft_runner)                        # check_vocabularies() first
-    proposed = drafter.propose({slot: k}, tables, target)  # slot -> k greedy tokens of the draft
+    drafter = Drafter(draft_runner, target)        # check_vocabularies() first
+    proposed = drafter.propose({slot: k}, tables)  # slot -> k greedy tokens of the draft
 
 The draft keeps its own KV cache with the target's pool layout and reads and writes it through the
 target's block tables: a block holds the same positions of the same tokens in both caches, so a
@@ -62,24 +62,24 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Drafter:
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, target: ModelRunner):
+        """`runner`: the draft model's, beside `target`'s; both keep their slots' token ids."""
+        self.runner, self.target = runner, target
+        runner.track_tokens = target.track_tokens = True
         self.sequences: dict[int, SlotState] = {}  # slot -> the target's sequence its KV is of
 
-    def propose(
-        self, counts: Mapping[int, int], tables: Mapping[int, BlockTable], target: ModelRunner
-    ) -> dict[int, list[int]]:
+    def propose(self, counts: Mapping[int, int], tables: Mapping[int, BlockTable]) -> dict[int, list[int]]:
         """Up to counts[slot] greedy tokens of the draft after each slot's pending token, written
         through `tables` (the step's, which cover the proposals' positions); a slot the target
         holds no tokens of, or without room for them, gets none."""
         proposed: dict[int, list[int]] = {}
         for slot, k in counts.items():
-            known = target.known_tokens(slot)
+            known = self.target.known_tokens(slot)
             if known is None or k < 1 or len(known) + k > self.runner.max_len:
                 continue
-            same = self.sequences.get(slot) is target.slots[slot] and slot in self.runner.slots
+            same = self.sequences.get(slot) is self.target.slots[slot] and slot in self.runner.slots
             held = self.runner.slots[slot].tokens if same else None
-            self.sequences[slot] = target.slots[slot]
+            self.sequences[slot] = self.target.slots[slot]
             # graphs without chunked prefill compute a prompt in one call from its start
             start = 0
             if self.runner.chunked_prefill:

@@ -77,7 +77,7 @@ class SlotState:
     next_token: int | None = None  # sampled, to be written by the next decode step
     sampler: SlotSampler | None = None  # none until the prompt's last chunk samples
     # the ids of the positions written (a draft model catches up from them); None where the KV
-    # came from elsewhere (a KV import)
+    # came from elsewhere (a KV import) or the runner keeps none (no draft model)
     tokens: list[int] | None = None
 
 
@@ -106,6 +106,7 @@ class ModelRunner:
         self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
         self.topk_buckets = graphs.topk_buckets
         self.slots: dict[int, SlotState] = {}
+        self.track_tokens = False  # keep each slot's token ids (a draft model follows them)
 
     @classmethod
     def from_checkpoint(
@@ -218,7 +219,8 @@ class ModelRunner:
         state = self.slots.get(slot)
         if state is None:
             state = self.slots[slot] = SlotState(length=end, table=table)
-        state.length, state.table, state.tokens = end, table, ids.tolist()
+        state.length, state.table = end, table
+        state.tokens = ids.tolist() if self.track_tokens else None
         return state
 
     def _check_chunk(

@@ -283,7 +283,7 @@ class AgentService:
         for slot in counts:
             self.runner.active(slot)  # a slot that holds nothing is refused before the draft runs
         by_slot = dict(zip(slots, tables))
-        return drafts | self.drafter.propose(counts, {s: by_slot[s] for s in counts}, self.runner)
+        return drafts | self.drafter.propose(counts, {s: by_slot[s] for s in counts})
 
     def _per_token(self, slots: list[int], decoded: list[list[int]]) -> dict:
         """A step with drafts: `counts`, each decode slot's number of tokens, and the fields of

@@ -326,7 +326,7 @@ def drafted(
     and the tokens each step gave."""
     tokens, gave = [target.prefill(slot, ids, params, table)], []
     for _ in range(steps):
-        drafts = drafter.propose({slot: k}, {slot: table}, target)
+        drafts = drafter.propose({slot: k}, {slot: table})
         decoded, _ = target.step([slot], [table], [], drafts=drafts)
         tokens += decoded[0]
         gave.append(len(decoded[0]))
@@ -340,7 +340,7 @@ def test_the_model_as_its_own_draft_has_every_proposal_kept(runners, runner, ref
     from agent.drafter import Drafter
 
     release_all(runners[1])
-    drafter = Drafter(runners[1])
+    drafter = Drafter(runners[1], runner)
     for seed in (60, 61):
         ids, table = prompt(17, seed=seed), shuffled(1, seed=seed)[0]
         got, gave = drafted(runner, drafter, 0, ids, table, GREEDY, 3, 6)
@@ -358,7 +358,7 @@ def test_another_draft_model_changes_no_token(runner, reference, tmp_path):
 
     small = write_tiny_checkpoint(tmp_path / "draft", seed=9, layers=1, hidden=32, heads=2, kv_heads=1)
     check_vocabularies(small, small)
-    drafter = Drafter(ModelRunner.from_checkpoint(load_checkpoint(small), runner.runtime))
+    drafter = Drafter(ModelRunner.from_checkpoint(load_checkpoint(small), runner.runtime), runner)
     ids, table = prompt(23, seed=70), shuffled(1, seed=12)[0]
     got, gave = drafted(runner, drafter, 1, ids, table, GREEDY, 3, 8)
     assert got == ref.greedy(reference, ids, len(got)) and all(1 <= n <= 4 for n in gave)
