@@ -272,7 +272,7 @@ class ModelRunner:
             slots=list(slots),
         )
         tokens = self._sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
-        self._decoded(states, padded, tokens)
+        self._decoded(states, padded, [[t] for t in tokens])
         return tokens
 
     def _check_decode(
@@ -306,13 +306,15 @@ class ModelRunner:
         ]
 
     @staticmethod
-    def _decoded(states: list[SlotState], tables: list[np.ndarray], tokens: list[int]) -> None:
-        for state, table, token in zip(states, tables, tokens):
+    def _decoded(states: list[SlotState], tables: list[np.ndarray], tokens: list[list[int]]) -> None:
+        """Each slot wrote its pending token (and the proposals kept after it): `tokens`, each
+        slot's tokens of the step, the last one pending now."""
+        for state, table, chosen in zip(states, tables, tokens):
             state.table = table
-            state.length += 1
+            state.length += len(chosen)
             if state.tokens is not None and state.next_token is not None:
-                state.tokens.append(state.next_token)
-            state.next_token = token
+                state.tokens += [state.next_token, *chosen[:-1]]
+            state.next_token = chosen[-1]
 
     def step(
         self,
@@ -389,14 +391,9 @@ class ModelRunner:
         for row, i in enumerate(plain):
             decoded[i] = [tokens[row]]
         for i, slot in enumerate(slots):
-            state = states[i]
-            state.table = padded[i]
             if slot in drafts:
                 decoded[i] = verified[slot]
-            state.length += len(decoded[i])  # the pending token and the proposals kept
-            if state.tokens is not None and state.next_token is not None:
-                state.tokens += [state.next_token, *decoded[i][:-1]]
-            state.next_token = decoded[i][-1]
+        self._decoded(states, padded, decoded)
         firsts: list[int | None] = [None] * len(chunks)
         for i, token in zip(sampling, tokens[len(plain) :]):
             firsts[i] = token
