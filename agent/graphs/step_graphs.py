@@ -28,6 +28,9 @@ from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
 from config.schema import RuntimeSection
 
+# Weights the int8 activations leave float32 (int8_products.h Traits): the others are integer quants.
+FLOAT_FORMATS = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+
 
 class PrefillLayer(nn.Cell):
     """Calls one layer's prefill body. lazy_inline compiles the body once for all layers (a ~3x
@@ -198,8 +201,8 @@ class LlamaGraphs:
         int8 = runtime.activations == "int8"
         if int8 and not has_int8_products():
             raise ValueError(
-                "runtime.activations: int8 needs kernels built with AVX512-VNNI (a CPU without it, or "
-                f"{TARGET_ENV}={kernel_target()}); use float32"
+                "runtime.activations: int8 needs kernels built with AVX2 or AVX512-VNNI (a CPU without "
+                f"either, or {TARGET_ENV}={kernel_target()}); use float32"
             )
         ring = local_ring_blocks(runtime, self.spec)
         self.model = LlamaModel(
@@ -219,13 +222,14 @@ class LlamaGraphs:
             local_blocks=(runtime.planned_num_slots + 1) * ring,
         )
         release_freed_memory()
-        q4_1 = GGMLQuantizationType.Q4_1
         if int8 and not any(
-            layer.kernel_layer is not None and q4_1 in layer.formats.asnumpy() for layer in self.model.layers
+            layer.kernel_layer is not None and set(layer.formats.asnumpy().tolist()) - FLOAT_FORMATS
+            for layer in self.model.layers
         ):
             raise ValueError(
-                "runtime.activations: int8 applies to Q4_1 layer matrices run by the fused kernel, and "
-                "this model has none (other formats, float32 weights or tensor parallelism); use float32"
+                "runtime.activations: int8 applies to layer matrices in a quantized GGUF format (Q4_0 to "
+                "Q8_0, Q2_K to Q6_K) run by the fused kernel, and this model has none (float weights or "
+                "tensor parallelism); use float32"
             )
         self.inputs = GraphInputs(
             runtime,

@@ -201,16 +201,17 @@ def build(name: str | None = None) -> Path:
     return lib
 
 
-# Calls of more rows than this take the int8 products under runtime.activations int8 (int8_q4_1.h
-# q4i8::ABOVE_ROWS).
+# Calls of more rows than this take the int8 products under runtime.activations int8
+# (int8_products.h int8::ABOVE_ROWS).
 INT8_ABOVE_ROWS = 4
 
 
 def has_int8_products(name: str | None = None) -> bool:
     """The kernels of a target (default: this process's) hold the opt-in int8 products
-    (int8_q4_1.h q4i8): built with AVX512-VNNI and AVX512BW. Without them the library's int8 ops
-    refuse every call."""
-    return {"__AVX512VNNI__", "__AVX512BW__"} <= target_macros(name or target())
+    (int8_products.h): built with AVX512-VNNI and AVX512BW, or with AVX2. Without them (the portable
+    target) the library's int8 ops refuse every call."""
+    macros = target_macros(name or target())
+    return {"__AVX512VNNI__", "__AVX512BW__"} <= macros or "__AVX2__" in macros
 
 
 def op_path(function: str) -> str:

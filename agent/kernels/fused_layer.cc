@@ -48,7 +48,7 @@
 #include <cstring>
 #include <vector>
 
-#include "int8_q4_1.h"
+#include "int8_products.h"
 #include "product.h"
 #include "prompt_attention.h"
 #include "row_ops.h"
@@ -200,7 +200,7 @@ struct Parts {
   }
 };
 
-int run_layer(const float *x, const Step &step, const Layer &layer, bool int8, float *out) {
+int run_layer(const float *x, const Step &step, const Layer &layer, bool int8_activations, float *out) {
   const int64_t batch = step.batch, dim = step.dim, kv = step.kv, hd = layer.hd;
   const int64_t q_width = layer.bias - 2 * kv * hd, heads = q_width / hd, groups = heads / kv;
   const product::Matrix *m = layer.m;
@@ -225,34 +225,32 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8, f
         !rowwise::table_covers(paging.table(n / kv), paging.entries, paging.block, len[n], blocks))
       return 1;
   }
-  // The opt-in int8 products (int8_q4_1.h q4i8) take the Q4_1 matrices' products in calls of more
-  // than q4i8::ABOVE_ROWS rows; each product's input is quantized first.
-  if (int8 && !q4i8::AVAILABLE) return 1;
-  const bool int8_rows = int8 && live > q4i8::ABOVE_ROWS;
+  // The opt-in int8 products (int8_products.h) take the integer formats' products in calls of more
+  // than int8::ABOVE_ROWS rows; each product's input is quantized first.
+  if (int8_activations && !int8::AVAILABLE) return 1;
+  const bool int8_rows = int8_activations && live > int8::ABOVE_ROWS;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> xd_buf, xs_buf;
   if (int8_rows) {
     const int64_t widest = std::max({dim, q_width, ffn});
-    if (widest % q4i8::BLOCK != 0) return 1;
+    if (widest % int8::XBLOCK != 0) return 1;
     xq_buf.resize(live * widest);
-    xd_buf.resize(live * widest / q4i8::BLOCK);
-    xs_buf.resize(live * widest / q4i8::BLOCK);
+    xd_buf.resize(live * widest / int8::XBLOCK);
+    xs_buf.resize(live * widest / int8::XSUM);
   }
   // The product's input quantized, k_dim wide: one set of buffers, each product's in turn (their
   // addresses taken here: in the team's threads the thread_local names are other vectors).
   int8_t *const xq = xq_buf.data();
   float *const xd = xd_buf.data(), *const xs = xs_buf.data();
-  auto activations = [=](int64_t k_dim) { return q4i8::Rows{xq, xd, xs, k_dim}; };
+  auto activations = [=](int64_t k_dim) { return int8::Rows{xq, xd, xs, k_dim}; };
   // Before a product: its input's rows quantized (int8_rows only), then the team's barrier.
   auto quantize = [&](team::Region &region, const float *in, int64_t k_dim) {
-    if (int8_rows) region.for_static(live, [&](int64_t row) { q4i8::quantize_row(activations(k_dim), in, row); });
+    if (int8_rows) region.for_static(live, [&](int64_t row) { int8::quantize_row(activations(k_dim), in, row); });
   };
   // Tile j of the matrix into `to`'s columns from `column` on (rows of `stride`).
   auto product = [&](const product::Matrix &w, const float *in, const float *residual, float *to, int64_t stride,
                      int64_t j) {
-    if (int8_rows && w.format == formats::Q4_1::ID)
-      q4i8::tile(activations(w.k_dim), static_cast<const uint8_t *>(w.w), residual, to, live, stride, j);
-    else
+    if (!int8_rows || !int8::tile(w, activations(w.k_dim), residual, to, live, stride, j))
       product::tile(w, in, residual, to, live, stride, j);
   };
   std::memcpy(out + live * dim, x + live * dim, sizeof(float) * (batch - live) * dim);
@@ -400,7 +398,7 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8, f
 }
 
 // The stack's call: the common inputs, then PER_LAYER inputs a layer, the output last.
-int run_stack(int nparam, void **params, int *ndims, int64_t **shapes, bool int8) {
+int run_stack(int nparam, void **params, int *ndims, int64_t **shapes, bool int8_activations) {
   Step step;
   if (nparam < COMMON + PER_LAYER + 1 || (nparam - COMMON - 1) % PER_LAYER != 0 ||
       !read_step(params, ndims, shapes, step))
@@ -416,7 +414,7 @@ int run_stack(int nparam, void **params, int *ndims, int64_t **shapes, bool int8
   const float *x = static_cast<const float *>(params[0]);
   for (int layer = 0; layer < layers; ++layer) {
     float *to = (layers - 1 - layer) % 2 == 0 ? out : other_buf.data();
-    const int failed = run_layer(x, step, each[layer], int8, to);
+    const int failed = run_layer(x, step, each[layer], int8_activations, to);
     if (failed) return failed;
     x = to;
   }
@@ -431,8 +429,8 @@ extern "C" int FusedStack(int nparam, void **params, int *ndims, int64_t **shape
   return run_stack(nparam, params, ndims, shapes, false);
 }
 
-// FusedStack with the opt-in int8 products for the Q4_1 matrices in calls of more than
-// q4i8::ABOVE_ROWS rows.
+// FusedStack with the opt-in int8 products for the integer formats' matrices in calls of more than
+// int8::ABOVE_ROWS rows.
 extern "C" int FusedStackI8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;

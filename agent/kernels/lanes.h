@@ -23,6 +23,7 @@ typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 inline vf to_float(vi v) { return __builtin_convertvector(v, vf); }
+inline vf to_float(vf v) { return v; }  // F16 and BF16 quants (formats/format.h Group::Quant)
 
 inline vf broadcast(float value) { return vf{} + value; }
 

@@ -117,11 +117,18 @@ constexpr int group_size() {
 }
 
 // The group's weights: scale * q + offset (scale * q for formats without offsets).
-template <class F, int N>
-inline void weights_of(const vf *scale, const vf *offset, const vf (&q)[N], vf (&w)[N]) {
+template <class F, int N, class Q>
+inline void weights_of(const vf *scale, const vf *offset, const Q (&q)[N], vf (&w)[N]) {
 #pragma GCC unroll 4
-  for (int n = 0; n < N; ++n) w[n] = F::OFFSET ? scale[n] * q[n] + offset[n] : scale[n] * q[n];
+  for (int n = 0; n < N; ++n) {
+    const vf quant = to_float(q[n]);
+    w[n] = F::OFFSET ? scale[n] * quant + offset[n] : scale[n] * quant;
+  }
 }
+
+// The quants' type of a group (formats/format.h Group::Quant).
+template <class G>
+using quant_of = typename std::decay_t<G>::Quant;
 
 // Row `row` of tile j (+ residual), a sub-block at a time: sum_i x[i] q[i] in float32, times the
 // sub-block's scale, plus its offset times sum_i x[i].
@@ -153,10 +160,10 @@ inline void row_tile(const float *x, int64_t k_dim, const uint8_t *w, const floa
         constexpr int N = group_size<std::decay_t<decltype(group)>>();
         // two FMA chains a sub-block, taking turns (one group of one sub-block is a chain of 32)
         vf acc[N] = {}, other[N] = {};
-        quants([&](int i, const vf (&q)[N]) {
+        quants([&](int i, const quant_of<decltype(group)> (&q)[N]) {
 #pragma GCC unroll 4
           for (int n = 0; n < N; ++n) {
-            acc[n] += xb[group.s[n] * F::SUB + i] * q[n];
+            acc[n] += xb[group.s[n] * F::SUB + i] * to_float(q[n]);
             std::swap(acc[n], other[n]);
           }
         });
@@ -192,7 +199,7 @@ inline void dequantize(const uint8_t *w, int64_t k_dim, int64_t j, float *out) {
     for (int c = 0; c < VECTORS; ++c)
       F::subs(block, c, [&](const auto &group, auto quants) {
         constexpr int N = group_size<std::decay_t<decltype(group)>>();
-        quants([&](int i, const vf (&q)[N]) {
+        quants([&](int i, const quant_of<decltype(group)> (&q)[N]) {
           vf weight[N];
           weights_of<F, N>(group.scale, group.offset, q, weight);
           for (int n = 0; n < N; ++n)
@@ -211,7 +218,7 @@ inline void matrix_row(const uint8_t *w, int64_t k_dim, int64_t row, float *out)
   for (int64_t b = 0; b < blocks; ++b)
     F::subs(tile + b * F::TILE_BYTES, c, [&](const auto &group, auto quants) {
       constexpr int N = group_size<std::decay_t<decltype(group)>>();
-      quants([&](int i, const vf (&q)[N]) {
+      quants([&](int i, const quant_of<decltype(group)> (&q)[N]) {
         vf weight[N];
         weights_of<F, N>(group.scale, group.offset, q, weight);
         for (int n = 0; n < N; ++n) out[b * F::BLOCK + group.s[n] * F::SUB + i] = weight[n][lane];
@@ -238,10 +245,11 @@ inline void direct_rows(const float *x, int64_t k_dim, const uint8_t *w, const f
       const float *xb = xr + b * F::BLOCK;
       F::subs(block, c, [&](const auto &group, auto quants) {
         constexpr int N = group_size<std::decay_t<decltype(group)>>();
-        quants([&](int i, const vf (&q)[N]) {
+        quants([&](int i, const quant_of<decltype(group)> (&q)[N]) {
 #pragma GCC unroll 4
           for (int n = 0; n < N; ++n) {  // one weight in a register at a time, beside R accumulators
-            const vf weight = F::OFFSET ? group.scale[n] * q[n] + group.offset[n] : group.scale[n] * q[n];
+            const vf quant = to_float(q[n]);
+            const vf weight = F::OFFSET ? group.scale[n] * quant + group.offset[n] : group.scale[n] * quant;
             const float *xk = xb + group.s[n] * F::SUB + i;
 #pragma GCC unroll 16
             for (int r = 0; r < R; ++r) acc[r] += xk[r * k_dim] * weight;

@@ -8,7 +8,9 @@
 // this process may use), in small dynamic chunks so a core taken by another process delays the
 // product little.
 #include <cstdint>
+#include <vector>
 
+#include "int8_products.h"
 #include "product.h"
 #include "thread_team.h"
 
@@ -63,6 +65,32 @@ extern "C" int SkinnyMatMulFormat(int nparam, void **params, int *ndims, int64_t
   const int64_t m_dim = shapes[0][0];
   team::Team::instance().run([&](team::Region &region) {
     region.for_dynamic(m.tiles, 2, [&](int64_t j) { product::tile(m, x, nullptr, out, m_dim, m.n_dim(), j); });
+  });
+  return 0;
+}
+
+// SkinnyMatMulFormat with int8 activations (int8_products.h) for every row count: x's rows quantized
+// per block of 32, then the products (F16, BF16 and F32 weights as float32). The int8 products called
+// alone (the fused layer calls them for more than int8::ABOVE_ROWS rows); refused (1) without them.
+extern "C" int SkinnyMatMulFormatI8(int nparam, void **params, int *ndims, int64_t **shapes,
+                                    const char **dtypes, void *stream, void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  product::Matrix m;
+  if (!int8::AVAILABLE || nparam != 4 || ndims[0] != 2 || ndims[2] != 1 ||
+      !product::read_matrix(params[1], *static_cast<const int32_t *>(params[2]), ndims[1], shapes[1], m) ||
+      m.k_dim != shapes[0][1] || m.k_dim % int8::XBLOCK != 0)
+    return 1;
+  const float *x = static_cast<const float *>(params[0]);
+  float *out = static_cast<float *>(params[3]);
+  const int64_t m_dim = shapes[0][0];
+  std::vector<int8_t> q(m_dim * m.k_dim);
+  std::vector<float> d(m_dim * m.k_dim / int8::XBLOCK), s(m_dim * m.k_dim / int8::XSUM);
+  const int8::Rows rows{q.data(), d.data(), s.data(), m.k_dim};
+  for (int64_t row = 0; row < m_dim; ++row) int8::quantize_row(rows, x, row);
+  team::Team::instance().run([&](team::Region &region) {
+    region.for_dynamic(m.tiles, 2, [&](int64_t j) {
+      if (!int8::tile(m, rows, nullptr, out, m_dim, m.n_dim(), j)) product::tile(m, x, nullptr, out, m_dim, m.n_dim(), j);
+    });
   });
   return 0;
 }

@@ -61,6 +61,18 @@ class RefCache:
         return len(self.keys[0]) if self.keys else 0
 
 
+# The layer's matrices: the reference's short names, the GGUF's tensor names.
+MATRIX_NAMES = {
+    "q": "attn_q",
+    "k": "attn_k",
+    "v": "attn_v",
+    "o": "attn_output",
+    "gate": "ffn_gate",
+    "up": "ffn_up",
+    "down": "ffn_down",
+}
+
+
 def load_gguf_reference(path: str | Path) -> RefModel:
     import gguf
 
@@ -68,6 +80,8 @@ def load_gguf_reference(path: str | Path) -> RefModel:
     arch = reader.fields["general.architecture"].contents()
     meta = lambda k: reader.fields[f"{arch}.{k}"].contents()  # noqa: E731
     raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64) for t in reader.tensors}
+    floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    integer = {t.name for t in reader.tensors if t.tensor_type not in floats}  # int8 activations apply
     n_layers = meta("block_count")
     layers = []
     for i in range(n_layers):
@@ -90,6 +104,7 @@ def load_gguf_reference(path: str | Path) -> RefModel:
                 "k_norm": raw.get(p + "attn_k_norm.weight"),
                 "post_attn_norm": raw.get(p + "post_attention_norm.weight"),
                 "post_ffn_norm": raw.get(p + "post_ffw_norm.weight"),
+                "integer": {short for short, name in MATRIX_NAMES.items() if f"{p}{name}.weight" in integer},
             }
         )
     heads = meta("attention.head_count")
@@ -153,6 +168,7 @@ def load_hf_reference(directory: str | Path) -> RefModel:
                 "bq": raw.get(p + "self_attn.q_proj.bias"),
                 "bk": raw.get(p + "self_attn.k_proj.bias"),
                 "bv": raw.get(p + "self_attn.v_proj.bias"),
+                "integer": set(),  # float weights: int8 activations never apply
             }
         )
     embed = raw["model.embed_tokens.weight"]
@@ -247,23 +263,45 @@ def _rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray, interleaved: 
     return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
 
 
-def q8_1(x: np.ndarray) -> np.ndarray:
+def q8_1(x: np.ndarray, near_ties: list[int] | None = None) -> np.ndarray:
     """x as llama.cpp's Q8_1 activations hold it: each block of 32 in float32 rounded to the grid of
-    d = max |x| / 127 (to nearest, ties to even), then dequantized (d * q) in float64."""
+    d = max |x| / 127 (to nearest, ties to even), then dequantized (d * q) in float64. near_ties: gets
+    the count of values near a rounding boundary (TIE_ULPS), where a float32 input a few ulps away
+    (summed in another order) rounds the other way: either answer is right."""
     blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    q = np.rint(blocks * (np.float32(127) / np.where(amax > 0, amax, np.float32(1))))  # all-zero blocks: 0
+    scaled = blocks * (np.float32(127) / np.where(amax > 0, amax, np.float32(1)))  # all-zero blocks: 0
+    if near_ties is not None:
+        margin = (np.abs(scaled) + 1) * (TIE_ULPS * 2.0**-24)
+        near_ties.append(int((np.abs(np.abs(scaled - np.trunc(scaled)) - 0.5) < margin).sum()))
+    q = np.rint(scaled)
     return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+
+
+# A scaled value this many of its float32 ulps from a rounding boundary is a tie: the kernels'
+# activations differ from the reference's by a few ulps (an attention output by two, measured).
+TIE_ULPS = 8
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
 
-def forward(model: RefModel, tokens: list[int], cache: RefCache, int8: bool = False) -> np.ndarray:
-    """Run `tokens` after what `cache` already holds; returns logits [len(tokens), vocab]. int8: every
-    layer product's input rounded to Q8_1 first (runtime.activations: int8); not the LM head."""
-    act = q8_1 if int8 else (lambda a: a)
+def forward(
+    model: RefModel,
+    tokens: list[int],
+    cache: RefCache,
+    int8: bool = False,
+    near_ties: list[int] | None = None,
+) -> np.ndarray:
+    """Run `tokens` after what `cache` already holds; returns logits [len(tokens), vocab]. int8: the
+    input of every layer product whose weights are in an integer GGUF format rounded to Q8_1 first
+    (runtime.activations: int8); not the LM head, nor float weights. near_ties: as q8_1's, a count
+    for each rounding."""
+
+    def product(a: np.ndarray, layer: dict, name: str) -> np.ndarray:
+        return (q8_1(a, near_ties) if int8 and name in layer["integer"] else a) @ layer[name].T
+
     start = cache.length
     positions = np.arange(start, start + len(tokens), dtype=np.float64)
     x = model.embed[np.asarray(tokens)]
@@ -278,8 +316,8 @@ def forward(model: RefModel, tokens: list[int], cache: RefCache, int8: bool = Fa
     for li, layer in enumerate(model.layers):
         local = gemma is not None and li in gemma.local_layers
         layer_freqs = _frequencies(gemma.local_theta, hd, None) if local and gemma else freqs
-        h = act(_rms(x, layer["attn_norm"], model.eps))
-        q, k, v = h @ layer["q"].T, h @ layer["k"].T, h @ layer["v"].T
+        h = _rms(x, layer["attn_norm"], model.eps)
+        q, k, v = product(h, layer, "q"), product(h, layer, "k"), product(h, layer, "v")
         if layer["bq"] is not None:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
         q = q.reshape(len(tokens), model.n_heads, hd)
@@ -304,18 +342,20 @@ def forward(model: RefModel, tokens: list[int], cache: RefCache, int8: bool = Fa
             scores = np.where(hidden, -np.inf, scores)
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             out[:, head] = (scores / scores.sum(axis=-1, keepdims=True)) @ values[:, kv_head]
-        attended = act(out.reshape(len(tokens), -1)) @ layer["o"].T
+        attended = product(out.reshape(len(tokens), -1), layer, "o")
         if gemma is not None:
             attended = _rms(attended, layer["post_attn_norm"], model.eps)
         x = x + attended
-        h = act(_rms(x, layer["ffn_norm"], model.eps))
-        gate = h @ layer["gate"].T
+        h = _rms(x, layer["ffn_norm"], model.eps)
+        gate = product(h, layer, "gate")
         if gemma is not None:
             ffn = _rms(
-                (_gelu_tanh(gate) * (h @ layer["up"].T)) @ layer["down"].T, layer["post_ffn_norm"], model.eps
+                product(_gelu_tanh(gate) * product(h, layer, "up"), layer, "down"),
+                layer["post_ffn_norm"],
+                model.eps,
             )
         else:
-            ffn = act((gate / (1.0 + np.exp(-gate))) * (h @ layer["up"].T)) @ layer["down"].T
+            ffn = product((gate / (1.0 + np.exp(-gate))) * product(h, layer, "up"), layer, "down")
         x = x + ffn
     return _rms(x, model.norm, model.eps) @ model.head.T
 

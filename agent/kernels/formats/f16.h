@@ -16,7 +16,7 @@ struct Float16Bits {
 
   template <class Use>
   static void subs(const uint8_t *block, int c, Use use) {
-    use(Group<1>{{0}, {broadcast(1.f)}, {vf{}}}, [&](auto each) {
+    use(Group<1, vf>{{0}, {broadcast(1.f)}, {vf{}}}, [&](auto each) {
 #pragma GCC unroll 8
       for (int i = 0; i < 32; ++i) each(i, {Load(field(block, 0, 2, c, i))});
     });

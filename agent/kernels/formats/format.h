@@ -17,7 +17,8 @@
 //     bytes (N = 1, 2 or 4: a byte's two nibbles, or four 2-bit fields, belong to other sub-blocks),
 //     column vector c (LANES columns): use(group, quants), group a Group<N> (its sub-blocks s[n],
 //     their scale[n] and offset[n]); quants(each) calls each(i, q) for every i in [0, SUB), q[n] the
-//     integer quants of k = s[n] * SUB + i as floats. Scale and offset are float32, formed from
+//     quants of k = s[n] * SUB + i (Group::Quant: integers, the quantized formats, as vi; else
+//     the weights as vf, F16 and BF16). Scale and offset are float32, formed from
 //     the file's values as gguf.quants.dequantize forms them (d * sc in float32, never rounded to
 //     half), so the products are float32 products with the dequantized matrix. A group's bytes are
 //     read and unpacked once for its N sub-blocks (Q4_K's nibbles, Q6_K's high bits).
@@ -36,8 +37,9 @@ using packed::to_float;
 using packed::vf;
 using packed::vi;
 
-template <int N>
+template <int N, class Q = vi>
 struct Group {
+  using Quant = Q;
   int s[N];
   vf scale[N], offset[N];
 };

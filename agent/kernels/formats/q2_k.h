@@ -31,7 +31,7 @@ struct Q2_K {
 #pragma GCC unroll 4
         for (int i = 0; i < 16; ++i) {
           const vi q = packed::widen(field(block, 16, 1, c, 32 * n + 16 * half + i));
-          each(i, {to_float(q & 3), to_float((q >> 2) & 3), to_float((q >> 4) & 3), to_float(q >> 6)});
+          each(i, {q & 3, (q >> 2) & 3, (q >> 4) & 3, q >> 6});
         }
       });
     }

@@ -35,8 +35,8 @@ struct Q3_K {
         for (int i = 0; i < 16; ++i) {
           const vi q = packed::widen(field(block, 32, 1, c, 32 * n + 16 * half + i));
           const vi h = packed::widen(field(block, 0, 1, c, 16 * half + i)) >> (4 * n) << 2;
-          each(i, {to_float((q & 3) | (h & 4)), to_float(((q >> 2) & 3) | ((h >> 1) & 4)),
-                   to_float(((q >> 4) & 3) | ((h >> 2) & 4)), to_float((q >> 6) | ((h >> 3) & 4))});
+          each(i, {(q & 3) | (h & 4), ((q >> 2) & 3) | ((h >> 1) & 4),
+                   ((q >> 4) & 3) | ((h >> 2) & 4), (q >> 6) | ((h >> 3) & 4)});
         }
       });
     }

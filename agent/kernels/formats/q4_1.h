@@ -20,8 +20,8 @@ struct Q4_1 {
 #pragma GCC unroll 8
       for (int i = 0; i < 16; ++i) {
         const vi q = packed::widen(field(block, 4, 1, c, i));
-        each(i, {to_float(q & 15)});
-        each(i + 16, {to_float(q >> 4)});
+        each(i, {q & 15});
+        each(i + 16, {q >> 4});
       }
     });
   }

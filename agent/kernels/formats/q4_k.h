@@ -42,7 +42,7 @@ struct Q4_K {
 #pragma GCC unroll 8
         for (int i = 0; i < 32; ++i) {
           const vi q = packed::widen(field(block, 16, 1, c, 32 * j + i));
-          each(i, {to_float(q & 15), to_float(q >> 4)});
+          each(i, {q & 15, q >> 4});
         }
       });
     }

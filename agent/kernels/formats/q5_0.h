@@ -21,8 +21,8 @@ struct Q5_0 {
 #pragma GCC unroll 8
       for (int i = 0; i < 16; ++i) {
         const vi q = packed::widen(field(block, 6, 1, c, i));
-        each(i, {to_float((q & 15) | ((high >> i << 4) & 16))});
-        each(i + 16, {to_float((q >> 4) | ((high >> (i + 16) << 4) & 16))});
+        each(i, {(q & 15) | ((high >> i << 4) & 16)});
+        each(i + 16, {(q >> 4) | ((high >> (i + 16) << 4) & 16)});
       }
     });
   }

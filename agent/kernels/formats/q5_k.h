@@ -30,7 +30,7 @@ struct Q5_K {
         for (int i = 0; i < 32; ++i) {
           const vi q = packed::widen(field(block, 48, 1, c, 32 * j + i));
           const vi high = packed::widen(field(block, 16, 1, c, i)) >> (2 * j) << 4;
-          each(i, {to_float((q & 15) | (high & 16)), to_float((q >> 4) | ((high >> 1) & 16))});
+          each(i, {(q & 15) | (high & 16), (q >> 4) | ((high >> 1) & 16)});
         }
       });
     }

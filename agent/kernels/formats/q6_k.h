@@ -34,8 +34,8 @@ struct Q6_K {
           const vi a = packed::widen(field(block, 0, 1, c, 64 * h + l));
           const vi b = packed::widen(field(block, 0, 1, c, 64 * h + 32 + l));
           const vi top = packed::widen(field(block, 128, 1, c, 32 * h + l)) << 4;
-          each(i, {to_float((a & 15) | (top & 0x30)), to_float((b & 15) | ((top >> 2) & 0x30)),
-                   to_float((a >> 4) | ((top >> 4) & 0x30)), to_float((b >> 4) | ((top >> 6) & 0x30))});
+          each(i, {(a & 15) | (top & 0x30), (b & 15) | ((top >> 2) & 0x30),
+                   (a >> 4) | ((top >> 4) & 0x30), (b >> 4) | ((top >> 6) & 0x30)});
         }
       });
     }

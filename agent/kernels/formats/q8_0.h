@@ -16,7 +16,7 @@ struct Q8_0 {
   static void subs(const uint8_t *block, int c, Use use) {
     use(Group<1>{{0}, {packed::load_half(field(block, 0, 2, c))}, {vf{}}}, [&](auto each) {
 #pragma GCC unroll 8
-      for (int i = 0; i < 32; ++i) each(i, {to_float(packed::widen_signed(field(block, 2, 1, c, i)))});
+      for (int i = 0; i < 32; ++i) each(i, {packed::widen_signed(field(block, 2, 1, c, i))});
     });
   }
 };

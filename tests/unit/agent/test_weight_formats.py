@@ -10,9 +10,10 @@ import gguf
 import numpy as np
 import pytest
 
-from agent.kernels import build
+from agent.kernels import build, has_int8_products
 from agent.model.quantized import FIELDS, BlockMatrix, block_shape
 from kernel_calls import call
+from reference_numpy import q8_1
 from tools.make_gguf import random_blocks
 
 FORMATS = sorted(FIELDS, key=lambda t: t.value)
@@ -51,6 +52,33 @@ def test_every_row_count_matches_the_dequantized_product(library, qtype):
         got = product(library, x, matrix)
         np.testing.assert_allclose(
             got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{qtype.name}, {rows} rows"
+        )
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_int8_activations_match_the_q8_1_product_at_every_row_count(library, kernel_target, qtype):
+    """The opt-in int8 products (int8_products.h, SkinnyMatMulFormatI8): every integer format's
+    product with Q8_1-rounded activations is the fp64 product of the rounded activations with the
+    dequantized matrix (exact integer sums; only the float scaling rounds), at 1 to 64 rows (row
+    blocks of 6 with VNNI, of 3 with AVX2); F16 and BF16 stay float32 products. The portable target
+    refuses the call."""
+    cols = 2 * block_shape(qtype)[0] if block_shape(qtype)[0] > 32 else 96
+    w, matrix = random_matrix(qtype, 70, cols, seed=qtype.value)
+    format_id = np.array([qtype.value], np.int32)
+    out = np.full((1, matrix.packed.shape[0] * 32), np.nan, np.float32)
+    if not has_int8_products(kernel_target):
+        x = np.ones((1, cols), np.float32)
+        assert call(library.SkinnyMatMulFormatI8, [x, matrix.packed, format_id], out) == 1
+        return
+    floats = qtype in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    rng = np.random.default_rng(2)
+    for rows in range(1, 65):
+        x = (rng.standard_normal((rows, cols)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
+        want = (x.astype(np.float64) if floats else q8_1(x)) @ w.T
+        out = np.full((rows, matrix.packed.shape[0] * 32), np.nan, np.float32)
+        assert call(library.SkinnyMatMulFormatI8, [x, matrix.packed, format_id], out) == 0
+        np.testing.assert_allclose(
+            out[:, :70], want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"{qtype.name}, {rows} rows"
         )
 
 

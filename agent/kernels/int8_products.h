@@ -1,0 +1,324 @@
+// Opt-in (runtime.activations: int8): the products of every integer weight format (formats/*.h, all
+// but F16 and BF16) in calls of more than ABOVE_ROWS rows (prompts, mixed steps, decode steps of more
+// than ABOVE_ROWS streams), with the activations quantized per block of 32 as llama.cpp's Q8_1 does:
+// x[k] ~ dx * qx[k] (qx int8, dx = max |x| / 127). Each call unpacks a tile's blocks once into bytes
+// four k a column (VPDPBUSD's layout) and each sub-block's scale and offset per column; then per
+// sub-block, sum_k x[k] w[k][t] ~ scale[t] * dx * sum_k qx[k] q[k][t] + offset[t] * sx (sx = dx *
+// the sub-block's sum of qx), the integer sums by AVX512-VNNI's VPDPBUSD (64 byte products an
+// instruction against a float FMA's 16) or AVX2's VPMADDUBSW + VPMADDWD (32 in two). The weights stay
+// exactly the file's; only the activations are rounded, so answers may differ from the float32
+// products' and this is never the default.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "product.h"
+
+namespace int8 {
+
+// Calls of more rows take these products (agent/kernels INT8_ABOVE_ROWS). The 30 Q4_1 layers of a
+// decode step at context 160 (tools.model_bench, the 2-core EPYC), float32 -> int8: 4 rows 11.2 ->
+// 10.9 ms, 8 rows 18.1 -> 15.2, 16 rows 30.9 -> 24.2, 32 rows 58.5 -> 41.8; a 1024-token prompt 1308
+// -> 670. Up to 4 rows the products stay exact: int8 gains nothing there.
+constexpr int64_t ABOVE_ROWS = 4;
+constexpr int XBLOCK = 32;  // activations a scale
+constexpr int XSUM = 16;    // activations a sum: the smallest sub-block (Q2_K, Q3_K, Q6_K)
+
+// Whether a format's products take int8 activations, and the bias that makes its quants bytes
+// (Q8_0's int8 quants + 128; the others' are unsigned already).
+template <class F>
+struct Traits {
+  static constexpr bool USABLE = true;
+  static constexpr int BIAS = 0;
+};
+template <>
+struct Traits<formats::Q8_0> {
+  static constexpr bool USABLE = true;
+  static constexpr int BIAS = 128;
+};
+template <>
+struct Traits<formats::F16> {
+  static constexpr bool USABLE = false;
+  static constexpr int BIAS = 0;
+};
+template <>
+struct Traits<formats::BF16> {
+  static constexpr bool USABLE = false;
+  static constexpr int BIAS = 0;
+};
+
+// Rows of activations quantized: q [M, K] int8, d [M, K / XBLOCK] and s [M, K / XSUM] (d * sum q).
+struct Rows {
+  int8_t *q;
+  float *d, *s;
+  int64_t k_dim;
+};
+
+// Row `row` of `in` [M, k_dim] quantized into x (k_dim a multiple of XBLOCK): rounded to nearest,
+// ties to even, as the reference (tests/support/reference_numpy.py q8_1) rounds.
+inline void quantize_row(const Rows &x, const float *in, int64_t row) {
+  const float *xr = in + row * x.k_dim;
+  int8_t *q = x.q + row * x.k_dim;
+  const int64_t blocks = x.k_dim / XBLOCK;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int i = 0; i < XBLOCK; ++i) amax = std::max(amax, std::fabs(xr[b * XBLOCK + i]));
+    const float d = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+    x.d[row * blocks + b] = d;
+    for (int h = 0; h < XBLOCK / XSUM; ++h) {
+      const int64_t at = b * XBLOCK + h * XSUM;
+      int32_t total = 0;
+#pragma omp simd reduction(+ : total)
+      for (int i = 0; i < XSUM; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xr[at + i] * inverse));
+        q[at + i] = static_cast<int8_t>(v);
+        total += v;
+      }
+      x.s[row * (x.k_dim / XSUM) + at / XSUM] = d * static_cast<float>(total);
+    }
+  }
+}
+
+// A tile unpacked: bytes [K / 4][TILE][4] (byte (t, kk) of group g = quant k = 4 g + kk of column
+// t, plus the format's bias), and each sub-block's scale and offset [K / SUB][TILE].
+struct Unpacked {
+  std::vector<uint8_t> bytes;
+  std::vector<float> scale, offset;
+};
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool AVAILABLE = true;
+constexpr bool SIGNED_DOT = false;  // VPDPBUSD sums byte products exactly: quants biased to bytes
+#elif defined(__AVX2__)
+constexpr bool AVAILABLE = true;
+// VPMADDUBSW saturates a pair's sum at 2^15: a biased Q8_0 byte (up to 255) times 127 twice does not
+// fit, so a biased format multiplies its signed quants (|q| * sign(x, q), llama.cpp's way) instead.
+constexpr bool SIGNED_DOT = true;
+#else
+constexpr bool AVAILABLE = false;  // the ops refuse int8 calls (agent/graphs/step_graphs.py checks first)
+constexpr bool SIGNED_DOT = false;
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) || defined(__AVX2__)
+
+// The offset term's weight: a biased format's byte sums hold bias * sum q more (unless SIGNED_DOT).
+template <class F>
+constexpr bool HAS_OFFSET = F::OFFSET || (Traits<F>::BIAS != 0 && !SIGNED_DOT);
+
+// Tile `tile`'s blocks in format F unpacked for the byte dot products.
+template <class F>
+inline void unpack(const uint8_t *tile, int64_t k_dim, Unpacked &u) {
+  using packed::LANES;
+  using packed::TILE;
+  typedef uint8_t vb __attribute__((vector_size(LANES)));
+  constexpr int BIAS = Traits<F>::BIAS;
+  const int64_t blocks = k_dim / F::BLOCK;
+  u.bytes.resize(k_dim * TILE);
+  u.scale.resize(k_dim / F::SUB * TILE);
+  u.offset.resize(k_dim / F::SUB * TILE);
+  alignas(64) uint8_t planar[F::BLOCK * TILE];  // a block's quants [k][TILE]
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t *block = tile + b * F::TILE_BYTES;
+    packed::prefetch_block(block, F::TILE_BYTES);
+    const int64_t first_sub = b * (F::BLOCK / F::SUB);
+    for (int c = 0; c < packed::VECTORS; ++c)
+      F::subs(block, c, [&](const auto &group, auto quants) {
+        constexpr int N = packed::group_size<std::decay_t<decltype(group)>>();
+        for (int n = 0; n < N; ++n) {
+          const int64_t at = (first_sub + group.s[n]) * TILE + c * LANES;
+          packed::vf offset = F::OFFSET ? group.offset[n] : packed::vf{};
+          if (BIAS != 0 && !SIGNED_DOT) offset -= static_cast<float>(BIAS) * group.scale[n];
+          std::memcpy(&u.scale[at], &group.scale[n], sizeof(packed::vf));
+          std::memcpy(&u.offset[at], &offset, sizeof(packed::vf));
+        }
+        quants([&](int i, const packed::quant_of<decltype(group)> (&q)[N]) {
+#pragma GCC unroll 4
+          for (int n = 0; n < N; ++n) {
+            const vb bytes = __builtin_convertvector(q[n] + BIAS, vb);
+            std::memcpy(planar + (group.s[n] * F::SUB + i) * TILE + c * LANES, &bytes, sizeof bytes);
+          }
+        });
+      });
+    // [k][TILE] -> [k / 4][TILE][4], 16 columns of 4 k at a time
+    uint8_t *out = u.bytes.data() + b * F::BLOCK * TILE;
+    for (int g = 0; g < F::BLOCK / 4; ++g)
+      for (int half = 0; half < 2; ++half) {
+        __m128i r[4];
+        for (int i = 0; i < 4; ++i)
+          r[i] = _mm_load_si128(reinterpret_cast<const __m128i *>(planar + (4 * g + i) * TILE + 16 * half));
+        const __m128i a = _mm_unpacklo_epi8(r[0], r[1]), a2 = _mm_unpackhi_epi8(r[0], r[1]);
+        const __m128i c = _mm_unpacklo_epi8(r[2], r[3]), c2 = _mm_unpackhi_epi8(r[2], r[3]);
+        __m128i *to = reinterpret_cast<__m128i *>(out + (g * TILE + 16 * half) * 4);
+        _mm_storeu_si128(to, _mm_unpacklo_epi16(a, c));
+        _mm_storeu_si128(to + 1, _mm_unpackhi_epi16(a, c));
+        _mm_storeu_si128(to + 2, _mm_unpacklo_epi16(a2, c2));
+        _mm_storeu_si128(to + 3, _mm_unpackhi_epi16(a2, c2));
+      }
+  }
+}
+
+// Activation row r's scale for the sub-block starting at k, and its sum over SUB positions.
+template <class F>
+inline float x_scale(const Rows &x, int64_t row, int64_t k) {
+  return x.d[row * (x.k_dim / XBLOCK) + k / XBLOCK];
+}
+template <class F>
+inline float x_sum(const Rows &x, int64_t row, int64_t k) {
+  const float *s = x.s + row * (x.k_dim / XSUM) + k / XSUM;
+  float total = s[0];
+  for (int h = 1; h < F::SUB / XSUM; ++h) total += s[h];
+  return total;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int ROWS = 6;  // 2 R sums + 2 R accumulators of AVX-512's 32 registers
+
+// Rows [row0, row0 + R) of the tile's TILE columns (col0 on) (+ residual).
+template <class F, int R>
+inline void tile_rows(const Rows &x, const Unpacked &u, const float *residual, float *out, int64_t n_dim,
+                      int64_t row0, int64_t col0) {
+  __m512 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < x.k_dim / F::SUB; ++s) {
+    __m512i sums[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+    const uint8_t *wb = u.bytes.data() + s * F::SUB * packed::TILE;
+    const int8_t *xb = x.q + row0 * x.k_dim + s * F::SUB;
+#pragma GCC unroll 8
+    for (int g = 0; g < F::SUB / 4; ++g) {
+      const __m512i w0 = _mm512_loadu_si512(wb + g * 128), w1 = _mm512_loadu_si512(wb + g * 128 + 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xb + r * x.k_dim + 4 * g, sizeof four);
+        const __m512i xv = _mm512_set1_epi32(four);
+        sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], w0, xv);
+        sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], w1, xv);
+      }
+    }
+    const float *scale = u.scale.data() + s * packed::TILE, *offset = u.offset.data() + s * packed::TILE;
+    const __m512 sc[2] = {_mm512_loadu_ps(scale), _mm512_loadu_ps(scale + 16)};
+    const __m512 off[2] = {_mm512_loadu_ps(offset), _mm512_loadu_ps(offset + 16)};
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(x_scale<F>(x, row0 + r, s * F::SUB));
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h)
+        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][h]), _mm512_mul_ps(sc[h], dx), acc[r][h]);
+      if constexpr (HAS_OFFSET<F>) {
+        const __m512 sx = _mm512_set1_ps(x_sum<F>(x, row0 + r, s * F::SUB));
+        for (int h = 0; h < 2; ++h) acc[r][h] = _mm512_fmadd_ps(off[h], sx, acc[r][h]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = (row0 + r) * n_dim + col0 + 16 * h;
+      __m512 v = acc[r][h];
+      if (residual != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + at));
+      _mm512_storeu_ps(out + at, v);
+    }
+}
+#else
+constexpr int ROWS = 3;  // a half tile at a time: 2 R sums + 2 R accumulators of AVX2's 16 registers
+
+// Four byte products a column summed: w's bytes (unsigned; signed where SIGNED_DOT and the format is
+// biased) times x's four int8.
+template <class F>
+inline __m256i dot4(__m256i w, __m256i xv, __m256i ones) {
+  if constexpr (Traits<F>::BIAS != 0) {
+    const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // the signed quants
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
+  }
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+}
+
+template <class F, int R>
+inline void tile_rows(const Rows &x, const Unpacked &u, const float *residual, float *out, int64_t n_dim,
+                      int64_t row0, int64_t col0) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < x.k_dim / F::SUB; ++s) {
+      __m256i sums[R][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+      const uint8_t *wb = u.bytes.data() + s * F::SUB * packed::TILE + 64 * half;
+      const int8_t *xb = x.q + row0 * x.k_dim + s * F::SUB;
+#pragma GCC unroll 8
+      for (int g = 0; g < F::SUB / 4; ++g) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(wb + g * 128));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(wb + g * 128 + 32));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, xb + r * x.k_dim + 4 * g, sizeof four);
+          const __m256i xv = _mm256_set1_epi32(four);
+          sums[r][0] = _mm256_add_epi32(sums[r][0], dot4<F>(w0, xv, ones));
+          sums[r][1] = _mm256_add_epi32(sums[r][1], dot4<F>(w1, xv, ones));
+        }
+      }
+      const float *scale = u.scale.data() + s * packed::TILE + 16 * half;
+      const float *offset = u.offset.data() + s * packed::TILE + 16 * half;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(x_scale<F>(x, row0 + r, s * F::SUB));
+        const __m256 sx = _mm256_set1_ps(HAS_OFFSET<F> ? x_sum<F>(x, row0 + r, s * F::SUB) : 0.f);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * h), dx);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), sc, acc[r][h]);
+          if constexpr (HAS_OFFSET<F>) acc[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + 8 * h), sx, acc[r][h]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = (row0 + r) * n_dim + col0 + 16 * half + 8 * h;
+        __m256 v = acc[r][h];
+        if (residual != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + at));
+        _mm256_storeu_ps(out + at, v);
+      }
+  }
+}
+#endif
+
+// Tile j of x @ W (+ residual) for all m_dim rows of x (quantized): false where W's format does not
+// take int8 activations (F32, F16, BF16), which then multiplies as float32.
+inline bool tile(const product::Matrix &w, const Rows &x, const float *residual, float *out, int64_t m_dim,
+                 int64_t n_dim, int64_t j) {
+  bool done = false;
+  product::visit(w.format, [&](auto f) {
+    using F = decltype(f);
+    if constexpr (Traits<F>::USABLE) {
+      const int64_t blocks = w.k_dim / F::BLOCK;
+      thread_local Unpacked unpacked;
+      unpack<F>(static_cast<const uint8_t *>(w.w) + j * blocks * F::TILE_BYTES, w.k_dim, unpacked);
+      packed::equal_blocks(m_dim, ROWS, [&](int64_t row, int64_t n) {
+        packed::with_rows<ROWS>(n, [&](auto rows) {
+          tile_rows<F, decltype(rows)::value>(x, unpacked, residual, out, n_dim, row, j * packed::TILE);
+        });
+      });
+      done = true;
+    }
+  });
+  return done;
+}
+#else
+inline bool tile(const product::Matrix &, const Rows &, const float *, float *, int64_t, int64_t, int64_t) {
+  return false;
+}
+#endif
+
+}  // namespace int8
