@@ -110,12 +110,23 @@ constexpr bool SIGNED_DOT = false;
 template <class F>
 constexpr bool HAS_OFFSET = F::OFFSET || (Traits<F>::BIAS != 0 && !SIGNED_DOT);
 
+// LANES int32 of 0..255 stored as LANES bytes (GCC's generic narrowing goes lane by lane on AVX2:
+// a 1-row Q4_K product of 2048 x 2048 took 0.67 ms to unpack, 0.12 ms this way).
+inline void store_bytes(uint8_t *to, packed::vi v) {
+#ifdef __AVX512F__
+  _mm_storeu_si128(reinterpret_cast<__m128i *>(to), _mm512_cvtepi32_epi8(reinterpret_cast<__m512i &>(v)));
+#else
+  const __m256i all = reinterpret_cast<__m256i &>(v);
+  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(all), _mm256_extracti128_si256(all, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i *>(to), _mm_packus_epi16(words, words));
+#endif
+}
+
 // Tile `tile`'s blocks in format F unpacked for the byte dot products.
 template <class F>
 inline void unpack(const uint8_t *tile, int64_t k_dim, Unpacked &u) {
   using packed::LANES;
   using packed::TILE;
-  typedef uint8_t vb __attribute__((vector_size(LANES)));
   constexpr int BIAS = Traits<F>::BIAS;
   const int64_t blocks = k_dim / F::BLOCK;
   u.bytes.resize(k_dim * TILE);
@@ -138,10 +149,7 @@ inline void unpack(const uint8_t *tile, int64_t k_dim, Unpacked &u) {
         }
         quants([&](int i, const packed::quant_of<decltype(group)> (&q)[N]) {
 #pragma GCC unroll 4
-          for (int n = 0; n < N; ++n) {
-            const vb bytes = __builtin_convertvector(q[n] + BIAS, vb);
-            std::memcpy(planar + (group.s[n] * F::SUB + i) * TILE + c * LANES, &bytes, sizeof bytes);
-          }
+          for (int n = 0; n < N; ++n) store_bytes(planar + (group.s[n] * F::SUB + i) * TILE + c * LANES, q[n] + BIAS);
         });
       });
     // [k][TILE] -> [k / 4][TILE][4], 16 columns of 4 k at a time
