@@ -23,7 +23,7 @@ from agent.compile_cache import compile_cache_dir
 from agent.drafter import Drafter, DraftMismatch, check_vocabularies
 from agent.graphs.decoder import TensorSplit
 from agent.graphs.mindir import read_known_answer, read_spec
-from agent.known_answer import KnownAnswer, KnownAnswerError
+from agent.known_answer import TOLERANCE, Int8AllowanceError, KnownAnswer, KnownAnswerError
 from agent.memory_plan import checkpoint_weights_bytes, refuse_what_cannot_fit, resolve_runtime
 from agent.model.checkpoint import Checkpoint
 from agent.model.formats import load_checkpoint
@@ -91,6 +91,12 @@ def build_runner(
     )
     try:
         return runner, warm_up(runner, progress, place.role, known)
+    except Int8AllowanceError as exc:
+        raise KnownAnswerError(
+            f"{exc}; runtime.activations int8 moves this model's logits more than the int8 allowance "
+            f"({TOLERANCE['int8']:.0%} of the largest): serve it with activations: float32, or report "
+            "it if float32 fails too"
+        ) from exc
     except KnownAnswerError as exc:
         raise KnownAnswerError(f"{exc}; {remedy}") from exc
 
