@@ -77,7 +77,9 @@ def rounded_to_float16(model: ref.RefModel) -> ref.RefModel:
     def r(a):
         return None if a is None else a.astype(np.float16).astype(np.float64)
 
-    model.layers = [{name: r(a) for name, a in layer.items()} for layer in model.layers]
+    model.layers = [
+        {name: a if isinstance(a, set) else r(a) for name, a in layer.items()} for layer in model.layers
+    ]  # (a layer's "integer": the names of its matrices in integer formats)
     model.embed, model.norm, model.head = r(model.embed), r(model.norm), r(model.head)
     return model
 
@@ -226,8 +228,9 @@ def test_kernel_builds_are_keyed_by_their_inputs(monkeypatch, tmp_path):
 
 def test_kernel_targets_compile_their_own_code_paths(monkeypatch):
     """MS_LLM_KERNEL_TARGET: avx2 defines AVX2 and FMA but no AVX-512 (the paths most users' CPUs
-    take), portable no vector instruction set (the vector-extension fallback); an unknown target is
-    refused naming the valid ones. The native target is this process's default."""
+    take: int8 products by VPMADDUBSW), portable no vector instruction set (the vector-extension
+    fallback, without int8 products); an unknown target is refused naming the valid ones. The native
+    target is this process's default."""
     import agent.kernels as kernels
 
     monkeypatch.delenv(kernels.TARGET_ENV, raising=False)
@@ -235,8 +238,9 @@ def test_kernel_targets_compile_their_own_code_paths(monkeypatch):
     if platform.machine() == "x86_64":
         assert {"__AVX2__", "__FMA__"} <= kernels.target_macros("avx2")
         assert not {"__AVX512F__", "__AVX512VNNI__"} & kernels.target_macros("avx2")
-        assert not kernels.has_int8_products("avx2")
+        assert kernels.has_int8_products("avx2")  # VPMADDUBSW's int8 products (int8_products.h)
     assert not {"__AVX__", "__AVX2__", "__AVX512F__"} & kernels.target_macros("portable")
+    assert not kernels.has_int8_products("portable")
     assert kernels.testable_targets()[0] == "native"
     monkeypatch.setenv(kernels.TARGET_ENV, "avx2")
     assert kernels.op_path("DecodeAttention").startswith(str(kernels.build_dir("avx2")))
