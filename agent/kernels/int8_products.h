@@ -188,7 +188,6 @@ inline void unpack(const uint8_t *tile, int64_t k_dim, Unpacked &u) {
 }
 
 // Activation row r's scale for the sub-block starting at k, and its sum over SUB positions.
-template <class F>
 inline float x_scale(const Rows &x, int64_t row, int64_t k) {
   return x.d[row * (x.k_dim / XBLOCK) + k / XBLOCK];
 }
@@ -233,7 +232,7 @@ inline void tile_rows(const Rows &x, const Unpacked &u, const float *residual, f
     const __m512 off[2] = {_mm512_loadu_ps(offset), _mm512_loadu_ps(offset + 16)};
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 dx = _mm512_set1_ps(x_scale<F>(x, row0 + r, s * F::SUB));
+      const __m512 dx = _mm512_set1_ps(x_scale(x, row0 + r, s * F::SUB));
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h)
         acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][h]), _mm512_mul_ps(sc[h], dx), acc[r][h]);
@@ -288,7 +287,7 @@ inline void tile_rows(const Rows &x, const Unpacked &u, const float *residual, f
       const __m256 sc[2] = {_mm256_loadu_ps(scale), _mm256_loadu_ps(scale + 8)};
       // acc += sums (int32, of row r's columns h) x the sub-block's scales
       auto scaled = [&](int r, int h, __m256i sums) {
-        const __m256 dx = _mm256_set1_ps(x_scale<F>(x, row0 + r, s * F::SUB));
+        const __m256 dx = _mm256_set1_ps(x_scale(x, row0 + r, s * F::SUB));
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(sc[h], dx), acc[r][h]);
       };
       auto load = [&](int g, int h) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(wb + g * 128 + 32 * h)); };

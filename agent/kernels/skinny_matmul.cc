@@ -49,6 +49,18 @@ extern "C" int SkinnyMatMulAdd(int nparam, void **params, int *ndims, int64_t **
                   shapes[0][1], shapes[1][0]);
 }
 
+namespace {
+
+// The inputs of a product call in a weight format (x, w, format; out): the matrix, false where the
+// shapes do not fit.
+bool read_format_call(int nparam, void **params, int *ndims, int64_t **shapes, product::Matrix &m) {
+  return nparam == 4 && ndims[0] == 2 && ndims[2] == 1 &&
+         product::read_matrix(params[1], *static_cast<const int32_t *>(params[2]), ndims[1], shapes[1], m) &&
+         m.k_dim == shapes[0][1];
+}
+
+}  // namespace
+
 // The product with W in a weight format (product.h): inputs x [M, K] float32, w (packed: F32
 // [N / TILE, K, TILE] float32, else [N / TILE, K / BLOCK, TILE_BYTES] uint8), format [1] int32;
 // output [M, N] float32. The LM head of a GGUF (its own format, or the tied embedding's).
@@ -56,10 +68,7 @@ extern "C" int SkinnyMatMulFormat(int nparam, void **params, int *ndims, int64_t
                                   void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   product::Matrix m;
-  if (nparam != 4 || ndims[0] != 2 || ndims[2] != 1 ||
-      !product::read_matrix(params[1], *static_cast<const int32_t *>(params[2]), ndims[1], shapes[1], m) ||
-      m.k_dim != shapes[0][1])
-    return 1;
+  if (!read_format_call(nparam, params, ndims, shapes, m)) return 1;
   const float *x = static_cast<const float *>(params[0]);
   float *out = static_cast<float *>(params[3]);
   const int64_t m_dim = shapes[0][0];
@@ -76,9 +85,7 @@ extern "C" int SkinnyMatMulFormatI8(int nparam, void **params, int *ndims, int64
                                     const char **dtypes, void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   product::Matrix m;
-  if (!int8::AVAILABLE || nparam != 4 || ndims[0] != 2 || ndims[2] != 1 ||
-      !product::read_matrix(params[1], *static_cast<const int32_t *>(params[2]), ndims[1], shapes[1], m) ||
-      m.k_dim != shapes[0][1] || m.k_dim % int8::XBLOCK != 0)
+  if (!int8::AVAILABLE || !read_format_call(nparam, params, ndims, shapes, m) || m.k_dim % int8::XBLOCK != 0)
     return 1;
   const float *x = static_cast<const float *>(params[0]);
   float *out = static_cast<float *>(params[3]);
