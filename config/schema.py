@@ -198,10 +198,9 @@ class RuntimeSection(Section):
     # Opt-in: speed at the cost of exactness (the README's "int8 activations").
     activations: Literal["float32", "int8"] = Field(
         "float32",
-        description="the quantized GGUF layers' products in calls of more than 4 rows (prompts, mixed "
-        "steps, decode steps of more than 4 streams): float32 (exact, the default) or int8 (activations "
-        "quantized per block of 32 as llama.cpp does: prompts ~2x faster, answers may differ; "
-        "needs AVX2 or AVX512-VNNI)",
+        description="the quantized GGUF layers' products: float32 (exact, the default) or int8 "
+        "(activations quantized per block of 32 as llama.cpp does: prompts ~2x faster, decode steps "
+        "faster, answers may differ; needs AVX2 or AVX512-VNNI)",
     )
     compile_cache_dir: Path | None = Field(
         Path("output/compile_cache"), description="MindSpore compile cache; null disables it"

@@ -151,7 +151,7 @@ class CpuKernels:
 
         self.attention = custom("DecodeAttention", lambda q, *_: q) if attention else None
         # Layers as one op (fused_layer.cc FusedStack: one layer, or all of them); runtime.activations
-        # int8: the integer formats' products of more than 4 rows take int8 activations.
+        # int8: the integer formats' products take int8 activations.
         suffix = "I8" if int8_activations else ""
         self.stack = custom(f"FusedStack{suffix}", lambda x, *_: x) if attention and matmul else None
         self.matmul = self.matmul_add = self.matmul_format = self.rows = None

@@ -201,11 +201,6 @@ def build(name: str | None = None) -> Path:
     return lib
 
 
-# Calls of more rows than this take the int8 products under runtime.activations int8
-# (int8_products.h int8::ABOVE_ROWS).
-INT8_ABOVE_ROWS = 4
-
-
 def has_int8_products(name: str | None = None) -> bool:
     """The kernels of a target (default: this process's) hold the opt-in int8 products
     (int8_products.h): built with AVX512-VNNI and AVX512BW, or with AVX2. Without them (the portable

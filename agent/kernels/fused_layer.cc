@@ -225,13 +225,12 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8_ac
         !rowwise::table_covers(paging.table(n / kv), paging.entries, paging.block, len[n], blocks))
       return 1;
   }
-  // The opt-in int8 products (int8_products.h) take the integer formats' products in calls of more
-  // than int8::ABOVE_ROWS rows; each product's input is quantized first.
+  // The opt-in int8 products (int8_products.h) take the integer formats' products; each product's
+  // input is quantized first.
   if (int8_activations && !int8::AVAILABLE) return 1;
-  const bool int8_rows = int8_activations && live > int8::ABOVE_ROWS;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> xd_buf, xs_buf;
-  if (int8_rows) {
+  if (int8_activations) {
     const int64_t widest = std::max({dim, q_width, ffn});
     if (widest % int8::XBLOCK != 0) return 1;
     xq_buf.resize(live * widest);
@@ -243,14 +242,15 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8_ac
   int8_t *const xq = xq_buf.data();
   float *const xd = xd_buf.data(), *const xs = xs_buf.data();
   auto activations = [=](int64_t k_dim) { return int8::Rows{xq, xd, xs, k_dim}; };
-  // Before a product: its input's rows quantized (int8_rows only), then the team's barrier.
+  // Before a product: its input's rows quantized (int8_activations only), then the team's barrier.
   auto quantize = [&](team::Region &region, const float *in, int64_t k_dim) {
-    if (int8_rows) region.for_static(live, [&](int64_t row) { int8::quantize_row(activations(k_dim), in, row); });
+    if (int8_activations)
+      region.for_static(live, [&](int64_t row) { int8::quantize_row(activations(k_dim), in, row); });
   };
   // Tile j of the matrix into `to`'s columns from `column` on (rows of `stride`).
   auto product = [&](const product::Matrix &w, const float *in, const float *residual, float *to, int64_t stride,
                      int64_t j) {
-    if (!int8_rows || !int8::tile(w, activations(w.k_dim), residual, to, live, stride, j))
+    if (!int8_activations || !int8::tile(w, activations(w.k_dim), residual, to, live, stride, j))
       product::tile(w, in, residual, to, live, stride, j);
   };
   std::memcpy(out + live * dim, x + live * dim, sizeof(float) * (batch - live) * dim);
@@ -429,8 +429,7 @@ extern "C" int FusedStack(int nparam, void **params, int *ndims, int64_t **shape
   return run_stack(nparam, params, ndims, shapes, false);
 }
 
-// FusedStack with the opt-in int8 products for the integer formats' matrices in calls of more than
-// int8::ABOVE_ROWS rows.
+// FusedStack with the opt-in int8 products for the integer formats' matrices.
 extern "C" int FusedStackI8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;

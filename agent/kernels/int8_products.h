@@ -1,13 +1,12 @@
 // Opt-in (runtime.activations: int8): the products of every integer weight format (formats/*.h, all
-// but F16 and BF16) in calls of more than ABOVE_ROWS rows (prompts, mixed steps, decode steps of more
-// than ABOVE_ROWS streams), with the activations quantized per block of 32 as llama.cpp's Q8_1 does:
-// x[k] ~ dx * qx[k] (qx int8, dx = max |x| / 127). Each call unpacks a tile's blocks once into bytes
-// four k a column (VPDPBUSD's layout) and each sub-block's scale and offset per column; then per
-// sub-block, sum_k x[k] w[k][t] ~ scale[t] * dx * sum_k qx[k] q[k][t] + offset[t] * sx (sx = dx *
-// the sub-block's sum of qx), the integer sums by AVX512-VNNI's VPDPBUSD (64 byte products an
-// instruction against a float FMA's 16) or AVX2's VPMADDUBSW + VPMADDWD (32 in two). The weights stay
-// exactly the file's; only the activations are rounded, so answers may differ from the float32
-// products' and this is never the default.
+// but F16 and BF16) at every row count, with the activations quantized per block of 32 as llama.cpp's
+// Q8_1 does: x[k] ~ dx * qx[k] (qx int8, dx = max |x| / 127). The weights' quants are taken four k a
+// column (VPDPBUSD's layout): up to DIRECT_ROWS rows straight from the blocks (formats/format.h
+// quads), above that from a copy of the tile unpacked once a call. Per sub-block, sum_k x[k] w[k][t]
+// ~ scale[t] * dx * sum_k qx[k] q[k][t] + offset[t] * sx (sx = dx * the sub-block's sum of qx), the
+// integer sums by AVX512-VNNI's VPDPBUSD (64 byte products an instruction against a float FMA's 16) or
+// AVX2's VPMADDUBSW + VPMADDWD (32 in two). The weights stay exactly the file's; only the activations
+// are rounded, so answers may differ from the float32 products' and this is never the default.
 #pragma once
 
 #include <algorithm>
@@ -20,11 +19,9 @@
 
 namespace int8 {
 
-// Calls of more rows take these products (agent/kernels INT8_ABOVE_ROWS). The 30 Q4_1 layers of a
-// decode step at context 160 (tools.model_bench, the 2-core EPYC), float32 -> int8: 4 rows 11.2 ->
-// 10.9 ms, 8 rows 18.1 -> 15.2, 16 rows 30.9 -> 24.2, 32 rows 58.5 -> 41.8; a 1024-token prompt 1308
-// -> 670. Up to 4 rows the products stay exact: int8 gains nothing there.
-constexpr int64_t ABOVE_ROWS = 4;
+// The 30 Q4_1 layers of a decode step at context 160 (tools.model_bench, the 2-core EPYC), float32 ->
+// int8 (an unpacked tile): 8 rows 18.1 -> 15.2 ms, 16 rows 30.9 -> 24.2, 32 rows 58.5 -> 41.8; a
+// 1024-token prompt 1308 -> 670.
 constexpr int XBLOCK = 32;  // activations a scale
 constexpr int XSUM = 16;    // activations a sum: the smallest sub-block (Q2_K, Q3_K, Q6_K)
 
@@ -353,6 +350,91 @@ inline void tile_rows(const Rows &x, const Unpacked &u, const float *residual, f
 }
 #endif
 
+// Calls of up to DIRECT_ROWS rows read the blocks directly, four k of a column at a time
+// (formats/format.h quads): an unpacked copy's writing and reading cost more than a few rows'
+// products. A 2048 x 2048 matrix, 1 row (2-core EPYC), float32 / unpacked / direct: Q4_K 0.082 /
+// 0.105 / 0.057 ms, Q6_K 0.119 / - / 0.076; 4 rows, Q4_K 0.158 / - / 0.088. The AVX2 target, 1 row:
+// Q4_K 0.124 -> 0.072 ms. At 5 rows and more, direct and unpacked were within noise, then unpacked ahead.
+constexpr int64_t DIRECT_ROWS = 4;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int DIRECT_BLOCK = 4;
+#else
+constexpr int DIRECT_BLOCK = 2;  // AVX2's 16 registers: a group's sums (up to 4 sub-blocks) a row
+#endif
+
+// sums + the byte products of four k a column: quants q (packed::quad's layout, the format's low 8
+// bits) times x's four int8 `four`.
+template <class F>
+inline packed::vi dot4(packed::vi sums, packed::vi q, int32_t four) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (Traits<F>::BIAS != 0) q ^= static_cast<int32_t>(0x80808080u);  // Q8_0's int8 + 128
+  return (packed::vi)_mm512_dpbusd_epi32((__m512i)sums, (__m512i)q, _mm512_set1_epi32(four));
+#else
+  if constexpr (Traits<F>::BIAS != 0) q ^= static_cast<int32_t>(0x80808080u);  // pairs4 takes biased bytes
+  const __m256i pairs = pairs4<F>((__m256i)q, _mm256_set1_epi32(four));
+  return sums + (packed::vi)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
+// Rows [row0, row0 + R) of the tile (its blocks at `tile`; columns col0 on) (+ residual), straight
+// from the blocks: per sub-block, the integer sums of each vector of columns, then scaled.
+template <class F, int R>
+inline void direct_rows(const Rows &x, const uint8_t *tile, const float *residual, float *out, int64_t n_dim,
+                        int64_t row0, int64_t col0) {
+  using packed::vf;
+  using packed::vi;
+  const int64_t blocks = x.k_dim / F::BLOCK;
+  for (int c = 0; c < packed::VECTORS; ++c) {
+    vf acc[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = vf{};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t *block = tile + b * F::TILE_BYTES;
+      if (c == 0) packed::prefetch_block(block, F::TILE_BYTES);
+      F::subs(block, c, [&](const auto &group, auto quants) {
+        constexpr int N = packed::group_size<std::decay_t<decltype(group)>>();
+        vi sums[N][R];
+#pragma GCC unroll 4
+        for (int n = 0; n < N; ++n)
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) sums[n][r] = vi{};
+        quants.quads([&](int g, const vi (&q)[N]) {
+#pragma GCC unroll 4
+          for (int n = 0; n < N; ++n)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              int32_t four;
+              std::memcpy(&four, x.q + (row0 + r) * x.k_dim + b * F::BLOCK + group.s[n] * F::SUB + 4 * g, sizeof four);
+              sums[n][r] = dot4<F>(sums[n][r], q[n], four);
+            }
+        });
+#pragma GCC unroll 4
+        for (int n = 0; n < N; ++n) {
+          const int64_t k = b * F::BLOCK + group.s[n] * F::SUB;
+          vf offset = F::OFFSET ? group.offset[n] : vf{};
+          if (Traits<F>::BIAS != 0 && !SIGNED_DOT) offset -= static_cast<float>(Traits<F>::BIAS) * group.scale[n];
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            acc[r] += packed::to_float(sums[n][r]) * (group.scale[n] * x_scale(x, row0 + r, k));
+            if constexpr (HAS_OFFSET<F>) acc[r] += offset * x_sum<F>(x, row0 + r, k);
+          }
+        }
+      });
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (row0 + r) * n_dim + col0 + c * packed::LANES;
+      vf v = acc[r];
+      if (residual != nullptr) {
+        vf res;
+        std::memcpy(&res, residual + at, sizeof res);
+        v += res;
+      }
+      std::memcpy(out + at, &v, sizeof v);
+    }
+  }
+}
+
 // Tile j of x @ W (+ residual) for all m_dim rows of x (quantized): false where W's format does not
 // take int8 activations (F32, F16, BF16), which then multiplies as float32.
 inline bool tile(const product::Matrix &w, const Rows &x, const float *residual, float *out, int64_t m_dim,
@@ -362,8 +444,18 @@ inline bool tile(const product::Matrix &w, const Rows &x, const float *residual,
     using F = decltype(f);
     if constexpr (Traits<F>::USABLE) {
       const int64_t blocks = w.k_dim / F::BLOCK;
+      const uint8_t *tile = static_cast<const uint8_t *>(w.w) + j * blocks * F::TILE_BYTES;
+      if (m_dim <= DIRECT_ROWS) {
+        packed::equal_blocks(m_dim, DIRECT_BLOCK, [&](int64_t row, int64_t n) {
+          packed::with_rows<DIRECT_BLOCK>(n, [&](auto rows) {
+            direct_rows<F, decltype(rows)::value>(x, tile, residual, out, n_dim, row, j * packed::TILE);
+          });
+        });
+        done = true;
+        return;
+      }
       thread_local Unpacked unpacked;
-      unpack<F>(static_cast<const uint8_t *>(w.w) + j * blocks * F::TILE_BYTES, w.k_dim, unpacked);
+      unpack<F>(tile, w.k_dim, unpacked);
       packed::equal_blocks(m_dim, ROWS, [&](int64_t row, int64_t n) {
         packed::with_rows<ROWS>(n, [&](auto rows) {
           tile_rows<F, decltype(rows)::value>(x, unpacked, residual, out, n_dim, row, j * packed::TILE);

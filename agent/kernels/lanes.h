@@ -45,6 +45,37 @@ inline vi widen_signed(const uint8_t *p) {
 #endif
 }
 
+// Elements u..u + 3 of LANES columns (p: element u of a column vector; elements TILE bytes apart),
+// lane t holding column t's four bytes, element u in its low byte: the formats' quants four k a
+// column (formats/format.h quads), VPDPBUSD's layout, transposed in registers.
+inline vi quad(const uint8_t *p) {
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  // Two masked loads (elements u, u + 1 and u + 2, u + 3: bytes 0-15 and 32-47 of each; the masked
+  // bytes are never read, so the last block of a matrix reads nothing past it), one byte permutation.
+  constexpr __mmask64 ROWS_OF_16 = 0x0000FFFF0000FFFFull;
+  const __m512i low = _mm512_maskz_loadu_epi8(ROWS_OF_16, p), high = _mm512_maskz_loadu_epi8(ROWS_OF_16, p + 2 * TILE);
+  alignas(64) static constexpr uint8_t order[64] = {
+#define COLUMN(t) t, 32 + t, 64 + t, 96 + t
+      COLUMN(0), COLUMN(1), COLUMN(2),  COLUMN(3),  COLUMN(4),  COLUMN(5),  COLUMN(6),  COLUMN(7),
+      COLUMN(8), COLUMN(9), COLUMN(10), COLUMN(11), COLUMN(12), COLUMN(13), COLUMN(14), COLUMN(15)};
+#undef COLUMN
+  return (vi)_mm512_permutex2var_epi8(low, _mm512_load_si512(order), high);
+#elif defined(__AVX512F__)
+  auto row = [&](int e) { return _mm_loadu_si128(reinterpret_cast<const __m128i *>(p + e * TILE)); };
+  const __m128i a = _mm_unpacklo_epi8(row(0), row(1)), b = _mm_unpackhi_epi8(row(0), row(1));
+  const __m128i c = _mm_unpacklo_epi8(row(2), row(3)), d = _mm_unpackhi_epi8(row(2), row(3));
+  const __m256i low = _mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c));
+  const __m256i high = _mm256_set_m128i(_mm_unpackhi_epi16(b, d), _mm_unpacklo_epi16(b, d));
+  return (vi)_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+#elif defined(__AVX2__)
+  auto row = [&](int e) { return _mm_loadl_epi64(reinterpret_cast<const __m128i *>(p + e * TILE)); };
+  const __m128i a = _mm_unpacklo_epi8(row(0), row(1)), c = _mm_unpacklo_epi8(row(2), row(3));
+  return (vi)_mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c));
+#else
+  return widen(p) | widen(p + TILE) << 8 | widen(p + 2 * TILE) << 16 | widen(p + 3 * TILE) << 24;
+#endif
+}
+
 // LANES uint32 (Q5's high bits: one 32-bit mask a column).
 inline vi load_u32(const uint8_t *p) {
   vi v;

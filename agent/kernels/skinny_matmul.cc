@@ -78,9 +78,9 @@ extern "C" int SkinnyMatMulFormat(int nparam, void **params, int *ndims, int64_t
   return 0;
 }
 
-// SkinnyMatMulFormat with int8 activations (int8_products.h) for every row count: x's rows quantized
-// per block of 32, then the products (F16, BF16 and F32 weights as float32). The int8 products called
-// alone (the fused layer calls them for more than int8::ABOVE_ROWS rows); refused (1) without them.
+// SkinnyMatMulFormat with int8 activations (int8_products.h): x's rows quantized per block of 32,
+// then the products (F16, BF16 and F32 weights as float32). The int8 products called alone (the
+// fused layer's under runtime.activations int8); refused (1) without them.
 extern "C" int SkinnyMatMulFormatI8(int nparam, void **params, int *ndims, int64_t **shapes,
                                     const char **dtypes, void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;

@@ -22,6 +22,10 @@
 //     the file's values as gguf.quants.dequantize forms them (d * sc in float32, never rounded to
 //     half), so the products are float32 products with the dequantized matrix. A group's bytes are
 //     read and unpacked once for its N sub-blocks (Q4_K's nibbles, Q6_K's high bits).
+//     The integer formats' quants also read four k at a time: quants.quads(each) calls each(g, q),
+//     q[n] holding in lane t the quants of k = s[n] * SUB + 4 g .. + 3 of column t as bytes
+//     (packed::quad's layout; the low 8 bits: Q8_0's are int8), for every g in [0, SUB / 4): the
+//     int8 products' operands (int8_products.h), read from the blocks without unpacking them.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +47,28 @@ struct Group {
   int s[N];
   vf scale[N], offset[N];
 };
+
+// A group's quants, per k (operator()) and four k at a time (quads), from one read of the scales.
+template <class PerK, class PerQuad>
+struct Quants {
+  PerK per_k;
+  PerQuad per_quad;
+  template <class Each>
+  void operator()(Each each) const { per_k(each); }
+  template <class Each>
+  void quads(Each each) const { per_quad(each); }
+};
+template <class PerK, class PerQuad>
+Quants<PerK, PerQuad> quants(PerK per_k, PerQuad per_quad) {
+  return {per_k, per_quad};
+}
+
+// Bytes b of each lane of quad-layout quants (packed::quad): bit b of h's low four bits (Q5_0's
+// fifth bits of four k, one bit each, spread to their bytes: bit b moves to bit 8 b).
+inline vi spread_bits(vi h) { return ((h & 15) * 0x00204081) & 0x01010101; }
+
+// Four k of byte quants in each lane: their low and high nibbles.
+constexpr int32_t NIBBLES = 0x0F0F0F0F;
 
 // Element u of column vector c of the file's field at byte `offset` (of `element`-byte values).
 inline const uint8_t *field(const uint8_t *block, int offset, int element, int c, int u = 0) {

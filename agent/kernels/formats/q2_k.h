@@ -27,13 +27,20 @@ struct Q2_K {
         const vi scales = packed::widen(field(block, 0, 1, c, s));
         group.s[j] = s, group.scale[j] = d * to_float(scales & 15), group.offset[j] = -(dmin * to_float(scales >> 4));
       }
-      use(group, [&](auto each) {
+      use(group, quants([&](auto each) {
 #pragma GCC unroll 4
         for (int i = 0; i < 16; ++i) {
           const vi q = packed::widen(field(block, 16, 1, c, 32 * n + 16 * half + i));
           each(i, {q & 3, (q >> 2) & 3, (q >> 4) & 3, q >> 6});
         }
-      });
+      }, [&](auto each) {
+        constexpr int32_t TWO_BITS = 0x03030303;
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {
+          const vi q = packed::quad(field(block, 16, 1, c, 32 * n + 16 * half + 4 * g));
+          each(g, {q & TWO_BITS, (q >> 2) & TWO_BITS, (q >> 4) & TWO_BITS, (q >> 6) & TWO_BITS});
+        }
+      }));
     }
   }
 };

@@ -30,7 +30,7 @@ struct Q3_K {
         group.s[j] = s, group.scale[j] = d * to_float((low | (top << 4)) - 32);
         group.offset[j] = -4.f * group.scale[j];
       }
-      use(group, [&](auto each) {
+      use(group, quants([&](auto each) {
 #pragma GCC unroll 4
         for (int i = 0; i < 16; ++i) {
           const vi q = packed::widen(field(block, 32, 1, c, 32 * n + 16 * half + i));
@@ -38,7 +38,16 @@ struct Q3_K {
           each(i, {(q & 3) | (h & 4), ((q >> 2) & 3) | ((h >> 1) & 4),
                    ((q >> 4) & 3) | ((h >> 2) & 4), (q >> 6) | ((h >> 3) & 4)});
         }
-      });
+      }, [&](auto each) {
+        constexpr int32_t TWO_BITS = 0x03030303, HIGH = 0x04040404;
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {
+          const vi q = packed::quad(field(block, 32, 1, c, 32 * n + 16 * half + 4 * g));
+          const vi h = packed::quad(field(block, 0, 1, c, 16 * half + 4 * g)) >> (4 * n);
+          each(g, {(q & TWO_BITS) | ((h << 2) & HIGH), ((q >> 2) & TWO_BITS) | ((h << 1) & HIGH),
+                   ((q >> 4) & TWO_BITS) | (h & HIGH), ((q >> 6) & TWO_BITS) | ((h >> 1) & HIGH)});
+        }
+      }));
     }
   }
 };

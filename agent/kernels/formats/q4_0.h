@@ -16,14 +16,21 @@ struct Q4_0 {
   template <class Use>
   static void subs(const uint8_t *block, int c, Use use) {
     const vf d = packed::load_half(field(block, 0, 2, c));
-    use(Group<1>{{0}, {d}, {-8.f * d}}, [&](auto each) {
+    use(Group<1>{{0}, {d}, {-8.f * d}}, quants([&](auto each) {
 #pragma GCC unroll 8
       for (int i = 0; i < 16; ++i) {
         const vi q = packed::widen(field(block, 2, 1, c, i));
         each(i, {q & 15});
         each(i + 16, {q >> 4});
       }
-    });
+    }, [&](auto each) {
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const vi q = packed::quad(field(block, 2, 1, c, 4 * g));
+        each(g, {q & NIBBLES});
+        each(g + 4, {(q >> 4) & NIBBLES});
+      }
+    }));
   }
 };
 

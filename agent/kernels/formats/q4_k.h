@@ -38,13 +38,19 @@ struct Q4_K {
         k_scale_min(block, 4, c, 2 * j + h, scale, min);
         group.s[h] = 2 * j + h, group.scale[h] = d * to_float(scale), group.offset[h] = -(dmin * to_float(min));
       }
-      use(group, [&](auto each) {
+      use(group, quants([&](auto each) {
 #pragma GCC unroll 8
         for (int i = 0; i < 32; ++i) {
           const vi q = packed::widen(field(block, 16, 1, c, 32 * j + i));
           each(i, {q & 15, q >> 4});
         }
-      });
+      }, [&](auto each) {
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; ++g) {
+          const vi q = packed::quad(field(block, 16, 1, c, 32 * j + 4 * g));
+          each(g, {q & NIBBLES, (q >> 4) & NIBBLES});
+        }
+      }));
     }
   }
 };

@@ -17,14 +17,21 @@ struct Q5_0 {
   static void subs(const uint8_t *block, int c, Use use) {
     const vf d = packed::load_half(field(block, 0, 2, c));
     const vi high = packed::load_u32(field(block, 2, 4, c));
-    use(Group<1>{{0}, {d}, {-16.f * d}}, [&](auto each) {
+    use(Group<1>{{0}, {d}, {-16.f * d}}, quants([&](auto each) {
 #pragma GCC unroll 8
       for (int i = 0; i < 16; ++i) {
         const vi q = packed::widen(field(block, 6, 1, c, i));
         each(i, {(q & 15) | ((high >> i << 4) & 16)});
         each(i + 16, {(q >> 4) | ((high >> (i + 16) << 4) & 16)});
       }
-    });
+    }, [&](auto each) {
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const vi q = packed::quad(field(block, 6, 1, c, 4 * g));
+        each(g, {(q & NIBBLES) | spread_bits(high >> (4 * g)) << 4});
+        each(g + 4, {((q >> 4) & NIBBLES) | spread_bits(high >> (16 + 4 * g)) << 4});
+      }
+    }));
   }
 };
 

@@ -25,14 +25,21 @@ struct Q5_K {
         k_scale_min(block, 4, c, 2 * j + h, scale, min);
         group.s[h] = 2 * j + h, group.scale[h] = d * to_float(scale), group.offset[h] = -(dmin * to_float(min));
       }
-      use(group, [&](auto each) {
+      use(group, quants([&](auto each) {
 #pragma GCC unroll 8
         for (int i = 0; i < 32; ++i) {
           const vi q = packed::widen(field(block, 48, 1, c, 32 * j + i));
           const vi high = packed::widen(field(block, 16, 1, c, i)) >> (2 * j) << 4;
           each(i, {(q & 15) | (high & 16), (q >> 4) | ((high >> 1) & 16)});
         }
-      });
+      }, [&](auto each) {
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; ++g) {
+          const vi q = packed::quad(field(block, 48, 1, c, 32 * j + 4 * g));
+          const vi high = packed::quad(field(block, 16, 1, c, 4 * g)) >> (2 * j);
+          each(g, {(q & NIBBLES) | ((high << 4) & 0x10101010), ((q >> 4) & NIBBLES) | ((high << 3) & 0x10101010)});
+        }
+      }));
     }
   }
 };

@@ -27,7 +27,7 @@ struct Q6_K {
         group.s[j] = s, group.scale[j] = d * to_float(packed::widen_signed(field(block, 192, 1, c, s)));
         group.offset[j] = -32.f * group.scale[j];
       }
-      use(group, [&](auto each) {
+      use(group, quants([&](auto each) {
 #pragma GCC unroll 4
         for (int i = 0; i < 16; ++i) {
           const int l = 16 * half + i;
@@ -37,7 +37,18 @@ struct Q6_K {
           each(i, {(a & 15) | (top & 0x30), (b & 15) | ((top >> 2) & 0x30),
                    (a >> 4) | ((top >> 4) & 0x30), (b >> 4) | ((top >> 6) & 0x30)});
         }
-      });
+      }, [&](auto each) {
+        constexpr int32_t TOP = 0x30303030;
+#pragma GCC unroll 4
+        for (int g4 = 0; g4 < 4; ++g4) {
+          const int l = 16 * half + 4 * g4;
+          const vi a = packed::quad(field(block, 0, 1, c, 64 * h + l));
+          const vi b = packed::quad(field(block, 0, 1, c, 64 * h + 32 + l));
+          const vi top = packed::quad(field(block, 128, 1, c, 32 * h + l));
+          each(g4, {(a & NIBBLES) | ((top << 4) & TOP), (b & NIBBLES) | ((top << 2) & TOP),
+                    ((a >> 4) & NIBBLES) | (top & TOP), ((b >> 4) & NIBBLES) | ((top >> 2) & TOP)});
+        }
+      }));
     }
   }
 };

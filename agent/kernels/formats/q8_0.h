@@ -14,10 +14,13 @@ struct Q8_0 {
 
   template <class Use>
   static void subs(const uint8_t *block, int c, Use use) {
-    use(Group<1>{{0}, {packed::load_half(field(block, 0, 2, c))}, {vf{}}}, [&](auto each) {
+    use(Group<1>{{0}, {packed::load_half(field(block, 0, 2, c))}, {vf{}}}, quants([&](auto each) {
 #pragma GCC unroll 8
       for (int i = 0; i < 32; ++i) each(i, {packed::widen_signed(field(block, 2, 1, c, i))});
-    });
+    }, [&](auto each) {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) each(g, {packed::quad(field(block, 2, 1, c, 4 * g))});
+    }));
   }
 };
 

@@ -125,9 +125,9 @@ def test_default_model_with_int8_activations_warms_up_and_answers_as_the_int8_re
     default_model_path,
 ):
     """runtime.activations int8 on the default model: the warm-up's known-answer check passes
-    with calls of more than 4 rows (a decode batch of 40, mixed steps of 40 sequences) held to the
-    int8 tolerance. The France question's 37-token prompt takes the int8 products: its greedy answer
-    is the reference's with Q8_1 activations in the prompt, not the float reference's ("L'Étoile, la
+    with every call (a decode batch of 1 and of 40, mixed steps of 40 sequences) held to the int8
+    tolerance. The France question's 37-token prompt and its decode steps take the int8 products: its
+    greedy answer is the reference's with Q8_1 activations, not the float reference's ("L'Étoile, la
     Marseillaise" instead of Paris: llama.cpp, whose Q4_1 products take Q8_1 activations too,
     answers the same; this is why int8 is opt-in)."""
     runtime = DEFAULT_RUNTIME.model_copy(
@@ -145,7 +145,7 @@ def test_default_model_with_int8_activations_warms_up_and_answers_as_the_int8_re
     cache = ref.RefCache()
     want = [int(np.argmax(ref.forward(reference, prompt, cache, int8=True)[-1]))]
     while len(want) < 8:
-        want.append(int(np.argmax(ref.forward(reference, [want[-1]], cache)[-1])))
+        want.append(int(np.argmax(ref.forward(reference, [want[-1]], cache, int8=True)[-1])))
     assert got == want, (tokenizer.decode(got), tokenizer.decode(want))
     assert got != ref.greedy(reference, prompt, 8)
 

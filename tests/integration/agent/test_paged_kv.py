@@ -21,6 +21,7 @@ from agent.graphs.step_graphs import LlamaGraphs, as_tensors
 from agent.kernels import has_int8_products
 from agent.model.formats import load_checkpoint
 from config.schema import PROJECT_ROOT
+from int8_comparison import Int8Comparison
 from tiny_models import write_tiny_checkpoint, write_tiny_gguf
 
 TOLERANCE = 1e-3
@@ -212,42 +213,26 @@ def test_q4_steps_of_many_rows_match_the_reference(tiny_q4_path, kernel_target):
 
 
 def test_int8_activations_match_the_q8_1_reference(tiny_q4_path, kernel_target):
-    """runtime.activations int8: calls of more than 4 rows (chunks of 8 and 5 tokens; a mixed step
-    of 2 decode rows and a 6-token chunk: 8 rows) multiply with Q8_1 activations (int8_products.h;
-    test_weight_formats checks every row count's products), against the reference that rounds each
-    layer product's input the same way; calls of up to 4 rows (a 4-token chunk, a decode step of 3)
-    stay float32 and match the float reference. Where int8 ran, the float reference is far off: the
-    int8 path was taken. From a sequence's first rounding tie on (reference_numpy.TIE_ULPS: either
-    rounding is right, and the KV written then carries the difference) its logits are only held
-    nearer to the int8 reference than to the float one (float32 calls after a tie go unchecked)."""
+    """runtime.activations int8: calls of every row count (chunks of 8, 4 and 5 tokens; a mixed step
+    of 2 decode rows and a 6-token chunk: 8 rows; a decode step of 3) multiply with Q8_1 activations
+    (int8_products.h; test_weight_formats checks every row count's products), against the reference
+    that rounds each layer product's input the same way, tie-aware (int8_comparison.py)."""
     if not has_int8_products():
         pytest.skip("the portable target has no int8 products (test_format_models checks the refusal)")
     graphs = graphs_of(tiny_q4_path, activations="int8")
-    reference = ref.load_gguf_reference(tiny_q4_path)
+    compared = Int8Comparison(ref.load_gguf_reference(tiny_q4_path))
     tables = shuffled_tables(graphs, 3, seed=6)
     vocab = graphs.spec.vocab_size
     a, b, c = prompt_ids(12, 31, vocab), prompt_ids(5, 32, vocab), prompt_ids(6, 33, vocab)
     caches = [ref.RefCache() for _ in range(3)]
     near_ties: list[list[int]] = [[], [], []]
-    exact, tied, off_by_float = [], [], []
 
-    def check(got: np.ndarray, int8: bool, sequence: int, tokens: list[int]) -> int:
-        cache = caches[sequence]
-        before = ref.RefCache([list(k) for k in cache.keys], [list(v) for v in cache.values])
-        want = ref.forward(reference, tokens, cache, int8=int8, near_ties=near_ties[sequence])[-1]
-        diff = float(np.abs(got - want).max())
-        floats = ref.forward(reference, tokens, before)[-1]  # want itself where not int8
-        if not sum(near_ties[sequence]):
-            exact.append(diff)
-            if int8:
-                off_by_float.append((diff, float(np.abs(got - floats).max())))
-        elif int8:  # (a float32 call after a tie has no int8 reference to be nearer to)
-            tied.append((diff, float(np.abs(got - floats).max())))
-        return int(np.argmax(want))
+    def check(got: np.ndarray, sequence: int, tokens: list[int]) -> int:
+        return compared.check(got, tokens, caches[sequence], near_ties[sequence])
 
-    check(prefill(graphs, tables[0], a[:8]), True, 0, a[:8])  # 8 rows: int8
-    next_a = check(prefill(graphs, tables[0], a[8:], start=8), False, 0, a[8:])  # 4 rows
-    next_b = check(prefill(graphs, tables[1], b), True, 1, b)  # 5 rows
+    check(prefill(graphs, tables[0], a[:8]), 0, a[:8])  # 8 rows: an unpacked tile
+    next_a = check(prefill(graphs, tables[0], a[8:], start=8), 0, a[8:])  # 4 rows: straight from the blocks
+    next_b = check(prefill(graphs, tables[1], b), 1, b)  # 5 rows
     rows = bucket(PREFILL_BUCKETS, 2 + len(c))
     logits, _ = graphs.mixed(
         tables[:2],
@@ -258,15 +243,12 @@ def test_int8_activations_match_the_q8_1_reference(tiny_q4_path, kernel_target):
         4,
     )
     got = logits.asnumpy()
-    tokens = [check(got[i], True, i, [t]) for i, t in enumerate([next_a, next_b])]
-    tokens.append(check(got[2], True, 2, c))
-    got = decode(graphs, tables, tokens, [13, 6, 6])  # 3 rows: float32
+    tokens = [check(got[i], i, [t]) for i, t in enumerate([next_a, next_b])]
+    tokens.append(check(got[2], 2, c))
+    got = decode(graphs, tables, tokens, [13, 6, 6])  # 3 rows
     for i, token in enumerate(tokens):
-        check(got[i], False, i, [token])
-    assert len(exact) >= 4 and off_by_float, (exact, tied)
-    assert max(exact) < TOLERANCE, exact
-    assert all(d < 0.8 * off for d, off in tied), tied
-    assert min(off for _, off in off_by_float) > 10 * max(d for d, _ in off_by_float), off_by_float
+        check(got[i], i, [token])
+    compared.assert_agrees(TOLERANCE, min_exact=4)
 
 
 def test_int8_activations_are_refused_where_they_cannot_run(tiny_llama_dir, tiny_q4_path, monkeypatch):

@@ -1,0 +1,39 @@
+"""The graphs' logits under runtime.activations int8 against the numpy reference that rounds each
+integer-format product's input as the kernels do (reference_numpy.forward int8), aware of rounding
+ties: where the reference meets a value within a few ulps of a half step (reference_numpy.TIE_ULPS),
+a float32 input summed in another order may round the other way, which moves the logits by up to
+about half of all the rounding's effect, and the KV written then carries it on. So from a sequence's
+first tie on, its calls are only held nearer to the int8 reference than to the float one."""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import reference_numpy as ref
+
+
+@dataclass
+class Int8Comparison:
+    reference: ref.RefModel
+    # (distance to the int8 reference, distance to the float one) of each call checked
+    exact: list[tuple[float, float]] = field(default_factory=list)  # before its sequence's first tie
+    tied: list[tuple[float, float]] = field(default_factory=list)  # from it on
+
+    def check(self, got: np.ndarray, tokens: list[int], cache: ref.RefCache, near_ties: list[int]) -> int:
+        """The call's last logits `got` (tokens after `cache`, which the int8 reference then extends;
+        near_ties: the sequence's ties so far, extended too); returns the reference's greedy token."""
+        before = ref.RefCache([list(k) for k in cache.keys], [list(v) for v in cache.values])
+        want = ref.forward(self.reference, tokens, cache, int8=True, near_ties=near_ties)[-1]
+        floats = ref.forward(self.reference, tokens, before)[-1]
+        distances = (float(np.abs(got - want).max()), float(np.abs(got - floats).max()))
+        (self.tied if sum(near_ties) else self.exact).append(distances)
+        return int(np.argmax(want))
+
+    def assert_agrees(self, tolerance: float, min_exact: int) -> None:
+        """Tie-free calls within `tolerance` (at least min_exact of them), each far nearer to the int8
+        reference than to the float one (the int8 path ran); tied calls nearer to the int8 one."""
+        exact, tied = self.exact, self.tied
+        assert len(exact) >= min_exact, (exact, tied)
+        assert max(d for d, _ in exact) < tolerance, exact
+        assert min(off for _, off in exact) > 10 * max(d for d, _ in exact), exact
+        assert all(d < 0.8 * off for d, off in tied), tied
