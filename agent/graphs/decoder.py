@@ -151,7 +151,7 @@ class CpuKernels:
 
         self.attention = custom("DecodeAttention", lambda q, *_: q) if attention else None
         # Layers as one op (fused_layer.cc FusedStack: one layer, or all of them); runtime.activations
-        # int8: the integer formats' products take int8 activations.
+        # int8: the integer formats' products take int8 activations, the LM head's too.
         suffix = "I8" if int8_activations else ""
         self.stack = custom(f"FusedStack{suffix}", lambda x, *_: x) if attention and matmul else None
         self.matmul = self.matmul_add = self.matmul_format = self.rows = None
@@ -159,7 +159,9 @@ class CpuKernels:
         if matmul:
             self.matmul = custom("SkinnyMatMul", lambda x, w: [x[0], w[0] * w[2]])
             # products and embedding rows of a matrix in any format (product.h), with its format id
-            self.matmul_format = custom("SkinnyMatMulFormat", lambda x, w, f: [x[0], w[0] * MATMUL_TILE])
+            self.matmul_format = custom(
+                f"SkinnyMatMulFormat{suffix}", lambda x, w, f: [x[0], w[0] * MATMUL_TILE]
+            )
             self.rows = custom("MatrixRows", lambda ids, *_: [ids[0], hidden], lambda ids, w, f: ms.float32)
             self.matmul_add = custom("SkinnyMatMulAdd", lambda x, w, r: r)
             self.norm = custom("RmsNorm", lambda x, *_: x)
@@ -507,7 +509,8 @@ class LlamaModel(nn.Cell):
         head = "embed" if spec.tied_embeddings else "lm_head"
         # With the matmul kernel the embedding and LM head stay in their format (a GGUF's, float32
         # tiles otherwise): the embedding's rows are read by MatrixRows, the LM head multiplied by
-        # SkinnyMatMulFormat, and a tied embedding is one matrix for both.
+        # SkinnyMatMulFormat (its I8 twin under int8 activations), and a tied embedding is one matrix
+        # for both.
         self.kernel_matmul_format: Any = kernels.matmul_format
         self.kernel_rows: Any = kernels.rows
         self.kept = kernels.matmul_format is not None and not self.half

@@ -2,8 +2,12 @@
 integer-format product's input as the kernels do (reference_numpy.forward int8), aware of rounding
 ties: where the reference meets a value within a few ulps of a half step (reference_numpy.TIE_ULPS),
 a float32 input summed in another order may round the other way, which moves the logits by up to
-about half of all the rounding's effect, and the KV written then carries it on. So from a sequence's
-first tie on, its calls are only held nearer to the int8 reference than to the float one."""
+about half of all the rounding's effect, and the KV written then carries it on; the LM head's input,
+rounded too, then meets other ties of its own. So from a sequence's first tie in a layer on, its calls
+are only held within the rounding's own reach: no farther from the int8 reference than twice the
+distance between it and the float one (wrong rows or garbage are far beyond). A tie in the LM head's
+input alone moves only that call's logits: each logit is allowed the move of rounding them the other
+way (reference_numpy.forward head_slack), and the call stays exact."""
 
 from dataclasses import dataclass, field
 
@@ -23,17 +27,21 @@ class Int8Comparison:
         """The call's last logits `got` (tokens after `cache`, which the int8 reference then extends;
         near_ties: the sequence's ties so far, extended too); returns the reference's greedy token."""
         before = ref.RefCache([list(k) for k in cache.keys], [list(v) for v in cache.values])
-        want = ref.forward(self.reference, tokens, cache, int8=True, near_ties=near_ties)[-1]
+        slack: list[np.ndarray] = []
+        want = ref.forward(self.reference, tokens, cache, int8=True, near_ties=near_ties, head_slack=slack)[
+            -1
+        ]
         floats = ref.forward(self.reference, tokens, before)[-1]
-        distances = (float(np.abs(got - want).max()), float(np.abs(got - floats).max()))
+        beyond_slack = np.abs(got - want) - (slack[-1][-1] if slack else 0.0)
+        distances = (float(np.maximum(beyond_slack, 0.0).max()), float(np.abs(got - floats).max()))
         (self.tied if sum(near_ties) else self.exact).append(distances)
         return int(np.argmax(want))
 
     def assert_agrees(self, tolerance: float, min_exact: int) -> None:
         """Tie-free calls within `tolerance` (at least min_exact of them), each far nearer to the int8
-        reference than to the float one (the int8 path ran); tied calls nearer to the int8 one."""
+        reference than to the float one (the int8 path ran); tied calls within the rounding's reach."""
         exact, tied = self.exact, self.tied
         assert len(exact) >= min_exact, (exact, tied)
         assert max(d for d, _ in exact) < tolerance, exact
         assert min(off for _, off in exact) > 10 * max(d for d, _ in exact), exact
-        assert all(d < 0.8 * off for d, off in tied), tied
+        assert all(d < 2 * off for d, off in tied), tied

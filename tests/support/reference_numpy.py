@@ -39,6 +39,7 @@ class RefModel:
     interleaved_rope: bool
     rope_scaling: dict | None = None  # config.json's rope_scaling, or {"type": "linear", ...} from GGUF
     gemma: GemmaTraits | None = None
+    head_integer: bool = False  # the LM head's weights are in an integer GGUF format (int8 applies)
 
 
 @dataclass
@@ -123,6 +124,7 @@ def load_gguf_reference(path: str | Path) -> RefModel:
         embed=raw["token_embd.weight"],
         norm=raw["output_norm.weight"],
         head=raw.get("output.weight", raw["token_embd.weight"]),
+        head_integer=("output.weight" if "output.weight" in raw else "token_embd.weight") in integer,
         n_heads=heads,
         n_kv=meta("attention.head_count_kv"),
         head_dim=head_dim,
@@ -268,14 +270,23 @@ def q8_1(x: np.ndarray, near_ties: list[int] | None = None) -> np.ndarray:
     d = max |x| / 127 (to nearest, ties to even), then dequantized (d * q) in float64. near_ties: gets
     the count of values near a rounding boundary (TIE_ULPS), where a float32 input a few ulps away
     (summed in another order) rounds the other way: either answer is right."""
+    dequantized, tie_steps = _q8_1_with_ties(x)
+    if near_ties is not None:
+        near_ties.append(int(np.count_nonzero(tie_steps)))
+    return dequantized
+
+
+def _q8_1_with_ties(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q8_1(x), and for each value near a rounding boundary the step (d) it moves by if rounded the
+    other way (0 elsewhere)."""
     blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
     scaled = blocks * (np.float32(127) / np.where(amax > 0, amax, np.float32(1)))  # all-zero blocks: 0
-    if near_ties is not None:
-        margin = (np.abs(scaled) + 1) * (TIE_ULPS * 2.0**-24)
-        near_ties.append(int((np.abs(np.abs(scaled - np.trunc(scaled)) - 0.5) < margin).sum()))
-    q = np.rint(scaled)
-    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+    margin = (np.abs(scaled) + 1) * (TIE_ULPS * 2.0**-24)
+    tied = np.abs(np.abs(scaled - np.trunc(scaled)) - 0.5) < margin
+    step = (amax / np.float32(127)).astype(np.float64)
+    dequantized = np.rint(scaled).astype(np.float64) * step
+    return dequantized.reshape(x.shape), np.where(tied, step, 0.0).reshape(x.shape)
 
 
 # A scaled value this many of its float32 ulps from a rounding boundary is a tie: the kernels'
@@ -293,11 +304,14 @@ def forward(
     cache: RefCache,
     int8: bool = False,
     near_ties: list[int] | None = None,
+    head_slack: list[np.ndarray] | None = None,
 ) -> np.ndarray:
     """Run `tokens` after what `cache` already holds; returns logits [len(tokens), vocab]. int8: the
     input of every layer product whose weights are in an integer GGUF format rounded to Q8_1 first
-    (runtime.activations: int8); not the LM head, nor float weights. near_ties: as q8_1's, a count
-    for each rounding."""
+    (runtime.activations: int8), the LM head's too; not float weights. near_ties: as q8_1's, a count
+    for each rounding of the layers' inputs. head_slack: gets how far each logit [len(tokens), vocab]
+    moves should the LM head's input round its near ties the other way (they touch only the logits,
+    so they are allowed for there instead of counting as ties)."""
 
     def product(a: np.ndarray, layer: dict, name: str) -> np.ndarray:
         return (q8_1(a, near_ties) if int8 and name in layer["integer"] else a) @ layer[name].T
@@ -357,7 +371,13 @@ def forward(
         else:
             ffn = product((gate / (1.0 + np.exp(-gate))) * product(h, layer, "up"), layer, "down")
         x = x + ffn
-    return _rms(x, model.norm, model.eps) @ model.head.T
+    h = _rms(x, model.norm, model.eps)
+    if not (int8 and model.head_integer):
+        return h @ model.head.T
+    h, tie_steps = _q8_1_with_ties(h)
+    if head_slack is not None:
+        head_slack.append(tie_steps @ np.abs(model.head).T)
+    return h @ model.head.T
 
 
 def greedy(model: RefModel, prompt: list[int], n_new: int, stop_ids=()) -> list[int]:
