@@ -377,20 +377,27 @@ inline packed::vi dot4(packed::vi sums, packed::vi q, int32_t four) {
 }
 
 // Rows [row0, row0 + R) of the tile (its blocks at `tile`; columns col0 on) (+ residual), straight
-// from the blocks: per sub-block, the integer sums of each vector of columns, then scaled.
+// from the blocks: per sub-block, the integer sums of each vector of columns, then scaled. Each block
+// whole (every vector of columns) before the next, so the tile streams from memory once, its
+// prefetches running all along (a pass a vector of columns left memory idle through the second: 1B
+// Q8_0 decode steps of 1 row took 37 ms against float32's 30).
 template <class F, int R>
 inline void direct_rows(const Rows &x, const uint8_t *tile, const float *residual, float *out, int64_t n_dim,
                         int64_t row0, int64_t col0) {
   using packed::vf;
   using packed::vi;
+  constexpr int VECTORS = packed::VECTORS;
   const int64_t blocks = x.k_dim / F::BLOCK;
-  for (int c = 0; c < packed::VECTORS; ++c) {
-    vf acc[R];
+  vf acc[VECTORS][R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r] = vf{};
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t *block = tile + b * F::TILE_BYTES;
-      if (c == 0) packed::prefetch_block(block, F::TILE_BYTES);
+  for (int c = 0; c < VECTORS; ++c)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[c][r] = vf{};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t *block = tile + b * F::TILE_BYTES;
+    packed::prefetch_block(block, F::TILE_BYTES);
+#pragma GCC unroll 4
+    for (int c = 0; c < VECTORS; ++c)
       F::subs(block, c, [&](const auto &group, auto quants) {
         constexpr int N = packed::group_size<std::decay_t<decltype(group)>>();
         vi sums[N][R];
@@ -415,16 +422,18 @@ inline void direct_rows(const Rows &x, const uint8_t *tile, const float *residua
           if (Traits<F>::BIAS != 0 && !SIGNED_DOT) offset -= static_cast<float>(Traits<F>::BIAS) * group.scale[n];
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
-            acc[r] += packed::to_float(sums[n][r]) * (group.scale[n] * x_scale(x, row0 + r, k));
-            if constexpr (HAS_OFFSET<F>) acc[r] += offset * x_sum<F>(x, row0 + r, k);
+            acc[c][r] += packed::to_float(sums[n][r]) * (group.scale[n] * x_scale(x, row0 + r, k));
+            if constexpr (HAS_OFFSET<F>) acc[c][r] += offset * x_sum<F>(x, row0 + r, k);
           }
         }
       });
-    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < VECTORS; ++c)
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const int64_t at = (row0 + r) * n_dim + col0 + c * packed::LANES;
-      vf v = acc[r];
+      vf v = acc[c][r];
       if (residual != nullptr) {
         vf res;
         std::memcpy(&res, residual + at, sizeof res);
@@ -432,7 +441,6 @@ inline void direct_rows(const Rows &x, const uint8_t *tile, const float *residua
       }
       std::memcpy(out + at, &v, sizeof v);
     }
-  }
 }
 
 // Tile j of x @ W (+ residual) for all m_dim rows of x (quantized): false where W's format does not
