@@ -19,7 +19,10 @@ from agent.contract.step import StepChunk
 from agent.graphs.interface import bucket
 from agent.graphs.step_graphs import LlamaGraphs, as_tensors
 from agent.kernels import has_int8_products
+from agent.known_answer import Int8AllowanceError, KnownAnswer
 from agent.model.formats import load_checkpoint
+from agent.runner import ModelRunner
+from agent.warm_up import warm_up
 from config.schema import PROJECT_ROOT
 from int8_comparison import Int8Comparison
 from tiny_models import write_tiny_checkpoint, write_tiny_gguf
@@ -249,6 +252,22 @@ def test_int8_activations_match_the_q8_1_reference(tiny_q4_path, kernel_target):
     for i, token in enumerate(tokens):
         check(got[i], i, [token])
     compared.assert_agrees(TOLERANCE, min_exact=4)
+
+
+def test_an_int8_graph_past_its_allowance_is_told_apart_from_a_stale_cache(tiny_q4_path, tmp_path):
+    """The warm-up's known-answer check with int8 activations against another model's answer (as
+    logits that int8 moved too far look): the error stays Int8AllowanceError through the warm-up,
+    so the agent says to serve with float32 activations instead of blaming the compile cache."""
+    if not has_int8_products():
+        pytest.skip("the portable target has no int8 products")
+    runtime = TINY_RUNTIME.model_copy(update={"activations": "int8"})
+    runner = ModelRunner.from_checkpoint(load_checkpoint(tiny_q4_path), runtime)
+    hf = write_tiny_checkpoint(
+        tmp_path / "hf", seed=3, layers=3, hidden=256, heads=4, kv_heads=2, intermediate=320, tied=True
+    )
+    other = load_checkpoint(write_tiny_gguf(hf, tmp_path / "other.gguf", "Q4_1", embedding_qtype="Q8_0"))
+    with pytest.raises(Int8AllowanceError, match=r"the prefill length \d+ graph disagrees"):
+        warm_up(runner, lambda _line: None, "mixed", KnownAnswer.of_checkpoint(other, runtime))
 
 
 def test_int8_activations_are_refused_where_they_cannot_run(tiny_llama_dir, tiny_q4_path, monkeypatch):
