@@ -413,14 +413,7 @@ inline void direct_rows(const Rows &x, const uint8_t *tile, const float *residua
   for (int c = 0; c < VECTORS; ++c)
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const int64_t at = (row0 + r) * n_dim + col0 + c * packed::LANES;
-      vf v = acc[c][r];
-      if (residual != nullptr) {
-        vf res;
-        std::memcpy(&res, residual + at, sizeof res);
-        v += res;
-      }
-      std::memcpy(out + at, &v, sizeof v);
+      packed::store(out, residual, (row0 + r) * n_dim + col0 + c * packed::LANES, acc[c][r]);
     }
 }
 

@@ -21,6 +21,16 @@ namespace packed {
 // AVX-512 has 32 registers: 12 rows x 2 vectors of 16; AVX2 16: 3 rows x 4 vectors of 8.
 constexpr int ROWS = LANES == 16 ? 12 : 3;
 
+// out[at, at + LANES) = v (+ residual there): a product's row of columns stored.
+inline void store(float *out, const float *residual, int64_t at, vf v) {
+  if (residual != nullptr) {
+    vf res;
+    std::memcpy(&res, residual + at, sizeof res);
+    v += res;
+  }
+  std::memcpy(out + at, &v, sizeof v);
+}
+
 // Rows [row0, row0 + R) of out's columns [col0, col0 + TILE) (+ residual), from the tile's rows
 // w_tile [k_dim, TILE].
 template <int R>
@@ -47,14 +57,7 @@ inline void tile_rows(const float *x, int64_t k_dim, const float *w_tile, const 
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < VECTORS; ++c) {
-      const int64_t at = (row0 + r) * n_dim + col0 + c * LANES;
-      vf v = acc[r][c];
-      if (residual != nullptr) {
-        vf res;
-        std::memcpy(&res, residual + at, sizeof res);
-        v += res;
-      }
-      std::memcpy(out + at, &v, sizeof v);
+      store(out, residual, (row0 + r) * n_dim + col0 + c * LANES, acc[r][c]);
     }
 }
 
@@ -176,14 +179,7 @@ inline void row_tile(const float *x, int64_t k_dim, const uint8_t *w, const floa
   }
 #pragma GCC unroll 4
   for (int c = 0; c < VECTORS; ++c) {
-    const int64_t at = row * n_dim + j * TILE + c * LANES;
-    vf v = total[c];
-    if (residual != nullptr) {
-      vf res;
-      std::memcpy(&res, residual + at, sizeof res);
-      v += res;
-    }
-    std::memcpy(out + at, &v, sizeof v);
+    store(out, residual, row * n_dim + j * TILE + c * LANES, total[c]);
   }
 }
 
@@ -259,14 +255,7 @@ inline void direct_rows(const float *x, int64_t k_dim, const uint8_t *w, const f
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const int64_t at = (row0 + r) * n_dim + j * TILE + c * LANES;
-      vf v = acc[r];
-      if (residual != nullptr) {
-        vf res;
-        std::memcpy(&res, residual + at, sizeof res);
-        v += res;
-      }
-      std::memcpy(out + at, &v, sizeof v);
+      store(out, residual, (row0 + r) * n_dim + j * TILE + c * LANES, acc[r]);
     }
   }
 }
