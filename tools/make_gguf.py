@@ -18,6 +18,10 @@ BF16, F32), or llama.cpp's mixes Q4_K_M and Q5_K_M (Q4_K / Q5_K, with Q6_K for t
 embedding when tied) and for attn_v and ffn_down in the layers llama.cpp gives more bits). A matrix
 whose rows do not fit the type's blocks gets llama.cpp's fallback type. Quants are random and
 scales small (weights of about 0.02): the loader and kernels take whatever blocks a file holds.
+A Llama's output projections (attn_output, ffn_down) are scaled down by 1/sqrt(2 x layers), as
+trained models are initialised: without it each layer adds as much as the whole residual stream
+holds, and a deep random model turns chaotic (a rounding anywhere moves every logit, so int8
+activations could not be measured on the 3B and 7B shapes).
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ HALF_FIELDS: dict[GGMLQuantizationType, tuple[int, int | None]] = {
 TYPICAL = {T.Q4_0: 4, T.Q4_1: 8, T.Q5_0: 8, T.Q5_1: 16, T.Q8_0: 64, T.Q2_K: 12, T.Q3_K: 40}
 TYPICAL.update({T.Q4_K: 240, T.Q5_K: 480, T.Q6_K: 1000, T.IQ4_NL: 64})
 CENTRE = {T.Q4_1: -7.5, T.Q5_1: -15.5, T.Q2_K: 1.5, T.Q4_K: 7.5, T.Q5_K: 15.5}
+# the matrices that write into the residual stream (Gemma's post-norms rescale them anyway)
+RESIDUAL_OUTPUTS = ("attn_output.weight", "ffn_down.weight")
 # llama.cpp's type for a matrix whose rows are no whole number of the K-quants' 256-weight blocks
 FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
@@ -268,11 +274,13 @@ def write_random_gguf(
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for _, extent, qtype in plan:
+    for tensor, extent, qtype in plan:
         if len(extent) == 1:
             writer.write_tensor_data((1 + 0.1 * rng.standard_normal(extent)).astype(np.float32))
         else:
             scale = embed_scale if extent[0] == vocab else 0.02
+            if shape.arch == "llama" and tensor.endswith(RESIDUAL_OUTPUTS):
+                scale /= np.sqrt(2 * shape.layers)
             writer.write_tensor_data(random_blocks(qtype, extent[0], extent[1], rng, scale))
     writer.close()
     return path
