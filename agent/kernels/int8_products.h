@@ -171,6 +171,19 @@ inline void unpack(const uint8_t *tile, int64_t k_dim, Unpacked &u) {
   }
 }
 
+// Bytes to prefetch into L2 a piece at a time while a tile's rows compute: the next tile, which the
+// next call unpacks (a thread's tiles are contiguous: thread_team.h for_dynamic). Unpacking stalled
+// on memory while the row products left it idle: in a 1B Q5_K decode step of 16 rows the unpacking
+// was 42% of the time, the products 29%.
+struct Ahead {
+  const uint8_t *bytes;
+  int64_t size;
+  // Piece i of n.
+  void fetch(int64_t i, int64_t n) const {
+    for (int64_t at = size * i / n / 64 * 64; at < size * (i + 1) / n; at += 64) __builtin_prefetch(bytes + at, 0, 2);
+  }
+};
+
 // Activation row r's scale for the sub-block starting at k, and its sum over SUB positions.
 inline float x_scale(const Rows &x, int64_t row, int64_t k) {
   return x.d[row * (x.k_dim / XBLOCK) + k / XBLOCK];
@@ -188,12 +201,13 @@ constexpr int ROWS = 6;  // 2 R sums + 2 R accumulators of AVX-512's 32 register
 
 // Rows [row0, row0 + R) of the tile's TILE columns (col0 on) (+ residual).
 template <class F, int R>
-inline void tile_rows(const Rows &x, const Unpacked &u, const float *residual, float *out, int64_t n_dim,
-                      int64_t row0, int64_t col0) {
+inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, const float *residual, float *out,
+                      int64_t n_dim, int64_t row0, int64_t col0) {
   __m512 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t s = 0; s < x.k_dim / F::SUB; ++s) {
+    ahead.fetch(s, x.k_dim / F::SUB);
     __m512i sums[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
@@ -256,14 +270,15 @@ template <class F>
 constexpr int RUN = std::max(1, std::min(F::SUB / 4, 32767 / (2 * 127 * Traits<F>::MAX_QUANT)));
 
 template <class F, int R>
-inline void tile_rows(const Rows &x, const Unpacked &u, const float *residual, float *out, int64_t n_dim,
-                      int64_t row0, int64_t col0) {
+inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, const float *residual, float *out,
+                      int64_t n_dim, int64_t row0, int64_t col0) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {
     __m256 acc[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < x.k_dim / F::SUB; ++s) {
+      ahead.fetch(half * (x.k_dim / F::SUB) + s, 2 * (x.k_dim / F::SUB));
       const uint8_t *wb = u.at(s * F::SUB * packed::TILE + 64 * half);
       const int8_t *xb = x.q + row0 * x.k_dim + s * F::SUB;
       const float *scale = u.scale.data() + s * packed::TILE + 16 * half;
@@ -444,9 +459,13 @@ inline bool tile(const product::Matrix &w, const Rows &x, const float *residual,
       }
       thread_local Unpacked unpacked;
       unpack<F>(tile, w.k_dim, unpacked);
+      const int64_t tile_bytes = blocks * F::TILE_BYTES, row_blocks = (m_dim + ROWS - 1) / ROWS;
+      int64_t row_block = 0;
       packed::equal_blocks(m_dim, ROWS, [&](int64_t row, int64_t n) {
+        const int64_t from = tile_bytes * row_block / row_blocks, to = tile_bytes * ++row_block / row_blocks;
+        const Ahead ahead{tile + tile_bytes + from, to - from};
         packed::with_rows<ROWS>(n, [&](auto rows) {
-          tile_rows<F, decltype(rows)::value>(x, unpacked, residual, out, n_dim, row, j * packed::TILE);
+          tile_rows<F, decltype(rows)::value>(x, unpacked, ahead, residual, out, n_dim, row, j * packed::TILE);
         });
       });
       done = true;
