@@ -178,9 +178,13 @@ inline void unpack(const uint8_t *tile, int64_t k_dim, Unpacked &u) {
 struct Ahead {
   const uint8_t *bytes;
   int64_t size;
-  // Piece i of n.
-  void fetch(int64_t i, int64_t n) const {
-    for (int64_t at = size * i / n / 64 * 64; at < size * (i + 1) / n; at += 64) __builtin_prefetch(bytes + at, 0, 2);
+  // Cache lines a piece, for n pieces (divided once a call: a division a piece cost an AVX2 prefill
+  // of the default model a sixth of its time).
+  int64_t lines(int64_t n) const { return (size + 64 * n - 1) / (64 * n); }
+  // Piece i of `lines` lines.
+  void fetch(int64_t i, int64_t lines) const {
+    for (int64_t at = i * lines * 64, end = std::min(size, at + lines * 64); at < end; at += 64)
+      __builtin_prefetch(bytes + at, 0, 2);
   }
 };
 
@@ -206,8 +210,9 @@ inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, cons
   __m512 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t lines = ahead.lines(x.k_dim / F::SUB);
   for (int64_t s = 0; s < x.k_dim / F::SUB; ++s) {
-    ahead.fetch(s, x.k_dim / F::SUB);
+    ahead.fetch(s, lines);
     __m512i sums[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
@@ -273,12 +278,13 @@ template <class F, int R>
 inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, const float *residual, float *out,
                       int64_t n_dim, int64_t row0, int64_t col0) {
   const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t lines = ahead.lines(2 * (x.k_dim / F::SUB));
   for (int half = 0; half < 2; ++half) {
     __m256 acc[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < x.k_dim / F::SUB; ++s) {
-      ahead.fetch(half * (x.k_dim / F::SUB) + s, 2 * (x.k_dim / F::SUB));
+      ahead.fetch(half * (x.k_dim / F::SUB) + s, lines);
       const uint8_t *wb = u.at(s * F::SUB * packed::TILE + 64 * half);
       const int8_t *xb = x.q + row0 * x.k_dim + s * F::SUB;
       const float *scale = u.scale.data() + s * packed::TILE + 16 * half;
