@@ -248,12 +248,7 @@ inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, cons
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) {
-      const int64_t at = (row0 + r) * n_dim + col0 + 16 * h;
-      __m512 v = acc[r][h];
-      if (residual != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + at));
-      _mm512_storeu_ps(out + at, v);
-    }
+    for (int h = 0; h < 2; ++h) packed::store(out, residual, (row0 + r) * n_dim + col0 + 16 * h, (packed::vf)acc[r][h]);
 }
 #else
 constexpr int ROWS = 3;  // a half tile at a time: 2 R pair sums + 2 R accumulators of AVX2's 16 registers
@@ -349,12 +344,8 @@ inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, cons
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) {
-        const int64_t at = (row0 + r) * n_dim + col0 + 16 * half + 8 * h;
-        __m256 v = acc[r][h];
-        if (residual != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + at));
-        _mm256_storeu_ps(out + at, v);
-      }
+      for (int h = 0; h < 2; ++h)
+        packed::store(out, residual, (row0 + r) * n_dim + col0 + 16 * half + 8 * h, (packed::vf)acc[r][h]);
   }
 }
 #endif
