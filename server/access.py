@@ -20,7 +20,8 @@
 - the request body limit (413, on the bytes read: a request body is read here, within the limit
   and within `server.read_timeout_s` (408), and handed on);
 - who the client is, for the scheduler's fair shares (scheduler/client_share.py): its API key (a
-  digest of it), or its address when keys are off (behind a proxy, every client is the proxy).
+  digest of it) when the key is one of the server's, or its address otherwise (keys off, or a path
+  that checks none); behind a proxy, every client is the proxy.
 """
 
 from __future__ import annotations
@@ -109,11 +110,11 @@ class ApiKeys:
         return 401, "missing or invalid API key (send Authorization: Bearer KEY)"
 
     def client(self, scope, headers: dict) -> str:
-        """Who sent a request whose key was checked: its key's digest with keys on; its address
-        with keys off (any key a request makes up would name a client then)."""
-        key = self._key(scope, headers) if self.api_keys or self.admin_keys else b""
-        if key:
-            return "key:" + hashlib.sha256(key).hexdigest()[:16]
+        """Who sent a request: the digest of its key when the key is one of the server's (checked),
+        else its address. Never a key nobody checked: with admin keys only, inference is open, and
+        a client that made up a key for each request would be a new client each time."""
+        if self._authorized(scope, headers, self.api_keys + self.admin_keys):
+            return "key:" + hashlib.sha256(self._key(scope, headers)).hexdigest()[:16]
         address = scope.get("client")
         return f"addr:{address[0]}" if address else "addr:unknown"
 

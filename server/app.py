@@ -23,7 +23,7 @@ from server.openai_api import openai_router
 from server.ops_api import ops_router
 from server.repository_api import repository_router
 from server.responses_api import responses_router
-from server.responses_store import ResponseStore
+from server.responses_store import ResponseStore, StoreBounds
 from server.stalled_clients import StalledClientMiddleware
 from server.tokenize_api import tokenize_router
 from server.tracing import TracingMiddleware
@@ -64,7 +64,7 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
         return error_response(status, problems, shape(request), param=fields[0])
 
     app.include_router(openai_router(repository))
-    store = ResponseStore(config.server.responses_store_size, config.server.responses_ttl_s)
+    store = ResponseStore(StoreBounds.of(config.server), config.server.responses_ttl_s)
     app.include_router(responses_router(repository, store))
     app.include_router(anthropic_router(repository))
     app.include_router(ops_router(config, repository))
@@ -73,6 +73,8 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
     app.include_router(triton_router(repository))
     app.include_router(repository_router(repository))
     app.add_middleware(StalledClientMiddleware, timeout_s=config.server.stream_write_timeout_s)
+    if repository.tracing is not None:  # inside the access check: a refused request makes no span
+        app.add_middleware(TracingMiddleware, tracing=repository.tracing)
     app.add_middleware(
         AccessMiddleware, server=config.server, model_control=config.model_control_mode == "explicit"
     )
@@ -83,7 +85,4 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "traceparent"],
         )
-    if repository.tracing is not None:  # outermost: refused requests are traced too
-        app.add_middleware(TracingMiddleware, tracing=repository.tracing)
-
     return app

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 EXPORT_DELAY_MS = 500  # spans leave in batches at most this late
+SPAN_METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "gRPC"}
+MAX_PATH_CHARS = 256  # of url.path on a span
 OPERATIONS = {  # gen_ai.operation.name by route
     "/v1/chat/completions": "chat",
     "/v1/responses": "chat",
@@ -105,13 +107,15 @@ class Tracing:
         return int(monotonic_s * 1e9) + self.epoch_offset_ns
 
     def start_request(self, method: str, path: str, headers: dict[str, str]) -> RequestTrace:
-        """The request's span, a child of the client's traceparent if it sends one."""
+        """The request's span, a child of the client's traceparent if it sends one. Named by its
+        method alone until its model is known: a path is the client's to choose."""
         parent = self.propagator.extract(headers)
+        method = method if method in SPAN_METHODS else "_OTHER"  # as OpenTelemetry's conventions say
         span = self.tracer.start_span(
-            f"{method} {path}",
+            method,
             context=parent,
             kind=self.server_kind,
-            attributes={"http.request.method": method, "url.path": path},
+            attributes={"http.request.method": method, "url.path": path[:MAX_PATH_CHARS]},
         )
         return RequestTrace(span, OPERATIONS.get(path, "generate"))
 

@@ -88,6 +88,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         )
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The slowest /health answer seen during the hostile-request tests (tests/support/attack_watch.py)."""
+    from attack_watch import WORST_HEALTH_S
+
+    if WORST_HEALTH_S:
+        name, worst = max(WORST_HEALTH_S, key=lambda seen: seen[1])
+        terminalreporter.write_line(
+            f"slowest /health under attack: {worst * 1000:.0f} ms "
+            f"({name or 'unnamed'}; {len(WORST_HEALTH_S)} watches)"
+        )
+
+
 @pytest.fixture(autouse=True)
 def _unit_runs_leave_mindspore_out(request: pytest.FixtureRequest):
     loaded_before = "mindspore" in sys.modules

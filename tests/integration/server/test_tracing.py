@@ -1,7 +1,8 @@
 """OpenTelemetry tracing (server.otlp_endpoint) against a real agent and `start_server.py` on the tiny
 model, exporting to an OTLP receiver in this process: one request with a W3C traceparent gives
 the span tree the README describes (the request's span under the client's, queue, prefill with
-its chunks, decode with its agent steps) with the client's trace id and the GenAI attributes."""
+its chunks, decode with its agent steps) with the client's trace id and the GenAI attributes; a
+request the access check refuses makes no span."""
 
 import threading
 import time
@@ -17,6 +18,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+KEY = "tracing-key"
+AUTH = {"authorization": f"Bearer {KEY}"}  # lower case: gRPC metadata too
 PARENT_ID = "00f067aa0ba902b7"
 
 
@@ -52,7 +55,12 @@ def traced(tmp_path_factory, tiny_llama_dir):
         [agent_port],
         runtime=LONG_ANSWERS_RUNTIME,
         agents={"restart_policy": "exit"},
-        server={"port": http_port, "grpc_port": grpc_port, "otlp_endpoint": f"http://127.0.0.1:{otlp_port}"},
+        server={
+            "port": http_port,
+            "grpc_port": grpc_port,
+            "otlp_endpoint": f"http://127.0.0.1:{otlp_port}",
+            "api_keys": [KEY],
+        },
     )
     try:
         with serving_stack(path):
@@ -77,7 +85,7 @@ def test_one_request_gives_the_span_tree_under_the_clients_trace(traced):
     prompt = "Tell me about the weather in Paris, in London and in Rome, in detail. " * 2  # chunks of 64
     reply = httpx.post(
         f"{base}/v1/chat/completions",
-        headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+        headers={**AUTH, "traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
         json={
             "model": "tiny",
             "messages": [{"role": "user", "content": prompt}],
@@ -137,7 +145,9 @@ def test_a_request_without_traceparent_starts_its_own_trace(traced):
     base, receiver, _ = traced
     before = {s.trace_id for s in receiver.spans}
     reply = httpx.post(
-        f"{base}/models/tiny/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}}
+        f"{base}/models/tiny/generate",
+        json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}},
+        headers=AUTH,
     )
     assert reply.status_code == 200
     deadline = time.monotonic() + 15
@@ -167,9 +177,32 @@ def test_a_grpc_infer_is_traced_under_the_clients_traceparent(traced):
             "tiny",
             [text],
             parameters={"max_tokens": 3},
-            headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+            headers={**AUTH, "traceparent": f"00-{trace_id}-{parent}-01"},
         )
     spans = spans_of(receiver, trace_id, "decode")
     [root] = [s for s in spans if s.parent_span_id.hex() == parent]
     assert root.name == "generate tiny" and attributes(root)["gen_ai.usage.output_tokens"] == 3
     assert {s.name for s in spans if s.parent_span_id == root.span_id} == {"queue", "prefill", "decode"}
+
+
+def test_a_request_without_a_valid_key_makes_no_span(traced):
+    """Refused before tracing: an unauthenticated client cannot create spans, nor name them (on
+    main the span was `POST <the path it sent>`). Spans leave in order, so once a later
+    authenticated request's span has arrived, the refused one's would have too."""
+    base, receiver, _ = traced
+    refused_trace, later_trace = "11111111111111111111111111111111", "22222222222222222222222222222222"
+    refused = httpx.post(
+        f"{base}/made-up-span-name",
+        json={},
+        headers={"Authorization": "Bearer wrong", "traceparent": f"00-{refused_trace}-{PARENT_ID}-01"},
+    )
+    assert refused.status_code == 401
+    later = httpx.post(
+        f"{base}/models/tiny/generate",
+        json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}},
+        headers={**AUTH, "traceparent": f"00-{later_trace}-{PARENT_ID}-01"},
+    )
+    assert later.status_code == 200
+    assert any(s.name == "generate tiny" for s in spans_of(receiver, later_trace, "generate tiny"))
+    assert receiver.of_trace(refused_trace) == []
+    assert not any("made-up-span-name" in s.name for s in receiver.spans)

@@ -1,0 +1,35 @@
+"""Who a request's client is, for fair shares: only a key the server checked names one."""
+
+import pytest
+
+from config.schema import ServerSection
+from server.access import ApiKeys
+
+ADDRESS = {"path": "/v1/completions", "client": ("127.0.0.5", 40000)}
+
+
+def bearer(key: str) -> dict:
+    return {b"authorization": f"Bearer {key}".encode()}
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [{}, {"admin_api_keys": ["admin-key"]}, {"api_keys": ["user-key"], "admin_api_keys": ["admin-key"]}],
+    ids=["keys off", "admin keys only", "both"],
+)
+def test_a_made_up_key_is_the_address_not_a_new_client(keys):
+    """With admin keys only, inference is open: a client sending a new random key each time was a
+    new client each time (its share and running cap never applied)."""
+    api = ApiKeys(ServerSection(**keys))
+    named = {api.client(ADDRESS, bearer(f"random-{i}")) for i in range(5)}
+    assert named == {"addr:127.0.0.5"}
+    assert api.client(ADDRESS, {}) == "addr:127.0.0.5"
+
+
+def test_a_checked_key_names_its_client_wherever_it_comes_from():
+    api = ApiKeys(ServerSection(api_keys=["user-key", "other-key"], admin_api_keys=["admin-key"]))
+    elsewhere = {**ADDRESS, "client": ("127.0.0.9", 1)}
+    assert api.client(ADDRESS, bearer("user-key")) == api.client(elsewhere, bearer("user-key"))
+    assert api.client(ADDRESS, bearer("user-key")).startswith("key:")
+    assert api.client(ADDRESS, bearer("user-key")) != api.client(ADDRESS, bearer("other-key"))
+    assert api.client(ADDRESS, {b"x-api-key": b"admin-key"}).startswith("key:")
