@@ -209,7 +209,7 @@ def test_reconnect_while_a_call_polls_ends_that_call_cleanly():
         client = AgentClient(agent.address, timeout_s=30)
         try:
             call = asyncio.create_task(client.ping())
-            await asyncio.sleep(0.3)  # the ping is sent and its reply awaited
+            assert [h["op"] for h in await agent.received(10)] == ["ping"]  # its reply now awaited
             client.reconnect()
             started = time.monotonic()
             with pytest.raises(AgentUnavailable, match="reconnected"):
@@ -255,7 +255,11 @@ def test_a_tensor_parallel_group_with_a_lost_rank_sends_nothing_to_the_others():
             [AgentClient(rank0.address, timeout_s=5), AgentClient(rank1.address, timeout_s=5)]
         )
         try:
-            await asyncio.sleep(0.3)  # both connected
+            answering = [asyncio.create_task(rank.answer_all()) for rank in (rank0, rank1)]
+            for client in group.clients:  # both connected: each has answered
+                await client.ping(5)
+            for task in answering:
+                task.cancel()
             rank1.close()  # rank 1's agent dies: its client learns it on its next call
             with pytest.raises(AgentUnavailable, match="connection lost"):
                 await group.clients[1].ping()

@@ -89,8 +89,11 @@ def test_a_prefix_cache_hit_gives_the_tokens_of_a_cold_prefill(config, tokenizer
     async def scenario(server):
         cold = await tokens_of(server, "cold", first, params, 12)
         warm = await tokens_of(server, "warm", second, params, 12)
-        await asyncio.sleep(0.1)  # the loop's next iteration counts them into the metrics
         metric = server.engine.metrics.registry.get_sample_value
+        for _ in range(500):  # the loop's next iteration counts them into the metrics
+            if metric("llm_serving_prefix_cache_queries_total") == 2 * 109:
+                break
+            await asyncio.sleep(0.01)
         counts = [metric(f"llm_serving_prefix_cache_{kind}_total") for kind in ("queries", "hits")]
         cached = metric("llm_serving_kv_blocks", {"state": "cached"})
         return cold, warm, counts, cached

@@ -112,12 +112,18 @@ def engine_over(agent: FakeAgent, on_update=lambda seq: None) -> Engine:
     return engine
 
 
-async def finished(seqs: list[Sequence], timeout_s: float = 5) -> None:
-    async def all_done():
-        while not all(s.finished for s in seqs):
+async def until(condition, timeout_s: float = 5) -> None:
+    """Waits for `condition()` to hold (a barrier on the state, not on time)."""
+
+    async def holds():
+        while not condition():
             await asyncio.sleep(0.01)
 
-    await asyncio.wait_for(all_done(), timeout_s)
+    await asyncio.wait_for(holds(), timeout_s)
+
+
+async def finished(seqs: list[Sequence], timeout_s: float = 5) -> None:
+    await until(lambda: all(s.finished for s in seqs), timeout_s)
 
 
 def test_requests_decode_to_their_length_and_free_their_slots():
@@ -128,7 +134,7 @@ def test_requests_decode_to_their_length_and_free_their_slots():
         await engine.start()
         seqs = [engine.add_request(f"r{i}", [10 * i + 1, 10 * i + 2], SamplingParams(), 5) for i in range(6)]
         await finished(seqs)
-        await asyncio.sleep(0.05)  # the last releases run on the next iteration
+        await until(lambda: len(agent.released) == len(seqs))  # the last releases: the next iteration
         await engine.stop()
         return seqs
 
@@ -164,15 +170,11 @@ def test_a_dead_group_fails_its_sequences_and_serves_again_once_it_answers():
         engine = engine_over(agent)
         await engine.start()
         before = engine.add_request("before", [1, 2], SamplingParams(), 40)
-        while len(before.output) < 3:
-            await asyncio.sleep(0.005)
+        await until(lambda: len(before.output) >= 3)
         agent.down = True
         await finished([before])
         agent.down = False
-        for _ in range(500):  # the engine probes the failed group every second
-            if engine.scheduler.healthy[0]:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.scheduler.healthy[0])  # the engine probes a failed group every second
         after = engine.add_request("after", [20], SamplingParams(), 3)
         await finished([after])
         await engine.stop()
@@ -197,7 +199,7 @@ def test_a_finish_the_output_layer_decides_is_applied():
         await engine.start()
         seq = engine.add_request("stops", [1], SamplingParams(), 30)
         await finished([seq])
-        await asyncio.sleep(0.05)
+        await until(lambda: agent.released)
         await engine.stop()
         return seq
 
