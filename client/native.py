@@ -52,7 +52,7 @@ def _raise_for(response: httpx.Response, body: bytes) -> None:
         try:
             message = json.loads(body)["error"]
             message = message.get("message", message) if isinstance(message, dict) else message
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # not the server's error shape
             message = body.decode(errors="replace") or response.reason_phrase
         raise ServerError(response.status_code, str(message))
 

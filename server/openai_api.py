@@ -158,7 +158,9 @@ async def admit_choices(
     ]
     call_grammar = tool_calls.call_grammar(req) if isinstance(req, ChatCompletionRequest) else None
     if call_grammar is not None:
-        if req.grammar_spec() is not None:
+        assert isinstance(req, ChatCompletionRequest)
+        # Asked, not built: building a schema given as text can fail, and that is no 500.
+        if req.structured_outputs or (req.response_format and req.response_format.type != "text"):
             raise ApiError(
                 400,
                 "tool_choice and response_format both constrain the answer: send one",

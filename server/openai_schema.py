@@ -22,6 +22,7 @@ from agent.contract.sampling import (
     MIN_REPETITION_PENALTY,
     check_stop_strings,
 )
+from server.request_body import json_value
 from server.structured_output import GrammarError, GrammarSpec
 
 MAX_N = 8  # completions per request; each is one more sequence in the batch
@@ -33,7 +34,7 @@ def json_text(value: dict | str) -> str:
     """A JSON Schema as canonical JSON text (the grammar cache's key); a string must hold JSON."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json_value(value)
         except ValueError as exc:
             raise GrammarError(f"the schema is not JSON: {exc}") from exc
     return json.dumps(value, separators=(",", ":"))  # its order kept: properties are generated in it

@@ -18,14 +18,15 @@ same format for templates that do not know them.
 from __future__ import annotations
 
 import json
-import re
 import uuid
+from collections.abc import Iterator
 
+from server.errors import ApiError
 from server.openai_schema import ChatCompletionRequest, ChatMessage, Tool
+from server.request_body import TooDeep, json_value
 from server.structured_output import JSON_OPTIONS, GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-CALL_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 SYSTEM_PROMPT = (
     "You can call functions. To call one, answer with exactly:\n"
     f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}\n'
@@ -110,11 +111,11 @@ def parse_calls(text: str, tools: list[Tool], parallel: bool = True) -> tuple[st
     that were not offered, or whose arguments are not a JSON object, stay text."""
     names = {t.function.name for t in tools}
     calls, kept, end = [], [], 0
-    for match in CALL_BLOCK.finditer(text):
-        call = _call(match.group(1), names)
+    for start, stop, inside in _blocks(text):
+        call = _call(inside, names)
         if call is not None:
-            kept.append(text[end : match.start()])
-            end = match.end()
+            kept.append(text[end:start])
+            end = stop
             calls.append(call)
     kept.append(text[end:])
     if not calls:
@@ -125,18 +126,33 @@ def parse_calls(text: str, tools: list[Tool], parallel: bool = True) -> tuple[st
     return content or None, calls if parallel else calls[:1]
 
 
+def _blocks(text: str) -> Iterator[tuple[int, int, str]]:
+    """(start, end, what is inside without its outer whitespace) of each OPEN ... CLOSE, the first
+    CLOSE after each OPEN ending it. Found by str.find from where the last one ended: linear, where
+    a pattern backtracks in cubic time over an OPEN that is never closed."""
+    at = 0
+    while (start := text.find(OPEN, at)) >= 0:
+        close = text.find(CLOSE, start + len(OPEN))
+        if close < 0:
+            return
+        at = close + len(CLOSE)
+        yield start, at, text[start + len(OPEN) : close].strip()
+
+
 def _arguments(text: str):
     """A history call's arguments as JSON (as sent, when they are not JSON: the model sees them)."""
     try:
-        return json.loads(text)
+        return json_value(text)
+    except TooDeep as exc:
+        raise ApiError(400, f"a tool call's arguments: {exc}") from None
     except ValueError:
         return text
 
 
 def _call(text: str, names: set[str]) -> dict | None:
     try:
-        value = json.loads(text)
-    except ValueError:
+        value = json_value(text)
+    except ValueError:  # not JSON, or nested too deep: the answer's text
         return None
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
@@ -156,30 +172,35 @@ class CallWatcher:
 
     def __init__(self, tools: list[Tool], parallel: bool):
         self.tools, self.parallel = tools, parallel
-        self.text = ""
+        self.pieces: list[str] = []  # the answer so far, joined once at the end
+        self.unsent = ""  # held back while no call tag is seen: at most a partial tag
         self.sent = 0  # characters of text handed out
         self.holding = False  # a call tag was seen: the rest waits for the end
 
     def feed(self, piece: str) -> str:
         """The part of the answer so far that can go out now."""
-        self.text += piece
-        if not self.holding and self.sent == 0 and self.text.lstrip().startswith("{"):
+        self.pieces.append(piece)
+        if self.holding:
+            return ""
+        text = self.unsent + piece  # short: at most a partial tag was held back
+        if self.sent == 0 and text.lstrip().startswith("{"):
             self.holding = True  # maybe one JSON call as the whole answer (Llama 3 style)
-        if not self.holding:
-            start = self.text.find(OPEN, self.sent)
-            if start >= 0:
-                self.holding, limit = True, start
-            else:  # hold back what could be the beginning of OPEN
-                limit = len(self.text) - _partial_tag(self.text)
-            out, self.sent = self.text[self.sent : limit], max(self.sent, limit)
-            return out
-        return ""
+            return ""
+        start = text.find(OPEN)
+        if start >= 0:
+            self.holding, limit = True, start
+        else:  # hold back what could be the beginning of OPEN
+            limit = len(text) - _partial_tag(text)
+        out, self.unsent = text[:limit], text[limit:]
+        self.sent += limit
+        return out
 
     def finish(self) -> tuple[str, list[dict]]:
         """(text not yet handed out, the calls of the whole answer)."""
-        content, calls = parse_calls(self.text, self.tools, self.parallel)
+        text = "".join(self.pieces)
+        content, calls = parse_calls(text, self.tools, self.parallel)
         if not calls:
-            rest, self.sent = self.text[self.sent :], len(self.text)
+            rest, self.sent = text[self.sent :], len(text)
             return rest, []
         if self.sent == 0:  # nothing went out: the text outside the calls is the content
             return content or "", calls

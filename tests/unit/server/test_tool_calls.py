@@ -1,12 +1,17 @@
 """Reading tool calls out of answers (server/tool_calls.py): Hermes/Qwen tags, Llama 3 JSON, the
-streamed text held back around a call, and the prompt for templates without tools."""
+streamed text held back around a call, and the prompt for templates without tools; hostile answers
+and histories (unclosed tags, JSON nested past the bound) read in linear time, without a 500."""
 
+import contextlib
 import json
+import signal
 
 import pytest
 
 from server import tool_calls
+from server.errors import ApiError
 from server.openai_schema import ChatCompletionRequest, Tool
+from server.request_body import MAX_JSON_DEPTH
 
 TOOLS = [
     Tool.model_validate(
@@ -16,8 +21,30 @@ TOOLS = [
 ]
 
 
-def call_text(name: str, arguments: dict) -> str:
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+def call_text(name: str, arguments: dict | str) -> str:
+    arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def nested(depth: int) -> str:
+    """A JSON value `depth` levels deep: {"a": [[...]]}."""
+    return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fails the block if it runs longer (SIGALRM: `re` checks signals while it backtracks)."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_tagged_calls_are_read_and_the_rest_is_content():
@@ -93,3 +120,72 @@ def test_templates_without_tools_get_them_in_a_system_message():
     assert messages[3] == {"role": "tool", "content": "<tool_response>\n5 C\n</tool_response>"}
     none = req.model_copy(update={"tool_choice": "none"})
     assert tool_calls.template_messages(none, False)[0]["content"] == "Be brief."
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>" + " " * 200_000,  # the issue's answer: a tag opened, never closed
+        "<tool_call> " * 20_000,  # many opened, none closed
+        "x <tool_call>\n" + "\n" * 100_000 + "</tool_call" + " " * 100_000,
+    ],
+)
+def test_an_unclosed_tag_is_read_in_linear_time(text):
+    """The pattern this replaced backtracked in cubic time: 2,000 spaces cost seconds, these
+    hours. A scan reads them in a millisecond; the deadline only catches a return of the pattern."""
+    with deadline(10):
+        assert tool_calls.parse_calls(text, TOOLS) == (text.strip(), [])
+        watcher = tool_calls.CallWatcher(TOOLS, parallel=True)
+        shown = "".join(watcher.feed(text[i : i + 4]) for i in range(0, len(text), 4))
+        assert shown + watcher.finish()[0] == text
+        spaced = (
+            "<tool_call>"
+            + " " * 100_000
+            + call_text("add", {"a": 1})[11:-12]
+            + " " * 100_000
+            + "</tool_call>"
+        )
+        content, calls = tool_calls.parse_calls(spaced, TOOLS)
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
+
+
+def test_answers_nested_past_the_bound_stay_text():
+    """json.loads raised RecursionError on the first (only ValueError was caught): a 500."""
+    for text in [
+        "[" * 1000 + "]" * 1000,
+        call_text("add", "[" * 3000 + "]" * 3000),
+        call_text("add", nested(MAX_JSON_DEPTH)),  # the call's value is one level deeper
+    ]:
+        assert tool_calls.parse_calls(text, TOOLS) == (text, [])
+        watcher = tool_calls.CallWatcher(TOOLS, parallel=True)
+        assert watcher.feed(text) + watcher.finish()[0] == text
+    _, calls = tool_calls.parse_calls(call_text("add", nested(MAX_JSON_DEPTH - 1)), TOOLS)
+    assert json.loads(calls[0]["function"]["arguments"]) == json.loads(nested(MAX_JSON_DEPTH - 1))
+
+
+def history_with_arguments(arguments: str) -> ChatCompletionRequest:
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+    return ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "tools": [t.model_dump() for t in TOOLS],
+            "messages": [
+                {"role": "user", "content": "Add."},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3"},
+            ],
+        }
+    )
+
+
+def test_history_arguments_nested_too_deep_are_a_400():
+    """json.loads raised RecursionError, which only ValueError's handler missed: a 500."""
+    with pytest.raises(ApiError) as refused:
+        tool_calls.template_messages(history_with_arguments("[" * 3000 + "]" * 3000), False)
+    assert refused.value.status == 400 and f"deeper than {MAX_JSON_DEPTH} levels" in refused.value.message
+    with pytest.raises(ApiError):
+        tool_calls.template_messages(history_with_arguments(nested(MAX_JSON_DEPTH + 1)), False)
+    kept = tool_calls.template_messages(history_with_arguments(nested(MAX_JSON_DEPTH)), False)
+    assert json.loads(nested(MAX_JSON_DEPTH)) == json.loads(kept[2]["content"].split("\n")[1])["arguments"]
+    as_sent = tool_calls.template_messages(history_with_arguments("[[not json"), False)
+    assert '"arguments": "[[not json"' in as_sent[2]["content"]  # the model sees what was sent
