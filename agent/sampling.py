@@ -1,8 +1,10 @@
 """Per-sequence token choice from the top-k post-process graph's candidates.
 
 The device returns the K best (logit, id) pairs of each row, best first; each sequence then applies
-its own repetition penalty, top-k, temperature and top-p with its own seeded RNG, so a seeded request
-gives the same text whatever else shares its batch.
+its own repetition penalty, top-k, temperature and top-p with its own random draws. A sequence's draw
+for its n-th token is a function of its key (from its seed, else random) and n alone, never of a
+generator's state: a seeded request gives the same text whatever else shares its batch and however
+its steps were made (one token, or proposals verified, as speculative decoding makes them by load).
 
 Penalties: `repetition_penalty` (CTRL-style, over prompt and output tokens) and OpenAI's
 `presence_penalty` / `frequency_penalty` (subtracted from the logits of output tokens, once and per
@@ -25,7 +27,7 @@ only the chosen token's and the `logprobs` best tokens' values leave the agent, 
 
 from __future__ import annotations
 
-import json
+import secrets
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -45,7 +47,7 @@ class SamplingFault(ValueError):
 
 
 class SlotSampler:
-    """Chooses the tokens of one sequence: its parameters, its RNG and the tokens it has seen."""
+    """Chooses the tokens of one sequence: its parameters, its key (its draws) and the tokens it has seen."""
 
     def __init__(
         self, params: SamplingParams, prompt: list[int], vocab_size: int, eos_ids: Iterable[int] = ()
@@ -66,7 +68,7 @@ class SlotSampler:
         self.fault: SequenceFault | None = None  # why its last choice failed: it samples no more
         self.recent: list[TokenLogprob] = []  # the logprobs of the choices of the last verify()
         self.allowed: np.ndarray | None = None  # the next choice's token mask (structured output)
-        self.rng = np.random.default_rng(params.seed)
+        self.key = secrets.randbits(64) if params.seed is None else _mix64(params.seed + GOLDEN_GAMMA)
         self.repetition = params.repetition_penalty != 1.0
         self.counted = params.presence_penalty > 0 or params.frequency_penalty > 0
         self.penalised = self.repetition or self.counted
@@ -127,34 +129,32 @@ class SlotSampler:
         if p.greedy:
             token = int(ids[0])
         else:
+            order = np.lexsort((ids, -logits))  # best first, ties by id: as _nucleus orders them
+            logits, ids = logits[order], ids[order]
             if p.top_k > 0:
                 logits, ids = logits[: p.top_k], ids[: p.top_k]
             probs = np.exp((logits - logits[0]) / p.temperature)
-            cumulative = np.cumsum(probs)
-            cumulative /= cumulative[-1]
+            running = np.cumsum(probs)
+            keep = len(running)
             if p.top_p < 1.0:
-                keep = int(np.searchsorted(cumulative, p.top_p)) + 1
-                cumulative = cumulative[:keep] / cumulative[keep - 1]
-            index = int(np.searchsorted(cumulative, self.rng.random(), side="right"))
+                keep = int(np.searchsorted(running / running[-1], p.top_p)) + 1
+            cumulative = running[:keep] / running[keep - 1]  # the arithmetic of _nucleus
+            index = int(np.searchsorted(cumulative, self.uniform(), side="right"))
             token = int(ids[min(index, len(cumulative) - 1)])
         self.observe(token)
         return token
 
-    def choose_from_logits(self, row: np.ndarray, proposal: int | None = None) -> int:
+    def choose_from_logits(self, row: np.ndarray) -> int:
         """The choice choose() makes, from the row's logits for every token (indexed by id), with
-        the logit bias and suppressed stop ids applied; its logprobs in `last` when asked for.
-        `proposal`: a token proposed for this position (speculative decoding), kept as the target
-        distribution allows (verify)."""
+        the logit bias and suppressed stop ids applied; its logprobs in `last` when asked for."""
         p = self.params
         logits = self._adjusted(self._penalised(row.astype(np.float64)))
         if not np.isfinite(logits).any():
             raise SamplingFault("request", self._why_nothing_is_allowed())
         if p.greedy:
             token = int(np.argmax(logits))
-        elif proposal is None:
-            token = self._draw(np.exp((logits - logits.max()) / p.temperature))
         else:
-            token = self._keep_or_redraw(np.exp((logits - logits.max()) / p.temperature), proposal)
+            token = self._draw(np.exp((logits - logits.max()) / p.temperature))
         if p.logprobs is not None:
             self.last = self._logprob(logits / (1.0 if p.greedy else p.temperature), token, p.logprobs)
             self.recent.append(self.last)
@@ -163,36 +163,24 @@ class SlotSampler:
 
     def verify(self, rows: np.ndarray, proposed: Sequence[int]) -> list[int]:
         """Speculative decoding: rows[j] are the logits after the j-th proposed token (row 0: after
-        the pending token), one more row than proposals. Each proposal in turn is kept as the
-        target distribution allows it (greedy: it is the argmax; sampled: with its probability,
-        else a draw from the other tokens: the rejection sampling of a proposal that was certain,
-        which leaves the tokens' distribution the target's); the tokens chosen: the proposals kept
-        and one more (the first rejected one's replacement, or the token after all of them)."""
+        the pending token), one more row than proposals. Each position's token is chosen as a
+        one-token step chooses it (its own draw), and a proposal is kept where it is that token:
+        for proposals that were certain (n-gram, a greedy draft) that is rejection sampling (kept
+        with its probability, else a token of the other tokens' distribution), and the tokens are
+        exactly those of the same sequence decoded without proposals. The tokens chosen: the
+        proposals kept and one more (the first rejected one's replacement, or the token after all)."""
         tokens: list[int] = []
         self.recent = []
         for j, row in enumerate(rows):
-            proposal = proposed[j] if j < len(proposed) else None
-            tokens.append(self.choose_from_logits(row, proposal))
-            if tokens[-1] != proposal:
+            tokens.append(self.choose_from_logits(row))
+            if j == len(proposed) or tokens[-1] != proposed[j]:
                 break
         return tokens
 
-    def _keep_or_redraw(self, probs: np.ndarray, proposal: int) -> int:
-        """The proposal with its probability under the distribution a draw would take (probs:
-        unnormalised, top-k and top-p applied here), else a draw from that distribution without it."""
-        p = self.params
-        if p.top_k == 0 and p.top_p >= 1.0:
-            dense = probs / probs.sum()
-        else:
-            ids, cumulative = _nucleus(probs, p.top_k or len(probs), p.top_p)
-            dense = np.zeros_like(probs)
-            dense[ids] = np.diff(cumulative, prepend=0.0)
-        if self.rng.random() < dense[proposal]:
-            return proposal
-        dense[proposal] = 0.0
-        cumulative = np.cumsum(dense)
-        index = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
-        return min(index, len(dense) - 1)
+    def uniform(self) -> float:
+        """The draw in [0, 1) of the token this sequence chooses next (its `generated`-th): the
+        SplitMix64 stream of its key at that index, so it never depends on what was drawn before."""
+        return (_mix64(self.key + (self.generated + 1) * GOLDEN_GAMMA) >> 11) * 2.0**-53
 
     def _why_nothing_is_allowed(self) -> str:
         forbidden = self.generated < self.params.min_tokens and self.suppressed.size
@@ -242,25 +230,25 @@ class SlotSampler:
         return logits
 
     def _draw(self, probs: np.ndarray) -> int:
-        """One draw (one RNG number, as in choose()) from unnormalised probabilities by token id."""
+        """The position's draw (as in choose()) from unnormalised probabilities by token id."""
         p = self.params
         if p.top_k == 0 and p.top_p >= 1.0:  # no truncation: the id order serves as well as any
             cumulative = np.cumsum(probs)
-            index = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+            index = int(np.searchsorted(cumulative, self.uniform() * cumulative[-1], side="right"))
             return min(index, len(probs) - 1)
         ids, cumulative = _nucleus(probs, p.top_k or len(probs), p.top_p)
-        index = int(np.searchsorted(cumulative, self.rng.random(), side="right"))
+        index = int(np.searchsorted(cumulative, self.uniform(), side="right"))
         return int(ids[min(index, len(ids) - 1)])
 
     def state(self) -> dict:
         """All a decode agent needs to go on choosing this sequence's tokens exactly as this one
-        would (PD disaggregation), in msgpack's types: the RNG's 128-bit state travels as JSON."""
+        would (PD disaggregation), in msgpack's types: its draws follow from its key and `generated`."""
         return {
             "params": self.params.model_dump(),
             "generated": self.generated,
             "seen": sorted(self.seen),
             "counts": [[token, n] for token, n in self.counts.items()],
-            "rng": json.dumps(self.rng.bit_generator.state),
+            "key": self.key,
         }
 
     @classmethod
@@ -287,7 +275,10 @@ class SlotSampler:
             if counts and not sampler.counted:
                 raise ValueError("counts without a presence or frequency penalty")
             sampler.counts = dict(zip(tokens, occurrences))
-            sampler.rng.bit_generator.state = json.loads(state["rng"])
+            key = state["key"]
+            if not _is_int(key) or not 0 <= key <= MASK64:
+                raise ValueError(f"key must be a 64-bit unsigned integer, got {key!r:.50}")
+            sampler.key = key
         except (
             KeyError,
             TypeError,
@@ -305,6 +296,18 @@ class SlotSampler:
             self.seen.add(token)
         if self.counted:
             self.counts[token] = self.counts.get(token, 0) + 1
+
+
+MASK64 = (1 << 64) - 1
+GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's output function: nearby inputs (a stream's indices) give unrelated 64-bit words."""
+    x &= MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
 
 
 def _is_int(value) -> bool:
@@ -349,11 +352,12 @@ def _nucleus(probs: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, n
     while True:
         best = kept if size == top_k else kept[np.argpartition(-probs[kept], size - 1)[:size]]
         ids = best[np.lexsort((best, -probs[best]))]  # best first, ties by id
-        cumulative = np.cumsum(probs[ids]) / total
-        if size == top_k or (top_p < 1.0 and cumulative[-1] >= top_p):
+        running = np.cumsum(probs[ids])
+        if size == top_k or (top_p < 1.0 and running[-1] / total >= top_p):
             break
         size = min(top_k, size * 8)
+    keep = len(ids)
     if top_p < 1.0:
-        keep = min(int(np.searchsorted(cumulative, top_p)) + 1, len(ids))
-        ids, cumulative = ids[:keep], cumulative[:keep]
-    return ids, cumulative / cumulative[-1]
+        keep = min(int(np.searchsorted(running / total, top_p)) + 1, len(ids))
+    # normalised as choose() normalises its candidates': the same draw picks the same token
+    return ids[:keep], running[:keep] / running[keep - 1]

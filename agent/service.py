@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from agent.contract import protocol
+from agent.contract.sampling import SequenceFault, TokenLogprob
 from agent.contract.step import StepChunk
 from agent.drafter import Drafter
 from agent.kv_transfer import KVSender, TransferError, export_kv, import_kv, largest_kv_transfer_bytes
@@ -287,20 +288,37 @@ class AgentService:
 
     def _per_token(self, slots: list[int], decoded: list[list[int]]) -> dict:
         """A step with drafts: `counts`, each decode slot's number of tokens, and the fields of
-        _per_slot with one entry per token (a slot's tokens in order)."""
+        _per_slot with one entry per token (a slot's tokens in order), whether or not the slot's
+        request asked for logprobs: the server pairs the lists with the tokens."""
         fields: dict = {"counts": [len(tokens) for tokens in decoded]}
-        logprobs = [
-            entry
-            for slot, tokens in zip(slots, decoded)
-            for entry in (
-                self.runner.recent_logprobs(slot) if len(tokens) > 1 else [self.runner.logprobs(slot)]
-            )
-        ]
-        errors = [self.runner.fault(slot) for slot, tokens in zip(slots, decoded) for _ in tokens]
+        logprobs: list[TokenLogprob | None] = []
+        errors: list[SequenceFault | None] = []
+        for slot, tokens in zip(slots, decoded):
+            paired, fault = self._token_logprobs(slot, len(tokens)), self.runner.fault(slot)
+            if paired is None:  # a bug of this slot's: its sequence's error, not the whole reply's
+                paired = [None] * len(tokens)
+                fault = SequenceFault("internal", "its tokens' logprobs were lost (see the agent's log)")
+            logprobs += paired
+            errors += [fault] * len(tokens)
         for field, entries in (("logprobs", logprobs), ("errors", errors)):
             if any(e is not None for e in entries):
                 fields[field] = [None if e is None else e.to_wire() for e in entries]
         return fields
+
+    def _token_logprobs(self, slot: int, count: int) -> list[TokenLogprob | None] | None:
+        """The logprobs of the slot's `count` tokens of this step (nulls where its request asked
+        none), or None, logged, where they do not pair with its tokens."""
+        if count == 1:
+            return [self.runner.logprobs(slot)]
+        recent = self.runner.recent_logprobs(slot)
+        if not recent:  # its request asked for no logprobs
+            return [None] * count
+        if len(recent) != count:
+            log.error(
+                "slot %d: %d logprobs for %d verified tokens; its sequence fails", slot, len(recent), count
+            )
+            return None
+        return recent
 
     def _per_slot(self, slots: list[int | None], prefix: str = "") -> dict:
         """The fields that go with the slots' tokens where any slot has them, else none (which

@@ -374,7 +374,9 @@ class AgentClient:
         for field, entries in lists.items():
             if entries is not None and (not isinstance(entries, list) or len(entries) != len(tokens)):
                 raise AgentUnavailable(
-                    f"agent {self.address}: its reply's {prefix}{field} do not fit its tokens"
+                    f"agent {self.address}: its reply's {prefix}{field} do not fit its tokens "
+                    f"({len(entries) if isinstance(entries, list) else type(entries).__name__} for "
+                    f"{len(tokens)} tokens)"
                 )
         return [
             self._one_sampled(tokens[i], *(None if e is None else e[i] for e in lists.values()))

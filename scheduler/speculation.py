@@ -12,7 +12,9 @@ Prompt lookup: the sequence's last n tokens (n from ngram_max down to ngram_min)
 its own prompt and answer; the tokens that followed their latest earlier occurrence are proposed.
 Answers that copy from the prompt (summaries, extraction, edits of a document, code) keep most of
 them. The lookup is an index of every n-gram's latest end, kept up to date as tokens arrive: a
-proposal costs O(n), not a scan of the sequence.
+proposal costs O(n), not a scan of the sequence. A long prompt is indexed newest first over a few
+steps (scheduler/ngram.py: bounded work a step on the scheduler loop), and only its latest ends
+are held (bounded memory).
 
 A sequence whose proposals keep failing proposes less often: after a step that kept none, it skips
 1, then 2, 4... up to MAX_SKIP steps before proposing again; a step that keeps one resets it.

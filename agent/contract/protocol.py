@@ -82,7 +82,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9  # 9: a sampler state carries its key, not a generator state
 OPS = ("info", "prefill", "decode", "step", "release", "kv_receive", "reset", "ping", "shutdown")
 SESSION_OPS = ("prefill", "decode", "step", "release", "kv_receive", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent

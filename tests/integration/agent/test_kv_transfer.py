@@ -3,8 +3,6 @@ runner (its own KV cache) decodes exactly as it would have where it was prefille
 refused into a busy slot, in a wrong shape, after the scheduler cancelled it, or from a stale session.
 A real decode agent (CURVE on) refuses a peer's state whose token ids or counts are out of range."""
 
-import json
-
 import numpy as np
 import pytest
 import zmq
@@ -221,7 +219,8 @@ def test_a_peers_state_with_token_ids_or_counts_out_of_range_is_refused(decode_a
         ({**good, "counts": [[4, -2]]}, "occurrences must be 1..generated"),
         ({**good, "generated": -1}, "generated must be a count"),
         ({**good, "params": {**good["params"], "stop_token_ids": [vocab]}}, f"token id {vocab}"),
-        ({**good, "rng": json.dumps({"bit_generator": "PCG64", "state": 1})}, "not a sampler state"),
+        ({**good, "key": -1}, "key must be a 64-bit unsigned integer"),
+        ({**good, "key": "7"}, "key must be a 64-bit unsigned integer"),
     ]
     for ticket, (sampler_state, words) in enumerate(hostile, start=2):
         answer = receive(1, ticket, sampler_state)

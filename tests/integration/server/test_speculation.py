@@ -1,11 +1,15 @@
 """Speculative decoding (runtime.speculation, n-gram prompt lookup) through the HTTP API on the tiny
 model: every answer equals the same request's answer with speculation opted out (`speculate:
 false`), whatever the proposals were; grammars, stop strings, min_tokens, logprobs and preemption
-on a small KV pool stay correct; /metrics counts proposed and kept tokens."""
+on a small KV pool stay correct; /metrics counts proposed and kept tokens. Hostile mixes: requests
+with logprobs verified beside requests without them fail nothing, and a seeded sampled answer is
+the same alone and under load."""
 
+import json
 import re
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
+from attack_watch import under_attack
 from browser import chromium_driver
 from config.schema import PROJECT_ROOT
 
@@ -23,7 +28,8 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
     "zq8 #x! 4@m",
 ]
-SPECULATION = {"method": "ngram", "num_tokens": 4, "ngram_min": 1, "ngram_max": 3, "max_batch": 4}
+# max_batch 8: proposals go on while the attacks below and their victim (5 sequences) decode
+SPECULATION = {"method": "ngram", "num_tokens": 4, "ngram_min": 1, "ngram_max": 3, "max_batch": 8}
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +162,82 @@ def test_answers_under_preemption_equal_their_answers_alone(stack):
     assert preempted and float(preempted.group(1)) > 0, "nothing was preempted: the test tests nothing"
     alone = [generate(stack, p, False, max_new_tokens=80)["generated_text"] for p in prompts]
     assert answers == alone
+
+
+# ------------------------------------------------------------------------------- hostile mixes
+
+VICTIM = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 140, "ignore_eos": True}}
+
+
+def victim_text(base: str) -> str:
+    """A greedy stream's text (plain protocol); an error line fails it."""
+    body = {**VICTIM, "parameters": {**VICTIM["parameters"], "return_protocol": "plain"}}
+    text = []
+    with httpx.stream("POST", f"{base}/models/tiny/generate_stream", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line:
+                event = json.loads(line.removeprefix("data:"))
+                assert "error" not in event, event
+                text.append(event["token"]["text"])
+    return "".join(text)
+
+
+def completion(base: str, prompt: str, **body) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 48, "temperature": 0, **body}
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+
+
+def batch_size(base: str) -> int:
+    return json.loads(httpx.get(f"{base}/serving/get_bs", timeout=30).text.split("data:", 1)[1])["data"]
+
+
+def test_requests_with_logprobs_verified_beside_others_fail_nothing(stack):
+    """Two greedy answers that repeat their prompt keep several proposals a step while two requests
+    with logprobs share those steps: the reply then listed no logprobs for the tokens of the slots
+    that asked none, its list fell short of its tokens, and every sequence of the group got a 503
+    (the victim's stream too). Now each request gets its answer, with a logprob per token."""
+    expected = victim_text(stack)
+    bodies = [
+        {"prompt": PROMPTS[0]},
+        {"prompt": PROMPTS[2]},
+        {"prompt": PROMPTS[0], "logprobs": 1},
+        {"prompt": PROMPTS[1], "logprobs": 1},
+    ]
+    before = counters(stack)
+    with under_attack(stack, lambda: victim_text(stack), expected, name="speculation: logprobs mix"):
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(lambda body: completion(stack, **body), bodies))
+    assert [r.status_code for r in replies] == [200] * len(bodies), [r.text[:200] for r in replies]
+    kept = counters(stack)["llm_serving_spec_accepted_tokens_total"]
+    assert kept > before["llm_serving_spec_accepted_tokens_total"], "nothing kept: the test tests nothing"
+    for reply in replies[2:]:
+        choice = reply.json()["choices"][0]
+        assert len(choice["logprobs"]["tokens"]) == reply.json()["usage"]["completion_tokens"]
+        assert len(choice["logprobs"]["token_logprobs"]) == len(choice["logprobs"]["tokens"])
+    plain = [completion(stack, **body, speculate=False).json()["choices"][0] for body in bodies]
+    assert [r.json()["choices"][0]["text"] for r in replies] == [c["text"] for c in plain]
+
+
+def test_a_seeded_sampled_answer_is_the_same_alone_and_under_load(stack):
+    """Alone, a seeded sampled sequence verifies proposals on most steps; under load (a full KV
+    pool, every logit row taken) it decodes one token a step. Its random draws were one stateful
+    generator's, consumed differently by a verified step and a plain one, so the text depended on
+    how busy the server was; now each position's draw is its own, whatever the step."""
+    seeded = {"do_sample": True, "temperature": 1.0, "seed": 11, "max_new_tokens": 40}
+    before = counters(stack)["llm_serving_spec_proposed_tokens_total"]
+    alone = generate(stack, PROMPTS[0], True, **seeded)["generated_text"]
+    assert counters(stack)["llm_serving_spec_proposed_tokens_total"] > before, "alone, nothing was proposed"
+    load_prompts = [PROMPTS[i % 3] + f" {i}" for i in range(7)]
+    with ThreadPoolExecutor(len(load_prompts)) as pool:
+        load = [pool.submit(generate, stack, p, True, max_new_tokens=120) for p in load_prompts]
+        deadline = time.monotonic() + 60
+        while batch_size(stack) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        busy = generate(stack, PROMPTS[0], True, **seeded)["generated_text"]
+        for answer in load:
+            answer.result()
+    assert busy == alone
 
 
 # ------------------------------------------------------------------------------------ draft model

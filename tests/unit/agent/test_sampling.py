@@ -150,22 +150,40 @@ def test_a_top_k_past_a_small_vocabulary_draws_as_no_top_k():
     assert all(x == y for x, y in draws)
 
 
-def test_whole_vocabulary_draws_reproduce_by_seed_and_use_one_number_each():
+def test_whole_vocabulary_draws_reproduce_by_seed():
     logits = np.random.default_rng(1).normal(0, 2, VOCAB)
     params = SamplingParams(do_sample=True, seed=42, top_p=0.9)
     a, b = draw_from_logits(params, logits, 50), draw_from_logits(params, logits, 50)
     assert np.array_equal(a, b)
     assert not np.array_equal(a, draw_from_logits(params.model_copy(update={"seed": 43}), logits, 50))
-    sampler = SlotSampler(params, [], VOCAB)
-    sampler.choose_from_logits(logits)
-    # one RNG number per token, as choose() uses: a PD transfer's sampler state carries on either path
-    assert sampler.rng.bit_generator.state == _after_draws(42, 1)
 
 
-def _after_draws(seed: int, n: int) -> dict:
-    rng = np.random.default_rng(seed)
-    rng.random(n)
-    return rng.bit_generator.state
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(do_sample=True, seed=5),
+        SamplingParams(do_sample=True, seed=6, top_k=3),
+        SamplingParams(do_sample=True, seed=7, top_k=40, top_p=0.8, temperature=1.4),
+        SamplingParams(do_sample=True, seed=8, logprobs=1),
+    ],
+)
+def test_a_seeded_sequence_draws_the_same_tokens_whether_its_proposals_are_verified_or_not(params):
+    """Each position's draw is its own (seed, position): one token a step, on either path, and
+    steps that verify proposals right or wrong give the same tokens. Drawn from one stateful
+    generator, a verified step used one or two numbers a position and the text moved with load."""
+    rows = np.random.default_rng(4).normal(0, 1.5, (60, VOCAB)).astype(np.float32)
+    candidate, host = SlotSampler(params, [], VOCAB), SlotSampler(params, [], VOCAB)
+    plain = [host.choose_from_logits(row) for row in rows]
+    if params.top_k and not host.needs_logits:  # a top-k row's device candidates: the same tokens
+        assert [candidate.choose(*candidates(row)) for row in rows] == plain
+    verifying, tokens, at, step = SlotSampler(params, [], VOCAB), [], 0, 0
+    while at < len(rows) - 4:
+        right = plain[at : at + 3]
+        proposed = right if step % 2 else [right[0], (right[1] + 1) % VOCAB, right[2]]  # one wrong
+        kept = verifying.verify(rows[at : at + len(proposed) + 1], proposed)
+        assert kept == plain[at : at + len(kept)] and len(kept) == (4 if step % 2 else 2)
+        tokens, at, step = tokens + kept, at + len(kept), step + 1
+    assert tokens == plain[:at] and verifying.generated == at
 
 
 def test_penalties_on_the_host_path_equal_the_candidate_path():
