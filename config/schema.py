@@ -596,7 +596,8 @@ class ServerSection(Section):
         10.0,
         gt=0,
         description="a request's head, and then its body, must each arrive within this "
-        "(slow clients): else the connection is closed (408 for a body)",
+        "(slow clients): else the connection is closed (408 for a body; gRPC: a unary call's "
+        "message, else DEADLINE_EXCEEDED)",
     )
     keep_alive_s: int = Field(5, ge=1, description="an idle connection is closed after this")
     client_share: float = Field(
@@ -620,7 +621,7 @@ class ServerSection(Section):
         30.0,
         gt=0,
         description="a streamed answer whose client stops reading (its socket's buffers full) this "
-        "long is dropped and its slot freed",
+        "long is dropped and its slot freed (gRPC: a ModelStreamInfer stream's every answer)",
     )
     max_reply_logprobs: int = Field(
         262144,
@@ -646,12 +647,48 @@ class ServerSection(Section):
     responses_ttl_s: float = Field(
         3600.0, gt=0, description="how long a kept response stays usable as previous_response_id"
     )
+    responses_store_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="the kept responses' size in all (their JSON); beyond it the client holding the "
+        "most loses its least recently used",
+    )
+    responses_entry_bytes: int = Field(
+        4 << 20,
+        ge=0,
+        description="a response whose JSON (with its conversation) is larger is not kept: its reply "
+        "says store: false and why (store_refused)",
+    )
+    responses_client_entries: int = Field(
+        256, ge=0, description="responses one client (API key, or address) keeps; beyond: its own oldest go"
+    )
+    responses_client_bytes: int = Field(
+        64 << 20, ge=0, description="their size for one client; beyond: its own least recently used go"
+    )
     grpc_port: int | None = Field(
         None,
         gt=0,
         lt=65536,
         description="KServe v2 gRPC (Triton's GRPCInferenceService) on server.host at this port, "
         "beside HTTP, with the same keys and limits; none: off",
+    )
+    grpc_max_calls_per_peer: int = Field(
+        64,
+        ge=1,
+        description="gRPC calls one client address has open at once (of server.max_connections); "
+        "beyond it: RESOURCE_EXHAUSTED (behind a proxy, every client is the proxy)",
+    )
+    grpc_idle_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a gRPC stream with no request running that sends none this long is ended "
+        "(DEADLINE_EXCEEDED), and a connection with no call is closed",
+    )
+    grpc_stream_max_requests: int = Field(
+        32,
+        ge=1,
+        description="requests one gRPC stream runs at once, and replies it holds unsent; beyond: "
+        "its next message is not read until one ends (back-pressure)",
     )
     otlp_endpoint: str | None = Field(
         None,

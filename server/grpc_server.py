@@ -11,13 +11,16 @@ HTTP server's event loop, over the same models (ModelRepository), keys and limit
     ModelStreamInfer                               each request's answer as one response per piece
                                                    (Triton's decoupled mode; an empty last response
                                                    flagged triton_final_response when the request
-                                                   asks for it), requests of one stream side by side
+                                                   asks for it), requests of one stream side by
+                                                   side (server/grpc_guards.py bounds them)
     RepositoryIndex, RepositoryModelLoad/Unload    the model repository (admin keys, as over HTTP)
 
 The API key comes as metadata (`authorization: Bearer KEY` or `x-api-key: KEY`) and names the
 client for the fair shares; a message is at most `server.max_body_bytes`, calls in flight at most
-`server.max_connections`. Errors are gRPC status codes with the HTTP API's messages (GRPC_CODES).
-The other calls (statistics, shared memory, trace and log settings) answer UNIMPLEMENTED.
+`server.max_connections`, and server/grpc_guards.py bounds calls per peer, slow messages, idle
+streams, a stream's requests and unread replies, and stalled streams. Errors are gRPC status
+codes with the HTTP API's messages (GRPC_CODES). The other calls (statistics, shared memory, trace
+and log settings) answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 import struct
-from collections.abc import AsyncIterator
 
 import grpc
 
@@ -34,6 +36,7 @@ from agent.contract.launcher_control import READY
 from config.schema import ServingConfig
 from server.access import ApiKeys
 from server.errors import ApiError
+from server.grpc_guards import CallGuard, answer_stream, peer_address
 from server.model_repository import ModelRepository
 from server.native_api import whole_answer
 from server.ops_api import package_version
@@ -122,6 +125,7 @@ def text_response(
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, config: ServingConfig, repository: ModelRepository):
         self.repository = repository
+        self.limits = config.server
         self.keys = ApiKeys(config.server, config.model_control_mode == "explicit")
 
     def _traced(self, context: grpc.aio.ServicerContext, call: str):
@@ -137,9 +141,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             for key, value in context.invocation_metadata() or ()
             if isinstance(value, str)
         }
-        peer = context.peer() or ""  # ipv4:127.0.0.1:5000, ipv6:[::1]:5000
-        address = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]") if ":" in peer else "unknown"
-        scope = {"path": path, "client": (address, 0), "query_string": b""}
+        scope = {"path": path, "client": (peer_address(context), 0), "query_string": b""}
         denied = self.keys.denied(scope, headers)
         if denied is not None:
             await context.abort(grpc_code(denied[0]), denied[1])
@@ -205,42 +207,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 text, _ = await whole_answer(stream)  # a cancelled call closes the stream: aborted
             return text_response(request, text if p.exclude_input_in_output else prompt + text)
 
-    async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    async def ModelStreamInfer(self, request_iterator, context) -> None:
         client = await self._client(context, "/v2/models/stream/infer")
-        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        answering: set[asyncio.Task] = set()
-        reading = True
 
-        async def answer(request: pb.ModelInferRequest) -> None:
+        async def answer(request: pb.ModelInferRequest, replies: asyncio.Queue) -> None:
             with self._traced(context, "ModelStreamInfer"):
-                await self._answer_on_stream(request, client, responses)
+                await self._answer_on_stream(request, client, replies)
 
-        def answered(task: asyncio.Task) -> None:
-            answering.discard(task)
-            responses.put_nowait(None)  # wakes the writer: maybe the last one
-
-        async def read() -> None:
-            nonlocal reading
-            try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(answer(request))
-                    answering.add(task)
-                    task.add_done_callback(answered)
-            finally:
-                reading = False
-                responses.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while reading or answering or not responses.empty():
-                response = await responses.get()
-                if response is not None:
-                    yield response
-        finally:
-            reader.cancel()
-            for task in list(answering):  # the client is gone: their answers are aborted
-                task.cancel()
-            await asyncio.gather(reader, *answering, return_exceptions=True)
+        await answer_stream(context, self.limits, answer)  # it reads the messages itself
 
     async def _answer_on_stream(
         self, request: pb.ModelInferRequest, client: str, responses: asyncio.Queue
@@ -318,7 +292,10 @@ async def start_grpc(config: ServingConfig, repository: ModelRepository) -> grpc
         options=[
             ("grpc.max_receive_message_length", s.max_body_bytes),
             ("grpc.so_reuseport", 0),
+            # A connection with no call: closed (GOAWAY; a client reconnects when it calls again).
+            ("grpc.max_connection_idle_ms", int(s.grpc_idle_timeout_s * 1000)),
         ],
+        interceptors=[CallGuard(s)],
         maximum_concurrent_rpcs=s.max_connections,
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(config, repository), server)
