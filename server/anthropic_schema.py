@@ -145,6 +145,11 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict | None = None
     container: str | dict | None = None
     output_config: OutputConfig | None = None
+    # This server's chat extensions (the `anthropic` package sends them through extra_body),
+    # passed on as /v1/chat/completions takes them and checked there: a bad value is a 400.
+    cache_salt: str | None = None
+    priority: int | None = None
+    speculate: bool | None = None
 
     def unsupported(self) -> str | None:
         if self.container:
@@ -163,6 +168,9 @@ class MessagesRequest(CountTokensRequest):
             "top_k": self.top_k,
             "user": (self.metadata or {}).get("user_id"),
             "response_format": self.output_config.response_format() if self.output_config else None,
+            "cache_salt": self.cache_salt,
+            "priority": self.priority,
+            "speculate": self.speculate,
         }
 
 

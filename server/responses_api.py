@@ -8,7 +8,8 @@
 A request translates into a chat request (server/responses_schema.py) and is served as
 /v1/chat/completions serves it (template, tool calls, structured output, admission, fairness):
 its greedy answer is the chat API's for the same conversation. A response is kept for
-`previous_response_id` unless `store: false` (server/responses_store.py: bounded, expiring).
+`previous_response_id` unless `store: false` (server/responses_store.py: bounded, expiring); one
+too large to keep is answered with `store: false` and `store_refused` saying why.
 An answer cut by `max_output_tokens` is `incomplete` (`response.incomplete` when streamed).
 """
 
@@ -66,6 +67,9 @@ class Turn:
             "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": req.response_format(),
             "user": req.user,
+            "cache_salt": req.cache_salt,
+            "priority": req.priority,
+            "speculate": req.speculate,
         }
         return translated_chat(fields, NAMES)
 
@@ -108,12 +112,25 @@ class Turn:
             incomplete_details={"reason": "max_output_tokens"} if cut else None,
         )
 
-    def keep(self, store: ResponseStore, response: dict) -> None:
-        """Kept for previous_response_id, unless the request said store: false."""
-        if self.req.keeps:
-            store.put(
-                self.id, StoredResponse(self.client, self.messages + output_messages(response), response)
-            )
+    def stored(self, store: ResponseStore, response: dict) -> bytes:
+        """The final response as its reply's JSON, kept for previous_response_id unless the request
+        said store: false. One too large to keep is not: its reply says `store: false`, and why in
+        `store_refused` (a field of this server's: OpenAI's response has none for it)."""
+        # ASCII: a response echoes the request's instructions, metadata and tools, whose strings
+        # may hold lone surrogates (valid JSON escapes, not encodable as UTF-8)
+        body = json.dumps(response).encode()
+        if not self.req.keeps:
+            return body
+        entry = StoredResponse.encoded(self.client, self.messages + output_messages(response), body)
+        if store.put(self.id, entry):
+            return body
+        largest = store.bounds.largest_entry()
+        why = (
+            f"this response and its conversation take {entry.size} bytes, more than this server keeps "
+            f"of one ({max(largest, 0)} bytes, server.responses_entry_bytes and the quotas): it is not "
+            "kept (send the conversation again instead of previous_response_id)"
+        )
+        return json.dumps(response | {"store": False, "store_refused": why}).encode()
 
 
 def usage(prompt_tokens: int, output_tokens: int) -> dict:
@@ -166,15 +183,14 @@ def output_messages(response: dict) -> list[dict]:
     return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
 
 
-async def whole_response(turn: Turn, answer: Choices, store: ResponseStore) -> dict:
+async def whole_response(turn: Turn, answer: Choices, store: ResponseStore) -> bytes:
     choice = await whole_choice(answer)
     response = turn.finished(
         output_items(choice.content, choice.calls),
         choice.finish_reason,
         usage(len(answer.prompt), choice.tokens),
     )
-    turn.keep(store, response)
-    return response
+    return turn.stored(store, response)
 
 
 async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> AsyncIterator[dict]:
@@ -185,9 +201,7 @@ async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> 
 
     def event(kind: str, **fields) -> dict:
         data = {"type": kind, "sequence_number": next(numbers), **fields}
-        # ASCII: a response echoes the request's instructions, metadata and tools, whose strings
-        # may hold lone surrogates (valid JSON escapes, not encodable as UTF-8)
-        return {"event": kind, "data": json.dumps(data)}
+        return {"event": kind, "data": json.dumps(data)}  # ASCII, as Turn.stored says
 
     def message_opened(item_id: str) -> list[dict]:
         """The events that open the answer's message and its (empty) text part."""
@@ -271,8 +285,10 @@ async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> 
         yield event("response.output_item.done", output_index=index, item=item)
         output.append(item)
     response = turn.finished(output, last.finish_reason, usage(len(answer.prompt), last.index))
-    turn.keep(store, response)
-    yield event(f"response.{response['status']}", response=response)
+    kind, body = f"response.{response['status']}", turn.stored(store, response).decode()
+    head = json.dumps({"type": kind, "sequence_number": next(numbers)})
+    # the response as it was stored, spliced in rather than encoded again
+    yield {"event": kind, "data": head[:-1] + ', "response": ' + body + "}"}
 
 
 def responses_router(repository: ModelRepository, store: ResponseStore) -> APIRouter:
@@ -292,7 +308,7 @@ def responses_router(repository: ModelRepository, store: ResponseStore) -> APIRo
             raise ApiError(400, problem, code="unsupported_parameter")
         client = client_of(http.scope)
         history = (
-            kept(req.previous_response_id, client, "previous_response_id").messages
+            kept(req.previous_response_id, client, "previous_response_id").messages()
             if req.previous_response_id
             else []
         )
@@ -303,13 +319,13 @@ def responses_router(repository: ModelRepository, store: ResponseStore) -> APIRo
         reply = await unless_disconnected(http, answer.streams, whole_response(turn, answer, store))
         if isinstance(reply, Response):
             return reply
-        return Response(json.dumps(reply), media_type="application/json")  # ASCII, as the events
+        return Response(reply, media_type="application/json")
 
     @router.get("/responses/{response_id}")
     async def retrieve(http: Request, response_id: str):
-        return Response(
-            json.dumps(kept(response_id, client_of(http.scope)).response), media_type="application/json"
-        )
+        # the bytes as they were answered (encoding a large response again would hold the loop)
+        entry = kept(response_id, client_of(http.scope))
+        return Response(entry.response_json, media_type="application/json")
 
     @router.delete("/responses/{response_id}")
     async def delete(http: Request, response_id: str):

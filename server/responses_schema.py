@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # The text content parts a message may hold; images, files and audio are refused.
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 ITEM_TYPES = ("message", "function_call", "function_call_output")
+# OpenAI's bounds on `metadata`, which a kept response holds and echoes; and on `user`.
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+MAX_USER_CHARS = 256
 
 
 class ContentPart(BaseModel):
@@ -86,8 +89,13 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     previous_response_id: str | None = None
     store: bool | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_KEYS)
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)
+    # This server's chat extensions, passed on as /v1/chat/completions takes them (and checks them
+    # there: a bad value is a 400 naming it).
+    cache_salt: str | None = None
+    priority: int | None = None
+    speculate: bool | None = None
     # Refused when they ask for something (unsupported()).
     background: bool | None = None
     conversation: str | dict | None = None
@@ -97,6 +105,18 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = None
     truncation: Literal["auto", "disabled"] | None = None
     max_tool_calls: int | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        for key, value in (metadata or {}).items():
+            if len(key) > MAX_METADATA_KEY_CHARS:
+                raise ValueError(f"metadata keys have at most {MAX_METADATA_KEY_CHARS} characters")
+            if len(value) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(
+                    f"metadata values have at most {MAX_METADATA_VALUE_CHARS} characters ({key[:20]!r})"
+                )
+        return metadata
 
     @property
     def keeps(self) -> bool:

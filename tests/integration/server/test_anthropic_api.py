@@ -1,7 +1,8 @@
 """Anthropic's Messages API (/v1/messages) through the official `anthropic` package against a real
 agent and `start_server.py` on the tiny model, its key sent as `x-api-key`: answers are the chat
 API's greedy answers for the same conversation, streamed or not, a tool use round trip with its
-tool_result, count_tokens, and errors in Anthropic's shape."""
+tool_result, count_tokens, and errors in Anthropic's shape; this server's `cache_salt`, `priority`
+and `speculate` reach the chat request."""
 
 import json
 
@@ -9,6 +10,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
 
@@ -218,3 +220,38 @@ def test_errors_come_in_anthropics_shape(stack, claude):
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in body["error"]["message"]
     assert httpx.post(f"{stack}/v1/messages", json={}).json()["error"]["type"] == "authentication_error"
+
+
+def prefix_hits(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", headers={"x-api-key": KEY}, timeout=30).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "llm_serving_prefix_cache_hits_total"
+    )
+
+
+def test_cache_salt_priority_and_speculate_reach_the_chat_request(stack, claude):
+    """A salted prompt shares no prefix-cache block with the same prompt unsalted; a priority on
+    this first-come-first-served server, or a bad value, is a 400 naming it, as on chat."""
+    prompt = [{"role": "user", "content": "Salted messages share no cached blocks with unsalted ones. " * 8}]
+
+    def hits(**extra) -> float:
+        before = prefix_hits(stack)
+        claude.messages.create(model="tiny", messages=prompt, max_tokens=2, extra_body={**GREEDY, **extra})
+        return prefix_hits(stack) - before
+
+    hits()
+    assert hits() > 0  # the prompt's blocks are cached
+    assert hits(cache_salt="tenant-a") == 0
+    assert hits(cache_salt="tenant-a") > 0
+    assert hits(cache_salt="tenant-a", speculate=False) > 0
+    for extra, word in [
+        ({"priority": 1}, "scheduling_policy"),
+        ({"priority": 10**9}, "priority"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"speculate": "maybe"}, "speculate"),
+    ]:
+        with pytest.raises(anthropic.BadRequestError, match=word):
+            claude.messages.create(model="tiny", messages=QUESTION, max_tokens=2, extra_body=extra)
