@@ -289,13 +289,17 @@ def chaos_interval(duration: float) -> tuple[float, float]:
 
 @pytest.fixture
 def chaos_stack(tmp_path_factory, tiny_llama_dir):
+    yield from two_agent_stack(tmp_path_factory, tiny_llama_dir, LONG_ANSWERS_RUNTIME)
+
+
+def two_agent_stack(tmp_path_factory, tiny_llama_dir, runtime: dict):
     duration = soak_seconds()
     ports = free_ports(3)
     path = write_config(
         tmp_path_factory.mktemp("chaos"),
         tiny_llama_dir,
         ports[:2],
-        runtime=LONG_ANSWERS_RUNTIME,
+        runtime=runtime,
         # A fault kills at most one agent and faults start at least chaos_interval()[0] s apart, so
         # no agent dies more than duration / that + 1 times in the run: a budget of that many
         # restarts keeps the launcher restarting (the default, 3 within 600 s, would stop every
@@ -707,12 +711,106 @@ def test_chaos_soak_every_answer_exact_or_a_clear_error_while_agents_are_killed_
 
 HOSTILE_CLIENTS = 3
 HEALTH_BOUND_S = 1.0
+# The hostile soak runs with n-gram speculation on: a request with logprobs beside others whose
+# proposals were verified failed every request of its agent group (issue 55).
+SPECULATION = {"method": "ngram", "num_tokens": 4, "max_batch": 8}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture
+def hostile_stack(tmp_path_factory, tiny_llama_dir):
+    yield from two_agent_stack(
+        tmp_path_factory, tiny_llama_dir, {**LONG_ANSWERS_RUNTIME, "speculation": SPECULATION}
+    )
+
+
+def surface_requests() -> list[tuple[str, str, dict]]:
+    """(name, path, body) of the hostile requests of issue 55's surfaces: tool calls, Responses,
+    the Messages API, prompt logprobs beside speculation."""
+    nested = "[" * 3000 + "]" * 3000
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": nested}}
+    chat = {"model": "tiny", "max_tokens": 40}
+    return [
+        (
+            "unclosed-tool-call",  # its answer opens <tool_call> and never closes it
+            "/v1/chat/completions",
+            {
+                **chat,
+                "messages": [{"role": "user", "content": "call f"}],
+                "tools": [TOOL],
+                "structured_outputs": {"regex": "<tool_call> +"},
+                "min_tokens": 200,  # with the tools' system prompt, within max_seq_len 512
+                "max_tokens": 200,
+            },
+        ),
+        (
+            "nested-tool-arguments",
+            "/v1/chat/completions",
+            {
+                **chat,
+                "tools": [TOOL],
+                "messages": [
+                    {"role": "user", "content": "call f"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "done"},
+                ],
+            },
+        ),
+        (
+            "nested-function-call-item",
+            "/v1/responses",
+            {
+                "model": "tiny",
+                "max_output_tokens": 20,
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": nested},
+                    {"type": "function_call_output", "call_id": "c1", "output": "done"},
+                ],
+            },
+        ),
+        (
+            "responses-big-metadata",  # past OpenAI's bounds: 400
+            "/v1/responses",
+            {"model": "tiny", "input": "hostile", "max_output_tokens": 8, "metadata": {"k": "v" * 200_000}},
+        ),
+        (
+            "responses-big-format",  # an extra key of text.format, echoed and kept: bounded in bytes
+            "/v1/responses",
+            {
+                "model": "tiny",
+                "input": "hostile",
+                "max_output_tokens": 8,
+                "text": {"format": {"type": "text", "padding": "v" * 900_000}},
+            },
+        ),
+        (
+            "logprobs-repeating-prompt",  # its proposals are verified beside others'
+            "/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": "one two three one two three one two three one two three",
+                "max_tokens": 40,
+                "logprobs": 1,
+                "temperature": 0,
+            },
+        ),
+        (
+            "salted-messages",
+            "/v1/messages",
+            {
+                "model": "tiny",
+                "max_tokens": 20,
+                "cache_salt": "tenant-a",
+                "messages": [{"role": "user", "content": "hostile"}],
+            },
+        ),
+    ]
 
 
 def hostile_requests(z: int) -> list[tuple[str, str, dict]]:
     """(name, path, body) of each kind of hostile request (`z`: the token id of "z")."""
     completion = {"model": "tiny", "prompt": "hostile", "max_tokens": 40}
-    return [
+    return surface_requests() + [
         ("nan-temperature", "/v1/completions", {**completion, "temperature": 1e-300, "logprobs": 5}),
         ("tiny-penalty", "/v1/completions", {**completion, "repetition_penalty": 1e-300, "logprobs": 2}),
         (
@@ -766,8 +864,8 @@ def health_latencies(base: str, until: threading.Event) -> list[float]:
     return latencies
 
 
-def test_hostile_soak_fails_only_the_hostile_requests(chaos_stack, tiny_llama_dir):
-    stack = chaos_stack
+def test_hostile_soak_fails_only_the_hostile_requests(hostile_stack, tiny_llama_dir):
+    stack = hostile_stack
     (z,) = load_tokenizer(tiny_llama_dir).encode("z")
     base = stack["base"]
     duration = soak_seconds()
