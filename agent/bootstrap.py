@@ -21,10 +21,16 @@ from pathlib import Path
 
 from agent.compile_cache import compile_cache_dir
 from agent.drafter import Drafter, DraftMismatch, check_vocabularies
-from agent.graphs.decoder import TensorSplit
+from agent.graphs.layers import TensorSplit
 from agent.graphs.mindir import read_known_answer, read_spec
 from agent.known_answer import TOLERANCE, Int8AllowanceError, KnownAnswer, KnownAnswerError
-from agent.memory_plan import checkpoint_weights_bytes, refuse_what_cannot_fit, resolve_runtime
+from agent.memory_plan import (
+    checkpoint_weights_bytes,
+    rank_spec,
+    refuse_what_cannot_fit,
+    resolve_runtime,
+    weights_bytes,
+)
 from agent.model.checkpoint import Checkpoint
 from agent.model.formats import load_checkpoint
 from agent.model.spec import ModelSpec

@@ -1,7 +1,7 @@
 """What ModelRunner and a graph set agree on: the calls (ModelGraphs, KVTransferGraphs) and how host-side
 values become the prefill and decode graphs' inputs (GraphInputs).
 
-Graph sets: agent.graphs.step_graphs.LlamaGraphs (built from code), agent.graphs.mindir.MindIRGraphs (run from
+Graph sets: agent.graphs.step_graphs.StepGraphs (built from code), agent.graphs.mindir.MindIRGraphs (run from
 exported files) and agent.graphs.mindir.GraphExporter (exports each graph on its first call). The runner
 deals in slots, token ids, positions and bucket sizes; each graph set turns them into its own tensors
 through its GraphInputs. This module is the one place outside the graphs' own code that reads the

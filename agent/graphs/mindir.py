@@ -21,9 +21,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from agent.graphs.decoder import LlamaModel, release_freed_memory
 from agent.graphs.interface import GraphInputs, shape_settings, uses_kernels
-from agent.graphs.step_graphs import LlamaGraphs, as_tensors, logits_and_argmax, topk_buckets
+from agent.graphs.layers import release_freed_memory
+from agent.graphs.model import DecoderModel
+from agent.graphs.step_graphs import StepGraphs, as_tensors, logits_and_argmax, topk_buckets
 from agent.kernels import BUILD_ROOT, build_id
 from agent.known_answer import FILE_NAME as KNOWN_ANSWER_FILE
 from agent.known_answer import KnownAnswer
@@ -52,7 +53,7 @@ class MindIRError(ValueError):
 class ExportPrefillGraph(nn.Cell):
     """PrefillGraph with the KV cache passed in."""
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: DecoderModel):
         super().__init__()
         self.model = model
         self.num_layers = len(model.layers)
@@ -70,7 +71,7 @@ class ExportPrefillGraph(nn.Cell):
 class ExportDecodeGraph(nn.Cell):
     """DecodeGraph with the KV cache passed in."""
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: DecoderModel):
         super().__init__()
         self.model = model
         self.num_layers = len(model.layers)
@@ -90,7 +91,7 @@ class GraphExporter:
     the example shapes (ModelRunner.warm_up calls every shape once) and returns zeros."""
 
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, directory: Path):
-        self.code = LlamaGraphs(checkpoint, runtime)
+        self.code = StepGraphs(checkpoint, runtime)
         if self.code.inputs.ring:
             raise MindIRError(
                 "a model with sliding-window layers (their per-seat rings) is not exported: serve it "

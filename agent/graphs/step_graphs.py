@@ -1,7 +1,7 @@
-"""The graphs of each step kind over one decoder (agent/graphs/decoder.py: its weights and KV cache
+"""The graphs of each step kind over one decoder (agent/graphs/model.py: its weights and KV cache
 as Parameters shared by all): prefill (a prompt chunk), decode (one token of each sequence), the
 mixed step (decode rows and prompt chunks in one call), argmax and top-k post-processing, and the KV
-export and import of a disaggregated prefill. LlamaGraphs is the set the runner calls
+export and import of a disaggregated prefill. StepGraphs is the set the runner calls
 (agent.graphs.interface.KVTransferGraphs)."""
 
 from __future__ import annotations
@@ -14,15 +14,10 @@ from gguf import GGMLQuantizationType
 from mindspore import Tensor, nn, ops
 
 from agent.contract.step import StepChunk
-from agent.graphs.decoder import (
-    WHOLE_MODEL,
-    CpuKernels,
-    LlamaLayer,
-    LlamaModel,
-    TensorSplit,
-    release_freed_memory,
-)
+from agent.graphs.decoder import DecoderLayer
 from agent.graphs.interface import GraphInputs, local_ring_blocks, pool_blocks
+from agent.graphs.layers import WHOLE_MODEL, CpuKernels, TensorSplit, release_freed_memory
+from agent.graphs.model import DecoderModel
 from agent.kernels import TARGET_ENV, has_int8_products
 from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
@@ -37,7 +32,7 @@ class PrefillLayer(nn.Cell):
     shorter compile on CPU with the same step time, measured), instead of unrolling 30 copies."""
 
     @ms.lazy_inline(policy="front")
-    def __init__(self, layer: LlamaLayer):
+    def __init__(self, layer: DecoderLayer):
         super().__init__()
         self.layer = layer
 
@@ -51,7 +46,7 @@ class DecodeLayer(nn.Cell):
     """Calls one layer's decode body; lazy_inline as in PrefillLayer."""
 
     @ms.lazy_inline(policy="front")
-    def __init__(self, layer: LlamaLayer):
+    def __init__(self, layer: DecoderLayer):
         super().__init__()
         self.layer = layer
 
@@ -82,7 +77,7 @@ class PrefillGraph(TopGraph):
     """One prompt (or chunk) padded to a bucket -> its K/V written through its block table, the last
     real token's logits."""
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: DecoderModel):
         super().__init__()
         self.model = model
         self.layers = nn.CellList([PrefillLayer(layer) for layer in model.layers])
@@ -120,7 +115,7 @@ def logits_and_argmax(logits):
 class DecodeGraph(TopGraph):
     """One new token for each of B sequences -> K/V written, logits [B, vocab] and their argmax [B]."""
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: DecoderModel):
         super().__init__()
         self.model = model
         self.layers = nn.CellList([DecodeLayer(layer) for layer in model.layers])
@@ -157,7 +152,7 @@ class TopKGraph(nn.Cell):
 class KVExportGraph(nn.Cell):
     """PD disaggregation, sending side: cache rows -> their K and V in every layer, [2 * layers, N, hd]."""
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: DecoderModel):
         super().__init__()
         self.model = model
 
@@ -172,7 +167,7 @@ class KVExportGraph(nn.Cell):
 class KVImportGraph(nn.Cell):
     """PD disaggregation, receiving side: K and V [2 * layers, N, hd] written into cache rows."""
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: DecoderModel):
         super().__init__()
         self.model = model
 
@@ -192,8 +187,8 @@ def as_tensors(arrays: tuple[np.ndarray, ...]) -> tuple[Tensor, ...]:
     return tuple(Tensor(a) for a in arrays)
 
 
-class LlamaGraphs:
-    """The step graphs built from code over one LlamaModel (weights and KV cache as Parameters), and
+class StepGraphs:
+    """The step graphs built from code over one DecoderModel (weights and KV cache as Parameters), and
     the KV transfer graphs: agent.graphs.interface.KVTransferGraphs for ModelRunner."""
 
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, split: TensorSplit = WHOLE_MODEL):
@@ -205,7 +200,7 @@ class LlamaGraphs:
                 f"either, or {TARGET_ENV}={kernel_target()}); use float32"
             )
         ring = local_ring_blocks(runtime, self.spec)
-        self.model = LlamaModel(
+        self.model = DecoderModel(
             checkpoint,
             pool_blocks(runtime),
             runtime.block_size,

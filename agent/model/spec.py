@@ -1,6 +1,6 @@
 """Hyperparameters of a decoder-only checkpoint, read from its files (never hard-coded per model): the
-LLaMA family's shape, and the choices by which Gemma 3 differs from it (each a field with the LLaMA
-family's value as its default)."""
+LLaMA family's shape, and the choices by which other families differ from it (each a field with the
+LLaMA family's value as its default, set from the files by the family's module, agent/model/families/)."""
 
 from __future__ import annotations
 

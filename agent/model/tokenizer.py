@@ -10,7 +10,8 @@ GGUF converters do:
   U+2581, a prefix space only where the file says (`add_space_prefix`), control tokens special,
   user-defined tokens (Gemma's runs of newlines, spaces and tabs, HTML tags) always whole.
 
-A file without a chat template gets the one its architecture ships with (agent/model/templates/).
+A file without a chat template gets the one its family ships with (agent/model/templates/, named by
+the family's module in agent/model/families/).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from agent.model.families import GGUF
 from agent.model.formats.gguf_file import gguf_eos_ids, gguf_field, read_gguf
 
 # GGUF pre-tokenizer names (tokenizer.ggml.pre) whose HuggingFace equivalent is known and tested.
@@ -40,7 +42,6 @@ GGUF_NORMAL_TOKEN, GGUF_UNKNOWN_TOKEN, GGUF_CONTROL_TOKEN, GGUF_USER_DEFINED_TOK
 GGUF_BYTE_TOKEN = 6
 SPACE = "\u2581"  # SentencePiece's space
 TEMPLATES = Path(__file__).parent / "templates"
-SHIPPED_TEMPLATES = {"gemma3": "gemma.jinja", "gemma2": "gemma.jinja", "gemma": "gemma.jinja"}
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -250,8 +251,9 @@ def _from_gguf(path: Path) -> TextTokenizer:
 
 
 def shipped_template(architecture: str | None) -> str | None:
-    """The chat template this project ships for an architecture (agent/model/templates/), if any."""
-    name = SHIPPED_TEMPLATES.get(architecture or "")
+    """The chat template this project ships for a GGUF architecture (agent/model/templates/), if any."""
+    layout = GGUF.get(architecture or "")
+    name = None if layout is None else layout.chat_template
     return None if name is None else (TEMPLATES / name).read_text(encoding="utf-8")
 
 

@@ -1,6 +1,6 @@
-"""GGUF files (llama.cpp's format): metadata -> ModelSpec; matrices of a format the CPU kernels
-multiply kept in it (agent/model/quantized.py), the rest (norms, other types) dequantized by the
-`gguf` package."""
+"""GGUF files (llama.cpp's format): metadata -> ModelSpec, tensor names -> canonical ones by the
+architecture's family (agent/model/families/); matrices of a format the CPU kernels multiply kept
+in it (agent/model/quantized.py), the rest (norms, other types) dequantized by the `gguf` package."""
 
 from __future__ import annotations
 
@@ -15,45 +15,14 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from agent.model.checkpoint import Checkpoint, CheckpointError, Progress
+from agent.model.families import GgufLayout, gguf_layout
 from agent.model.formats.gguf_header import GgufFile
 from agent.model.quantized import BlockMatrix, has_kernel
 from agent.model.spec import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
 
-# Architectures this code runs, and whether llama.cpp's converter stored their Q/K rows permuted
-# into the interleaved (GPT-J) RoPE order; those are un-permuted at load.
-ARCHITECTURES = {
-    "llama": {"permuted_qk": True, "qkv_bias": False},
-    "qwen2": {"permuted_qk": False, "qkv_bias": True},
-    "gemma3": {"permuted_qk": False, "qkv_bias": False},
-}
-# Gemma 3: what llama.cpp's gemma3 architecture takes when the file does not say (its converter
-# writes neither): a local layer's RoPE base, and every 6th layer global (layer i local unless
-# (i + 1) % 6 == 0), as the model's config says (rope_local_base_freq, sliding_window_pattern).
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
-GEMMA3_PATTERN = 6
 END_OF_TURN = "<end_of_turn>"  # Gemma's end of a chat turn
-
-LAYER_NAMES = {
-    "attn_norm.weight": "attn_norm",
-    "attn_q.weight": "wq",
-    "attn_k.weight": "wk",
-    "attn_v.weight": "wv",
-    "attn_output.weight": "wo",
-    "ffn_norm.weight": "ffn_norm",
-    "ffn_gate.weight": "w_gate",
-    "ffn_up.weight": "w_up",
-    "ffn_down.weight": "w_down",
-    "attn_q.bias": "bq",
-    "attn_k.bias": "bk",
-    "attn_v.bias": "bv",
-    "attn_q_norm.weight": "q_norm",
-    "attn_k_norm.weight": "k_norm",
-    "post_attention_norm.weight": "post_attn_norm",
-    "post_ffw_norm.weight": "post_ffn_norm",
-}
-GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3.1 scaling)
 MATRICES = (".wq", ".wk", ".wv", ".wo", ".w_gate", ".w_up", ".w_down", "embed", "lm_head")
 MB = 1 << 20
@@ -99,14 +68,10 @@ def _rope_scaling(path: Path, reader, arch: str, tensors_by_name: dict) -> RopeS
     )
 
 
-def _spec(path: Path, reader: GgufFile) -> tuple[ModelSpec, dict]:
-    """The model's spec from the file's metadata, and its architecture's traits."""
+def _spec(path: Path, reader: GgufFile) -> tuple[ModelSpec, GgufLayout]:
+    """The model's spec from the file's metadata, and its family's layout."""
     arch = gguf_field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(
-            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})"
-        )
-    traits = ARCHITECTURES[arch]
+    layout = gguf_layout(arch, path)
 
     def meta(key: str, default=None, required: bool = True):
         value = gguf_field(reader, f"{arch}.{key}", default)
@@ -121,7 +86,7 @@ def _spec(path: Path, reader: GgufFile) -> tuple[ModelSpec, dict]:
     head_dim = meta("attention.key_length", hidden // heads, required=False) or hidden // heads
     by_name = {t.name: t for t in reader.tensors}
     spec = ModelSpec(
-        architecture=arch,
+        architecture=layout.architecture,
         name=gguf_field(reader, "general.name", path.stem),
         num_layers=meta("block_count"),
         hidden_size=hidden,
@@ -134,39 +99,17 @@ def _spec(path: Path, reader: GgufFile) -> tuple[ModelSpec, dict]:
         rope_scaling=_rope_scaling(path, reader, arch, by_name),
         rms_eps=float(meta("attention.layer_norm_rms_epsilon")),
         tied_embeddings="output.weight" not in by_name,
-        qkv_bias=traits["qkv_bias"],
+        qkv_bias=layout.qkv_bias,
         max_context=meta("context_length"),
         bos_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_ids=gguf_eos_ids(reader),
-        **(_gemma3(path, reader, meta, hidden, head_dim, meta("block_count")) if arch == "gemma3" else {}),
+        **(
+            layout.spec_fields(path, meta, hidden, head_dim, meta("block_count"))
+            if layout.spec_fields
+            else {}
+        ),
     )
-    return spec, traits
-
-
-def _gemma3(path: Path, reader: GgufFile, meta, hidden: int, head_dim: int, layers: int) -> dict:
-    """Gemma 3's fields of the spec: embeddings scaled by sqrt(hidden), QK-norm, four norms a layer,
-    GeGLU, the queries scaled by the head size the file gives (key_length: query_pre_attn_scalar of
-    every size but 27B, whose file llama.cpp special-cases), local layers of a sliding window with
-    their own RoPE base. A file's pattern (attention.sliding_window_pattern: a period, or one flag a
-    layer) wins over the default period."""
-    window = int(meta("attention.sliding_window", 0, required=False) or 0)
-    pattern = meta("attention.sliding_window_pattern", GEMMA3_PATTERN, required=False)
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise CheckpointError(f"{path}: attention.sliding_window_pattern has {len(pattern)} flags")
-        local = tuple(i for i, flag in enumerate(pattern) if flag)
-    else:
-        local = tuple(i for i in range(layers) if (i + 1) % int(pattern) != 0)
-    return {
-        "embed_scale": float(np.sqrt(np.float32(hidden))),
-        "qk_norm": True,
-        "post_norms": True,
-        "activation": "gelu_tanh",
-        "attention_scale": 1.0 / float(np.sqrt(head_dim)),
-        "sliding_window": window,
-        "local_layers": local if window else (),
-        "rope_local_theta": float(meta("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE, required=False)),
-    }
+    return spec, layout
 
 
 def gguf_eos_ids(reader: GgufFile) -> tuple[int, ...]:
@@ -188,10 +131,10 @@ def stored_weights(path: Path) -> tuple[ModelSpec, int]:
     format at their stored size, the rest as float32), from the file's header alone: a plan can
     refuse a model that does not fit before loading it."""
     reader = read_gguf(path)
-    spec, _ = _spec(path, reader)
+    spec, layout = _spec(path, reader)
     total = 0
     for t in reader.tensors:
-        name = _canonical_name(t.name)
+        name = layout.canonical_name(t.name)
         if name is None:
             continue
         total += t.n_bytes if _kept_in_format(name, t) else int(np.prod(t.shape)) * 4
@@ -206,11 +149,11 @@ def _kept_in_format(name: str, t) -> bool:
 
 def load(path: Path, progress: Progress) -> Checkpoint:
     reader = read_gguf(path)
-    spec, traits = _spec(path, reader)
+    spec, layout = _spec(path, reader)
     tensors: dict[str, np.ndarray] = {}
     kept: list[tuple[str, Callable[[], BlockMatrix]]] = []  # packed on threads below
     for t in reader.tensors:
-        name = _canonical_name(t.name)
+        name = layout.canonical_name(t.name)
         if name is None:
             if t.name != ROPE_FREQS:
                 log.debug("ignoring GGUF tensor %s", t.name)
@@ -224,7 +167,7 @@ def load(path: Path, progress: Progress) -> Checkpoint:
         )
         reorder = (
             functools.partial(unpermute_qk, n_heads=heads)
-            if traits["permuted_qk"] and heads is not None
+            if layout.permuted_qk and heads is not None
             else None
         )
         qtype = GGMLQuantizationType(t.tensor_type)
@@ -255,16 +198,6 @@ def _pack(reader: GgufFile, t, qtype: GGMLQuantizationType, reorder: Callable | 
     matrix = BlockMatrix.from_gguf(qtype, t.data, int(t.shape[0]), reorder)
     reader.drop_pages(t)
     return matrix
-
-
-def _canonical_name(name: str) -> str | None:
-    if name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[name]
-    if name.startswith("blk."):
-        _, index, rest = name.split(".", 2)
-        if rest in LAYER_NAMES:
-            return f"layers.{index}.{LAYER_NAMES[rest]}"
-    return None
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

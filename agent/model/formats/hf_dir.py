@@ -1,6 +1,6 @@
 """HuggingFace model directories: config.json, generation_config.json, *.safetensors (one file or
-shards listed in model.safetensors.index.json). Families: Llama (2, 3, SmolLM2), Qwen2 (QKV bias),
-InternLM2 (packed wqkv), one code path with per-family tensor names."""
+shards listed in model.safetensors.index.json); one code path, with each family's tensor names and
+load-time reshaping from its module (agent/model/families/)."""
 
 from __future__ import annotations
 
@@ -8,70 +8,17 @@ import functools
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from agent.model.checkpoint import Checkpoint, CheckpointError, Progress
+from agent.model.families import hf_layout
 from agent.model.spec import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-
-LLAMA_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "wq",
-    "self_attn.k_proj.weight": "wk",
-    "self_attn.v_proj.weight": "wv",
-    "self_attn.o_proj.weight": "wo",
-    "post_attention_layernorm.weight": "ffn_norm",
-    "mlp.gate_proj.weight": "w_gate",
-    "mlp.up_proj.weight": "w_up",
-    "mlp.down_proj.weight": "w_down",
-    "self_attn.q_proj.bias": "bq",
-    "self_attn.k_proj.bias": "bk",
-    "self_attn.v_proj.bias": "bv",
-}
-LLAMA_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "final_norm",
-    "lm_head.weight": "lm_head",
-}
-
-
-@dataclass(frozen=True)
-class Family:
-    layer_names: dict[str, str]
-    global_names: dict[str, str]
-    qkv_bias: bool  # the default when config.json does not say
-    packed_qkv: bool = False  # one wqkv tensor, split at load
-
-
-FAMILIES = {
-    "llama": Family(LLAMA_LAYER_NAMES, LLAMA_GLOBAL_NAMES, qkv_bias=False),
-    "qwen2": Family(LLAMA_LAYER_NAMES, LLAMA_GLOBAL_NAMES, qkv_bias=True),
-    "internlm2": Family(
-        {
-            "attention_norm.weight": "attn_norm",
-            "attention.wqkv.weight": "wqkv",
-            "attention.wqkv.bias": "bqkv",
-            "attention.wo.weight": "wo",
-            "ffn_norm.weight": "ffn_norm",
-            "feed_forward.w1.weight": "w_gate",
-            "feed_forward.w3.weight": "w_up",
-            "feed_forward.w2.weight": "w_down",
-        },
-        {
-            "model.tok_embeddings.weight": "embed",
-            "model.norm.weight": "final_norm",
-            "output.weight": "lm_head",
-        },
-        qkv_bias=False,
-        packed_qkv=True,
-    ),
-}
 
 
 def read_json(path: Path) -> dict:
@@ -122,16 +69,11 @@ def rope_scaling(config: dict, source: Path) -> RopeScaling | None:
 def load(directory: Path, progress: Progress) -> Checkpoint:
     config_path = directory / "config.json"
     config = read_json(config_path)
-    model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise CheckpointError(
-            f"{directory}: unsupported architecture {model_type!r} (supported: {', '.join(FAMILIES)})"
-        )
-    family = FAMILIES[model_type]
+    layout = hf_layout(config.get("model_type"), directory)
     try:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         spec = ModelSpec(
-            architecture=model_type,
+            architecture=layout.model_type,
             name=config.get("_name_or_path") or directory.name,
             num_layers=int(config["num_hidden_layers"]),
             hidden_size=hidden,
@@ -144,7 +86,7 @@ def load(directory: Path, progress: Progress) -> Checkpoint:
             rope_scaling=rope_scaling(config, config_path),
             rms_eps=float(config.get("rms_norm_eps", 1e-6)),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(config.get("attention_bias", config.get("bias", family.qkv_bias))),
+            qkv_bias=bool(config.get("attention_bias", config.get("bias", layout.qkv_bias))),
             max_context=int(config.get("max_position_embeddings", 2048)),
             bos_id=config.get("bos_token_id"),
             eos_ids=hf_eos_ids(directory, config),
@@ -155,13 +97,13 @@ def load(directory: Path, progress: Progress) -> Checkpoint:
     tensors: dict[str, np.ndarray] = {}
     entries = [entry for file in _weight_files(directory) for entry in _safetensors_entries(file)]
     for hf_name, read in progress(entries):
-        name = _canonical_name(family, hf_name)
+        name = layout.canonical_name(hf_name)
         if name is None:
             log.debug("ignoring tensor %s", hf_name)
             continue
         tensors[name] = np.ascontiguousarray(read(), dtype=np.float32)
-    if family.packed_qkv:
-        _unpack_qkv(tensors, spec)
+    if layout.transform is not None:
+        layout.transform(tensors, spec)
     return Checkpoint(spec=spec, tensors=tensors, source=directory, format="safetensors")
 
 
@@ -181,17 +123,6 @@ def _weight_files(directory: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors weight files")
     return files
-
-
-def _unpack_qkv(tensors: dict[str, np.ndarray], spec: ModelSpec) -> None:
-    for i in range(spec.num_layers):
-        for packed, parts in (
-            (f"layers.{i}.wqkv", ("wq", "wk", "wv")),
-            (f"layers.{i}.bqkv", ("bq", "bk", "bv")),
-        ):
-            if packed in tensors:
-                split = split_packed_qkv(tensors.pop(packed), spec.num_kv_heads, spec.group_size)
-                tensors.update({f"layers.{i}.{part}": t for part, t in zip(parts, split)})
 
 
 def _safetensors_entries(file: Path) -> list[tuple[str, Callable[[], np.ndarray]]]:
@@ -219,25 +150,3 @@ def _read_bf16(file: Path, name: str) -> np.ndarray:
     start, end = entry["data_offsets"]
     raw = np.fromfile(file, dtype=np.uint16, count=(end - start) // 2, offset=8 + header_len + start)
     return (raw.astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
-
-
-def _canonical_name(family: Family, name: str) -> str | None:
-    if name in family.global_names:
-        return family.global_names[name]
-    if name.startswith("model.layers."):
-        index, rest = name[len("model.layers.") :].split(".", 1)
-        if rest in family.layer_names:
-            return f"layers.{index}.{family.layer_names[rest]}"
-    return None
-
-
-def split_packed_qkv(w: np.ndarray, kv_heads: int, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """InternLM2's wqkv rows are (kv head, [group queries, key, value], head_dim) -> wq, wk, wv."""
-    rest = w.shape[1:]
-    head_dim = w.shape[0] // (kv_heads * (group + 2))
-    blocks = w.reshape(kv_heads, group + 2, head_dim, *rest)
-    return (
-        blocks[:, :group].reshape(kv_heads * group * head_dim, *rest),
-        blocks[:, group].reshape(kv_heads * head_dim, *rest),
-        blocks[:, group + 1].reshape(kv_heads * head_dim, *rest),
-    )

@@ -17,7 +17,7 @@ import reference_numpy as ref
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import StepChunk
 from agent.graphs.interface import bucket
-from agent.graphs.step_graphs import LlamaGraphs, as_tensors
+from agent.graphs.step_graphs import StepGraphs, as_tensors
 from agent.kernels import has_int8_products
 from agent.known_answer import Int8AllowanceError, KnownAnswer
 from agent.model.formats import load_checkpoint
@@ -36,7 +36,7 @@ PATHS = {  # runtime settings of the three attention paths
 }
 
 
-def shuffled_tables(graphs: LlamaGraphs, n: int, seed: int) -> np.ndarray:
+def shuffled_tables(graphs: StepGraphs, n: int, seed: int) -> np.ndarray:
     """n block tables [n, MB] of distinct blocks from a permutation of the pool (the scratch slot's
     blocks left out: padded rows write there), not in order."""
     inputs = graphs.inputs
@@ -52,12 +52,12 @@ def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, n).tolist()
 
 
-def prefill(graphs: LlamaGraphs, table, tokens, start: int = 0) -> np.ndarray:
+def prefill(graphs: StepGraphs, table, tokens, start: int = 0) -> np.ndarray:
     length = bucket(PREFILL_BUCKETS, len(tokens))
     return graphs.prefill(table, np.asarray(tokens), length, start).asnumpy()[0]
 
 
-def decode(graphs: LlamaGraphs, tables, tokens, positions) -> np.ndarray:
+def decode(graphs: StepGraphs, tables, tokens, positions) -> np.ndarray:
     positions = np.asarray(positions)
     rows = bucket(DECODE_BUCKETS, len(tokens))
     logits, _ = graphs.decode(tables, np.asarray(tokens), positions, rows, graphs.inputs.attend(positions))
@@ -65,7 +65,7 @@ def decode(graphs: LlamaGraphs, tables, tokens, positions) -> np.ndarray:
 
 
 def chunked_prefill(
-    graphs: LlamaGraphs, table, prompt: list[int], sizes: list[int]
+    graphs: StepGraphs, table, prompt: list[int], sizes: list[int]
 ) -> tuple[list[np.ndarray], list[int]]:
     """The prompt in chunks of `sizes` (then the rest) -> each chunk's last logits, and its end."""
     bounds = np.cumsum([0, *sizes])
@@ -109,8 +109,8 @@ def head_dim_64_dir(tmp_path_factory):
     )
 
 
-def graphs_of(directory, **settings) -> LlamaGraphs:
-    return LlamaGraphs(load_checkpoint(directory), TINY_RUNTIME.model_copy(update=settings))
+def graphs_of(directory, **settings) -> StepGraphs:
+    return StepGraphs(load_checkpoint(directory), TINY_RUNTIME.model_copy(update=settings))
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ Q8_0 = np.array([8], np.int32)  # the format id (GGML's type number)
 
 
 def _packed(w: np.ndarray) -> np.ndarray:
-    """[K, N] -> [N / 32, K, 32], the layout agent/graphs/decoder.py pack_for_kernel writes."""
+    """[K, N] -> [N / 32, K, 32], the layout agent/graphs/layers.py pack_for_kernel writes."""
     k_dim, n_dim = w.shape
     return np.ascontiguousarray(w.reshape(k_dim, n_dim // 32, 32).transpose(1, 0, 2))
 

@@ -16,7 +16,7 @@ TILE = 32
 
 
 def packed(w: np.ndarray) -> np.ndarray:
-    """[K, N] -> [N / TILE, K, TILE] (agent/graphs/decoder.py pack_for_kernel; N a multiple of TILE)."""
+    """[K, N] -> [N / TILE, K, TILE] (agent/graphs/layers.py pack_for_kernel; N a multiple of TILE)."""
     k, n = w.shape
     return np.ascontiguousarray(w.reshape(k, n // TILE, TILE).transpose(1, 0, 2))
 

@@ -1,0 +1,123 @@
+"""The model families (agent/model/families/): the registry finds each by the name its files give and
+refuses another naming the supported ones; each family's module declares, without MindSpore, the
+weight names of every format it is read from, covering every tensor its layers read."""
+
+from importlib import import_module
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.model import families
+from agent.model.checkpoint import (
+    BIAS_TENSORS,
+    LAYER_TENSORS,
+    POST_NORM_TENSORS,
+    QK_NORM_TENSORS,
+    CheckpointError,
+)
+from agent.model.families.base import GgufLayout, HfLayout
+from agent.model.spec import ModelSpec
+from agent.model.tokenizer import TEMPLATES
+
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3"}
+HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "internlm2": "internlm2"}
+GLOBAL_TENSORS = {"embed", "final_norm", "lm_head"}
+
+
+def tiny_spec(architecture: str, qkv_bias: bool, **fields) -> ModelSpec:
+    return ModelSpec(
+        architecture=architecture,
+        name="tiny",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=16,
+        rope_theta=10000.0,
+        rms_eps=1e-6,
+        tied_embeddings=False,
+        qkv_bias=qkv_bias,
+        max_context=64,
+        bos_id=None,
+        eos_ids=(0,),
+        **fields,
+    )
+
+
+@pytest.mark.parametrize(("architecture", "family"), GGUF_ARCHITECTURES.items())
+def test_each_gguf_architecture_resolves_to_its_family(architecture, family):
+    layout = families.gguf_layout(architecture, Path("m.gguf"))
+    assert layout is import_module(f"agent.model.families.{family}").FAMILY.gguf
+    assert layout.architecture == architecture
+
+
+@pytest.mark.parametrize(("model_type", "family"), HF_MODEL_TYPES.items())
+def test_each_hf_model_type_resolves_to_its_family(model_type, family):
+    layout = families.hf_layout(model_type, Path("m"))
+    assert layout is import_module(f"agent.model.families.{family}").FAMILY.hf
+    assert layout.model_type == model_type
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3", None, 3])
+def test_an_unknown_architecture_is_refused_naming_the_supported_ones(name):
+    with pytest.raises(CheckpointError) as gguf_refusal:
+        families.gguf_layout(name, Path("m.gguf"))
+    assert (
+        str(gguf_refusal.value)
+        == f"m.gguf: unsupported architecture {name!r} (supported: llama, qwen2, gemma3)"
+    )
+    with pytest.raises(CheckpointError) as hf_refusal:
+        families.hf_layout(name, Path("m"))
+    assert (
+        str(hf_refusal.value) == f"m: unsupported architecture {name!r} (supported: llama, qwen2, internlm2)"
+    )
+
+
+def test_every_family_module_is_registered_under_its_name():
+    modules = sorted(
+        p.stem for p in Path(families.__file__).parent.glob("*.py") if p.stem not in {"__init__", "base"}
+    )
+    assert sorted(families.MODULES) == modules
+    for name in families.MODULES:
+        family = import_module(f"agent.model.families.{name}").FAMILY
+        assert family.name == name and (family.gguf or family.hf) is not None
+
+
+def layer_tensors(spec: ModelSpec) -> set[str]:
+    """What the shared layers read of layer 1 (agent/model/checkpoint.py expected_shapes)."""
+    names = LAYER_TENSORS + (BIAS_TENSORS if spec.qkv_bias else ())
+    names += (QK_NORM_TENSORS if spec.qk_norm else ()) + (POST_NORM_TENSORS if spec.post_norms else ())
+    return {f"layers.1.{name}" for name in names}
+
+
+def no_metadata(key, default=None, required=True):
+    return default
+
+
+@pytest.mark.parametrize("layout", families.GGUF.values(), ids=families.GGUF.keys())
+def test_each_gguf_layout_maps_every_tensor_its_layers_read(layout: GgufLayout):
+    fields = layout.spec_fields(Path("m.gguf"), no_metadata, 32, 8, 2) if layout.spec_fields else {}
+    spec = tiny_spec(layout.architecture, qkv_bias=layout.qkv_bias, **fields)
+    canonical = {layout.canonical_name(f"blk.1.{name}") for name in layout.layer_names}
+    canonical |= {layout.canonical_name(name) for name in layout.global_names}
+    assert canonical >= layer_tensors(spec) | GLOBAL_TENSORS
+    assert layout.canonical_name("blk.1.no_such.weight") is None and layout.canonical_name("x") is None
+    assert layout.chat_template is None or (TEMPLATES / layout.chat_template).is_file()
+
+
+@pytest.mark.parametrize("layout", families.HF.values(), ids=families.HF.keys())
+def test_each_hf_layout_maps_every_tensor_its_layers_read(layout: HfLayout):
+    spec = tiny_spec(layout.model_type, qkv_bias=True)
+    # every tensor the layout names, bias included, as it lies in the files: packed Q/K/V rows are
+    # (kv heads x (group + 2) x head size), the size a family's transform splits
+    rows = spec.num_kv_heads * (spec.group_size + 2) * spec.head_dim
+    tensors = {
+        layout.canonical_name(f"model.layers.1.{name}"): np.zeros((rows, 4)) for name in layout.layer_names
+    }
+    tensors |= {layout.canonical_name(name): np.zeros(1) for name in layout.global_names}
+    if layout.transform is not None:
+        layout.transform(tensors, spec)
+    assert set(tensors) >= layer_tensors(spec) | GLOBAL_TENSORS
