@@ -152,9 +152,12 @@ def prepare_checkpoint(
             f"{checkpoint.spec.parameter_count() / 1e6:.1f}M parameters)"
         )
     runtime = place.runtime(config.runtime)
-    runtime = resolve_runtime(
-        checkpoint.spec, runtime, progress, checkpoint_weights_bytes(checkpoint, runtime)
-    )
+    if place.split.size == 1:
+        weights, spec = checkpoint_weights_bytes(checkpoint, runtime), checkpoint.spec
+    else:  # each rank's device holds its share of the layers (and KV heads)
+        spec = rank_spec(checkpoint.spec, place.split.size)
+        weights = weights_bytes(spec, runtime)
+    runtime = resolve_runtime(spec, runtime, progress, weights)
     cache = None if place.cache_user is None else compile_cache_dir(checkpoint, runtime, place.cache_user)
     configure_mindspore(runtime, place.device_id, cache)
     return checkpoint, runtime, cache

@@ -13,9 +13,13 @@ words for the log.
               ceil((window - 1 + the largest prefill bucket) / block_size) blocks each, whatever
               the sequences' lengths (agent/graphs/interface.py)
     working   prefill attention scores of every layer at the largest prefill bucket (fp32),
-              logits of the largest decode batch, and the RoPE tables (cos and sin of every
-              position: 134 MB for Gemma 3's two bases over its 32768 positions)
+              logits of the largest decode batch, the RoPE tables (cos and sin of every
+              position: 134 MB for Gemma 3's two bases over its 32768 positions), and on the
+              gather decode path one layer's K and V gathered for the largest decode batch over
+              max_seq_len positions
     total     weights + pool x KV block + working
+    ranks     tensor parallelism: every figure of one rank's share (rank_spec), the pool as large on
+              every rank
 
 Seats (num_slots: sequences placed at once) cost no KV: their sequences take blocks as they grow,
 so a pool smaller than every seat's whole length serves many short sequences and a few long ones.
@@ -87,6 +91,22 @@ def weights_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     return spec.parameter_count() * DTYPE_BYTES[runtime.dtype]
 
 
+def rank_spec(spec: ModelSpec, ranks: int) -> ModelSpec:
+    """The sizes one rank of a tensor-parallel group of `ranks` holds, as the graphs split a layer:
+    its KV heads with their query heads and its share of the FFN columns (the first rank's, the
+    largest: every rank then plans the same pool), the embedding, output head and norms whole."""
+    if ranks == 1:
+        return spec
+    kv_heads = -(-spec.num_kv_heads // ranks)
+    return spec.model_copy(
+        update={
+            "num_kv_heads": kv_heads,
+            "num_heads": kv_heads * spec.group_size,
+            "intermediate_size": -(-spec.intermediate_size // ranks),
+        }
+    )
+
+
 def checkpoint_weights_bytes(checkpoint: Checkpoint, runtime: RuntimeSection) -> int:
     """The weights' memory as the graphs will hold them: with the matmul kernel in float32, every
     tensor at its size in the checkpoint (matrices kept in a GGUF's format at the file's size, the
@@ -102,7 +122,13 @@ def working_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     positions = spec.max_context if runtime.max_seq_len == "auto" else runtime.max_seq_len
     tables = 2 if spec.local_layers and spec.rope_local_theta is not None else 1
     rope = tables * 2 * positions * spec.head_dim * 4
-    return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2 + rope
+    # the gather decode path (Ascend, GPU) copies one layer's K and V of the largest batch over the
+    # largest attend bucket (max_seq_len) before its matmuls: a pool capped at the budget leaves it room
+    gather = 0
+    if not runtime.attention_kernel:
+        gather = 2 * runtime.decode_batch_buckets[-1] * positions * spec.num_kv_heads
+        gather *= spec.head_dim * DTYPE_BYTES[runtime.dtype]
+    return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2 + rope + gather
 
 
 def plan_memory(

@@ -24,7 +24,7 @@ import zmq
 
 from agent.contract import launcher_control as control
 from agent.launcher.control import ControlChannel
-from agent.launcher.memory_budget import need_mb, refusal
+from agent.launcher.memory_budget import device_refusal, need_mb, refusal
 from agent.launcher.model_agents import POLL_S, AgentLauncher, LaunchError
 from config.schema import ServingConfig
 
@@ -39,6 +39,7 @@ class LaunchedModel:
     state: str = control.UNAVAILABLE
     reason: str = "unloaded"
     need_mb: int | None = None  # what its agents plan to hold while loading or loaded
+    devices: tuple[int, ...] = ()  # Ascend/GPU: the devices they hold it on (budget_mb each)
     since: float = 0.0  # when its load or unload began
 
 
@@ -117,6 +118,9 @@ class LaunchedModels:
         active = [
             m for m in self.models.values() if m.state in (control.READY, control.LOADING) and m.need_mb
         ]
+        runtime, policy = model.config.runtime, model.config.agents
+        on_host = runtime.device_target == "CPU"
+        devices = () if on_host else tuple(policy.start_device_id + rank for rank in launcher.agents)
         problem = refusal(
             model.name,
             need,
@@ -124,6 +128,13 @@ class LaunchedModels:
             self.config.agents.memory_limit_mb,
             {m.name: m.need_mb or 0 for m in active},
             {m.name: m.need_mb or 0 for m in active if m.state == control.LOADING},
+            host=on_host,
+        ) or device_refusal(
+            model.name,
+            runtime.memory_budget_mb,
+            list(devices),
+            policy.device_memory_mb,
+            {m.name: (m.config.runtime.memory_budget_mb or 0, list(m.devices)) for m in active},
         )
         if problem is not None:
             model.reason = problem
@@ -131,6 +142,7 @@ class LaunchedModels:
             return problem
         log.info("loading model %s (%d agent(s)%s)", model.name, agents, f", {need} MB" if need else "")
         model.launcher, model.need_mb, model.since = launcher, need, time.monotonic()
+        model.devices = devices
         model.state, model.reason = control.LOADING, ""
         launcher.begin_start()
         return None
@@ -152,7 +164,7 @@ class LaunchedModels:
     def _stopped(self, model: LaunchedModel, reason: str) -> bool:
         """Stop the model's agents; True when none is left."""
         gone = True if model.launcher is None else model.launcher.stop()
-        model.launcher, model.need_mb = None, None
+        model.launcher, model.need_mb, model.devices = None, None, ()
         model.state, model.reason = control.UNAVAILABLE, reason
         return gone
 

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     set_process_defaults()  # before MindSpore loads (the launcher imports it) and before agents spawn
     from agent.launcher.model_agents import LaunchError
     from agent.launcher.models import LaunchedModels
+    from agent.launcher.preflight import check_config
 
     try:
         config = load_config(args.config)
@@ -39,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log = setup_logging(config.logging, "agent_launcher.log", console=True)
+    problems = check_config(config, args.groups)  # Ascend/GPU: before any agent spawns
+    if problems:
+        for line in problems:
+            log.error("preflight: %s", line)
+        return 1
     try:
         models = LaunchedModels(config, args.groups)
         models.install_signal_handlers()

@@ -121,23 +121,19 @@ def test_float16_runner_follows_the_reference(tiny_llama_dir):
     assert tokens == ref.greedy(reference, prompt, 9)
 
 
-def test_shipped_ascend_example_plans_llama2_7b_into_its_budget():
-    """config/llama2_7b_ascend.yaml with Llama-2-7B's published sizes (no NPU here to run it)."""
+def llama2(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int):
+    """Llama 2's published sizes (7B: 32, 4096, 32, 32, 11008; 70B: 80, 8192, 64, 8, 28672)."""
     from agent.model.spec import ModelSpec
-    from config import load_config
-    from config.schema import PROJECT_ROOT
 
-    config = load_config(PROJECT_ROOT / "config" / "llama2_7b_ascend.yaml")
-    assert (config.runtime.device_target, config.runtime.dtype) == ("Ascend", "float16")
-    llama2_7b = ModelSpec(
+    return ModelSpec(
         architecture="llama",
-        name="Llama-2-7b",
-        num_layers=32,
-        hidden_size=4096,
-        num_heads=32,
-        num_kv_heads=32,
+        name=f"Llama-2-{layers}L",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
         head_dim=128,
-        intermediate_size=11008,
+        intermediate_size=ffn,
         vocab_size=32000,
         rope_theta=10000.0,
         rms_eps=1e-5,
@@ -147,11 +143,46 @@ def test_shipped_ascend_example_plans_llama2_7b_into_its_budget():
         bos_id=1,
         eos_ids=(2,),
     )
-    resolved, plan = plan_memory(llama2_7b, config.runtime)
+
+
+def ascend_example_runtime() -> RuntimeSection:
+    from config import load_config
+    from config.schema import PROJECT_ROOT
+
+    config = load_config(PROJECT_ROOT / "config" / "llama2_7b_ascend.yaml")
+    assert (config.runtime.device_target, config.runtime.dtype) == ("Ascend", "float16")
+    assert config.runtime.memory_budget_mb <= config.agents.device_memory_mb == 65536  # a 64 GB 910B
+    return config.runtime
+
+
+def test_shipped_ascend_example_plans_llama2_7b_into_a_64gb_910b():
+    """config/llama2_7b_ascend.yaml with Llama-2-7B's published sizes (no NPU here to run it)."""
+    resolved, plan = plan_memory(llama2(32, 4096, 32, 32, 11008), ascend_example_runtime())
     assert plan.weights_mb == pytest.approx(6738.4e6 * 2 / MB, rel=1e-3)  # 6.74B parameters
     assert plan.block_mb == 8  # 32 layers x 2 x 4096 x 2 bytes x 16 positions
-    # 32 seats (the largest decode batch), blocks for about 13 sequences of 2048 positions
-    assert resolved.num_slots == 32 and 13 * 2048 <= resolved.num_blocks * 16 and plan.total_mb <= 28000
+    # working: the prefill scores (32 x 32 heads x 512^2 x 4 bytes) and, on the gather path, one
+    # layer's K and V gathered for 32 rows over 2048 positions (2 x 32 x 2048 x 4096 x 2 bytes)
+    assert plan.working_mb == pytest.approx(1024 + 1024 + 8 + 2, abs=2)
+    # 32 seats (the largest decode batch), blocks for about 41 sequences of 2048 positions
+    assert resolved.num_slots == 32 and resolved.num_blocks == 5354 and plan.total_mb <= 58000
+
+
+def test_a_tensor_parallel_rank_plans_its_share_llama2_70b_on_eight_910b():
+    """Llama-2-70B at TP 8 with the Ascend example's runtime: each rank holds 1 of the 8 KV heads,
+    8 query heads and 1/8 of the FFN, the embedding and output head whole: ~17 GB of float16
+    weights, where the whole model (131 GB) does not fit a 64 GB card at all."""
+    from agent.memory_plan import rank_spec, weights_bytes
+
+    runtime, spec = ascend_example_runtime(), llama2(80, 8192, 64, 8, 28672)
+    with pytest.raises(MemoryPlanError, match=r"does not hold the weights \(131563 MB\)"):
+        plan_memory(spec, runtime)
+    share = rank_spec(spec, 8)
+    assert (share.num_heads, share.num_kv_heads, share.intermediate_size) == (8, 1, 3584)
+    resolved, plan = plan_memory(share, runtime, weights_bytes(share, runtime))
+    assert plan.weights_mb == pytest.approx(17323, abs=1)
+    assert plan.block_mb == pytest.approx(80 * 2 * 128 * 2 * 16 / MB)  # 640 KB a block
+    assert resolved.num_blocks == 63961 and plan.total_mb <= 58000
+    assert rank_spec(spec, 3).num_kv_heads == 3  # 8 heads over 3 ranks: 3 + 3 + 2, planned as 3
 
 
 def test_gemma_plans_its_pool_for_the_global_layers_and_a_ring_a_seat(gemma_model_path):
@@ -177,3 +208,18 @@ def test_gemma_plans_its_pool_for_the_global_layers_and_a_ring_a_seat(gemma_mode
     assert resolved.max_seq_len == 32768 and plan.total_mb <= 2048
     assert plan.num_blocks * 16 >= 4 * 32768  # the budget holds four whole contexts' global layers
     assert "sliding-window layers' rings 510 MB" in plan.describe()
+
+
+def test_a_tensor_parallel_agent_plans_its_rank_share(tiny_llama_dir):
+    """An agent of a group of 2 plans with its share (1 of the 2 KV heads): the same budget holds
+    twice the blocks it holds for the whole model (before, every rank planned the whole model)."""
+    from agent.bootstrap import Placement, prepare_checkpoint
+    from agent.graphs.layers import TensorSplit
+    from config.schema import ServingConfig
+
+    runtime = TINY_RUNTIME.model_copy(update={"memory_budget_mb": 8})
+    config = ServingConfig(model={"path": str(tiny_llama_dir)}, runtime=runtime)
+    checkpoint = load_checkpoint(tiny_llama_dir)
+    whole = prepare_checkpoint(config, Placement(None), lambda _: None, checkpoint)[1].num_blocks
+    rank = prepare_checkpoint(config, Placement(None, split=TensorSplit(1, 2)), lambda _: None, checkpoint)
+    assert rank[1].num_blocks >= 2 * whole - 1
