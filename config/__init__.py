@@ -1,6 +1,8 @@
-"""Configuration: YAML files validated by typed models (schema.py), read by loader.py."""
+"""Configuration: YAML files validated by typed models (a module per section, gathered in schema.py),
+read by loader.py."""
 
+from config.base import PROJECT_ROOT
 from config.loader import ConfigError, load_config
-from config.schema import PROJECT_ROOT, ServingConfig
+from config.serving import ServingConfig
 
 __all__ = ["ConfigError", "load_config", "PROJECT_ROOT", "ServingConfig"]

@@ -15,7 +15,8 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from config.schema import PROJECT_ROOT, ServingConfig
+from config.base import PROJECT_ROOT
+from config.serving import ServingConfig
 
 DEFAULT_CONFIG = PROJECT_ROOT / "config" / "default.yaml"
 CONFIG_ENV = "LLM_SERVING_CONFIG"

@@ -7,13 +7,31 @@ import re
 import sys
 from collections.abc import Sequence
 from logging.handlers import RotatingFileHandler
+from pathlib import Path
+from typing import Literal
 
-from config.schema import LoggingSection
+from pydantic import Field, field_validator
+
+from config.base import Section, resolve_path
 
 FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 # Credentials a log line could carry: the dashboard's ?api_key= in an access-log line, a bearer token.
 CREDENTIAL_PATTERNS = re.compile(r"(api_key=)[^&\s\"']+|(Bearer\s+)\S+", re.IGNORECASE)
 REDACTED = "***"
+
+
+class LoggingSection(Section):
+    """Each process's log file: its folder, level and rotation."""
+
+    dir: Path = Path("output")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    max_bytes: int = Field(10 * 1024 * 1024, ge=1024)
+    backup_count: int = Field(5, ge=1)
+
+    @field_validator("dir")
+    @classmethod
+    def _absolute(cls, path: Path) -> Path:
+        return resolve_path(path)
 
 
 class RedactSecrets(logging.Filter):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from config.loader import load_config
-from config.schema import ServingConfig
+from config.serving import ServingConfig
 
 UPSTREAM_NAMES = {
     "agent_ports": lambda c: c.agents.ports,

@@ -8,10 +8,10 @@ flight. Fair under contention:
   with others, but cannot jump another client's fair share), then the oldest: a newcomer beside a
   client that holds every slot gets the next slot that frees, within one answer's time;
 - once the queue (or the tokens in flight) reaches its bound, a client holding less than its share
-  of that bound (server.client_share) is still admitted, up to (1 + share) times the bound, while one
+  of that bound (scheduler.client_share) is still admitted, up to (1 + share) times the bound, while one
   holding more is refused: 429, naming the limit. So one client's flood cannot lock others out of
   the queue. (A client alone at the bound is refused as by a full server: 503, 429 on OpenAI's API.)
-- server.max_running_per_client, when set, caps a client's running sequences; its other requests
+- scheduler.max_running_per_client, when set, caps a client's running sequences; its other requests
   wait even while slots are free.
 """
 
@@ -70,7 +70,7 @@ class ClientShares:
             if self.share >= 1 or all(client == seq.client for client in self.loads):
                 return full, False
             if mine + need > self.share * bound:
-                share = f"server.client_share {self.share:g} of it: {int(self.share * bound)}"
+                share = f"scheduler.client_share {self.share:g} of it: {int(self.share * bound)}"
                 return (
                     f"{full}, and this client would hold {mine + need}, more than its share ({share})",
                     True,

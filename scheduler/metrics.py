@@ -38,7 +38,7 @@ class ServingMetrics:
         )
         self.tokens_in_flight = Gauge(
             p + "tokens_in_flight",
-            "Prompt + max_new_tokens of every admitted request (bounded by server.max_tokens_in_flight)",
+            "Prompt + max_new_tokens of every admitted request (bounded by scheduler.max_tokens_in_flight)",
             registry=r,
         )
         self.requests = Counter(p + "requests", "Finished requests by outcome", ["outcome"], registry=r)

@@ -1,7 +1,7 @@
 """StepCosts: how many prompt positions one group's step may carry beside its decode rows.
 
 A prompt chunk in the same step as the decode rows delays every stream's next token by its cost.
-The token budget alone (server.max_num_batched_tokens) cannot bound that delay: what a prompt
+The token budget alone (scheduler.max_num_batched_tokens) cannot bound that delay: what a prompt
 position costs against a decode row depends on the model, the machine, the batch and how far into
 its prompt the chunk is. So the step is bounded in time instead: while sequences decode, a step
 that also computes prompt positions takes at most `stall_ratio` times a decode step alone, which

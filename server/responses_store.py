@@ -54,7 +54,7 @@ class StoreBounds:
 
     @classmethod
     def of(cls, server) -> StoreBounds:
-        """The bounds server.responses_* set (config/schema.py's ServerSection)."""
+        """The bounds server.responses_* set (config/server.py's ServerSection)."""
         return cls(
             server.responses_store_size,
             server.responses_store_bytes,

@@ -62,7 +62,7 @@ class Parameters(BaseModel):
     )
     grammar: TgiGrammar | None = None
     priority: int = Field(
-        0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="lower first (server.scheduling_policy priority)"
+        0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="lower first (scheduler.scheduling_policy priority)"
     )
     speculate: bool = Field(True, description="false: no tokens proposed for it (runtime.speculation)")
     cache_salt: str | None = Field(

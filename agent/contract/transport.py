@@ -1,6 +1,6 @@
 """ZeroMQ CURVE on the agents' sockets: encryption plus authentication by public key. Every agent
 has its own keypair (agents.curve.agents, in rank order); off loopback the config requires CURVE
-(config/schema.py).
+(config/agents.py).
 
     authenticator = secure_agent_socket(router, curve, rank, peers)  # before bind; stop it on close
     authenticator = secure_launcher_socket(router, curve)            # the launcher's control socket

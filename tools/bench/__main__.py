@@ -225,7 +225,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--hostile-api-key",
         help="the hostile clients' key (default --api-key): another key than the timed clients' "
-        "measures the fairness between clients (server.client_share)",
+        "measures the fairness between clients (scheduler.client_share)",
     )
     p.add_argument("--seed", type=int, default=0, help="prompt order and sampled lengths")
     p.add_argument("--out", type=Path, default=PROJECT_ROOT / "output" / "bench")

@@ -34,8 +34,11 @@ PAGED = {
 def config(tmp_path_factory, tiny_llama_dir):
     directory = tmp_path_factory.mktemp("paged")
     # a small token budget: chunks end anywhere, not on bucket or block boundaries
-    server = {"max_num_batched_tokens": 40, "max_waiting_requests": 32, "agent_timeout_s": 30}
-    path = write_config(directory, tiny_llama_dir, free_ports(1), runtime=PAGED, server=server)
+    scheduler = {"max_num_batched_tokens": 40, "max_waiting_requests": 32}
+    server = {"agent_timeout_s": 30}
+    path = write_config(
+        directory, tiny_llama_dir, free_ports(1), runtime=PAGED, server=server, scheduler=scheduler
+    )
     launcher = LauncherProcess(path)
     try:
         launcher.wait_for("all agents started", 240)

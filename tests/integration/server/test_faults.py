@@ -39,7 +39,8 @@ def stack(tmp_path_factory, tiny_llama_dir):
         [agent_port],
         runtime=FAULT_RUNTIME,
         agents={"restart_policy": "restart", "max_restarts": 3},
-        server={"port": http_port, "max_waiting_requests": MAX_WAITING, "drain_timeout_s": 30},
+        server={"port": http_port, "drain_timeout_s": 30},
+        scheduler={"max_waiting_requests": MAX_WAITING},
     )
     with serving_stack(path) as (agents, server):
         yield {

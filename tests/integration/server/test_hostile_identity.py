@@ -1,7 +1,7 @@
 """Fair share keyed only on what the server checked, against a real agent and `start_server.py` on
 the tiny model with admin keys only (inference open, as the explicit-model-control start-up check
 leads operators to configure): a client that makes up a new key for each request is still one
-client (its address), so `server.max_running_per_client` holds it to one running answer, while
+client (its address), so `scheduler.max_running_per_client` holds it to one running answer, while
 another client (another loopback address) runs beside it with its exact answer."""
 
 import json
@@ -30,7 +30,8 @@ def stack(tmp_path_factory, tiny_llama_dir):
         tiny_llama_dir,
         [agent_port],
         runtime=LONG_ANSWERS_RUNTIME,
-        server={"port": http_port, "admin_api_keys": ["admin-key"], "max_running_per_client": 1},
+        server={"port": http_port, "admin_api_keys": ["admin-key"]},
+        scheduler={"max_running_per_client": 1},
     )
     with serving_stack(path):
         yield f"http://127.0.0.1:{http_port}"

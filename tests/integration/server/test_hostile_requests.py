@@ -54,13 +54,12 @@ def stack(tmp_path_factory, tiny_llama_dir):
         server={
             "port": http_port,
             "api_keys": [VICTIM_KEY, ATTACKER_KEY],
-            "max_waiting_requests": MAX_WAITING,
-            "client_share": 0.5,
             "grammar_compile_timeout_s": GRAMMAR_TIMEOUT_S,
             "max_grammar_bytes": MAX_GRAMMAR_BYTES,
             "stream_write_timeout_s": STREAM_WRITE_TIMEOUT_S,
             "max_reply_logprobs": MAX_REPLY_LOGPROBS,
         },
+        scheduler={"max_waiting_requests": MAX_WAITING, "client_share": 0.5},
     )
     with serving_stack(path) as (_agents, _server):
         yield f"http://127.0.0.1:{http_port}", http_port
@@ -320,7 +319,7 @@ def test_a_flooding_client_cannot_lock_another_out(stack, victim_alone):
     """The attacker's key holds every slot with long answers and fills the waiting queue; the
     victim's request (another key) is still admitted, takes the next slot that frees, before every
     queued request of the attacker, and answers exactly as alone; meanwhile more of the attacker's
-    requests get 429 with Retry-After naming server.client_share."""
+    requests get 429 with Retry-After naming scheduler.client_share."""
     base, _ = stack
     first_tokens: dict[str, list] = {}
 
@@ -343,7 +342,7 @@ def test_a_flooding_client_cannot_lock_another_out(stack, victim_alone):
         text = victim.result(timeout=120)
         for future in holders + queued:
             future.result(timeout=120)
-    assert over.status_code == 429 and "server.client_share" in over.text, over.text
+    assert over.status_code == 429 and "scheduler.client_share" in over.text, over.text
     assert over.headers.get("retry-after"), over.headers
     assert text == victim_alone
     # Every queued request of the attacker that started after the victim arrived started after it.

@@ -25,7 +25,8 @@ def stack(tmp_path_factory, tiny_llama_dir):
         tiny_llama_dir,
         [agent_port],
         runtime=LONG_ANSWERS_RUNTIME,
-        server={"port": http_port, "max_waiting_requests": 8, "drain_timeout_s": DRAIN_TIMEOUT_S},
+        server={"port": http_port, "drain_timeout_s": DRAIN_TIMEOUT_S},
+        scheduler={"max_waiting_requests": 8},
     )
     with serving_stack(path) as (_agents, server):
         yield f"http://127.0.0.1:{http_port}", server

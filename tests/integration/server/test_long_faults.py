@@ -36,7 +36,8 @@ def stack(tmp_path_factory, tiny_llama_dir):
         tiny_llama_dir,
         [agent_port],
         runtime=LONG_ANSWERS_RUNTIME,
-        server={"port": http_port, "max_waiting_requests": 64},
+        server={"port": http_port},
+        scheduler={"max_waiting_requests": 64},
     )
     with serving_stack(path) as (agents, server):
         yield {
@@ -309,7 +310,8 @@ def two_agent_stack(tmp_path_factory, tiny_llama_dir, runtime: dict):
             "max_restarts": int(duration / chaos_interval(duration)[0]) + 2,
             "restart_window_s": 600,
         },
-        server={"port": ports[2], "agent_timeout_s": AGENT_TIMEOUT_S, "max_waiting_requests": 64},
+        server={"port": ports[2], "agent_timeout_s": AGENT_TIMEOUT_S},
+        scheduler={"max_waiting_requests": 64},
     )
     with serving_stack(path) as (agents, server):
         yield {

@@ -44,7 +44,8 @@ def stack(tmp_path_factory, tiny_llama_dir):
         tiny_llama_dir,
         [agent_port],
         runtime=runtime,
-        server={"port": http_port, "max_waiting_requests": 16},
+        server={"port": http_port},
+        scheduler={"max_waiting_requests": 16},
     )
     with serving_stack(path) as (_agents, _server):
         yield f"http://127.0.0.1:{http_port}"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from config import ConfigError, load_config
-from config.schema import PROJECT_ROOT, AgentsSection
+from config.schema import PROJECT_ROOT, AgentsSection, ModelRepository, ServingConfig
 
 
 def test_default_config_serves_the_embedded_model_on_cpu():
@@ -31,7 +31,9 @@ def test_default_config_serves_the_embedded_model_on_cpu():
         ("runtime:\n  num_slots: 32\n", "decode_batch_buckets must be at least num_slots"),
         ("runtime:\n  device_target: TPU\n", "runtime.device_target"),
         ("runtime:\n  block_size: 24\n", "block_size must be a power of two from 1 to 256, got 24"),
-        ("server:\n  max_num_batched_tokens: 16\n", "must exceed the largest decode batch \\(16\\)"),
+        ("scheduler:\n  max_num_batched_tokens: 16\n", "must exceed the largest decode batch \\(16\\)"),
+        ("scheduler:\n  decode_stall_ratio: 1\n", "decode_stall_ratio \\(1.0\\) must exceed 1"),
+        ("scheduler:\n  client_share: 0\n", "scheduler.client_share"),
         ("runtime:\n  block_size: 512\n", "block_size must be a power of two from 1 to 256, got 512"),
         ("ray:\n  min_replicas: 3\n  max_replicas: 2\n", "min_replicas \\(3\\) exceeds max_replicas \\(2\\)"),
         ("ray:\n  initial_replicas: 5\n", "initial_replicas \\(5\\) must lie within .* \\(1..2\\)"),
@@ -90,6 +92,11 @@ def test_default_config_serves_the_embedded_model_on_cpu():
         ("models: [{name: a}]\nmodel: {name: b}\n", "either model and runtime \\(one model\\) or models"),
         ("models: [{name: a}]\nagents: {ports: [1]}\n", "agents.ports belongs in each model's own agents"),
         ("models: [{name: a/b}]\n", "models.0.name: String should match pattern"),
+        ("models: [{name: a, agents: {bogus: 1}}]\n", "models.0.agents.bogus: Extra inputs"),
+        ("models: [{name: a, agents: {ports: [0]}}]\n", r"\(a\): agents.ports: .*must be distinct"),
+        ("agents: {start_device_id: -1}\nmodels: [{name: a}]\n", r"\(a\): agents.start_device_id: .*greater"),
+        ("models: [{name: a}]\nray: {}\n", "ray: each replica serves one model"),
+        ("models: []\n", "models: List should have at least 1 item"),
         (
             "models: [{name: a, agents: {ports: [1]}}, {name: b, aliases: [a], agents: {ports: [2]}}]\n",
             "model name or alias 'a' is given to more than one model",
@@ -233,3 +240,60 @@ def test_the_shipped_repository_serves_the_default_and_loads_gemma_on_request():
     assert default.model == load_config().model and default.runtime == load_config().runtime
     assert gemma.model.path.name == "gemma-3-270m-q4_k_m.gguf" and "gemma" in gemma.model.aliases
     assert (default.agents.ports, gemma.agents.ports, config.agents.control_port) == ([9820], [9821], 9819)
+
+
+@pytest.mark.parametrize("path", sorted((PROJECT_ROOT / "config").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    assert load_config(path, environ={}).model_configs()
+
+
+def test_a_key_moved_to_the_scheduler_section_fails_naming_its_new_place(tmp_path):
+    """The scheduling policy left the server section (issue 56): an old file is refused with each
+    moved key's new place, from the file or an environment override alike."""
+    path = tmp_path / "old.yaml"
+    path.write_text("server:\n  port: 9900\n  client_share: 0.25\n  max_waiting_requests: 8\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, environ={})
+    assert "server.client_share moved to scheduler.client_share" in str(refused.value)
+    assert "server.max_waiting_requests moved to scheduler.max_waiting_requests" in str(refused.value)
+    with pytest.raises(ConfigError, match="server.scheduling_policy moved to scheduler.scheduling_policy"):
+        load_config(environ={"LLM_SERVING__SERVER__SCHEDULING_POLICY": "priority"})
+    path.write_text("server:\n  port: 9900\nscheduler:\n  client_share: 0.25\n  max_waiting_requests: 8\n")
+    moved = load_config(path, environ={"LLM_SERVING__SCHEDULER__DECODE_STALL_RATIO": "2"}).scheduler
+    assert (moved.client_share, moved.max_waiting_requests, moved.decode_stall_ratio) == (0.25, 8, 2.0)
+
+
+def test_the_repository_form_parses_to_its_own_type():
+    """`models:` is a ModelRepository: entries with their own runtime, agents keys layered over the
+    shared ones (CURVE too: the server's keys shared, each model its agents' keys)."""
+    keys = [c * 40 for c in "sabcd"]
+    data = {
+        "model_control_mode": "explicit",
+        "agents": {
+            "shutdown_grace_s": 3,
+            "curve": {"server_public_key": keys[0], "launcher": {"public_key": keys[1]}},
+        },
+        "scheduler": {"client_share": 0.25},
+        "models": [
+            {"name": "a", "agents": {"ports": [9001], "curve": {"agents": [{"public_key": keys[2]}]}}},
+            {
+                "name": "b",
+                "runtime": {"num_slots": 4},
+                "agents": {
+                    "ports": [9002, 9003],
+                    "shutdown_grace_s": 7,
+                    "curve": {"agents": [{"public_key": keys[3]}] * 2},
+                },
+            },
+        ],
+    }
+    repository = ModelRepository.model_validate(data)
+    assert [entry.name for entry in repository.models] == ["a", "b"]
+    assert repository.agents.model_fields_set == {"shutdown_grace_s", "curve"}
+    b = repository.agents_of(repository.models[1])
+    assert (b.ports, b.shutdown_grace_s, b.curve.server_public_key) == ([9002, 9003], 7, keys[0])
+    for config in (ServingConfig.model_validate(data), ServingConfig(**data)):
+        a, b = config.model_configs().values()
+        assert (a.agents.shutdown_grace_s, a.agents.curve.agents[0].public_key) == (3, keys[2])
+        assert (b.runtime.num_slots, b.scheduler.client_share, config.startup()) == (4, 0.25, [])
+        assert config.model == a.model and config.agents.curve.launcher.public_key == keys[1]

@@ -1,4 +1,4 @@
-"""The README's configuration table against config/schema.py: every setting documented, nothing
+"""The README's configuration table against the config schema (config/*.py): every setting documented, nothing
 documented that does not exist, and numeric defaults as the schema has them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 from pydantic import BaseModel
 
-from config.schema import PROJECT_ROOT, ServingConfig
+from config.schema import PROJECT_ROOT, ModelRepository, ServingConfig
 
 
 def documented_rows() -> dict[str, str]:
@@ -26,15 +26,17 @@ def documented_rows() -> dict[str, str]:
 
 
 def schema_fields() -> dict[str, object]:
-    """`section.field` of every section, and the top-level fields that are not sections (models)."""
+    """`section.field` of every section, and the top-level fields that are not sections: those of
+    the one-model form and the repository form's `models` (its default: none)."""
     defaults = ServingConfig()
-    fields: dict[str, object] = {}
+    fields: dict[str, object] = {"models": []}
     for section, info in ServingConfig.model_fields.items():
         if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
             for name in info.annotation.model_fields:
                 fields[f"{section}.{name}"] = getattr(getattr(defaults, section), name)
         else:
             fields[section] = getattr(defaults, section)
+    assert set(ModelRepository.model_fields) - set(ServingConfig.model_fields) == {"models"}
     return fields
 
 

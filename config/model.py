@@ -1,0 +1,50 @@
+"""The served model: its name, aliases and file (or the MindIR graphs exported from it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+
+from config.base import Section, resolve_path
+
+
+class ModelSection(Section):
+    name: str = Field("smollm2-135m-instruct", description="served model name (upstream ModelName)")
+    aliases: list[str] = Field(default_factory=list)
+    path: Path = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    # Graphs exported by `python -m tools.export` (upstream's names). When set, the agents run these
+    # MindIR files instead of building the graphs from `path`, which then only gives the tokenizer.
+    prefill_model: list[Path] = Field(default_factory=list, description="one MindIR file per prefill bucket")
+    decode_model: list[Path] = Field(default_factory=list, description="one MindIR file per decode bucket")
+    argmax_model: Path | None = None
+    topk_model: list[Path] = Field(default_factory=list, description="one MindIR file per top-k bucket")
+
+    @field_validator("path", "argmax_model")
+    @classmethod
+    def _absolute(cls, path: Path | None) -> Path | None:
+        return None if path is None else resolve_path(path)
+
+    @field_validator("prefill_model", "decode_model", "topk_model")
+    @classmethod
+    def _all_absolute(cls, paths: list[Path]) -> list[Path]:
+        return [resolve_path(p) for p in paths]
+
+    @property
+    def uses_mindir(self) -> bool:
+        return self.argmax_model is not None
+
+    @model_validator(mode="after")
+    def _mindir_all_or_none(self) -> ModelSection:
+        given = [
+            bool(self.prefill_model),
+            bool(self.decode_model),
+            self.argmax_model is not None,
+            bool(self.topk_model),
+        ]
+        if any(given) and not all(given):
+            raise ValueError(
+                "prefill_model, decode_model, argmax_model and topk_model come together "
+                "(python -m tools.export prints all four)"
+            )
+        return self
