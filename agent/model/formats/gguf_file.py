@@ -22,7 +22,19 @@ from agent.model.spec import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
 
-END_OF_TURN = "<end_of_turn>"  # Gemma's end of a chat turn
+# Tokens that end an answer wherever a vocabulary has them, as llama.cpp's end-of-generation list
+# (llama-vocab.cpp) has them: the ends of a chat turn (Llama 3, ChatML, Phi-3, Gemma), Llama 3.1's
+# end of a tool-calling message, and the end of text a model emits after its turn (Qwen, DeepSeek).
+END_OF_GENERATION = (
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<｜end▁of▁sentence｜>",
+)
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3.1 scaling)
 MATRICES = (".wq", ".wk", ".wv", ".wo", ".w_gate", ".w_up", ".w_down", "embed", "lm_head")
 MB = 1 << 20
@@ -113,17 +125,16 @@ def _spec(path: Path, reader: GgufFile) -> tuple[ModelSpec, GgufLayout]:
 
 
 def gguf_eos_ids(reader: GgufFile) -> tuple[int, ...]:
-    """The file's EOS, and an end-of-turn token of the vocabulary's (Gemma's <end_of_turn>, which ends
-    its chat turns; its generation config lists both)."""
+    """The file's EOS, end-of-turn and end-of-message tokens, then the vocabulary's end-of-generation
+    tokens (END_OF_GENERATION: an instruct model's file often names only one of the tokens its
+    generation config lists, Llama 3's <|eot_id|> or <|end_of_text|>, Qwen's <|im_end|> or
+    <|endoftext|>)."""
     tokens = gguf_field(reader, "tokenizer.ggml.tokens") or []
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    ids = [] if eos is None else [int(eos)]
-    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
-    if eot is None and END_OF_TURN in tokens:
-        eot = tokens.index(END_OF_TURN)
-    if eot is not None and int(eot) not in ids:
-        ids.append(int(eot))
-    return tuple(ids)
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    ids = [int(i) for i in (gguf_field(reader, f"tokenizer.ggml.{key}") for key in keys) if i is not None]
+    named = set(END_OF_GENERATION)
+    ids += [i for i, token in enumerate(tokens) if token in named]
+    return tuple(dict.fromkeys(ids))
 
 
 def stored_weights(path: Path) -> tuple[ModelSpec, int]:
