@@ -1,14 +1,13 @@
-"""Sequence: one request's prompt, parameters, generated ids and place in the batch."""
+"""Sequence: one request's prompt, parameters, generated ids and place in the batch: the scheduler's
+mutable state, which never leaves the engine (scheduler/engine_io.py is what does)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import numpy as np
 
 from agent.contract.sampling import SamplingParams, TokenLogprob
+from scheduler.engine_io import EngineOutput, FaultKind, FinishReason, TokenConstraint
 from scheduler.ngram import SpeculationState
 from scheduler.timeline import Timeline
 
@@ -17,31 +16,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # an EOS id or a stop string
-    LENGTH = "length"  # max_new_tokens or the slot's last position
-    ABORT = "abort"  # the client went away or asked to stop
-    ERROR = "error"  # its group failed, or its own choice did (Sequence.error says which)
-
-
-class TokenConstraint(Protocol):
-    """Which tokens a sequence may generate next (structured output: server/structured_output.py
-    holds the grammar); the engine sends its mask with every call that samples for the sequence."""
-
-    def mask(self) -> np.ndarray:
-        """The tokens allowed next: int32 words, bit j of word i for token 32 i + j."""
-        ...
-
-    def advance(self, token: int) -> None:
-        """The token chosen; ValueError if the grammar did not allow it."""
-        ...
-
-    @property
-    def complete(self) -> bool:
-        """The grammar is satisfied and allows nothing more (but EOS)."""
-        ...
 
 
 @dataclass
@@ -58,9 +32,9 @@ class Sequence:
     slot: int | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
-    # The HTTP status its error maps to: 503 when its group failed (try again), 400 when its own
-    # parameters left nothing to sample, 500 when its own value could not be computed.
-    error_status: int = 503
+    fault: FaultKind = FaultKind.UNAVAILABLE  # what kind of error `error` is, when it has one
+    reported: int = 0  # output tokens already handed to the front end (in EngineOutputs)
+    end_reported: bool = False  # its finished EngineOutput went out (once only)
     token_budget: int = 0  # prompt + answer tokens counted against the in-flight bound
     # PD disaggregation: where the prompt is prefilled and the ticket of its KV transfer
     prefill_group: int | None = None
@@ -120,3 +94,20 @@ class Sequence:
         if upto <= len(self.prompt):
             return self.prompt[:upto]
         return self.prompt + self.output[: upto - len(self.prompt)]
+
+    def report(self) -> EngineOutput | None:
+        """What the front end has not seen yet: the tokens since the last report and, once it is
+        over, how it ended (its timeline with it); None once its end was reported (a request
+        aborted while its step was in flight is reported again after the step)."""
+        if self.end_reported:
+            return None
+        first, self.reported, self.end_reported = self.reported, len(self.output), self.finished
+        return EngineOutput(
+            self.request_id,
+            tuple(self.output[first:]),
+            tuple(self.logprobs[first : self.reported]),
+            self.finish_reason,
+            self.error,
+            self.fault if self.error is not None else None,
+            self.timeline if self.finished else None,
+        )

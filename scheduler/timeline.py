@@ -26,7 +26,7 @@ class Timeline:
     first_token: float | None = None
     finished: float | None = None
     dropped: int = 0  # decode calls past MAX_DECODE_CALLS
-    context: object = None  # the request's trace, as the server's tracing put it (opaque here)
+    context: object = None  # the request's trace (its EngineRequest.trace), opaque here
 
     def called(self, call: AgentCall) -> None:
         if call.chunk is None and len(self.calls) >= MAX_DECODE_CALLS:

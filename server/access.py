@@ -32,7 +32,7 @@ import hmac
 from urllib.parse import parse_qs
 
 from config.schema import ServerSection, ServingConfig, is_loopback
-from server.errors import ErrorShape, error_response, error_shape
+from server.errors import ErrorShape, error_response, path_style
 
 OPEN_PATHS = {"/health"}
 OPERATOR_PATHS = {"/metrics", "/info", "/dashboard"}
@@ -53,12 +53,12 @@ def loopback_hosts(port: int) -> set[bytes]:
     return {f"{name}{suffix}".encode() for name in LOOPBACK_NAMES for suffix in ("", f":{port}")}
 
 
-def body_too_large(max_body_bytes: int, openai: ErrorShape | bool):
-    return error_response(413, f"the request body is larger than {max_body_bytes} bytes", openai)
+def body_too_large(max_body_bytes: int, shape: ErrorShape):
+    return error_response(413, f"the request body is larger than {max_body_bytes} bytes", shape)
 
 
-def body_too_slow(read_timeout_s: float, openai: ErrorShape | bool):
-    return error_response(408, f"the request body did not arrive within {read_timeout_s:g}s", openai)
+def body_too_slow(read_timeout_s: float, shape: ErrorShape):
+    return error_response(408, f"the request body did not arrive within {read_timeout_s:g}s", shape)
 
 
 def check_model_control(config: ServingConfig) -> None:
@@ -140,14 +140,14 @@ def client_of(scope) -> str:
     return scope.get("state", {}).get("client", "")
 
 
-def key_refusal(keys: ApiKeys, scope, headers: dict, openai: ErrorShape | bool):
+def key_refusal(keys: ApiKeys, scope, headers: dict, shape: ErrorShape):
     """The 401/403 response for a request whose key does not open its path; None when it does."""
     denied = keys.denied(scope, headers)
     if denied is None:
         return None
     status, message = denied
     return error_response(
-        status, message, openai, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+        status, message, shape, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
     )
 
 
@@ -165,18 +165,18 @@ class AccessMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        openai = error_shape(path)
+        shape = path_style(path).shape
         headers = dict(scope["headers"])
         refusal = self._refusal(headers)
         if refusal:
-            return await error_response(403, refusal, openai, code="forbidden")(scope, receive, send)
-        denied = key_refusal(self.keys, scope, headers, openai)
+            return await error_response(403, refusal, shape, code="forbidden")(scope, receive, send)
+        denied = key_refusal(self.keys, scope, headers, shape)
         if denied is not None:
             return await denied(scope, receive, send)
         scope.setdefault("state", {})["client"] = self.keys.client(scope, headers)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await self._too_large(scope, receive, send, openai)
+            return await self._too_large(scope, receive, send, shape)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         # Count what is actually read, whatever Content-Length says: with Transfer-Encoding:
@@ -185,11 +185,11 @@ class AccessMiddleware:
             async with asyncio.timeout(self.read_timeout_s):  # a body trickled in (slow POST)
                 body = await self._read_body(receive)
         except TimeoutError:
-            return await body_too_slow(self.read_timeout_s, openai)(scope, receive, send)
+            return await body_too_slow(self.read_timeout_s, shape)(scope, receive, send)
         if body is None:
             return None  # the client is gone
         if len(body) > self.max_body_bytes:
-            return await self._too_large(scope, receive, send, openai)
+            return await self._too_large(scope, receive, send, shape)
         replayed = False
 
         async def replay():
@@ -230,5 +230,5 @@ class AccessMiddleware:
             "(server.cors_origins lists the origins that are)"
         )
 
-    async def _too_large(self, scope, receive, send, openai: ErrorShape):
-        return await body_too_large(self.max_body_bytes, openai)(scope, receive, send)
+    async def _too_large(self, scope, receive, send, shape: ErrorShape):
+        return await body_too_large(self.max_body_bytes, shape)(scope, receive, send)

@@ -23,14 +23,15 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from sse_starlette.sse import EventSourceResponse
 
+from server.admission import prompt_tokens
 from server.anthropic_schema import CountTokensRequest, MessagesRequest
 from server.assembly import unless_disconnected
-from server.errors import ApiError, error_body
+from server.errors import ANTHROPIC, ApiError, declares, error_body
 from server.model_repository import ModelRepository
 from server.openai_api import (
     Choices,
     admit_chat,
-    chat_prompt,
+    chat_text,
     choice_pieces,
     serving,
     translated_chat,
@@ -133,7 +134,7 @@ async def message_events(req: MessagesRequest, answer: Choices) -> AsyncIterator
 
 
 def anthropic_router(repository: ModelRepository) -> APIRouter:
-    router = APIRouter(prefix="/v1/messages")
+    router = APIRouter(prefix="/v1/messages", dependencies=[declares(ANTHROPIC)])
     messages_request, count_request = json_body(MessagesRequest), json_body(CountTokensRequest)
 
     def refuse_unsupported(req: CountTokensRequest) -> None:
@@ -144,7 +145,8 @@ def anthropic_router(repository: ModelRepository) -> APIRouter:
     @router.post("")
     async def create(http: Request, req: MessagesRequest = Depends(messages_request)):
         refuse_unsupported(req)
-        answer = await admit_chat(http, repository, translated_chat(req.chat_fields(), NAMES))
+        chat = translated_chat(req.chat_fields(), NAMES)
+        answer = await admit_chat(http, repository, chat, style=ANTHROPIC)
         if req.stream:
             return EventSourceResponse(message_events(req, answer))
         return await unless_disconnected(http, answer.streams, whole_message(req, answer))
@@ -153,6 +155,7 @@ def anthropic_router(repository: ModelRepository) -> APIRouter:
     async def count_tokens(req: CountTokensRequest = Depends(count_request)):
         refuse_unsupported(req)
         chat = translated_chat(req.chat_fields(), NAMES)
-        return {"input_tokens": len(await chat_prompt(serving(repository, chat), chat))}
+        model = serving(repository, chat)
+        return {"input_tokens": len(await prompt_tokens(model.encoder, chat_text(model, chat)))}
 
     return router

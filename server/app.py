@@ -1,7 +1,8 @@
 """The HTTP front end: the FastAPI app with its routers (the upstream llm-serving API in
 server/native_api.py, the OpenAI API, Triton's and its model repository, tokenizer, operations)
 over the served models (server/model_repository.py), access control and the errors' JSON shapes.
-Errors are JSON {"error": message} (OpenAI's shape on /v1/) with a status that says what happened.
+Errors are JSON in the shape of the API's clients (each router declares its ApiStyle:
+server/errors.py) with a status that says what happened.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from starlette.exceptions import HTTPException
 from config.schema import ServingConfig
 from server.access import AccessMiddleware
 from server.anthropic_api import anthropic_router
-from server.errors import ApiError, error_response, error_shape
+from server.errors import ApiError, error_response, style_of
 from server.model_repository import ModelRepository
 from server.native_api import native_router
 from server.openai_api import openai_router
@@ -40,28 +41,23 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
 
     app = FastAPI(title="ms-llm-serving", lifespan=lifespan)
 
-    def shape(request: Request):
-        return error_shape(request.url.path)
-
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return error_response(exc.status, exc.message, shape(request), exc.param, exc.code)
+        return error_response(exc.status, exc.message, style_of(request).shape, exc.param, exc.code)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
         # Unknown paths and wrong methods answer in the same JSON shape as every other error.
-        return error_response(exc.status_code, str(exc.detail), shape(request), headers=exc.headers)
+        return error_response(exc.status_code, str(exc.detail), style_of(request).shape, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
+        errors, style = exc.errors(), style_of(request)
         if any(e.get("type") == "json_invalid" for e in errors):
-            return error_response(400, "the request body is not valid JSON", shape(request))
+            return error_response(400, "the request body is not valid JSON", style.shape)
         fields = [".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors]
         problems = "; ".join(f"{field}: {e['msg']}" for field, e in zip(fields, errors))
-        # OpenAI's and Triton's clients expect 400 for a bad parameter; the native API says 422.
-        status = 400 if shape(request) != "native" or request.url.path.startswith("/v2/") else 422
-        return error_response(status, problems, shape(request), param=fields[0])
+        return error_response(style.invalid_body, problems, style.shape, param=fields[0])
 
     app.include_router(openai_router(repository))
     store = ResponseStore(StoreBounds.of(config.server), config.server.responses_ttl_s)

@@ -1,5 +1,6 @@
-"""Request assembly, shared by the native and the OpenAI APIs: the prompt's tokens (off the event
-loop), the sampling parameters of a request, its admission into the engine (a refusal becomes an
+"""Request assembly, the steps of the one admission path (server/admission.py): the prompt's
+tokens (off the event loop), the sampling parameters of a request (validated once, here), the
+checks of what it asks, its admission into the engine as EngineRequests (a refusal becomes an
 ApiError), and the wait for a whole answer that ends when the client goes."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -21,7 +22,8 @@ from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import TextTokenizer, TokenizerError
 from scheduler.batch_scheduler import AdmissionError
 from scheduler.engine import Engine
-from server.errors import ApiError, refusal_status
+from scheduler.engine_io import EngineRequest
+from server.errors import ApiError, ApiStyle, refusal_status
 from server.output import AnswerStream, OutputProcessor
 from server.structured_output import Grammar, GrammarError, Grammars, GrammarSpec
 from server.tracing import current_request
@@ -37,20 +39,29 @@ CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it; the acces
 SAMPLING_FIELDS = set(SamplingParams.model_fields) - {"do_sample", "seed", "logprobs", "logit_bias"}
 
 
+def check_vocabulary(ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """Token ids a request names lie in the vocabulary: else 400 naming the parameter (the one
+    place the server checks it; the agent checks its wire input itself)."""
+    outside = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise ApiError(
+            400,
+            f"{param}: token id {outside} is outside the vocabulary (0..{vocab_size - 1})",
+            param=param,
+        )
+
+
 def sampling_params(
     request: BaseModel, do_sample: bool, seed: int | None, vocab_size: int, **fields
 ) -> SamplingParams:
     """The request's sampling fields (those it has; the rest keep SamplingParams' defaults, or
-    `fields`); a token id past the vocabulary is a 400 naming the parameter."""
+    `fields`), validated here once, where the request enters; a token id past the vocabulary is
+    a 400 naming the parameter."""
     sampling = SamplingParams(
         do_sample=do_sample, seed=seed, **request.model_dump(include=SAMPLING_FIELDS), **fields
     )
-    largest = sampling.largest_token_id()
-    if largest >= vocab_size:
-        param = "stop_token_ids" if largest in sampling.stop_token_ids else "logit_bias"
-        raise ApiError(
-            400, f"{param}: token id {largest} is outside the vocabulary (0..{vocab_size - 1})", param=param
-        )
+    check_vocabulary(sampling.stop_token_ids, vocab_size, "stop_token_ids")
+    check_vocabulary((t for t, _ in sampling.logit_bias), vocab_size, "logit_bias")
     return sampling
 
 
@@ -66,12 +77,14 @@ async def compile_grammar(
         raise ApiError(status, f"{param}: the grammar does not compile: {exc}", param=param) from exc
 
 
-def check_answer_fits(prompt_len: int, max_new_tokens: int, context: int, openai: bool, param: str) -> None:
-    """An explicit answer length that can never fit is refused, naming the limit (TGI answers 422,
-    vLLM 400), instead of a silently shortened answer."""
+def check_answer_fits(
+    prompt_len: int, max_new_tokens: int, context: int, style: ApiStyle, param: str
+) -> None:
+    """An explicit answer length that can never fit is refused, naming the limit (in the API's
+    style: TGI answers 422, vLLM 400), instead of a silently shortened answer."""
     if prompt_len + max_new_tokens > context:
         raise ApiError(
-            400 if openai else 422,
+            style.bad_parameter,
             f"the prompt ({prompt_len} tokens) + {param} ({max_new_tokens}) exceeds the "
             f"context of {context} tokens: ask for at most {max(0, context - prompt_len)}",
             param=param,
@@ -135,9 +148,10 @@ def generate_answer(
 ) -> AnswerStream:
     """One answer of the request, queued at once (AdmissionError if refused) with its stream;
     closing the stream early (the client is gone) aborts it and frees its slot."""
-    seq = engine.add_request(
+    trace = current_request()  # tracing on: the answer's spans go under its request's
+    engine_request = EngineRequest(
         request_id or uuid.uuid4().hex,
-        request.prompt,
+        tuple(request.prompt),
         sampling,
         request.max_new_tokens,
         request.ignore_eos,
@@ -146,23 +160,23 @@ def generate_answer(
         request.client,
         request.priority,
         request.speculate,
+        trace,
     )
-    if seq.timeline is not None:  # tracing is on: the answer's spans go under its request's
-        trace = current_request()
-        if trace is not None:
-            seq.timeline.context = trace
-            trace.admitted(engine.config.model.name, len(request.prompt), seq)
-    return outputs.open(seq, request.stop, engine.abort)
+    engine.add_request(engine_request)
+    if trace is not None:
+        trace.admitted(engine.config.model.name, engine_request)
+    hidden = engine_request.stop_ids(engine.stop_ids)
+    return outputs.open(engine_request.request_id, hidden, request.stop, engine.abort)
 
 
 async def admit(
-    engine: Engine, outputs: OutputProcessor, request: AnswerRequest, openai: bool
+    engine: Engine, outputs: OutputProcessor, request: AnswerRequest, style: ApiStyle
 ) -> list[AnswerStream]:
     """One answer stream per sampling, all admitted or none (a refusal becomes an ApiError)."""
-    if request.priority and engine.config.server.scheduling_policy != "priority":
+    if request.priority and engine.config.scheduler.scheduling_policy != "priority":
         raise ApiError(
             400,
-            "priority needs server.scheduling_policy: priority (this server is first come, first served)",
+            "priority needs scheduler.scheduling_policy: priority (this server is first come, first served)",
             param="priority",
         )
     if request.grammar is not None:
@@ -177,7 +191,7 @@ async def admit(
     except AdmissionError as exc:
         for stream in streams:  # admitted choices of a refused request go too
             await stream.aclose()
-        raise ApiError(refusal_status(exc.reason, openai), str(exc)) from exc
+        raise ApiError(refusal_status(exc.reason, style), str(exc)) from exc
     return streams
 
 

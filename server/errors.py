@@ -1,15 +1,19 @@
-"""Errors the HTTP layer answers with, in the shape each API's clients expect:
+"""Errors the HTTP layer answers with, in the shape each API's clients expect (its ApiStyle):
 native `{"error": message}`; OpenAI `{"error": {"message", "type", "param", "code"}}`; Anthropic
-(/v1/messages) `{"type": "error", "error": {"type", "message"}}`."""
+(/v1/messages) `{"type": "error", "error": {"type", "message"}}`; and the statuses of the engine's
+refusals (REFUSAL_STATUS) and of its failed answers (FAULT_STATUS), the one place either is mapped."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Literal
 
+from fastapi import Depends, Request, params
 from fastapi.responses import JSONResponse
 
 from scheduler.batch_scheduler import Refusal
+from scheduler.engine_io import FaultKind
 
 RETRY_AFTER_S = "1"
 # vLLM's tokenizer endpoints answer in OpenAI's error shape, as the /v1/ paths do.
@@ -49,6 +53,11 @@ REFUSAL_STATUS = {
     Refusal.SHUTTING_DOWN: 503,
 }
 
+# The HTTP status of a request that ended with an error, by the kind of its fault (the one place
+# a fault becomes a status): its group failed or the server stops (try again), its own parameters
+# left nothing to sample, a value of its own could not be computed.
+FAULT_STATUS = {FaultKind.UNAVAILABLE: 503, FaultKind.REQUEST: 400, FaultKind.INTERNAL: 500}
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
@@ -56,15 +65,46 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/") or path in OPENAI_ROOT_PATHS
+@dataclass(frozen=True)
+class ApiStyle:
+    """What one API's clients expect of its errors, chosen once per API (its router declares it:
+    `declares(STYLE)`): the JSON shape, the status of a body that fails validation, of a parameter
+    refused after it (an answer length that can never fit, a grammar that does not compile: TGI
+    answers 422, vLLM 400) and of "no room now" (OpenAI's clients retry 429; the native ones know 503)."""
+
+    shape: ErrorShape
+    invalid_body: int
+    bad_parameter: int
+    overloaded: int
 
 
-def error_shape(path: str) -> ErrorShape:
-    """The error shape the clients of this path parse."""
+NATIVE = ApiStyle("native", 422, 422, 503)
+TRITON = ApiStyle("native", 400, 422, 503)
+OPENAI = ApiStyle("openai", 400, 400, 429)
+ANTHROPIC = ApiStyle("anthropic", 400, 400, 429)
+
+
+def declares(style: ApiStyle) -> params.Depends:
+    """A router dependency: its routes answer errors in `style` (style_of reads it)."""
+
+    def declare(request: Request) -> None:
+        request.state.api_style = style
+
+    return Depends(declare)
+
+
+def style_of(request: Request) -> ApiStyle:
+    """The style its route declared; a request that reached no route (404, 405) by its path."""
+    return getattr(request.state, "api_style", None) or path_style(request.url.path)
+
+
+def path_style(path: str) -> ApiStyle:
+    """The style of a path before routing (the access checks) or where no route matched."""
     if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
-        return "anthropic"
-    return "openai" if is_openai_path(path) else "native"
+        return ANTHROPIC
+    if path.startswith("/v1/") or path in OPENAI_ROOT_PATHS:
+        return OPENAI
+    return TRITON if path.startswith("/v2/") else NATIVE
 
 
 def error_body(status: int, message: str, shape: ErrorShape, param: str | None = None, code=None) -> dict:
@@ -79,25 +119,26 @@ def error_body(status: int, message: str, shape: ErrorShape, param: str | None =
     return {"error": message}
 
 
-def refusal_status(reason: Refusal, openai: bool = False) -> int:
-    """The HTTP status of a refused request. OpenAI's clients expect 429 for "no room now" (and
-    retry it); the native API's clients know 503 for it."""
-    return 429 if openai and reason is Refusal.OVERLOADED else REFUSAL_STATUS[reason]
+def fault_status(fault: FaultKind | None) -> int:
+    """The status of an answer that failed with this fault (503 when it names none)."""
+    return FAULT_STATUS[fault or FaultKind.UNAVAILABLE]
+
+
+def refusal_status(reason: Refusal, style: ApiStyle = NATIVE) -> int:
+    """The HTTP status of a refused request in the API's style ("no room now" differs)."""
+    return style.overloaded if reason is Refusal.OVERLOADED else REFUSAL_STATUS[reason]
 
 
 def error_response(
     status: int,
     message: str,
-    shape: ErrorShape | bool = False,
+    shape: ErrorShape = "native",
     param: str | None = None,
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
-    """`shape`: an ErrorShape, or True for OpenAI's and False for the native one."""
     headers = dict(headers or {})
     if status in (429, 503):
         headers["Retry-After"] = RETRY_AFTER_S
-    if isinstance(shape, bool):
-        shape = "openai" if shape else "native"
     body = error_body(status, message, shape, param, code)
     return JSONResponse(body, status_code=status, headers=headers or None)

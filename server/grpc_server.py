@@ -35,10 +35,10 @@ import grpc
 from agent.contract.launcher_control import READY
 from config.schema import ServingConfig
 from server.access import ApiKeys
+from server.collect import collected, whole_answer
 from server.errors import ApiError
 from server.grpc_guards import CallGuard, answer_stream, peer_address
 from server.model_repository import ModelRepository
-from server.native_api import whole_answer
 from server.ops_api import package_version
 from server.protos import grpc_service_pb2 as pb
 from server.protos import grpc_service_pb2_grpc as pb_grpc
@@ -233,9 +233,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     await responses.put(
                         pb.ModelStreamInferResponse(infer_response=text_response(request, prompt, flag))
                     )
-                async for out in stream:
-                    if out.error:
-                        raise ApiError(out.error_status, out.error)
+                async for _, out in collected([stream]):
                     if out.text:
                         piece = text_response(request, out.text, flag)
                         await responses.put(pb.ModelStreamInferResponse(infer_response=piece))

@@ -195,7 +195,7 @@ class ModelRepository:
 
     def _assemble(self, model: ServedModel, tokenizer: TextTokenizer) -> None:
         metrics = ServingMetrics()
-        outputs = OutputProcessor(tokenizer, metrics, self.tracing.sequence_closed if self.tracing else None)
+        outputs = OutputProcessor(tokenizer, metrics, self.tracing.answer_ended if self.tracing else None)
         engine = Engine(model.config, tokenizer.vocab_size, tokenizer.eos_ids, outputs.update, metrics)
         model.loaded = LoadedModel(
             model.name,

@@ -23,16 +23,10 @@ from sse_starlette.sse import EventSourceResponse
 
 from agent.contract.native_request import ClientRequest, TgiGrammar
 from server.access import client_of
-from server.assembly import (
-    AnswerRequest,
-    admit,
-    check_answer_fits,
-    check_reply_size,
-    compile_grammar,
-    sampling_params,
-    unless_disconnected,
-)
-from server.errors import ApiError
+from server.admission import Admission, Prompt, admit_answers
+from server.assembly import unless_disconnected
+from server.collect import whole_answer
+from server.errors import NATIVE, ApiError, declares
 from server.logprob_format import LogprobFormatter
 from server.model_repository import ModelRepository
 from server.openai_schema import json_text
@@ -43,17 +37,6 @@ from server.structured_output import GrammarError, GrammarSpec
 
 def sse_message(data) -> str:
     return json.dumps({"event": "message", "retry": 30000, "data": data}, ensure_ascii=False)
-
-
-async def whole_answer(answer: AnswerStream) -> tuple[str, list[GenerationOutput]]:
-    text, outs = [], []
-    async with contextlib.aclosing(answer):
-        async for out in answer:
-            if out.error:  # a failed agent or a shutdown (503: try again later), or its own fault
-                raise ApiError(out.error_status, out.error)
-            text.append(out.text)
-            outs.append(out)
-    return "".join(text), outs
 
 
 def tgi_details(outs: list[GenerationOutput], seed: int | None, formatter: LogprobFormatter) -> dict:
@@ -170,7 +153,7 @@ def tgi_grammar(grammar: TgiGrammar | None) -> GrammarSpec | None:
 
 
 def native_router(repository: ModelRepository) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(dependencies=[declares(NATIVE)])
     client_request = json_body(ClientRequest)
 
     async def start(
@@ -178,42 +161,30 @@ def native_router(repository: ModelRepository) -> APIRouter:
     ) -> tuple[AnswerStream, LogprobFormatter]:
         """The request admitted; `whole`: its answer is built in memory (not streamed)."""
         model = repository.serving(name)
-        encoder = model.encoder
         p = request.parameters
         chat = model.config.server.apply_chat_template if p.chat_template is None else p.chat_template
-        bounded = p.truncate is None  # else cut to its last tokens: any length may fit
-        prompt = await (
-            encoder.encode_chat([{"role": "user", "content": request.inputs}], bounded)
-            if chat
-            else encoder.encode(request.inputs, bounded)
-        )
-        if p.truncate is not None:
-            prompt = prompt[-p.truncate :]
-        if "max_new_tokens" in p.model_fields_set:  # the upstream default (300) still just ends early
-            check_answer_fits(
-                len(prompt), p.max_new_tokens, model.engine.max_seq_len, False, "max_new_tokens"
-            )
-        grammar = await compile_grammar(
-            model.grammars, lambda: tgi_grammar(p.grammar), "parameters.grammar", 422
-        )
-        sampling = sampling_params(
-            p, p.do_sample, p.seed, model.tokenizer.vocab_size, logprobs=p.logprobs_asked()
-        )
-        if whole and sampling.logprobs is not None:
-            check_reply_size(1, p.max_new_tokens, sampling.logprobs, model.config.server.max_reply_logprobs)
-        answer_request = AnswerRequest(
-            prompt,
-            [sampling],
+        messages = [{"role": "user", "content": request.inputs}] if chat else None
+        admission = Admission(
+            Prompt(request.inputs, messages, truncate=p.truncate),
+            p,
+            p.do_sample,
+            (p.seed,),
             p.max_new_tokens,
-            tuple(p.stop),
-            p.ignore_eos,
-            grammar,
-            p.cache_salt,
-            client_of(http.scope),
-            p.priority,
-            p.speculate,
+            "max_new_tokens",
+            # the upstream default (300) still just ends early
+            length_checked="max_new_tokens" in p.model_fields_set,
+            sampling_fields={"logprobs": p.logprobs_asked()},
+            stop=tuple(p.stop),
+            ignore_eos=p.ignore_eos,
+            grammar=lambda: tgi_grammar(p.grammar),
+            grammar_param="parameters.grammar",
+            whole=whole,
+            cache_salt=p.cache_salt,
+            client=client_of(http.scope),
+            priority=p.priority,
+            speculate=p.speculate,
         )
-        [stream] = await admit(model.engine, model.outputs, answer_request, openai=False)
+        [stream] = (await admit_answers(model, NATIVE, admission)).streams
         return stream, model.formatter
 
     @router.post("/models/{model}")

@@ -17,7 +17,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, Request
@@ -27,20 +27,15 @@ from sse_starlette.sse import EventSourceResponse
 
 from server import tool_calls
 from server.access import client_of
-from server.assembly import (
-    AnswerRequest,
-    admit,
-    check_answer_fits,
-    check_reply_size,
-    compile_grammar,
-    sampling_params,
-    unless_disconnected,
-)
-from server.errors import ApiError, error_body
+from server.admission import Admission, Prompt, admit_answers
+from server.assembly import unless_disconnected
+from server.collect import collected, merged
+from server.errors import OPENAI, ApiError, ApiStyle, declares, error_body
 from server.model_repository import LoadedModel, ModelRepository
 from server.openai_schema import ChatCompletionRequest, CompletionRequest
 from server.output import AnswerStream, GeneratedToken, GenerationOutput
 from server.request_body import json_body
+from server.structured_output import GrammarSpec
 
 CREATED = int(time.time())
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
@@ -107,55 +102,20 @@ class Choices:
         return shown
 
 
-async def merged(streams: list[AnswerStream]) -> AsyncGenerator[tuple[int, GenerationOutput]]:
-    """The outputs of the streams as (choice index, output), in arrival order; closing this closes
-    all. One stream is read as it is; several through a queue their pump tasks fill."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as stream:
-            async for out in stream:
-                yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream):
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                await queue.put((index, out))
-        await queue.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        open_streams = len(streams)
-        while open_streams:
-            index, out = await queue.get()
-            if out is None:
-                open_streams -= 1
-            else:
-                yield index, out
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:  # a pump cancelled before it started never closed its stream
-            await stream.aclose()
-
-
 async def admit_choices(
-    http: Request, model: LoadedModel, req: OpenAIRequest, prompt: list[int], max_tokens: int, chat: bool
+    http: Request,
+    model: LoadedModel,
+    req: OpenAIRequest,
+    prompt: Prompt,
+    length: tuple[int | None, str],
+    chat: bool,
+    style: ApiStyle = OPENAI,
 ) -> Choices:
-    """The request's choices admitted (choice i samples with seed + i), with their grammar."""
+    """The request's choices admitted (choice i samples with seed + i), with their grammar;
+    `length`: the answer length asked (None: up to the context) and how the API names it."""
     top = req.top_logprobs_asked()
-    samplings = [
-        sampling_params(
-            req,
-            req.temperature > 0,
-            None if req.seed is None else req.seed + i,
-            model.tokenizer.vocab_size,
-            logprobs=top,
-            logit_bias=req.bias_pairs(),
-        )
-        for i in range(req.n)
-    ]
+    grammar: Callable[[], GrammarSpec | None] = req.grammar_spec
+    grammar_param = "structured_outputs" if req.structured_outputs else "response_format"
     call_grammar = tool_calls.call_grammar(req) if isinstance(req, ChatCompletionRequest) else None
     if call_grammar is not None:
         assert isinstance(req, ChatCompletionRequest)
@@ -166,27 +126,27 @@ async def admit_choices(
                 "tool_choice and response_format both constrain the answer: send one",
                 param="tool_choice",
             )
-        grammar = await compile_grammar(model.grammars, lambda: call_grammar, "tools", 400)
-    else:
-        param = "structured_outputs" if req.structured_outputs else "response_format"
-        grammar = await compile_grammar(model.grammars, req.grammar_spec, param, 400)
-    if top is not None and not req.stream:
-        check_reply_size(req.n, max_tokens, top, model.config.server.max_reply_logprobs)
-    request = AnswerRequest(
+        grammar, grammar_param = (lambda: call_grammar), "tools"
+    admission = Admission(
         prompt,
-        samplings,
-        max_tokens,
-        tuple(req.stop),
-        req.ignore_eos,
-        grammar,
-        req.cache_salt,
-        client_of(http.scope),
-        req.priority,
-        req.speculate,
+        req,
+        req.temperature > 0,
+        tuple(None if req.seed is None else req.seed + i for i in range(req.n)),
+        *length,
+        sampling_fields={"logprobs": top, "logit_bias": req.bias_pairs()},
+        stop=tuple(req.stop),
+        ignore_eos=req.ignore_eos,
+        grammar=grammar,
+        grammar_param=grammar_param,
+        whole=not req.stream,
+        cache_salt=req.cache_salt,
+        client=client_of(http.scope),
+        priority=req.priority,
+        speculate=req.speculate,
     )
-    streams = await admit(model.engine, model.outputs, request, openai=True)
+    admitted = await admit_answers(model, style, admission)
     calls = isinstance(req, ChatCompletionRequest) and tool_calls.offered(req)
-    return Choices(req, model, prompt, streams, chat, top, calls)
+    return Choices(req, model, admitted.prompt, admitted.streams, chat, top, calls)
 
 
 async def whole_reply(answer: Choices) -> Response:
@@ -197,10 +157,8 @@ async def whole_reply(answer: Choices) -> Response:
     texts, tokens = [""] * n, [0] * n
     generated: list[list[GeneratedToken]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
-    async with contextlib.aclosing(merged(answer.streams)) as outputs:
+    async with contextlib.aclosing(collected(answer.streams)) as outputs:
         async for i, out in outputs:
-            if out.error:
-                raise ApiError(out.error_status, out.error)
             texts[i] += out.text
             tokens[i] = out.index
             generated[i] += out.tokens
@@ -288,15 +246,6 @@ async def respond(http: Request, answer: Choices):
     return await unless_disconnected(http, answer.streams, whole_reply(answer))
 
 
-def answer_length(model: LoadedModel, prompt_len: int, asked: int | None, param: str) -> int:
-    """No max_tokens: up to the context (as OpenAI); one that can never fit: 400 naming it."""
-    context = model.engine.max_seq_len
-    if asked is None:
-        return context
-    check_answer_fits(prompt_len, asked, context, True, param)
-    return asked
-
-
 def serving(repository: ModelRepository, req: OpenAIRequest) -> LoadedModel:
     """The request's model, if it serves now and the request asks nothing it cannot honour."""
     model = repository.serving(req.model)
@@ -328,33 +277,36 @@ def model_list(repository: ModelRepository) -> dict:
 
 async def completion(http: Request, repository: ModelRepository, req: CompletionRequest):
     model = serving(repository, req)
-    prompt = await model.encoder.encode(req.text, param="prompt")
-    max_tokens = answer_length(model, len(prompt), req.max_tokens, "max_tokens")
-    return await respond(http, await admit_choices(http, model, req, prompt, max_tokens, chat=False))
+    prompt, length = Prompt(req.text, param="prompt"), (req.max_tokens, "max_tokens")
+    return await respond(http, await admit_choices(http, model, req, prompt, length, chat=False))
 
 
-async def chat_prompt(model: LoadedModel, req: ChatCompletionRequest) -> list[int]:
-    """The conversation's prompt tokens: its messages (and tools) through the chat template."""
+def chat_text(model: LoadedModel, req: ChatCompletionRequest) -> Prompt:
+    """The conversation as the chat template takes it: its messages (and tools)."""
     takes_tools = model.tokenizer.template_takes_tools
     messages = tool_calls.template_messages(req, takes_tools)
     tools = tool_calls.template_tools(req) if takes_tools else None
-    return await model.encoder.encode_chat(messages, param="messages", tools=tools)
+    return Prompt(messages=messages, tools=tools, param="messages")
 
 
 async def admit_chat(
-    http: Request, repository: ModelRepository, req: ChatCompletionRequest, length_param: str | None = None
+    http: Request,
+    repository: ModelRepository,
+    req: ChatCompletionRequest,
+    length_param: str | None = None,
+    style: ApiStyle = OPENAI,
 ) -> Choices:
     """A chat request admitted: what /v1/chat/completions serves, and the APIs that translate into
-    it (OpenAI's Responses, Anthropic's Messages; `length_param`: how they name max_tokens)."""
+    it (OpenAI's Responses, Anthropic's Messages: `length_param`, how they name max_tokens, and
+    `style`, their errors')."""
     model = serving(repository, req)
-    prompt = await chat_prompt(model, req)
     asked, param = (
         (req.max_completion_tokens, "max_completion_tokens")
         if req.max_completion_tokens
         else (req.max_tokens, "max_tokens")
     )
-    max_tokens = answer_length(model, len(prompt), asked, length_param or param)
-    return await admit_choices(http, model, req, prompt, max_tokens, chat=True)
+    length = (asked, length_param or param)
+    return await admit_choices(http, model, req, chat_text(model, req), length, True, style)
 
 
 async def chat_completion(http: Request, repository: ModelRepository, req: ChatCompletionRequest):
@@ -388,10 +340,8 @@ class WholeChoice:
 async def whole_choice(answer: Choices) -> WholeChoice:
     texts: list[str] = []
     last = None
-    async with contextlib.aclosing(merged(answer.streams)) as outputs:
+    async with contextlib.aclosing(collected(answer.streams)) as outputs:
         async for _, out in outputs:
-            if out.error:
-                raise ApiError(out.error_status, out.error)
             texts.append(out.text)
             last = out
     assert last is not None  # a stream ends with a finished output
@@ -416,7 +366,7 @@ async def choice_pieces(answer: Choices) -> AsyncGenerator[ChoicePiece]:
 
 
 def openai_router(repository: ModelRepository) -> APIRouter:
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", dependencies=[declares(OPENAI)])
     completion_request, chat_request = json_body(CompletionRequest), json_body(ChatCompletionRequest)
 
     @router.get("/models")

@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from config.schema import ServingConfig
-from server.errors import ApiError
+from server.errors import NATIVE, ApiError, declares
 from server.model_repository import ModelRepository, ServedModel
 
 DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"
@@ -63,7 +63,7 @@ def model_info(model: ServedModel) -> dict:
 
 
 def ops_router(config: ServingConfig, repository: ModelRepository) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(dependencies=[declares(NATIVE)])
 
     @router.get("/health")
     async def health():
@@ -83,7 +83,7 @@ def ops_router(config: ServingConfig, repository: ModelRepository) -> APIRouter:
         return {
             **first,
             "version": package_version(),
-            "max_waiting_requests": config.server.max_waiting_requests,
+            "max_waiting_requests": config.scheduler.max_waiting_requests,
             "model_control_mode": config.model_control_mode,
             "models": models,
         }

@@ -2,11 +2,12 @@
 
     outputs = OutputProcessor(tokenizer, metrics)
     engine = Engine(config, tokenizer.vocab_size, tokenizer.eos_ids, outputs.update, metrics)
-    stream = outputs.open(engine.add_request(...), stop, engine.abort)   # server/assembly.py
+    engine.add_request(request)                  # server/assembly.py
+    stream = outputs.open(request.request_id, request.stop_ids(engine.stop_ids), stop, engine.abort)
     async for out in stream:
         out.text ...                            # pieces join to the full answer; last one: finished
 
-The engine reports a sequence after each of its new tokens and at its end (update); here they become text:
+The engine reports each request's new tokens and its end as EngineOutputs (update); here they become text:
 incremental UTF-8-safe detokenization, stop strings (with the text that could start one held
 back), and the per-request metrics (time to first token, inter-token latency, outcome).
 """
@@ -22,8 +23,10 @@ from dataclasses import dataclass, field
 from agent.contract.sampling import TokenLogprob
 from agent.model.detokenizer import IncrementalDetokenizer
 from agent.model.tokenizer import TextTokenizer
+from scheduler.engine_io import EngineOutput, FinishReason
 from scheduler.metrics import ServingMetrics
-from scheduler.sequence import FinishReason, Sequence
+from scheduler.timeline import Timeline
+from server.errors import fault_status
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ class GenerationOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
-    error_status: int = 503  # the HTTP status of `error` (scheduler.sequence.Sequence.error_status)
+    error_status: int = 503  # the HTTP status of `error` (server.errors.fault_status)
     tokens: list[GeneratedToken] = field(default_factory=list)  # new since the previous, as in text
     stop_string: bool = False  # finished by one of the request's stop strings
     stop_sequence: str | None = None  # which one (Anthropic's `stop_sequence`)
@@ -50,7 +53,7 @@ class GenerationOutput:
 
 @dataclass
 class _Stream:
-    seq: Sequence
+    request_id: str
     queue: asyncio.Queue
     detokenizer: IncrementalDetokenizer
     stop: tuple[str, ...]
@@ -58,11 +61,13 @@ class _Stream:
     hidden: frozenset[int]
     abort: Callable[[str], None]  # ends the request (the engine's abort)
     hold: int = 0  # characters held back: the longest stop string but one
-    consumed: int = 0  # tokens of seq.output already detokenized
+    consumed: int = 0  # tokens of the answer received (and detokenized)
     sent: int = 0  # characters of detokenizer.text already handed out
     admitted: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # when the previous token went out
     counted: bool = False  # its outcome is in the metrics
+    finished: bool = False  # its last output is on the queue
+    ended: bool = False  # the engine reported its end
     stop_string: bool = False  # a stop string ended it
     matched: str | None = None  # that stop string
 
@@ -105,96 +110,115 @@ class AnswerStream:
 
 
 class OutputProcessor:
-    """The answer streams of one model's requests: what the engine reports of each sequence
-    (update, its on_update) becomes text on that request's stream; a stop string found in the text
-    is the processor's finish decision, which update returns for the engine to apply."""
+    """The answer streams of one model's requests: what the engine reports of each request (its
+    EngineOutputs: update, the engine's on_update) becomes text on that request's stream; a stop
+    string found in the text is the processor's finish decision, which update returns for the
+    engine to apply."""
 
     def __init__(
         self,
         tokenizer: TextTokenizer,
         metrics: ServingMetrics | None = None,
-        on_close: Callable[[Sequence], None] | None = None,
+        on_end: Callable[[Timeline, int, str], None] | None = None,
     ):
         self.tokenizer = tokenizer
         self.metrics = metrics or ServingMetrics()
-        self.on_close = on_close  # called once per stream when its reader is done (tracing)
+        # called once per answer the engine timed (tracing) when it is over: its timeline, its
+        # token count and how it ended
+        self.on_end = on_end
         self.streams: dict[str, _Stream] = {}
         self.metrics.open_streams.set_function(lambda: len(self.streams))
 
-    def open(self, seq: Sequence, stop: tuple[str, ...], abort: Callable[[str], None]) -> AnswerStream:
-        """The stream of an admitted sequence; closing it early (the client is gone) calls
-        `abort(request_id)`, which ends the request and frees its slot."""
+    def open(
+        self,
+        request_id: str,
+        hidden: frozenset[int],
+        stop: tuple[str, ...],
+        abort: Callable[[str], None],
+    ) -> AnswerStream:
+        """The stream of an admitted request; `hidden`: the ids that end it without being text (its
+        EngineRequest.stop_ids). Closing it early (the client is gone) calls `abort(request_id)`,
+        which ends the request and frees its slot."""
         stop = tuple(s for s in stop if s)
         stream = _Stream(
-            seq,
+            request_id,
             asyncio.Queue(),
             IncrementalDetokenizer(self.tokenizer),
             stop,
-            seq.stop_ids,
+            hidden,
             abort,
             hold=max((len(s) for s in stop), default=1) - 1,
         )
-        self.streams[seq.request_id] = stream
+        self.streams[request_id] = stream
         return AnswerStream(self, stream)
 
     def _close(self, stream: _Stream) -> None:
         """The reader is done with the stream: an unfinished request is aborted, its slot freed."""
-        if not stream.seq.finished and not stream.stop_string:
-            stream.abort(stream.seq.request_id)
-            self._count(stream)
-        if self.streams.pop(stream.seq.request_id, None) is not None and self.on_close is not None:
-            try:
-                self.on_close(stream.seq)
-            except Exception:  # tracing must never fail an answer
-                log.exception("on_close of request %s failed", stream.seq.request_id)
+        if not stream.ended and not stream.stop_string:
+            stream.abort(stream.request_id)  # the engine reports its end (update) before it returns
+            self._count(stream, FinishReason.ABORT)
+        self.streams.pop(stream.request_id, None)
 
-    def update(self, seq: Sequence) -> FinishReason | None:
-        """Hand the sequence's newest token (as text) and/or its end to its stream; STOP when a
-        stop string ended its text (the engine then finishes it)."""
-        stream = self.streams.get(seq.request_id)
+    def update(self, output: EngineOutput) -> FinishReason | None:
+        """Hand the request's new tokens (as text) and/or its end to its stream; STOP when a stop
+        string ended its text (the engine then finishes it, and reports that end)."""
+        stream = self.streams.get(output.request_id)
         if stream is None:
             return None
-        first, new_tokens = stream.consumed, seq.output[stream.consumed :]
-        stream.consumed = len(seq.output)
+        if not stream.finished:  # else a stop string ended it: only the engine's end is left
+            self._show(stream, output)
+        if output.finished:
+            stream.ended = True
+            if output.timeline is not None and self.on_end is not None:
+                reason = FinishReason.STOP if stream.stop_string else output.finish_reason
+                try:
+                    self.on_end(output.timeline, stream.consumed, (reason or FinishReason.ABORT).value)
+                except Exception:  # tracing must never fail an answer
+                    log.exception("tracing request %s failed", stream.request_id)
+        return FinishReason.STOP if stream.stop_string and not output.finished else None
+
+    def _show(self, stream: _Stream, output: EngineOutput) -> None:
+        new_tokens = output.new_token_ids
+        stream.consumed += len(new_tokens)
         shown = []
-        for i, token in enumerate(new_tokens, first):
+        for i, token in enumerate(new_tokens):
             if token not in stream.hidden:  # EOS ends the answer; it is not one of its tokens
                 stream.detokenizer.add(token)
-                shown.append(GeneratedToken(token, seq.logprobs[i] if i < len(seq.logprobs) else None))
-        if seq.finished:
+                logprob = output.new_logprobs[i] if i < len(output.new_logprobs) else None
+                shown.append(GeneratedToken(token, logprob))
+        if output.finished:
             stream.detokenizer.flush()
-        piece = self._next_piece(stream)
+        piece = self._next_piece(stream, output.finished)
         if new_tokens:
             self._time_tokens(stream, len(new_tokens))
-        finished = seq.finished or stream.stop_string
-        reason = FinishReason.STOP if stream.stop_string else seq.finish_reason
-        if finished:
-            self._count(stream, reason)
+        stream.finished = output.finished or stream.stop_string
+        reason = FinishReason.STOP if stream.stop_string else output.finish_reason
+        if stream.finished:
+            self._count(stream, reason, output.error)
         stream.queue.put_nowait(
             GenerationOutput(
                 text=piece,
                 token_id=new_tokens[-1] if new_tokens else None,
-                index=len(seq.output),
-                finished=finished,
+                index=stream.consumed,
+                finished=stream.finished,
                 finish_reason=reason.value if reason else None,
-                error=seq.error,
-                error_status=seq.error_status,
+                error=output.error,
+                error_status=fault_status(output.fault),
                 tokens=shown,
                 stop_string=stream.stop_string,
                 stop_sequence=stream.matched,
             )
         )
-        return FinishReason.STOP if stream.stop_string and not seq.finished else None
 
-    def _next_piece(self, stream: _Stream) -> str:
-        """The text not yet handed out, up to a stop string (which finishes the sequence)."""
-        seq, text = stream.seq, stream.detokenizer.text
+    def _next_piece(self, stream: _Stream, finished: bool) -> str:
+        """The text not yet handed out, up to a stop string (which finishes the request)."""
+        text = stream.detokenizer.text
         hits = [(i, s) for s in stream.stop if (i := text.find(s, max(0, stream.sent - len(s)))) >= 0]
         if hits:
             end, stream.matched = min(hits)
             text = text[:end]
             stream.stop_string = True
-        elif stream.hold and not seq.finished:
+        elif stream.hold and not finished:
             # Hold back what could be the start of a stop string: once sent it cannot be taken back.
             text = text[: max(stream.sent, len(text) - stream.hold)]
         piece, stream.sent = text[stream.sent :], len(text)
@@ -209,17 +233,16 @@ class OutputProcessor:
             self.metrics.inter_token.observe(now - stream.last_token)
         stream.last_token = now
 
-    def _count(self, stream: _Stream, reason: FinishReason | None = None) -> None:
-        """A request's outcome and duration, once (`reason`: how it ended, default its sequence's)."""
+    def _count(self, stream: _Stream, reason: FinishReason | None, error: str | None = None) -> None:
+        """A request's outcome and duration, once (`reason`: how it ended)."""
         if stream.counted:
             return
         stream.counted = True
-        reason = reason or stream.seq.finish_reason
         outcome = (
             "ok"
             if reason in (FinishReason.STOP, FinishReason.LENGTH)
             else "error"
-            if reason is FinishReason.ERROR or stream.seq.error
+            if reason is FinishReason.ERROR or error
             else "aborted"
         )
         self.metrics.requests.labels(outcome).inc()

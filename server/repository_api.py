@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agent.contract.launcher_control import READY
+from server.errors import TRITON, declares
 from server.model_repository import ModelRepository
 from server.triton_api import VERSION
 
@@ -60,7 +61,7 @@ async def optional_body(http: Request, model: type[BaseModel]) -> BaseModel:
 
 
 def repository_router(repository: ModelRepository) -> APIRouter:
-    router = APIRouter(prefix="/v2/repository")
+    router = APIRouter(prefix="/v2/repository", dependencies=[declares(TRITON)])
 
     @router.post("/index")
     async def index(http: Request):

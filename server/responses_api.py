@@ -28,7 +28,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from server.access import client_of
 from server.assembly import unless_disconnected
-from server.errors import OPENAI_TYPES, ApiError
+from server.errors import OPENAI, OPENAI_TYPES, ApiError, declares
 from server.model_repository import ModelRepository
 from server.openai_api import Choices, admit_chat, choice_pieces, translated_chat, whole_choice
 from server.openai_schema import ChatCompletionRequest
@@ -292,7 +292,7 @@ async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> 
 
 
 def responses_router(repository: ModelRepository, store: ResponseStore) -> APIRouter:
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", dependencies=[declares(OPENAI)])
     responses_request = json_body(ResponsesRequest)
 
     def kept(response_id: str, client: str, param: str | None = None) -> StoredResponse:

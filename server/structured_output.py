@@ -1,6 +1,6 @@
 """Structured output: a grammar (JSON Schema, any JSON object, a regex, a choice of strings, a Lark
 grammar) compiled by llguidance; each sequence that follows one gets a matcher, whose token mask
-goes to the agent with every step that samples for it (scheduler.sequence.TokenConstraint).
+goes to the agent with every step that samples for it (scheduler.engine_io.TokenConstraint).
 
     grammars = Grammars(tokenizer, max_bytes, timeout_s)  # llguidance's view of the vocabulary
     grammar = await grammars.compile(GrammarSpec("json", schema_text))  # off the event loop, cached
@@ -75,7 +75,7 @@ class Grammar:
 
 
 class GrammarConstraint:
-    """One sequence's place in its grammar (scheduler.sequence.TokenConstraint)."""
+    """One sequence's place in its grammar (scheduler.engine_io.TokenConstraint)."""
 
     def __init__(self, matcher: llguidance.LLMatcher, words: int):
         self.matcher, self.words = matcher, words

@@ -12,7 +12,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.errors import ApiError
+from server.assembly import check_vocabulary
+from server.errors import OPENAI, ApiError, declares
 from server.model_repository import ModelRepository
 from server.openai_schema import ChatMessage, refused_content
 from server.request_body import json_body
@@ -35,7 +36,7 @@ class DetokenizeRequest(BaseModel):
 
 
 def tokenize_router(repository: ModelRepository) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(dependencies=[declares(OPENAI)])  # vLLM answers these in OpenAI's shape
     tokenize_request, detokenize_request = json_body(TokenizeRequest), json_body(DetokenizeRequest)
 
     @router.post("/tokenize")
@@ -65,13 +66,7 @@ def tokenize_router(repository: ModelRepository) -> APIRouter:
             raise ApiError(
                 400, f"at most {context} tokens (the context), got {len(req.tokens)}", param="tokens"
             )
-        outside = [t for t in req.tokens if not 0 <= t < tokenizer.vocab_size]
-        if outside:
-            raise ApiError(
-                400,
-                f"token id {outside[0]} is outside the vocabulary (0..{tokenizer.vocab_size - 1})",
-                param="tokens",
-            )
+        check_vocabulary(req.tokens, tokenizer.vocab_size, "tokens")
         return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     return router

@@ -5,8 +5,8 @@ client's W3C `traceparent` when it sends one, named as the GenAI semantic conven
 inference span (`chat tiny`, `text_completion tiny`, `generate tiny`) once its model is known, with
 their attributes (gen_ai.operation.name, gen_ai.request.model and sampling parameters,
 gen_ai.usage.input_tokens / output_tokens, gen_ai.response.finish_reasons,
-gen_ai.server.time_to_first_token). Under it, per answer, from the engine's Timeline of the
-sequence (scheduler/timeline.py):
+gen_ai.server.time_to_first_token). Under it, per answer, from the Timeline the engine kept of it
+(scheduler/timeline.py) and hands over with its end:
 
     queue                      admitted -> its first prompt chunk starts
     prefill                    the prompt's chunks, each a child span `prefill chunk` (one agent call:
@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from config.schema import ServerSection
-from scheduler.sequence import Sequence
+from scheduler.engine_io import EngineRequest
+from scheduler.timeline import Timeline
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -50,9 +51,9 @@ class RequestTrace:
         self.output_tokens = 0
         self.reasons: list[str] = []
 
-    def admitted(self, model: str, prompt_tokens: int, seq: Sequence) -> None:
+    def admitted(self, model: str, request: EngineRequest) -> None:
         """The request reached a model's engine: the span is named and attributed for it."""
-        s = seq.sampling
+        s = request.sampling
         self.span.update_name(f"{self.operation} {model}")
         self.span.set_attributes(
             {
@@ -60,12 +61,12 @@ class RequestTrace:
                 "gen_ai.provider.name": "ms-llm-serving",
                 "gen_ai.request.model": model,
                 "gen_ai.response.model": model,
-                "gen_ai.request.max_tokens": seq.max_new_tokens,
+                "gen_ai.request.max_tokens": request.max_new_tokens,
                 "gen_ai.request.temperature": s.temperature if s.do_sample else 0.0,
                 "gen_ai.request.top_p": s.top_p,
                 "gen_ai.request.top_k": s.top_k,
-                "gen_ai.usage.input_tokens": prompt_tokens,
-                "gen_ai.response.id": seq.request_id,
+                "gen_ai.usage.input_tokens": len(request.prompt),
+                "gen_ai.response.id": request.request_id,
             }
         )
 
@@ -119,11 +120,11 @@ class Tracing:
         )
         return RequestTrace(span, OPERATIONS.get(path, "generate"))
 
-    def sequence_closed(self, seq: Sequence) -> None:
-        """An answer is over (finished or aborted): its timeline's spans under its request's span."""
-        timeline = seq.timeline
-        request = timeline.context if timeline is not None else None
-        if timeline is None or not isinstance(request, RequestTrace):
+    def answer_ended(self, timeline: Timeline, output_tokens: int, finish_reason: str) -> None:
+        """An answer is over (finished or aborted): its timeline's spans under its request's span
+        (its EngineRequest's trace, which the timeline carries)."""
+        request = timeline.context
+        if not isinstance(request, RequestTrace):
             return
         end = timeline.finished or time.monotonic()
         parent = self.trace.set_span_in_context(request.span)
@@ -146,7 +147,7 @@ class Tracing:
             prefill.end(self.ns(chunks[-1].end))
         if timeline.first_token is not None:
             attributes = {
-                "gen_ai.usage.output_tokens": len(seq.output),
+                "gen_ai.usage.output_tokens": output_tokens,
                 "llm_serving.calls_dropped": timeline.dropped,
             }
             decode = self._start("decode", parent, timeline.first_token, attributes)
@@ -163,8 +164,8 @@ class Tracing:
             request.span.set_attribute(
                 "gen_ai.server.time_to_first_token", timeline.first_token - timeline.admitted
             )
-        request.output_tokens += len(seq.output)
-        request.reasons.append(seq.finish_reason.value if seq.finish_reason else "abort")
+        request.output_tokens += output_tokens
+        request.reasons.append(finish_reason)
         request.span.set_attributes(
             {
                 "gen_ai.usage.output_tokens": request.output_tokens,

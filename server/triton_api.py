@@ -38,10 +38,11 @@ from agent.contract.sampling import (
     check_stop_strings,
 )
 from server.access import client_of
-from server.assembly import AnswerRequest, admit, check_answer_fits, sampling_params, unless_disconnected
-from server.errors import ApiError
+from server.admission import Admission, Prompt, admit_answers
+from server.assembly import unless_disconnected
+from server.collect import whole_answer
+from server.errors import TRITON, ApiError, declares
 from server.model_repository import ModelRepository
-from server.native_api import whole_answer
 from server.ops_api import package_version
 from server.output import AnswerStream
 from server.request_body import json_body
@@ -143,15 +144,19 @@ async def start_answer(
     """The request admitted on the named model: its answer's stream."""
     model = repository.serving(name)
     chat = model.config.server.apply_chat_template if p.chat_template is None else p.chat_template
-    prompt = await (
-        model.encoder.encode_chat([{"role": "user", "content": prompt_text}], param="text_input")
-        if chat
-        else model.encoder.encode(prompt_text, param="text_input")
+    messages = [{"role": "user", "content": prompt_text}] if chat else None
+    admission = Admission(
+        Prompt(prompt_text, messages, param="text_input"),
+        p,
+        p.temperature > 0,
+        (p.seed,),
+        p.max_tokens,
+        "max_tokens",
+        stop=tuple(p.stop),
+        ignore_eos=p.ignore_eos,
+        client=client,
     )
-    check_answer_fits(len(prompt), p.max_tokens, model.engine.max_seq_len, False, "max_tokens")
-    sampling = sampling_params(p, p.temperature > 0, p.seed, model.tokenizer.vocab_size)
-    request = AnswerRequest(prompt, [sampling], p.max_tokens, tuple(p.stop), p.ignore_eos, client=client)
-    [stream] = await admit(model.engine, model.outputs, request, openai=False)
+    [stream] = (await admit_answers(model, TRITON, admission)).streams
     return stream
 
 
@@ -211,7 +216,7 @@ def infer_reply(name: str, req: InferRequest, text: str) -> dict:
 
 
 def triton_router(repository: ModelRepository) -> APIRouter:
-    router = APIRouter(prefix="/v2")
+    router = APIRouter(prefix="/v2", dependencies=[declares(TRITON)])
     generate_request = json_body(GenerateRequest)
 
     @router.get("")

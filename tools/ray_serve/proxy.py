@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from config.schema import RaySection, ServerSection
 from server.access import ApiKeys, body_too_large, body_too_slow, key_refusal
-from server.errors import error_response, is_openai_path
+from server.errors import error_response, path_style
 from server.native_api import one_event
 from tools.ray_serve import prefix  # its ROUTERS through the module: this class ships by value
 from tools.ray_serve.prefix import prefix_hashes, prompt_text
@@ -82,7 +82,7 @@ class ServingProxy:
 
     @app.get("/ray/replicas")
     async def list_replicas(self, request: Request) -> Response:
-        refusal = key_refusal(self.keys, request.scope, dict(request.headers.raw), False)
+        refusal = key_refusal(self.keys, request.scope, dict(request.headers.raw), "native")
         if refusal is not None:
             return refusal
         ids = await self.replica_ids()
@@ -91,17 +91,17 @@ class ServingProxy:
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
     async def forward(self, request: Request, path: str) -> Response:
-        openai = is_openai_path(request.url.path)
-        refusal = key_refusal(self.keys, request.scope, dict(request.headers.raw), openai)
+        shape = path_style(request.url.path).shape  # as the replica answers the path
+        refusal = key_refusal(self.keys, request.scope, dict(request.headers.raw), shape)
         if refusal is not None:
             return refusal
         try:
             async with asyncio.timeout(self.read_timeout_s):  # a body trickled in (slow POST)
                 body = await self._body(request)
         except TimeoutError:
-            return body_too_slow(self.read_timeout_s, openai)
+            return body_too_slow(self.read_timeout_s, shape)
         if body is None:  # refused here as the replica would, before it is held whole in memory
-            return body_too_large(self.max_body_bytes, openai)
+            return body_too_large(self.max_body_bytes, shape)
         query = parse_qsl(request.url.query, keep_blank_values=True)
         named = [v for k, v in query if k == "replica"]
         call = {
@@ -117,7 +117,7 @@ class ServingProxy:
             ids = await self.replica_ids()
             if named[0] not in ids:
                 return error_response(
-                    404, f"replica {named[0]} does not exist (replicas: {', '.join(ids)})", False
+                    404, f"replica {named[0]} does not exist (replicas: {', '.join(ids)})", "native"
                 )
             return await self._answer(call, {"replica": named[0]})
         if request.method == "GET" and request.url.path in SUMMED:
@@ -160,7 +160,7 @@ class ServingProxy:
                 return refusal
             found = EVENT_DATA.search(body)
             if found is None:
-                return error_response(502, f"a replica answered {call['path']} without an event", False)
+                return error_response(502, f"a replica answered {call['path']} without an event", "native")
             total += json.loads(found.group(1))["data"]
         return EventSourceResponse(one_event(total))
 

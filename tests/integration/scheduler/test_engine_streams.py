@@ -14,7 +14,7 @@ from config import load_config
 from engine_harness import EngineAndStreams
 from scheduler.batch_scheduler import AdmissionError, Refusal
 from scheduler.sequence import FinishReason
-from server.errors import refusal_status
+from server.errors import OPENAI, refusal_status
 
 GREEDY = SamplingParams()
 TEXTS = [
@@ -31,7 +31,11 @@ TEXTS = [
 def agent_config(tmp_path_factory, tiny_llama_dir):
     directory = tmp_path_factory.mktemp("llm-server")
     path = write_config(
-        directory, tiny_llama_dir, free_ports(1), server={"max_waiting_requests": 8, "agent_timeout_s": 20}
+        directory,
+        tiny_llama_dir,
+        free_ports(1),
+        server={"agent_timeout_s": 20},
+        scheduler={"max_waiting_requests": 8},
     )
     launcher = LauncherProcess(path)
     try:
@@ -144,7 +148,7 @@ def test_stop_string_truncates_and_finishes(agent_config, tokenizer, tiny_llama_
 
 def test_queue_bound_and_prompt_bound(agent_config, tokenizer):
     config = agent_config.model_copy(
-        update={"server": agent_config.server.model_copy(update={"max_waiting_requests": 3})}
+        update={"scheduler": agent_config.scheduler.model_copy(update={"max_waiting_requests": 3})}
     )
 
     async def scenario():
@@ -164,7 +168,7 @@ def test_queue_bound_and_prompt_bound(agent_config, tokenizer):
 
     full, long = run(scenario())
     assert (full, long) == (Refusal.OVERLOADED, Refusal.TOO_LONG)
-    assert [refusal_status(full), refusal_status(long), refusal_status(full, openai=True)] == [503, 413, 429]
+    assert [refusal_status(full), refusal_status(long), refusal_status(full, OPENAI)] == [503, 413, 429]
 
 
 def test_a_dropped_stream_is_closed_on_the_event_loop_not_inside_garbage_collection(agent_config, tokenizer):
@@ -176,14 +180,15 @@ def test_a_dropped_stream_is_closed_on_the_event_loop_not_inside_garbage_collect
         server = EngineAndStreams(agent_config, tokenizer)
         await server.engine.start()
         stream = server.generate_answer("dropped", tokenizer.encode("The quick"), GREEDY, 60)
-        seq = stream._stream.seq
+        inner = stream._stream  # the output layer's side of it, which the engine reports to
         del stream  # the last reference: __del__ runs here
-        finished_inside_del = seq.finished
+        finished_inside_del = inner.ended
         for _ in range(10):
             await asyncio.sleep(0)
         left_open = server.generate_answer("left", [7], GREEDY, 3)  # outlives the loop
         await server.engine.stop()
-        return finished_inside_del, seq.finish_reason, left_open
+        outs = [inner.queue.get_nowait() for _ in range(inner.queue.qsize())]
+        return finished_inside_del, outs[-1].finish_reason if inner.ended else None, left_open
 
     hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
     try:
@@ -192,7 +197,7 @@ def test_a_dropped_stream_is_closed_on_the_event_loop_not_inside_garbage_collect
         gc.collect()
     finally:
         sys.unraisablehook = hook
-    assert not finished_inside_del and reason is FinishReason.ABORT
+    assert not finished_inside_del and reason == FinishReason.ABORT
     assert unraisable == []
 
 
