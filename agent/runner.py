@@ -4,9 +4,10 @@
     runner = ModelRunner.from_mindir(files, runtime)  # or runs graphs exported by tools.export
     runner = ModelRunner(graphs, runtime)       # or over any graph set (agent/graphs/interface.py)
     first = runner.prefill(slot, prompt_ids, sampling, table)          # the whole prompt
-    runner.prefill(slot, ids[:end], sampling, table, start, sample=False)  # or a chunk of it
+    runner.prefill_chunk(slot, ids[:end], table, start)  # or a chunk before the prompt's last
     nexts = runner.decode([slot, ...], [table, ...])  # one token for each slot, in order
     nexts, firsts = runner.step([slot, ...], [table, ...], [StepChunk(...), ...])  # both, one call
+    nexts, firsts = runner.run(slots, tables, chunks, masks, drafts)  # any of them: an agent step
     runner.release(slot)
 
 PD disaggregation moves a prefilled slot to another agent's runner (agent/kv_transfer.py).
@@ -22,71 +23,51 @@ scratch blocks, which are not part of the pool the server hands out (`num_blocks
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from functools import partial
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from agent.contract.sampling import NO_TOKEN, SamplingParams, SequenceFault, TokenLogprob
-from agent.contract.step import StepChunk
-from agent.graphs.decoder import WHOLE_MODEL, TensorSplit
+from agent.contract.sampling import SamplingParams
+from agent.contract.step import MAX_DRAFT_TOKENS, BlockTable, StepChunk, StepLimits
 from agent.graphs.interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket, mixed_rows
+from agent.graphs.layers import WHOLE_MODEL, TensorSplit
 from agent.graphs.mindir import MindIRGraphs
-from agent.graphs.step_graphs import LlamaGraphs
+from agent.graphs.step_graphs import StepGraphs
+from agent.launcher.preflight import require_device
 from agent.model.checkpoint import Checkpoint
-from agent.sampling import SamplingFault, SlotSampler
+from agent.slots import RunnerError, SlotSampling, SlotState, SlotTable
 from config.schema import ModelSection, RuntimeSection
 
 log = logging.getLogger(__name__)
 
-MAX_DRAFT_TOKENS = 16  # tokens proposed for one slot in one step (speculative decoding)
 
-# A sequence's blocks, position p in block table[p // block_size].
-BlockTable = Sequence[int] | np.ndarray
-
-
-Choice = TypeVar("Choice")
-
-
-def guarded(sampler: SlotSampler, choose: Callable[[], Choice], failed: Choice) -> Choice:
-    """One sequence's choice, or `failed` with the sampler's fault set: a failed choice is that
-    sequence's error, the others of the step go on."""
-    try:
-        return choose()
-    except SamplingFault as exc:
-        sampler.fault = exc.fault()
-    except Exception as exc:  # a bug in one row's choice: that sequence's error, logged
-        log.exception("sampling one sequence's token failed")
-        sampler.fault = SequenceFault("internal", f"sampling failed: {type(exc).__name__}: {exc}")
-    return failed
-
-
-class RunnerError(ValueError):
-    """A request the runner cannot serve (bad slot, prompt too long...); the message says why."""
-
-
-@dataclass
-class SlotState:
-    length: int  # positions written to the KV cache
-    table: np.ndarray  # its block table [MB], as of the last call
-    next_token: int | None = None  # sampled, to be written by the next decode step
-    sampler: SlotSampler | None = None  # none until the prompt's last chunk samples
-    # the ids of the positions written (a draft model catches up from them); None where the KV
-    # came from elsewhere (a KV import) or the runner keeps none (no draft model)
-    tokens: list[int] | None = None
+def memory_size(mb: int) -> str:
+    """MB as MindSpore's memory settings take it ("xxGB"), rounded up: never under the budget."""
+    return f"{math.ceil(mb * 1000 / 1024) / 1000}GB"
 
 
 def configure_mindspore(
     runtime: RuntimeSection, device_id: int = 0, compile_cache: Path | None = None
 ) -> None:
-    """The process-wide MindSpore context; call once per process before building a runner."""
+    """The process-wide MindSpore context; call once per process before building a runner. On
+    Ascend/GPU: the device checked first (DeviceUnavailable: one line per problem, no traceback
+    from deep in MindSpore), its memory pool capped at memory_budget_mb (models sharing a device
+    each keep to their own plan) and the compile level set explicitly."""
+    device = runtime.device_target != "CPU"
+    if device:
+        require_device(runtime.device_target, device_id)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device(runtime.device_target, device_id)
+    jit_level = "O0" if runtime.jit_level == "auto" and device else runtime.jit_level
+    if jit_level != "auto":
+        ms.set_context(jit_config={"jit_level": jit_level})
+    if device and runtime.memory_budget_mb is not None:
+        ms.runtime.set_memory(max_size=memory_size(runtime.memory_budget_mb))
     if runtime.cpu_threads is not None and runtime.device_target == "CPU":
         from mindspore.device_context.cpu.op_tuning import threads_num
 
@@ -96,17 +77,17 @@ def configure_mindspore(
         ms.set_context(enable_compile_cache=True, compile_cache_path=str(compile_cache))
 
 
-class ModelRunner:
+class ModelRunner(SlotTable):
     def __init__(self, graphs: ModelGraphs, runtime: RuntimeSection):
         """A runner over a graph set built for `runtime` (agent.graphs.mindir.GraphExporter: every warm-up
         call exports its graph)."""
         self.graphs = graphs
         self.spec = graphs.spec
         self.runtime = runtime
-        self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
+        super().__init__(runtime.planned_num_slots)
+        self.max_len = runtime.planned_max_seq_len
         self.topk_buckets = graphs.topk_buckets
-        self.slots: dict[int, SlotState] = {}
-        self.track_tokens = False  # keep each slot's token ids (a draft model follows them)
+        self.sampling = SlotSampling(graphs)  # the host side of each call's token choice
 
     @classmethod
     def from_checkpoint(
@@ -114,7 +95,7 @@ class ModelRunner:
     ) -> ModelRunner:
         """Graphs built from the weights; split: this process's share of a tensor-parallel group
         (every rank runs the same calls)."""
-        return cls(LlamaGraphs(checkpoint, runtime, split), runtime)
+        return cls(StepGraphs(checkpoint, runtime, split), runtime)
 
     @classmethod
     def from_mindir(cls, files: ModelSection, runtime: RuntimeSection) -> ModelRunner:
@@ -122,13 +103,6 @@ class ModelRunner:
         return cls(MindIRGraphs(files, runtime), runtime)
 
     # ----------------------------------------------------------------------------------- state
-
-    @property
-    def free_slots(self) -> list[int]:
-        return [s for s in range(self.num_slots) if s not in self.slots]
-
-    def slot_length(self, slot: int) -> int:
-        return self.active(slot).length
 
     @property
     def num_blocks(self) -> int:
@@ -164,10 +138,6 @@ class ModelRunner:
         """The longest prompt: one position stays for an answer; without chunks, one graph call."""
         return self.max_len - 1 if self.chunked_prefill else min(self.max_len - 1, self.max_chunk)
 
-    def release(self, slot: int) -> None:
-        self.check_slot(slot)
-        self.slots.pop(slot, None)
-
     # -------------------------------------------------------------------------------- requests
 
     def prefill(
@@ -183,13 +153,13 @@ class ModelRunner:
         position 0; positions before `start` are in the blocks of `table` already: earlier chunks,
         a prefix-cache hit). Seats a free slot; returns the first generated token (`mask`: the
         tokens it may be, as SlotSampler.constrain takes them)."""
-        sampler = self._sampler(params, tokens)  # a bad parameter is refused before anything runs
+        sampler = self.sampling.sampler(params, tokens)  # a bad parameter is refused before anything runs
         if mask is not None:
-            self._check_masks({slot: mask}, [slot])
+            self.sampling.check_masks({slot: mask}, [slot])
             sampler.constrain(mask)
         state, logits = self._compute(slot, tokens, table, start, sample=True)
         state.sampler = sampler
-        state.next_token = self._sample(logits, [sampler])[0]
+        state.next_token = self.sampling.sample(logits, [sampler])[0]
         return state.next_token
 
     def prefill_chunk(self, slot: int, tokens: Sequence[int], table: BlockTable, start: int = 0) -> None:
@@ -211,17 +181,6 @@ class ModelRunner:
                 padded, piece, bucket(self.runtime.prefill_buckets, len(piece)), start=piece_start, slot=slot
             )
         return self._computed(slot, ids, padded), logits
-
-    def _computed(self, slot: int, ids: np.ndarray, table: np.ndarray) -> SlotState:
-        """The slot (seated if free) holds positions 0..len(ids)-1, the KV of `ids`, in the blocks
-        of `table`."""
-        end = len(ids)
-        state = self.slots.get(slot)
-        if state is None:
-            state = self.slots[slot] = SlotState(length=end, table=table)
-        state.length, state.table = end, table
-        state.tokens = ids.tolist() if self.track_tokens else None
-        return state
 
     def _check_chunk(
         self, slot: int, tokens: Sequence[int], table: BlockTable | None, start: int, sample: bool
@@ -260,7 +219,7 @@ class ModelRunner:
         if not slots:
             raise RunnerError("decode needs at least one slot")
         states, padded = self._check_decode(slots, tables)
-        self._constrain(masks or {}, dict(zip(slots, states)))
+        self.sampling.constrain(masks or {}, dict(zip(slots, states)))
         positions = np.array([s.length for s in states], np.int64)
         rows = bucket(self.runtime.decode_batch_buckets, len(slots))
         logits, greedy = self.graphs.decode(
@@ -271,7 +230,7 @@ class ModelRunner:
             self.graphs.inputs.attend(positions),
             slots=list(slots),
         )
-        tokens = self._sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
+        tokens = self.sampling.sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
         self._decoded(states, padded, [[t] for t in tokens])
         return tokens
 
@@ -305,16 +264,36 @@ class ModelRunner:
             for slot, s, t in zip(slots, states, tables)
         ]
 
-    @staticmethod
-    def _decoded(states: list[SlotState], tables: list[np.ndarray], tokens: list[list[int]]) -> None:
-        """Each slot wrote its pending token (and the proposals kept after it): `tokens`, each
-        slot's tokens of the step, the last one pending now."""
-        for state, table, chosen in zip(states, tables, tokens):
-            state.table = table
-            state.length += len(chosen)
-            if state.tokens is not None and state.next_token is not None:
-                state.tokens += [state.next_token, *chosen[:-1]]
-            state.next_token = chosen[-1]
+    def run(
+        self,
+        slots: Sequence[int],
+        tables: Sequence[BlockTable],
+        chunks: Sequence[StepChunk],
+        masks: Mapping[int, np.ndarray] | None = None,
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> tuple[list[list[int]], list[int | None]]:
+        """An agent step (agent/contract/step.py StepRequest) through the graph it needs: a decode
+        of `slots` alone, one prompt chunk alone (the prefill graphs), or both and proposals in one
+        mixed call (step). Each decode slot's tokens and each chunk's first token (None unless it
+        samples)."""
+        if len(chunks) != 1 or slots or drafts:
+            if chunks or drafts:
+                return self.step(slots, tables, chunks, masks, drafts)
+            return [[t] for t in self.decode(slots, tables, masks)], []
+        (chunk,) = chunks
+        masks = masks or {}
+        if masks:
+            self.sampling.check_masks(masks, [chunk.slot] if chunk.sampling is not None else [])
+        if chunk.sampling is None:
+            self.prefill_chunk(chunk.slot, chunk.tokens, chunk.table, chunk.start)
+            return [], [None]
+        mask = masks.get(chunk.slot)
+        return [], [self.prefill(chunk.slot, chunk.tokens, chunk.sampling, chunk.table, chunk.start, mask)]
+
+    @property
+    def limits(self) -> StepLimits:
+        """What one mixed step holds (the scheduler plans by the same rule)."""
+        return StepLimits(self.mixed_rows, self.runtime.decode_batch_buckets[-1])
 
     def step(
         self,
@@ -333,18 +312,7 @@ class ModelRunner:
         proposals not kept is left behind its length, to be written over. Everything is checked
         before anything runs: a refused step changes nothing."""
         drafts = dict(drafts or {})
-        if not self.mixed_rows:
-            raise RunnerError("these graphs run no mixed steps (fused layers, graphs built here)")
-        if not chunks and not drafts:
-            raise RunnerError("a mixed step needs prompt chunks or proposals")
-        chunk_slots = [c.slot for c in chunks]
-        if len(set(chunk_slots)) != len(chunk_slots) or set(chunk_slots) & set(slots):
-            raise RunnerError(f"a mixed step names a slot twice: decode {list(slots)}, chunks {chunk_slots}")
-        self._check_drafts(drafts, slots, masks or {})
-        states, padded = self._check_decode(slots, tables, drafts)
-        checked = [self._check_chunk(c.slot, c.tokens, c.table, c.start, c.sample) for c in chunks]
-        if masks:
-            self._check_masks(masks, [*slots, *(c.slot for c in chunks if c.sample)])
+        states, padded, checked = self._check_step(slots, tables, chunks, masks or {}, drafts)
         plain = [i for i, slot in enumerate(slots) if slot not in drafts]
         scored = []
         for i, slot in enumerate(slots):
@@ -353,22 +321,18 @@ class ModelRunner:
                 scored.append(
                     StepChunk(slot, [pending, *drafts[slot]], padded[i], states[i].length, scored=True)
                 )
-        prompt_rows = sum(len(ids) - c.start for c, (ids, _) in zip(chunks, checked))
-        rows = len(plain) + sum(len(c.tokens) for c in scored) + prompt_rows
-        seqs = len(slots) + len(chunks)
-        largest = self.runtime.decode_batch_buckets[-1]
-        logit_rows = len(plain) + sum(len(c.tokens) for c in scored) + sum(c.sample for c in chunks)
-        if rows > self.mixed_rows or seqs > largest or logit_rows > largest:
-            raise RunnerError(
-                f"a mixed step of {rows} rows, {seqs} sequences and {logit_rows} rows of logits exceeds "
-                f"{self.mixed_rows} rows or {largest} sequences and rows of logits"
-            )
         # the sampling chunks' last rows' logits follow the decode and the scored rows'
-        new = {i: self._sampler(c.sampling, c.tokens) for i, c in enumerate(chunks) if c.sampling is not None}
+        new = {
+            i: self.sampling.sampler(c.sampling, c.tokens)
+            for i, c in enumerate(chunks)
+            if c.sampling is not None
+        }
         sampling = list(new)
         if masks:
-            self._constrain(masks, {**dict(zip(slots, states)), **{chunks[i].slot: new[i] for i in sampling}})
-        assert isinstance(self.graphs, MixedStepGraphs)  # mixed_rows says so
+            self.sampling.constrain(
+                masks, {**dict(zip(slots, states)), **{chunks[i].slot: new[i] for i in sampling}}
+            )
+        assert isinstance(self.graphs, MixedStepGraphs)  # _check_step: mixed_rows says so
         logits, greedy = self.graphs.mixed(
             np.stack([padded[i] for i in plain]) if plain else np.zeros((0, 0), np.int32),
             np.array([states[i].next_token for i in plain], np.int64),
@@ -378,21 +342,20 @@ class ModelRunner:
                 *(replace(c, tokens=ids.tolist(), table=table) for c, (ids, table) in zip(chunks, checked)),
             ],
             self.mixed_rows,
-            bucket(self.runtime.decode_batch_buckets, logit_rows),
+            bucket(
+                self.runtime.decode_batch_buckets, len(plain) + sum(len(c.tokens) for c in scored) + len(new)
+            ),
             decode_slots=[slots[i] for i in plain],
         )
         samplers = [s for i in plain if (s := states[i].sampler) is not None] + [new[i] for i in sampling]
         if scored:
             by_slot = {slot: states[i].sampler for i, slot in enumerate(slots)}
-            tokens, verified = self._verify(logits, greedy, samplers, len(plain), scored, by_slot)
+            tokens, verified = self.sampling.verify(logits, greedy, samplers, len(plain), scored, by_slot)
         else:
-            tokens, verified = self._sample(logits, samplers, greedy), {}
-        decoded: list[list[int]] = [[] for _ in slots]
+            tokens, verified = self.sampling.sample(logits, samplers, greedy), {}
+        decoded = [verified[slot] if slot in drafts else [] for slot in slots]
         for row, i in enumerate(plain):
             decoded[i] = [tokens[row]]
-        for i, slot in enumerate(slots):
-            if slot in drafts:
-                decoded[i] = verified[slot]
         self._decoded(states, padded, decoded)
         firsts: list[int | None] = [None] * len(chunks)
         for i, token in zip(sampling, tokens[len(plain) :]):
@@ -403,51 +366,34 @@ class ModelRunner:
                 state.sampler, state.next_token = new[i], firsts[i]
         return decoded, firsts
 
-    def _verify(
+    def _check_step(
         self,
-        logits: Tensor,
-        greedy: Tensor,
-        samplers: list[SlotSampler],
-        plain: int,
-        scored: list[StepChunk],
-        by_slot: Mapping[int, SlotSampler | None],
-    ) -> tuple[list[int], dict[int, list[int]]]:
-        """A step with scored rows (after the `plain` decode rows): the plain decode rows' and the
-        sampling chunks' tokens (`samplers`, chosen as _sample chooses them, from those rows alone)
-        and each scored slot's verified tokens. A plain greedy sampler keeps a proposal where the
-        graph's argmax is it; the others verify on the host."""
-        ids = greedy.asnumpy()
-        all_greedy = all(s.plain_greedy for s in samplers)
-        # the logits leave the device only for a row that is not plain greedy
-        scored_greedy = all((s := by_slot[c.slot]) is not None and s.plain_greedy for c in scored)
-        host = logits.asnumpy() if not (all_greedy and scored_greedy) else None
-        sizes = [len(c.tokens) for c in scored]
-        after = plain + sum(sizes)  # the sampling chunks' rows follow the scored ones
-        normal = [*range(plain), *range(after, after + len(samplers) - plain)]
-        if all_greedy:
-            tokens = [int(t) for t in ids[normal]]  # as _sample chooses for plain greedy rows
-        else:
-            assert host is not None
-            tokens = self._sample(Tensor(host[normal]), samplers, Tensor(ids[normal]))
-        verified: dict[int, list[int]] = {}
-        row = plain
-        for chunk, size in zip(scored, sizes):
-            sampler = by_slot[chunk.slot]
-            assert sampler is not None  # checked: a decode slot has finished its prompt
-            proposed = list(chunk.tokens[1:])
-            if sampler.plain_greedy:
-                kept = []
-                for j in range(size):
-                    kept.append(int(ids[row + j]))
-                    sampler.observe(kept[-1])
-                    if j == len(proposed) or kept[-1] != proposed[j]:
-                        break
-            else:
-                assert host is not None  # fetched for every row that is not plain greedy
-                kept = guarded(sampler, partial(sampler.verify, host[row : row + size], proposed), [NO_TOKEN])
-            verified[chunk.slot] = kept
-            row += size
-        return tokens, verified
+        slots: Sequence[int],
+        tables: Sequence[BlockTable],
+        chunks: Sequence[StepChunk],
+        masks: Mapping[int, np.ndarray],
+        drafts: Mapping[int, Sequence[int]],
+    ) -> tuple[list[SlotState], list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
+        """A mixed step's checks (nothing changes): the decode slots' states and padded tables, and
+        each chunk's token ids and padded table."""
+        if not self.mixed_rows:
+            raise RunnerError("these graphs run no mixed steps (fused layers, graphs built here)")
+        if not chunks and not drafts:
+            raise RunnerError("a mixed step needs prompt chunks or proposals")
+        chunk_slots = [c.slot for c in chunks]
+        if len(set(chunk_slots)) != len(chunk_slots) or set(chunk_slots) & set(slots):
+            raise RunnerError(f"a mixed step names a slot twice: decode {list(slots)}, chunks {chunk_slots}")
+        self._check_drafts(drafts, slots, masks)
+        states, padded = self._check_decode(slots, tables, drafts)
+        checked = [self._check_chunk(c.slot, c.tokens, c.table, c.start, c.sample) for c in chunks]
+        if masks:
+            self.sampling.check_masks(masks, [*slots, *(c.slot for c in chunks if c.sample)])
+        proposed = sum(len(p) for p in drafts.values())
+        chunk_rows = [len(ids) - c.start for c, (ids, _) in zip(chunks, checked)]
+        refusal = self.limits.refusal(len(slots), proposed, chunk_rows, sum(c.sample for c in chunks))
+        if refusal is not None:
+            raise RunnerError(refusal)
+        return states, padded, checked
 
     def _check_drafts(
         self, drafts: Mapping[int, Sequence[int]], slots: Sequence[int], masks: Mapping[int, np.ndarray]
@@ -485,73 +431,6 @@ class ModelRunner:
     def cache_dtype(self):
         return np.float16 if self.runtime.dtype == "float16" else np.float32
 
-    def check_slot(self, slot: int) -> None:
-        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
-            raise RunnerError(f"slot {slot!r} is out of range 0..{self.num_slots - 1}")
-
-    def active(self, slot: int) -> SlotState:
-        self.check_slot(slot)
-        state = self.slots.get(slot)
-        if state is None:
-            raise RunnerError(f"slot {slot} holds no sequence")
-        return state
-
-    def _check_masks(self, masks: Mapping[int, np.ndarray], sampling: Sequence[int]) -> None:
-        """Token masks of slots this call samples for: int32 words (at most the vocabulary's; the
-        tokens past the last word are not allowed), with at least one token allowed."""
-        words = (self.spec.vocab_size + 31) // 32
-        for slot, mask in masks.items():
-            if slot not in sampling:
-                raise RunnerError(f"a token mask for slot {slot}, which samples nothing in this call")
-            if mask.dtype != np.int32 or mask.ndim != 1 or not 1 <= len(mask) <= words:
-                raise RunnerError(
-                    f"a token mask is 1..{words} int32 words (the vocabulary's bits), "
-                    f"got {mask.dtype} {mask.shape}"
-                )
-            if not np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.spec.vocab_size].any():
-                raise RunnerError(f"the token mask of slot {slot} allows no token of the vocabulary")
-
-    def _constrain(
-        self, masks: Mapping[int, np.ndarray], samplers: Mapping[int, SlotState | SlotSampler]
-    ) -> None:
-        self._check_masks(masks, list(samplers))
-        for slot, mask in masks.items():
-            holder = samplers[slot]
-            sampler = holder.sampler if isinstance(holder, SlotState) else holder
-            assert sampler is not None  # checked: a decode slot has finished its prompt
-            sampler.constrain(mask)
-
-    def _sampler(self, params: SamplingParams, prompt: Sequence[int]) -> SlotSampler:
-        try:
-            return SlotSampler(params, list(prompt), self.spec.vocab_size, self.spec.eos_ids)
-        except ValueError as e:
-            raise RunnerError(str(e)) from e
-
-    def logprobs(self, slot: int) -> TokenLogprob | None:
-        """The logprobs of the slot's last sampled token, if its request asked for them."""
-        state = self.active(slot)
-        return state.sampler.last if state.sampler is not None else None
-
-    def recent_logprobs(self, slot: int) -> list[TokenLogprob | None]:
-        """The logprobs of the tokens the slot's last verified step chose (speculative decoding),
-        if its request asked for them."""
-        state = self.active(slot)
-        return list(state.sampler.recent) if state.sampler is not None else []
-
-    def known_tokens(self, slot: int) -> list[int] | None:
-        """The slot's tokens: those of the positions written, then its pending one (None where its
-        KV came from elsewhere, or before its prompt ends)."""
-        state = self.active(slot)
-        if state.tokens is None or state.next_token is None or state.next_token < 0:
-            return None
-        return [*state.tokens, state.next_token]
-
-    def fault(self, slot: int) -> SequenceFault | None:
-        """Why the slot's last choice failed (its token is NO_TOKEN), if it did: that sequence's
-        error; the slot decodes no more."""
-        state = self.active(slot)
-        return state.sampler.fault if state.sampler is not None else None
-
     def _check_tokens(self, prompt: Sequence[int]) -> np.ndarray:
         tokens = np.asarray(prompt, dtype=np.int64)
         if tokens.ndim != 1 or tokens.size == 0:
@@ -559,39 +438,3 @@ class ModelRunner:
         if tokens.min() < 0 or tokens.max() >= self.spec.vocab_size:
             raise RunnerError(f"token ids must lie in 0..{self.spec.vocab_size - 1}")
         return tokens
-
-    def _sample(self, logits: Tensor, samplers: list[SlotSampler], greedy: Tensor | None = None) -> list[int]:
-        """Post-process on the device: argmax when every row is plain greedy (`greedy`: the decode
-        graph's own, else the argmax graph), else top-k candidates for the host-side samplers. Only
-        token ids (and k candidates) leave the device, except the logits of a row whose candidates
-        would be the whole vocabulary, or that needs them whole (logprobs, logit bias, min_tokens):
-        that row samples from them on the host, so the batch never runs the whole-vocabulary top-k
-        (agent/sampling.py)."""
-        if all(s.plain_greedy for s in samplers):
-            ids = (self.graphs.argmax(logits) if greedy is None else greedy).asnumpy()
-            return [int(t) for t in ids[: len(samplers)]]
-
-        def choice(sampler: SlotSampler, choose: Callable[[], int]) -> int:
-            return guarded(sampler, choose, NO_TOKEN)
-
-        vocab = self.spec.vocab_size
-        whole = {
-            i
-            for i, s in enumerate(samplers)
-            if s.needs_logits or bucket(self.topk_buckets, s.candidates_needed()) >= vocab
-        }
-        tokens = {}
-        if whole:  # the rows come to the host: the plain greedy ones need no graph either
-            whole |= {i for i, s in enumerate(samplers) if s.plain_greedy}
-            rows = logits.asnumpy()
-            tokens = {i: choice(samplers[i], partial(samplers[i].choose_from_logits, rows[i])) for i in whole}
-        rest = [i for i in range(len(samplers)) if i not in tokens]
-        if rest:
-            k = bucket(self.topk_buckets, max(samplers[i].candidates_needed() for i in rest))
-            values, ids = (t.asnumpy() for t in self.graphs.topk(k, logits))
-            for i in rest:
-                s = samplers[i]
-                tokens[i] = (
-                    int(ids[i, 0]) if s.plain_greedy else choice(s, partial(s.choose, values[i], ids[i]))
-                )
-        return [tokens[i] for i in range(len(samplers))]

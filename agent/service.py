@@ -9,17 +9,20 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
 
 from agent.contract import protocol
-from agent.contract.sampling import SequenceFault, TokenLogprob
-from agent.contract.step import StepChunk
+from agent.contract.sampling import Sampled, SequenceFault, TokenLogprob
+from agent.contract.step import MAX_DRAFT_TOKENS, BlockTable, KVTransfer, Proposal, StepRequest
+from agent.contract.step_reply import StepReply
 from agent.drafter import Drafter
 from agent.kv_transfer import KVSender, TransferError, export_kv, import_kv, largest_kv_transfer_bytes
-from agent.runner import MAX_DRAFT_TOKENS, ModelRunner, RunnerError
+from agent.runner import ModelRunner, RunnerError
 
 log = logging.getLogger(__name__)
 
@@ -161,57 +164,6 @@ class AgentService:
         self.session, self.epoch = session, epoch
         return {}, []
 
-    def _op_prefill(self, header: dict, arrays: list) -> tuple[dict, list]:
-        arrays, masks = _token_masks(header, arrays)
-        tokens, table = _int_arrays(arrays, "prefill", ("token ids", "block table"))
-        chunk = StepChunk.from_wire(header, tokens, table)  # a prefill is one chunk, alone
-        slot, sample = chunk.slot, chunk.sample
-        transfer = header.get("transfer")
-        if transfer is not None:
-            if self.sender is None:
-                raise ValueError("this agent sends no KV (its role is not prefill)")
-            if not isinstance(transfer, dict):
-                raise ValueError("transfer must be a map")
-            if not sample:
-                raise ValueError("a prefill that sends its KV computes the whole prompt (sample: true)")
-        if set(masks) - {slot} or (masks and not sample):
-            raise ValueError(f"a prefill's token mask is for its own slot ({slot}), when it samples")
-        if chunk.sampling is None:
-            self.runner.prefill_chunk(slot, chunk.tokens, table, chunk.start)
-            return {"token": None}, []
-        token = self.runner.prefill(slot, chunk.tokens, chunk.sampling, table, chunk.start, masks.get(slot))
-        reply = {"token": token, **self._per_slot([slot])}
-        if transfer is None or self.sender is None:  # with a transfer there is a sender (checked above)
-            return reply, []
-        if self.runner.fault(slot) is not None:  # nothing to send: the sequence ends here
-            self.runner.release(slot)
-            return reply, []
-        try:  # the slot is free again whatever happens to the transfer
-            blocks, state = export_kv(self.runner, slot)
-        finally:
-            self.runner.release(slot)
-        address, decode_table = transfer.get("address"), transfer.get("table")
-        if not isinstance(address, str):
-            raise ValueError("transfer.address must be the decode agent's address")
-        if not isinstance(decode_table, list) or not all(type(b) is int for b in decode_table):
-            raise ValueError("transfer.table must be the decode agent's block table (integers)")
-        fields = {
-            "slot": _int_field(transfer, "slot"),
-            "session": _int_field(transfer, "session"),
-            "ticket": _int_field(transfer, "ticket"),
-            "state": state,
-        }
-        transfer_ms = self.sender.send(address, fields, [blocks, np.asarray(decode_table, np.int32)])
-        log.info(
-            "KV of %d tokens (%d bytes) sent to %s slot %d in %.1f ms",
-            state["length"],
-            blocks.nbytes,
-            address,
-            fields["slot"],
-            transfer_ms,
-        )
-        return {**reply, "kv_bytes": blocks.nbytes, "transfer_ms": transfer_ms}, []
-
     def _op_kv_receive(self, header: dict, arrays: list) -> tuple[dict, list]:
         ticket = _int_field(header, "ticket")
         if ticket in self.cancelled_tickets:
@@ -224,52 +176,46 @@ class AgentService:
         import_kv(self.runner, _int_field(header, "slot"), blocks, header["state"], table)
         return {}, []
 
-    def _op_decode(self, header: dict, arrays: list) -> tuple[dict, list]:
-        arrays, masks = _token_masks(header, arrays)
-        if len(arrays) != 2 or arrays[1].ndim != 2 or arrays[1].dtype.kind != "i":
-            raise ValueError("decode takes slot ids [n] and block tables [n, blocks]")
-        (slots,) = _int_arrays(arrays[:1], "decode", ("slot ids",))
-        tables = arrays[1]
-        if len(tables) != len(slots):
-            raise ValueError(f"decode of {len(slots)} slots got {len(tables)} block tables")
-        tokens = self.runner.decode(slots.tolist(), list(tables), masks)
-        return self._per_slot(slots.tolist()), [np.asarray(tokens, dtype=np.int32)]
-
     def _op_step(self, header: dict, arrays: list) -> tuple[dict, list]:
-        arrays, masks = _token_masks(header, arrays)
-        specs = header.get("chunks")
-        asked = _drafts(header)
-        if not isinstance(specs, list) or len(specs) > self.runner.num_slots or not (specs or asked):
-            raise ValueError(f"step takes a list of up to {self.runner.num_slots} chunks, or drafts, or both")
-        if len(arrays) != 2 + 2 * len(specs) or arrays[1].ndim != 2 or arrays[1].dtype.kind != "i":
-            raise ValueError(
-                "step takes decode slot ids [n], their block tables [n, blocks], then tokens and a block "
-                "table per chunk"
-            )
-        (slots,) = _int_arrays(arrays[:1], "step", ("slot ids",))
-        if len(arrays[1]) != len(slots):
-            raise ValueError(f"step decodes {len(slots)} slots with {len(arrays[1])} block tables")
-        chunks = []
-        for i, spec in enumerate(specs):
-            tokens, table = _int_arrays(arrays[2 + 2 * i : 4 + 2 * i], "step", ("token ids", "block table"))
-            chunks.append(StepChunk.from_wire(spec, tokens, table))
-        slot_ids, tables = slots.tolist(), list(arrays[1])
-        drafts = self._proposals(asked, slot_ids, tables)
-        if chunks or drafts:
-            decoded, firsts = self.runner.step(slot_ids, tables, chunks, masks, drafts)
-        else:  # the draft model proposed nothing (slots it cannot follow): a plain decode
-            decoded, firsts = [[t] for t in self.runner.decode(slot_ids, tables, masks)], []
-        sampled = [c.slot if t is not None else None for c, t in zip(chunks, firsts)]
-        reply = {
-            "chunk_tokens": firsts,
-            **(self._per_token(slot_ids, decoded) if asked else self._per_slot(slot_ids)),
-            **self._per_slot(sampled, "chunk_"),
-        }
-        flat = [token for tokens in decoded for token in tokens]
-        return reply, [np.asarray(flat, dtype=np.int32)]
+        request = StepRequest.from_wire(header, arrays, self.runner.num_slots)
+        if request.transfer is not None and self.sender is None:
+            raise ValueError("this agent sends no KV (its role is not prefill)")
+        slots, tables = list(request.slots), list(request.tables)
+        drafts = self._proposals(request.drafts, slots, tables)
+        decoded, firsts = self.runner.run(slots, tables, request.chunks, request.masks, drafts)
+        reply = StepReply(
+            [self._tokens(slot, tokens) for slot, tokens in zip(slots, decoded)],
+            [None if t is None else self._tokens(c.slot, [t])[0] for c, t in zip(request.chunks, firsts)],
+        )
+        if request.transfer is not None:
+            reply = self._send_kv(request.chunks[0].slot, request.transfer, reply)
+        return reply.to_wire()
+
+    def _send_kv(self, slot: int, transfer: KVTransfer, reply: StepReply) -> StepReply:
+        """A prefill agent's prompt: its KV sent to the decode agent's slot, this slot free again
+        whatever happens to the transfer (nothing is sent for a sequence that ended here)."""
+        assert self.sender is not None  # checked before the step ran
+        if self.runner.fault(slot) is not None:
+            self.runner.release(slot)
+            return reply
+        try:
+            blocks, state = export_kv(self.runner, slot)
+        finally:
+            self.runner.release(slot)
+        table = np.asarray(transfer.table, np.int32)
+        transfer_ms = self.sender.send(transfer.address, transfer.receive_fields(state), [blocks, table])
+        log.info(
+            "KV of %d tokens (%d bytes) sent to %s slot %d in %.1f ms",
+            state["length"],
+            blocks.nbytes,
+            transfer.address,
+            transfer.slot,
+            transfer_ms,
+        )
+        return replace(reply, kv_bytes=blocks.nbytes, transfer_ms=transfer_ms)
 
     def _proposals(
-        self, asked: dict[int, list[int] | int], slots: list[int], tables: list[np.ndarray]
+        self, asked: Mapping[int, Proposal], slots: list[int], tables: list[BlockTable]
     ) -> dict[int, list[int]]:
         """The step's proposals: the server's tokens, and the draft model's for the slots that
         ask it for a number of them (a slot it cannot follow gets none)."""
@@ -286,24 +232,15 @@ class AgentService:
         by_slot = dict(zip(slots, tables))
         return drafts | self.drafter.propose(counts, {s: by_slot[s] for s in counts})
 
-    def _per_token(self, slots: list[int], decoded: list[list[int]]) -> dict:
-        """A step with drafts: `counts`, each decode slot's number of tokens, and the fields of
-        _per_slot with one entry per token (a slot's tokens in order), whether or not the slot's
-        request asked for logprobs: the server pairs the lists with the tokens."""
-        fields: dict = {"counts": [len(tokens) for tokens in decoded]}
-        logprobs: list[TokenLogprob | None] = []
-        errors: list[SequenceFault | None] = []
-        for slot, tokens in zip(slots, decoded):
-            paired, fault = self._token_logprobs(slot, len(tokens)), self.runner.fault(slot)
-            if paired is None:  # a bug of this slot's: its sequence's error, not the whole reply's
-                paired = [None] * len(tokens)
-                fault = SequenceFault("internal", "its tokens' logprobs were lost (see the agent's log)")
-            logprobs += paired
-            errors += [fault] * len(tokens)
-        for field, entries in (("logprobs", logprobs), ("errors", errors)):
-            if any(e is not None for e in entries):
-                fields[field] = [None if e is None else e.to_wire() for e in entries]
-        return fields
+    def _tokens(self, slot: int, tokens: list[int]) -> list[Sampled]:
+        """The slot's tokens of this step with their logprobs (where its request asked for them)
+        and its fault (where its choice failed): one entry each, whatever the request asked, so the
+        server pairs them with the tokens."""
+        paired, fault = self._token_logprobs(slot, len(tokens)), self.runner.fault(slot)
+        if paired is None:  # a bug of this slot's: its sequence's error, not the whole reply's
+            paired = [None] * len(tokens)
+            fault = SequenceFault("internal", "its tokens' logprobs were lost (see the agent's log)")
+        return [Sampled(token, logprob, fault) for token, logprob in zip(tokens, paired)]
 
     def _token_logprobs(self, slot: int, count: int) -> list[TokenLogprob | None] | None:
         """The logprobs of the slot's `count` tokens of this step (nulls where its request asked
@@ -320,18 +257,6 @@ class AgentService:
             return None
         return recent
 
-    def _per_slot(self, slots: list[int | None], prefix: str = "") -> dict:
-        """The fields that go with the slots' tokens where any slot has them, else none (which
-        keeps most replies as they were): `logprobs`, each slot's last token logprobs or null when
-        its request asked for them, and `errors`, each slot's fault or null when a choice failed
-        (None: a chunk that did not sample)."""
-        fields = {}
-        for field, entry_of in (("logprobs", self.runner.logprobs), ("errors", self.runner.fault)):
-            entries = [None if s is None else entry_of(s) for s in slots]
-            if any(e is not None for e in entries):
-                fields[prefix + field] = [None if e is None else e.to_wire() for e in entries]
-        return fields
-
     def _op_release(self, header: dict, arrays: list) -> tuple[dict, list]:
         if "ticket" in header:
             self.cancelled_tickets.append(_int_field(header, "ticket"))
@@ -339,50 +264,8 @@ class AgentService:
         return {}, []
 
 
-def _token_masks(header: dict, arrays: list) -> tuple[list, dict[int, np.ndarray]]:
-    """A request's arrays without its token masks, and the masks by slot: header `masked` lists
-    the slots, the last array holds their masks [len(masked), words] (the runner checks the rest)."""
-    masked = header.get("masked")
-    if masked is None:
-        return arrays, {}
-    if (
-        not isinstance(masked, list)
-        or not masked
-        or not all(type(s) is int for s in masked)
-        or len(set(masked)) != len(masked)
-    ):
-        raise ValueError("field 'masked' must list distinct slot ids")
-    if not arrays or arrays[-1].ndim != 2 or arrays[-1].dtype != np.int32 or len(arrays[-1]) != len(masked):
-        raise ValueError("token masks: an int32 array [masked slots, words] after the other arrays")
-    return arrays[:-1], dict(zip(masked, arrays[-1]))
-
-
-def _drafts(header: dict) -> dict[int, list[int] | int]:
-    """A step's `drafts`: [[slot, [token, ...]], ...] (the server's proposals) or [[slot, k], ...]
-    (k tokens the draft model proposes); the runner checks the slots and tokens."""
-    drafts = header.get("drafts", [])
-    if not isinstance(drafts, list) or not all(
-        isinstance(d, list)
-        and len(d) == 2
-        and type(d[0]) is int
-        and (type(d[1]) is int or (isinstance(d[1], list) and all(type(t) is int for t in d[1])))
-        for d in drafts
-    ):
-        raise ValueError("field 'drafts' must list [slot, [token ids]] or [slot, count] pairs")
-    found = dict(drafts)
-    if len(found) != len(drafts):
-        raise ValueError("field 'drafts' names a slot twice")
-    return found
-
-
 def _int_field(header: dict[str, Any], name: str) -> int:
     value = header.get(name)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"field {name!r} must be an integer, got {value!r}")
     return value
-
-
-def _int_arrays(arrays: list, op: str, what: tuple[str, ...]) -> list[np.ndarray]:
-    if len(arrays) != len(what) or any(a.ndim != 1 or a.dtype.kind != "i" for a in arrays):
-        raise ValueError(f"{op} takes {len(what)} 1-D integer arrays: {', '.join(what)}")
-    return arrays

@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,8 +25,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from agent.contract import protocol
-from agent.contract.sampling import NO_TOKEN, Sampled, SequenceFault, TokenLogprob
-from agent.contract.step import Proposal, StepChunk, proposal_size
+from agent.contract.step import StepRequest
+from agent.contract.step_reply import StepReply
 from agent.contract.transport import ClientKeys, secure_client_socket
 
 HEARTBEAT_IVL_MS = 1000
@@ -59,23 +59,10 @@ class AgentRequestError(AgentError):
         self.kind = kind
 
 
-def block_tables(tables: Sequence[Sequence[int]]) -> np.ndarray:
-    """Rows of block ids as one int32 array, padded with -1 to the longest (the agent reads only
-    the blocks of each row's positions, and refuses -1 among them)."""
-    width = max((len(t) for t in tables), default=0)
-    out = np.full((len(tables), width), -1, np.int32)
-    for row, table in enumerate(tables):
-        out[row, : len(table)] = table
-    return out
-
-
-TokenMasks = Mapping[int, np.ndarray]  # slot -> the tokens its next token may be (int32 bit words)
-
-
 class ModelClient(Protocol):
     """What the engine calls on a group's client, whichever it is: an AgentClient (one agent) or a
-    GroupClient (a tensor-parallel group). Only an AgentClient has `prefill_and_send`: a prefill
-    group is one agent (the config makes tensor-parallel groups mixed)."""
+    GroupClient (a tensor-parallel group). Only an AgentClient takes a step with a KV transfer: a
+    prefill group is one agent (the config makes tensor-parallel groups mixed)."""
 
     @property
     def address(self) -> str: ...
@@ -97,20 +84,7 @@ class ModelClient(Protocol):
 
     async def reset(self, timeout_s: float | None = None) -> None: ...
 
-    async def prefill(self, chunk: StepChunk, mask: np.ndarray | None = None) -> Sampled | None: ...
-
-    async def decode(
-        self, slots: Sequence[int], tables: Sequence[Sequence[int]], masks: TokenMasks | None = None
-    ) -> list[Sampled]: ...
-
-    async def step(
-        self,
-        slots: Sequence[int],
-        tables: Sequence[Sequence[int]],
-        chunks: Sequence[StepChunk],
-        masks: TokenMasks | None = None,
-        drafts: Mapping[int, Proposal] | None = None,
-    ) -> tuple[list[list[Sampled]], list[Sampled | None]]: ...
+    async def step(self, request: StepRequest) -> StepReply: ...
 
     async def release(self, slot: int, ticket: int | None = None) -> None: ...
 
@@ -278,127 +252,17 @@ class AgentClient:
         """Open this client's session on the agent: every slot is released."""
         await self.call("reset", timeout_s=timeout_s, session=self.session, epoch=self.epoch)
 
-    async def prefill(self, chunk: StepChunk, mask: np.ndarray | None = None) -> Sampled | None:
-        """The chunk alone: its positions computed into its table's blocks; the prompt's last
-        chunk (it has sampling) returns the first token (and seats the slot); `mask`: the tokens
-        it may be (structured output)."""
-        header = await self._prefill(chunk, mask)
-        return self._sampled([header.get("token")], header, "")[0] if chunk.sample else None
-
-    async def prefill_and_send(
-        self, chunk: StepChunk, transfer: dict, mask: np.ndarray | None = None
-    ) -> tuple[Sampled, int, float]:
-        """A prefill agent's whole prompt (the chunk samples) whose KV goes to a decode agent's
-        slot (`transfer`: address, slot, session, ticket, table) -> (first token, K/V bytes sent,
-        transfer ms)."""
-        header = await self._prefill(chunk, mask, transfer=transfer)
-        first = self._sampled([header.get("token")], header, "")[0]
-        if first.fault is not None:  # the sequence ended at its first token: nothing was sent
-            return first, 0, 0.0
-        return first, int(header["kv_bytes"]), float(header["transfer_ms"])
-
-    async def _prefill(self, chunk: StepChunk, mask: np.ndarray | None, **fields) -> dict:
-        masks = None if mask is None else {chunk.slot: mask}
-        arrays, fields = _with_masks(_chunk_arrays(chunk), masks, fields)
-        header, _ = await self.call("prefill", arrays, **chunk.to_wire(), session=self.session, **fields)
-        return header
-
-    async def decode(
-        self, slots: Sequence[int], tables: Sequence[Sequence[int]], masks: TokenMasks | None = None
-    ) -> list[Sampled]:
-        arrays, fields = _with_masks([np.asarray(slots, np.int32), block_tables(tables)], masks, {})
-        header, arrays = await self.call("decode", arrays, session=self.session, **fields)
+    async def step(self, request: StepRequest) -> StepReply:
+        """One agent step (agent/contract/step.py): each decode slot's tokens (one; with drafts,
+        the proposals the agent kept and one more) and each chunk's first token (None unless it
+        samples); with a transfer, the K/V bytes sent and how long that took."""
+        fields, arrays = request.to_wire()
+        header, out = await self.call("step", arrays, **fields, session=self.session)
         self.decode_compute_s = float(header.get("compute_ms", 0.0)) / 1000
-        return self._sampled(arrays[0].tolist(), header, "")
-
-    async def step(
-        self,
-        slots: Sequence[int],
-        tables: Sequence[Sequence[int]],
-        chunks: Sequence[StepChunk],
-        masks: TokenMasks | None = None,
-        drafts: Mapping[int, Proposal] | None = None,
-    ) -> tuple[list[list[Sampled]], list[Sampled | None]]:
-        """A decode of `slots` and the prompt `chunks` in one call (the agent's info says mixed_rows):
-        each decode slot's tokens (one; with `drafts`, the tokens proposed after its pending token
-        or the number its draft model is to propose, the proposals the agent kept and one more) and
-        each chunk's first token (None unless it samples)."""
-        arrays = [np.asarray(slots, np.int32), block_tables(tables)]
-        for chunk in chunks:
-            arrays += _chunk_arrays(chunk)
-        fields: dict[str, Any] = (
-            {"drafts": [[s, t if isinstance(t, int) else list(t)] for s, t in drafts.items()]}
-            if drafts
-            else {}
-        )
-        arrays, fields = _with_masks(arrays, masks, fields)
-        header, out = await self.call(
-            "step", arrays, **fields, chunks=[c.to_wire() for c in chunks], session=self.session
-        )
-        self.decode_compute_s = float(header.get("compute_ms", 0.0)) / 1000
-        firsts = header.get("chunk_tokens")
-        if not isinstance(firsts, list) or len(firsts) != len(chunks):
-            raise AgentUnavailable(f"agent {self.address}: step reply without a token per chunk")
-        sampled = [i for i, t in enumerate(firsts) if t is not None]
-        chunk_firsts: list[Sampled | None] = [None] * len(chunks)
-        for i, first in zip(sampled, self._sampled(firsts, header, "chunk_", sampled)):
-            chunk_firsts[i] = first
-        tokens = self._sampled(out[0].tolist(), header, "")
-        counts = header.get("counts") if drafts else [1] * len(slots)
-        if (
-            not isinstance(counts, list)
-            or len(counts) != len(slots)
-            or not all(
-                type(n) is int and 1 <= n <= 1 + proposal_size((drafts or {}).get(s, []))
-                for s, n in zip(slots, counts)
-            )
-            or sum(counts) != len(tokens)
-        ):
-            raise AgentUnavailable(f"agent {self.address}: step reply's counts do not fit its tokens")
-        per_slot, at = [], 0
-        for n in counts:
-            per_slot.append(tokens[at : at + n])
-            at += n
-        return per_slot, chunk_firsts
-
-    def _sampled(
-        self, tokens: list, header: dict, prefix: str, picked: list[int] | None = None
-    ) -> list[Sampled]:
-        """The reply's tokens (those at `picked`, default all) with their `logprobs` and `errors`
-        fields (lists of an entry or null per token, or absent; `prefix`: a step's chunk_ fields).
-        A reply whose lists do not fit its tokens does not follow the protocol: this agent is
-        unavailable. A bad value for one token (not a token id of the vocabulary, a logprob that is
-        not one) is that sequence's fault: it ends, the others go on."""
-        picked = list(range(len(tokens))) if picked is None else picked
-        lists = {field: header.get(prefix + field) for field in ("logprobs", "errors")}
-        for field, entries in lists.items():
-            if entries is not None and (not isinstance(entries, list) or len(entries) != len(tokens)):
-                raise AgentUnavailable(
-                    f"agent {self.address}: its reply's {prefix}{field} do not fit its tokens "
-                    f"({len(entries) if isinstance(entries, list) else type(entries).__name__} for "
-                    f"{len(tokens)} tokens)"
-                )
-        return [
-            self._one_sampled(tokens[i], *(None if e is None else e[i] for e in lists.values()))
-            for i in picked
-        ]
-
-    def _one_sampled(self, token: Any, logprob: Any, error: Any) -> Sampled:
         try:
-            if error is not None:
-                return Sampled(NO_TOKEN, None, SequenceFault.from_wire(error))
-            if type(token) is not int or not 0 <= token < (self.vocab_size or 2**31):
-                raise ValueError(f"{token!r:.50} is not a token id of its vocabulary")
-            entry = None if logprob is None else TokenLogprob.from_wire(logprob)
-            if (
-                entry is not None
-                and self.vocab_size
-                and any(not 0 <= t < self.vocab_size for t, _ in entry.top)
-            ):
-                raise ValueError("a top logprob names a token outside its vocabulary")
-            return Sampled(token, entry)
+            return StepReply.from_wire(header, out, request, self.vocab_size, f"agent {self.address}")
         except ValueError as exc:
-            return Sampled(NO_TOKEN, None, SequenceFault("internal", f"agent {self.address} sent {exc}"))
+            raise AgentUnavailable(f"agent {self.address}: {exc}") from exc
 
     async def release(self, slot: int, ticket: int | None = None) -> None:
         """ticket: a KV transfer into this slot that is given up; the agent refuses it from now on."""
@@ -470,23 +334,8 @@ class GroupClient:
     async def reset(self, timeout_s: float | None = None) -> None:
         await self._all("reset", timeout_s)
 
-    async def prefill(self, chunk: StepChunk, mask: np.ndarray | None = None) -> Sampled | None:
-        return await self._agreed("prefill", chunk, mask)
-
-    async def decode(
-        self, slots: Sequence[int], tables: Sequence[Sequence[int]], masks: TokenMasks | None = None
-    ) -> list[Sampled]:
-        return await self._agreed("decode", slots, tables, masks)
-
-    async def step(
-        self,
-        slots: Sequence[int],
-        tables: Sequence[Sequence[int]],
-        chunks: Sequence[StepChunk],
-        masks: TokenMasks | None = None,
-        drafts: Mapping[int, Proposal] | None = None,
-    ) -> tuple[list[list[Sampled]], list[Sampled | None]]:
-        return await self._agreed("step", slots, tables, chunks, masks, drafts)
+    async def step(self, request: StepRequest) -> StepReply:
+        return await self._agreed("step", request)
 
     async def release(self, slot: int, ticket: int | None = None) -> None:
         await self._all("release", slot, ticket)
@@ -495,24 +344,7 @@ class GroupClient:
         await self._all("ping", timeout_s)
 
 
-def _chunk_arrays(chunk: StepChunk) -> list[np.ndarray]:
-    """A chunk's tokens (from position 0) and block table, as the wire carries them."""
-    return [np.asarray(chunk.tokens, np.int32), np.asarray(chunk.table, np.int32)]
-
-
-def _with_masks(arrays: list[np.ndarray], masks: TokenMasks | None, fields: dict) -> tuple[list, dict]:
-    """A request's arrays and header fields with its token masks (protocol.py: `masked`, then
-    one array of every mask after the others); unchanged without masks."""
-    if not masks:
-        return arrays, fields
-    slots = list(masks)
-    return [*arrays, np.stack([masks[s] for s in slots]).astype(np.int32)], {**fields, "masked": slots}
-
-
-def _tokens_of(result):
-    """The token ids in a prefill, decode or step result (Sampled, lists and tuples of them)."""
-    if isinstance(result, Sampled):
-        return result.token
-    if isinstance(result, (list, tuple)):
-        return [_tokens_of(r) for r in result]
-    return result
+def _tokens_of(reply: StepReply) -> list:
+    """The token ids of a step's reply."""
+    firsts = [None if s is None else s.token for s in reply.firsts]
+    return [[s.token for s in slot] for slot in reply.decoded] + firsts

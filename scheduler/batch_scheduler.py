@@ -40,15 +40,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from agent.contract.sampling import Sampled
-from agent.contract.step import Proposal, proposal_size
+from agent.contract.step import Proposal, StepLimits, proposal_size
 from scheduler.block_manager import BlockManager
 from scheduler.client_share import ClientShares
+from scheduler.engine_io import FaultKind
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler.speculation import Speculator
 from scheduler.step_costs import StepCosts
-
-# A sequence fault's HTTP status (agent.contract.sampling.SequenceFault's kinds).
-FAULT_STATUS = {"request": 400, "internal": 500}
 
 
 class Refusal(str, enum.Enum):
@@ -91,14 +89,14 @@ class GroupCapacity:
     def mixes(self, decodes: int, chunks: list[Chunk], proposed: int = 0) -> bool:
         """Whether a step of `decodes` decode rows (with `proposed` tokens proposed after them)
         and these local chunks fits one mixed call: its rows, its sequences and its logit rows."""
-        rows = decodes + proposed + sum(c.end - c.start for c in chunks)
-        logits = decodes + proposed + sum(c.sample for c in chunks)
-        return (
-            bool(decodes and (chunks or proposed))
-            and rows <= self.mixed_rows
-            and decodes + len(chunks) <= self.max_batch
-            and logits <= self.max_batch
+        return bool(decodes and (chunks or proposed)) and self.limits.fits(
+            decodes, proposed, [c.end - c.start for c in chunks], sum(c.sample for c in chunks)
         )
+
+    @property
+    def limits(self) -> StepLimits:
+        """What one mixed step holds (the agent's runner checks the same rule)."""
+        return StepLimits(self.mixed_rows, self.max_batch)
 
     def __post_init__(self) -> None:
         if self.max_seq_len > self.num_blocks * self.block_size:
@@ -350,7 +348,7 @@ class BatchScheduler:
             return
         if len(decodes) > speculator.settings.max_batch:
             return
-        room = min(capacity.max_batch - 1, capacity.mixed_rows) - len(decodes)
+        room = capacity.limits.proposal_room(len(decodes))
         blocks = self.blocks[group]
         for seq in decodes:
             if room <= 0:
@@ -379,7 +377,7 @@ class BatchScheduler:
         capacity, costs = self.groups[group], self.step_costs[group]
         budget = self.max_batched_tokens - len(decodes) - proposed
         if capacity.mixed_rows:
-            budget = min(budget, max(capacity.mixed_rows - len(decodes) - proposed, costs.floor))
+            budget = min(budget, max(capacity.limits.prompt_rows(len(decodes), proposed), costs.floor))
         # Prompts without a first token: the group's placed ones and the queue not yet placed.
         pending = [s for s in self._group_seqs(group) if s.needs_prefill and not s.transferring]
         allowed = costs.prompt_positions(
@@ -658,8 +656,7 @@ class BatchScheduler:
 
     def _append(self, seq: Sequence, sampled: Sampled) -> None:
         if sampled.fault is not None:  # this sequence's own error: it ends, the step went on
-            seq.error = sampled.fault.message
-            seq.error_status = FAULT_STATUS[sampled.fault.kind]
+            seq.error, seq.fault = sampled.fault.message, FaultKind(sampled.fault.kind)
             self._finish(seq, FinishReason.ERROR)
             return
         token = sampled.token
@@ -670,7 +667,7 @@ class BatchScheduler:
             try:
                 seq.constraint.advance(token)
             except ValueError as exc:  # the agent chose outside the mask it was sent: a bug
-                seq.error, seq.error_status = f"structured output: {exc}", 500
+                seq.error, seq.fault = f"structured output: {exc}", FaultKind.INTERNAL
                 self._finish(seq, FinishReason.ERROR)
                 return
             if seq.constraint.complete:  # nothing may follow: ended as by EOS, one step sooner

@@ -2,8 +2,8 @@
 
     engine = Engine(config, vocab_size, eos_ids, on_update)
     await engine.start()                        # connects to every group and checks `info`
-    seq = engine.add_request(request_id, prompt, sampling, max_new_tokens)   # or AdmissionError
-    ... on_update(seq) after each of its new tokens, and at its end (it may return a finish) ...
+    engine.add_request(EngineRequest(request_id, prompt, sampling, max_new_tokens))  # or AdmissionError
+    ... on_update(EngineOutput) after each of its new tokens, and at its end (it may return a finish) ...
     engine.get_bs_current(), engine.get_queue_current()
     engine.refuse_new_requests(); await engine.stop()
 
@@ -34,8 +34,8 @@ from functools import partial
 
 import numpy as np
 
-from agent.contract.sampling import Sampled, SamplingParams
-from agent.contract.step import Proposal, StepChunk
+from agent.contract.step import KVTransfer, Proposal, StepChunk, StepRequest
+from agent.contract.step_reply import StepReply
 from config.schema import ServingConfig
 from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, AgentTakenOver
 from scheduler.batch_scheduler import (
@@ -48,9 +48,10 @@ from scheduler.batch_scheduler import (
     attended,
 )
 from scheduler.client_share import ClientShares
+from scheduler.engine_io import EngineOutput, EngineRequest, FinishReason
 from scheduler.group_links import GroupLinks
 from scheduler.metrics import ServingMetrics
-from scheduler.sequence import FinishReason, Sequence, TokenConstraint
+from scheduler.sequence import Sequence
 from scheduler.speculation import Speculator
 from scheduler.timeline import AgentCall, Timeline
 
@@ -63,11 +64,11 @@ class Engine:
         config: ServingConfig,
         vocab_size: int,
         eos_ids: Iterable[int],
-        on_update: Callable[[Sequence], FinishReason | None],
+        on_update: Callable[[EngineOutput], FinishReason | None],
         metrics: ServingMetrics | None = None,
     ):
         self.config = config
-        # called with a sequence after its new tokens and at its end; it may decide the sequence
+        # called with each request's new tokens and once with its end; it may decide the request
         # ends (a stop string in its text): the engine finishes it
         self.on_update = on_update
         self.metrics = metrics or ServingMetrics()
@@ -134,7 +135,7 @@ class Engine:
         self.stop_ids |= frozenset(self.links.eos_ids)
         for client in self.clients:
             self.metrics.agent_up.labels(client.address).set(1)
-        s = self.config.server
+        s = self.config.scheduler
         self.scheduler = BatchScheduler(
             self.capacities,
             s.max_waiting_requests,
@@ -221,24 +222,9 @@ class Engine:
 
     # -------------------------------------------------------------------------------- requests
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: list[int],
-        sampling: SamplingParams,
-        max_new_tokens: int,
-        ignore_eos: bool = False,
-        constraint: TokenConstraint | None = None,
-        cache_salt: str | None = None,
-        client: str = "",
-        priority: int = 0,
-        speculate: bool = True,
-    ) -> Sequence:
-        """Queues the request's sequence at once, or raises AdmissionError if it is refused.
-        `constraint`: the grammar its tokens follow (structured output); `cache_salt`: its prompt
-        shares prefix-cache blocks only with requests of the same salt; `client`: who asked (the
-        scheduler shares the server fairly between clients); `priority`: lower first (with
-        scheduling_policy priority)."""
+    def add_request(self, request: EngineRequest) -> None:
+        """Queues the request's sequence at once, or raises AdmissionError if it is refused. Its
+        outputs come through on_update (scheduler/engine_io.py)."""
         if not self.started:
             raise AdmissionError("the server is not ready", Refusal.NOT_READY)
         if self.failure is not None:
@@ -247,19 +233,18 @@ class Engine:
             raise AdmissionError(self._ending, Refusal.SHUTTING_DOWN)
         if self.links.taken_over and not self.scheduler.can_serve:
             raise AdmissionError(self.links.taken_over_reason(), Refusal.NO_GROUP)
-        stop_ids = (frozenset() if ignore_eos else self.stop_ids) | frozenset(sampling.stop_token_ids)
         seq = Sequence(
-            request_id,
-            list(prompt),
-            sampling,
-            max_new_tokens,
-            stop_ids,
-            constraint=constraint,
-            cache_salt=cache_salt,
-            client=client,
-            priority=priority,
-            speculate=speculate,
-            timeline=Timeline(time.monotonic()) if self.timed else None,
+            request.request_id,
+            list(request.prompt),
+            request.sampling,
+            request.max_new_tokens,
+            request.stop_ids(self.stop_ids),
+            constraint=request.constraint,
+            cache_salt=request.cache_salt,
+            client=request.client,
+            priority=request.priority,
+            speculate=request.speculate,
+            timeline=Timeline(time.monotonic(), context=request.trace) if self.timed else None,
         )
         try:
             self.scheduler.add(seq)
@@ -268,26 +253,32 @@ class Engine:
             raise
         self.metrics.prompt_tokens.inc(len(seq.prompt))
         self._wake.set()
-        return seq
 
     def abort(self, request_id: str) -> None:
-        """The client is gone: the sequence ends and its slot is freed."""
-        self.scheduler.abort(request_id)
+        """The client is gone: the sequence ends (its finished output reported) and its slot is freed."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._report(seq)
         self._wake.set()
 
     def _report(self, seq: Sequence) -> None:
-        """Hand the sequence to the output layer; a finish it decides (a stop string) is applied."""
+        """Hand what is new of the sequence to the front end; a finish it decides (a stop string)
+        is applied, and reported as the sequence's end."""
+        if seq.end_reported:
+            return
         if seq.timeline is not None:
             now = time.monotonic()
             if seq.timeline.first_token is None and seq.output:
                 seq.timeline.first_token = now
             if seq.finished:
                 seq.timeline.finished = now
-        reason = self.on_update(seq)
-        if reason is not None:
+        output = seq.report()
+        reason = self.on_update(output) if output is not None else None
+        if reason is not None and not seq.finished:
             self.scheduler.finish(seq, reason)
             if seq.timeline is not None:
                 seq.timeline.finished = time.monotonic()
+            self._report(seq)
 
     def _timed(
         self, op: str, agent: str, start: float, seqs: Iterable[Sequence], chunks: Iterable[Chunk] = ()
@@ -411,13 +402,11 @@ class Engine:
         if seqs and self.scheduler.healthy[group]:
             self.scheduler.drop_drafts(seqs, plan.drafts)  # decoded alone: the proposals go unverified
             try:
-                tokens = await self._decode(group, seqs)
+                reply = await self._agent_step(group, seqs, [])
             except Exception as exc:
                 self._group_failed(group, exc)
                 return
-            self.scheduler.decoded(seqs, [[token] for token in tokens])
-            for seq in seqs:
-                self._report(seq)
+            self._apply(seqs, [], reply)
         for chunk in plan.prefills:
             await self._prefill_chunk(chunk)
 
@@ -438,39 +427,71 @@ class Engine:
         """The group's decode (with the tokens proposed after its sequences' pending tokens:
         `drafts`) and its prompt chunks in one agent call; False when the agent refused it as a bad
         request (nothing ran: the caller runs the parts one by one)."""
-        client, blocks = self.clients[group], self.scheduler.blocks[group]
-        attending = attended(seqs)
-        parts = [self._step_chunk(c) for c in chunks]
-        start = time.monotonic()
         try:
-            with self.metrics.agent_step.labels(client.address, "step").time():
-                tokens, firsts = await client.step(
-                    [s.placement[1] for s in seqs],
-                    [blocks.table(s.request_id) for s in seqs],
-                    parts,
-                    _masks([*seqs, *(c.seq for c in chunks if c.sample)]),
-                    {s.placement[1]: drafts[s.request_id] for s in seqs if s.request_id in drafts},
-                )
+            reply = await self._agent_step(group, seqs, chunks, drafts)
         except AgentRequestError as exc:
-            log.warning("agent %s refused a mixed step (%s): its parts run one by one", client.address, exc)
+            address = self.clients[group].address
+            log.warning("agent %s refused a mixed step (%s): its parts run one by one", address, exc)
             return False
         except AgentError as exc:
             self._group_failed(group, exc)
             return True
-        if self.timed:
-            self._timed("step", client.address, start, seqs, chunks)
-        self.metrics.agent_compute.labels(client.address, "step").observe(client.decode_compute_s)
-        self.scheduler.step_costs[group].mixed(
-            len(seqs), attending, [(c.start, c.end) for c in chunks], client.decode_compute_s
+        self._apply(seqs, chunks, reply, drafts)
+        return True
+
+    async def _agent_step(
+        self, group: int, seqs: list[Sequence], chunks: list[Chunk], drafts: dict[str, Proposal] | None = None
+    ) -> StepReply:
+        """The group's step of these decoding sequences (with the tokens proposed after their
+        pending tokens: `drafts`) and these prompt chunks, as one agent step."""
+        blocks, drafts = self.scheduler.blocks[group], drafts or {}
+        request = StepRequest(
+            [s.placement[1] for s in seqs],
+            [blocks.table(s.request_id) for s in seqs],
+            [self._step_chunk(c) for c in chunks],
+            _masks([*seqs, *(c.seq for c in chunks if c.sample)]),
+            {s.placement[1]: drafts[s.request_id] for s in seqs if s.request_id in drafts},
         )
-        self.scheduler.decoded(seqs, tokens, drafts)
+        return await self._timed_step(group, request, seqs, chunks)
+
+    async def _timed_step(
+        self, group: int, request: StepRequest, seqs: list[Sequence], chunks: list[Chunk]
+    ) -> StepReply:
+        """The engine's one call that runs the model: an agent step, timed (agent_step by its
+        kind, the timelines of its sequences) and, where it decodes, measured for the group's step
+        costs. Raises what the client raises."""
+        client = self.clients[group]
+        op, attending, start = request.kind, attended(seqs), time.monotonic()
+        with self.metrics.agent_step.labels(client.address, op).time():
+            reply = await client.step(request)
+        if self.timed:
+            self._timed("prefill_and_send" if request.transfer else op, client.address, start, seqs, chunks)
+        if seqs:
+            seconds, costs = client.decode_compute_s, self.scheduler.step_costs[group]
+            self.metrics.agent_compute.labels(client.address, op).observe(seconds)
+            if op == "step":
+                costs.mixed(len(seqs), attending, [(c.start, c.end) for c in chunks], seconds)
+            else:
+                costs.decoded(len(seqs), attending, seconds)
+        return reply
+
+    def _apply(
+        self,
+        seqs: list[Sequence],
+        chunks: list[Chunk],
+        reply: StepReply,
+        drafts: dict[str, Proposal] | None = None,
+    ) -> None:
+        """A step's tokens to its sequences, each reported: the decode's, then the chunks' first
+        tokens (where they sample)."""
+        if seqs:
+            self.scheduler.decoded(seqs, reply.decoded, drafts)
         for seq in seqs:
             self._report(seq)
-        for chunk, token in zip(chunks, firsts):
+        for chunk, token in zip(chunks, reply.firsts):
             self.scheduler.prefilled(chunk, token)
             if chunk.sample:
                 self._report(chunk.seq)
-        return True
 
     def _transfer_ended(self, task: asyncio.Task) -> None:
         self._transfers.discard(task)
@@ -480,27 +501,16 @@ class Engine:
             self._die(f"a KV transfer failed: {type(exc).__name__}: {exc}")
 
     async def _prefill(self, chunk: Chunk) -> None:
-        seq = chunk.seq
-        group = seq.placement[0]
-        client = self.clients[group]
-        start = time.monotonic()
+        group = chunk.seq.placement[0]
         try:
-            with self.metrics.agent_step.labels(client.address, "prefill").time():
-                token = await client.prefill(
-                    self._step_chunk(chunk),
-                    seq.constraint.mask() if chunk.sample and seq.constraint else None,
-                )
+            reply = await self._agent_step(group, [], [chunk])
         except AgentRequestError as exc:  # this request was bad; the group is fine
-            self._fail([seq], str(exc))
+            self._fail([chunk.seq], str(exc))
             return
         except AgentError as exc:
             self._group_failed(group, exc)
             return
-        if self.timed:
-            self._timed("prefill", client.address, start, (), [chunk])
-        self.scheduler.prefilled(chunk, token)
-        if chunk.sample:
-            self._report(seq)
+        self._apply([], [chunk], reply)
 
     async def _prefill_elsewhere(self, chunk: Chunk) -> None:
         """PD disaggregation: the prefill group computes the prompt (from its prefix-cache hit)
@@ -511,21 +521,19 @@ class Engine:
         prefill, decode = self.clients[prefill_group], self.clients[group]
         # A prefill group is one agent: the config makes tensor-parallel groups mixed.
         assert isinstance(prefill, AgentClient), f"prefill group {prefill.address} is not one agent"
-        transfer = {
-            "address": decode.address,
-            "slot": slot,
-            "session": decode.session,
-            "ticket": seq.ticket,
-            "table": self.scheduler.blocks[group].table(seq.request_id),
-        }
+        assert seq.ticket is not None  # given when the transfer was planned
+        transfer = KVTransfer(
+            decode.address,
+            slot,
+            decode.session,
+            seq.ticket,
+            tuple(self.scheduler.blocks[group].table(seq.request_id)),
+        )
         table = self.scheduler.blocks[prefill_group].table(seq.request_id)
         whole = StepChunk(prefill_slot, seq.prompt, table, chunk.start, seq.sampling)
-        start = time.monotonic()
+        request = StepRequest(chunks=[whole], masks=_masks([seq], prefill_slot), transfer=transfer)
         try:
-            with self.metrics.agent_step.labels(prefill.address, "prefill").time():
-                token, kv_bytes, transfer_ms = await prefill.prefill_and_send(
-                    whole, transfer, seq.constraint.mask() if seq.constraint else None
-                )
+            reply = await self._timed_step(prefill_group, request, [], [chunk])
         except AgentRequestError as exc:  # this request failed (its KV did not arrive); the group is fine
             log.warning("request %s failed on %s: %s", seq.request_id, prefill.address, exc)
             self.scheduler.transfer_failed(seq, str(exc))
@@ -538,8 +546,8 @@ class Engine:
             self.scheduler.transfer_failed(seq, f"internal error: {type(exc).__name__}: {exc}")
             self._report(seq)
         else:
-            if self.timed:
-                self._timed("prefill_and_send", prefill.address, start, (), [chunk])
+            token, kv_bytes, transfer_ms = reply.firsts[0], reply.kv_bytes, reply.transfer_ms
+            assert token is not None  # StepReply.from_wire: the whole prompt samples
             self.metrics.kv_transfer_bytes.inc(kv_bytes)
             self.metrics.kv_transfer.observe(transfer_ms / 1000)
             log.debug(
@@ -571,20 +579,6 @@ class Engine:
                 seq.error = error
                 self.scheduler.finish(seq, FinishReason.ERROR)
                 self._report(seq)
-
-    async def _decode(self, group: int, seqs: list[Sequence]) -> list[Sampled]:
-        client = self.clients[group]
-        blocks = self.scheduler.blocks[group]
-        tables = [blocks.table(s.request_id) for s in seqs]
-        attending = attended(seqs)
-        start = time.monotonic()
-        with self.metrics.agent_step.labels(client.address, "decode").time():
-            tokens = await client.decode([s.placement[1] for s in seqs], tables, _masks(seqs))
-        if self.timed:
-            self._timed("decode", client.address, start, seqs)
-        self.metrics.agent_compute.labels(client.address, "decode").observe(client.decode_compute_s)
-        self.scheduler.step_costs[group].decoded(len(seqs), attending, client.decode_compute_s)
-        return tokens
 
     async def _call(self, group: int, call) -> None:
         try:
@@ -623,6 +617,11 @@ class Engine:
         self._wake.set()
 
 
-def _masks(seqs: Iterable[Sequence]) -> dict[int, np.ndarray]:
-    """The token masks of the sequences that follow a grammar, by slot (structured output)."""
-    return {s.placement[1]: s.constraint.mask() for s in seqs if s.constraint is not None}
+def _masks(seqs: Iterable[Sequence], slot: int | None = None) -> dict[int, np.ndarray]:
+    """The token masks of the sequences that follow a grammar, by slot (structured output);
+    `slot`: the one sequence's slot on a prefill group."""
+    return {
+        s.placement[1] if slot is None else slot: s.constraint.mask()
+        for s in seqs
+        if s.constraint is not None
+    }

@@ -12,30 +12,26 @@ Requests (op: fields -> reply fields):
                                                     prefix_caching, mixed_rows,
                                                     prefill_buckets, decode_batch_buckets,
                                                     attend_buckets, role, rank, port
-    prefill:  slot, start, sample, sampling {...}, [transfer];
-              arrays [tokens int32 (positions 0..end-1), block table int32]
-              -> token (null unless sample), [logprobs: [entry]]: positions start..end-1 computed
-              into the table's blocks (0..start-1 are there already: an earlier chunk, a prefix-cache
-              hit); sample:
-              the prompt's last chunk, whose first token is sampled. With transfer {address, slot,
-              session, ticket, table}: the prompt's KV goes to that decode agent's slot and blocks
-              (kv_receive below) and this slot is free again -> also kv_bytes, transfer_ms
-    decode:   arrays [slots int32 [n], block tables int32 [n, w] (-1 past a row's blocks)]
-              -> arrays [tokens int32], [logprobs: [entry or null per slot]]
     step:     chunks [{slot, start, sample, [sampling {...} when sample]}, ...] (StepChunk),
-              [drafts [[slot, [token, ...] or count], ...]];
-              arrays [decode slots int32 [n], their block tables int32 [n, w], then per chunk its
-              tokens int32 (positions 0..end-1) and block table int32]
-              -> arrays [decode tokens int32], chunk_tokens [token or null per chunk],
-              [logprobs, chunk_logprobs: [entry or null per decode token / chunk]]: a decode
-              and prompt chunks (as prefill without transfer) in one call of at most mixed_rows
-              rows (info; 0: this agent runs none); refused whole if any part is wrong. drafts
-              (speculative decoding): tokens proposed after a decode slot's pending token (at most
-              16; never for a masked slot; its table covers their positions), or a count: that
-              many tokens of the agent's draft model (runtime.speculation method draft; fewer, or
-              none, where it cannot follow the slot): its rows are verified, and the reply's
-              `counts` gives each decode slot's number of tokens (the proposals kept and one more;
-              the tokens array holds them slot after slot)
+              [drafts [[slot, [token, ...] or count], ...]], [transfer {address, slot, session,
+              ticket, table}]; arrays [decode slots int32 [n], their block tables int32 [n, w] (-1
+              past a row's blocks), then per chunk its tokens int32 (positions 0..end-1) and block
+              table int32]   (agent/contract/step.py StepRequest)
+              -> arrays [decode tokens int32], counts [tokens per decode slot], chunk_tokens
+              [token or null per chunk], [logprobs, errors: an entry or null per decode token],
+              [chunk_logprobs, chunk_errors: per chunk]   (agent/contract/step_reply.py StepReply)
+              One agent step: a decode of the slots (each slot's pending token written, its next
+              one sampled), prompt chunks (positions start..end-1 computed into the table's blocks;
+              0..start-1 are there already: an earlier chunk, a prefix-cache hit; sample: the
+              prompt's last chunk, whose first token is sampled), or both in one call of at most
+              mixed_rows rows (info; 0: this agent runs none; StepLimits); refused whole if any part
+              is wrong. drafts (speculative decoding): tokens proposed after a decode slot's pending
+              token (at most 16; never for a masked slot; its table covers their positions), or a
+              count: that many tokens of the agent's draft model (runtime.speculation method draft;
+              fewer, or none, where it cannot follow the slot): its rows are verified, and `counts`
+              gives the proposals kept and one more. transfer (a prefill agent, one whole prompt
+              alone): its KV goes to that decode agent's slot and blocks (kv_receive below) and
+              this slot is free again -> also kv_bytes, transfer_ms
     release:  slot, [ticket]                               -> - (ticket: a transfer into this slot
                                                               that the scheduler gave up on; it is
                                                               refused if it still arrives)
@@ -47,7 +43,7 @@ Requests (op: fields -> reply fields):
                                                               stale_session below the holder's)
     ping:     -                                            -> -
     shutdown: session                                      -> - (the agent exits after replying)
-Token masks (structured output): prefill (sampling), decode and step may carry `masked` [slot, ...]
+Token masks (structured output): a step may carry `masked` [slot, ...]
 and, after every other array, an int32 array [len(masked), words <= ceil(vocab_size / 32)]: bit j of
 word i set means token 32 i + j may be that slot's next token (the server's grammar decides, over
 its tokenizer's vocabulary; tokens past the words are not allowed; one choice).
@@ -57,7 +53,7 @@ Sequence errors: a choice that fails for one sequence (its grammar allows only w
 forbids; a logprob that is not finite) is that sequence's error, not the call's: its token is -1
 and the reply's `errors` (`chunk_errors` for a step's chunks) lists [kind, message] for it, null for
 the others (SequenceFault.to_wire; absent when none failed). Such a slot decodes no more: the server
-releases it. A prefill with transfer sends nothing for it (and frees its slot).
+releases it. A step with transfer sends nothing for it (and frees its slot).
 Block tables are the server's: an agent's KV cache is a pool of num_blocks blocks of block_size
 positions, and every call names the blocks of each sequence (position p in block table[p // block_size]).
 A reply carries the request's op and id, and "ok": true, or "ok": false with "error" (a message)
@@ -65,7 +61,7 @@ and "kind" ("bad_request": the request was wrong; "internal": the agent failed; 
 the prefill ran but its KV did not reach the decode agent; "stale_session": see below).
 
 Sessions: a server opens one with `reset` (a random integer of its choosing) and puts it in every
-prefill, decode, step, release and shutdown (kv_receive carries the decode agent's). The agent refuses
+step, release and shutdown (kv_receive carries the decode agent's). The agent refuses
 those ops without a session or from any other one, so a request still queued from a connection the
 server has given up on (a hung agent resumed, a previous server), or a local process that never
 opened one, can never touch the slots of the current server. (`reset` itself opens a new session:
@@ -82,9 +78,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 9  # 9: a sampler state carries its key, not a generator state
-OPS = ("info", "prefill", "decode", "step", "release", "kv_receive", "reset", "ping", "shutdown")
-SESSION_OPS = ("prefill", "decode", "step", "release", "kv_receive", "shutdown")
+PROTOCOL_VERSION = 10  # 10: prefill and decode are steps (one op, typed request and reply)
+OPS = ("info", "step", "release", "kv_receive", "reset", "ping", "shutdown")
+SESSION_OPS = ("step", "release", "kv_receive", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent
 ALLOWED_DTYPES = {"int32", "int64", "float32", "float16"}
 MAX_ARRAY_BYTES = 1 << 30

@@ -207,13 +207,21 @@ class AgentSocket:
         return header, out
 
     def prefill(self, slot: int, tokens, sampling: dict | None = None, **fields):
-        """A whole prompt into the slot's own blocks (slot_blocks)."""
-        arrays = [np.asarray(tokens, np.int32), slot_blocks(slot)]
-        fields = {"start": 0, "sample": True, "sampling": sampling or {}, **fields}
-        return self.call("prefill", arrays, slot=slot, **fields)
+        """A whole prompt into the slot's own blocks (slot_blocks): a step of one chunk, whose map
+        `fields` change (as a hostile peer may). Its first token: reply["chunk_tokens"][0]."""
+        arrays = [
+            np.zeros(0, np.int32),
+            np.zeros((0, 0), np.int32),
+            np.asarray(tokens, np.int32),
+            slot_blocks(slot),
+        ]
+        chunk = {"slot": slot, "start": 0, "sample": True, "sampling": sampling or {}, **fields}
+        return self.call("step", arrays, chunks=[chunk])
 
-    def decode(self, slots: list[int]):
-        return self.call("decode", [np.asarray(slots, np.int32), np.stack([slot_blocks(s) for s in slots])])
+    def decode(self, slots: list[int], timeout: float = 30.0):
+        """A step that decodes the slots (their own blocks); their tokens are the reply's array."""
+        tables = np.stack([slot_blocks(s) for s in slots])
+        return self.call("step", [np.asarray(slots, np.int32), tables], timeout, chunks=[])
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -86,7 +86,7 @@ def test_two_agents_report_ready_and_answer_like_the_runner(
         assert info["protocol"] == protocol.PROTOCOL_VERSION and info["num_slots"] == 4
         assert info["max_seq_len"] == 64 and info["role"] == "mixed" and info["model"] == "tiny"
         reply, _ = client.prefill(1, prompt)
-        got = [reply["token"]]
+        got = [reply["chunk_tokens"][0]]
         for _ in range(7):
             reply, arrays = client.decode([1])
             assert reply["ok"], reply
@@ -97,10 +97,10 @@ def test_two_agents_report_ready_and_answer_like_the_runner(
 
 
 def spec_frames(spec, frame: bytes) -> list:
-    """A decode request whose one array is described by `spec`, as a hostile peer may send it."""
+    """A step request whose one array is described by `spec`, as a hostile peer may send it."""
     import msgpack
 
-    header = {"v": protocol.PROTOCOL_VERSION, "op": "decode", "id": 1, "arrays": [spec]}
+    header = {"v": protocol.PROTOCOL_VERSION, "op": "step", "id": 1, "arrays": [spec]}
     return [msgpack.packb(header), frame]
 
 
@@ -120,7 +120,7 @@ def step_arrays(slots: list[int], tables: list[list[int]]) -> list[np.ndarray]:
         (lambda c: c.call("fly"), "unknown op 'fly'"),
         (
             lambda c: c.raw(
-                [protocol.encode({"op": "decode", "id": 1}, [np.array([0], np.int32)])[0], b"\x00" * 7]
+                [protocol.encode({"op": "step", "id": 1}, [np.array([0], np.int32)])[0], b"\x00" * 7]
             ),
             "7 bytes do not match int32[1]",
         ),
@@ -129,12 +129,19 @@ def step_arrays(slots: list[int], tables: list[list[int]]) -> list[np.ndarray]:
         (lambda c: c.prefill(0, [1], sampling={"top_p": 7}), "top_p"),
         (lambda c: c.prefill(0, [1], sample="yes"), "sample (true or false)"),
         (lambda c: c.prefill(0, [1], sample=False), "its sampling when it samples, and only then"),
-        (lambda c: c.call("prefill", [np.array([1], np.int32)], slot=0), "2 1-D integer arrays"),
+        (
+            lambda c: c.call("step", [*step_arrays([], [])[:3], slot_blocks(0)[None]], chunks=[{"slot": 0}]),
+            "2 1-D integer arrays: token ids, block table",
+        ),
         (lambda c: c.prefill(0, [1, 2], start=5), "after the 0 the slot holds"),
         (lambda c: c.decode([3]), "slot 3 holds no sequence"),
-        (lambda c: c.call("decode", [np.array([3], np.int32)]), "slot ids [n] and block tables"),
+        (lambda c: c.call("step", [np.array([3], np.int32)], chunks=[]), "slot ids [n], their block tables"),
+        (
+            lambda c: c.call("step", step_arrays([], [])[:2], chunks=[]),
+            "decodes slots, computes prompt chunks",
+        ),
         (lambda c: c.call("release", slot="x"), "must be an integer"),
-        (lambda c: c.call("step", [], chunks="x"), "list of up to 4 chunks, or drafts"),
+        (lambda c: c.call("step", [], chunks="x"), "a list of up to 4 chunks"),
         (lambda c: c.call("step", [], chunks=[{}]), "decode slot ids [n], their block tables"),
         (lambda c: c.call("step", step_arrays([0], [[1]]), chunks=[{"slot": 1}]), "sample (true or false)"),
         (
@@ -150,23 +157,33 @@ def step_arrays(slots: list[int], tables: list[list[int]]) -> list[np.ndarray]:
             "sample (true or false)",
         ),
         # Token masks (structured output): `masked` slots, then an int32 array [masked, words].
-        (lambda c: c.call("decode", [np.array([0], np.int32)], masked="x"), "must list distinct slot ids"),
-        (lambda c: c.call("decode", [np.array([0], np.int32)], masked=[0, 0]), "must list distinct slot ids"),
         (
-            lambda c: c.call("decode", [np.array([0], np.int32), np.ones((1, 2), np.int64)], masked=[0]),
+            lambda c: c.call("step", [np.array([0], np.int32)], chunks=[], masked="x"),
+            "must list distinct slot ids",
+        ),
+        (
+            lambda c: c.call("step", [np.array([0], np.int32)], chunks=[], masked=[0, 0]),
+            "must list distinct slot ids",
+        ),
+        (
+            lambda c: c.call(
+                "step", [np.array([0], np.int32), np.ones((1, 2), np.int64)], chunks=[], masked=[0]
+            ),
             "an int32 array [masked slots, words]",
         ),
         (
             lambda c: c.call(
-                "prefill",
-                [np.array([1, 2], np.int32), slot_blocks(0), np.full((1, 2), -1, np.int32)],
-                slot=0,
-                start=0,
-                sample=True,
-                sampling={},
+                "step",
+                [
+                    *step_arrays([], [])[:2],
+                    np.array([1, 2], np.int32),
+                    slot_blocks(0),
+                    np.full((1, 2), -1, np.int32),
+                ],
+                chunks=[{"slot": 0, "start": 0, "sample": True, "sampling": {}}],
                 masked=[1],
             ),
-            "its own slot",
+            "a token mask for slot 1, which samples nothing in this call",
         ),
         # These three killed the agent (TypeError, OverflowError, an int64 product that wrapped to 0).
         (lambda c: c.raw(spec_frames([["int32"], [1]], b"\x00" * 4)), "bad description"),
@@ -195,9 +212,9 @@ def test_a_frame_over_the_largest_legal_one_is_dropped_unread(two_agents):
     limit = AgentSocket(ports[0]).call("info")[0]["max_frame_bytes"]
     assert limit == 16 * 64 + (1 << 20)  # max_seq_len 64
     oversized = AgentSocket(ports[0], session=False)
-    tokens = np.zeros(limit // 4 + 1, np.int32)  # a well-formed decode, one frame too large
+    tokens = np.zeros(limit // 4 + 1, np.int32)  # a well-formed step, one frame too large
     with pytest.raises(TimeoutError):
-        oversized.raw(protocol.encode({"op": "decode", "id": 1}, [tokens]), timeout=3)
+        oversized.raw(protocol.encode({"op": "step", "id": 1}, [tokens]), timeout=3)
     oversized.close()
     assert launcher.agent_pids() == pids and AgentSocket(ports[0]).call("ping")[0]["ok"]
 
@@ -219,9 +236,8 @@ def test_slot_operations_need_the_current_session(two_agents):
     intruder = AgentSocket(ports[0], session=False)
     for op, arrays, fields in [
         ("release", (), {"slot": 2}),
-        ("decode", [np.array([2], np.int32)], {}),
+        ("step", [np.array([2], np.int32), slot_blocks(2)[None]], {"chunks": []}),
         ("step", step_arrays([2], [[1]]), {"chunks": [{"slot": 3, "start": 0, "sample": True}]}),
-        ("prefill", [np.array([1], np.int32)], {"slot": 3}),
         ("shutdown", (), {}),
     ]:
         header, _ = intruder.call(op, arrays, **fields)
@@ -257,14 +273,14 @@ def test_sigterm_during_decode_exits_zero_with_no_agent_left(launch, tiny_llama_
     pids = launcher.agent_pids()
     assert len(pids) >= 2
     client = AgentSocket(ports[0])
-    client.call("prefill", [np.array([5, 6, 7], np.int32)], slot=0)
+    assert client.prefill(0, [5, 6, 7])[0]["ok"]
     stop = threading.Event()
 
     def keep_decoding():
         steps = 0
         while not stop.is_set() and steps < 50:
             try:
-                client.call("decode", [np.array([0], np.int32)], timeout=2)
+                client.decode([0], timeout=2)
             except TimeoutError:
                 return
             steps += 1

@@ -230,9 +230,10 @@ def test_a_peers_state_with_token_ids_or_counts_out_of_range_is_refused(decode_a
     for ticket, (token, words) in enumerate(bad_tokens, start=50):
         answer = receive(1, ticket, good, next_token=token)
         assert not answer["ok"] and words in answer["error"], answer
-    header, arrays = server.call("decode", [np.array([0], np.int32), slot_blocks(0)[None]], session=session)
+    decode = [np.array([0], np.int32), slot_blocks(0)[None]]
+    header, arrays = server.call("step", decode, chunks=[], session=session)
     assert header["ok"] and 0 <= arrays[0][0] < vocab, header
     assert receive(1, 99, good)["ok"]  # the refused transfers left the slot as it was: free
     tables = np.stack([slot_blocks(0), slot_blocks(1)])
-    header, arrays = server.call("decode", [np.array([0, 1], np.int32), tables], session=session)
+    header, arrays = server.call("step", [np.array([0, 1], np.int32), tables], chunks=[], session=session)
     assert header["ok"] and len(arrays[0]) == 2, header

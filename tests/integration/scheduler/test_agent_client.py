@@ -13,10 +13,22 @@ import zmq.asyncio
 
 from agent.contract import protocol
 from agent.contract.sampling import NO_TOKEN, Sampled, SamplingParams
-from agent.contract.step import StepChunk
+from agent.contract.step import StepChunk, StepRequest
+from agent.contract.step_reply import sampled_from_wire
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, slot_blocks, write_config
 from scheduler.agent_client import AgentClient, AgentRequestError, AgentUnavailable, GroupClient
+
+
+async def prefill(client, chunk: StepChunk, mask: np.ndarray | None = None) -> Sampled | None:
+    """The chunk alone, as one step: its first token where it samples."""
+    masks = {} if mask is None else {chunk.slot: mask}
+    return (await client.step(StepRequest(chunks=[chunk], masks=masks))).firsts[0]
+
+
+async def decode(client, slots: list[int], tables) -> list[Sampled]:
+    """A decode of the slots alone, as one step: each slot's token."""
+    return [tokens[0] for tokens in (await client.step(StepRequest(slots, tables))).decoded]
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +63,10 @@ def test_calls_match_the_in_process_runner(agent, tiny_llama_runner, tiny_llama_
         await client.reset()
         tables = [slot_blocks(0), slot_blocks(1)]
         got = [
-            [await client.prefill(StepChunk(s, p, tables[s], 0, params[s]))] for s, p in enumerate(prompts)
+            [await prefill(client, StepChunk(s, p, tables[s], 0, params[s]))] for s, p in enumerate(prompts)
         ]
         for _ in range(5):
-            for seq, token in zip(got, await client.decode([0, 1], tables)):
+            for seq, token in zip(got, await decode(client, [0, 1], tables)):
                 seq.append(token)
         await client.release(0)
         await client.release(1)
@@ -71,7 +83,7 @@ def test_error_reply_raises_with_the_agents_message(agent):
         client = AgentClient(agent[0], timeout_s=30)
         try:
             await client.reset()
-            await client.decode([3], [slot_blocks(3)])
+            await decode(client, [3], [slot_blocks(3)])
         finally:
             client.close()
 
@@ -101,20 +113,19 @@ def test_a_choice_that_fails_is_its_sequences_error_and_the_call_goes_on(agent):
         vocab, (eos, *_) = info["vocab_size"], info["eos_ids"]
         starved = SamplingParams(min_tokens=3)
         try:
-            first = await client.prefill(
-                StepChunk(1, [5, 6, 7], slot_blocks(1), 0, starved), only([eos], vocab)
+            first = await prefill(
+                client, StepChunk(1, [5, 6, 7], slot_blocks(1), 0, starved), only([eos], vocab)
             )
-            fine = await client.prefill(StepChunk(0, [5, 6, 7], slot_blocks(0), 0, SamplingParams()))
+            fine = await prefill(client, StepChunk(0, [5, 6, 7], slot_blocks(0), 0, SamplingParams()))
             chunk = StepChunk(2, [8, 9], slot_blocks(2), 0, starved)
-            decoded, (chunk_first,) = await client.step(
-                [0], [slot_blocks(0)], [chunk], {2: only([eos], vocab)}
-            )
+            reply = await client.step(StepRequest([0], [slot_blocks(0)], [chunk], {2: only([eos], vocab)}))
+            decoded, (chunk_first,) = reply.decoded, reply.firsts
             with pytest.raises(AgentRequestError, match="ended with an error"):
-                await client.decode([1], [slot_blocks(1)])
-            again = await client.decode([0], [slot_blocks(0)])
+                await decode(client, [1], [slot_blocks(1)])
+            again = await decode(client, [0], [slot_blocks(0)])
             malformed = [
-                client._one_sampled(vocab + 5, None, None),
-                client._one_sampled(3, [float("nan"), []], None),
+                sampled_from_wire(vocab + 5, None, None, vocab, client.address),
+                sampled_from_wire(3, [float("nan"), []], None, vocab, client.address),
             ]
             return first, fine, decoded, chunk_first, again, malformed
         finally:
@@ -158,12 +169,12 @@ def test_a_second_session_takes_over_and_the_first_is_refused(agent, tiny_llama_
         old, new = AgentClient(agent[0], timeout_s=30), AgentClient(agent[0], timeout_s=30)
         try:
             await old.reset()
-            await old.prefill(StepChunk(0, prompt, slot_blocks(0), 0, SamplingParams()))
+            await prefill(old, StepChunk(0, prompt, slot_blocks(0), 0, SamplingParams()))
             await new.reset()  # releases slot 0
-            await new.prefill(StepChunk(0, prompt, slot_blocks(0), 0, SamplingParams()))
+            await prefill(new, StepChunk(0, prompt, slot_blocks(0), 0, SamplingParams()))
             with pytest.raises(AgentUnavailable, match="another server took this agent over"):
-                await old.decode([0], [slot_blocks(0)])
-            assert len(await new.decode([0], [slot_blocks(0)])) == 1
+                await decode(old, [0], [slot_blocks(0)])
+            assert len(await decode(new, [0], [slot_blocks(0)])) == 1
             await new.release(0)
         finally:
             old.close()
@@ -264,7 +275,7 @@ def test_a_tensor_parallel_group_with_a_lost_rank_sends_nothing_to_the_others():
             with pytest.raises(AgentUnavailable, match="connection lost"):
                 await group.clients[1].ping()
             with pytest.raises(AgentUnavailable, match="connection lost"):
-                await group.decode([0], [slot_blocks(0)])
+                await decode(group, [0], [slot_blocks(0)])
             assert await rank0.received(0.5) == []
         finally:
             group.close()

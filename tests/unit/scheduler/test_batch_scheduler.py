@@ -12,6 +12,7 @@ from agent.contract.sampling import Sampled, SamplingParams
 from config.schema import SpeculationSection
 from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal
 from scheduler.client_share import ClientShares
+from scheduler.engine_io import FaultKind
 from scheduler.sequence import FinishReason, Sequence
 from scheduler.speculation import Speculator
 
@@ -654,7 +655,7 @@ def test_a_client_at_its_running_cap_waits_while_slots_are_free():
 
 def test_a_sampling_fault_ends_only_its_sequence():
     """The agent's reply carries a fault for one sequence of a step: it ends with an error of the
-    fault's status, its slot is released; the other sequence goes on."""
+    fault's kind, its slot is released; the other sequence goes on."""
     from agent.contract.sampling import NO_TOKEN, SequenceFault
 
     scheduler, agents = make(slots=(2,))
@@ -664,7 +665,10 @@ def test_a_sampling_fault_ends_only_its_sequence():
     step(scheduler, agents)
     fault = SequenceFault("request", "no token can follow")
     scheduler.decoded([a, b], [[Sampled(NO_TOKEN, None, fault)], [Sampled(5)]])
-    assert a.finish_reason is FinishReason.ERROR and (a.error, a.error_status) == ("no token can follow", 400)
+    assert a.finish_reason is FinishReason.ERROR and (a.error, a.fault) == (
+        "no token can follow",
+        FaultKind.REQUEST,
+    )
     assert NO_TOKEN not in a.output and not b.finished and b.output[-1] == 5
     assert [r.slot for r in scheduler.schedule().releases] == [a.slot]
 

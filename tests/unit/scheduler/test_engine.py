@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 
 from agent.contract.sampling import NO_TOKEN, Sampled, SamplingParams, SequenceFault
-from agent.contract.step import StepChunk
+from agent.contract.step import StepChunk, StepRequest
+from agent.contract.step_reply import StepReply
 from config.schema import ServingConfig
 from scheduler.agent_client import AgentUnavailable
 from scheduler.engine import Engine
-from scheduler.sequence import FinishReason, Sequence
+from scheduler.engine_io import EngineOutput, EngineRequest, FaultKind, FinishReason
 
 VOCAB, EOS = 100, 0
 FAULTY = SamplingParams(min_tokens=7)  # the fake fails the choices of sequences sampling so
@@ -69,26 +70,17 @@ class FakeAgent:
         await self._check()
         self.last.clear()
 
-    async def prefill(self, chunk: StepChunk, mask=None) -> Sampled | None:
+    async def step(self, request: StepRequest) -> StepReply:
         await self._check()
-        return self._chunk(chunk)
-
-    async def decode(self, slots, tables, masks=None) -> list[Sampled]:
-        await self._check()
-        return [self._next(slot) for slot in slots]
-
-    async def step(self, slots, tables, chunks, masks=None, drafts=None):
-        await self._check()
-        drafts = drafts or {}
         decoded = []
-        for slot in slots:  # a proposal is kept where it is the next token (last + 1)
+        for slot in request.slots:  # a proposal is kept where it is the next token (last + 1)
             tokens = [self._next(slot)]
-            for proposal in drafts.get(slot, []):
+            for proposal in request.drafts.get(slot, []):
                 if tokens[-1].token != proposal:
                     break
                 tokens.append(self._next(slot))
             decoded.append(tokens)
-        return decoded, [self._chunk(c) for c in chunks]
+        return StepReply(decoded, [self._chunk(c) for c in request.chunks])
 
     async def release(self, slot: int, ticket=None) -> None:
         await self._check()
@@ -105,11 +97,35 @@ class FakeAgent:
         pass
 
 
-def engine_over(agent: FakeAgent, on_update=lambda seq: None) -> Engine:
+class Answers:
+    """What the engine reported of each request through on_update, as a front end sees it;
+    `decide(answers, output)` plays the output layer's finish decision (a stop string)."""
+
+    def __init__(self, decide=None):
+        self.tokens: dict[str, list[int]] = {}
+        self.ends: dict[str, EngineOutput] = {}
+        self.decide = decide
+
+    def update(self, output: EngineOutput) -> FinishReason | None:
+        assert output.request_id not in self.ends, "a request ends once"
+        self.tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if output.finished:
+            self.ends[output.request_id] = output
+        return self.decide(self, output) if self.decide else None
+
+    def finished(self, *request_ids: str) -> bool:
+        return all(r in self.ends for r in request_ids)
+
+
+def engine_over(agent: FakeAgent, answers: Answers) -> Engine:
     config = ServingConfig.model_validate({"agents": {"ports": [1]}, "server": {"agent_wait_s": 1}})
-    engine = Engine(config, VOCAB, [EOS], on_update)
+    engine = Engine(config, VOCAB, [EOS], answers.update)
     engine.links.clients[0] = agent  # the engine's list: the fake stands in for the agent client
     return engine
+
+
+def submit(engine: Engine, request_id: str, prompt: list[int], sampling: SamplingParams, max_new_tokens: int):
+    engine.add_request(EngineRequest(request_id, tuple(prompt), sampling, max_new_tokens))
 
 
 async def until(condition, timeout_s: float = 5) -> None:
@@ -122,90 +138,108 @@ async def until(condition, timeout_s: float = 5) -> None:
     await asyncio.wait_for(holds(), timeout_s)
 
 
-async def finished(seqs: list[Sequence], timeout_s: float = 5) -> None:
-    await until(lambda: all(s.finished for s in seqs), timeout_s)
-
-
 def test_requests_decode_to_their_length_and_free_their_slots():
-    agent = FakeAgent()
+    agent, answers = FakeAgent(), Answers()
 
     async def scenario():
-        engine = engine_over(agent)
+        engine = engine_over(agent, answers)
         await engine.start()
-        seqs = [engine.add_request(f"r{i}", [10 * i + 1, 10 * i + 2], SamplingParams(), 5) for i in range(6)]
-        await finished(seqs)
-        await until(lambda: len(agent.released) == len(seqs))  # the last releases: the next iteration
+        for i in range(6):
+            submit(engine, f"r{i}", [10 * i + 1, 10 * i + 2], SamplingParams(), 5)
+        await until(lambda: answers.finished(*(f"r{i}" for i in range(6))))
+        await until(lambda: len(agent.released) == 6)  # the last releases: the next iteration
         await engine.stop()
-        return seqs
 
-    seqs = run(scenario())
-    for i, seq in enumerate(seqs):
+    run(scenario())
+    for i in range(6):
         first = 10 * i + 3
-        assert seq.output == list(range(first, first + 5)) and seq.finish_reason is FinishReason.LENGTH
-    assert sorted(agent.released) == sorted(s.slot for s in seqs)  # 6 requests over 4 slots: reused
+        assert answers.tokens[f"r{i}"] == list(range(first, first + 5))
+        assert answers.ends[f"r{i}"].finish_reason is FinishReason.LENGTH
+    assert set(agent.released) <= set(range(4))  # 6 requests over 4 slots: reused
 
 
 def test_a_sequence_fault_ends_that_sequence_alone():
-    agent = FakeAgent()
+    agent, answers = FakeAgent(), Answers()
 
     async def scenario():
-        engine = engine_over(agent)
+        engine = engine_over(agent, answers)
         await engine.start()
-        faulty = engine.add_request("faulty", [1, 2], FAULTY, 8)
-        fine = engine.add_request("fine", [3, 4], SamplingParams(), 8)
-        await finished([faulty, fine])
+        submit(engine, "faulty", [1, 2], FAULTY, 8)
+        submit(engine, "fine", [3, 4], SamplingParams(), 8)
+        await until(lambda: answers.finished("faulty", "fine"))
         await engine.stop()
-        return faulty, fine
 
-    faulty, fine = run(scenario())
-    assert faulty.finish_reason is FinishReason.ERROR and faulty.error_status == 400
-    assert "nothing to sample" in (faulty.error or "") and faulty.output == []
-    assert fine.finish_reason is FinishReason.LENGTH and fine.output == list(range(5, 13))
+    run(scenario())
+    faulty, fine = answers.ends["faulty"], answers.ends["fine"]
+    assert faulty.finish_reason is FinishReason.ERROR and faulty.fault is FaultKind.REQUEST
+    assert "nothing to sample" in (faulty.error or "") and answers.tokens["faulty"] == []
+    assert fine.finish_reason is FinishReason.LENGTH and answers.tokens["fine"] == list(range(5, 13))
+    assert fine.fault is None and fine.error is None
 
 
 def test_a_dead_group_fails_its_sequences_and_serves_again_once_it_answers():
-    agent = FakeAgent()
+    agent, answers = FakeAgent(), Answers()
 
     async def scenario():
-        engine = engine_over(agent)
+        engine = engine_over(agent, answers)
         await engine.start()
-        before = engine.add_request("before", [1, 2], SamplingParams(), 40)
-        await until(lambda: len(before.output) >= 3)
+        submit(engine, "before", [1, 2], SamplingParams(), 40)
+        await until(lambda: len(answers.tokens.get("before", [])) >= 3)
         agent.down = True
-        await finished([before])
+        await until(lambda: answers.finished("before"))
         agent.down = False
         await until(lambda: engine.scheduler.healthy[0])  # the engine probes a failed group every second
-        after = engine.add_request("after", [20], SamplingParams(), 3)
-        await finished([after])
+        submit(engine, "after", [20], SamplingParams(), 3)
+        await until(lambda: answers.finished("after"))
         await engine.stop()
-        return before, after
 
-    before, after = run(scenario())
-    assert before.finish_reason is FinishReason.ERROR and before.error_status == 503
+    run(scenario())
+    before = answers.ends["before"]
+    assert before.finish_reason is FinishReason.ERROR and before.fault is FaultKind.UNAVAILABLE
     assert "fake agent is down" in (before.error or "")
-    assert after.output == [21, 22, 23]
+    assert answers.tokens["after"] == [21, 22, 23]
 
 
 def test_a_finish_the_output_layer_decides_is_applied():
     """on_update returns STOP once the text holds a stop string (server/output.py): here, at the
-    answer's third token; the engine ends the sequence there and frees its slot."""
+    answer's third token; the engine ends the request there, reports that end once, and frees
+    its slot."""
     agent = FakeAgent()
 
-    def stop_at_third(seq: Sequence) -> FinishReason | None:
-        return FinishReason.STOP if len(seq.output) == 3 and not seq.finished else None
+    def stop_at_third(answers: Answers, output: EngineOutput) -> FinishReason | None:
+        return FinishReason.STOP if len(answers.tokens["stops"]) == 3 and not output.finished else None
+
+    answers = Answers(stop_at_third)
 
     async def scenario():
-        engine = engine_over(agent, stop_at_third)
+        engine = engine_over(agent, answers)
         await engine.start()
-        seq = engine.add_request("stops", [1], SamplingParams(), 30)
-        await finished([seq])
+        submit(engine, "stops", [1], SamplingParams(), 30)
+        await until(lambda: answers.finished("stops"))
         await until(lambda: agent.released)
         await engine.stop()
-        return seq
 
-    seq = run(scenario())
-    assert seq.finish_reason is FinishReason.STOP and seq.output == [2, 3, 4]
-    assert agent.released == [seq.slot]
+    run(scenario())
+    assert answers.ends["stops"].finish_reason is FinishReason.STOP and answers.tokens["stops"] == [2, 3, 4]
+    assert len(agent.released) == 1
+
+
+def test_an_aborted_request_reports_its_end():
+    """The client went away (the stream's close aborts it): the engine reports the request's end
+    at once, so the front end hears of every request's end from the engine."""
+    agent, answers = FakeAgent(), Answers()
+
+    async def scenario():
+        engine = engine_over(agent, answers)
+        await engine.start()
+        submit(engine, "gone", [1], SamplingParams(), 1000)
+        await until(lambda: len(answers.tokens.get("gone", [])) >= 2)
+        engine.abort("gone")
+        assert answers.ends["gone"].finish_reason is FinishReason.ABORT
+        await until(lambda: agent.released)
+        await engine.stop()
+
+    run(scenario())
 
 
 def run(coro):

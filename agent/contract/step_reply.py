@@ -1,0 +1,142 @@
+"""StepReply: what one agent step (agent/contract/step.py StepRequest) answers.
+
+On the wire (protocol.py `step`): one int32 array of the decode slots' tokens, slot after slot,
+`counts` (each decode slot's number of tokens: one, or with proposals the ones kept and one more),
+`chunk_tokens` (each chunk's first token, null unless it samples), and where any entry is not null
+`logprobs` and `errors` (one per decode token), `chunk_logprobs` and `chunk_errors` (one per chunk);
+a step that sent its KV adds kv_bytes and transfer_ms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from agent.contract.sampling import NO_TOKEN, Sampled, SequenceFault, TokenLogprob
+from agent.contract.step import StepRequest, proposal_size
+
+
+@dataclass(frozen=True)
+class StepReply:
+    decoded: list[list[Sampled]]  # each decode slot's tokens, in the request's order
+    firsts: list[Sampled | None]  # each chunk's first token; None where it does not sample
+    kv_bytes: int = 0  # a step that sent its KV (KVTransfer): the K/V bytes sent
+    transfer_ms: float = 0.0  # and how long the sending took
+
+    def to_wire(self) -> tuple[dict[str, Any], list[np.ndarray]]:
+        tokens = [s for slot in self.decoded for s in slot]
+        fields: dict[str, Any] = {
+            "counts": [len(slot) for slot in self.decoded],
+            "chunk_tokens": [None if s is None else s.token for s in self.firsts],
+            **_entries(tokens, ""),
+            **_entries(self.firsts, "chunk_"),
+        }
+        if self.kv_bytes:
+            fields |= {"kv_bytes": self.kv_bytes, "transfer_ms": self.transfer_ms}
+        return fields, [np.asarray([s.token for s in tokens], np.int32)]
+
+    @classmethod
+    def from_wire(
+        cls,
+        header: dict[str, Any],
+        arrays: list[np.ndarray],
+        request: StepRequest,
+        vocab_size: int | None,
+        peer: str = "the agent",
+    ) -> StepReply:
+        """The reply to `request`. ValueError where it does not fit the request (the agent does not
+        follow the protocol); a bad value for one token (not a token id of the vocabulary, a logprob
+        that is not one) is that sequence's fault instead: it ends, the others go on."""
+        if len(arrays) != 1 or arrays[0].ndim != 1:
+            raise ValueError("step reply without its tokens array")
+        tokens = arrays[0].tolist()
+        counts, firsts = header.get("counts"), header.get("chunk_tokens")
+        if (
+            not isinstance(counts, list)
+            or len(counts) != len(request.slots)
+            or not all(
+                type(n) is int and 1 <= n <= 1 + proposal_size(request.drafts.get(s, []))
+                for s, n in zip(request.slots, counts)
+            )
+            or sum(counts) != len(tokens)
+        ):
+            raise ValueError("step reply's counts do not fit its tokens")
+        if (
+            not isinstance(firsts, list)
+            or len(firsts) != len(request.chunks)
+            or any((t is None) == c.sample for t, c in zip(firsts, request.chunks))
+        ):
+            raise ValueError("step reply without a token per sampling chunk")
+        flat = _sampled(tokens, header, "", vocab_size, peer)
+        decoded, at = [], 0
+        for n in counts:
+            decoded.append(flat[at : at + n])
+            at += n
+        chunk_firsts = [
+            None if t is None else s
+            for t, s in zip(firsts, _sampled(firsts, header, "chunk_", vocab_size, peer))
+        ]
+        sent = request.transfer is not None and chunk_firsts[0] is not None and chunk_firsts[0].fault is None
+        if not sent:
+            return cls(decoded, chunk_firsts)
+        kv_bytes, transfer_ms = header.get("kv_bytes"), header.get("transfer_ms")
+        if type(kv_bytes) is not int or not isinstance(transfer_ms, (int, float)):
+            raise ValueError("step reply without the size and time of its KV transfer")
+        return cls(decoded, chunk_firsts, kv_bytes, float(transfer_ms))
+
+
+def _entries(sampled: Sequence[Sampled | None], prefix: str) -> dict[str, list]:
+    """The `logprobs` and `errors` fields of these tokens, each absent where all are null."""
+    fields = {}
+    for name, entries in (
+        ("logprobs", [None if s is None else s.logprob for s in sampled]),
+        ("errors", [None if s is None else s.fault for s in sampled]),
+    ):
+        if any(e is not None for e in entries):
+            fields[prefix + name] = [None if e is None else e.to_wire() for e in entries]
+    return fields
+
+
+def _sampled(tokens: list, header: dict, prefix: str, vocab_size: int | None, peer: str) -> list[Sampled]:
+    """The tokens with their entries of the reply's `logprobs` and `errors` fields (lists of an
+    entry or null per token, or absent)."""
+    lists = {name: header.get(prefix + name) for name in ("logprobs", "errors")}
+    for name, entries in lists.items():
+        if entries is not None and (not isinstance(entries, list) or len(entries) != len(tokens)):
+            raise ValueError(
+                f"its reply's {prefix}{name} do not fit its tokens "
+                f"({len(entries) if isinstance(entries, list) else type(entries).__name__} for "
+                f"{len(tokens)} tokens)"
+            )
+    logprobs, errors = lists["logprobs"], lists["errors"]
+    return [
+        sampled_from_wire(
+            token,
+            None if logprobs is None else logprobs[i],
+            None if errors is None else errors[i],
+            vocab_size,
+            peer,
+        )
+        for i, token in enumerate(tokens)
+    ]
+
+
+def sampled_from_wire(token: Any, logprob: Any, error: Any, vocab_size: int | None, peer: str) -> Sampled:
+    """One token of a reply with its logprob and error entries; a value that is not one is the
+    fault of its sequence ("internal")."""
+    if token is None:  # a chunk that samples nothing (checked against the request)
+        return Sampled(NO_TOKEN)
+    try:
+        if error is not None:
+            return Sampled(NO_TOKEN, None, SequenceFault.from_wire(error))
+        if type(token) is not int or not 0 <= token < (vocab_size or 2**31):
+            raise ValueError(f"{token!r:.50} is not a token id of its vocabulary")
+        entry = None if logprob is None else TokenLogprob.from_wire(logprob)
+        if entry is not None and vocab_size and any(not 0 <= t < vocab_size for t, _ in entry.top):
+            raise ValueError("a top logprob names a token outside its vocabulary")
+        return Sampled(token, entry)
+    except ValueError as exc:
+        return Sampled(NO_TOKEN, None, SequenceFault("internal", f"{peer} sent {exc}"))
