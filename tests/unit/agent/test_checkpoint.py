@@ -30,7 +30,8 @@ def test_default_gguf_spec(default_model_path):
     spec = load_checkpoint(default_model_path).spec
     assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == (30, 576, 9, 3)
     assert (spec.vocab_size, spec.rope_theta, spec.tied_embeddings) == (49152, 100000.0, True)
-    assert spec.eos_ids == (2,) and spec.bos_id == 1
+    # <|im_end|> (the file's EOS), then <|endoftext|>: llama.cpp ends generation at both
+    assert spec.eos_ids == (2, 0) and spec.bos_id == 1
     assert 134_000_000 < spec.parameter_count() < 135_000_000
 
 
