@@ -122,10 +122,12 @@ def working_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     positions = spec.max_context if runtime.max_seq_len == "auto" else runtime.max_seq_len
     tables = 2 if spec.local_layers and spec.rope_local_theta is not None else 1
     rope = tables * 2 * positions * spec.head_dim * 4
-    # the gather decode path (Ascend, GPU) copies one layer's K and V of the largest batch over the
-    # largest attend bucket (max_seq_len) before its matmuls: a pool capped at the budget leaves it room
+    # the gather decode path (GPU; Ascend with decode_attention: gather) copies one layer's K and V of
+    # the largest batch over the largest attend bucket (max_seq_len) before its matmuls: a pool capped
+    # at the budget leaves it room. (The paged backend's reference, off Ascend, gathers as much.) On
+    # Ascend PagedAttention reads the blocks in place.
     gather = 0
-    if not runtime.attention_kernel:
+    if not runtime.attention_kernel and not (runtime.paged_attention and runtime.device_target == "Ascend"):
         gather = 2 * runtime.decode_batch_buckets[-1] * positions * spec.num_kv_heads
         gather *= spec.head_dim * DTYPE_BYTES[runtime.dtype]
     return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2 + rope + gather

@@ -42,6 +42,7 @@ from agent.graphs.layers import (
     rms_norm,
     zeros,
 )
+from agent.graphs.paged_attention import PagedBackend
 from agent.model.checkpoint import Checkpoint
 from agent.model.spec import ModelSpec
 
@@ -75,10 +76,14 @@ class DecoderLayer(nn.Cell):
         kernels: CpuKernels,
         dtype=ms.float32,
         split: TensorSplit = WHOLE_MODEL,
+        paged: PagedBackend | None = None,
     ):
+        """paged: the paged attention backend's factory (paged_attention.paged_backend), None: the
+        CPU kernels or gather."""
         super().__init__()
         spec, p = checkpoint.spec, f"layers.{index}."
-        share = LayerShare.of(spec, split)
+        # a rank's checkpoint holds its share already (its loader read only those rows and columns)
+        share = LayerShare.of(spec, split).held_as(checkpoint.split, split)
         self._use_kernels(kernels, spec, block_size)
         # Half precision (Ascend/GPU, or float16 on CPU): weights, activations and cache in `dtype`,
         # norms and softmax in float32. A constant: the float32 graphs have no casts at all.
@@ -105,8 +110,20 @@ class DecoderLayer(nn.Cell):
             self._fused_options(checkpoint, p)
         else:
             self._load_op_by_op(checkpoint, p, share)
-        self.k_cache = zeros((cache_rows, spec.head_dim), p + "k_cache", dtype)
-        self.v_cache = zeros((cache_rows, spec.head_dim), p + "v_cache", dtype)
+        self.paged_attention: Any = None
+        cache_shape: tuple[int, ...] = (cache_rows, spec.head_dim)
+        if paged is not None:
+            self.paged_attention = paged(
+                heads=self.heads, kv_heads=self.kv_heads, head_dim=spec.head_dim, dtype=dtype
+            )
+            cache_shape = (
+                cache_rows // (self.kv_heads * block_size),
+                block_size,
+                self.kv_heads,
+                spec.head_dim,
+            )
+        self.k_cache = zeros(cache_shape, p + "k_cache", dtype)
+        self.v_cache = zeros(cache_shape, p + "v_cache", dtype)
         self.matmul = ops.MatMul()
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
         self.bmm = ops.BatchMatMul()
@@ -274,6 +291,15 @@ class DecoderLayer(nn.Cell):
             self.options,
         )
 
+    def paged(self, x, cos, sin, rot, slots, lengths, tables, row_table, k_cache, v_cache):
+        """The layer through the paged backend: x [N, D]; slots and lengths [N] (each row's cache
+        slot and positions attended), tables [T, MB], row_table [N] each row's table: the same
+        inputs for prompts, chunks, mixed steps and decode (agent/graphs/paged_attention.py)."""
+        q, k, v = self.qkv(x, cos, sin, rot)
+        self.paged_attention.write(k, v, k_cache, v_cache, slots)
+        out = self.paged_attention.attend(q, k_cache, v_cache, ops.gather(tables, row_table, 0), lengths)
+        return self.mlp(self.add_projected(x, out, self.wo, self.hidden))
+
     def prefill(self, x, cos, sin, rot, write_idx, mask, tables, row_table, k_cache, v_cache):
         """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S]: the
         prompt attends to itself (it starts at position 0). Fused: write_idx and mask are the
@@ -283,6 +309,8 @@ class DecoderLayer(nn.Cell):
         MindIR graph."""
         if self.kernel_layer is not None:
             return self.fused(x, cos, sin, write_idx, mask, tables, row_table, k_cache, v_cache)
+        if self.paged_attention is not None:
+            return self.paged(x, cos, sin, rot, write_idx, mask, tables, row_table, k_cache, v_cache)
         q, k, v = self.qkv(x, cos, sin, rot)
         k = ops.transpose(k, (1, 0, 2))  # [KV, S, hd]
         v = ops.transpose(v, (1, 0, 2))
@@ -301,6 +329,8 @@ class DecoderLayer(nn.Cell):
         attend [B*KV, L], extent = mask [B*KV, 1, L] over an attend bucket (row_table unused)."""
         if self.kernel_layer is not None:
             return self.fused(x, cos, sin, write_idx, extent, where, row_table, k_cache, v_cache)
+        if self.paged_attention is not None:
+            return self.paged(x, cos, sin, rot, write_idx, extent, where, row_table, k_cache, v_cache)
         q, k, v = self.qkv(x, cos, sin, rot)
         ops.scatter_update(k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
         ops.scatter_update(v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))

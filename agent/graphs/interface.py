@@ -5,8 +5,9 @@ Graph sets: agent.graphs.step_graphs.StepGraphs (built from code), agent.graphs.
 exported files) and agent.graphs.mindir.GraphExporter (exports each graph on its first call). The runner
 deals in slots, token ids, positions and bucket sizes; each graph set turns them into its own tensors
 through its GraphInputs. This module is the one place outside the graphs' own code that reads the
-kernel choice (runtime.attention_kernel, runtime.matmul_kernel): what it changes in the inputs, in
-the decode shapes, in an export's settings and in the weights' memory. NumPy only.
+kernel choice (runtime.attention_kernel, runtime.matmul_kernel, runtime.paged_attention): what it
+changes in the inputs, in the decode shapes, in an export's settings and in the weights' memory.
+NumPy only.
 
 KV cache rows: one flat cache per layer and kind, paged in blocks of runtime.block_size (B)
 positions: [blocks * kv_heads * B, head_dim], position p of KV head h of a sequence with block table
@@ -17,7 +18,9 @@ and prompt padding write to (scratch_table: as many as the largest prefill bucke
 one repeated). Where the pool holds every seat's whole length, slot s has a fixed table, blocks
 s * MB .. s * MB + MB - 1 (slot_table: tools and tests). The graphs take block tables, not slots:
 the host computes write rows (and, for the gather path, read rows) from them and checks every
-index, since the kernels check none of what they are given beyond refusing a call.
+index, since the kernels check none of what they are given beyond refusing a call. The paged
+backend (agent/graphs/paged_attention.py) keeps the same blocks as [blocks, B, kv_heads, head_dim]
+and takes, from the same tables and positions, slot T[p // B] * B + p % B and a length per row.
 
 Sliding-window layers (Gemma 3's local layers, which attend the last `window` positions) do not take
 blocks of the pool: each seat has a ring of RB = ceil((window - 1 + the largest prefill bucket) / B)
@@ -66,9 +69,10 @@ def bucket(buckets: Sequence[int], n: int) -> int:
 
 
 def decode_attends(runtime: RuntimeSection) -> list[int]:
-    """The attended lengths of the decode graphs: the attention kernel reads each sequence's own
-    length (0: one decode graph per batch bucket), the gather path attends over a bucket."""
-    return [0] if runtime.attention_kernel else list(runtime.attend_buckets)
+    """The attended lengths of the decode graphs: the attention kernel and the paged backend read
+    each sequence's own length (0: one decode graph per batch bucket), the gather path attends over
+    a bucket."""
+    return [0] if runtime.attention_kernel or runtime.paged_attention else list(runtime.attend_buckets)
 
 
 def shape_settings(runtime: RuntimeSection) -> dict:
@@ -76,7 +80,9 @@ def shape_settings(runtime: RuntimeSection) -> dict:
     settings = {name: getattr(runtime, name) for name in SHAPE_FIELDS}
     settings["num_blocks"] = runtime.planned_num_blocks
     settings["attention_kernel"] = runtime.attention_kernel
-    if runtime.attention_kernel:
+    if runtime.paged_attention:
+        settings["paged_attention"] = True  # absent from exports made before it: they do not match
+    if decode_attends(runtime) == [0]:
         del settings["attend_buckets"]  # the kernel attends each sequence's own length
     return settings
 
@@ -130,11 +136,11 @@ class GraphInputs:
     def __init__(
         self, runtime: RuntimeSection, kv_heads: int, group: int, fused_layers: bool, ring_blocks: int = 0
     ):
-        """kv_heads: this rank's; fused_layers: each layer is one kernel, which takes row-major
-        write rows and lengths in place of the prefill mask, and reads earlier positions from the
-        cache (a prompt chunk may start after position 0); ring_blocks: each seat's ring in the
-        sliding-window layers (local_ring_blocks), whose write rows and tables then follow each
-        call's inputs (`slots`: each sequence's seat)."""
+        """kv_heads: this rank's; fused_layers: each layer is one kernel (or the paged backend),
+        which takes write rows and lengths in place of the prefill mask (paging), and reads earlier
+        positions from the cache (a prompt chunk may start after position 0); ring_blocks: each
+        seat's ring in the sliding-window layers (local_ring_blocks), whose write rows and tables
+        then follow each call's inputs (`slots`: each sequence's seat)."""
         self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
         self.max_seqs = runtime.decode_batch_buckets[-1]  # sequences of one mixed step
         self.block_size = runtime.block_size
@@ -142,9 +148,11 @@ class GraphInputs:
         self.num_blocks = pool_blocks(runtime)  # the pool, the scratch blocks included
         self.pool = runtime.planned_num_blocks  # the blocks a server hands out
         self.kv_heads, self.group, self.fused_layers = kv_heads, group, fused_layers
-        self.attention_kernel = runtime.attention_kernel
+        # the paged backend's inputs: a slot per row and a length per row (paged_attention.py)
+        self.paged = runtime.paged_attention
         self.decode_attends = decode_attends(runtime)
         self._head_rows = np.arange(kv_heads, dtype=np.int64)
+        self.scratch_positions = scratch_blocks(runtime) * self.block_size
         scratch = self.pool + np.minimum(np.arange(self.blocks_per_seq), scratch_blocks(runtime) - 1)
         self.scratch_table = scratch.astype(np.int32)
         self.ring = ring_blocks
@@ -221,8 +229,25 @@ class GraphInputs:
         return padded
 
     def attend(self, positions: np.ndarray) -> int:
-        """The decode graph's attended length for rows writing at `positions` (0: the kernel's)."""
-        return 0 if self.attention_kernel else bucket(self.decode_attends, int(positions.max()) + 1)
+        """The decode graph's attended length for rows writing at `positions` (0: each row's own)."""
+        return 0 if self.decode_attends == [0] else bucket(self.decode_attends, int(positions.max()) + 1)
+
+    def paging(self, write: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Write rows [rows, KV] and attended lengths [rows] as the graphs take them: the CPU kernels'
+        row-major cache rows and lengths [rows * KV] (they skip padding rows, of length 0); the paged
+        backend's slot mapping (block * block_size + offset) and context lengths [rows], where a
+        padding row attends 1 position, not 0 (a row attending nothing would be NaN, which its K/V
+        would carry into the scratch blocks), and writes scratch position (its row), past every
+        position a real row of the call writes there (warm-up's probe: scratch positions 0..n-1)."""
+        if self.paged:
+            size = self.block_size
+            head0 = write[:, 0]  # (block * KV + 0) * size + offset
+            slots = head0 // (self.kv_heads * size) * size + head0 % size
+            padding = np.flatnonzero(lengths == 0)
+            at = padding % self.scratch_positions
+            slots[padding] = self.scratch_table[at // size] * size + at % size
+            return slots.astype(np.int32), np.maximum(lengths, 1).astype(np.int32)
+        return write.reshape(-1).astype(np.int32), np.repeat(lengths, self.kv_heads).astype(np.int32)
 
     def rows(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache rows [n, P, KV] of `positions` [n, P] of the sequences with block `tables` [n, MB]
@@ -234,10 +259,14 @@ class GraphInputs:
 
     def kv_rows(self, table: np.ndarray, length: int) -> np.ndarray:
         """Cache rows of positions 0..length-1 of the sequence with block `table`, head-major
-        [KV * length] int32 (the order of a K/V transfer)."""
+        [KV * length] int32 (the order of a K/V transfer); the paged backend's (block, offset) of
+        each position [length, 2]."""
         tables = self.check_tables(table)
         positions = np.arange(length)[None, :]
         self.check_positions(positions, "a KV transfer")
+        if self.paged:
+            blocks = tables[0, positions[0] // self.block_size]
+            return np.stack([blocks, positions[0] % self.block_size], 1).astype(np.int32)
         return self.rows(tables[:1], positions)[0].T.reshape(-1).astype(np.int32)
 
     def check_tables(self, tables: np.ndarray) -> np.ndarray:
@@ -307,8 +336,7 @@ class GraphInputs:
             return (
                 padded,
                 positions.astype(np.int32),
-                write.reshape(-1).astype(np.int32),
-                np.repeat(lengths, self.kv_heads).astype(np.int32),
+                *self.paging(write, lengths),
                 last,
                 *paging,
                 *self._local([slot], paging[1], positions),
@@ -391,8 +419,7 @@ class GraphInputs:
         return (
             np.concatenate([*tokens, np.zeros(pad, np.int64)]).astype(np.int32),
             positions_all.astype(np.int32),
-            write.reshape(-1).astype(np.int32),
-            np.repeat(lengths, self.kv_heads).astype(np.int32),
+            *self.paging(write, lengths),
             np.array(last + [0] * (logit_rows - len(last)), np.int32),
             all_tables,
             row_table,
@@ -427,14 +454,15 @@ class GraphInputs:
         positions = np.concatenate([positions, np.zeros(pad, np.int64)])
         write = self.rows(tables, positions[:, None])[:, 0]  # [rows, KV]
         row_table = np.arange(rows, dtype=np.int32)
-        if self.attention_kernel:  # the fused layer computes nothing for padding rows
+        if self.decode_attends == [0]:  # each row's own length; the fused layer skips padding rows
             seats = [*(slots if slots is not None else [None] * (rows - pad)), *[None] * pad]
+            write_rows, row_lengths = self.paging(write, lengths)
             return (
                 tokens,
                 positions.astype(np.int32),
-                write.reshape(-1).astype(np.int32),
+                write_rows,
                 tables,
-                np.repeat(lengths, self.kv_heads).astype(np.int32),
+                row_lengths,
                 row_table,
                 *self._local(seats, row_table, positions),
             )

@@ -21,6 +21,7 @@ from agent.graphs.layers import (
     rms_norm,
     rope_tables,
 )
+from agent.graphs.paged_attention import PagedBackend
 from agent.model.checkpoint import Checkpoint
 from agent.model.spec import ModelSpec
 
@@ -38,10 +39,12 @@ class DecoderModel(nn.Cell):
         dtype=ms.float32,
         split: TensorSplit = WHOLE_MODEL,
         local_blocks: int = 0,
+        paged: PagedBackend | None = None,
     ):
         """num_blocks of block_size positions in the KV cache (agent/graphs/interface.py); max_len:
         the positions of the RoPE tables; local_blocks: the blocks of the sliding-window layers' own
-        caches (every seat's ring, interface.local_ring_blocks), 0: they take the pool's."""
+        caches (every seat's ring, interface.local_ring_blocks), 0: they take the pool's; paged: the
+        layers' paged attention backend (DecoderLayer)."""
         super().__init__()
         spec = checkpoint.spec
         self.spec = spec
@@ -50,9 +53,10 @@ class DecoderModel(nn.Cell):
         self.kernel_norm = kernels.norm
         self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
         self.layers = nn.CellList(
-            self._layers(checkpoint, num_blocks, block_size, kernels, dtype, split, local_blocks)
+            self._layers(checkpoint, num_blocks, block_size, kernels, dtype, split, local_blocks, paged)
         )
         self.dtype, self.half = dtype, dtype != ms.float32
+        self.paged = paged is not None  # caches [blocks, block_size, KV heads, head_dim]
         # Every layer fused: the whole stack is one op a step (FusedStack, which takes each layer's
         # inputs in a row) instead of one op a layer.
         fused = all(layer.kernel_layer is not None for layer in self.layers)
@@ -78,6 +82,7 @@ class DecoderModel(nn.Cell):
         dtype,
         split,
         local_blocks: int,
+        paged: PagedBackend | None,
     ) -> list[DecoderLayer]:
         """The layers, a sliding-window layer with a cache of local_blocks where it has its own."""
         spec = checkpoint.spec
@@ -92,6 +97,7 @@ class DecoderModel(nn.Cell):
                 kernels,
                 dtype,
                 split,
+                paged,
             )
             for i in range(spec.num_layers)
         ]

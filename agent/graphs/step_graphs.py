@@ -18,6 +18,7 @@ from agent.graphs.decoder import DecoderLayer
 from agent.graphs.interface import GraphInputs, local_ring_blocks, pool_blocks
 from agent.graphs.layers import WHOLE_MODEL, CpuKernels, TensorSplit, release_freed_memory
 from agent.graphs.model import DecoderModel
+from agent.graphs.paged_attention import paged_backend
 from agent.kernels import TARGET_ENV, has_int8_products
 from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
@@ -157,10 +158,11 @@ class KVExportGraph(nn.Cell):
         self.model = model
 
     def construct(self, rows):
+        """rows: GraphInputs.kv_rows (the paged cache's [N, 2] (block, offset): [2 * layers, N, KV, hd])."""
         blocks = []
         for layer in self.model.layers:
-            blocks.append(ops.gather(layer.k_cache, rows, 0))
-            blocks.append(ops.gather(layer.v_cache, rows, 0))
+            for cache in (layer.k_cache, layer.v_cache):
+                blocks.append(ops.gather_nd(cache, rows) if self.model.paged else ops.gather(cache, rows, 0))
         return ops.stack(blocks)
 
 
@@ -172,9 +174,14 @@ class KVImportGraph(nn.Cell):
         self.model = model
 
     def construct(self, rows, blocks):
+        """rows and blocks as KVExportGraph's."""
         for i, layer in enumerate(self.model.layers):
-            ops.scatter_update(layer.k_cache, rows, blocks[2 * i])
-            ops.scatter_update(layer.v_cache, rows, blocks[2 * i + 1])
+            if self.model.paged:
+                ops.scatter_nd_update(layer.k_cache, rows, blocks[2 * i])
+                ops.scatter_nd_update(layer.v_cache, rows, blocks[2 * i + 1])
+            else:
+                ops.scatter_update(layer.k_cache, rows, blocks[2 * i])
+                ops.scatter_update(layer.v_cache, rows, blocks[2 * i + 1])
         return rows
 
 
@@ -215,6 +222,7 @@ class StepGraphs:
             getattr(ms, runtime.dtype),
             split,
             local_blocks=(runtime.planned_num_slots + 1) * ring,
+            paged=paged_backend(runtime),
         )
         release_freed_memory()
         if int8 and not any(
@@ -230,7 +238,7 @@ class StepGraphs:
             runtime,
             self.model.kv_heads,
             self.spec.group_size,
-            fused_layers=self.model.layers[0].kernel_layer is not None,
+            fused_layers=self.model.layers[0].kernel_layer is not None or runtime.paged_attention,
             ring_blocks=ring,
         )
         self.prefill_graph = PrefillGraph(self.model)
@@ -291,12 +299,18 @@ class StepGraphs:
     def kv_export(self, table: np.ndarray, length: int) -> np.ndarray:
         self._check_transfers()
         blocks = self.kv_export_graph(Tensor(self.inputs.kv_rows(table, length))).asnumpy()
+        if self.model.paged:  # position-major in the paged cache
+            return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3))
         return blocks.reshape(len(blocks), self.inputs.kv_heads, length, self.spec.head_dim)
 
     def kv_import(self, table: np.ndarray, blocks: np.ndarray) -> None:
         self._check_transfers()
         rows = Tensor(self.inputs.kv_rows(table, blocks.shape[2]))
-        self.kv_import_graph(rows, Tensor(blocks.reshape(len(blocks), -1, self.spec.head_dim))).asnumpy()
+        if self.model.paged:
+            rows_of = np.ascontiguousarray(blocks.transpose(0, 2, 1, 3))
+        else:
+            rows_of = blocks.reshape(len(blocks), -1, self.spec.head_dim)
+        self.kv_import_graph(rows, Tensor(rows_of)).asnumpy()
 
     def _check_transfers(self) -> None:
         if self.inputs.ring:

@@ -167,3 +167,26 @@ def test_sliding_window_layers_write_each_seat_s_ring_as_the_window_moves():
         [row(rings.ring_table(0), 9, h) for h in range(KV)],
     ]
     assert len(FUSED.prefill(FUSED.slot_table(0), np.arange(5), 8)) == 7  # no rings: as before
+
+
+def test_the_paged_backend_takes_a_slot_and_a_length_per_row():
+    """decode_attention paged: ReshapeAndCache's slot mapping (block table[p // B] * B + p % B, one
+    per row, not per head) and PagedAttention's context lengths, from the same tables and positions
+    as the CPU kernels' rows; a padding row attends 1 position, not 0 (which would be NaN)."""
+    paged = GraphInputs(
+        RUNTIME.model_copy(update={"decode_attention": "paged"}), KV, GROUP, fused_layers=True
+    )
+    table = np.array([7, 2, 5], np.int32)
+    _, _, slots, lengths, *_ = paged.prefill(table, np.arange(3), 8, start=15)
+    assert slots.tolist()[:3] == [7 * 16 + 15, 2 * 16 + 0, 2 * 16 + 1]
+    assert lengths.tolist() == [16, 17, 18, 1, 1, 1, 1, 1]
+    scratch = [int(paged.scratch_table[p // 16]) * 16 + p % 16 for p in range(3, 8)]
+    assert slots.tolist()[3:] == scratch  # padding writes to the scratch blocks
+    assert paged.attend(np.array([30])) == 0  # one decode graph per batch: no attend buckets
+    _, _, slots, tables, lengths, row_table = paged.decode(table[None], np.array([4]), np.array([33]), 4, 0)
+    assert slots[0] == 5 * 16 + 1 and lengths.tolist() == [34, 1, 1, 1]
+    # padding rows write scratch positions 1..3 (their rows), not all of them position 0
+    assert slots.tolist()[1:] == [int(paged.scratch_table[0]) * 16 + p for p in (1, 2, 3)]
+    assert tables.shape == (4, 3) and row_table.tolist() == [0, 1, 2, 3]
+    cpu_slots, cpu_lengths = FUSED.paging(np.array([[row(table, 33, 0), row(table, 33, 1)]]), np.array([34]))
+    assert cpu_slots.tolist() == [row(table, 33, 0), row(table, 33, 1)] and cpu_lengths.tolist() == [34, 34]
