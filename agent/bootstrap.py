@@ -146,10 +146,13 @@ def prepare_checkpoint(
     if checkpoint is None:
         refuse_what_cannot_fit(Path(config.model.path), place.runtime(config.runtime))
         start = time.perf_counter()
-        checkpoint = load_checkpoint(config.model.path)
+        checkpoint = load_checkpoint(config.model.path, split=place.split, dtype=config.runtime.dtype)
+        share = (
+            "" if place.split.size == 1 else f", this rank's share {checkpoint.weight_bytes() / 1e6:.0f} MB"
+        )
         progress(
             f"weights loaded in {time.perf_counter() - start:.1f}s ({checkpoint.format}, "
-            f"{checkpoint.spec.parameter_count() / 1e6:.1f}M parameters)"
+            f"{checkpoint.spec.parameter_count() / 1e6:.1f}M parameters{share})"
         )
     runtime = place.runtime(config.runtime)
     if place.split.size == 1:

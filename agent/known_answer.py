@@ -58,6 +58,7 @@ class KnownAnswer:
 
     @classmethod
     def of_checkpoint(cls, checkpoint: Checkpoint, runtime: RuntimeSection) -> KnownAnswer:
+        checkpoint = checkpoint.whole()  # a rank's share: the group computes the whole model's logits
         tokens = probe_tokens(checkpoint.spec.vocab_size, probe_length(runtime))
         logits, kv = numpy_forward(checkpoint, tokens, kernels=runtime.matmul_kernel)
         return cls(tokens, logits[-2], logits[-1], kv[:, :, :-1])
@@ -135,8 +136,8 @@ def numpy_forward(
     spec, t = checkpoint.spec, checkpoint.tensors
 
     def product(x: np.ndarray, name: str) -> np.ndarray:
-        kept = checkpoint.blocks.get(name)
-        if kernels and kept is not None:
+        kept = checkpoint.kept(name) if kernels else None
+        if kept is not None:
             from agent.kernels import calls
 
             return calls.product(x, kept)
@@ -148,8 +149,8 @@ def numpy_forward(
         angles = np.concatenate([np.outer(np.arange(n), spec.rope_inv_freq(local))] * 2, 1)
         ropes[local] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     distance = np.arange(n)[:, None] - np.arange(n)[None, :]  # query position - key position
-    embed = checkpoint.blocks.get("embed")
-    if kernels and embed is not None:
+    embed = checkpoint.kept("embed") if kernels else None
+    if embed is not None:
         from agent.kernels import calls
 
         x = calls.rows(embed, tokens)

@@ -4,10 +4,11 @@ weights of the CPU kernels, the custom CPU ops, and a tensor-parallel rank's sha
 FFN columns. A family's layer differences are spec fields (agent/model/families/), each a variant
 computed here or in the decoder once for every family that has it.
 
-Tensor parallelism (TensorSplit): each rank of a group holds a contiguous run of KV heads with their
-query heads (Q/K/V rows, the matching columns of wo, its own KV cache) and of FFN columns (gate/up
-rows, down columns); an AllReduce inside the graph sums the partial outputs of wo and w_down. The
-embedding, norms and lm_head are whole on every rank, so every rank computes the same logits.
+Tensor parallelism (TensorSplit, LayerShare: agent/model/shard.py): each rank of a group holds a
+contiguous run of KV heads with their query heads (Q/K/V rows, the matching columns of wo, its own KV
+cache) and of FFN columns (gate/up rows, down columns); an AllReduce inside the graph sums the partial
+outputs of wo and w_down. The embedding, norms and lm_head are whole on every rank, so every rank
+computes the same logits.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
-from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
@@ -25,50 +25,12 @@ from mindspore.common.initializer import Zero
 from agent.kernels import op_path
 from agent.model.checkpoint import Checkpoint
 from agent.model.quantized import BlockMatrix
+from agent.model.shard import WHOLE_MODEL as WHOLE_MODEL  # re-exported: the graphs import them here
+from agent.model.shard import LayerShare as LayerShare
+from agent.model.shard import TensorSplit as TensorSplit
 from agent.model.spec import ModelSpec
 
 MATMUL_TILE = 32  # columns per packed tile of agent/kernels/skinny_matmul.cc
-
-
-@dataclass(frozen=True)
-class TensorSplit:
-    """This process's share of a tensor-parallel group (rank of size); size 1: the whole model."""
-
-    rank: int = 0
-    size: int = 1
-
-    def share(self, total: int) -> tuple[int, int]:
-        """[start, end) of this rank's contiguous share of `total` items (the first ranks get the
-        remainder: 3 KV heads over 2 ranks are 2 + 1)."""
-        base, extra = divmod(total, self.size)
-        start = self.rank * base + min(self.rank, extra)
-        return start, start + base + (self.rank < extra)
-
-
-WHOLE_MODEL = TensorSplit()  # no tensor parallelism: the process runs the whole model
-
-
-@dataclass(frozen=True)
-class LayerShare:
-    """The rows and columns of a layer's matrices that one rank holds: its KV heads with their query
-    heads, and its FFN columns."""
-
-    kv_heads: int
-    q_rows: slice  # of wq and bq (columns of wo)
-    kv_rows: slice  # of wk, wv, bk, bv
-    ffn: slice  # rows of w_gate and w_up, columns of w_down
-
-    @classmethod
-    def of(cls, spec: ModelSpec, split: TensorSplit) -> LayerShare:
-        hd, group = spec.head_dim, spec.group_size
-        kv_start, kv_end = split.share(spec.num_kv_heads)
-        ffn_start, ffn_end = split.share(spec.intermediate_size)
-        return cls(
-            kv_end - kv_start,
-            slice(kv_start * group * hd, kv_end * group * hd),
-            slice(kv_start * hd, kv_end * hd),
-            slice(ffn_start, ffn_end),
-        )
 
 
 def fused_only_features(spec: ModelSpec) -> list[str]:
@@ -114,8 +76,10 @@ def rms_norm(x, weight, eps: float, dtype, half: bool, kernel=None, eps_tensor=N
 
 
 def param(array: np.ndarray, name: str, dtype=ms.float32) -> Parameter:
+    # a rank's share held in float16 (agent/model/checkpoint.py take_share) goes in without a float32 copy
+    held = np.float16 if array.dtype == np.float16 else np.float32
     return Parameter(
-        Tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=dtype), name=name, requires_grad=False
+        Tensor(np.ascontiguousarray(array, dtype=held), dtype=dtype), name=name, requires_grad=False
     )
 
 

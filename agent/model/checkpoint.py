@@ -12,13 +12,17 @@ matrices kept in their file's format (`blocks`, agent/model/quantized.py; `matri
 Norm weights multiply as they are: a Gemma checkpoint's (1 + w) is formed at load (llama.cpp's
 converter has already added the 1 in a GGUF file).
 
+A tensor-parallel rank loads only its share (agent/model/shard.py): its rows and columns of the layer
+matrices, read from the files one tensor at a time and converted once into the compute dtype, so
+its host memory is about its share's size, not the model's (take_share).
+
 The readers live in agent/model/formats/ (GGUF files, HuggingFace directories, MindSpore .ckpt
 files), with load_checkpoint() choosing one by the path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -26,34 +30,100 @@ from typing import TypeVar
 import numpy as np
 
 from agent.model.quantized import BlockMatrix
+from agent.model.shard import WHOLE_MODEL, LayerShare, TensorSplit
 from agent.model.spec import ModelSpec
 
 T = TypeVar("T")
 Progress = Callable[[Iterable[T]], Iterable[T]]  # wraps the tensor loop (e.g. tqdm); identity by default
+Reader = Callable[[slice | None, slice | None], np.ndarray]  # (rows, columns; None: all) -> a float array
+Packer = Callable[[slice | None, slice | None], "BlockMatrix | None"]
+# numpy has no bfloat16: a bfloat16 rank holds float32 on the host, its Parameters bfloat16
+HOST_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float32}
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be loaded; the message says which file and why."""
 
 
+def cut(array: np.ndarray, rows: slice | None, columns: slice | None) -> np.ndarray:
+    if rows is not None:
+        array = array[rows]
+    return array if columns is None else array[:, columns]
+
+
+class LazyTensors(Mapping[str, np.ndarray]):
+    """A checkpoint's tensors left in its files, each read when asked and not kept: whole as float32
+    (`lazy[name]`), or only some rows and columns (`part`)."""
+
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        readers: dict[str, Reader],
+        packers: dict[str, Packer] | None = None,
+    ):
+        """packers: for the matrices a whole load keeps in their file's format (Checkpoint.blocks),
+        a part in that format, or None where its columns cut through the format's blocks."""
+        self.shapes, self.readers, self.packers = shapes, readers, packers or {}
+
+    @classmethod
+    def in_memory(cls, tensors: Mapping[str, np.ndarray]) -> LazyTensors:
+        """Tensors a format could only read whole, their parts cut in memory."""
+
+        def reader(array: np.ndarray) -> Reader:
+            return lambda rows, columns: cut(array, rows, columns)
+
+        return cls({n: a.shape for n, a in tensors.items()}, {n: reader(a) for n, a in tensors.items()})
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(self.readers[name](None, None), np.float32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.readers)
+
+    def __len__(self) -> int:
+        return len(self.readers)
+
+    def part(self, name: str, rows: slice | None, columns: slice | None) -> np.ndarray:
+        return self.readers[name](rows, columns)
+
+
 @dataclass
 class Checkpoint:
     spec: ModelSpec
-    tensors: dict[str, np.ndarray]  # float32
+    tensors: Mapping[str, np.ndarray]  # float32 (a rank's share: its matrices in the compute dtype)
     source: Path
     format: str  # "gguf", "safetensors" or "ckpt"
     # GGUF matrices in a format the CPU kernels multiply, kept packed in that format (not in tensors)
     blocks: dict[str, BlockMatrix] = field(default_factory=dict)
+    # A tensor-parallel rank's share: the layer matrices hold only `split`'s rows and columns
+    # (LayerShare.cut), and whole_tensors reads the whole model's from the files when asked.
+    split: TensorSplit = WHOLE_MODEL
+    whole_tensors: LazyTensors | None = None
+
+    def whole(self) -> Checkpoint:
+        """The whole model: this checkpoint, or a share's files read a tensor at a time (the known
+        answer's numpy forward then holds one tensor of the model beside the share, not all)."""
+        if self.whole_tensors is None:
+            return self
+        return Checkpoint(self.spec, self.whole_tensors, self.source, self.format)
 
     def matrix(self, name: str) -> np.ndarray:
         """A tensor as float32, a kept matrix dequantized (a new array each call)."""
         kept = self.blocks.get(name)
         return self.tensors[name] if kept is None else kept.dequantize()
 
+    def kept(self, name: str) -> BlockMatrix | None:
+        """A matrix kept in its GGUF format, or None; a lazy view's packed from the file when asked."""
+        if isinstance(self.tensors, LazyTensors) and name in self.tensors.packers:
+            return self.tensors.packers[name](None, None)
+        return self.blocks.get(name)
+
     def shape(self, name: str) -> tuple[int, ...] | None:
         kept = self.blocks.get(name)
         if kept is not None:
             return kept.shape
+        if isinstance(self.tensors, LazyTensors):  # from the files' headers, nothing read
+            return self.tensors.shapes.get(name)
         tensor = self.tensors.get(name)
         return None if tensor is None else tuple(tensor.shape)
 
@@ -123,3 +193,26 @@ def validate(ckpt: Checkpoint) -> None:
             raise CheckpointError(f"{ckpt.source}: missing tensor {name}")
         if found != shape:
             raise CheckpointError(f"{ckpt.source}: tensor {name} has shape {found}, expected {shape}")
+
+
+def take_share(whole: Checkpoint, split: TensorSplit, dtype: str, progress: Progress) -> Checkpoint:
+    """A tensor-parallel rank's share of a checkpoint whose tensors are left in its files: each
+    tensor's rows and columns of `split` read alone; a matrix a whole load keeps in its GGUF format
+    stays in it (its rows, and its columns where the share's edges fall between blocks), the other
+    matrices converted once into the compute `dtype` (float32 on the host for bfloat16), norms and
+    biases float32."""
+    if not isinstance(whole.tensors, LazyTensors):
+        raise TypeError("take_share reads a checkpoint opened lazily (formats.load_checkpoint)")
+    lazy, share = whole.tensors, LayerShare.of(whole.spec, split)
+    tensors, blocks = {}, {}
+    for name in progress(list(lazy)):
+        rows, columns = share.cut(name)
+        pack = lazy.packers.get(name)
+        kept = None if pack is None else pack(rows, columns)
+        if kept is not None:
+            blocks[name] = kept
+            continue
+        part = lazy.part(name, rows, columns)
+        held = HOST_DTYPES[dtype] if part.ndim == 2 else np.float32
+        tensors[name] = np.ascontiguousarray(part, dtype=held)
+    return Checkpoint(whole.spec, tensors, whole.source, whole.format, blocks, split, whole_tensors=lazy)

@@ -4,6 +4,7 @@ load-time reshaping from its module (agent/model/families/)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -12,13 +13,23 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.model.checkpoint import Checkpoint, CheckpointError, Progress
-from agent.model.families import hf_layout
+from agent.model.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    LazyTensors,
+    Progress,
+    Reader,
+    cut,
+    no_progress,
+)
+from agent.model.families import HfLayout, hf_layout
 from agent.model.spec import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+BF16_BITS = "<u2"  # numpy has no bfloat16: its bits, widened to float32 after the read
+MAPPED_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": BF16_BITS, "F64": "<f8"}
 
 
 def read_json(path: Path) -> dict:
@@ -41,9 +52,19 @@ def hf_eos_ids(directory: Path, config: dict) -> tuple[int, ...]:
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
 
 
+def rope_parameters(config: dict) -> dict:
+    """RoPE's base and scaling: config.json's rope_theta and rope_scaling, or (transformers 5 writes
+    them so) its rope_parameters, which holds both."""
+    parameters = dict(config.get("rope_parameters") or {})
+    parameters.update(config.get("rope_scaling") or {})
+    if "rope_theta" in config:
+        parameters["rope_theta"] = config["rope_theta"]
+    return parameters
+
+
 def rope_scaling(config: dict, source: Path) -> RopeScaling | None:
-    scaling = config.get("rope_scaling")
-    if not scaling:
+    scaling = rope_parameters(config)
+    if not scaling.keys() - {"rope_theta"}:
         return None
     kind = scaling.get("rope_type", scaling.get("type"))
     try:
@@ -66,7 +87,8 @@ def rope_scaling(config: dict, source: Path) -> RopeScaling | None:
     )
 
 
-def load(directory: Path, progress: Progress) -> Checkpoint:
+def _spec(directory: Path) -> tuple[ModelSpec, HfLayout]:
+    """The model's spec from config.json, and its family's layout."""
     config_path = directory / "config.json"
     config = read_json(config_path)
     layout = hf_layout(config.get("model_type"), directory)
@@ -82,7 +104,7 @@ def load(directory: Path, progress: Progress) -> Checkpoint:
             head_dim=int(config.get("head_dim") or hidden // heads),
             intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_parameters(config).get("rope_theta", 10000.0)),
             rope_scaling=rope_scaling(config, config_path),
             rms_eps=float(config.get("rms_norm_eps", 1e-6)),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -90,10 +112,15 @@ def load(directory: Path, progress: Progress) -> Checkpoint:
             max_context=int(config.get("max_position_embeddings", 2048)),
             bos_id=config.get("bos_token_id"),
             eos_ids=hf_eos_ids(directory, config),
+            **(layout.spec_fields(config) if layout.spec_fields else {}),
         )
     except KeyError as exc:
         raise CheckpointError(f"{config_path}: missing key {exc.args[0]}") from exc
+    return spec, layout
 
+
+def load(directory: Path, progress: Progress) -> Checkpoint:
+    spec, layout = _spec(directory)
     tensors: dict[str, np.ndarray] = {}
     entries = [entry for file in _weight_files(directory) for entry in _safetensors_entries(file)]
     for hf_name, read in progress(entries):
@@ -105,6 +132,23 @@ def load(directory: Path, progress: Progress) -> Checkpoint:
     if layout.transform is not None:
         layout.transform(tensors, spec)
     return Checkpoint(spec=spec, tensors=tensors, source=directory, format="safetensors")
+
+
+def open_lazy(directory: Path) -> Checkpoint:
+    """The checkpoint with its tensors left in the files (LazyTensors): a part of one reads only
+    its bytes. A family whose tensors are split at load (InternLM2's packed wqkv) is read whole."""
+    spec, layout = _spec(directory)
+    if layout.transform is not None:
+        whole = load(directory, no_progress)
+        return dataclasses.replace(whole, tensors=LazyTensors.in_memory(whole.tensors))
+    shapes: dict[str, tuple[int, ...]] = {}
+    readers: dict[str, Reader] = {}
+    for file in _weight_files(directory):
+        for hf_name, (shape, reader) in _mapped_entries(file).items():
+            name = layout.canonical_name(hf_name)
+            if name is not None:
+                shapes[name], readers[name] = shape, reader
+    return Checkpoint(spec=spec, tensors=LazyTensors(shapes, readers), source=directory, format="safetensors")
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -144,9 +188,49 @@ def _safetensors_entries(file: Path) -> list[tuple[str, Callable[[], np.ndarray]
 
 
 def _read_bf16(file: Path, name: str) -> np.ndarray:
-    with file.open("rb") as fh:
-        header_len = int.from_bytes(fh.read(8), "little")
-        entry = json.loads(fh.read(header_len))[name]
+    header_len, header = _header(file)
+    entry = header[name]
     start, end = entry["data_offsets"]
     raw = np.fromfile(file, dtype=np.uint16, count=(end - start) // 2, offset=8 + header_len + start)
-    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
+    return _widen_bf16(raw).reshape(entry["shape"])
+
+
+def _header(file: Path) -> tuple[int, dict]:
+    try:
+        with file.open("rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            return header_len, json.loads(fh.read(header_len))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
+
+
+def _widen_bf16(raw: np.ndarray) -> np.ndarray:
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def _mapped_entries(file: Path) -> dict[str, tuple[tuple[int, ...], Reader]]:
+    """Each tensor's shape and a reader of its rows and columns through a memory map of the file:
+    only the part's pages are read, and the map closes with the read."""
+    header_len, header = _header(file)
+    entries: dict[str, tuple[tuple[int, ...], Reader]] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in MAPPED_DTYPES:
+            raise CheckpointError(
+                f"{file}: tensor {name} is {entry['dtype']}; a tensor-parallel rank reads "
+                f"{', '.join(MAPPED_DTYPES)} tensors"
+            )
+        shape = tuple(entry["shape"])
+        offset = 8 + header_len + entry["data_offsets"][0]
+        read = functools.partial(_read_part, file, MAPPED_DTYPES[entry["dtype"]], offset, shape)
+        entries[name] = shape, read
+    return entries
+
+
+def _read_part(
+    file: Path, dtype: str, offset: int, shape: tuple[int, ...], rows: slice | None, columns: slice | None
+) -> np.ndarray:
+    mapped = np.memmap(file, dtype=dtype, mode="r", offset=offset, shape=shape)
+    part = np.array(cut(mapped, rows, columns))
+    return _widen_bf16(part) if dtype == BF16_BITS else part
