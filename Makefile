@@ -28,8 +28,8 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	@echo "==> installing the test, lint, benchmark, Ray and tracing extras"
-	@$(PY) -m pip install --progress-bar off -e '.[dev,bench,ray,tracing]'
+	@echo "==> installing the test, reference (transformers), lint, benchmark, Ray and tracing extras"
+	@$(PY) -m pip install --progress-bar off -e '.[dev,reference,bench,ray,tracing]'
 	@touch $(DEV_STAMP)
 
 # The project's packages and tests: ruff's lint rules and format, mypy's types (pyproject.toml).

@@ -1,6 +1,7 @@
-"""Llama- or Gemma-3-architecture GGUF files of a chosen shape and weight format, with random weights
-and the default model's tokenizer (or another GGUF's, cut to its first tokens): for benchmarks and
-tests of how cost grows with a model's size, and tiny models of each architecture for the tests.
+"""Llama-, Qwen3-, Phi-3- or Gemma-3-architecture GGUF files of a chosen shape and weight format,
+with random weights and the default model's tokenizer (or another GGUF's, cut to its first tokens):
+for benchmarks and tests of how cost grows with a model's size, and tiny models of each
+architecture for the tests.
 
     python -m tools.make_gguf --shape 1b --format Q4_K_M --out models/random-1b-Q4_K_M.gguf
     python -m tools.make_gguf --hidden 512 --layers 4 --ffn 1536 --heads 8 --kv-heads 2 \
@@ -12,6 +13,9 @@ Gemma 3 (`--shape gemma3-270m`, or `arch="gemma3"`): its four norms a layer and 
 near 1, as a GGUF holds Gemma's 1 + w), the head size of its own, the sliding window and the file's
 RoPE base; format `gemma`: the real 270M file's mix (Q5_0 Q, K, gate and up, Q8_0 V and embedding,
 Q4_K output, Q6_K down).
+
+Qwen3 (`arch="qwen3"`): Llama's layers with QK-norm; Phi-3 (`arch="phi3"`): Q, K and V packed in
+attn_qkv, gate and up in ffn_up, as llama.cpp writes them.
 
 Formats: one type for every matrix (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16,
 BF16, F32), or llama.cpp's mixes Q4_K_M and Q5_K_M (Q4_K / Q5_K, with Q6_K for the LM head (the
@@ -159,13 +163,23 @@ def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (-1, shape.hidden))]
     for i in range(shape.layers):
         b = f"blk.{i}."
+        if shape.arch in ("gemma3", "qwen3"):
+            out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
         if shape.arch == "gemma3":
             out += [
-                (b + "attn_q_norm.weight", (hd,)),
-                (b + "attn_k_norm.weight", (hd,)),
                 (b + "post_attention_norm.weight", (shape.hidden,)),
                 (b + "post_ffw_norm.weight", (shape.hidden,)),
             ]
+        if shape.arch == "phi3":  # Q, K, V packed in one matrix, gate and up in another
+            out += [
+                (b + "attn_norm.weight", (shape.hidden,)),
+                (b + "attn_qkv.weight", ((shape.heads + 2 * shape.kv_heads) * hd, shape.hidden)),
+                (b + "attn_output.weight", (shape.hidden, shape.heads * hd)),
+                (b + "ffn_norm.weight", (shape.hidden,)),
+                (b + "ffn_up.weight", (2 * shape.ffn, shape.hidden)),
+                (b + "ffn_down.weight", (shape.hidden, shape.ffn)),
+            ]
+            continue
         out += [
             (b + "attn_norm.weight", (shape.hidden,)),
             (b + "attn_q.weight", (shape.heads * hd, shape.hidden)),
@@ -279,7 +293,7 @@ def write_random_gguf(
             writer.write_tensor_data((1 + 0.1 * rng.standard_normal(extent)).astype(np.float32))
         else:
             scale = embed_scale if extent[0] == vocab else 0.02
-            if shape.arch == "llama" and tensor.endswith(RESIDUAL_OUTPUTS):
+            if shape.arch != "gemma3" and tensor.endswith(RESIDUAL_OUTPUTS):
                 scale /= np.sqrt(2 * shape.layers)
             writer.write_tensor_data(random_blocks(qtype, extent[0], extent[1], rng, scale))
     writer.close()

@@ -1,5 +1,10 @@
 """An independent numpy forward of a LLaMA-family model, the yardstick for the MindSpore graphs.
 
+Qwen3 adds QK-norm (as Gemma's below, each query and key head RMS-normed before RoPE) and a head size
+of its own; Phi-3 packs Q, K and V in one matrix and the FFN's gate and up in another (split here from
+the file's rows); Mistral's and Phi-3's sliding window (config.json) applies to every layer; a GGUF's
+rope_freqs tensor divides each RoPE frequency (llama.cpp's form of Llama 3's scaling).
+
 It shares no code with agent/: it reads the weight files itself (gguf / safetensors directly), keeps
 the files' own layouts, and for GGUF applies RoPE in the interleaved (GPT-J) order on the raw rows,
 as llama.cpp does, instead of un-permuting them. Attention is computed per head with an explicit
@@ -40,6 +45,8 @@ class RefModel:
     rope_scaling: dict | None = None  # config.json's rope_scaling, or {"type": "linear", ...} from GGUF
     gemma: GemmaTraits | None = None
     head_integer: bool = False  # the LM head's weights are in an integer GGUF format (int8 applies)
+    freq_factors: np.ndarray | None = None  # a GGUF's rope_freqs: each frequency divided by its own
+    window: int = 0  # Mistral's (and Phi-3's) sliding window, on every layer (0: none)
 
 
 @dataclass
@@ -84,9 +91,12 @@ def load_gguf_reference(path: str | Path) -> RefModel:
     floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     integer = {t.name for t in reader.tensors if t.tensor_type not in floats}  # int8 activations apply
     n_layers = meta("block_count")
+    heads, n_kv = meta("attention.head_count"), meta("attention.head_count_kv")
+    head_dim = _field(reader, f"{arch}.attention.key_length") or meta("embedding_length") // heads
     layers = []
     for i in range(n_layers):
         p = f"blk.{i}."
+        _unpack_phi3(raw, integer, p, heads * head_dim, n_kv * head_dim)
         layers.append(
             {
                 "attn_norm": raw[p + "attn_norm.weight"],
@@ -108,11 +118,8 @@ def load_gguf_reference(path: str | Path) -> RefModel:
                 "integer": {short for short, name in MATRIX_NAMES.items() if f"{p}{name}.weight" in integer},
             }
         )
-    heads = meta("attention.head_count")
-    head_dim = meta("embedding_length") // heads
     gemma = None
     if arch == "gemma3":
-        head_dim = meta("attention.key_length")
         gemma = GemmaTraits(
             window=meta("attention.sliding_window"),
             local_layers={i for i in range(n_layers) if (i + 1) % 6 != 0},
@@ -126,14 +133,37 @@ def load_gguf_reference(path: str | Path) -> RefModel:
         head=raw.get("output.weight", raw["token_embd.weight"]),
         head_integer=("output.weight" if "output.weight" in raw else "token_embd.weight") in integer,
         n_heads=heads,
-        n_kv=meta("attention.head_count_kv"),
+        n_kv=n_kv,
         head_dim=head_dim,
         theta=float(meta("rope.freq_base")),
+        freq_factors=raw.get("rope_freqs.weight"),
         eps=float(meta("attention.layer_norm_rms_epsilon")),
         interleaved_rope=(arch == "llama"),
         rope_scaling=_gguf_rope_scaling(reader, arch),
         gemma=gemma,
     )
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _unpack_phi3(raw: dict, integer: set[str], p: str, q_rows: int, kv_rows: int) -> None:
+    """Phi-3's packed layer matrices, as llama.cpp writes them, in place (and the parts of an
+    integer-format one in `integer`): attn_qkv holds Q's rows, then K's, then V's; ffn_up (with no
+    ffn_gate beside it) the gate's rows, then up's."""
+    if p + "attn_qkv.weight" in raw:
+        qkv = raw.pop(p + "attn_qkv.weight")
+        raw[p + "attn_q.weight"], raw[p + "attn_k.weight"], raw[p + "attn_v.weight"] = np.split(
+            qkv, [q_rows, q_rows + kv_rows]
+        )
+        if p + "attn_qkv.weight" in integer:
+            integer |= {f"{p}attn_{name}.weight" for name in "qkv"}
+    if p + "ffn_gate.weight" not in raw:
+        raw[p + "ffn_gate.weight"], raw[p + "ffn_up.weight"] = np.split(raw[p + "ffn_up.weight"], 2)
+        if p + "ffn_up.weight" in integer:
+            integer.add(p + "ffn_gate.weight")
 
 
 def _gguf_rope_scaling(reader, arch: str) -> dict | None:
@@ -153,9 +183,19 @@ def load_hf_reference(directory: str | Path) -> RefModel:
         raw.update({k: v.astype(np.float64) for k, v in load_file(str(f)).items()})
     if cfg["model_type"] == "internlm2":
         raw = _from_internlm2(raw, cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    n_kv = cfg.get("num_key_value_heads", heads)
     layers = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if p + "self_attn.qkv_proj.weight" in raw:  # Phi-3: Q, K, V rows packed in turn, gate then up
+            qkv = raw[p + "self_attn.qkv_proj.weight"]
+            q_rows, kv_rows = heads * head_dim, n_kv * head_dim
+            for name, part in zip("qkv", np.split(qkv, [q_rows, q_rows + kv_rows])):
+                raw[p + f"self_attn.{name}_proj.weight"] = part
+            gate_up = np.split(raw[p + "mlp.gate_up_proj.weight"], 2)
+            raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"] = gate_up
         layers.append(
             {
                 "attn_norm": raw[p + "input_layernorm.weight"],
@@ -170,23 +210,28 @@ def load_hf_reference(directory: str | Path) -> RefModel:
                 "bq": raw.get(p + "self_attn.q_proj.bias"),
                 "bk": raw.get(p + "self_attn.k_proj.bias"),
                 "bv": raw.get(p + "self_attn.v_proj.bias"),
+                "q_norm": raw.get(p + "self_attn.q_norm.weight"),  # Qwen3
+                "k_norm": raw.get(p + "self_attn.k_norm.weight"),
                 "integer": set(),  # float weights: int8 activations never apply
             }
         )
     embed = raw["model.embed_tokens.weight"]
-    heads = cfg["num_attention_heads"]
+    window = cfg.get("sliding_window") if cfg["model_type"] in ("mistral", "phi3") else None
+    rope = cfg.get("rope_parameters") or {}  # transformers 5's config.json: base and scaling in one
+    scaled_rope = None if rope.get("rope_type", "default") == "default" else rope
     return RefModel(
         layers=layers,
         embed=embed,
         norm=raw["model.norm.weight"],
         head=raw.get("lm_head.weight", embed),
         n_heads=heads,
-        n_kv=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        theta=float(cfg.get("rope_theta", 10000.0)),
+        n_kv=n_kv,
+        head_dim=head_dim,
+        theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
         eps=float(cfg["rms_norm_eps"]),
         interleaved_rope=False,
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_scaling=cfg.get("rope_scaling") or scaled_rope,
+        window=window if window and window < cfg["max_position_embeddings"] else 0,
     )
 
 
@@ -324,6 +369,8 @@ def forward(
         x = x * np.sqrt(x.shape[1])
     hd, group = model.head_dim, model.n_heads // model.n_kv
     freqs = _frequencies(model.theta, hd, model.rope_scaling)
+    if model.freq_factors is not None:
+        freqs = freqs / model.freq_factors
     if not cache.keys:
         cache.keys = [[] for _ in model.layers]
         cache.values = [[] for _ in model.layers]
@@ -336,7 +383,7 @@ def forward(
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
         q = q.reshape(len(tokens), model.n_heads, hd)
         k = k.reshape(len(tokens), model.n_kv, hd)
-        if gemma is not None:
+        if layer.get("q_norm") is not None:  # Gemma 3, Qwen3
             q, k = _rms(q, layer["q_norm"], model.eps), _rms(k, layer["k_norm"], model.eps)
         q = _rope(q, positions, layer_freqs, model.interleaved_rope)
         k = _rope(k, positions, layer_freqs, model.interleaved_rope)
@@ -348,6 +395,8 @@ def forward(
         hidden = key_positions > positions[:, None]  # causal
         if local and gemma:
             hidden |= key_positions <= positions[:, None] - gemma.window
+        if model.window:
+            hidden |= key_positions <= positions[:, None] - model.window
         scale = gemma.query_scale if gemma else 1.0 / np.sqrt(hd)
         out = np.empty((len(tokens), model.n_heads, hd))
         for head in range(model.n_heads):

@@ -59,12 +59,14 @@ def write_tiny_checkpoint(
 ) -> Path:
     """config.json + model.safetensors (or `shards` files and model.safetensors.index.json) +
     tokenizer files; weights scaled so logits spread widely (near-ties would make greedy
-    comparisons flaky). model_type "internlm2" packs Q/K/V into wqkv under InternLM2's names."""
+    comparisons flaky). model_type "internlm2" packs Q/K/V into wqkv under InternLM2's names, "phi3"
+    Q/K/V into qkv_proj and gate/up into gate_up_proj; "qwen3" adds QK-norm weights and a head size of
+    hidden / heads x 1.5 (not hidden / heads); "mistral" is Llama's."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = write_tokenizer(directory)
     vocab = tokenizer.get_vocab_size()
     rng = np.random.default_rng(seed)
-    head_dim = hidden // heads
+    head_dim = hidden // heads * 3 // 2 if model_type == "qwen3" else hidden // heads
 
     def matrix(out_dim: int, in_dim: int) -> np.ndarray:
         return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
@@ -93,6 +95,9 @@ def write_tiny_checkpoint(
                 p + "mlp.down_proj.weight": matrix(hidden, intermediate),
             }
         )
+        if model_type == "qwen3":
+            tensors[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            tensors[p + "self_attn.k_norm.weight"] = norm(head_dim)
         if model_type == "qwen2":
             for name, dim in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
                 tensors[p + f"self_attn.{name}_proj.bias"] = (
@@ -100,6 +105,8 @@ def write_tiny_checkpoint(
                 ).astype(np.float32)
     if model_type == "internlm2":
         tensors = _internlm2_layout(tensors, layers, heads // kv_heads, kv_heads, head_dim)
+    if model_type == "phi3":
+        tensors = _phi3_layout(tensors, layers)
     _save_shards(tensors, directory, shards)
     config = {
         "model_type": model_type,
@@ -107,6 +114,7 @@ def write_tiny_checkpoint(
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "num_hidden_layers": layers,
+        "head_dim": head_dim,
         "intermediate_size": intermediate,
         "vocab_size": vocab,
         "rope_theta": 10000.0,
@@ -149,6 +157,19 @@ def _internlm2_layout(tensors: dict, layers: int, group: int, kv_heads: int, hea
             np.concatenate([q, k, v], axis=1).reshape(-1, q.shape[-1])
         )
     return out
+
+
+def _phi3_layout(tensors: dict, layers: int) -> dict:
+    """Phi-3's packed matrices: Q, K, V rows one above the other, the gate's above up's."""
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+            [tensors.pop(p + f"self_attn.{name}_proj.weight") for name in "qkv"]
+        )
+        tensors[p + "mlp.gate_up_proj.weight"] = np.concatenate(
+            [tensors.pop(p + "mlp.gate_proj.weight"), tensors.pop(p + "mlp.up_proj.weight")]
+        )
+    return tensors
 
 
 def _save_shards(tensors: dict, directory: Path, shards: int) -> None:

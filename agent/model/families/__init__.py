@@ -14,7 +14,15 @@ from typing import TypeVar
 from agent.model.checkpoint import CheckpointError
 from agent.model.families.base import Family, GgufLayout, HfLayout
 
-MODULES = ("llama", "qwen2", "gemma3", "internlm2")  # the order the errors list them in
+MODULES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma3",
+    "internlm2",
+    "mistral",
+)  # the order the errors list them in
 
 FAMILIES: tuple[Family, ...] = tuple(import_module(f"{__name__}.{name}").FAMILY for name in MODULES)
 GGUF: dict[str, GgufLayout] = {f.gguf.architecture: f.gguf for f in FAMILIES if f.gguf is not None}

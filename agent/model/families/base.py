@@ -1,6 +1,7 @@
 """What a model family declares (one module per family beside this one, registered in __init__.py):
 how each file format names its weights, the spec fields its files carry beyond the common ones, and
-the load-time reshaping its layout needs. No MindSpore: the server reads these to load a tokenizer
+the load-time reshaping its layout needs (packed matrices, PACKED, are split by rows at load in every
+format). No MindSpore: the server reads these to load a tokenizer
 and the memory plan to size a model.
 
 The layers themselves are shared (agent/graphs/layers.py and decoder.py): a family's layer
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from agent.model.checkpoint import CheckpointError
 from agent.model.spec import ModelSpec
 
 
@@ -31,6 +33,36 @@ class Meta(Protocol):
 SpecFields = Callable[[Path, Meta, int, int, int], dict[str, Any]]
 # Reshapes a family's tensors in place after reading (canonical names, agent/model/checkpoint.py)
 Transform = Callable[[dict[str, np.ndarray], ModelSpec], None]
+# config.json -> the family's spec fields (ModelSpec's) beyond the common ones
+HfSpecFields = Callable[[dict[str, Any]], dict[str, Any]]
+# Matrices some families store packed, one above the other (Phi-3's), and the parts they hold
+PACKED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def packed_parts(name: str, spec: ModelSpec) -> list[tuple[str, slice | None]]:
+    """A canonical tensor name as the tensors it holds, each with its rows of it (None: all):
+    "layers.<i>.wqkv" -> wq, wk, wv; "layers.<i>.w_gate_up" -> w_gate, w_up; others as they are."""
+    prefix, _, short = name.rpartition(".")
+    if short not in PACKED:
+        return [(name, None)]
+    q, kv, ffn = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    sizes = (q, kv, kv) if short == "wqkv" else (ffn, ffn)
+    starts = np.cumsum((0, *sizes))
+    return [
+        (f"{prefix}.{part}", slice(int(start), int(start + size)))
+        for part, start, size in zip(PACKED[short], starts, sizes)
+    ]
+
+
+def split_packed(tensors: dict[str, np.ndarray], spec: ModelSpec) -> None:
+    """A Transform: every packed matrix (PACKED) replaced by its parts."""
+    for name in [n for n in tensors if n.rpartition(".")[2] in PACKED]:
+        packed = tensors.pop(name)
+        parts = packed_parts(name, spec)
+        rows = sum(r.stop - r.start for _, r in parts if r is not None)
+        if packed.shape[0] != rows:
+            raise CheckpointError(f"{name} has {packed.shape[0]} rows, its parts {rows}")
+        tensors.update({part: packed[r] for part, r in parts})
 
 
 def canonical_name(
@@ -72,6 +104,7 @@ class HfLayout:
     global_names: Mapping[str, str]
     qkv_bias: bool = False  # the default when config.json does not say
     transform: Transform | None = None
+    spec_fields: HfSpecFields | None = None
 
     def canonical_name(self, name: str) -> str | None:
         return canonical_name(name, "model.layers.", self.layer_names, self.global_names)

@@ -7,17 +7,27 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from agent.model.checkpoint import Checkpoint, CheckpointError, Progress
+from agent.model.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    LazyTensors,
+    Packer,
+    Progress,
+    Reader,
+    cut,
+)
 from agent.model.families import GgufLayout, gguf_layout
+from agent.model.families.base import packed_parts
 from agent.model.formats.gguf_header import GgufFile
-from agent.model.quantized import BlockMatrix, has_kernel
+from agent.model.quantized import BlockMatrix, block_shape, has_kernel
 from agent.model.spec import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
@@ -38,6 +48,7 @@ END_OF_GENERATION = (
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3.1 scaling)
 MATRICES = (".wq", ".wk", ".wv", ".wo", ".w_gate", ".w_up", ".w_down", "embed", "lm_head")
 MB = 1 << 20
+R = TypeVar("R")
 
 
 def read_gguf(path: Path) -> GgufFile:
@@ -52,11 +63,12 @@ def gguf_field(reader: GgufFile, key: str, default=None):
     return reader.values.get(key, default)
 
 
-def _dequantize(path: Path, tensor) -> np.ndarray:
+def _dequantize(path: Path, tensor, data: np.ndarray | None = None) -> np.ndarray:
+    """The tensor (or `data`, a part of its data) as float32."""
     import gguf
 
     try:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = gguf.quants.dequantize(tensor.data if data is None else data, tensor.tensor_type)
     except NotImplementedError as exc:
         raise CheckpointError(
             f"{path}: tensor {tensor.name} uses quantization type "
@@ -144,12 +156,23 @@ def stored_weights(path: Path) -> tuple[ModelSpec, int]:
     reader = read_gguf(path)
     spec, layout = _spec(path, reader)
     total = 0
-    for t in reader.tensors:
-        name = layout.canonical_name(t.name)
+    for t, name, rows in _parts(reader, layout, spec):
         if name is None:
             continue
-        total += t.n_bytes if _kept_in_format(name, t) else int(np.prod(t.shape)) * 4
+        size = t.n_bytes if _kept_in_format(name, t) else int(np.prod(t.shape)) * 4
+        total += size if rows is None else size * (rows.stop - rows.start) // int(t.shape[-1])
     return spec, total
+
+
+def _parts(
+    reader: GgufFile, layout: GgufLayout, spec: ModelSpec
+) -> Iterator[tuple[Any, str | None, slice | None]]:
+    """Each tensor with its canonical name (None: not read) and rows, a packed matrix (Phi-3's
+    attn_qkv, ffn_up: families.base.PACKED) once for each of its parts."""
+    for t in reader.tensors:
+        name = layout.canonical_name(t.name)
+        for part, rows in [(None, None)] if name is None else packed_parts(name, spec):
+            yield t, part, rows
 
 
 def _kept_in_format(name: str, t) -> bool:
@@ -163,8 +186,7 @@ def load(path: Path, progress: Progress) -> Checkpoint:
     spec, layout = _spec(path, reader)
     tensors: dict[str, np.ndarray] = {}
     kept: list[tuple[str, Callable[[], BlockMatrix]]] = []  # packed on threads below
-    for t in reader.tensors:
-        name = layout.canonical_name(t.name)
+    for t, name, rows in _parts(reader, layout, spec):
         if name is None:
             if t.name != ROPE_FREQS:
                 log.debug("ignoring GGUF tensor %s", t.name)
@@ -184,9 +206,9 @@ def load(path: Path, progress: Progress) -> Checkpoint:
         qtype = GGMLQuantizationType(t.tensor_type)
         matrix = name.endswith(MATRICES) and len(t.shape) == 2
         if _kept_in_format(name, t):
-            kept.append((name, functools.partial(_pack, reader, t, qtype, reorder)))
+            kept.append((name, functools.partial(_pack, reader, t, qtype, reorder, rows)))
             continue
-        array = _dequantize(path, t)
+        array = cut(_dequantize(path, t), rows, None)
         if matrix and qtype != GGMLQuantizationType.F32:
             log.warning(
                 "%s: tensor %s of type %s has no CPU kernel: dequantized to float32 "
@@ -205,8 +227,92 @@ def load(path: Path, progress: Progress) -> Checkpoint:
     return Checkpoint(spec=spec, tensors=tensors, source=path, format="gguf", blocks=blocks)
 
 
-def _pack(reader: GgufFile, t, qtype: GGMLQuantizationType, reorder: Callable | None) -> BlockMatrix:
-    matrix = BlockMatrix.from_gguf(qtype, t.data, int(t.shape[0]), reorder)
+def open_lazy(path: Path) -> Checkpoint:
+    """The checkpoint with its tensors left in the memory-mapped file (LazyTensors): a part of one
+    reads and dequantizes only the blocks that hold it."""
+    reader = read_gguf(path)
+    spec, layout = _spec(path, reader)
+    shapes: dict[str, tuple[int, ...]] = {}
+    readers: dict[str, Reader] = {}
+    packers: dict[str, Packer] = {}
+    for t, name, rows in _parts(reader, layout, spec):
+        if name is None:
+            continue
+        permuted = layout.permuted_qk and name.endswith((".wq", ".bq", ".wk", ".bk"))
+        shape = tuple(reversed(t.shape))
+        shapes[name] = shape if rows is None else (rows.stop - rows.start, *shape[1:])
+        readers[name] = _within(
+            rows, functools.partial(_read_part, path, reader, t, spec.head_dim if permuted else 0)
+        )
+        if _kept_in_format(name, t):
+            packers[name] = _within(
+                rows, functools.partial(_pack_part, reader, t, spec.head_dim if permuted else 0)
+            )
+    return Checkpoint(spec=spec, tensors=LazyTensors(shapes, readers, packers), source=path, format="gguf")
+
+
+def _pack_part(
+    reader: GgufFile, t, permuted_head_dim: int, rows: slice | None, columns: slice | None
+) -> BlockMatrix | None:
+    """Rows and columns of a matrix kept in its format, None where the columns cut through a block
+    (its rows are runs of whole blocks, agent/model/quantized.py: no block holds two rows' weights)."""
+    qtype = GGMLQuantizationType(t.tensor_type)
+    raw, cols = cut(t.data, rows, None), int(t.shape[0])
+    if columns is not None:
+        block = block_shape(qtype)[0]
+        if columns.start % block or columns.stop % block:
+            return None
+        cols = columns.stop - columns.start
+        if raw.dtype == np.uint8:  # bytes of blocks; float types hold their values
+            weights, size = GGML_QUANT_SIZES[qtype]
+            columns = slice(columns.start // weights * size, columns.stop // weights * size)
+        raw = raw[:, columns]
+    heads = len(raw) // permuted_head_dim if permuted_head_dim else 0
+    reorder = functools.partial(unpermute_qk, n_heads=heads) if heads else None
+    matrix = BlockMatrix.from_gguf(qtype, raw, cols, reorder)
+    reader.drop_pages(t)
+    return matrix
+
+
+def _read_part(
+    path: Path, reader: GgufFile, t, permuted_head_dim: int, rows: slice | None, columns: slice | None
+) -> np.ndarray:
+    """Rows and columns of a tensor as float32. Rows are whole in every format; a block format's
+    columns are runs of blocks, so the blocks that hold the columns are dequantized and the columns
+    cut from them (a share's edge inside a block costs one block a row). Q/K rows: a run of whole
+    heads, whose interleaved RoPE order is undone head by head (`permuted_head_dim`)."""
+    data = cut(t.data, rows, None)
+    if columns is None or data.dtype != np.uint8:  # float types: data holds the values
+        array = cut(_dequantize(path, t, data), None, columns)
+    else:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t.tensor_type)]
+        first, last = columns.start // block, -(-columns.stop // block)
+        blocks = np.ascontiguousarray(data[:, first * size : last * size])
+        array = _dequantize(path, t, blocks)[:, columns.start - first * block : columns.stop - first * block]
+    reader.drop_pages(t)
+    if permuted_head_dim:
+        array = unpermute_qk(array, len(array) // permuted_head_dim)
+    return np.ascontiguousarray(array)
+
+
+def _within(
+    part: slice | None, read: Callable[[slice | None, slice | None], R]
+) -> Callable[[slice | None, slice | None], R]:
+    """A reader (or packer) of a packed matrix's part: rows counted within the part's rows."""
+    if part is None:
+        return read
+
+    def read_part(rows: slice | None, columns: slice | None) -> R:
+        start, stop, _ = (rows or slice(None)).indices(part.stop - part.start)
+        return read(slice(part.start + start, part.start + stop), columns)
+
+    return read_part
+
+
+def _pack(
+    reader: GgufFile, t, qtype: GGMLQuantizationType, reorder: Callable | None, rows: slice | None
+) -> BlockMatrix:
+    matrix = BlockMatrix.from_gguf(qtype, cut(t.data, rows, None), int(t.shape[0]), reorder)
     reader.drop_pages(t)
     return matrix
 

@@ -4,6 +4,9 @@ file's blocks with the gguf package): logits and greedy tokens for calls of 1 to
 time, straight from the blocks, tiles dequantized whole), at every kernel target. Loading keeps each
 matrix in its format (nothing dequantized), and the memory plan counts the file's sizes."""
 
+import dataclasses
+import functools
+
 import gguf
 import numpy as np
 import pytest
@@ -28,32 +31,51 @@ from int8_comparison import Int8Comparison
 from tools.make_gguf import Shape, write_random_gguf
 
 T = gguf.GGMLQuantizationType
-FORMATS = sorted(FIELDS, key=lambda t: t.value)  # 12: three layers of 7 matrices hold each at least once
+FORMATS = sorted(FIELDS, key=lambda t: t.value)  # 12: three layers' matrices hold each at least once
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+PHI3_MATRICES = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")  # packed: 4 a layer, 12 in all
 
 
-def format_of(tensor: str, layers: int) -> gguf.GGMLQuantizationType:
+def format_of(tensor: str, layers: int, matrices: tuple[str, ...] = MATRICES) -> gguf.GGMLQuantizationType:
     if tensor == "token_embd.weight":
         return T.Q4_K
     if tensor == "output.weight":
         return T.Q6_K
     layer, matrix = int(tensor.split(".")[1]), tensor.split(".")[2]
-    return FORMATS[(layer * len(MATRICES) + MATRICES.index(matrix)) % len(FORMATS)]
+    return FORMATS[(layer * len(matrices) + matrices.index(matrix)) % len(FORMATS)]
 
 
-@pytest.fixture(scope="module")
-def every_format_path(tmp_path_factory, default_model_path):
-    """Rows of 256 and 512 weights (the K-quants' blocks), head dim 64, an LM head of its own."""
-    path = tmp_path_factory.mktemp("formats") / "every-format.gguf"
-    shape = Shape(hidden=256, layers=3, ffn=512, heads=4, kv_heads=2, tied=False)
-    return write_random_gguf(path, shape, format_of, tokenizer=default_model_path, seed=5)
+# The dense families' layers the kernels run: Llama's, Qwen3's (QK-norm, a head size that is not
+# hidden / heads) and Phi-3's (packed QKV and gate-up, split at load with each part in the file's format)
+LLAMA = Shape(hidden=256, layers=3, ffn=512, heads=4, kv_heads=2, tied=False)
+ARCHITECTURES = {
+    "llama": LLAMA,
+    "qwen3": dataclasses.replace(LLAMA, arch="qwen3", head_dim=128),
+    "phi3": dataclasses.replace(LLAMA, arch="phi3"),
+}
+
+
+# Seeds whose int8 comparison has steps free of near ties in the activations' rounding (qwen3's of
+# seed 5 had none, each step then checked only within its ties' reach)
+SEEDS = {"llama": 5, "qwen3": 6, "phi3": 5}
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def every_format_path(request, tmp_path_factory, default_model_path):
+    """Rows of 256 and 512 weights (the K-quants' blocks), an LM head of its own."""
+    path = tmp_path_factory.mktemp("formats") / f"every-format-{request.param}.gguf"
+    shape = ARCHITECTURES[request.param]
+    matrices = PHI3_MATRICES if shape.arch == "phi3" else MATRICES
+    types = functools.partial(format_of, matrices=matrices)
+    return write_random_gguf(path, shape, types, tokenizer=default_model_path, seed=SEEDS[request.param])
 
 
 def test_every_matrix_is_kept_in_its_format_and_planned_at_the_files_size(every_format_path):
     checkpoint = load_checkpoint(every_format_path)
     kept = {name: matrix.qtype for name, matrix in checkpoint.blocks.items()}
     assert set(kept.values()) == set(FORMATS) and len(kept) == 3 * 7 + 2
-    norms = {"final_norm"} | {f"layers.{i}.{n}" for i in range(3) for n in ("attn_norm", "ffn_norm")}
+    layer_norms = ("attn_norm", "ffn_norm") + (("q_norm", "k_norm") if checkpoint.spec.qk_norm else ())
+    norms = {"final_norm"} | {f"layers.{i}.{n}" for i in range(3) for n in layer_norms}
     assert set(checkpoint.tensors) == norms
     file_matrices = sum(
         t.n_bytes for t in gguf.GGUFReader(str(every_format_path)).tensors if len(t.shape) == 2

@@ -31,6 +31,11 @@ FAMILIES = {
     ),
     "llama-tied": dict(model_type="llama", tied=True),
     "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", tied=True),
+    "phi3": dict(model_type="phi3", extra_config={"sliding_window": 8}),
+    "mistral": dict(model_type="mistral"),
+    # every layer attends the last 8 positions: the 24 steps after the prompt run past the window
+    "mistral-window": dict(model_type="mistral", extra_config={"sliding_window": 8}),
     "internlm2": dict(model_type="internlm2"),
 }
 

@@ -16,12 +16,19 @@ from agent.model.checkpoint import (
     QK_NORM_TENSORS,
     CheckpointError,
 )
-from agent.model.families.base import GgufLayout, HfLayout
+from agent.model.families.base import GgufLayout, HfLayout, packed_parts
 from agent.model.spec import ModelSpec
 from agent.model.tokenizer import TEMPLATES
 
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3"}
-HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "internlm2": "internlm2"}
+GGUF_ARCHITECTURES = {name: name for name in ("llama", "qwen2", "qwen3", "phi3", "gemma3")}
+HF_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "internlm2": "internlm2",
+    "mistral": "mistral",
+}
 GLOBAL_TENSORS = {"embed", "final_norm", "lm_head"}
 
 
@@ -61,18 +68,19 @@ def test_each_hf_model_type_resolves_to_its_family(model_type, family):
     assert layout.model_type == model_type
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3", None, 3])
+@pytest.mark.parametrize("name", ["deepseek2", "mamba", None, 3])
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones(name):
     with pytest.raises(CheckpointError) as gguf_refusal:
         families.gguf_layout(name, Path("m.gguf"))
     assert (
         str(gguf_refusal.value)
-        == f"m.gguf: unsupported architecture {name!r} (supported: llama, qwen2, gemma3)"
+        == f"m.gguf: unsupported architecture {name!r} (supported: llama, qwen2, qwen3, phi3, gemma3)"
     )
     with pytest.raises(CheckpointError) as hf_refusal:
         families.hf_layout(name, Path("m"))
     assert (
-        str(hf_refusal.value) == f"m: unsupported architecture {name!r} (supported: llama, qwen2, internlm2)"
+        str(hf_refusal.value)
+        == f"m: unsupported architecture {name!r} (supported: llama, qwen2, qwen3, phi3, internlm2, mistral)"
     )
 
 
@@ -101,7 +109,11 @@ def no_metadata(key, default=None, required=True):
 def test_each_gguf_layout_maps_every_tensor_its_layers_read(layout: GgufLayout):
     fields = layout.spec_fields(Path("m.gguf"), no_metadata, 32, 8, 2) if layout.spec_fields else {}
     spec = tiny_spec(layout.architecture, qkv_bias=layout.qkv_bias, **fields)
-    canonical = {layout.canonical_name(f"blk.1.{name}") for name in layout.layer_names}
+    canonical = {
+        part
+        for name in layout.layer_names
+        for part, _ in packed_parts(layout.canonical_name(f"blk.1.{name}") or "", spec)
+    }
     canonical |= {layout.canonical_name(name) for name in layout.global_names}
     assert canonical >= layer_tensors(spec) | GLOBAL_TENSORS
     assert layout.canonical_name("blk.1.no_such.weight") is None and layout.canonical_name("x") is None
@@ -110,12 +122,16 @@ def test_each_gguf_layout_maps_every_tensor_its_layers_read(layout: GgufLayout):
 
 @pytest.mark.parametrize("layout", families.HF.values(), ids=families.HF.keys())
 def test_each_hf_layout_maps_every_tensor_its_layers_read(layout: HfLayout):
-    spec = tiny_spec(layout.model_type, qkv_bias=True)
+    fields = layout.spec_fields({"num_hidden_layers": 2}) if layout.spec_fields else {}
+    biases = any(name.endswith(".bias") for name in layout.layer_names)  # Phi-3 has none
+    spec = tiny_spec(layout.model_type, qkv_bias=biases, **fields)
     # every tensor the layout names, bias included, as it lies in the files: packed Q/K/V rows are
-    # (kv heads x (group + 2) x head size), the size a family's transform splits
+    # (kv heads x (group + 2) x head size), the size a family's transform splits; a packed gate and
+    # up (Phi-3's) twice the FFN's
     rows = spec.num_kv_heads * (spec.group_size + 2) * spec.head_dim
     tensors = {
-        layout.canonical_name(f"model.layers.1.{name}"): np.zeros((rows, 4)) for name in layout.layer_names
+        name: np.zeros((2 * spec.intermediate_size if name.endswith("w_gate_up") else rows, 4))
+        for name in (layout.canonical_name(f"model.layers.1.{n}") for n in layout.layer_names)
     }
     tensors |= {layout.canonical_name(name): np.zeros(1) for name in layout.global_names}
     if layout.transform is not None:

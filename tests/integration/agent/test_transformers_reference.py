@@ -1,0 +1,93 @@
+"""The dense families against Hugging Face `transformers`, their reference implementation (the
+`reference` extra): a tiny model of each built by transformers with random float32 weights and the
+family's real vocabulary (Llama 3's llama-bpe, Mistral's llama-spm, Qwen3's qwen2, Phi-3's phi-3), served
+from its Hugging Face directory and from the GGUF llama.cpp's converter would write: greedy answers
+equal transformers' `generate` for every prompt, one past 128 tokens and others from the vocabulary's
+own test texts. The seed is fixed and its answers are no near-ties: transformers' best two logits
+differ by more than NEAR_TIE at every step, far above float32's differences between the two (1e-5)."""
+
+from pathlib import Path
+
+import pytest
+from conftest import DEFAULT_RUNTIME
+
+import hf_reference as hf
+from agent.contract.sampling import SamplingParams
+from agent.model.formats import load_checkpoint
+from agent.model.tokenizer import load_tokenizer
+from agent.runner import ModelRunner
+
+NEW_TOKENS = 12
+NEAR_TIE = 1e-3
+SUITE_TEXTS = (5, 20, 33)  # of each vocabulary's .inp file (non-blank ones)
+
+
+@pytest.fixture(scope="module", params=hf.FAMILIES)
+def family_files(request, tmp_path_factory) -> tuple[str, object, list[Path]]:
+    """The family's transformers model, and its files: the Hugging Face directory, the GGUF."""
+    family = request.param
+    directory = tmp_path_factory.mktemp(family)
+    model = hf.build(family, directory, seed=0)
+    paths = [directory]
+    if hf.FAMILIES[family].gguf_arch:
+        paths.append(hf.write_gguf(directory, directory / f"{family}.gguf", family))
+    return family, model, paths
+
+
+def prompts(family: str) -> list[list[int]]:
+    tokenizer = load_tokenizer(hf.vocabulary_path(family))
+    texts = hf.suite_texts(family)
+    long = tokenizer.encode(" ".join(texts))[:150]
+    assert len(long) == 150
+    suite = [tokenizer.encode(texts[i]) for i in SUITE_TEXTS]
+    return [tokenizer.encode("The capital of France is"), long, *suite]
+
+
+def test_greedy_answers_equal_transformers(family_files):
+    family, model, paths = family_files
+    cases = prompts(family)
+    answers = []
+    for prompt in cases:
+        answer, gap = hf.greedy(model, prompt, NEW_TOKENS)
+        assert gap > NEAR_TIE, (family, len(prompt), gap)
+        answers.append(answer)
+    for path in paths:
+        runner = ModelRunner.from_checkpoint(load_checkpoint(path), DEFAULT_RUNTIME)
+        assert runner.graphs.model.stack is not None  # every layer one fused kernel
+        for prompt, want in zip(cases, answers):
+            got = [runner.prefill(0, prompt, SamplingParams())]
+            got += [runner.decode([0])[0] for _ in range(NEW_TOKENS - 1)]
+            runner.release(0)
+            assert got == want, (family, path.name, len(prompt))
+
+
+def test_chunks_a_prefix_cache_hit_and_speculation_give_the_same_answer(family_files):
+    """The prompt past 128 tokens in two chunks, then decoded by speculative steps (proposals of
+    transformers' own answer, every other one with a wrong second token: right ones kept, the wrong
+    one's position written over); and a second seat starting from the first's 128 cached positions
+    (a prefix-cache hit; not where sliding-window layers keep each seat's ring): transformers'
+    greedy answer each time."""
+    family, model, paths = family_files
+    prompt = prompts(family)[1]
+    want, _ = hf.greedy(model, prompt, NEW_TOKENS)
+    for path in paths:
+        runner = ModelRunner.from_checkpoint(load_checkpoint(path), DEFAULT_RUNTIME)
+        first = runner.graphs.inputs.slot_table(0)
+        runner.prefill_chunk(0, prompt[:64], first)
+        got, gave = [runner.prefill(0, prompt, SamplingParams(), first, start=64)], []
+        while len(got) < NEW_TOKENS - 3:
+            right = want[len(got) : len(got) + 3]
+            proposals = right if len(gave) % 2 == 0 else [right[0], (right[1] + 1) % runner.spec.vocab_size]
+            decoded, _ = runner.step([0], [first], [], drafts={0: proposals})
+            got += decoded[0]
+            gave.append(len(decoded[0]))
+        assert got == want[: len(got)] and gave[:2] == [4, 2], (family, path.name, gave)
+        if not runner.prefix_caching:
+            assert family == "mistral"
+            continue
+        second = runner.graphs.inputs.slot_table(1)
+        shared = 128 // DEFAULT_RUNTIME.block_size
+        second[:shared] = first[:shared]
+        got = [runner.prefill(1, prompt, SamplingParams(), second, start=128)]
+        got += [runner.decode([1], [second])[0] for _ in range(NEW_TOKENS - 1)]
+        assert got == want, (family, path.name)

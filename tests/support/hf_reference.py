@@ -1,0 +1,219 @@
+"""Tiny models of each family built by Hugging Face `transformers` (the families' reference
+implementation; the `reference` extra), with random float32 weights and a real vocabulary of the
+family (llama.cpp's tokenizer suite, models/llama-vocab/): saved as a Hugging Face directory, written
+to GGUF in llama.cpp's layout with that vocabulary, and their greedy answers by `generate`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from agent.model.formats.gguf_header import GgufFile
+from config.schema import PROJECT_ROOT
+
+VOCABULARIES = PROJECT_ROOT / "models" / "llama-vocab"
+# llama.cpp's converter: every HF name after "model.layers.<i>." -> its GGUF name after "blk.<i>."
+GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # positions past 64 blend, as Llama 3.1's past 8,192
+}
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """A family's tiny model: its transformers config class, the suite's vocabulary its real models
+    use, the GGUF architecture llama.cpp writes it as ("": none, Mistral's sliding window is not in
+    llama.cpp's files), and its config beyond the shared shape."""
+
+    config_class: str
+    vocabulary: str
+    gguf_arch: str
+    config: dict = field(default_factory=dict)
+
+
+FAMILIES = {
+    "llama3": TinyFamily(
+        "LlamaConfig", "llama-bpe", "llama", {"rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING}
+    ),
+    "llama3-tied": TinyFamily("LlamaConfig", "llama-bpe", "llama", {"tie_word_embeddings": True}),
+    "mistral": TinyFamily("MistralConfig", "llama-spm", "", {"sliding_window": 48}),
+    "qwen3": TinyFamily("Qwen3Config", "qwen2", "qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    "phi3": TinyFamily("Phi3Config", "phi-3", "phi3", {"pad_token_id": None}),
+}
+
+
+def vocabulary_path(family: str) -> Path:
+    return VOCABULARIES / f"ggml-vocab-{FAMILIES[family].vocabulary}.gguf"
+
+
+def vocabulary_fields(family: str) -> dict:
+    """The suite file's tokenizer.* fields (the project's GGUF reader: the gguf package's takes
+    minutes over a vocabulary's 280,000 merges)."""
+    values = GgufFile(vocabulary_path(family)).values
+    return {key: value for key, value in values.items() if key.startswith("tokenizer.")}
+
+
+def suite_texts(family: str) -> list[str]:
+    """The vocabulary's own test texts (llama.cpp's .inp file), the empty and blank ones left out."""
+    text = Path(f"{vocabulary_path(family)}.inp").read_text(encoding="utf-8")
+    return [t for t in text.split("\n__ggml_vocab_test__\n") if t.strip()]
+
+
+def build(family: str, directory: Path, seed: int):
+    """The family's tiny model (2 layers, hidden 64, 4 query heads, 2 KV heads, FFN 128) with random
+    weights spread so logits are far apart (transformers' init of 0.02 gives near-ties everywhere):
+    matrices N(0, 1/in), embedding N(0, 1), an untied LM head 4x, norms 1 + N(0, 0.1). Saved as
+    safetensors with its config to `directory`; returns the model (float32, eval)."""
+    import torch
+    import transformers
+
+    tiny = FAMILIES[family]
+    fields = vocabulary_fields(family)
+    tokens = len(fields["tokenizer.ggml.tokens"])
+    special = {k: fields[f"tokenizer.ggml.{k}"] for k in ("bos_token_id", "eos_token_id")}
+    config = getattr(transformers, tiny.config_class)(
+        vocab_size=tokens,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        **special,
+        **{"tie_word_embeddings": False, **tiny.config},
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.copy_(1 + 0.1 * torch.randn_like(weight))
+            elif name == "model.embed_tokens.weight":
+                weight.normal_(0, 1)
+            else:
+                weight.normal_(0, weight.shape[1] ** -0.5 * (4 if name == "lm_head.weight" else 1))
+    model.eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def greedy(model, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """transformers' greedy answer of n tokens (no stop token), and the smallest gap between its
+    best two logits over the steps (how near a tie its choices came)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),  # else pad_token_id's are masked
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    gaps = [float(np.diff(np.sort(s[0].numpy())[-2:])[0]) for s in out.scores]
+    return out.sequences[0, len(prompt) :].tolist(), min(gaps)
+
+
+def write_gguf(hf_dir: Path, path: Path, family: str) -> Path:
+    """The directory's model as llama.cpp's converter writes it (F32): its architecture's tensor
+    names, a Llama's Q/K rows permuted to the interleaved RoPE order, Llama 3 scaling as the
+    rope_freqs tensor, and the family's vocabulary (the suite file's tokenizer fields)."""
+    from safetensors.numpy import load_file
+
+    arch = FAMILIES[family].gguf_arch
+    config = json.loads((hf_dir / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{family}")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = config["rope_parameters"]  # transformers 5 writes base and scaling here
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    for key, value in vocabulary_fields(family).items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_string(key, value)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    if rope["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_factors(rope, head_dim))
+    for hf_name, array in sorted(tensors.items()):
+        if hf_name in GLOBAL_NAMES:
+            name = GLOBAL_NAMES[hf_name]
+        else:
+            index, rest = hf_name[len("model.layers.") :].split(".", 1)
+            name = f"blk.{index}.{GGUF_NAMES[rest]}"
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            array = _permute(array, heads if "attn_q" in name else kv_heads)
+        writer.add_tensor(name, np.ascontiguousarray(array, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def llama3_factors(scaling: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf for rope_type llama3: each frequency's divisor."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    freqs = 1.0 / (scaling["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, np.float32)
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
