@@ -99,11 +99,15 @@ inline void quantize_row(const Rows &x, const float *in, int64_t row) {
 }
 
 // A tile unpacked: bytes [K / 4][TILE][4] (byte (t, kk) of group g = quant k = 4 g + kk of column
-// t, plus the format's bias), and each sub-block's scale and offset [K / SUB][TILE].
+// t, plus the format's bias), each sub-block's scale and offset [K / SUB][TILE], and the order in
+// which the format visits a block's sub-blocks (formats/*.h subs: Q2_K, Q3_K and Q6_K's 0, 2, 4, 6,
+// 1, 3, ...), the order the rows sum them in, as straight from the blocks: a row's float sums are then
+// the same at every row count (batch invariance).
 struct Unpacked {
   std::vector<packed::vi> bytes;  // aligned vectors of four k of LANES columns
   const uint8_t *at(int64_t offset) const { return reinterpret_cast<const uint8_t *>(bytes.data()) + offset; }
   std::vector<float> scale, offset;
+  std::vector<int> order;  // a block's sub-blocks, in the order summed
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -145,6 +149,7 @@ inline void unpack(const uint8_t *tile, int64_t k_dim, Unpacked &u) {
   // now 0.17 (8 rows 0.148 -> 0.115; the AVX2 target, 16 rows of Q5_K: 0.53 -> 0.47).
   vi *const quads = u.bytes.data();
   float *const scales = u.scale.data(), *const offsets = u.offset.data();
+  u.order.clear();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t *block = tile + b * F::TILE_BYTES;
     packed::prefetch_block(block, F::TILE_BYTES);
@@ -153,6 +158,7 @@ inline void unpack(const uint8_t *tile, int64_t k_dim, Unpacked &u) {
       F::subs(block, c, [&](const auto &group, auto quants) {
         constexpr int N = packed::group_size<std::decay_t<decltype(group)>>();
         for (int n = 0; n < N; ++n) {
+          if (b == 0 && c == 0) u.order.push_back(group.s[n]);
           const int64_t at = (first_sub + group.s[n]) * TILE + c * LANES;
           packed::vf offset = F::OFFSET ? group.offset[n] : packed::vf{};
           if (BIAS != 0 && !SIGNED_DOT) offset -= static_cast<float>(BIAS) * group.scale[n];
@@ -201,6 +207,14 @@ inline float x_sum(const Rows &x, int64_t row, int64_t k) {
   return total;
 }
 
+// The sub-block a row sums i-th (Unpacked::order).
+template <class F>
+inline int64_t summed(const Unpacked &u, int64_t i) {
+  constexpr int64_t PER_BLOCK = F::BLOCK / F::SUB;
+  if constexpr (PER_BLOCK == 1) return i;  // Q4_0 .. Q8_0
+  return i - i % PER_BLOCK + u.order[i % PER_BLOCK];
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int ROWS = 6;  // 2 R sums + 2 R accumulators of AVX-512's 32 registers
 
@@ -212,8 +226,9 @@ inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, cons
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t lines = ahead.lines(x.k_dim / F::SUB);
-  for (int64_t s = 0; s < x.k_dim / F::SUB; ++s) {
-    ahead.fetch(s, lines);
+  for (int64_t i = 0; i < x.k_dim / F::SUB; ++i) {
+    ahead.fetch(i, lines);
+    const int64_t s = summed<F>(u, i);
     __m512i sums[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
@@ -279,64 +294,49 @@ inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, cons
     __m256 acc[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < x.k_dim / F::SUB; ++s) {
-      ahead.fetch(half * (x.k_dim / F::SUB) + s, lines);
+    for (int64_t i = 0; i < x.k_dim / F::SUB; ++i) {
+      ahead.fetch(half * (x.k_dim / F::SUB) + i, lines);
+      const int64_t s = summed<F>(u, i);
       const uint8_t *wb = u.at(s * F::SUB * packed::TILE + 64 * half);
       const int8_t *xb = x.q + row0 * x.k_dim + s * F::SUB;
       const float *scale = u.scale.data() + s * packed::TILE + 16 * half;
       const float *offset = u.offset.data() + s * packed::TILE + 16 * half;
-      const __m256 sc[2] = {_mm256_loadu_ps(scale), _mm256_loadu_ps(scale + 8)};
-      // acc += sums (int32, of row r's columns h) x the sub-block's scales
-      auto scaled = [&](int r, int h, __m256i sums) {
-        const __m256 dx = _mm256_set1_ps(x_scale(x, row0 + r, s * F::SUB));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(sc[h], dx), acc[r][h]);
-      };
       auto load = [&](int g, int h) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(wb + g * 128 + 32 * h)); };
-      auto x4 = [&](int r, int g) {
-        int32_t four;
-        std::memcpy(&four, xb + r * x.k_dim + 4 * g, sizeof four);
-        return _mm256_set1_epi32(four);
-      };
-      if constexpr (RUN<F> == 1) {  // each group's pair sums widened at once, the scaling once a sub-block
-        __m256i sums[R][2];
+      // Runs of groups summed in 16 bits, widened to the sub-block's 32-bit sums, which are scaled
+      // once as straight from the blocks (scaled a run at a time, a row's Q5 and Q6_K sums rounded
+      // otherwise above 4 rows than at 1-4: batch invariance).
+      __m256i sums[R][2];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int g = 0; g < F::SUB / 4; ++g) {
+      for (int g0 = 0; g0 < F::SUB / 4; g0 += RUN<F>) {
+        __m256i pairs[R][2];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = g0; g < g0 + RUN<F>; ++g) {
           const __m256i w0 = load(g, 0), w1 = load(g, 1);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
-            const __m256i xv = x4(r, g);
-            sums[r][0] = _mm256_add_epi32(sums[r][0], _mm256_madd_epi16(pairs4<F>(w0, xv), ones));
-            sums[r][1] = _mm256_add_epi32(sums[r][1], _mm256_madd_epi16(pairs4<F>(w1, xv), ones));
+            int32_t four;
+            std::memcpy(&four, xb + r * x.k_dim + 4 * g, sizeof four);
+            const __m256i xv = _mm256_set1_epi32(four);
+            pairs[r][0] = _mm256_add_epi16(pairs[r][0], pairs4<F>(w0, xv));
+            pairs[r][1] = _mm256_add_epi16(pairs[r][1], pairs4<F>(w1, xv));
           }
         }
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) scaled(r, 0, sums[r][0]), scaled(r, 1, sums[r][1]);
-      } else {  // runs of groups summed in 16 bits, widened and scaled once a run
-#pragma GCC unroll 4
-        for (int g0 = 0; g0 < F::SUB / 4; g0 += RUN<F>) {
-          __m256i pairs[R][2];
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-          for (int g = g0; g < g0 + RUN<F>; ++g) {
-            const __m256i w0 = load(g, 0), w1 = load(g, 1);
-#pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) {
-              const __m256i xv = x4(r, g);
-              pairs[r][0] = _mm256_add_epi16(pairs[r][0], pairs4<F>(w0, xv));
-              pairs[r][1] = _mm256_add_epi16(pairs[r][1], pairs4<F>(w1, xv));
-            }
-          }
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r)
-            for (int h = 0; h < 2; ++h) scaled(r, h, _mm256_madd_epi16(pairs[r][h], ones));
-        }
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) sums[r][h] = _mm256_add_epi32(sums[r][h], _mm256_madd_epi16(pairs[r][h], ones));
       }
-      if constexpr (HAS_OFFSET<F>) {
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(x_scale(x, row0 + r, s * F::SUB));
+        for (int h = 0; h < 2; ++h) {
+          const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * h), dx);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), sc, acc[r][h]);
+        }
+        if constexpr (HAS_OFFSET<F>) {
           const __m256 sx = _mm256_set1_ps(x_sum<F>(x, row0 + r, s * F::SUB));
           for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + 8 * h), sx, acc[r][h]);
         }

@@ -17,6 +17,8 @@ from reference_numpy import q8_1
 from tools.make_gguf import random_blocks
 
 FORMATS = sorted(FIELDS, key=lambda t: t.value)
+FLOAT_FORMATS = (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+INTEGER_FORMATS = [t for t in FORMATS if t not in FLOAT_FORMATS]
 
 
 @pytest.fixture
@@ -70,7 +72,7 @@ def test_int8_activations_match_the_q8_1_product_at_every_row_count(library, ker
         x = np.ones((1, cols), np.float32)
         assert call(library.SkinnyMatMulFormatI8, [x, matrix.packed, format_id], out) == 1
         return
-    floats = qtype in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    floats = qtype in FLOAT_FORMATS
     rng = np.random.default_rng(2)
     for rows in range(1, 65):
         x = (rng.standard_normal((rows, cols)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
@@ -101,3 +103,30 @@ def test_a_shape_that_does_not_fit_the_format_is_refused(library):
     out = np.zeros((1, 32), np.float32)
     for format_id in (gguf.GGMLQuantizationType.Q6_K.value, 99):  # another format's block size; unknown
         assert call(library.SkinnyMatMulFormat, [x, matrix.packed, np.array([format_id], np.int32)], out) == 1
+
+
+@pytest.mark.parametrize("qtype", INTEGER_FORMATS, ids=lambda t: t.name)
+def test_a_row_computes_alike_at_every_row_count_and_position(library, kernel_target, qtype):
+    """Batch invariance of the int8 products: one input row's output is bit-identical alone and
+    inside calls of every row count from 1 to 64 at every position (straight from the blocks up to 4
+    rows, from the unpacked tile above, in row blocks of every size), whatever the other rows hold,
+    so that a request's tokens do not depend on what else runs in its step. Before, Q2_K, Q3_K and
+    Q6_K summed their sub-blocks in another order above 4 rows, and with AVX2 the Q5s' and Q6_K's
+    16-bit runs were scaled one by one."""
+    cols = 2 * block_shape(qtype)[0] if block_shape(qtype)[0] > 32 else 96
+    _, matrix = random_matrix(qtype, 70, cols, seed=qtype.value)
+    format_id = np.array([qtype.value], np.int32)
+    if not has_int8_products(kernel_target):
+        pytest.skip("the portable target has no int8 products")
+    rng = np.random.default_rng(3)
+    probe = rng.standard_normal((1, cols)).astype(np.float32)
+    alone = np.full((1, matrix.packed.shape[0] * 32), np.nan, np.float32)
+    assert call(library.SkinnyMatMulFormatI8, [probe, matrix.packed, format_id], alone) == 0
+    for rows in range(1, 65):
+        others = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 100, (rows, 1))).astype(np.float32)
+        for at in range(rows):
+            x = others.copy()
+            x[at] = probe[0]
+            out = np.full((rows, alone.shape[1]), np.nan, np.float32)
+            assert call(library.SkinnyMatMulFormatI8, [x, matrix.packed, format_id], out) == 0
+            assert out[at].tobytes() == alone[0].tobytes(), (qtype.name, rows, at)
