@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
+from server.structured_output import Grammars, GrammarSpec
 
 VICTIM_KEY, ATTACKER_KEY = "victim-key", "attacker-key"
 # Room for answers of 2000 tokens: a stalled client's answer must outgrow every buffer between the
@@ -32,7 +33,7 @@ RUNTIME = {**LONG_ANSWERS_RUNTIME, "max_seq_len": 2048, "attend_buckets": [64, 5
 SLOTS = RUNTIME["num_slots"]
 MAX_WAITING = 4
 GRAMMAR_TIMEOUT_S = 0.3
-MAX_GRAMMAR_BYTES = 400_000
+MAX_GRAMMAR_BYTES = 900_000  # room for a grammar slow to compile on a fast CPU (under the body limit)
 STREAM_WRITE_TIMEOUT_S = 1.0
 MAX_REPLY_LOGPROBS = 2000
 VICTIM_PROMPT = "The capital of France is"
@@ -258,7 +259,23 @@ def lark_alternatives(n: int) -> str:
     return "start: item+\nitem: " + " | ".join(f'"w{i:05d}x"' for i in range(n)) + "\n"
 
 
-def test_grammar_size_compile_time_and_failures_are_bounded(stack):
+def slow_grammar(tokenizer) -> str:
+    """A grammar that takes this CPU at least 3 x GRAMMAR_TIMEOUT_S to compile, as the server
+    compiles it (timed here, in this process): the test holds on a CPU of any speed."""
+    grammars = Grammars(tokenizer, MAX_GRAMMAR_BYTES, timeout_s=60)
+    grammars._tokenizer()  # built once, before the timing
+    n = 6_000
+    while True:
+        grammar = lark_alternatives(n)
+        started = time.monotonic()
+        grammars._compile(GrammarSpec("lark", grammar))
+        if time.monotonic() - started >= 3 * GRAMMAR_TIMEOUT_S:
+            return grammar
+        assert len(lark_alternatives(2 * n)) <= MAX_GRAMMAR_BYTES, "no grammar under the bound is slow enough"
+        n *= 2
+
+
+def test_grammar_size_compile_time_and_failures_are_bounded(stack, tiny_llama_dir):
     """Larger than server.max_grammar_bytes: 400 at once. One that compiles longer than
     server.grammar_compile_timeout_s: 400, and its second try is refused from the cache at once;
     meanwhile another request's grammar compiles and answers (compiles run side by side)."""
@@ -267,7 +284,7 @@ def test_grammar_size_compile_time_and_failures_are_bounded(stack):
     refused = completion(base, **big)
     assert refused.status_code == 400 and "server.max_grammar_bytes" in refused.text, refused.text
 
-    slow = {"structured_outputs": {"grammar": lark_alternatives(25_000)}}  # ~300 KB: ~0.7 s to compile
+    slow = {"structured_outputs": {"grammar": slow_grammar(load_tokenizer(tiny_llama_dir))}}
     with ThreadPoolExecutor(2) as pool:
         timed_out = pool.submit(completion, base, ATTACKER_KEY, **slow)
         time.sleep(0.05)
