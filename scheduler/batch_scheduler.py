@@ -8,8 +8,10 @@ a tensor-parallel group, which the scheduler sees as one.
     ... run plan.releases, then plan.decodes, then plan.prefills on the groups, in that order ...
     scheduler.decoded(seqs, tokens); scheduler.prefilled(chunk, token or None)
 
-A group holds a sequence in a slot (its seat: sampling state on the agent, at most num_slots) and
-its KV in blocks (scheduler/block_manager.py: the tables are the scheduler's, sent with each call).
+The plan's parts are in scheduler/plan.py; the groups' slots, blocks and health, and where a new
+sequence goes, in scheduler/placement.py; speculative decoding's proposals in scheduler/drafts.py;
+what each client may hold (fair share) in scheduler/client_share.py.
+
 Each step of a group spends at most `max_batched_tokens` positions: every decode row first (a
 decode never waits for a prompt), then prompt chunks, oldest first: a long prompt spans several
 steps, short ones share one. A prompt reuses the longest cached run of full blocks with the same
@@ -32,152 +34,21 @@ decode slot with the ticket, which the decode group then refuses should the KV s
 
 from __future__ import annotations
 
-import enum
 import random
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from agent.contract.sampling import Sampled
-from agent.contract.step import Proposal, StepLimits, proposal_size
+from agent.contract.step import Proposal, proposal_size
 from scheduler.block_manager import BlockManager
 from scheduler.client_share import ClientShares
-from scheduler.engine_io import FaultKind
+from scheduler.drafts import Drafts
+from scheduler.engine_io import AdmissionError, FaultKind, Refusal
+from scheduler.placement import Placement
+from scheduler.plan import Chunk, GroupCapacity, Release, StepPlan, attended
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler.speculation import Speculator
 from scheduler.step_costs import StepCosts
-
-
-class Refusal(str, enum.Enum):
-    """Why a request is refused at once; the HTTP layer turns it into a status (server/errors.py)."""
-
-    EMPTY_PROMPT = "empty_prompt"
-    TOO_LONG = "too_long"  # the prompt is longer than any group accepts
-    OVERLOADED = "overloaded"  # no room now (queue or tokens in flight): worth retrying soon
-    CLIENT_LIMIT = "client_limit"  # the server is full and this client holds more than its share
-    NO_GROUP = "no_group"  # every group failed; waiting for one to come back
-    NOT_READY = "not_ready"  # the engine has not connected to its groups yet
-    SHUTTING_DOWN = "shutting_down"
-
-
-class AdmissionError(Exception):
-    """A request refused at once, with the reason."""
-
-    def __init__(self, message: str, reason: Refusal):
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass
-class GroupCapacity:
-    """What the scheduler needs to know of one group (from its `info` reply)."""
-
-    num_slots: int  # sequences placed at once
-    max_seq_len: int  # positions of one sequence
-    num_blocks: int  # the KV pool, in blocks of block_size positions
-    block_size: int
-    max_chunk: int  # the most prompt positions one prefill call computes
-    role: str = "mixed"
-    # whether a prefill may start past position 0 (chunks after the first, prefix-cache hits)
-    chunked_prefill: bool = True
-    mixed_rows: int = 0  # rows of one call that runs a decode and prompt chunks together (0: none)
-    max_batch: int = 1  # the most sequences one decode (or mixed step) call takes
-    # whether a prompt may reuse another's blocks (not with sliding-window layers' per-seat rings)
-    prefix_caching: bool = True
-
-    def mixes(self, decodes: int, chunks: list[Chunk], proposed: int = 0) -> bool:
-        """Whether a step of `decodes` decode rows (with `proposed` tokens proposed after them)
-        and these local chunks fits one mixed call: its rows, its sequences and its logit rows."""
-        return bool(decodes and (chunks or proposed)) and self.limits.fits(
-            decodes, proposed, [c.end - c.start for c in chunks], sum(c.sample for c in chunks)
-        )
-
-    @property
-    def limits(self) -> StepLimits:
-        """What one mixed step holds (the agent's runner checks the same rule)."""
-        return StepLimits(self.mixed_rows, self.max_batch)
-
-    def __post_init__(self) -> None:
-        if self.max_seq_len > self.num_blocks * self.block_size:
-            # one sequence alone must always fit, or preempting every other could not save it
-            raise ValueError(
-                f"max_seq_len {self.max_seq_len} exceeds the KV pool "
-                f"({self.num_blocks} blocks of {self.block_size} positions)"
-            )
-
-    @property
-    def seats(self) -> int:
-        """Slots the scheduler fills. A group that cannot recompute a preempted sequence in chunks
-        (no chunked prefill; a decode group, which gets whole prompts from elsewhere) gets no more
-        sequences than its pool holds at their longest, so it never needs to preempt."""
-        if self.chunked_prefill and self.role != "decode":
-            return self.num_slots
-        return max(1, min(self.num_slots, self.num_blocks // -(-self.max_seq_len // self.block_size)))
-
-    @property
-    def max_prompt_len(self) -> int:
-        """One position must stay free for an answer; without chunks, one call takes the prompt."""
-        return self.max_seq_len - 1 if self.chunked_prefill else min(self.max_seq_len - 1, self.max_chunk)
-
-    @property
-    def prefills(self) -> bool:
-        return self.role != "decode"
-
-    @property
-    def decodes(self) -> bool:
-        return self.role != "prefill"
-
-
-class Release(NamedTuple):
-    group: int
-    slot: int
-    ticket: int | None = None  # a KV transfer into the slot that will never be used
-
-
-class Chunk(NamedTuple):
-    """Positions [start, end) of a sequence's tokens to compute; `sample`: the prompt's last chunk,
-    whose logits give the first output token. With seq.prefill_group set, the whole prompt is
-    computed on that group, which sends the KV to the sequence's decode group."""
-
-    seq: Sequence
-    start: int
-    end: int
-    sample: bool
-
-
-@dataclass
-class StepPlan:
-    releases: list[Release] = field(default_factory=list)
-    prefills: list[Chunk] = field(default_factory=list)
-    decodes: dict[int, list[Sequence]] = field(default_factory=dict)  # group -> its decoding seqs
-    # request id -> the tokens proposed after its pending token (speculative decoding): verified
-    # in its decode's step, and the blocks of their positions taken
-    drafts: dict[str, Proposal] = field(default_factory=dict)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.releases or self.prefills or self.decodes)
-
-    def proposed(self, seqs: list[Sequence]) -> int:
-        """Tokens proposed for these sequences."""
-        return sum(proposal_size(self.drafts.get(s.request_id, [])) for s in seqs)
-
-    def by_group(self) -> dict[int, StepPlan]:
-        """The plan split into one plan per group it touches (a prefill belongs to the group that
-        decodes it), in the same order within each group."""
-        parts: dict[int, StepPlan] = {}
-        for release in self.releases:
-            parts.setdefault(release.group, StepPlan()).releases.append(release)
-        for chunk in self.prefills:
-            parts.setdefault(chunk.seq.placement[0], StepPlan()).prefills.append(chunk)
-        for group, seqs in self.decodes.items():
-            part = parts.setdefault(group, StepPlan())
-            part.decodes[group] = seqs
-            part.drafts = {
-                s.request_id: self.drafts[s.request_id] for s in seqs if s.request_id in self.drafts
-            }
-        return parts
 
 
 class BatchScheduler:
@@ -193,71 +64,54 @@ class BatchScheduler:
         clients: ClientShares | None = None,
         speculator: Speculator | None = None,
     ):
-        self.groups = groups
         self.max_waiting = max_waiting
         self.max_prefills_per_step = max_prefills_per_step  # admissions per step
         # Bound on prompt + answer tokens of every admitted request (waiting and running).
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_batched_tokens = max_batched_tokens  # positions one group's step computes
-        self.enable_prefix_caching = enable_prefix_caching
         # Each group's learned step costs: how many prompt positions may join its decode rows.
         self.step_costs = [StepCosts(decode_stall_ratio, g.block_size) for g in groups]
         self.tokens_in_flight = 0
-        self.free_slots = [list(range(g.seats)) for g in groups]
-        self.blocks = [self._block_manager(g) for g in groups]
-        self.healthy = [True] * len(groups)
+        self.placement = Placement(groups, enable_prefix_caching)  # slots, blocks, health
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # admission order: the newest is preempted first
         self.pending_releases: list[Release] = []
         self.preemptions = 0  # cumulative, for the metrics
-        self.prefix_query_tokens = 0  # cumulative: prompt tokens looked up in a prefix cache
-        self.prefix_hit_tokens = 0  # of those, found computed
-        self.speculator = speculator  # proposes tokens for decoding sequences (speculative decoding)
-        self.proposed_tokens = 0  # cumulative: tokens proposed
-        self.accepted_tokens = 0  # of those, kept by the agents
-        self.speculative_steps = 0  # a sequence's step that verified proposals: accepted per step
+        self.drafts = Drafts(speculator)  # speculative decoding's proposals and their counts
         self.clients = clients or ClientShares()  # what each client holds; the fair admission order
 
-    def _block_manager(self, capacity: GroupCapacity) -> BlockManager:
-        # A decode group's blocks are written by transfers of whole prompts: no hits there.
-        caching = (
-            self.enable_prefix_caching
-            and capacity.chunked_prefill
-            and capacity.prefix_caching
-            and capacity.role != "decode"
-        )
-        return BlockManager(capacity.num_blocks, capacity.block_size, caching)
+    # The groups' state, kept by the placement (the lists are its own: changed in place).
+    @property
+    def groups(self) -> list[GroupCapacity]:
+        return self.placement.groups
 
-    # ------------------------------------------------------------------------------- requests
+    @property
+    def blocks(self) -> list[BlockManager]:
+        return self.placement.blocks
 
-    def _usable(self, group: int) -> bool:
-        """Healthy, and a decode-capable group has a way to get prompts (itself or a prefill group)."""
-        capacity = self.groups[group]
-        if not self.healthy[group]:
-            return False
-        if capacity.role == "decode":
-            return any(self.healthy[i] and g.role == "prefill" for i, g in enumerate(self.groups))
-        if capacity.role == "prefill":
-            return any(self._usable(i) for i, g in enumerate(self.groups) if g.role == "decode")
-        return True
+    @property
+    def free_slots(self) -> list[list[int]]:
+        return self.placement.free_slots
+
+    @property
+    def healthy(self) -> list[bool]:
+        return self.placement.healthy
 
     @property
     def can_serve(self) -> bool:
         """Some healthy group decodes, and gets prompts (prefills them itself or has a prefill group)."""
-        return any(g.decodes and self._usable(i) for i, g in enumerate(self.groups))
+        return self.placement.can_serve
+
+    # ------------------------------------------------------------------------------- requests
 
     def add(self, seq: Sequence) -> None:
-        usable = [g for i, g in enumerate(self.groups) if self._usable(i)]
         if not seq.prompt:
             raise AdmissionError("the prompt is empty", Refusal.EMPTY_PROMPT)
         if not self.can_serve:
             raise AdmissionError(
                 "no agent is available (every agent failed; waiting for it to come back)", Refusal.NO_GROUP
             )
-        longest = min(
-            max(g.max_prompt_len for g in usable if g.prefills),
-            max(g.max_prompt_len for g in usable if g.decodes),
-        )
+        longest = self.placement.longest_prompt()
         if len(seq.prompt) > longest:
             raise AdmissionError(
                 f"the prompt has {len(seq.prompt)} tokens; the longest accepted is {longest}",
@@ -265,13 +119,9 @@ class BatchScheduler:
             )
         # Requests a free slot will take on the next iteration do not count as waiting: a burst
         # that arrives between two iterations must not be refused while slots are idle.
-        free = sum(
-            len(self.free_slots[i]) for i, g in enumerate(self.groups) if g.decodes and self._usable(i)
-        )
+        free = self.placement.free_seats()
         # Generation stops at the last position, so no request holds more than max_seq_len.
-        seq.token_budget = min(
-            len(seq.prompt) + seq.max_new_tokens, max(g.max_seq_len for g in usable if g.decodes)
-        )
+        seq.token_budget = min(len(seq.prompt) + seq.max_new_tokens, self.placement.longest_sequence())
         limit = self.max_tokens_in_flight
         refused = self.clients.refusal(
             seq,
@@ -313,8 +163,7 @@ class BatchScheduler:
         plan = StepPlan(releases=[r for r in self.pending_releases if r.group not in busy])
         self.pending_releases = [r for r in self.pending_releases if r.group in busy]
         for release in plan.releases:  # released before this plan's prefills run
-            self.free_slots[release.group].append(release.slot)
-            self.free_slots[release.group].sort()
+            self.placement.free_slot(release.group, release.slot)
         open_groups = [g for g in range(len(self.groups)) if self.healthy[g] and g not in busy]
         starved: set[int] = set()  # groups where a placed sequence waits for blocks: admit none
         for group in open_groups:
@@ -324,7 +173,7 @@ class BatchScheduler:
             if not self._restore_preempted(group):
                 starved.add(group)
             elif decodes:
-                self._plan_drafts(group, decodes, plan)
+                self.drafts.plan(self.groups[group], self.blocks[group], decodes, plan)
         admitted, admissible = 0, [g for g in open_groups if g not in starved]
         while self.waiting and admitted < self.max_prefills_per_step:
             seq = self.clients.next_to_admit(self.waiting)
@@ -336,36 +185,6 @@ class BatchScheduler:
             decodes = plan.decodes.get(group, [])
             self._plan_prompts(group, self._prompt_budget(group, decodes, plan.proposed(decodes)), plan)
         return plan
-
-    def _plan_drafts(self, group: int, decodes: list[Sequence], plan: StepPlan) -> None:
-        """Tokens proposed after the group's decoding sequences' pending tokens (speculative
-        decoding), while few sequences decode and within the logit rows of one mixed call (one
-        left for a prompt's first token), each with the blocks of their positions: free blocks
-        only, a proposal never preempts. A grammar's sequence proposes nothing (its mask holds for
-        one token), nor one whose request opted out."""
-        speculator, capacity = self.speculator, self.groups[group]
-        if speculator is None or not speculator.enabled or not capacity.mixed_rows:
-            return
-        if len(decodes) > speculator.settings.max_batch:
-            return
-        room = capacity.limits.proposal_room(len(decodes))
-        blocks = self.blocks[group]
-        for seq in decodes:
-            if room <= 0:
-                return
-            if not seq.speculate or seq.constraint is not None:
-                continue
-            k = min(
-                speculator.settings.num_tokens,
-                room,
-                seq.max_new_tokens - len(seq.output) - 1,  # the step's last token is always its own
-                capacity.max_seq_len - 1 - seq.computed,
-            )
-            proposed = speculator.propose(seq, k) if k > 0 else []
-            size = proposal_size(proposed)
-            if size and blocks.append(seq.request_id, seq.computed + 1 + size):
-                plan.drafts[seq.request_id] = proposed
-                room -= size
 
     def _prompt_budget(self, group: int, decodes: list[Sequence], proposed: int) -> int:
         """Prompt positions a step of the `decodes` rows (and the `proposed` tokens after them) may
@@ -425,7 +244,7 @@ class BatchScheduler:
         capacity, blocks = self.groups[group], self.blocks[group]
         for seq in self._group_seqs(group):
             if seq.needs_prefill and not seq.transferring and seq.request_id not in blocks:
-                hit = self._allocate(group, seq, seq.tokens(seq.positions_used))
+                hit = self.placement.allocate(group, seq, seq.tokens(seq.positions_used))
                 if hit is None:
                     return False
                 seq.computed = hit if capacity.chunked_prefill else 0
@@ -469,13 +288,13 @@ class BatchScheduler:
     def _admit(self, seq: Sequence, groups: list[int], plan: StepPlan) -> bool:
         """Place the head of the queue with its blocks (its chunks are planned with the group's other
         prompts), or plan its prefill elsewhere; False when no group has room now."""
-        placement = self._place(seq, groups)
+        placement = self.placement.place(seq, groups)
         if placement is None:
             return False
         group, prefill_group = placement
         seq.group, seq.slot = group, self.free_slots[group].pop(0)
-        hit = self._allocate(group, seq, seq.prompt)
-        assert hit is not None, "_place checked the blocks"
+        hit = self.placement.allocate(group, seq, seq.prompt)
+        assert hit is not None, "place() checked the blocks"
         seq.status = SequenceStatus.RUNNING
         self.clients.admitted(seq)
         self.running[seq.request_id] = seq
@@ -483,48 +302,11 @@ class BatchScheduler:
             seq.computed = hit
             return True
         seq.prefill_group, seq.prefill_slot = prefill_group, self.free_slots[prefill_group].pop(0)
-        prefill_hit = self._allocate(prefill_group, seq, seq.prompt)
-        assert prefill_hit is not None, "_place checked the prefill group's blocks"
+        prefill_hit = self.placement.allocate(prefill_group, seq, seq.prompt)
+        assert prefill_hit is not None, "place() checked the prefill group's blocks"
         seq.ticket, seq.transferring = random.getrandbits(62), True
         plan.prefills.append(Chunk(seq, prefill_hit, len(seq.prompt), sample=True))
         return True
-
-    def _allocate(self, group: int, seq: Sequence, tokens: list[int]) -> int | None:
-        """Blocks for `tokens` on the group (None: too few free); the positions its cache holds."""
-        blocks = self.blocks[group]
-        hit = blocks.allocate(seq.request_id, tokens, seq.cache_salt)
-        if hit is not None and blocks.enable_prefix_caching:
-            self.prefix_query_tokens += len(tokens)
-            self.prefix_hit_tokens += hit
-        return hit
-
-    def _place(self, seq: Sequence, groups: list[int]) -> tuple[int, int | None] | None:
-        """(group to decode on, prefill group or None): of the open groups with a free slot and the
-        blocks for this prompt, the decode-capable one with the most free slots; a decode group
-        needs a prefill group with room too, the one with the most free slots."""
-
-        def fits(i: int) -> bool:
-            capacity = self.groups[i]
-            return (
-                bool(self.free_slots[i])
-                and len(seq.prompt) <= capacity.max_prompt_len
-                and self.blocks[i].can_allocate(seq.prompt, seq.cache_salt)
-            )
-
-        prefill = max(
-            (i for i in groups if self.groups[i].role == "prefill" and fits(i)),
-            key=lambda i: len(self.free_slots[i]),
-            default=None,
-        )
-        candidates = [
-            i
-            for i in groups
-            if self.groups[i].decodes and fits(i) and (self.groups[i].role == "mixed" or prefill is not None)
-        ]
-        group = max(candidates, key=lambda i: len(self.free_slots[i]), default=None)
-        if group is None:
-            return None
-        return group, (prefill if self.groups[group].role == "decode" else None)
 
     # ------------------------------------------------------------------------------- results
 
@@ -542,35 +324,17 @@ class BatchScheduler:
 
     def transferred(self, seq: Sequence, token: Sampled) -> None:
         """Its prefill group sent the KV and the decode group took it: it decodes from now on."""
-        self._free_prefill_slot(seq, computed=True)
+        self.placement.free_prefill_slot(seq, computed=True)
         seq.transferring = False
         if not seq.finished:  # aborted meanwhile: its decode slot is already being released
             seq.computed = len(seq.prompt)
             self._append(seq, token)
 
     def transfer_failed(self, seq: Sequence, error: str) -> None:
-        self._free_prefill_slot(seq, computed=False)
+        self.placement.free_prefill_slot(seq, computed=False)
         if not seq.finished:
             seq.error = error
             self._finish(seq, FinishReason.ERROR)
-
-    def _free_prefill_slot(self, seq: Sequence, computed: bool) -> None:
-        """The prefill group frees its slot itself once the transfer is over, either way; its
-        blocks keep the prompt for later hits when it was computed."""
-        group, slot = seq.prefill_group, seq.prefill_slot
-        seq.prefill_slot = None
-        if slot is None:
-            return
-        assert group is not None, "a prefill slot comes with its prefill group"
-        if not self.healthy[group]:
-            return
-        blocks = self.blocks[group]
-        if computed and seq.request_id in blocks:
-            blocks.computed(seq.request_id, seq.prompt, len(seq.prompt))
-        blocks.free(seq.request_id)
-        if slot not in self.free_slots[group]:
-            self.free_slots[group].append(slot)
-            self.free_slots[group].sort()
 
     def decoded(
         self, seqs: list[Sequence], tokens: list[list[Sampled]], drafts: dict[str, Proposal] | None = None
@@ -589,11 +353,8 @@ class BatchScheduler:
             if seq.computed // blocks.block_size > before // blocks.block_size:  # blocks filled: cached
                 written = seq.tokens(len(seq.prompt) + len(seq.output)) + [s.token for s in sampled]
                 blocks.computed(seq.request_id, written, seq.computed)
-            if proposed and self.speculator is not None:
-                self.speculator.verified(seq, proposed, len(sampled) - 1)
-                self.proposed_tokens += proposed
-                self.accepted_tokens += len(sampled) - 1
-                self.speculative_steps += 1
+            if proposed:
+                self.drafts.verified(seq, proposed, len(sampled) - 1)
             for token in sampled:
                 self._append(seq, token)
                 if seq.finished:  # a stop among the kept tokens: the ones after it are not the answer
@@ -626,8 +387,7 @@ class BatchScheduler:
             self._finish(seq, FinishReason.ERROR)
             failed.append(seq)
         self.pending_releases = [r for r in self.pending_releases if r.group != group]
-        self.free_slots[group] = []
-        self.blocks[group].reset()
+        self.placement.failed(group)
         return failed
 
     def fail_waiting(self, error: str) -> list[Sequence]:
@@ -649,10 +409,7 @@ class BatchScheduler:
         return aborted
 
     def group_recovered(self, group: int, capacity: GroupCapacity) -> None:
-        self.groups[group] = capacity
-        self.free_slots[group] = list(range(capacity.seats))
-        self.blocks[group] = self._block_manager(capacity)
-        self.healthy[group] = True
+        self.placement.recovered(group, capacity)
 
     def _append(self, seq: Sequence, sampled: Sampled) -> None:
         if sampled.fault is not None:  # this sequence's own error: it ends, the step went on
@@ -690,8 +447,3 @@ class BatchScheduler:
             group, slot = seq.placement  # it ran, so it was placed
             self.blocks[group].free(seq.request_id)
             self.pending_releases.append(Release(group, slot, seq.ticket if seq.transferring else None))
-
-
-def attended(decodes: list[Sequence]) -> int:
-    """Positions a decode step of these sequences attends to in all (each its own new one too)."""
-    return sum(s.positions_used + 1 for s in decodes)

@@ -9,10 +9,11 @@
 
 The loop never blocks the event loop: agent calls are awaited ZeroMQ round trips. Each iteration
 asks the BatchScheduler for a plan over the groups with no step in flight and starts one step task
-per group it touches (that group's releases, one decode step, then its prompt chunks), so a slow or
-stuck group holds only its own requests. A prefill on a prefill group (PD disaggregation) runs as a task
-of its own beside the loop, so decode steps never wait for it. The engine knows token ids only:
-text, stop strings and the answer streams are the server's (server/output.py).
+per group it touches (scheduler/step_executor.py: that group's releases, one decode step, then its
+prompt chunks), so a slow or stuck group holds only its own requests. A prefill on a prefill group
+(PD disaggregation) runs as a task of its own beside the loop, so decode steps never wait for it.
+The engine knows token ids only: text, stop strings and the answer streams are the server's
+(server/output.py).
 
 With tracing on (server.otlp_endpoint) each sequence gets a Timeline (scheduler/timeline.py): its
 admission, the agent calls it took part in, its first token and its end; the server turns it into
@@ -32,28 +33,18 @@ import time
 from collections.abc import Callable, Iterable
 from functools import partial
 
-import numpy as np
-
-from agent.contract.step import KVTransfer, Proposal, StepChunk, StepRequest
-from agent.contract.step_reply import StepReply
 from config.schema import ServingConfig
-from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, AgentTakenOver
-from scheduler.batch_scheduler import (
-    AdmissionError,
-    BatchScheduler,
-    Chunk,
-    GroupCapacity,
-    Refusal,
-    StepPlan,
-    attended,
-)
+from scheduler.agent_client import AgentTakenOver
+from scheduler.batch_scheduler import BatchScheduler
 from scheduler.client_share import ClientShares
-from scheduler.engine_io import EngineOutput, EngineRequest, FinishReason
+from scheduler.engine_io import AdmissionError, EngineOutput, EngineRequest, FinishReason, Refusal
 from scheduler.group_links import GroupLinks
 from scheduler.metrics import ServingMetrics
+from scheduler.plan import GroupCapacity
 from scheduler.sequence import Sequence
 from scheduler.speculation import Speculator
-from scheduler.timeline import AgentCall, Timeline
+from scheduler.step_executor import StepExecutor, StepHooks
+from scheduler.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +66,7 @@ class Engine:
         self.links = GroupLinks(config, vocab_size)
         self.clients = self.links.clients
         self.scheduler: BatchScheduler  # built by start(), over the capacities the groups report
+        self.executor: StepExecutor  # built by start(): runs each group's part of a plan
         self.stop_ids: frozenset[int] = frozenset(eos_ids)  # the groups' EOS ids join at connection
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -147,6 +139,10 @@ class Engine:
             ClientShares(s.client_share, s.max_running_per_client, s.scheduling_policy == "priority"),
             Speculator(self.config.runtime.speculation),
         )
+        hooks = StepHooks(self._report, self._group_failed, self._die, self._wake.set)
+        self.executor = StepExecutor(
+            self.scheduler, self.clients, self.metrics, hooks, self._transfers, self.timed
+        )
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         self._task.add_done_callback(self._loop_ended)
 
@@ -217,6 +213,14 @@ class Engine:
             "prefix_caching": blocks.enable_prefix_caching,
         }
 
+    def releases_pending(self, group: int) -> int:
+        """The group's slot releases its agent has not answered yet: planned, or not yet planned
+        (a finished sequence's slot is released by the next plan for its group)."""
+        if not self.started:
+            return 0
+        planned = sum(1 for r in self.scheduler.pending_releases if r.group == group)
+        return planned + self.executor.releasing[group]
+
     def get_queue_current(self) -> int:
         return self.scheduler.num_waiting if self.started else 0
 
@@ -280,19 +284,6 @@ class Engine:
                 seq.timeline.finished = time.monotonic()
             self._report(seq)
 
-    def _timed(
-        self, op: str, agent: str, start: float, seqs: Iterable[Sequence], chunks: Iterable[Chunk] = ()
-    ) -> None:
-        """An agent call that ended now, on the timelines of the sequences it decoded and of those
-        whose prompt chunks it computed (tracing)."""
-        end = time.monotonic()
-        for seq in seqs:
-            if seq.timeline is not None:
-                seq.timeline.called(AgentCall(op, agent, start, end))
-        for chunk in chunks:
-            if chunk.seq.timeline is not None:
-                chunk.seq.timeline.called(AgentCall(op, agent, start, end, (chunk.start, chunk.end)))
-
     # ---------------------------------------------------------------------------- the loop
 
     async def _run(self) -> None:
@@ -300,7 +291,7 @@ class Engine:
             plan = self.scheduler.schedule(busy=self._steps.keys())
             self._count_cache_and_preemptions()
             for group, part in plan.by_group().items():
-                task = asyncio.create_task(self._group_step(group, part), name=f"step-group-{group}")
+                task = self.executor.start(group, part)
                 self._steps[group] = task
                 task.add_done_callback(partial(self._step_ended, group))
             self._wake.clear()  # set again by a new request, an abort, a finished step or transfer
@@ -314,12 +305,12 @@ class Engine:
         """The scheduler's cumulative counts into the metrics' counters."""
         m, s = self.metrics, self.scheduler
         for counter, total in (
-            (m.prefix_cache_queries, s.prefix_query_tokens),
-            (m.prefix_cache_hits, s.prefix_hit_tokens),
+            (m.prefix_cache_queries, s.placement.prefix_query_tokens),
+            (m.prefix_cache_hits, s.placement.prefix_hit_tokens),
             (m.preemptions, s.preemptions),
-            (m.proposed_tokens, s.proposed_tokens),
-            (m.accepted_tokens, s.accepted_tokens),
-            (m.speculative_steps, s.speculative_steps),
+            (m.proposed_tokens, s.drafts.proposed_tokens),
+            (m.accepted_tokens, s.drafts.accepted_tokens),
+            (m.speculative_steps, s.drafts.speculative_steps),
         ):
             counter.inc(total - self._counted.get(counter, 0))
             self._counted[counter] = total
@@ -368,224 +359,6 @@ class Engine:
             except Exception:
                 log.exception("reporting the end of request %s failed", seq.request_id)
 
-    async def _group_step(self, group: int, plan: StepPlan) -> None:
-        try:
-            await self._step(group, plan)
-        except Exception as exc:  # a bug must not leave the step's requests hanging
-            log.exception("scheduler step of group %d failed", group)
-            self._fail(
-                [c.seq for c in plan.prefills] + [s for seqs in plan.decodes.values() for s in seqs],
-                f"internal error: {type(exc).__name__}: {exc}",
-            )
-
-    async def _step(self, group: int, plan: StepPlan) -> None:
-        """Run one group's plan: releases, one decode (a stream never waits for a prompt), then
-        the prompt chunks; the decode and the group's own chunks as one mixed call where it fits."""
-        for release_group, slot, ticket in plan.releases:
-            await self._call(release_group, self.clients[release_group].release(slot, ticket))
-        # aborted since the plan was made: their blocks are already free
-        seqs = [s for s in plan.decodes.get(group, []) if not s.finished]
-        local: list[Chunk] = []
-        rest: list[Chunk] = []  # PD transfers, aborted sequences
-        for chunk in plan.prefills:
-            (local if chunk.seq.prefill_group is None and not chunk.seq.finished else rest).append(chunk)
-        healthy, capacity = self.scheduler.healthy[group], self.scheduler.groups[group]
-        proposed = plan.proposed(seqs)
-        # the prompts that do not fit beside the proposals run after the decode and its proposals
-        together = local if capacity.mixes(len(seqs), local, proposed) else []
-        if healthy and capacity.mixes(len(seqs), together, proposed):
-            if await self._mixed(group, seqs, together, plan.drafts):
-                for chunk in rest if together else plan.prefills:
-                    await self._prefill_chunk(chunk)
-                return
-            # the agent refused the step (a bad request in it): each part alone, so only that one fails
-        if seqs and self.scheduler.healthy[group]:
-            self.scheduler.drop_drafts(seqs, plan.drafts)  # decoded alone: the proposals go unverified
-            try:
-                reply = await self._agent_step(group, seqs, [])
-            except Exception as exc:
-                self._group_failed(group, exc)
-                return
-            self._apply(seqs, [], reply)
-        for chunk in plan.prefills:
-            await self._prefill_chunk(chunk)
-
-    async def _prefill_chunk(self, chunk: Chunk) -> None:
-        seq = chunk.seq
-        if seq.prefill_group is not None and seq.finished:  # aborted before its prefill ran
-            self.scheduler.transfer_failed(seq, "aborted")
-        elif seq.prefill_group is not None and seq.transferring:
-            task = asyncio.create_task(self._prefill_elsewhere(chunk), name=f"prefill-{seq.request_id}")
-            self._transfers.add(task)
-            task.add_done_callback(self._transfer_ended)
-        elif not seq.finished:  # else aborted, or its group failed earlier in this plan
-            await self._prefill(chunk)
-
-    async def _mixed(
-        self, group: int, seqs: list[Sequence], chunks: list[Chunk], drafts: dict[str, Proposal]
-    ) -> bool:
-        """The group's decode (with the tokens proposed after its sequences' pending tokens:
-        `drafts`) and its prompt chunks in one agent call; False when the agent refused it as a bad
-        request (nothing ran: the caller runs the parts one by one)."""
-        try:
-            reply = await self._agent_step(group, seqs, chunks, drafts)
-        except AgentRequestError as exc:
-            address = self.clients[group].address
-            log.warning("agent %s refused a mixed step (%s): its parts run one by one", address, exc)
-            return False
-        except AgentError as exc:
-            self._group_failed(group, exc)
-            return True
-        self._apply(seqs, chunks, reply, drafts)
-        return True
-
-    async def _agent_step(
-        self, group: int, seqs: list[Sequence], chunks: list[Chunk], drafts: dict[str, Proposal] | None = None
-    ) -> StepReply:
-        """The group's step of these decoding sequences (with the tokens proposed after their
-        pending tokens: `drafts`) and these prompt chunks, as one agent step."""
-        blocks, drafts = self.scheduler.blocks[group], drafts or {}
-        request = StepRequest(
-            [s.placement[1] for s in seqs],
-            [blocks.table(s.request_id) for s in seqs],
-            [self._step_chunk(c) for c in chunks],
-            _masks([*seqs, *(c.seq for c in chunks if c.sample)]),
-            {s.placement[1]: drafts[s.request_id] for s in seqs if s.request_id in drafts},
-        )
-        return await self._timed_step(group, request, seqs, chunks)
-
-    async def _timed_step(
-        self, group: int, request: StepRequest, seqs: list[Sequence], chunks: list[Chunk]
-    ) -> StepReply:
-        """The engine's one call that runs the model: an agent step, timed (agent_step by its
-        kind, the timelines of its sequences) and, where it decodes, measured for the group's step
-        costs. Raises what the client raises."""
-        client = self.clients[group]
-        op, attending, start = request.kind, attended(seqs), time.monotonic()
-        with self.metrics.agent_step.labels(client.address, op).time():
-            reply = await client.step(request)
-        if self.timed:
-            self._timed("prefill_and_send" if request.transfer else op, client.address, start, seqs, chunks)
-        if seqs:
-            seconds, costs = client.decode_compute_s, self.scheduler.step_costs[group]
-            self.metrics.agent_compute.labels(client.address, op).observe(seconds)
-            if op == "step":
-                costs.mixed(len(seqs), attending, [(c.start, c.end) for c in chunks], seconds)
-            else:
-                costs.decoded(len(seqs), attending, seconds)
-        return reply
-
-    def _apply(
-        self,
-        seqs: list[Sequence],
-        chunks: list[Chunk],
-        reply: StepReply,
-        drafts: dict[str, Proposal] | None = None,
-    ) -> None:
-        """A step's tokens to its sequences, each reported: the decode's, then the chunks' first
-        tokens (where they sample)."""
-        if seqs:
-            self.scheduler.decoded(seqs, reply.decoded, drafts)
-        for seq in seqs:
-            self._report(seq)
-        for chunk, token in zip(chunks, reply.firsts):
-            self.scheduler.prefilled(chunk, token)
-            if chunk.sample:
-                self._report(chunk.seq)
-
-    def _transfer_ended(self, task: asyncio.Task) -> None:
-        self._transfers.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # its own failure handler failed
-            exc = task.exception()
-            log.error("a KV transfer failed while handling a failure", exc_info=exc)
-            self._die(f"a KV transfer failed: {type(exc).__name__}: {exc}")
-
-    async def _prefill(self, chunk: Chunk) -> None:
-        group = chunk.seq.placement[0]
-        try:
-            reply = await self._agent_step(group, [], [chunk])
-        except AgentRequestError as exc:  # this request was bad; the group is fine
-            self._fail([chunk.seq], str(exc))
-            return
-        except AgentError as exc:
-            self._group_failed(group, exc)
-            return
-        self._apply([], [chunk], reply)
-
-    async def _prefill_elsewhere(self, chunk: Chunk) -> None:
-        """PD disaggregation: the prefill group computes the prompt (from its prefix-cache hit)
-        and sends its KV straight to the decode group's slot and blocks; the sequence decodes
-        there from the next step on."""
-        seq = chunk.seq
-        (prefill_group, prefill_slot), (group, slot) = seq.prefill_placement, seq.placement
-        prefill, decode = self.clients[prefill_group], self.clients[group]
-        # A prefill group is one agent: the config makes tensor-parallel groups mixed.
-        assert isinstance(prefill, AgentClient), f"prefill group {prefill.address} is not one agent"
-        assert seq.ticket is not None  # given when the transfer was planned
-        transfer = KVTransfer(
-            decode.address,
-            slot,
-            decode.session,
-            seq.ticket,
-            tuple(self.scheduler.blocks[group].table(seq.request_id)),
-        )
-        table = self.scheduler.blocks[prefill_group].table(seq.request_id)
-        whole = StepChunk(prefill_slot, seq.prompt, table, chunk.start, seq.sampling)
-        request = StepRequest(chunks=[whole], masks=_masks([seq], prefill_slot), transfer=transfer)
-        try:
-            reply = await self._timed_step(prefill_group, request, [], [chunk])
-        except AgentRequestError as exc:  # this request failed (its KV did not arrive); the group is fine
-            log.warning("request %s failed on %s: %s", seq.request_id, prefill.address, exc)
-            self.scheduler.transfer_failed(seq, str(exc))
-            self._report(seq)
-        except AgentError as exc:
-            self._group_failed(prefill_group, exc)  # fails seq too
-            self.scheduler.transfer_failed(seq, str(exc))
-        except Exception as exc:  # a bug must not leave the request hanging
-            log.exception("request %s: prefill on %s failed", seq.request_id, prefill.address)
-            self.scheduler.transfer_failed(seq, f"internal error: {type(exc).__name__}: {exc}")
-            self._report(seq)
-        else:
-            token, kv_bytes, transfer_ms = reply.firsts[0], reply.kv_bytes, reply.transfer_ms
-            assert token is not None  # StepReply.from_wire: the whole prompt samples
-            self.metrics.kv_transfer_bytes.inc(kv_bytes)
-            self.metrics.kv_transfer.observe(transfer_ms / 1000)
-            log.debug(
-                "request %s: KV of %d tokens (%d bytes) moved to %s slot %d in %.1f ms",
-                seq.request_id,
-                len(seq.prompt),
-                kv_bytes,
-                decode.address,
-                slot,
-                transfer_ms,
-            )
-            self.scheduler.transferred(seq, token)
-            self._report(seq)
-        self._wake.set()
-
-    def _step_chunk(self, chunk: Chunk) -> StepChunk:
-        """The planned chunk as the agents take it: the slot's tokens up to its end, its blocks,
-        and its sequence's sampling where it samples."""
-        seq = chunk.seq
-        group, slot = seq.placement
-        table = self.scheduler.blocks[group].table(seq.request_id)
-        return StepChunk(
-            slot, seq.tokens(chunk.end), table, chunk.start, seq.sampling if chunk.sample else None
-        )
-
-    def _fail(self, seqs: list[Sequence], error: str) -> None:
-        for seq in seqs:
-            if not seq.finished:
-                seq.error = error
-                self.scheduler.finish(seq, FinishReason.ERROR)
-                self._report(seq)
-
-    async def _call(self, group: int, call) -> None:
-        try:
-            await call
-        except AgentError as exc:
-            self._group_failed(group, exc)
-
     def _group_failed(self, group: int, exc: BaseException) -> None:
         if not self.scheduler.healthy[group]:
             return
@@ -615,13 +388,3 @@ class Engine:
         self.metrics.agent_up.labels(self.clients[group].address).set(1)
         log.info("agent %s is back: serving on it again", self.clients[group].address)
         self._wake.set()
-
-
-def _masks(seqs: Iterable[Sequence], slot: int | None = None) -> dict[int, np.ndarray]:
-    """The token masks of the sequences that follow a grammar, by slot (structured output);
-    `slot`: the one sequence's slot on a prefill group."""
-    return {
-        s.placement[1] if slot is None else slot: s.constraint.mask()
-        for s in seqs
-        if s.constraint is not None
-    }

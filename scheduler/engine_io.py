@@ -6,8 +6,9 @@ on_update), never the scheduler's mutable Sequence.
     ... on_update(EngineOutput("r1", new_token_ids=(42,), ...)) after each step that touched it ...
     ... and exactly one finished output (finish_reason set) at its end, whatever ended it ...
 
-A fault is named by its kind (FaultKind); what a kind means to an HTTP client (its status) is the
-server's to say (server/errors.py).
+A request refused at once raises AdmissionError with its Refusal. A fault is named by its kind
+(FaultKind); what a refusal or a kind means to an HTTP client (its status) is the server's to say
+(server/errors.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,26 @@ from agent.contract.sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from scheduler.timeline import Timeline
+
+
+class Refusal(str, enum.Enum):
+    """Why a request is refused at once; the server turns it into a status (server/errors.py)."""
+
+    EMPTY_PROMPT = "empty_prompt"
+    TOO_LONG = "too_long"  # the prompt is longer than any group accepts
+    OVERLOADED = "overloaded"  # no room now (queue or tokens in flight): worth retrying soon
+    CLIENT_LIMIT = "client_limit"  # the server is full and this client holds more than its share
+    NO_GROUP = "no_group"  # every group failed; waiting for one to come back
+    NOT_READY = "not_ready"  # the engine has not connected to its groups yet
+    SHUTTING_DOWN = "shutting_down"
+
+
+class AdmissionError(Exception):
+    """A request refused at once, with the reason."""
+
+    def __init__(self, message: str, reason: Refusal):
+        super().__init__(message)
+        self.reason = reason
 
 
 class FinishReason(str, enum.Enum):

@@ -21,7 +21,7 @@ from scheduler.agent_client import (
     GroupClient,
     ModelClient,
 )
-from scheduler.batch_scheduler import GroupCapacity
+from scheduler.plan import GroupCapacity
 
 log = logging.getLogger(__name__)
 

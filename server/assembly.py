@@ -20,9 +20,8 @@ from pydantic import BaseModel
 
 from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import TextTokenizer, TokenizerError
-from scheduler.batch_scheduler import AdmissionError
 from scheduler.engine import Engine
-from scheduler.engine_io import EngineRequest
+from scheduler.engine_io import AdmissionError, EngineRequest
 from server.errors import ApiError, ApiStyle, refusal_status
 from server.output import AnswerStream, OutputProcessor
 from server.structured_output import Grammar, GrammarError, Grammars, GrammarSpec

@@ -12,8 +12,7 @@ from typing import Literal
 from fastapi import Depends, Request, params
 from fastapi.responses import JSONResponse
 
-from scheduler.batch_scheduler import Refusal
-from scheduler.engine_io import FaultKind
+from scheduler.engine_io import FaultKind, Refusal
 
 RETRY_AFTER_S = "1"
 # vLLM's tokenizer endpoints answer in OpenAI's error shape, as the /v1/ paths do.

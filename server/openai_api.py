@@ -133,7 +133,7 @@ async def admit_choices(
         req.temperature > 0,
         tuple(None if req.seed is None else req.seed + i for i in range(req.n)),
         *length,
-        sampling_fields={"logprobs": top, "logit_bias": req.bias_pairs()},
+        sampling_fields={"logprobs": top, "logit_bias": req.logit_bias},
         stop=tuple(req.stop),
         ignore_eos=req.ignore_eos,
         grammar=grammar,

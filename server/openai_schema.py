@@ -10,16 +10,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from agent.contract.sampling import (
     MAX_CACHE_SALT_CHARS,
-    MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_PRIORITY,
     MAX_REPETITION_PENALTY,
     MAX_SEED,
-    MAX_STOP_TOKEN_IDS,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
+    LogitBias,
+    StopTokenIds,
     check_stop_strings,
 )
 from server.request_body import json_value
@@ -117,14 +116,14 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias
+    logit_bias: LogitBias = ()  # a map token id -> bias on the wire
     user: str | None = None
     # Extensions vLLM and llama.cpp accept too.
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: StopTokenIds = ()
     structured_outputs: StructuredOutputs | None = None
     # vLLM's: prefix-cache blocks shared only with requests of the same salt
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -138,31 +137,25 @@ class _Common(BaseModel):
     @field_validator("stop_token_ids", mode="before")
     @classmethod
     def _null_stop_token_ids(cls, value):
-        return [] if value is None else value
+        return () if value is None else value
 
-    @field_validator("stop_token_ids")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _token_ids(cls, value: list[int]) -> list[int]:
-        if any(token < 0 for token in value):
-            raise ValueError("stop_token_ids must be token ids (>= 0)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (value or {}).items():
+    def _bias_map(cls, value):
+        """OpenAI's map (token id as a JSON key -> bias) as the (id, bias) pairs SamplingParams
+        takes; their bounds are LogitBias' rule."""
+        if value is None:
+            return ()
+        if not isinstance(value, dict):
+            raise ValueError("logit_bias maps token ids to biases (a JSON object)")
+        for key in value:
             # ASCII digits of an int32: int() of 5000 digits raises past Python's digit limit, and
             # isdecimal() alone admits other scripts' digits
             if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
                 raise ValueError(
                     f"logit_bias keys are token ids, got {key[:20]!r}{'...' if len(key) > 20 else ''}"
                 )
-            if not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
-                raise ValueError(f"logit_bias values lie in -100..100, got {bias} for token {key}")
-        return value
-
-    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
-        return tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
+        return tuple((int(key), bias) for key, bias in value.items())
 
     @field_validator("stop", mode="before")
     @classmethod

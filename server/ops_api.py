@@ -55,6 +55,8 @@ def model_info(model: ServedModel) -> dict:
                 "agents": client.address.split(","),
                 "slots": engine.group_slots(i),
                 "running": engine.get_bs_current(i),
+                # slot releases the group's agent has not answered yet (0: every freed slot is free there)
+                "releases_pending": engine.releases_pending(i),
                 "kv_blocks": engine.group_blocks(i),
             }
             for i, client in enumerate(engine.clients)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # Beyond these an int no longer fits the wire's msgpack or NumPy's types; a larger top_k would
 # mean the whole vocabulary anyway.
@@ -47,6 +47,27 @@ def check_stop_strings(stop: list[str]) -> list[str]:
     return stop
 
 
+def _token_ids(value: tuple[int, ...]) -> tuple[int, ...]:
+    if any(token < 0 for token in value):
+        raise ValueError("stop_token_ids must be token ids (>= 0)")
+    return value
+
+
+def _bias_pairs(value: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+    for token, bias in value:
+        if token < 0 or not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+            raise ValueError(f"logit_bias maps token ids (>= 0) to biases in -100..100, got {token}: {bias}")
+    return value
+
+
+# The rules of stop_token_ids and logit_bias, for every request body that takes them as well as
+# SamplingParams (whether the ids lie in the vocabulary is the server's to check: it knows it).
+StopTokenIds = Annotated[tuple[int, ...], Field(max_length=MAX_STOP_TOKEN_IDS), AfterValidator(_token_ids)]
+LogitBias = Annotated[
+    tuple[tuple[int, float], ...], Field(max_length=MAX_LOGIT_BIAS), AfterValidator(_bias_pairs)
+]
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
 
@@ -61,26 +82,9 @@ class SamplingParams(BaseModel):
     # None: no logprobs; n: the chosen token's and the n best tokens' (agent/sampling.py says of
     # which distribution)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    logit_bias: tuple[tuple[int, float], ...] = Field((), max_length=MAX_LOGIT_BIAS)  # (id, bias)
+    logit_bias: LogitBias = ()  # (id, bias)
     min_tokens: int = Field(0, ge=0)  # the stop ids below and EOS cannot be sampled before
-    stop_token_ids: tuple[int, ...] = Field((), max_length=MAX_STOP_TOKEN_IDS)  # end it, like EOS
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_bounds(cls, value: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
-        for token, bias in value:
-            if token < 0 or not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
-                raise ValueError(
-                    f"logit_bias maps token ids (>= 0) to biases in -100..100, got {token}: {bias}"
-                )
-        return value
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids_bounds(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        if any(token < 0 for token in value):
-            raise ValueError("stop_token_ids must be token ids (>= 0)")
-        return value
+    stop_token_ids: StopTokenIds = ()  # end it, like EOS
 
     @property
     def greedy(self) -> bool:

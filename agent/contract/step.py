@@ -119,6 +119,8 @@ class StepChunk:
             raise ValueError(f"a chunk's slot and start are integers, got {slot!r} and {start!r}")
         if spec["sample"] != ("sampling" in spec):
             raise ValueError("a chunk carries its sampling when it samples, and only then")
+        # The wire check, not an API rule: the server validated the request where it entered, but
+        # the agent takes no peer's word for it (a hostile or buggy peer).
         sampling = SamplingParams.model_validate(spec["sampling"]) if spec["sample"] else None
         return cls(slot, tokens.tolist(), table, start, sampling)
 

@@ -179,6 +179,18 @@ def test_a_prefill_agents_key_may_only_send_kv(disaggregated):
     assert generate(disaggregated["base"], "Hi").status_code == 200
 
 
+def wait_settled(base: str, timeout_s: float = 10) -> None:
+    """Until no request runs and every agent has answered the release of each slot freed (a barrier
+    on the server's state, whatever ran before)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        groups = httpx.get(f"{base}/info").json()["groups"]
+        if all(g["running"] == 0 and g["releases_pending"] == 0 for g in groups):
+            return
+        assert time.monotonic() < deadline, groups
+        time.sleep(0.01)
+
+
 def agent_pid(agents, rank: int) -> int:
     lines = [line for line in agents.lines if f"agent rank {rank} starting (pid" in line]
     return int(re.search(r"pid (\d+)", lines[-1]).group(1))
@@ -190,9 +202,10 @@ def test_decode_agent_killed_during_a_transfer_fails_that_request_only(disaggreg
     decode group serves the next requests with unchanged answers."""
     base, agents = disaggregated["base"], disaggregated["agents"]
     pid = agent_pid(agents, 1)
-    # The previous test's last answer is out; its slot's release follows within milliseconds. Stopping
-    # the agent before that would hold the release (and the scheduler loop) instead of the transfer.
-    time.sleep(0.5)
+    # Stopping the agent while it owes an answer to a release (an earlier answer's slot) would hold
+    # that release instead of the transfer; with every slot free the request goes to the first
+    # decode group, the stopped one.
+    wait_settled(base)
     os.kill(pid, signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(1) as pool:

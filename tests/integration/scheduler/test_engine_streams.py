@@ -12,7 +12,7 @@ from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, write_config
 from config import load_config
 from engine_harness import EngineAndStreams
-from scheduler.batch_scheduler import AdmissionError, Refusal
+from scheduler.engine_io import AdmissionError, Refusal
 from scheduler.sequence import FinishReason
 from server.errors import OPENAI, refusal_status
 

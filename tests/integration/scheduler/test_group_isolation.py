@@ -87,7 +87,7 @@ def test_a_stuck_group_holds_only_its_own_requests(groups, tiny_llama_dir):
         healthy = server.generate_answer("healthy", prompt, GREEDY, 40, ignore_eos=True)
         stuck = server.generate_answer("stuck", prompt, GREEDY, 40, ignore_eos=True)
         first = [await healthy.__anext__(), await stuck.__anext__()]
-        placed = (healthy._stream.seq.group, stuck._stream.seq.group)
+        placed = tuple(server.engine.scheduler.running[r].group for r in ("healthy", "stuck"))
         proxy.stuck.set()
         started = time.monotonic()
         rest = await asyncio.wait_for(collect(healthy), 10)

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from agent.contract.sampling import Sampled, SamplingParams
 from config.schema import SpeculationSection
-from scheduler.batch_scheduler import AdmissionError, BatchScheduler, GroupCapacity, Refusal
+from scheduler.batch_scheduler import BatchScheduler
 from scheduler.client_share import ClientShares
-from scheduler.engine_io import FaultKind
+from scheduler.engine_io import AdmissionError, FaultKind, Refusal
+from scheduler.plan import GroupCapacity
 from scheduler.sequence import FinishReason, Sequence
 from scheduler.speculation import Speculator
 
@@ -705,7 +706,7 @@ def test_proposals_are_kept_where_right_and_answers_equal_those_without_them():
     (plain, plain_steps, _), (fast, fast_steps, spec) = runs["plain"], runs["speculating"]
     assert fast == plain and all(len(answer) == 40 for answer in fast)
     assert fast_steps < 0.6 * plain_steps, (fast_steps, plain_steps)  # 4 proposals a step: <= 7 tokens, not 3
-    assert 0 < spec.accepted_tokens <= spec.proposed_tokens
+    assert 0 < spec.drafts.accepted_tokens <= spec.drafts.proposed_tokens
 
 
 def test_a_stop_among_the_kept_proposals_ends_the_answer_there():
@@ -741,7 +742,7 @@ def test_rejected_proposals_give_back_their_blocks_and_failing_sequences_back_of
             break
         assert len(blocks.table("r")) <= blocks.blocks_for(request.computed + 1)
     assert request.output == list(range(9, 39))[: len(request.output)]
-    assert scheduler.accepted_tokens == 0 < scheduler.proposed_tokens
+    assert scheduler.drafts.accepted_tokens == 0 < scheduler.drafts.proposed_tokens
     assert request.speculation is not None and request.speculation.backoff > 1
     # the prompt's step, then: propose, skip 1, propose, skip 2, propose, skip 4, propose
     assert proposing[:12] == [False, True, False, True, False, False, True, *[False] * 4, True]
@@ -797,4 +798,4 @@ def test_a_draft_models_proposals_are_counts_the_agent_fills():
     plan = step(scheduler, agents)
     assert plan.drafts == {"r": 3} and request.output == [4, 5, 6, 7, 8]
     assert steps_to_finish(scheduler, agents) == 2 and request.output == list(range(4, 17))
-    assert scheduler.accepted_tokens == scheduler.proposed_tokens == 9
+    assert scheduler.drafts.accepted_tokens == scheduler.drafts.proposed_tokens == 9

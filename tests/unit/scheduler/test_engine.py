@@ -158,6 +158,35 @@ def test_requests_decode_to_their_length_and_free_their_slots():
     assert set(agent.released) <= set(range(4))  # 6 requests over 4 slots: reused
 
 
+def test_a_slot_release_is_pending_until_its_agent_answers_it():
+    """releases_pending (the groups' field in /info): a finished sequence's release counts from its
+    end, while planned and while its agent has not answered, and no longer once it has."""
+    agent, answers = FakeAgent(), Answers()
+    answer_release = asyncio.Event()
+    release = agent.release
+
+    async def held_release(slot: int, ticket=None) -> None:
+        await answer_release.wait()
+        await release(slot, ticket)
+
+    agent.release = held_release
+
+    async def scenario():
+        engine = engine_over(agent, answers)
+        await engine.start()
+        submit(engine, "r", [1, 2], SamplingParams(), 3)
+        await until(lambda: answers.finished("r"))
+        assert engine.releases_pending(0) == 1  # not yet planned
+        await until(lambda: engine.executor.releasing[0] == 1)
+        assert engine.releases_pending(0) == 1 and agent.released == []  # planned, not answered
+        answer_release.set()
+        await until(lambda: engine.releases_pending(0) == 0)
+        assert agent.released == [0]
+        await engine.stop()
+
+    run(scenario())
+
+
 def test_a_sequence_fault_ends_that_sequence_alone():
     agent, answers = FakeAgent(), Answers()
 

@@ -3,8 +3,7 @@ refusal, and each API's style of them."""
 
 from __future__ import annotations
 
-from scheduler.batch_scheduler import Refusal
-from scheduler.engine_io import FaultKind
+from scheduler.engine_io import FaultKind, Refusal
 from server.errors import (
     ANTHROPIC,
     FAULT_STATUS,

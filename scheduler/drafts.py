@@ -1,0 +1,59 @@
+"""Drafts: the tokens proposed after decoding sequences' pending tokens (speculative decoding), as
+the BatchScheduler plans them, and the counts of what the agents kept. The proposals themselves come
+from the Speculator (scheduler/speculation.py)."""
+
+from __future__ import annotations
+
+from agent.contract.step import proposal_size
+from scheduler.block_manager import BlockManager
+from scheduler.plan import GroupCapacity, StepPlan
+from scheduler.sequence import Sequence
+from scheduler.speculation import Speculator
+
+
+class Drafts:
+    def __init__(self, speculator: Speculator | None = None):
+        self.speculator = speculator  # proposes tokens for decoding sequences
+        self.proposed_tokens = 0  # cumulative: tokens proposed
+        self.accepted_tokens = 0  # of those, kept by the agents
+        self.speculative_steps = 0  # a sequence's step that verified proposals: accepted per step
+
+    def plan(
+        self, capacity: GroupCapacity, blocks: BlockManager, decodes: list[Sequence], plan: StepPlan
+    ) -> None:
+        """Tokens proposed after the group's decoding sequences' pending tokens, while few
+        sequences decode and within the logit rows of one mixed call (one left for a prompt's first
+        token), each with the blocks of their positions: free blocks only, a proposal never
+        preempts. A grammar's sequence proposes nothing (its mask holds for one token), nor one
+        whose request opted out."""
+        speculator = self.speculator
+        if speculator is None or not speculator.enabled or not capacity.mixed_rows:
+            return
+        if len(decodes) > speculator.settings.max_batch:
+            return
+        room = capacity.limits.proposal_room(len(decodes))
+        for seq in decodes:
+            if room <= 0:
+                return
+            if not seq.speculate or seq.constraint is not None:
+                continue
+            k = min(
+                speculator.settings.num_tokens,
+                room,
+                seq.max_new_tokens - len(seq.output) - 1,  # the step's last token is always its own
+                capacity.max_seq_len - 1 - seq.computed,
+            )
+            proposed = speculator.propose(seq, k) if k > 0 else []
+            size = proposal_size(proposed)
+            if size and blocks.append(seq.request_id, seq.computed + 1 + size):
+                plan.drafts[seq.request_id] = proposed
+                room -= size
+
+    def verified(self, seq: Sequence, proposed: int, kept: int) -> None:
+        """The sequence's agent kept `kept` of its `proposed` tokens."""
+        if self.speculator is None:
+            return
+        self.speculator.verified(seq, proposed, kept)
+        self.proposed_tokens += proposed
+        self.accepted_tokens += kept
+        self.speculative_steps += 1

@@ -1,0 +1,139 @@
+"""Placement: the groups' seats and KV block pools, their health, and where a new sequence goes.
+Pure bookkeeping for the BatchScheduler (scheduler/batch_scheduler.py), which owns one.
+
+A group holds a sequence in a slot (its seat: sampling state on the agent, at most `seats`) and its
+KV in blocks (scheduler/block_manager.py: the tables are the scheduler's, sent with each call).
+
+PD disaggregation: a sequence placed on a `decode` group also gets a slot and blocks of a `prefill`
+group. The prefill group frees that slot itself once the transfer is over (`free_prefill_slot`).
+"""
+
+from __future__ import annotations
+
+from scheduler.block_manager import BlockManager
+from scheduler.plan import GroupCapacity
+from scheduler.sequence import Sequence
+
+
+class Placement:
+    def __init__(self, groups: list[GroupCapacity], enable_prefix_caching: bool = True):
+        self.groups = groups
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_slots = [list(range(g.seats)) for g in groups]
+        self.blocks = [self._block_manager(g) for g in groups]
+        self.healthy = [True] * len(groups)
+        self.prefix_query_tokens = 0  # cumulative: prompt tokens looked up in a prefix cache
+        self.prefix_hit_tokens = 0  # of those, found computed
+
+    def _block_manager(self, capacity: GroupCapacity) -> BlockManager:
+        # A decode group's blocks are written by transfers of whole prompts: no hits there.
+        caching = (
+            self.enable_prefix_caching
+            and capacity.chunked_prefill
+            and capacity.prefix_caching
+            and capacity.role != "decode"
+        )
+        return BlockManager(capacity.num_blocks, capacity.block_size, caching)
+
+    def usable(self, group: int) -> bool:
+        """Healthy, and a decode-capable group has a way to get prompts (itself or a prefill group)."""
+        capacity = self.groups[group]
+        if not self.healthy[group]:
+            return False
+        if capacity.role == "decode":
+            return any(self.healthy[i] and g.role == "prefill" for i, g in enumerate(self.groups))
+        if capacity.role == "prefill":
+            return any(self.usable(i) for i, g in enumerate(self.groups) if g.role == "decode")
+        return True
+
+    @property
+    def can_serve(self) -> bool:
+        """Some healthy group decodes, and gets prompts (prefills them itself or has a prefill group)."""
+        return any(g.decodes and self.usable(i) for i, g in enumerate(self.groups))
+
+    def longest_prompt(self) -> int:
+        """The longest prompt some usable group prefills and some decodes (while one can serve)."""
+        usable = [g for i, g in enumerate(self.groups) if self.usable(i)]
+        return min(
+            max(g.max_prompt_len for g in usable if g.prefills),
+            max(g.max_prompt_len for g in usable if g.decodes),
+        )
+
+    def longest_sequence(self) -> int:
+        """The most positions a sequence holds on a usable decode-capable group."""
+        return max(g.max_seq_len for i, g in enumerate(self.groups) if g.decodes and self.usable(i))
+
+    def free_seats(self) -> int:
+        """Free slots of the usable decode-capable groups."""
+        return sum(len(self.free_slots[i]) for i, g in enumerate(self.groups) if g.decodes and self.usable(i))
+
+    def free_slot(self, group: int, slot: int) -> None:
+        """The slot goes back to the group's free ones (the lowest is handed out first)."""
+        if slot not in self.free_slots[group]:
+            self.free_slots[group].append(slot)
+            self.free_slots[group].sort()
+
+    def place(self, seq: Sequence, groups: list[int]) -> tuple[int, int | None] | None:
+        """(group to decode on, prefill group or None): of the open groups with a free slot and the
+        blocks for this prompt, the decode-capable one with the most free slots; a decode group
+        needs a prefill group with room too, the one with the most free slots."""
+
+        def fits(i: int) -> bool:
+            capacity = self.groups[i]
+            return (
+                bool(self.free_slots[i])
+                and len(seq.prompt) <= capacity.max_prompt_len
+                and self.blocks[i].can_allocate(seq.prompt, seq.cache_salt)
+            )
+
+        prefill = max(
+            (i for i in groups if self.groups[i].role == "prefill" and fits(i)),
+            key=lambda i: len(self.free_slots[i]),
+            default=None,
+        )
+        candidates = [
+            i
+            for i in groups
+            if self.groups[i].decodes and fits(i) and (self.groups[i].role == "mixed" or prefill is not None)
+        ]
+        group = max(candidates, key=lambda i: len(self.free_slots[i]), default=None)
+        if group is None:
+            return None
+        return group, (prefill if self.groups[group].role == "decode" else None)
+
+    def allocate(self, group: int, seq: Sequence, tokens: list[int]) -> int | None:
+        """Blocks for `tokens` on the group (None: too few free); the positions its cache holds."""
+        blocks = self.blocks[group]
+        hit = blocks.allocate(seq.request_id, tokens, seq.cache_salt)
+        if hit is not None and blocks.enable_prefix_caching:
+            self.prefix_query_tokens += len(tokens)
+            self.prefix_hit_tokens += hit
+        return hit
+
+    def free_prefill_slot(self, seq: Sequence, computed: bool) -> None:
+        """The prefill group frees its slot itself once the transfer is over, either way; its
+        blocks keep the prompt for later hits when it was computed."""
+        group, slot = seq.prefill_group, seq.prefill_slot
+        seq.prefill_slot = None
+        if slot is None:
+            return
+        assert group is not None, "a prefill slot comes with its prefill group"
+        if not self.healthy[group]:
+            return
+        blocks = self.blocks[group]
+        if computed and seq.request_id in blocks:
+            blocks.computed(seq.request_id, seq.prompt, len(seq.prompt))
+        blocks.free(seq.request_id)
+        self.free_slot(group, slot)
+
+    def failed(self, group: int) -> None:
+        """The group is unusable: its slots and blocks are forgotten until it returns."""
+        self.healthy[group] = False
+        self.free_slots[group] = []
+        self.blocks[group].reset()
+
+    def recovered(self, group: int, capacity: GroupCapacity) -> None:
+        self.groups[group] = capacity
+        self.free_slots[group] = list(range(capacity.seats))
+        self.blocks[group] = self._block_manager(capacity)
+        self.healthy[group] = True
