@@ -1,5 +1,6 @@
 """What ModelRunner and a graph set agree on: the calls (ModelGraphs, KVTransferGraphs) and how host-side
-values become the prefill and decode graphs' inputs (GraphInputs).
+values become the prefill and decode graphs' inputs (GraphInputs, in agent/graphs/graph_inputs.py; the
+sizes it works with in agent/graphs/shapes.py; both importable from here).
 
 Graph sets: agent.graphs.step_graphs.StepGraphs (built from code), agent.graphs.mindir.MindIRGraphs (run from
 exported files) and agent.graphs.mindir.GraphExporter (exports each graph on its first call). The runner
@@ -37,448 +38,44 @@ it: sliding-window models run without prefix caching.)
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from agent.contract.step import StepChunk
+from agent.graphs.graph_inputs import GraphInputs
+from agent.graphs.shapes import (
+    SHAPE_FIELDS,
+    bucket,
+    decode_attends,
+    local_ring_blocks,
+    mixed_rows,
+    pool_blocks,
+    scratch_blocks,
+    shape_settings,
+    uses_kernels,
+)
 from agent.model.spec import ModelSpec
-from config.schema import RuntimeSection
 
 if TYPE_CHECKING:
     from mindspore import Tensor
 
-# The runtime settings an exported graph's shapes and host-side inputs depend on.
-SHAPE_FIELDS = (
-    "num_slots",
-    "max_seq_len",
-    "num_blocks",
-    "block_size",
-    "prefill_buckets",
-    "decode_batch_buckets",
-    "attend_buckets",
-    "dtype",
-)
-
-
-def bucket(buckets: Sequence[int], n: int) -> int:
-    """The smallest of the sorted `buckets` that holds `n`."""
-    return buckets[bisect.bisect_left(buckets, n)]
-
-
-def decode_attends(runtime: RuntimeSection) -> list[int]:
-    """The attended lengths of the decode graphs: the attention kernel and the paged backend read
-    each sequence's own length (0: one decode graph per batch bucket), the gather path attends over
-    a bucket."""
-    return [0] if runtime.attention_kernel or runtime.paged_attention else list(runtime.attend_buckets)
-
-
-def shape_settings(runtime: RuntimeSection) -> dict:
-    """What an export records of the runtime, and what a configuration must match to run it."""
-    settings = {name: getattr(runtime, name) for name in SHAPE_FIELDS}
-    settings["num_blocks"] = runtime.planned_num_blocks
-    settings["attention_kernel"] = runtime.attention_kernel
-    if runtime.paged_attention:
-        settings["paged_attention"] = True  # absent from exports made before it: they do not match
-    if decode_attends(runtime) == [0]:
-        del settings["attend_buckets"]  # the kernel attends each sequence's own length
-    return settings
-
-
-def scratch_blocks(runtime: RuntimeSection) -> int:
-    """Blocks that padding writes to: the positions of the largest prefill bucket."""
-    return -(-runtime.prefill_buckets[-1] // runtime.block_size)
-
-
-def local_ring_blocks(runtime: RuntimeSection, spec: ModelSpec, max_len: int | None = None) -> int:
-    """Blocks of each seat's ring in the sliding-window layers' caches (module docstring); 0 where the
-    model has no such layers, or where a ring would be no shorter than a whole sequence of max_len
-    (default: the runtime's planned one; those layers then take the pool's blocks like the others)."""
-    if not (spec.sliding_window and spec.local_layers):
-        return 0
-    size = runtime.block_size
-    ring = -(-(spec.sliding_window - 1 + runtime.prefill_buckets[-1]) // size)
-    longest = runtime.planned_max_seq_len if max_len is None else max_len
-    return ring if ring < -(-longest // size) else 0
-
-
-def pool_blocks(runtime: RuntimeSection) -> int:
-    """Blocks of the KV cache: the pool the server hands out, then the scratch blocks."""
-    return runtime.planned_num_blocks + scratch_blocks(runtime)
-
-
-def mixed_rows(runtime: RuntimeSection) -> int:
-    """Rows of a mixed step's graph (decode rows and prompt chunks in one call): the smallest prefill
-    bucket that holds the largest decode batch and a prompt position more, 0 where none does."""
-    needed = runtime.decode_batch_buckets[-1] + 1
-    return bucket(runtime.prefill_buckets, needed) if needed <= runtime.prefill_buckets[-1] else 0
-
-
-def uses_kernels(runtime: RuntimeSection) -> bool:
-    """Whether the graphs call the custom CPU kernels (agent/kernels)."""
-    return runtime.attention_kernel or runtime.matmul_kernel
-
-
-class GraphInputs:
-    """Host-side inputs of one graph set's prefill and decode graphs, as NumPy arrays in graph order,
-    from block tables (int arrays of MB block ids, position p in block table[p // B]).
-
-    Prefill: tokens, positions, write rows, the mask [G*S, S] (or, with fused layers, the kernel's
-    row-major write rows and lengths [S*KV]), the last real token's index, the block table [1, MB]
-    and each row's table row [S] (zeros). Decode: tokens, positions, write rows [B*KV], then with
-    the attention kernel the block tables [B, MB] and each (row, head)'s length [B*KV], else the rows
-    it attends [B*KV, attend] and their mask [B*KV, 1, attend]; then each row's table row [B]
-    (0..B-1). Indices are checked here: a table entry outside the pool, a position beyond a table
-    or the rope tables is a ValueError."""
-
-    def __init__(
-        self, runtime: RuntimeSection, kv_heads: int, group: int, fused_layers: bool, ring_blocks: int = 0
-    ):
-        """kv_heads: this rank's; fused_layers: each layer is one kernel (or the paged backend),
-        which takes write rows and lengths in place of the prefill mask (paging), and reads earlier
-        positions from the cache (a prompt chunk may start after position 0); ring_blocks: each
-        seat's ring in the sliding-window layers (local_ring_blocks), whose write rows and tables
-        then follow each call's inputs (`slots`: each sequence's seat)."""
-        self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
-        self.max_seqs = runtime.decode_batch_buckets[-1]  # sequences of one mixed step
-        self.block_size = runtime.block_size
-        self.blocks_per_seq = -(-self.max_len // self.block_size)  # MB: a table's length
-        self.num_blocks = pool_blocks(runtime)  # the pool, the scratch blocks included
-        self.pool = runtime.planned_num_blocks  # the blocks a server hands out
-        self.kv_heads, self.group, self.fused_layers = kv_heads, group, fused_layers
-        # the paged backend's inputs: a slot per row and a length per row (paged_attention.py)
-        self.paged = runtime.paged_attention
-        self.decode_attends = decode_attends(runtime)
-        self._head_rows = np.arange(kv_heads, dtype=np.int64)
-        self.scratch_positions = scratch_blocks(runtime) * self.block_size
-        scratch = self.pool + np.minimum(np.arange(self.blocks_per_seq), scratch_blocks(runtime) - 1)
-        self.scratch_table = scratch.astype(np.int32)
-        self.ring = ring_blocks
-        # each seat's ring table (the scratch ring last): fixed by the seat, built once
-        self._ring_tables = None
-        if ring_blocks:
-            seats, blocks = np.arange(self.num_slots + 1)[:, None], np.arange(self.blocks_per_seq)
-            self._ring_tables = (seats * ring_blocks + blocks % ring_blocks).astype(np.int32)
-
-    @property
-    def local_cache_rows(self) -> int:
-        """Rows of each sliding-window layer's K (and V) cache: every seat's ring and the scratch one."""
-        return (self.num_slots + 1) * self.ring * self.kv_heads * self.block_size
-
-    def ring_table(self, slot: int | None) -> np.ndarray:
-        """The sliding-window layers' table [MB] of a seat (None: the scratch ring)."""
-        seat = self.num_slots if slot is None else int(slot)
-        if not 0 <= seat <= self.num_slots:
-            raise ValueError(f"slot {slot} is out of range 0..{self.num_slots - 1}")
-        assert self._ring_tables is not None, "no sliding-window rings"
-        return self._ring_tables[seat].copy()
-
-    def _local(self, slots: Sequence[int | None], row_table: np.ndarray, positions: np.ndarray) -> tuple:
-        """The sliding-window layers' write rows [rows * KV] (row-major) and tables [len(slots), MB]:
-        table row t is seat slots[t]'s ring (None: the scratch ring), row i at positions[i] writes
-        through table row row_table[i]; () without rings."""
-        if self._ring_tables is None:
-            return ()
-        seats = np.array([self.num_slots if s is None else int(s) for s in slots], np.int64)
-        if seats.size and not 0 <= seats.min() <= seats.max() <= self.num_slots:
-            raise ValueError(f"slots {list(slots)} are out of range 0..{self.num_slots - 1}")
-        tables = self._ring_tables[seats]
-        write = self.rows(tables[row_table], np.asarray(positions, np.int64)[:, None])[:, 0]
-        return write.reshape(-1).astype(np.int32), tables
-
-    @property
-    def cache_rows(self) -> int:
-        """Rows of each layer's K (and V) cache."""
-        return self.num_blocks * self.kv_heads * self.block_size
-
-    def slot_table(self, slot: int) -> np.ndarray:
-        """The fixed block table [MB] int32 of `slot`, where the pool holds every seat's whole
-        length (tools and tests; a server sends tables)."""
-        mb = self.blocks_per_seq
-        if not 0 <= slot < self.num_slots or (slot + 1) * mb > self.pool:
-            raise ValueError(
-                f"slot {slot} has no fixed block table (seats 0..{self.num_slots - 1}, "
-                f"{self.pool // mb} whole sequences in the pool of {self.pool} blocks): send a table"
-            )
-        return np.arange(slot * mb, (slot + 1) * mb, dtype=np.int32)
-
-    def table(self, given: Sequence[int] | np.ndarray, positions: int) -> np.ndarray:
-        """A server's block table of a sequence of `positions` positions, checked and padded to MB
-        with scratch blocks: the blocks that hold those positions lie in the pool the server hands
-        out; entries after them may be -1 (the server pads the tables of one call to the longest)."""
-        table = np.asarray(given)
-        mb, size = self.blocks_per_seq, self.block_size
-        if table.ndim != 1 or len(table) > mb or table.dtype.kind not in "iu":
-            raise ValueError(
-                f"a block table lists at most {mb} integer blocks, got {table.dtype}{list(table.shape)}"
-            )
-        used = -(-positions // size)
-        if len(table) < used:
-            raise ValueError(
-                f"a block table of {len(table)} blocks of {size} does not cover {positions} positions"
-            )
-        held, rest = table[:used], table[used:]
-        if ((held < 0) | (held >= self.pool)).any() or ((rest < -1) | (rest >= self.pool)).any():
-            raise ValueError(
-                f"block table entries lie in 0..{self.pool - 1} (then -1 past the sequence's blocks)"
-            )
-        padded = self.scratch_table.copy()
-        padded[: len(table)] = np.where(table >= 0, table, padded[: len(table)])
-        return padded
-
-    def attend(self, positions: np.ndarray) -> int:
-        """The decode graph's attended length for rows writing at `positions` (0: each row's own)."""
-        return 0 if self.decode_attends == [0] else bucket(self.decode_attends, int(positions.max()) + 1)
-
-    def paging(self, write: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Write rows [rows, KV] and attended lengths [rows] as the graphs take them: the CPU kernels'
-        row-major cache rows and lengths [rows * KV] (they skip padding rows, of length 0); the paged
-        backend's slot mapping (block * block_size + offset) and context lengths [rows], where a
-        padding row attends 1 position, not 0 (a row attending nothing would be NaN, which its K/V
-        would carry into the scratch blocks), and writes scratch position (its row), past every
-        position a real row of the call writes there (warm-up's probe: scratch positions 0..n-1)."""
-        if self.paged:
-            size = self.block_size
-            head0 = write[:, 0]  # (block * KV + 0) * size + offset
-            slots = head0 // (self.kv_heads * size) * size + head0 % size
-            padding = np.flatnonzero(lengths == 0)
-            at = padding % self.scratch_positions
-            slots[padding] = self.scratch_table[at // size] * size + at % size
-            return slots.astype(np.int32), np.maximum(lengths, 1).astype(np.int32)
-        return write.reshape(-1).astype(np.int32), np.repeat(lengths, self.kv_heads).astype(np.int32)
-
-    def rows(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Cache rows [n, P, KV] of `positions` [n, P] of the sequences with block `tables` [n, MB]
-        (unchecked: check_tables and check_positions first)."""
-        positions = np.asarray(positions, np.int64)
-        blocks = np.take_along_axis(np.asarray(tables, np.int64), positions // self.block_size, axis=1)
-        offsets = positions % self.block_size
-        return (blocks[..., None] * self.kv_heads + self._head_rows) * self.block_size + offsets[..., None]
-
-    def kv_rows(self, table: np.ndarray, length: int) -> np.ndarray:
-        """Cache rows of positions 0..length-1 of the sequence with block `table`, head-major
-        [KV * length] int32 (the order of a K/V transfer); the paged backend's (block, offset) of
-        each position [length, 2]."""
-        tables = self.check_tables(table)
-        positions = np.arange(length)[None, :]
-        self.check_positions(positions, "a KV transfer")
-        if self.paged:
-            blocks = tables[0, positions[0] // self.block_size]
-            return np.stack([blocks, positions[0] % self.block_size], 1).astype(np.int32)
-        return self.rows(tables[:1], positions)[0].T.reshape(-1).astype(np.int32)
-
-    def check_tables(self, tables: np.ndarray) -> np.ndarray:
-        """`tables` ([MB] or [n, MB]) as int32 [n, MB], each entry a block of the pool."""
-        tables = np.asarray(tables)
-        if tables.ndim == 1:
-            tables = tables[None, :]
-        mb = self.blocks_per_seq
-        if tables.ndim != 2 or tables.shape[1] != mb or not np.issubdtype(tables.dtype, np.integer):
-            raise ValueError(
-                f"block tables must be integers of shape [n, {mb}] ({mb} blocks of {self.block_size} "
-                f"positions each), got {tables.dtype}{list(tables.shape)}"
-            )
-        if tables.size and (tables.min() < 0 or tables.max() >= self.num_blocks):
-            bad = tables[(tables < 0) | (tables >= self.num_blocks)][0]
-            raise ValueError(
-                f"block table entry {bad} is outside the pool of blocks 0..{self.num_blocks - 1}"
-            )
-        return tables.astype(np.int32)
-
-    def check_positions(self, positions: np.ndarray, what: str) -> None:
-        """Positions within a table's blocks and the rope tables (max_seq_len)."""
-        positions = np.asarray(positions)
-        if positions.size and (positions.min() < 0 or positions.max() >= self.max_len):
-            raise ValueError(
-                f"{what} writes positions up to {int(positions.max())}: positions lie in "
-                f"0..{self.max_len - 1} (max_seq_len {self.max_len})"
-            )
-
-    def prefill(
-        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0, slot: int | None = None
-    ) -> tuple[np.ndarray, ...]:
-        """Prompt `tokens` padded to `length`, at positions start..start+n-1 of the sequence with block
-        `table`; positions 0..start-1 must already be in the cache (chunked prefill, prefix hits).
-        Padding rows write to the scratch slot (the mask path) or nowhere (fused layers). `slot`:
-        the sequence's seat (its ring in sliding-window layers; None: the scratch ring)."""
-        n = len(tokens)
-        tables = self.check_tables(table)
-        if tables.shape[0] != 1:
-            raise ValueError(f"a prefill takes one block table, got {tables.shape[0]}")
-        if not 1 <= n <= length:
-            raise ValueError(f"a prefill of {n} tokens does not fit its bucket of {length}")
-        if start < 0:
-            raise ValueError(f"a prefill starts at a position >= 0, not {start}")
-        if start > 0 and not self.fused_layers:
-            raise ValueError(
-                "a prefill after position 0 (a chunk after cached positions) needs the fused layers "
-                "(runtime.decode_attention and runtime.matmul: kernel, no tensor parallelism); these "
-                "graphs attend within the prompt only"
-            )
-        index = np.arange(length)
-        real = index < n
-        positions = np.where(real, start + index, index)  # padding: the scratch slot's positions
-        self.check_positions(positions[real], "the prefill")
-        self.check_positions(positions, "the prefill's padding")
-        padded = np.zeros(length, np.int32)
-        padded[:n] = tokens
-        write = np.where(
-            real[:, None],
-            self.rows(tables, (positions * real)[None, :])[0],
-            self.rows(self.scratch_table[None, :], index[None, :])[0],
-        )  # [S, KV]
-        last = np.array([n - 1], np.int32)
-        paging = (tables, np.zeros(length, np.int32))
-        if self.fused_layers:  # row-major write rows, and lengths in place of the mask
-            lengths = np.where(real, positions + 1, 0)
-            return (
-                padded,
-                positions.astype(np.int32),
-                *self.paging(write, lengths),
-                last,
-                *paging,
-                *self._local([slot], paging[1], positions),
-            )
-        causal = np.where(index[None, :] > index[:, None], -np.inf, 0.0).astype(np.float32)
-        mask = np.tile(causal, (self.group, 1))  # [G*S, S], query rows grouped per head
-        return padded, positions.astype(np.int32), write.T.reshape(-1).astype(np.int32), mask, last, *paging
-
-    def mixed(
-        self,
-        decode_tables: np.ndarray,
-        decode_tokens: np.ndarray,
-        decode_positions: np.ndarray,
-        chunks: Sequence[StepChunk],
-        rows: int,
-        logit_rows: int,
-        decode_slots: Sequence[int] | None = None,
-    ) -> tuple[np.ndarray, ...]:
-        """A mixed step as the prefill graph's inputs (fused layers only): the decode rows (one token at
-        `decode_positions` of each of the sequences with `decode_tables` [d, MB]), then each chunk's
-        rows (its new tokens at positions start.. of its table), then
-        padding to `rows`; tables [max_seqs, MB] (the decode rows', then the chunks', then scratch),
-        each row's table row, and the logit rows: each decode row, then every row of a scored chunk
-        and the last row of each chunk that samples, then row 0 to `logit_rows` (a chunk that does
-        not end its prompt needs none: 16 streams beside one such chunk take the 16-row LM head,
-        not the 32-row one)."""
-        if not self.fused_layers:
-            raise ValueError("a mixed step needs the fused layers")
-        decode_tables = self.check_tables(decode_tables) if len(decode_tables) else np.zeros((0, 0), np.int32)
-        decode_positions = np.asarray(decode_positions, np.int64)
-        d = len(decode_tokens)
-        if not len(decode_tables) == d == len(decode_positions):
-            raise ValueError(f"a mixed step of {d} decode tokens got {len(decode_tables)} tables")
-        sizes = [len(c.new_tokens) for c in chunks]
-        sampled = d + sum(size if c.scored else c.sample for c, size in zip(chunks, sizes))
-        if (
-            d + sum(sizes) > rows
-            or d + len(chunks) > self.max_seqs
-            or sampled > logit_rows
-            or min(sizes, default=1) < 1
-        ):
-            raise ValueError(
-                f"a mixed step of {d} decode rows and chunks of {sizes} tokens ({sampled} sampling) does "
-                f"not fit {rows} rows, {self.max_seqs} sequences and {logit_rows} logit rows"
-            )
-        tables = [decode_tables] if d else []
-        tokens, positions, table_of = (
-            [np.asarray(decode_tokens, np.int64)],
-            [decode_positions],
-            [np.arange(d)],
-        )
-        last = list(range(d))
-        for i, chunk in enumerate(chunks):
-            if chunk.start < 0:
-                raise ValueError(f"a chunk starts at a position >= 0, not {chunk.start}")
-            tables.append(self.check_tables(np.asarray(chunk.table)))
-            tokens.append(np.asarray(chunk.new_tokens, np.int64))
-            positions.append(chunk.start + np.arange(sizes[i]))
-            table_of.append(np.full(sizes[i], d + i))
-            first = d + sum(sizes[:i])
-            if chunk.scored:  # a decoding slot's rows and its proposals: every row's logits
-                last.extend(range(first, first + sizes[i]))
-            elif chunk.sample:
-                last.append(first + sizes[i] - 1)
-        pad = rows - d - sum(sizes)
-        tables.append(np.repeat(self.scratch_table[None, :], self.max_seqs - d - len(chunks), 0))
-        all_tables = np.concatenate(tables).astype(np.int32)
-        real_positions = np.concatenate(positions)
-        self.check_positions(real_positions, "the mixed step")
-        row_table = np.concatenate([*table_of, np.zeros(pad, np.int64)]).astype(np.int32)
-        positions_all = np.concatenate([real_positions, np.zeros(pad, np.int64)])
-        real = np.arange(rows) < rows - pad
-        write = np.where(
-            real[:, None],
-            self.rows(all_tables[row_table], positions_all[:, None])[:, 0],
-            self.rows(self.scratch_table[None, :], np.zeros((1, 1), np.int64))[0, 0][None, :],
-        )  # [rows, KV]; padding rows write nothing (the kernel skips them)
-        lengths = np.where(real, positions_all + 1, 0)
-        seats = [*(decode_slots if decode_slots is not None else [None] * d), *(c.slot for c in chunks)]
-        return (
-            np.concatenate([*tokens, np.zeros(pad, np.int64)]).astype(np.int32),
-            positions_all.astype(np.int32),
-            *self.paging(write, lengths),
-            np.array(last + [0] * (logit_rows - len(last)), np.int32),
-            all_tables,
-            row_table,
-            *self._local(seats + [None] * (len(all_tables) - len(seats)), row_table, positions_all),
-        )
-
-    def decode(
-        self,
-        tables: np.ndarray,
-        tokens: np.ndarray,
-        positions: np.ndarray,
-        rows: int,
-        attend: int,
-        slots: Sequence[int] | None = None,
-    ) -> tuple[np.ndarray, ...]:
-        """Tokens at `positions` of the sequences with block `tables` [n, MB], padded to `rows`
-        (padding rows write to the scratch slot and attend nothing); `attend`: the gather path's
-        bucket, ignored by the kernel; `slots`: the sequences' seats (their rings in sliding-window
-        layers; None: the scratch ring)."""
-        tables = self.check_tables(tables)
-        positions = np.asarray(positions, np.int64)
-        if not len(tables) == len(tokens) == len(positions) <= rows:
-            raise ValueError(
-                f"decode of {len(tables)} tables, {len(tokens)} tokens, {len(positions)} positions in "
-                f"{rows} rows"
-            )
-        self.check_positions(positions, "the decode step")
-        pad = rows - len(tables)
-        lengths = np.concatenate([positions + 1, np.zeros(pad, np.int64)])  # padding attends nothing
-        tables = np.concatenate([tables, np.repeat(self.scratch_table[None, :], pad, 0)])
-        tokens = np.concatenate([tokens, np.zeros(pad, np.int64)]).astype(np.int32)
-        positions = np.concatenate([positions, np.zeros(pad, np.int64)])
-        write = self.rows(tables, positions[:, None])[:, 0]  # [rows, KV]
-        row_table = np.arange(rows, dtype=np.int32)
-        if self.decode_attends == [0]:  # each row's own length; the fused layer skips padding rows
-            seats = [*(slots if slots is not None else [None] * (rows - pad)), *[None] * pad]
-            write_rows, row_lengths = self.paging(write, lengths)
-            return (
-                tokens,
-                positions.astype(np.int32),
-                write_rows,
-                tables,
-                row_lengths,
-                row_table,
-                *self._local(seats, row_table, positions),
-            )
-        if attend > self.max_len:
-            raise ValueError(f"attend bucket {attend} exceeds max_seq_len {self.max_len}")
-        read = self.rows(tables, np.tile(np.arange(attend), (rows, 1))).transpose(0, 2, 1)  # [rows, KV, A]
-        visible = np.arange(attend)[None, :] <= positions[:, None]  # [rows, attend]
-        mask = np.where(visible, 0.0, -np.inf).astype(np.float32).repeat(self.kv_heads, axis=0)
-        return (
-            tokens,
-            positions.astype(np.int32),
-            write.reshape(-1).astype(np.int32),
-            read.reshape(rows * self.kv_heads, attend).astype(np.int32),
-            mask[:, None, :],
-            row_table,
-        )
+__all__ = [  # the shapes and inputs, importable from here as before the split
+    "SHAPE_FIELDS",
+    "GraphInputs",
+    "KVTransferGraphs",
+    "MixedStepGraphs",
+    "ModelGraphs",
+    "bucket",
+    "decode_attends",
+    "local_ring_blocks",
+    "mixed_rows",
+    "pool_blocks",
+    "scratch_blocks",
+    "shape_settings",
+    "uses_kernels",
+]
 
 
 class ModelGraphs(Protocol):

@@ -1,0 +1,81 @@
+"""The shapes and sizes a runtime configuration gives the graphs: buckets, the attended lengths of
+the decode graphs, the KV pool's and scratch blocks, sliding-window rings, the mixed step's rows
+(the cache layout they size: agent/graphs/interface.py). NumPy only."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+from agent.model.spec import ModelSpec
+from config.schema import RuntimeSection
+
+# The runtime settings an exported graph's shapes and host-side inputs depend on.
+SHAPE_FIELDS = (
+    "num_slots",
+    "max_seq_len",
+    "num_blocks",
+    "block_size",
+    "prefill_buckets",
+    "decode_batch_buckets",
+    "attend_buckets",
+    "dtype",
+)
+
+
+def bucket(buckets: Sequence[int], n: int) -> int:
+    """The smallest of the sorted `buckets` that holds `n`."""
+    return buckets[bisect.bisect_left(buckets, n)]
+
+
+def decode_attends(runtime: RuntimeSection) -> list[int]:
+    """The attended lengths of the decode graphs: the attention kernel and the paged backend read
+    each sequence's own length (0: one decode graph per batch bucket), the gather path attends over
+    a bucket."""
+    return [0] if runtime.attention_kernel or runtime.paged_attention else list(runtime.attend_buckets)
+
+
+def shape_settings(runtime: RuntimeSection) -> dict:
+    """What an export records of the runtime, and what a configuration must match to run it."""
+    settings = {name: getattr(runtime, name) for name in SHAPE_FIELDS}
+    settings["num_blocks"] = runtime.planned_num_blocks
+    settings["attention_kernel"] = runtime.attention_kernel
+    if runtime.paged_attention:
+        settings["paged_attention"] = True  # absent from exports made before it: they do not match
+    if decode_attends(runtime) == [0]:
+        del settings["attend_buckets"]  # the kernel attends each sequence's own length
+    return settings
+
+
+def scratch_blocks(runtime: RuntimeSection) -> int:
+    """Blocks that padding writes to: the positions of the largest prefill bucket."""
+    return -(-runtime.prefill_buckets[-1] // runtime.block_size)
+
+
+def local_ring_blocks(runtime: RuntimeSection, spec: ModelSpec, max_len: int | None = None) -> int:
+    """Blocks of each seat's ring in the sliding-window layers' caches (module docstring); 0 where the
+    model has no such layers, or where a ring would be no shorter than a whole sequence of max_len
+    (default: the runtime's planned one; those layers then take the pool's blocks like the others)."""
+    if not (spec.sliding_window and spec.local_layers):
+        return 0
+    size = runtime.block_size
+    ring = -(-(spec.sliding_window - 1 + runtime.prefill_buckets[-1]) // size)
+    longest = runtime.planned_max_seq_len if max_len is None else max_len
+    return ring if ring < -(-longest // size) else 0
+
+
+def pool_blocks(runtime: RuntimeSection) -> int:
+    """Blocks of the KV cache: the pool the server hands out, then the scratch blocks."""
+    return runtime.planned_num_blocks + scratch_blocks(runtime)
+
+
+def mixed_rows(runtime: RuntimeSection) -> int:
+    """Rows of a mixed step's graph (decode rows and prompt chunks in one call): the smallest prefill
+    bucket that holds the largest decode batch and a prompt position more, 0 where none does."""
+    needed = runtime.decode_batch_buckets[-1] + 1
+    return bucket(runtime.prefill_buckets, needed) if needed <= runtime.prefill_buckets[-1] else 0
+
+
+def uses_kernels(runtime: RuntimeSection) -> bool:
+    """Whether the graphs call the custom CPU kernels (agent/kernels)."""
+    return runtime.attention_kernel or runtime.matmul_kernel
