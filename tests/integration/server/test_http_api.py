@@ -18,7 +18,9 @@ DRAIN_TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_llama_dir):
-    """Agent + server on the tiny model, 8 slots and room for long answers; yields (base URL, server)."""
+    """Agent + server on the tiny model, 8 slots and room for long answers; yields (base URL, server).
+    The queue holds 512: the benchmark test's background feed sends a prompt every 20 ms for as
+    long as its run lasts, which on a busy 2-core machine queued more than 64 (the default: 503s)."""
     agent_port, http_port = free_ports(2)
     path = write_config(
         tmp_path_factory.mktemp("http"),
@@ -26,7 +28,7 @@ def stack(tmp_path_factory, tiny_llama_dir):
         [agent_port],
         runtime=LONG_ANSWERS_RUNTIME,
         server={"port": http_port, "drain_timeout_s": DRAIN_TIMEOUT_S},
-        scheduler={"max_waiting_requests": 8},
+        scheduler={"max_waiting_requests": 512},
     )
     with serving_stack(path) as (_agents, server):
         yield f"http://127.0.0.1:{http_port}", server
