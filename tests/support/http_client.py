@@ -4,9 +4,12 @@ its clients parse it (a real SSE client, `data:` line parsing, plain JSON)."""
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 
 import httpx
 from httpx_sse import connect_sse
+from prometheus_client.parser import text_string_to_metric_families
 
 TIMEOUT = 120
 
@@ -68,3 +71,22 @@ def answer_three_ways(base: str, model: str, inputs: str, parameters: dict) -> t
     plain_text = "".join(t["text"] for t in tokens)
     assert lines[-1] == {"generated_text": plain_text}
     return text, sse_text, plain_text
+
+
+def aborted_requests(base: str, headers: dict | None = None) -> float:
+    """The server's count of answers aborted (their client gone or stalled), from /metrics."""
+    text = httpx.get(f"{base}/metrics", headers=headers, timeout=TIMEOUT).text
+    return next(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "llm_serving_requests_total" and s.labels.get("outcome") == "aborted"
+    )
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, poll_s: float = 0.05) -> bool:
+    """Poll `condition` until it holds or `timeout` seconds pass -> whether it holds."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return condition()

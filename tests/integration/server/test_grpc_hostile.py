@@ -27,10 +27,10 @@ import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc as triton_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
 from attack_watch import under_attack
+from http_client import aborted_requests, wait_until
 from server.protos import grpc_service_pb2 as pb
 from server.protos import grpc_service_pb2_grpc as pb_grpc
 
@@ -132,22 +132,6 @@ def get(base: str, path: str) -> str:
 
 def running(base: str) -> int:
     return json.loads(get(base, "/serving/get_bs").split("data:", 1)[1])["data"]
-
-
-def aborted(base: str) -> float:
-    return next(
-        sample.value
-        for family in text_string_to_metric_families(get(base, "/metrics"))
-        for sample in family.samples
-        if sample.name == "llm_serving_requests_total" and sample.labels.get("outcome") == "aborted"
-    )
-
-
-def wait_until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
 
 
 class PeakRss:
@@ -275,12 +259,13 @@ def test_a_stalled_stream_has_its_answer_aborted_and_slot_freed(stack, expected)
     """A 2000-token answer whose 100 kB replies (its id copied) are not read: once the client's
     buffers are full and stream_write_timeout_s passes, the answer is aborted and its slot freed."""
     base, port, _ = stack
-    aborted_before = aborted(base)
+    aborted_before = aborted_requests(base, AUTH)
     request = infer_request("s" * 100_000, VICTIM_PROMPT, max_tokens=2000, ignore_eos=True, temperature=0.0)
     with under_attack(base, lambda: victim_infer(port), expected, name="gRPC stalled stream"):
         channel, call = stream_call(port, iter([request]))
         try:
-            assert wait_until(lambda: aborted(base) == aborted_before + 1, 60), "the stalled answer ran on"
+            aborted_once = wait_until(lambda: aborted_requests(base, AUTH) == aborted_before + 1, 60)
+            assert aborted_once, "the stalled answer ran on"
         finally:
             replies, error = read_to_the_end(call)
             channel.close()

@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
+from http_client import aborted_requests, wait_until
 from server.structured_output import Grammars, GrammarSpec
 
 VICTIM_KEY, ATTACKER_KEY = "victim-key", "attacker-key"
@@ -115,23 +115,6 @@ def beside_victim(base: str, attack):
 def batch_size(base: str) -> int:
     text = httpx.get(f"{base}/serving/get_bs", headers=auth(VICTIM_KEY), timeout=30).text
     return json.loads(text.split("data:", 1)[1])["data"]
-
-
-def aborted(base: str) -> float:
-    families = text_string_to_metric_families(httpx.get(f"{base}/metrics", headers=auth(VICTIM_KEY)).text)
-    return next(
-        s.value
-        for f in families
-        for s in f.samples
-        if s.name == "llm_serving_requests_total" and s.labels.get("outcome") == "aborted"
-    )
-
-
-def wait_until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
 
 
 # ----------------------------------------------------------------------- sampling numerics
@@ -305,7 +288,7 @@ def test_grammar_size_compile_time_and_failures_are_bounded(stack, tiny_llama_di
 def test_triton_requests_stop_generating_when_the_client_goes(stack, path):
     """The request is aborted (on main it ran to its end, counted ok, with nobody to read it)."""
     base, port = stack
-    before = aborted(base)
+    before = aborted_requests(base, auth(VICTIM_KEY))
     parameters = {"max_tokens": 480, "ignore_eos": True}
     body = (
         {"text_input": VICTIM_PROMPT, "parameters": parameters}
@@ -326,7 +309,7 @@ def test_triton_requests_stop_generating_when_the_client_goes(stack, path):
     assert wait_until(lambda: batch_size(base) == 1, 30)
     sock.close()
     assert wait_until(lambda: batch_size(base) == 0, 30)
-    assert aborted(base) == before + 1, "the answer went on without its client"
+    assert aborted_requests(base, auth(VICTIM_KEY)) == before + 1, "the answer went on without its client"
 
 
 # ---------------------------------------------------------------------------------- fairness

@@ -12,10 +12,9 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent_harness import LONG_ANSWERS_RUNTIME, LauncherProcess, free_ports, serving_stack, write_config
-from http_client import one_event
+from http_client import aborted_requests, one_event, wait_until
 
 READ_TIMEOUT_S = 2
 MAX_CONNECTIONS = 16
@@ -35,23 +34,6 @@ def stack(tmp_path_factory, tiny_llama_dir):
     )
     with serving_stack(path) as (_agents, _server):
         yield f"http://127.0.0.1:{http_port}", path, http_port
-
-
-def aborted(base: str) -> float:
-    families = text_string_to_metric_families(httpx.get(f"{base}/metrics").text)
-    return next(
-        s.value
-        for f in families
-        for s in f.samples
-        if s.name == "llm_serving_requests_total" and s.labels.get("outcome") == "aborted"
-    )
-
-
-def wait_until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return condition()
 
 
 def raw_request(port: int, path: str, body: dict, headers: str = "") -> socket.socket:
@@ -164,12 +146,12 @@ def test_big_prompts_do_not_stall_a_running_stream(stack):
 )
 def test_a_client_that_goes_away_stops_its_generation(stack, path, body):
     base, _, port = stack
-    before = aborted(base)
+    before = aborted_requests(base)
     sock = raw_request(port, path, body)
     assert wait_until(lambda: one_event(f"{base}/serving/get_bs") >= 1, 10)
     sock.close()
     assert wait_until(lambda: one_event(f"{base}/serving/get_bs") == 0, 10)
-    assert aborted(base) == before + body.get("n", 1)
+    assert aborted_requests(base) == before + body.get("n", 1)
 
 
 # ------------------------------------------------------------------ 14: slow and foreign clients
