@@ -55,6 +55,11 @@ class ServingMetrics:
         self.e2e = Histogram(
             p + "request_duration_seconds", "Admission to the last token", buckets=LATENCY_BUCKETS, registry=r
         )
+        self._agent_metrics(r, p)
+        self._cache_metrics(r, p)
+
+    def _agent_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """Agent calls and KV transfers, as the server sees them."""
         self.agent_step = Histogram(
             p + "agent_step_seconds",
             "One agent call, as the server sees it",
@@ -81,6 +86,9 @@ class ServingMetrics:
             registry=r,
         )
         self.agent_up = Gauge(p + "agent_up", "1 while the agent answers", ["agent"], registry=r)
+
+    def _cache_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """The KV pool, the prefix cache, preemption and speculative decoding."""
         self.kv_blocks = Gauge(
             p + "kv_blocks",
             "KV-cache blocks of healthy groups: used (by sequences), free, cached (a prefix kept for reuse)",

@@ -29,7 +29,8 @@ from agent.contract.sampling import SamplingParams  # noqa: E402
 from agent.model.formats import load_checkpoint  # noqa: E402
 from agent.model.tokenizer import load_tokenizer  # noqa: E402
 from config import PROJECT_ROOT, ServingConfig, load_config  # noqa: E402
-from tools.bench.__main__ import WORKLOADS, background_prompt  # noqa: E402
+from tools.bench.__main__ import background_prompt  # noqa: E402
+from tools.bench.options import WORKLOADS  # noqa: E402
 
 OUTPUT = PROJECT_ROOT / "output" / "agreement.json"
 

@@ -12,7 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tools.bench import report
-from tools.bench.__main__ import HUGE_PROMPT_BYTES, hostile_requests, main, parse_args, request_bodies
+from tools.bench.__main__ import hostile_requests, main, request_bodies
+from tools.bench.options import HUGE_PROMPT_BYTES, parse_args
 from tools.bench.stats import RequestRecord, median_of_runs, percentile, summarize, summarize_hostile
 from tools.bench.targets import Target, TargetError, parse_line
 
