@@ -32,6 +32,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
+from agent.contract.prompt_logprobs import PromptLogprob, score_rows
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import MAX_DRAFT_TOKENS, BlockTable, StepChunk, StepLimits
 from agent.graphs.interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket, mixed_rows
@@ -44,6 +45,8 @@ from agent.slots import RunnerError, SlotSampling, SlotState, SlotTable
 from config.schema import ModelSection, RuntimeSection
 
 log = logging.getLogger(__name__)
+
+Score = tuple[int, int | None]  # prompt logprobs asked of a chunk: (k, lookahead token id or None)
 
 
 def memory_size(mb: int) -> str:
@@ -88,6 +91,8 @@ class ModelRunner(SlotTable):
         self.max_len = runtime.planned_max_seq_len
         self.topk_buckets = graphs.topk_buckets
         self.sampling = SlotSampling(graphs)  # the host side of each call's token choice
+        # the prompt logprobs the last run()'s one chunk asked for (StepChunk.prompt_logprobs)
+        self.prompt_scores: list[PromptLogprob] | None = None
 
     @classmethod
     def from_checkpoint(
@@ -148,38 +153,63 @@ class ModelRunner(SlotTable):
         table: BlockTable | None = None,
         start: int = 0,
         mask: np.ndarray | None = None,
+        score: Score | None = None,
     ) -> int:
         """A prompt's last (or only) chunk: positions start..len(tokens)-1 (`tokens`: the ids from
         position 0; positions before `start` are in the blocks of `table` already: earlier chunks,
         a prefix-cache hit). Seats a free slot; returns the first generated token (`mask`: the
-        tokens it may be, as SlotSampler.constrain takes them)."""
+        tokens it may be, as SlotSampler.constrain takes them; `score`: its prompt logprobs, into
+        `prompt_scores`)."""
         sampler = self.sampling.sampler(params, tokens)  # a bad parameter is refused before anything runs
         if mask is not None:
             self.sampling.check_masks({slot: mask}, [slot])
             sampler.constrain(mask)
-        state, logits = self._compute(slot, tokens, table, start, sample=True)
+        state, logits = self._compute(slot, tokens, table, start, sample=True, score=score)
         state.sampler = sampler
         state.next_token = self.sampling.sample(logits, [sampler])[0]
         return state.next_token
 
-    def prefill_chunk(self, slot: int, tokens: Sequence[int], table: BlockTable, start: int = 0) -> None:
+    def prefill_chunk(
+        self, slot: int, tokens: Sequence[int], table: BlockTable, start: int = 0, score: Score | None = None
+    ) -> None:
         """Positions start..len(tokens)-1 without sampling: a prompt's chunk before its last, or
         the recompute of a preempted sequence (which keeps its sampler and pending token)."""
-        self._compute(slot, tokens, table, start, sample=False)
+        self._compute(slot, tokens, table, start, sample=False, score=score)
 
     def _compute(
-        self, slot: int, tokens: Sequence[int], table: BlockTable | None, start: int, sample: bool
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        table: BlockTable | None,
+        start: int,
+        sample: bool,
+        score: Score | None = None,
     ) -> tuple[SlotState, Tensor]:
         """Checks, then the positions start.. through the prefill graphs in pieces of at most the
-        largest bucket (a free slot is seated): the slot's state and the last piece's logits."""
+        largest bucket (a free slot is seated): the slot's state and the last piece's logits.
+        `score` (k, lookahead): every row's logits too, each row scored at the token after it
+        (the last row at `lookahead`, if any), into `prompt_scores` (StepChunk.scores)."""
         ids, padded = self._check_chunk(slot, tokens, table, start, sample)
+        if score is not None and score[1] is not None:
+            self._check_tokens([score[1]])
         end = len(ids)
+        after = np.append(ids[1:], -1 if score is None or score[1] is None else score[1])
+        scores: list[PromptLogprob] = []
         pieces = range(start, end, self.max_chunk)
         for piece_start in pieces:
             piece = ids[piece_start : piece_start + self.max_chunk]
+            length = bucket(self.runtime.prefill_buckets, len(piece))
             logits = self.graphs.prefill(
-                padded, piece, bucket(self.runtime.prefill_buckets, len(piece)), start=piece_start, slot=slot
+                padded, piece, length, start=piece_start, slot=slot, every_row=score is not None
             )
+            if score is not None:
+                rows = logits.asnumpy()[: len(piece)]
+                targets = after[piece_start : piece_start + len(piece)]
+                scored = int(np.count_nonzero(targets >= 0))  # only the last row may have none
+                scores += score_rows(rows[:scored], targets[:scored], score[0])
+                logits = Tensor(rows[-1:])
+        if score is not None:
+            self.prompt_scores = scores
         return self._computed(slot, ids, padded), logits
 
     def _check_chunk(
@@ -276,7 +306,10 @@ class ModelRunner(SlotTable):
         of `slots` alone, one prompt chunk alone (the prefill graphs), or both and proposals in one
         mixed call (step). Each decode slot's tokens and each chunk's first token (None unless it
         samples)."""
+        self.prompt_scores = None
         if len(chunks) != 1 or slots or drafts:
+            if any(c.prompt_logprobs is not None for c in chunks):
+                raise RunnerError("a chunk that scores its prompt positions runs alone (a prefill step)")
             if chunks or drafts:
                 return self.step(slots, tables, chunks, masks, drafts)
             return [[t] for t in self.decode(slots, tables, masks)], []
@@ -284,11 +317,14 @@ class ModelRunner(SlotTable):
         masks = masks or {}
         if masks:
             self.sampling.check_masks(masks, [chunk.slot] if chunk.sampling is not None else [])
+        score = None if chunk.prompt_logprobs is None else (chunk.prompt_logprobs, chunk.lookahead)
         if chunk.sampling is None:
-            self.prefill_chunk(chunk.slot, chunk.tokens, chunk.table, chunk.start)
+            self.prefill_chunk(chunk.slot, chunk.tokens, chunk.table, chunk.start, score)
             return [], [None]
         mask = masks.get(chunk.slot)
-        return [], [self.prefill(chunk.slot, chunk.tokens, chunk.sampling, chunk.table, chunk.start, mask)]
+        return [], [
+            self.prefill(chunk.slot, chunk.tokens, chunk.sampling, chunk.table, chunk.start, mask, score)
+        ]
 
     @property
     def limits(self) -> StepLimits:

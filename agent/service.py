@@ -186,6 +186,10 @@ class AgentService:
         reply = StepReply(
             [self._tokens(slot, tokens) for slot, tokens in zip(slots, decoded)],
             [None if t is None else self._tokens(c.slot, [t])[0] for c, t in zip(request.chunks, firsts)],
+            # a chunk that asked runs alone (runner.run): its scores are the run's
+            prompts=[
+                None if c.prompt_logprobs is None else self.runner.prompt_scores for c in request.chunks
+            ],
         )
         if request.transfer is not None:
             reply = self._send_kv(request.chunks[0].slot, request.transfer, reply)

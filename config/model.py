@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -19,6 +20,14 @@ class ModelSection(Section):
     decode_model: list[Path] = Field(default_factory=list, description="one MindIR file per decode bucket")
     argmax_model: Path | None = None
     topk_model: list[Path] = Field(default_factory=list, description="one MindIR file per top-k bucket")
+    # How answers are read (server/tool_calls.py, server/reasoning.py); auto: from the chat template.
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto",
+        description="tool calls as `<tool_call>` JSON (hermes) or a whole-answer JSON call (llama3_json)",
+    )
+    reasoning_parser: Literal["auto", "think", "none"] = Field(
+        "auto", description="think: `<think>...</think>` is the answer's reasoning, apart from its content"
+    )
 
     @field_validator("path", "argmax_model")
     @classmethod

@@ -105,24 +105,28 @@ class BlockManager:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._tables
 
-    def blocks_needed(self, tokens: Sequence[int], salt: str | None = None) -> int:
-        """Free blocks `allocate(key, tokens, salt)` would take now (hits on blocks in use cost none)."""
-        hits = self._lookup(tokens, salt)
+    def blocks_needed(self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True) -> int:
+        """Free blocks `allocate(key, tokens, salt, reuse)` would take now (hits on blocks in use
+        cost none)."""
+        hits = self._lookup(tokens, salt) if reuse else []
         return self.blocks_for(len(tokens)) - sum(1 for _, block in hits if self._refs[block])
 
-    def can_allocate(self, tokens: Sequence[int], salt: str | None = None) -> bool:
-        return self.blocks_needed(tokens, salt) <= self.num_free
+    def can_allocate(self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True) -> bool:
+        return self.blocks_needed(tokens, salt, reuse) <= self.num_free
 
     # --- changes ---
 
-    def allocate(self, key: Hashable, tokens: Sequence[int], salt: str | None = None) -> int | None:
+    def allocate(
+        self, key: Hashable, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
+    ) -> int | None:
         """Give `key` a table covering len(tokens) positions, reusing the longest cached prefix of
-        full blocks (computed with the same cache `salt`) but leaving at least the last token to
-        compute (its logits are needed). Returns the positions already computed (a multiple of
-        block_size), or None, changing nothing, when the free blocks do not suffice."""
+        full blocks (computed with the same cache `salt`; none with reuse False: every position's
+        logits are needed) but leaving at least the last token to compute (its logits are needed).
+        Returns the positions already computed (a multiple of block_size), or None, changing
+        nothing, when the free blocks do not suffice."""
         if key in self._tables:
             raise ValueError(f"{key!r} already has a block table")
-        hits = self._lookup(tokens, salt)
+        hits = self._lookup(tokens, salt) if reuse else []
         total = self.blocks_for(len(tokens))
         if total - sum(1 for _, block in hits if self._refs[block]) > self.num_free:
             return None

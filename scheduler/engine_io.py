@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from agent.contract.prompt_logprobs import PromptLogprob
 from agent.contract.sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -119,8 +120,10 @@ class EngineRequest:
 class EngineOutput:
     """What one step (or the request's end) added to one request: its new tokens, their logprobs
     (one per token, when it asked for them), and once it is over why (`finish_reason`), with the
-    error and its kind when it failed. `timeline` (tracing on, finished outputs only): the engine's
-    record of its agent calls, complete by then."""
+    error and its kind when it failed. `prompt_logprobs` (its sampling's prompt_logprobs): prompt
+    positions 1.. scored (agent/contract/prompt_logprobs.py), once, with its first token.
+    `timeline` (tracing on, finished outputs only): the engine's record of its agent calls,
+    complete by then."""
 
     request_id: str
     new_token_ids: tuple[int, ...] = ()
@@ -129,6 +132,7 @@ class EngineOutput:
     error: str | None = None
     fault: FaultKind | None = None
     timeline: Timeline | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:

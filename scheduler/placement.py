@@ -83,7 +83,7 @@ class Placement:
             return (
                 bool(self.free_slots[i])
                 and len(seq.prompt) <= capacity.max_prompt_len
-                and self.blocks[i].can_allocate(seq.prompt, seq.cache_salt)
+                and self.blocks[i].can_allocate(seq.prompt, seq.cache_salt, not seq.scoring_prompt)
             )
 
         prefill = max(
@@ -104,7 +104,7 @@ class Placement:
     def allocate(self, group: int, seq: Sequence, tokens: list[int]) -> int | None:
         """Blocks for `tokens` on the group (None: too few free); the positions its cache holds."""
         blocks = self.blocks[group]
-        hit = blocks.allocate(seq.request_id, tokens, seq.cache_salt)
+        hit = blocks.allocate(seq.request_id, tokens, seq.cache_salt, reuse=not seq.scoring_prompt)
         if hit is not None and blocks.enable_prefix_caching:
             self.prefix_query_tokens += len(tokens)
             self.prefix_hit_tokens += hit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from agent.contract.prompt_logprobs import PromptLogprob
 from agent.contract.sampling import SamplingParams, TokenLogprob
 from scheduler.engine_io import EngineOutput, FaultKind, FinishReason, TokenConstraint
 from scheduler.ngram import SpeculationState
@@ -27,6 +28,8 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
+    # sampling.prompt_logprobs: prompt positions 1.. scored so far (entry i: position i + 1)
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     group: int | None = None
     slot: int | None = None
@@ -89,6 +92,12 @@ class Sequence:
         """Positions are missing: a prompt not yet (wholly) computed, or a preempted sequence."""
         return self.computed < self.positions_used
 
+    @property
+    def scoring_prompt(self) -> bool:
+        """It asked for prompt logprobs and some are missing: its prompt is computed from position 0
+        (no prefix-cache hit) in prefill steps of its own (StepChunk.prompt_logprobs)."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt) - 1
+
     def tokens(self, upto: int) -> list[int]:
         """The first `upto` token ids of prompt + output."""
         if upto <= len(self.prompt):
@@ -102,6 +111,7 @@ class Sequence:
         if self.end_reported:
             return None
         first, self.reported, self.end_reported = self.reported, len(self.output), self.finished
+        asked = self.sampling.prompt_logprobs is not None and first == 0 and self.reported > 0
         return EngineOutput(
             self.request_id,
             tuple(self.output[first:]),
@@ -110,4 +120,5 @@ class Sequence:
             self.error,
             self.fault if self.error is not None else None,
             self.timeline if self.finished else None,
+            tuple(self.prompt_logprobs) if asked else None,
         )

@@ -96,7 +96,9 @@ class StepExecutor:
         local: list[Chunk] = []
         rest: list[Chunk] = []  # PD transfers, aborted sequences
         for chunk in plan.prefills:
-            (local if chunk.seq.prefill_group is None and not chunk.seq.finished else rest).append(chunk)
+            # a chunk that scores its prompt positions runs in a prefill step of its own
+            mixes = chunk.seq.prefill_group is None and not chunk.seq.finished and not _scores(chunk)
+            (local if mixes else rest).append(chunk)
         healthy, capacity = self.scheduler.healthy[group], self.scheduler.groups[group]
         proposed = plan.proposed(seqs)
         # the prompts that do not fit beside the proposals run after the decode and its proposals
@@ -196,7 +198,9 @@ class StepExecutor:
             self.scheduler.decoded(seqs, reply.decoded, drafts)
         for seq in seqs:
             self.hooks.report(seq)
-        for chunk, token in zip(chunks, reply.firsts):
+        for chunk, token, scores in zip(chunks, reply.firsts, reply.prompts or [None] * len(chunks)):
+            if scores is not None:  # positions start + 1.. (StepChunk.prompt_logprobs)
+                chunk.seq.prompt_logprobs[chunk.start :] = scores
             self.scheduler.prefilled(chunk, token)
             if chunk.sample:
                 self.hooks.report(chunk.seq)
@@ -238,7 +242,14 @@ class StepExecutor:
             tuple(self.scheduler.blocks[group].table(seq.request_id)),
         )
         table = self.scheduler.blocks[prefill_group].table(seq.request_id)
-        whole = StepChunk(prefill_slot, seq.prompt, table, chunk.start, seq.sampling)
+        whole = StepChunk(
+            prefill_slot,
+            seq.prompt,
+            table,
+            chunk.start,
+            seq.sampling,
+            prompt_logprobs=seq.sampling.prompt_logprobs if _scores(chunk) else None,
+        )
         request = StepRequest(chunks=[whole], masks=_masks([seq], prefill_slot), transfer=transfer)
         try:
             reply = await self._timed_step(prefill_group, request, [], [chunk])
@@ -256,6 +267,8 @@ class StepExecutor:
         else:
             token, kv_bytes, transfer_ms = reply.firsts[0], reply.kv_bytes, reply.transfer_ms
             assert token is not None  # StepReply.from_wire: the whole prompt samples
+            if reply.prompts and reply.prompts[0] is not None:
+                seq.prompt_logprobs[chunk.start :] = reply.prompts[0]
             self.metrics.kv_transfer_bytes.inc(kv_bytes)
             self.metrics.kv_transfer.observe(transfer_ms / 1000)
             log.debug(
@@ -277,8 +290,15 @@ class StepExecutor:
         seq = chunk.seq
         group, slot = seq.placement
         table = self.scheduler.blocks[group].table(seq.request_id)
+        scores = _scores(chunk)
         return StepChunk(
-            slot, seq.tokens(chunk.end), table, chunk.start, seq.sampling if chunk.sample else None
+            slot,
+            seq.tokens(chunk.end),
+            table,
+            chunk.start,
+            seq.sampling if chunk.sample else None,
+            prompt_logprobs=seq.sampling.prompt_logprobs if scores else None,
+            lookahead=seq.prompt[chunk.end] if scores and chunk.end < len(seq.prompt) else None,
         )
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
@@ -301,6 +321,13 @@ class StepExecutor:
         for chunk in chunks:
             if chunk.seq.timeline is not None:
                 chunk.seq.timeline.called(AgentCall(op, agent, start, end, (chunk.start, chunk.end)))
+
+
+def _scores(chunk: Chunk) -> bool:
+    """Whether the chunk scores its prompt positions: its sequence asked for prompt logprobs and
+    has them up to the chunk's start (a recompute from position 0 scores them again)."""
+    seq = chunk.seq
+    return seq.scoring_prompt and chunk.start <= len(seq.prompt_logprobs) and chunk.end <= len(seq.prompt)
 
 
 def _masks(seqs: Iterable[Sequence], slot: int | None = None) -> dict[int, np.ndarray]:

@@ -21,6 +21,7 @@ from server.assembly import (
     admit,
     check_answer_fits,
     check_reply_size,
+    check_vocabulary,
     compile_grammar,
     sampling_params,
 )
@@ -37,8 +38,10 @@ class Prompt:
     text: str = ""
     messages: list[dict] | None = None  # a conversation (then `text` is unused)
     tools: list[dict] | None = None  # for a template that renders them
+    template_kwargs: dict | None = None  # more template variables (chat_template_kwargs)
     param: str | None = None  # how the API names it (its errors name it)
     truncate: int | None = None  # keep its last tokens (the native `truncate`): any length fits
+    ids: tuple[int, ...] | None = None  # token ids given as they are (then `text` is unused)
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,12 @@ class Admitted:
 
 async def prompt_tokens(encoder: PromptEncoder, prompt: Prompt) -> list[int]:
     bounded = prompt.truncate is None
+    if prompt.ids is not None:  # their vocabulary is checked in admit_answers; their length by the engine
+        return list(prompt.ids)
     if prompt.messages is not None:
-        ids = await encoder.encode_chat(prompt.messages, bounded, prompt.param, prompt.tools)
+        ids = await encoder.encode_chat(
+            prompt.messages, bounded, prompt.param, prompt.tools, prompt.template_kwargs
+        )
     else:
         ids = await encoder.encode(prompt.text, bounded, prompt.param)
     return ids if prompt.truncate is None else ids[-prompt.truncate :]
@@ -88,6 +95,8 @@ async def admit_answers(model: LoadedModel, style: ApiStyle, admission: Admissio
     """The request's answers admitted on the model, all or none (ApiError in `style` otherwise)."""
     a = admission
     prompt = await prompt_tokens(model.encoder, a.prompt)
+    if a.prompt.ids is not None:
+        check_vocabulary(prompt, model.tokenizer.vocab_size, a.prompt.param or "prompt")
     max_tokens = model.engine.max_seq_len if a.max_tokens is None else a.max_tokens
     if a.max_tokens is not None and a.length_checked:
         check_answer_fits(len(prompt), max_tokens, model.engine.max_seq_len, style, a.max_tokens_param)

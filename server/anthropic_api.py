@@ -4,8 +4,9 @@
                                     tools, tool_choice, stop_sequences, temperature / top_p /
                                     top_k (default 1.0 / 1.0 / none; the 2026 client sends them
                                     through extra_body), output_config.format (a JSON Schema),
-                                    streaming (message_start, content_block_start/delta/stop,
-                                    message_delta, message_stop)
+                                    thinking (a reasoning model's thinking as `thinking` blocks:
+                                    server/reasoning.py), chat_template_kwargs, streaming (message_start,
+                                    content_block_start/delta/stop, message_delta, message_stop)
     POST /v1/messages/count_tokens  {"input_tokens": the prompt's tokens}
 
 A request translates into a chat request (server/anthropic_schema.py) and is served as
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from sse_starlette.sse import EventSourceResponse
 
+from server import reasoning
 from server.admission import prompt_tokens
 from server.anthropic_schema import CountTokensRequest, MessagesRequest
 from server.assembly import unless_disconnected
@@ -76,19 +78,26 @@ def message(
     }
 
 
+def thinking_block(text: str) -> dict:
+    # No signature: the thinking is the model's own text, sent back only to be dropped.
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 async def whole_message(req: MessagesRequest, answer: Choices) -> dict:
     choice = await whole_choice(answer)
+    thought = [thinking_block(choice.reasoning)] if choice.reasoning else []
     text = [{"type": "text", "text": choice.content or ""}] if choice.content or not choice.calls else []
-    content = text + [tool_use(call) for call in choice.calls]
+    content = thought + text + [tool_use(call) for call in choice.calls]
     reason = stop_reason(choice.finish_reason, choice.stop_sequence, choice.calls)
     usage = {"input_tokens": len(answer.prompt), "output_tokens": choice.tokens}
     return message(req, content, reason, choice.stop_sequence, usage)
 
 
 async def message_events(req: MessagesRequest, answer: Choices) -> AsyncIterator[dict]:
-    """The streaming events: message_start, a text block whose deltas come as the text does, each
-    tool_use block whole at the end (its input as one input_json_delta), message_delta with the
-    stop reason and usage, message_stop; an `error` event if the answer fails."""
+    """The streaming events: message_start, a thinking block (a reasoning model's, as it thinks:
+    thinking_delta), a text block whose deltas come as the text does, each tool_use block whole
+    at the end (its input as one input_json_delta), message_delta with the stop reason and usage,
+    message_stop; an `error` event if the answer fails."""
 
     def event(kind: str, **fields) -> dict:
         return {"event": kind, "data": json.dumps({"type": kind, **fields}, ensure_ascii=False)}
@@ -96,7 +105,19 @@ async def message_events(req: MessagesRequest, answer: Choices) -> AsyncIterator
     start = message(req, [], None, None, {"input_tokens": len(answer.prompt), "output_tokens": 0})
     yield event("message_start", message=start)
     yield event("ping")
-    text_open, last, calls = False, None, list[dict]()
+    # blocks opened so far; the open one's type (thinking or text), closed before the next opens
+    blocks, open_block, last, calls = 0, None, None, list[dict]()
+
+    def opened(kind: str) -> list[dict]:
+        """The events that close the open block (if another) and open one of this kind."""
+        nonlocal blocks, open_block
+        if open_block == kind:
+            return []
+        events: list[dict] = [event("content_block_stop", index=blocks - 1)] if open_block else []
+        open_block, blocks = kind, blocks + 1
+        start = thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+        return [*events, event("content_block_start", index=blocks - 1, content_block=start)]
+
     async with contextlib.aclosing(choice_pieces(answer)) as pieces:
         async for piece in pieces:
             last = piece.out
@@ -106,19 +127,24 @@ async def message_events(req: MessagesRequest, answer: Choices) -> AsyncIterator
                     "data": json.dumps(error_body(last.error_status, last.error, "anthropic")),
                 }
                 return
+            if piece.reasoning:
+                for opening in opened("thinking"):
+                    yield opening
+                delta = {"type": "thinking_delta", "thinking": piece.reasoning}
+                yield event("content_block_delta", index=blocks - 1, delta=delta)
             if piece.text:
-                if not text_open:
-                    text_open = True
-                    yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-                yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece.text})
+                for opening in opened("text"):
+                    yield opening
+                delta = {"type": "text_delta", "text": piece.text}
+                yield event("content_block_delta", index=blocks - 1, delta=delta)
             calls = piece.calls or calls
     assert last is not None
-    if not text_open and not calls:  # an empty answer is one empty text block, as whole_message gives
-        text_open = True
-        yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-    if text_open:
-        yield event("content_block_stop", index=0)
-    for index, call in enumerate(calls, start=int(text_open)):  # after the text block, if any
+    if open_block != "text" and not calls:  # no text: one empty text block, as whole_message gives
+        for opening in opened("text"):
+            yield opening
+    if open_block:
+        yield event("content_block_stop", index=blocks - 1)
+    for index, call in enumerate(calls, start=blocks):  # after the thinking and text blocks
         block = tool_use(call)
         yield event("content_block_start", index=index, content_block={**block, "input": {}})
         delta = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
@@ -138,7 +164,9 @@ def anthropic_router(repository: ModelRepository) -> APIRouter:
     messages_request, count_request = json_body(MessagesRequest), json_body(CountTokensRequest)
 
     def refuse_unsupported(req: CountTokensRequest) -> None:
-        problem = req.unsupported()
+        thinks = (req.thinking or {}).get("type") not in (None, "disabled")
+        # whether the model reasons matters only where thinking is asked (an unknown model: 404)
+        problem = req.unsupported(thinks and reasoning.model_reasons(repository.serving(req.model)))
         if problem:
             raise ApiError(400, problem)
 

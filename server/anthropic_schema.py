@@ -1,9 +1,12 @@
 """Request bodies of Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), and their
 translation into the chat request the server serves: `system` a system message, text blocks
 content parts, an assistant's `tool_use` blocks its `tool_calls`, a user's `tool_result` blocks
-`tool` messages, `tools` function tools, `tool_choice` the chat's (any: required). What the server
-cannot honour (images, documents, thinking, server tools, MCP servers) is refused by
-`unsupported()` with a message naming it."""
+`tool` messages, `tools` function tools, `tool_choice` the chat's (any: required). `thinking` is
+served by a reasoning model (server/reasoning.py: its thinking comes back as `thinking` blocks;
+`disabled` sets the template's enable_thinking false, as Qwen3's takes it); an assistant's past
+thinking blocks are dropped, as the reasoning models' templates drop past thinking. What the server
+cannot honour (images, documents, thinking on a model that does not reason, server tools, MCP
+servers) is refused by `unsupported()` with a message naming it."""
 
 from __future__ import annotations
 
@@ -12,7 +15,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SERVED_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+SERVED_BLOCKS = {
+    "user": ("text", "tool_result"),
+    "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+}
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
 
 
 class Block(BaseModel):
@@ -87,10 +94,16 @@ class CountTokensRequest(BaseModel):
     tool_choice: ToolChoice | None = None
     thinking: dict | None = None
     mcp_servers: list | None = None
+    # vLLM's chat_template_kwargs, passed on as /v1/chat/completions takes them (checked there)
+    chat_template_kwargs: dict | None = None
 
-    def unsupported(self) -> str | None:
-        """The first thing asked that this server cannot honour, as a message naming it."""
-        if self.thinking and self.thinking.get("type") != "disabled":
+    def unsupported(self, reasons: bool = False) -> str | None:
+        """The first thing asked that this server cannot honour, as a message naming it; `reasons`:
+        the model thinks aloud (server/reasoning.py)."""
+        kind = (self.thinking or {}).get("type")
+        if self.thinking and kind not in THINKING_TYPES:
+            return f"thinking.type must be one of {', '.join(THINKING_TYPES)}"
+        if self.thinking and kind != "disabled" and not reasons:
             return "thinking is not supported (this model does not think aloud)"
         if self.mcp_servers:
             return "mcp_servers is not supported"
@@ -119,8 +132,12 @@ class CountTokensRequest(BaseModel):
         choice, parallel = self.tool_choice, None
         if choice is not None and choice.disable_parallel_tool_use:
             parallel = False
+        kwargs = self.chat_template_kwargs
+        if (self.thinking or {}).get("type") == "disabled":  # Qwen3's switch; other templates ignore it
+            kwargs = {"enable_thinking": False, **(kwargs or {})}
         return {
             "model": self.model,
+            "chat_template_kwargs": kwargs,
             "messages": messages,
             "tools": [
                 {
@@ -151,12 +168,12 @@ class MessagesRequest(CountTokensRequest):
     priority: int | None = None
     speculate: bool | None = None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self, reasons: bool = False) -> str | None:
         if self.container:
             return "container is not supported"
         if self.output_config and self.output_config.effort is not None:
-            return "output_config.effort is not supported (this model does not reason)"
-        return super().unsupported()
+            return "output_config.effort is not supported (no effort levels: thinking runs as the model does)"
+        return super().unsupported(reasons)
 
     def chat_fields(self) -> dict:
         return {

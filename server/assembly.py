@@ -35,7 +35,13 @@ TOKENIZER_THREADS = 2
 CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it; the access log shows it
 
 # The fields both APIs' requests name as SamplingParams does and mean alike; the others are per API.
-SAMPLING_FIELDS = set(SamplingParams.model_fields) - {"do_sample", "seed", "logprobs", "logit_bias"}
+SAMPLING_FIELDS = set(SamplingParams.model_fields) - {
+    "do_sample",
+    "seed",
+    "logprobs",
+    "logit_bias",
+    "prompt_logprobs",
+}
 
 
 def check_vocabulary(ids: Iterable[int], vocab_size: int, param: str) -> None:
@@ -220,13 +226,17 @@ class PromptEncoder:
         bounded: bool = True,
         param: str | None = None,
         tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
-        """`tools`: for a template that renders them (tokenizer.template_takes_tools)."""
+        """`tools`: for a template that renders them (tokenizer.template_takes_tools);
+        `template_kwargs`: more template variables (a request's chat_template_kwargs)."""
 
         def render() -> list[int]:  # the template writes BOS itself where the model wants one
-            return self._ids(self.tokenizer.apply_chat_template(messages, tools=tools), False)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, kwargs=template_kwargs)
+            return self._ids(text, False)
 
         chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools) if tools else "")
+        chars += len(json.dumps(template_kwargs)) if template_kwargs else 0
         return await self._off_loop(chars, bounded, param, render)
 
     async def _off_loop(

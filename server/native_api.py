@@ -39,23 +39,34 @@ def sse_message(data) -> str:
     return json.dumps({"event": "message", "retry": 30000, "data": data}, ensure_ascii=False)
 
 
-def tgi_details(outs: list[GenerationOutput], seed: int | None, formatter: LogprobFormatter) -> dict:
-    """TGI's `details` of a finished answer: why it ended, its tokens with their logprobs."""
+def tgi_details(
+    outs: list[GenerationOutput],
+    seed: int | None,
+    formatter: LogprobFormatter,
+    prompt: list[int] | None = None,
+) -> dict:
+    """TGI's `details` of a finished answer: why it ended, its tokens with their logprobs, and with
+    decoder_input_details (`prompt`: its ids) the prompt's tokens with theirs."""
     last = outs[-1]
+    scored = next((list(o.prompt_logprobs) for o in outs if o.prompt_logprobs is not None), [])
     reason = {"length": "length", "stop": "stop_sequence" if last.stop_string else "eos_token"}
     tokens = [t for out in outs for t in out.tokens]
     return {
         "finish_reason": reason.get(last.finish_reason or "", last.finish_reason),
         "generated_tokens": last.index,
         "seed": seed,
-        "prefill": [],
+        "prefill": [] if prompt is None else formatter.tgi_prefill(prompt, scored),
         "tokens": [formatter.tgi(t.id, None if t.logprob is None else t.logprob.logprob) for t in tokens],
         "top_tokens": [formatter.tgi_top(t.logprob) for t in tokens],
     }
 
 
 async def respond_full(
-    http: Request, answer: AnswerStream, request: ClientRequest, formatter: LogprobFormatter
+    http: Request,
+    answer: AnswerStream,
+    request: ClientRequest,
+    formatter: LogprobFormatter,
+    prompt: list[int] | None = None,
 ) -> Response:
     done = await unless_disconnected(http, [answer], whole_answer(answer))
     if isinstance(done, Response):  # the client is gone
@@ -65,7 +76,8 @@ async def respond_full(
     def body() -> bytes:
         reply: dict = {"generated_text": text}
         if request.parameters.details:
-            reply["details"] = tgi_details(outs, request.parameters.seed, formatter)
+            shown = prompt if request.parameters.decoder_input_details else None
+            reply["details"] = tgi_details(outs, request.parameters.seed, formatter, shown)
         return (json.dumps(reply, ensure_ascii=False) + "\n").encode()
 
     # Off the event loop: details of thousands of tokens take long to shape and encode.
@@ -158,10 +170,17 @@ def native_router(repository: ModelRepository) -> APIRouter:
 
     async def start(
         http: Request, name: str, request: ClientRequest, whole: bool
-    ) -> tuple[AnswerStream, LogprobFormatter]:
-        """The request admitted; `whole`: its answer is built in memory (not streamed)."""
+    ) -> tuple[AnswerStream, LogprobFormatter, list[int]]:
+        """The request admitted, with its prompt's ids; `whole`: its answer is built in memory (not
+        streamed)."""
         model = repository.serving(name)
         p = request.parameters
+        if p.decoder_input_details and not whole:  # as TGI: shown in a whole reply's details only
+            raise ApiError(
+                NATIVE.bad_parameter,
+                "decoder_input_details is not supported when streaming tokens",
+                param="parameters.decoder_input_details",
+            )
         chat = model.config.server.apply_chat_template if p.chat_template is None else p.chat_template
         messages = [{"role": "user", "content": request.inputs}] if chat else None
         admission = Admission(
@@ -173,7 +192,7 @@ def native_router(repository: ModelRepository) -> APIRouter:
             "max_new_tokens",
             # the upstream default (300) still just ends early
             length_checked="max_new_tokens" in p.model_fields_set,
-            sampling_fields={"logprobs": p.logprobs_asked()},
+            sampling_fields={"logprobs": p.logprobs_asked(), "prompt_logprobs": p.prompt_logprobs_asked()},
             stop=tuple(p.stop),
             ignore_eos=p.ignore_eos,
             grammar=lambda: tgi_grammar(p.grammar),
@@ -184,24 +203,24 @@ def native_router(repository: ModelRepository) -> APIRouter:
             priority=p.priority,
             speculate=p.speculate,
         )
-        [stream] = (await admit_answers(model, NATIVE, admission)).streams
-        return stream, model.formatter
+        admitted = await admit_answers(model, NATIVE, admission)
+        return admitted.streams[0], model.formatter, admitted.prompt
 
     @router.post("/models/{model}")
     async def generate_any(http: Request, model: str, request: ClientRequest = Depends(client_request)):
-        answer, formatter = await start(http, model, request, whole=not request.stream)
+        answer, formatter, prompt = await start(http, model, request, whole=not request.stream)
         if request.stream:
             return respond_stream(answer, request, formatter)
-        return await respond_full(http, answer, request, formatter)
+        return await respond_full(http, answer, request, formatter, prompt)
 
     @router.post("/models/{model}/generate")
     async def generate(http: Request, model: str, request: ClientRequest = Depends(client_request)):
-        answer, formatter = await start(http, model, request, whole=True)
-        return await respond_full(http, answer, request, formatter)
+        answer, formatter, prompt = await start(http, model, request, whole=True)
+        return await respond_full(http, answer, request, formatter, prompt)
 
     @router.post("/models/{model}/generate_stream")
     async def generate_stream(http: Request, model: str, request: ClientRequest = Depends(client_request)):
-        answer, formatter = await start(http, model, request, whole=False)
+        answer, formatter, _ = await start(http, model, request, whole=False)
         return respond_stream(answer, request, formatter)
 
     @router.get("/serving/get_bs")

@@ -3,6 +3,9 @@
 
 Temperature 0 is greedy; `n` runs n sequences in the batch (seeds seed, seed+1, ... when a seed is
 given); usage counts prompt tokens and generated tokens (an EOS that ended a choice included).
+Completions take a prompt as text or token ids, or a list of them (n choices each, in order), and
+`echo` (the prompt, with its logprobs where `logprobs` is asked, before each choice's text); both
+APIs take vLLM's `prompt_logprobs` (agent/contract/prompt_logprobs.py says what they are).
 
 A request is admitted by `admit_choices` into a Choices context (the request, its model, prompt and
 answer streams); `whole_reply` and `stream_events` read that context into OpenAI's two shapes. The
@@ -25,7 +28,8 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
-from server import tool_calls
+from agent.contract.prompt_logprobs import PromptLogprob
+from server import reasoning, tool_calls
 from server.access import client_of
 from server.admission import Admission, Prompt, admit_answers
 from server.assembly import unless_disconnected
@@ -54,10 +58,21 @@ class Choices:
     calls: bool  # the answers are read for tool calls
     reply_id: str = ""
     offsets: list[int] = field(default_factory=list)  # completions: characters of each choice so far
+    prompts: list[list[int]] = field(default_factory=list)  # each choice's prompt (default: `prompt`)
+    echoes: list[str] = field(default_factory=list)  # completions' echo: each choice's prompt text
+    hidden: bool = False  # max_tokens 0: the one token the engine generates is not shown
+    usage_prompt: int | None = None  # prompt tokens of all prompts (default: `prompt`'s)
+    call_format: str = tool_calls.HERMES  # the model's tool call format (tool_calls.call_format)
+    thinks: reasoning.Reasoning | None = None  # chats of a reasoning model: its thinking read apart
 
     def __post_init__(self) -> None:
         self.reply_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
-        self.offsets = [0] * self.req.n
+        self.offsets = [0] * len(self.streams)
+        self.prompts = self.prompts or [self.prompt] * len(self.streams)
+
+    @property
+    def echo(self) -> bool:
+        return isinstance(self.req, CompletionRequest) and self.req.echo
 
     def envelope(self, choices: list[dict], chunk: bool) -> dict:
         name = "chat.completion" if self.chat else "text_completion"
@@ -70,7 +85,8 @@ class Choices:
         }
 
     def usage(self, completion_tokens: int) -> dict:
-        prompt = len(self.prompt)
+        prompt = len(self.prompt) if self.usage_prompt is None else self.usage_prompt
+        completion_tokens = 0 if self.hidden else completion_tokens
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,
@@ -82,14 +98,24 @@ class Choices:
         if not self.calls:
             return None
         assert isinstance(self.req, ChatCompletionRequest)  # only chats are read for calls
-        return tool_calls.CallWatcher(self.req.tools or [], self.req.parallel_tool_calls)
+        return tool_calls.CallWatcher(self.req.tools or [], self.req.parallel_tool_calls, self.call_format)
 
     def split_calls(self, text: str) -> tuple[str | None, list[dict]]:
         """A whole choice's text outside tool calls, and its calls (none where none were asked)."""
         if not self.calls:
             return text, []
         assert isinstance(self.req, ChatCompletionRequest)
-        return tool_calls.parse_calls(text, self.req.tools or [], self.req.parallel_tool_calls)
+        return tool_calls.parse_calls(
+            text, self.req.tools or [], self.req.parallel_tool_calls, self.call_format
+        )
+
+    def splitter(self) -> reasoning.ThinkSplitter | None:
+        """What reads a streamed choice's thinking apart (None: the model does not reason)."""
+        return self.thinks.splitter() if self.thinks else None
+
+    def thought(self, text: str) -> tuple[str | None, str]:
+        """A whole choice's reasoning (None: none) and the rest of its text."""
+        return self.thinks.split(text) if self.thinks else (None, text)
 
     def logprobs(self, i: int, tokens: list[GeneratedToken]) -> dict | None:
         """Choice i's logprobs of these tokens (its next ones), if the request asked."""
@@ -100,6 +126,27 @@ class Choices:
         shown = self.model.formatter.completion(tokens, self.offsets[i])
         self.offsets[i] += sum(map(len, shown["tokens"]))
         return shown
+
+    def shown(self, i: int, out: GenerationOutput) -> tuple[str, list[GeneratedToken]]:
+        """The output's text and tokens as choice i shows them (none with max_tokens 0)."""
+        return ("", []) if self.hidden else (out.text, out.tokens)
+
+    def prompt_part(self, i: int, entries: tuple[PromptLogprob, ...] | None) -> tuple[str, dict | None, dict]:
+        """What choice i shows of its prompt, before its first text: the echoed text, its echo
+        logprobs (its generated tokens' text offsets follow them) and its vLLM `prompt_logprobs`
+        field where asked (`entries`: the engine's, positions 1..)."""
+        ids, scored, formatter = self.prompts[i], list(entries or ()), self.model.formatter
+        extra = {}
+        asked = self.req.prompt_logprobs
+        if asked is not None:
+            extra["prompt_logprobs"] = formatter.vllm_prompt(ids, scored, asked)
+        if not self.echo:
+            return "", None, extra
+        if self.top is None:
+            return self.echoes[i], None, extra
+        shown = formatter.echo(ids, scored, self.top)
+        self.offsets[i] = sum(map(len, shown["tokens"]))
+        return self.echoes[i], shown, extra
 
 
 async def admit_choices(
@@ -116,7 +163,11 @@ async def admit_choices(
     top = req.top_logprobs_asked()
     grammar: Callable[[], GrammarSpec | None] = req.grammar_spec
     grammar_param = "structured_outputs" if req.structured_outputs else "response_format"
-    call_grammar = tool_calls.call_grammar(req) if isinstance(req, ChatCompletionRequest) else None
+    settings = model.config.model
+    call_format = tool_calls.call_format(model.tokenizer.chat_template, settings.tool_call_parser)
+    call_grammar = None
+    if isinstance(req, ChatCompletionRequest):
+        call_grammar = tool_calls.call_grammar(req, call_format)
     if call_grammar is not None:
         assert isinstance(req, ChatCompletionRequest)
         # Asked, not built: building a schema given as text can fail, and that is no 500.
@@ -133,7 +184,11 @@ async def admit_choices(
         req.temperature > 0,
         tuple(None if req.seed is None else req.seed + i for i in range(req.n)),
         *length,
-        sampling_fields={"logprobs": top, "logit_bias": req.logit_bias},
+        sampling_fields={
+            "logprobs": top,
+            "logit_bias": req.logit_bias,
+            "prompt_logprobs": req.prompt_logprobs_asked(),
+        },
         stop=tuple(req.stop),
         ignore_eos=req.ignore_eos,
         grammar=grammar,
@@ -146,37 +201,49 @@ async def admit_choices(
     )
     admitted = await admit_answers(model, style, admission)
     calls = isinstance(req, ChatCompletionRequest) and tool_calls.offered(req)
-    return Choices(req, model, admitted.prompt, admitted.streams, chat, top, calls)
+    answer = Choices(req, model, admitted.prompt, admitted.streams, chat, top, calls, call_format=call_format)
+    if chat:
+        answer.thinks = reasoning.of_answers(model.tokenizer, settings.reasoning_parser, admitted.prompt)
+    return answer
 
 
 async def whole_reply(answer: Choices) -> Response:
     """Every choice read to its end, then one JSON reply (shaped and encoded off the event loop:
     choices of thousands of tokens with their top logprobs take seconds, during which no other
     request, nor /health, would be answered)."""
-    n = answer.req.n
+    n = len(answer.streams)
     texts, tokens = [""] * n, [0] * n
     generated: list[list[GeneratedToken]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
+    scored: list[tuple[PromptLogprob, ...] | None] = [None] * n
     async with contextlib.aclosing(collected(answer.streams)) as outputs:
         async for i, out in outputs:
-            texts[i] += out.text
+            text, shown = answer.shown(i, out)
+            texts[i] += text
             tokens[i] = out.index
-            generated[i] += out.tokens
-            reasons[i] = out.finish_reason
+            generated[i] += shown
+            reasons[i] = "length" if answer.hidden and out.finished else out.finish_reason
+            scored[i] = scored[i] or out.prompt_logprobs
 
     def body() -> bytes:
-        choices = [
-            {"index": i, "message": {"role": "assistant", "content": texts[i]}}
-            if answer.chat
-            else {"index": i, "text": texts[i]}
-            for i in range(n)
-        ]
-        for i, choice in enumerate(choices):
-            choice["logprobs"] = answer.logprobs(i, generated[i])
+        choices = []
+        for i in range(n):
+            echoed, echo_logprobs, extra = answer.prompt_part(i, scored[i])
+            choice: dict = (
+                {"index": i, "message": {"role": "assistant", "content": texts[i]}}
+                if answer.chat
+                else {"index": i, "text": echoed + texts[i]}
+            )
+            choice["logprobs"] = joined(echo_logprobs, answer.logprobs(i, generated[i]))
             choice["finish_reason"] = reasons[i]
-            content, found = answer.split_calls(texts[i])
+            choices.append(choice | extra)
+        for i, choice in enumerate(choices):
+            thought, text = answer.thought(texts[i])
+            if answer.thinks:  # vLLM's and llama.cpp's field
+                choice["message"] |= {"content": text, "reasoning_content": thought}
+            content, found = answer.split_calls(text)
             if found:
-                choice["message"] = {"role": "assistant", "content": content, "tool_calls": found}
+                choice["message"] |= {"content": content, "tool_calls": found}
                 choice["finish_reason"] = "tool_calls"
         reply = {**answer.envelope(choices, False), "usage": answer.usage(sum(tokens))}
         return json.dumps(reply, ensure_ascii=False).encode()
@@ -184,36 +251,65 @@ async def whole_reply(answer: Choices) -> Response:
     return Response(await asyncio.to_thread(body), media_type="application/json")
 
 
-def held(watcher: tool_calls.CallWatcher | None, out: GenerationOutput) -> tuple[str, list[dict]]:
-    """The output's text that may go out now (text that may be a tool call waits) and, at the
-    choice's end, its tool calls."""
-    if watcher is None or out.error:
-        return out.text, []
-    text = watcher.feed(out.text)
+Reader = tuple[reasoning.ThinkSplitter | None, tool_calls.CallWatcher | None]
+
+
+def held(reader: Reader, out: GenerationOutput) -> tuple[str, str, list[dict]]:
+    """The output's reasoning and text that may go out now (text that may be a tag waits) and, at
+    the choice's end, its tool calls (`reader`: the choice's Choices.splitter and .watcher)."""
+    splitter, watcher = reader
+    if out.error:
+        return "", out.text, []
+    thought, text = ("", out.text) if splitter is None else splitter.feed(out.text)
+    if splitter is not None and out.finished:
+        more, rest = splitter.finish()
+        thought, text = thought + more, text + rest
+    if watcher is None:
+        return thought, text, []
+    text = watcher.feed(text)
     if not out.finished:
-        return text, []
+        return thought, text, []
     rest, calls = watcher.finish()
-    return text + rest, calls
+    return thought, text + rest, calls
+
+
+def joined(first: dict | None, then: dict | None) -> dict | None:
+    """Completions logprobs of an echoed prompt followed by those of generated tokens."""
+    if first is None or then is None:
+        return first or then
+    return {key: first[key] + then[key] for key in first}
 
 
 def piece(
-    answer: Choices, i: int, out: GenerationOutput | None, text: str = "", reason: str | None = None
+    answer: Choices,
+    i: int,
+    out: GenerationOutput | None,
+    text: str = "",
+    reason: str | None = None,
+    prompt: tuple[str, dict | None, dict] = ("", None, {}),
+    thought: str = "",
 ) -> dict:
     """Choice i's chunk of this output (None: the first chunk, with the role): `text`, and `reason`
-    when it finishes."""
-    shown = answer.logprobs(i, out.tokens) if out and out.tokens else None
+    when it finishes; `prompt`: its prompt part (Choices.prompt_part), on its first chunk."""
+    tokens = answer.shown(i, out)[1] if out else []
+    echoed, echo_logprobs, extra = prompt
+    shown = joined(echo_logprobs, answer.logprobs(i, tokens) if tokens else None)
     if answer.chat:
         delta = {"role": "assistant", "content": ""} if out is None else ({"content": text} if text else {})
-        return {"index": i, "delta": delta, "logprobs": shown, "finish_reason": reason}
-    return {"index": i, "text": text, "logprobs": shown, "finish_reason": reason}
+        if thought:  # a reasoning model's thinking (vLLM's and llama.cpp's field)
+            delta = {"reasoning_content": thought} | delta
+        return {"index": i, "delta": delta, "logprobs": shown, "finish_reason": reason} | extra
+    return {"index": i, "text": echoed + text, "logprobs": shown, "finish_reason": reason} | extra
 
 
 async def stream_events(answer: Choices) -> AsyncIterator[str]:
     """The choices as SSE chunks: text as it comes (with its logprobs), tool calls whole at their
     choice's end, an error chunk for a choice that fails, usage if asked for, then [DONE]."""
-    req, n = answer.req, answer.req.n
+    req, n = answer.req, len(answer.streams)
     tokens = [0] * n
-    watchers = [answer.watcher() for _ in range(n)]
+    readers = [(answer.splitter(), answer.watcher()) for _ in range(n)]
+    # choice i's prompt part (echo, prompt_logprobs) goes out with its first chunk
+    pending = [answer.echo or req.prompt_logprobs is not None for _ in range(n)]
     if answer.chat:
         yield json.dumps(answer.envelope([piece(answer, i, None) for i in range(n)], True))
     async with contextlib.aclosing(merged(answer.streams)) as outputs:
@@ -222,18 +318,29 @@ async def stream_events(answer: Choices) -> AsyncIterator[str]:
                 yield json.dumps(error_body(out.error_status, out.error, "openai", code=out.error_status))
                 break
             tokens[i] = out.index
-            reason = out.finish_reason
-            text, found = held(watchers[i], out)  # calls go out whole at the end
+            reason = "length" if answer.hidden and out.finished else out.finish_reason
+            thought, text, found = held(readers[i], out)  # calls go out whole at the end
+            text = answer.shown(i, out)[0] if answer.hidden else text
+            prompt: tuple[str, dict | None, dict] = ("", None, {})
+            if pending[i]:
+                pending[i], prompt = False, answer.prompt_part(i, out.prompt_logprobs)
             if found:
-                if text:
-                    yield json.dumps(answer.envelope([piece(answer, i, out, text)], True), ensure_ascii=False)
+                if text or thought or prompt != ("", None, {}):
+                    chunk = piece(answer, i, out, text, prompt=prompt, thought=thought)
+                    yield json.dumps(answer.envelope([chunk], True), ensure_ascii=False)
                 delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(found)]}
                 chunk = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
                 yield json.dumps(answer.envelope([chunk], True), ensure_ascii=False)
                 last = piece(answer, i, None, "", "tool_calls") | {"delta": {}}
                 yield json.dumps(answer.envelope([last], True))
-            elif text or out.finished or (answer.top is not None and out.tokens):
-                chunk = piece(answer, i, out, text, reason)
+            elif (
+                text
+                or thought
+                or out.finished
+                or (answer.top is not None and out.tokens)
+                or prompt != ("", None, {})
+            ):
+                chunk = piece(answer, i, out, text, reason, prompt, thought)
                 yield json.dumps(answer.envelope([chunk], True), ensure_ascii=False)
     if req.stream_options and req.stream_options.include_usage:
         yield json.dumps({**answer.envelope([], True), "usage": answer.usage(sum(tokens))})
@@ -277,8 +384,42 @@ def model_list(repository: ModelRepository) -> dict:
 
 async def completion(http: Request, repository: ModelRepository, req: CompletionRequest):
     model = serving(repository, req)
-    prompt, length = Prompt(req.text, param="prompt"), (req.max_tokens, "max_tokens")
-    return await respond(http, await admit_choices(http, model, req, prompt, length, chat=False))
+    # max_tokens 0 (with echo or prompt_logprobs): the prompt's one computation samples a token,
+    # which is not shown
+    length = (None if req.max_tokens is None else max(1, req.max_tokens), "max_tokens")
+    parts: list[Choices] = []
+    try:
+        for given in req.prompts:
+            prompt = (
+                Prompt(given, param="prompt")
+                if isinstance(given, str)
+                else Prompt(ids=tuple(given), param="prompt")
+            )
+            parts.append(await admit_choices(http, model, req, prompt, length, chat=False))
+    except BaseException:  # the prompts admitted before one was refused go too
+        for part in parts:
+            for stream in part.streams:
+                await stream.aclose()
+        raise
+    first = parts[0]
+    answer = Choices(
+        req,
+        model,
+        first.prompt,
+        [s for part in parts for s in part.streams],
+        False,
+        first.top,
+        False,
+        prompts=[p for part in parts for p in part.prompts],
+        echoes=[
+            given if isinstance(given, str) else model.tokenizer.decode(list(given))
+            for given, part in zip(req.prompts, parts)
+            for _ in part.streams
+        ],
+        hidden=req.max_tokens == 0,
+        usage_prompt=sum(len(part.prompt) for part in parts),
+    )
+    return await respond(http, answer)
 
 
 def chat_text(model: LoadedModel, req: ChatCompletionRequest) -> Prompt:
@@ -286,7 +427,7 @@ def chat_text(model: LoadedModel, req: ChatCompletionRequest) -> Prompt:
     takes_tools = model.tokenizer.template_takes_tools
     messages = tool_calls.template_messages(req, takes_tools)
     tools = tool_calls.template_tools(req) if takes_tools else None
-    return Prompt(messages=messages, tools=tools, param="messages")
+    return Prompt(messages=messages, tools=tools, template_kwargs=req.chat_template_kwargs, param="messages")
 
 
 async def admit_chat(
@@ -335,6 +476,7 @@ class WholeChoice:
     tokens: int  # generated tokens (an EOS that ended it included)
     finish_reason: str | None
     stop_sequence: str | None  # the stop string that ended it
+    reasoning: str | None = None  # a reasoning model's thinking
 
 
 async def whole_choice(answer: Choices) -> WholeChoice:
@@ -345,8 +487,9 @@ async def whole_choice(answer: Choices) -> WholeChoice:
             texts.append(out.text)
             last = out
     assert last is not None  # a stream ends with a finished output
-    content, calls = answer.split_calls("".join(texts))
-    return WholeChoice(content, calls, last.index, last.finish_reason, last.stop_sequence)
+    thought, text = answer.thought("".join(texts))
+    content, calls = answer.split_calls(text)
+    return WholeChoice(content, calls, last.index, last.finish_reason, last.stop_sequence, thought)
 
 
 @dataclass
@@ -354,15 +497,16 @@ class ChoicePiece:
     text: str  # what may go out now (text that could be a tool call is held back)
     out: GenerationOutput  # the output it came from: finished, finish_reason, index, error ...
     calls: list[dict]  # at the end: the answer's tool calls
+    reasoning: str = ""  # a reasoning model's thinking that may go out now
 
 
 async def choice_pieces(answer: Choices) -> AsyncGenerator[ChoicePiece]:
     """A translated request's one choice as it streams; closing this aborts it."""
-    watcher = answer.watcher()
+    reader = (answer.splitter(), answer.watcher())
     async with contextlib.aclosing(merged(answer.streams)) as outputs:
         async for _, out in outputs:
-            text, calls = held(watcher, out)
-            yield ChoicePiece(text, out, calls)
+            thought, text, calls = held(reader, out)
+            yield ChoicePiece(text, out, calls, thought)
 
 
 def openai_router(repository: ModelRepository) -> APIRouter:

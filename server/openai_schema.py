@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -23,6 +23,7 @@ from agent.contract.sampling import (
 )
 from server.request_body import json_value
 from server.structured_output import GrammarError, GrammarSpec
+from server.template_kwargs import check_template_kwargs
 
 MAX_N = 8  # completions per request; each is one more sequence in the batch
 MAX_CHOICES = 256  # structured_outputs.choice
@@ -184,31 +185,63 @@ class _Common(BaseModel):
         return None
 
 
+# A prompt given as token ids: bounded here only against absurd bodies; the longest prompt the
+# agents take is the engine's bound (413), and each id is checked against the vocabulary (400).
+MAX_PROMPT_IDS = 1 << 20
+TokenIds = Annotated[list[int], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+# Prompts in one completions request (OpenAI's list of prompts): each is n more sequences.
+MAX_PROMPTS = 16
+MAX_PROMPT_CHOICES = 64  # prompts x n
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[str]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    echo: bool = False
+    # one prompt (text or token ids) or a list of them: one choice per prompt (n each), in order
+    prompt: (
+        str
+        | TokenIds
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
+    # OpenAI's default for completions; 0 with echo or prompt_logprobs: the prompt's logprobs alone
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False  # the prompt (with its logprobs, where asked) before each choice's text
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     best_of: int | None = None
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _prompts_bounded(self) -> Self:
+        if len(self.prompts) * self.n > MAX_PROMPT_CHOICES:
+            raise ValueError(f"prompts x n must be at most {MAX_PROMPT_CHOICES} choices")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 answers nothing: send it with echo or prompt_logprobs")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a text or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and isinstance(self.prompt[0], int):
+            return [self.prompt]  # one prompt of token ids
+        return list(self.prompt)  # type: ignore[arg-type]
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
 
+    def prompt_logprobs_asked(self) -> int | None:
+        """The k best of each prompt position the agents compute: echo's (with logprobs) and
+        prompt_logprobs', whichever is more (None: none)."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asked, default=None)
+
     def unsupported(self) -> str | None:
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            return "prompt must be one string (a list of prompts is not supported; send one request each)"
-        if self.echo:
-            return "echo is not supported (prompt logprobs are not computed): send echo false"
         if self.best_of not in (None, 1, self.n):
             return "best_of is not supported"
         if self.suffix:
             return "suffix is not supported"
         return super().unsupported()
-
-    @property
-    def text(self) -> str:
-        return self.prompt[0] if isinstance(self.prompt, list) else self.prompt
 
 
 class ContentPart(BaseModel):
@@ -297,6 +330,13 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_bounds(cls, value: dict | None) -> dict | None:
+        return check_template_kwargs(value)
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> Self:
@@ -328,6 +368,9 @@ class ChatCompletionRequest(_Common):
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.prompt_logprobs
 
     def unsupported(self) -> str | None:
         return refused_content(self.messages) or super().unsupported()

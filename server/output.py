@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from agent.contract.prompt_logprobs import PromptLogprob
 from agent.contract.sampling import TokenLogprob
 from agent.model.detokenizer import IncrementalDetokenizer
 from agent.model.tokenizer import TextTokenizer
@@ -49,6 +50,8 @@ class GenerationOutput:
     tokens: list[GeneratedToken] = field(default_factory=list)  # new since the previous, as in text
     stop_string: bool = False  # finished by one of the request's stop strings
     stop_sequence: str | None = None  # which one (Anthropic's `stop_sequence`)
+    # prompt positions 1.. scored (sampling's prompt_logprobs), on the output of its first token
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
 
 
 @dataclass
@@ -207,6 +210,7 @@ class OutputProcessor:
                 tokens=shown,
                 stop_string=stream.stop_string,
                 stop_sequence=stream.matched,
+                prompt_logprobs=output.prompt_logprobs,
             )
         )
 

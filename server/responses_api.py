@@ -11,6 +11,10 @@ its greedy answer is the chat API's for the same conversation. A response is kep
 `previous_response_id` unless `store: false` (server/responses_store.py: bounded, expiring); one
 too large to keep is answered with `store: false` and `store_refused` saying why.
 An answer cut by `max_output_tokens` is `incomplete` (`response.incomplete` when streamed).
+A reasoning model's thinking (server/reasoning.py) is a `reasoning` output item before the message
+(its text a `reasoning_text` part, streamed as response.reasoning_text.delta); `reasoning.summary`
+is accepted for such a model (no summary is written: the whole thinking is given), effort levels
+are refused. `chat_template_kwargs` reach the template as on /v1/chat/completions.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from itertools import count
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from sse_starlette.sse import EventSourceResponse
 
+from server import reasoning
 from server.access import client_of
 from server.assembly import unless_disconnected
 from server.errors import OPENAI, OPENAI_TYPES, ApiError, declares
@@ -70,6 +76,7 @@ class Turn:
             "cache_salt": req.cache_salt,
             "priority": req.priority,
             "speculate": req.speculate,
+            "chat_template_kwargs": req.chat_template_kwargs,
         }
         return translated_chat(fields, NAMES)
 
@@ -88,7 +95,7 @@ class Turn:
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": req.echoed_reasoning(),
             "store": req.keeps,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": req.text_config(),
@@ -148,6 +155,32 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    """A reasoning model's thinking: its text as OpenAI's open-weight models give it (a
+    reasoning_text part), no summary (none is written)."""
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+@dataclass
+class Part:
+    """A streamed item of one text part (a reasoning item's or the message's)."""
+
+    item_id: str
+    kind: str  # its part's type: reasoning_text or output_text
+    text: str = ""
+    index: int | None = None  # its output index, once opened
+    done: bool = False
+
+    def where(self) -> dict:
+        return {"item_id": self.item_id, "output_index": self.index}
+
+    def shape(self, text: str) -> dict:
+        if self.kind == "reasoning_text":
+            return {"type": "reasoning_text", "text": text}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
 def call_item(call: dict, status: str = "completed", arguments: str | None = None) -> dict:
     function = call["function"]
     return {
@@ -160,10 +193,12 @@ def call_item(call: dict, status: str = "completed", arguments: str | None = Non
     }
 
 
-def output_items(content: str | None, calls: list[dict]) -> list[dict]:
-    """A message with the text (also an empty one when there is nothing else), then the calls."""
+def output_items(content: str | None, calls: list[dict], thought: str | None = None) -> list[dict]:
+    """A reasoning model's reasoning item, a message with the text (also an empty one when there is
+    nothing else), then the calls."""
+    reasoning = [reasoning_item("rs_" + uuid.uuid4().hex, thought)] if thought else []
     message = [message_item("msg_" + uuid.uuid4().hex, content or "")] if content or not calls else []
-    return message + [call_item(call) for call in calls]
+    return reasoning + message + [call_item(call) for call in calls]
 
 
 def output_messages(response: dict) -> list[dict]:
@@ -186,36 +221,100 @@ def output_messages(response: dict) -> list[dict]:
 async def whole_response(turn: Turn, answer: Choices, store: ResponseStore) -> bytes:
     choice = await whole_choice(answer)
     response = turn.finished(
-        output_items(choice.content, choice.calls),
+        output_items(choice.content, choice.calls, choice.reasoning),
         choice.finish_reason,
         usage(len(answer.prompt), choice.tokens),
     )
     return turn.stored(store, response)
 
 
-async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> AsyncIterator[dict]:
-    """The Responses streaming events: created, in_progress, the message's text deltas as they come,
-    each function call whole (added, its arguments as one delta, done) at the end, then completed
-    (or incomplete, or failed)."""
-    numbers = count()
+class EventWriter:
+    """Numbers a Responses stream's events and keeps its output items done so far, in order."""
 
-    def event(kind: str, **fields) -> dict:
-        data = {"type": kind, "sequence_number": next(numbers), **fields}
+    def __init__(self) -> None:
+        self.numbers = count()
+        self.output: list[dict] = []
+
+    def event(self, kind: str, **fields) -> dict:
+        data = {"type": kind, "sequence_number": next(self.numbers), **fields}
         return {"event": kind, "data": json.dumps(data)}  # ASCII, as Turn.stored says
 
-    def message_opened(item_id: str) -> list[dict]:
-        """The events that open the answer's message and its (empty) text part."""
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        item = message_item(item_id, "", "in_progress") | {"content": []}
+    def opened(self, part: Part) -> list[dict]:
+        """The events that open an item and its one (empty) part, at the next output index."""
+        part.index = len(self.output)
+        if part.kind == "reasoning_text":
+            item = reasoning_item(part.item_id, "", "in_progress") | {"content": []}
+        else:
+            item = message_item(part.item_id, "", "in_progress") | {"content": []}
         return [
-            event("response.output_item.added", output_index=0, item=item),
-            event("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part),
+            self.event("response.output_item.added", output_index=part.index, item=item),
+            self.event("response.content_part.added", content_index=0, part=part.shape(""), **part.where()),
         ]
 
+    def delta(self, part: Part, text: str) -> list[dict]:
+        """The events of `text` added to `part` (opened first if it is not yet)."""
+        events = [] if part.index is not None else self.opened(part)
+        part.text += text
+        if part.kind == "reasoning_text":
+            return events + [
+                self.event("response.reasoning_text.delta", content_index=0, delta=text, **part.where())
+            ]
+        return events + [
+            self.event("response.output_text.delta", content_index=0, delta=text, logprobs=[], **part.where())
+        ]
+
+    def closed(self, part: Part) -> list[dict]:
+        """The events that end an item opened, which joins the output."""
+        part.done = True
+        reasons = part.kind == "reasoning_text"
+        done = reasoning_item(part.item_id, part.text) if reasons else message_item(part.item_id, part.text)
+        self.output.append(done)
+        ended = "response.reasoning_text.done" if reasons else "response.output_text.done"
+        text_fields: dict = {} if reasons else {"logprobs": []}
+        return [
+            self.event(ended, content_index=0, text=part.text, **part.where(), **text_fields),
+            self.event(
+                "response.content_part.done", content_index=0, part=done["content"][0], **part.where()
+            ),
+            self.event("response.output_item.done", output_index=part.index, item=done),
+        ]
+
+    def call(self, call: dict) -> list[dict]:
+        """A function call's events, whole: added, its arguments as one delta, done."""
+        index, item = len(self.output), call_item(call)
+        self.output.append(item)
+        where = {"item_id": item["id"], "output_index": index}
+        return [
+            self.event(
+                "response.output_item.added", output_index=index, item=call_item(call, "in_progress", "")
+            ),
+            self.event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
+            self.event(
+                "response.function_call_arguments.done",
+                **where,
+                name=item["name"],
+                arguments=item["arguments"],
+            ),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def final(self, kind: str, stored: bytes) -> dict:
+        """The last event, the response as it was stored spliced in rather than encoded again."""
+        head = json.dumps({"type": kind, "sequence_number": next(self.numbers)})
+        return {"event": kind, "data": head[:-1] + ', "response": ' + stored.decode() + "}"}
+
+
+async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> AsyncIterator[dict]:
+    """The Responses streaming events: created, in_progress, a reasoning model's reasoning item
+    (its reasoning_text deltas as it thinks), the message's text deltas as they come, each function
+    call whole (added, its arguments as one delta, done) at the end, then completed (or
+    incomplete, or failed)."""
+    events = EventWriter()
+    thinking = Part("rs_" + uuid.uuid4().hex, "reasoning_text")
+    message = Part("msg_" + uuid.uuid4().hex, "output_text")
     started = turn.response("in_progress", [])
-    yield event("response.created", response=started)
-    yield event("response.in_progress", response=started)
-    message_id, text, opened = "msg_" + uuid.uuid4().hex, "", False
+    yield events.event("response.created", response=started)
+    yield events.event("response.in_progress", response=started)
     calls: list[dict] = []
     last = None
     async with contextlib.aclosing(choice_pieces(answer)) as pieces:
@@ -224,71 +323,29 @@ async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> 
             if out.error:
                 code = OPENAI_TYPES.get(out.error_status, "server_error")  # 5xx: server_error
                 failed = turn.response("failed", [], None, error={"code": code, "message": out.error})
-                yield event("response.failed", response=failed)
+                yield events.event("response.failed", response=failed)
                 return
-            if piece.text and not opened:
-                opened = True
-                for opening in message_opened(message_id):
-                    yield opening
+            for e in events.delta(thinking, piece.reasoning) if piece.reasoning else []:
+                yield e
             if piece.text:
-                text += piece.text
-                yield event(
-                    "response.output_text.delta",
-                    item_id=message_id,
-                    output_index=0,
-                    content_index=0,
-                    delta=piece.text,
-                    logprobs=[],
-                )
+                for e in events.closed(thinking) if thinking.index is not None and not thinking.done else []:
+                    yield e
+                for e in events.delta(message, piece.text):
+                    yield e
             calls = piece.calls or calls
     assert last is not None
-    if not opened and not calls:  # an empty answer is an empty message, as whole_response gives
-        opened = True
-        for opening in message_opened(message_id):
-            yield opening
-    output = []
-    if opened:
-        done = message_item(message_id, text)
-        yield event(
-            "response.output_text.done",
-            item_id=message_id,
-            output_index=0,
-            content_index=0,
-            text=text,
-            logprobs=[],
-        )
-        yield event(
-            "response.content_part.done",
-            item_id=message_id,
-            output_index=0,
-            content_index=0,
-            part=done["content"][0],
-        )
-        yield event("response.output_item.done", output_index=0, item=done)
-        output.append(done)
+    ends = events.closed(thinking) if thinking.index is not None and not thinking.done else []
+    if message.index is None and not calls:  # an empty answer is an empty message, as whole_response gives
+        ends += events.opened(message)
+    if message.index is not None:
+        ends += events.closed(message)
     for call in calls:
-        index, item = len(output), call_item(call)
-        yield event("response.output_item.added", output_index=index, item=call_item(call, "in_progress", ""))
-        yield event(
-            "response.function_call_arguments.delta",
-            item_id=item["id"],
-            output_index=index,
-            delta=item["arguments"],
-        )
-        yield event(
-            "response.function_call_arguments.done",
-            item_id=item["id"],
-            output_index=index,
-            name=item["name"],
-            arguments=item["arguments"],
-        )
-        yield event("response.output_item.done", output_index=index, item=item)
-        output.append(item)
-    response = turn.finished(output, last.finish_reason, usage(len(answer.prompt), last.index))
-    kind, body = f"response.{response['status']}", turn.stored(store, response).decode()
-    head = json.dumps({"type": kind, "sequence_number": next(numbers)})
-    # the response as it was stored, spliced in rather than encoded again
-    yield {"event": kind, "data": head[:-1] + ', "response": ' + body + "}"}
+        ends += events.call(call)
+    for e in ends:
+        yield e
+    response = turn.finished(events.output, last.finish_reason, usage(len(answer.prompt), last.index))
+    kind = f"response.{response['status']}"
+    yield events.final(kind, turn.stored(store, response))
 
 
 def responses_router(repository: ModelRepository, store: ResponseStore) -> APIRouter:
@@ -303,7 +360,10 @@ def responses_router(repository: ModelRepository, store: ResponseStore) -> APIRo
 
     @router.post("/responses")
     async def create(http: Request, req: ResponsesRequest = Depends(responses_request)):
-        problem = req.unsupported()
+        # whether the model reasons matters only where reasoning is asked (an unknown model: 404)
+        problem = req.unsupported(
+            req.reasoning_asked and reasoning.model_reasons(repository.serving(req.model))
+        )
         if problem:
             raise ApiError(400, problem, code="unsupported_parameter")
         client = client_of(http.scope)

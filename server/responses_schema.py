@@ -1,9 +1,11 @@
 """Request bodies of OpenAI's Responses API (/v1/responses), and their translation into the chat
 request the server serves (server/openai_schema.py's ChatCompletionRequest): input items become
 chat messages (function calls an assistant's `tool_calls`, their outputs `tool` messages),
-`instructions` a system message, function tools chat tools, `text.format` a `response_format`.
-What the server cannot honour (built-in tools, background mode, reasoning, ...) is refused by
-`unsupported()` with a message naming it."""
+`instructions` a system message, function tools chat tools, `text.format` a `response_format`;
+reasoning items (a reasoning model's past thinking) are dropped, as its template drops past
+thinking. What the server cannot honour (built-in tools, background mode, `reasoning` on a model
+that does not reason, reasoning effort levels, ...) is refused by `unsupported()` with a message
+naming it."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # The text content parts a message may hold; images, files and audio are refused.
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
 # OpenAI's bounds on `metadata`, which a kept response holds and echoes; and on `user`.
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 MAX_USER_CHARS = 256
@@ -96,6 +99,7 @@ class ResponsesRequest(BaseModel):
     cache_salt: str | None = None
     priority: int | None = None
     speculate: bool | None = None
+    chat_template_kwargs: dict | None = None
     # Refused when they ask for something (unsupported()).
     background: bool | None = None
     conversation: str | dict | None = None
@@ -128,8 +132,9 @@ class ResponsesRequest(BaseModel):
             return [InputItem(role="user", content=self.input)]
         return self.input
 
-    def unsupported(self) -> str | None:
-        """The first field this server cannot honour, as a message naming it; None if all are fine."""
+    def unsupported(self, reasons: bool = False) -> str | None:
+        """The first field this server cannot honour, as a message naming it; None if all are fine.
+        `reasons`: the model thinks aloud (server/reasoning.py)."""
         refused = [
             (self.background, "background mode (background: true) is not supported"),
             (self.conversation, "conversation is not supported: chain responses with previous_response_id"),
@@ -142,8 +147,15 @@ class ResponsesRequest(BaseModel):
             (self.truncation == "auto", "truncation 'auto' is not supported (the prompt is never cut)"),
             (self.max_tool_calls is not None, "max_tool_calls is not supported"),
         ]
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            refused.append((True, "reasoning is not supported (this model does not reason)"))
+        refused.append(
+            (self.reasoning_asked and not reasons, "reasoning is not supported (this model does not reason)")
+        )
+        for key, value in (self.reasoning or {}).items():
+            if key == "summary" and value not in (None, *REASONING_SUMMARIES):
+                refused.append((True, f"reasoning.summary must be one of {', '.join(REASONING_SUMMARIES)}"))
+            elif key != "summary" and value is not None:
+                # effort levels: the model thinks as long as it does (max_output_tokens bounds it)
+                refused.append((True, f"reasoning.{key} is not supported (reasoning.summary is)"))
         for n, tool in enumerate(self.tools or []):
             if tool.get("type") != "function":
                 kind = tool.get("type")
@@ -155,12 +167,22 @@ class ResponsesRequest(BaseModel):
         for i, item in enumerate(self.items()):
             if item.type not in ITEM_TYPES:
                 refused.append((True, f"input[{i}]: items of type {item.type!r} are not supported"))
+            if item.type == "reasoning":
+                continue  # dropped: its reasoning_text parts are not read
             for part in [*_parts(item.content), *_parts(item.output)]:
                 if part.type not in TEXT_PARTS:
                     refused.append(
                         (True, f"input[{i}]: content of type {part.type!r} is not supported (text is)")
                     )
         return next((message for asked, message in refused if asked), None)
+
+    @property
+    def reasoning_asked(self) -> bool:
+        return bool(self.reasoning) and any(v is not None for v in (self.reasoning or {}).values())
+
+    def echoed_reasoning(self) -> dict:
+        """`reasoning` as a response echoes it."""
+        return {"effort": None, "summary": (self.reasoning or {}).get("summary")}
 
     def chat_tools(self) -> list[dict] | None:
         if not self.tools:
@@ -216,6 +238,8 @@ def chat_messages(items: list[InputItem]) -> list[dict]:
                 messages[-1]["tool_calls"] = [*(messages[-1].get("tool_calls") or []), call]
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.type == "reasoning":
+            continue
         elif item.type == "function_call_output":
             messages.append(
                 {"role": "tool", "tool_call_id": item.call_id, "content": content_text(item.output)}

@@ -8,9 +8,14 @@ asks for this format, Hermes's:
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+Answers are read in the model's own format (`call_format`: model.tool_call_parser, auto from the
+chat template): `hermes` (Qwen, Hermes: the tags above; a whole answer that is one JSON call is one
+too) or `llama3_json` (Llama 3.1-3.3: the whole answer is JSON calls, `{"name": ..., "parameters":
+{...}}`, separated by `;`, after an optional `<|python_tag|>`).
+
 `tool_choice` "required" or a named function constrains the answer to one such call by a grammar
-(the arguments follow the function's JSON Schema); "auto" answers are parsed for calls (Hermes/Qwen
-tags, or a whole answer that is one Llama 3 style JSON call); "none" leaves the tools out.
+(the arguments follow the function's JSON Schema); "auto" answers are parsed for calls; "none"
+leaves the tools out.
 Assistant messages with `tool_calls` and `role: "tool"` messages in the history are written in the
 same format for templates that do not know them.
 """
@@ -23,15 +28,28 @@ from collections.abc import Iterator
 
 from server.errors import ApiError
 from server.openai_schema import ChatCompletionRequest, ChatMessage, Tool
-from server.request_body import TooDeep, json_value
+from server.request_body import MAX_JSON_DEPTH, TooDeep, json_value
 from server.structured_output import JSON_OPTIONS, GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: a call (or code) follows
+HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 SYSTEM_PROMPT = (
     "You can call functions. To call one, answer with exactly:\n"
     f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}\n'
     "Functions:\n"
 )
+
+
+def call_format(template: str | None, setting: str) -> str:
+    """The format answers are read in: model.tool_call_parser, or (auto) the one the template
+    teaches: Hermes tags where it writes them, Llama 3's JSON where it asks for "parameters"."""
+    if setting != "auto":
+        return setting
+    text = template or ""
+    if OPEN not in text and (PYTHON_TAG in text or '"parameters"' in text):
+        return LLAMA3_JSON
+    return HERMES
 
 
 def offered(req: ChatCompletionRequest) -> bool:
@@ -67,7 +85,8 @@ def _message(message: ChatMessage, template_takes_tools: bool) -> dict:
                 {
                     "type": "function",
                     "id": c.id,
-                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    # as an object: Llama 3's template writes `arguments | tojson`
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
                 }
                 for c in message.tool_calls
             ]
@@ -85,31 +104,42 @@ def _message(message: ChatMessage, template_takes_tools: bool) -> dict:
     return {"role": message.role, "content": "\n".join([text, *calls] if text else calls)}
 
 
-def call_grammar(req: ChatCompletionRequest) -> GrammarSpec | None:
+def call_grammar(req: ChatCompletionRequest, fmt: str = HERMES) -> GrammarSpec | None:
     """For tool_choice "required" or a named function: one call of an offered function whose
-    arguments follow its schema (a Lark grammar with llguidance's inline JSON Schema)."""
+    arguments follow its schema (a Lark grammar with llguidance's inline JSON Schema), in the
+    model's format."""
     if not req.tools or req.tool_choice in (None, "auto", "none"):
         return None
     named = None if isinstance(req.tool_choice, str) else req.tool_choice.function.name
+    arguments = "parameters" if fmt == LLAMA3_JSON else "arguments"
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": t.function.name}, arguments: t.function.parameters},
+            "required": ["name", arguments],
             "additionalProperties": False,
         }
         for t in req.tools
         if named is None or t.function.name == named
     ]
     schema = {"x-guidance": dict(JSON_OPTIONS), "anyOf": calls}
+    if fmt == LLAMA3_JSON:
+        return GrammarSpec("lark", f"start: call\ncall: %json {json.dumps(schema)}")
     start = f"start: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}"
     return GrammarSpec("lark", f"{start}\ncall: %json {json.dumps(schema)}")
 
 
-def parse_calls(text: str, tools: list[Tool], parallel: bool = True) -> tuple[str | None, list[dict]]:
+def parse_calls(
+    text: str, tools: list[Tool], parallel: bool = True, fmt: str = HERMES
+) -> tuple[str | None, list[dict]]:
     """(the answer's text outside calls or None, its calls in OpenAI's shape). Calls of functions
     that were not offered, or whose arguments are not a JSON object, stay text."""
     names = {t.function.name for t in tools}
+    if fmt == LLAMA3_JSON:
+        found = _json_calls(text, names)
+        if not found:
+            return text, []
+        return None, found if parallel else found[:1]
     calls, kept, end = [], [], 0
     for start, stop, inside in _blocks(text):
         call = _call(inside, names)
@@ -149,11 +179,51 @@ def _arguments(text: str):
         return text
 
 
+def _json_calls(text: str, names: set[str]) -> list[dict] | None:
+    """Llama 3's calls: the whole answer (after an optional PYTHON_TAG) JSON calls separated by
+    `;`, or None. One pass of the JSON decoder over the text: linear."""
+    text = text.strip()
+    text = text.removeprefix(PYTHON_TAG).lstrip()
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        part = text[at:end]
+        if part.count("[") + part.count("{") > MAX_JSON_DEPTH:
+            try:
+                json_value(part)  # the same depth bound as every JSON the server reads
+            except ValueError:
+                return None
+        call = _value_call(value, names)
+        if call is None:
+            return None
+        calls.append(call)
+        at = _skip_space(text, end)
+        if at < len(text) and text[at] == ";":
+            at = _skip_space(text, at + 1)
+        elif at < len(text):
+            return None
+        if at == len(text):
+            return calls
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
 def _call(text: str, names: set[str]) -> dict | None:
     try:
         value = json_value(text)
     except ValueError:  # not JSON, or nested too deep: the answer's text
         return None
+    return _value_call(value, names)
+
+
+def _value_call(value, names: set[str]) -> dict | None:
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -170,8 +240,8 @@ class CallWatcher:
     """A streamed answer's text with calls kept out: text goes out as it comes, except what could be
     the start of a call tag, and everything from a call tag on (parsed at the end)."""
 
-    def __init__(self, tools: list[Tool], parallel: bool):
-        self.tools, self.parallel = tools, parallel
+    def __init__(self, tools: list[Tool], parallel: bool, fmt: str = HERMES):
+        self.tools, self.parallel, self.fmt = tools, parallel, fmt
         self.pieces: list[str] = []  # the answer so far, joined once at the end
         self.unsent = ""  # held back while no call tag is seen: at most a partial tag
         self.sent = 0  # characters of text handed out
@@ -183,9 +253,15 @@ class CallWatcher:
         if self.holding:
             return ""
         text = self.unsent + piece  # short: at most a partial tag was held back
-        if self.sent == 0 and text.lstrip().startswith("{"):
+        if self.sent == 0 and text.lstrip().startswith(("{", PYTHON_TAG)):
             self.holding = True  # maybe one JSON call as the whole answer (Llama 3 style)
             return ""
+        if self.fmt == LLAMA3_JSON:
+            if self.sent == 0 and len(text) < 64 and PYTHON_TAG.startswith(text.lstrip()):
+                self.unsent = text  # the answer's start: maybe the tag, or whitespace before "{"
+                return ""
+            self.unsent, self.sent = "", self.sent + len(text)
+            return text
         start = text.find(OPEN)
         if start >= 0:
             self.holding, limit = True, start
@@ -198,7 +274,7 @@ class CallWatcher:
     def finish(self) -> tuple[str, list[dict]]:
         """(text not yet handed out, the calls of the whole answer)."""
         text = "".join(self.pieces)
-        content, calls = parse_calls(text, self.tools, self.parallel)
+        content, calls = parse_calls(text, self.tools, self.parallel, self.fmt)
         if not calls:
             rest, self.sent = text[self.sent :], len(text)
             return rest, []

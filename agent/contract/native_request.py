@@ -58,7 +58,8 @@ class Parameters(BaseModel):
     details: bool = False
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     decoder_input_details: bool = Field(
-        False, description="prompt logprobs: not computed, so true is refused rather than ignored"
+        False,
+        description="TGI's: details.prefill, the prompt's tokens with their logprobs (whole replies only)",
     )
     grammar: TgiGrammar | None = None
     priority: int = Field(
@@ -75,16 +76,14 @@ class Parameters(BaseModel):
     typical_p: float | None = None
     watermark: bool = False
 
-    @field_validator("decoder_input_details")
-    @classmethod
-    def _no_prompt_logprobs(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("decoder_input_details (prompt logprobs) is not supported")
-        return value
-
     def logprobs_asked(self) -> int | None:
         """The agents compute logprobs only for requests that show them (details, top_n_tokens)."""
         return (self.top_n_tokens or 0) if self.details or self.top_n_tokens else None
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """decoder_input_details: each prompt token's logprob (no alternatives), shown in the
+        details (none without them)."""
+        return 0 if self.decoder_input_details and self.details else None
 
     @field_validator("top_k")
     @classmethod

@@ -78,7 +78,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 10  # 10: prefill and decode are steps (one op, typed request and reply)
+# 10: prefill and decode are steps (one op, typed request and reply); 11: chunks may ask for prompt logprobs
+PROTOCOL_VERSION = 11
 OPS = ("info", "step", "release", "kv_receive", "reset", "ping", "shutdown")
 SESSION_OPS = ("step", "release", "kv_receive", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent

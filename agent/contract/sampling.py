@@ -82,6 +82,9 @@ class SamplingParams(BaseModel):
     # None: no logprobs; n: the chosen token's and the n best tokens' (agent/sampling.py says of
     # which distribution)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # None: no prompt logprobs; k: each prompt position's logprob with the k best tokens'
+    # (agent/contract/prompt_logprobs.py); such a prompt is computed without prefix-cache hits
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logit_bias: LogitBias = ()  # (id, bias)
     min_tokens: int = Field(0, ge=0)  # the stop ids below and EOS cannot be sampled before
     stop_token_ids: StopTokenIds = ()  # end it, like EOS

@@ -14,6 +14,11 @@ position 0; the positions before `start` are in the blocks of `table` already: e
 prefix-cache hit) into the blocks of `table`. The prompt's last chunk samples its first token with
 `sampling`; the chunks before it have none and sample nothing.
 
+A chunk with `prompt_logprobs` k (computed alone, in a prefill step: never mixed) also scores its
+prompt positions (agent/contract/prompt_logprobs.py): row p's logits at token p + 1 for its rows
+start..len(tokens)-2, and its last row's at `lookahead` (the prompt's token after the chunk) where
+the chunk does not end the prompt; the reply carries these `scores` entries per chunk.
+
 A scored chunk is a decoding slot's pending token and the tokens proposed after it (speculative
 decoding), built by the agent from a step's `drafts`, never sent: `tokens` are those rows' ids alone
 (position `start` on), and every row's logits are computed, to verify each proposal with the slot's
@@ -28,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.contract.sampling import SamplingParams
+from agent.contract.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_DRAFT_TOKENS = 16  # tokens proposed for one slot in one step (speculative decoding)
 
@@ -90,6 +95,15 @@ class StepChunk:
     start: int
     sampling: SamplingParams | None = None  # the prompt's last chunk: it samples with these
     scored: bool = False  # a decoding slot's pending token and its proposals (see above)
+    prompt_logprobs: int | None = None  # k: score its prompt positions (see above)
+    lookahead: int | None = None  # with prompt_logprobs: the prompt's token after the chunk
+
+    @property
+    def scores(self) -> int:
+        """The prompt positions it scores: one per row but the last, which scores `lookahead`."""
+        if self.prompt_logprobs is None:
+            return 0
+        return len(self.tokens) - self.start - 1 + (self.lookahead is not None)
 
     @property
     def sample(self) -> bool:
@@ -106,6 +120,8 @@ class StepChunk:
         fields: dict[str, Any] = {"slot": self.slot, "start": self.start, "sample": self.sample}
         if self.sampling is not None:
             fields["sampling"] = self.sampling.model_dump()
+        if self.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = [self.prompt_logprobs, self.lookahead]
         return fields
 
     @classmethod
@@ -122,7 +138,8 @@ class StepChunk:
         # The wire check, not an API rule: the server validated the request where it entered, but
         # the agent takes no peer's word for it (a hostile or buggy peer).
         sampling = SamplingParams.model_validate(spec["sampling"]) if spec["sample"] else None
-        return cls(slot, tokens.tolist(), table, start, sampling)
+        k, lookahead = _prompt_logprobs(spec.get("prompt_logprobs"))
+        return cls(slot, tokens.tolist(), table, start, sampling, prompt_logprobs=k, lookahead=lookahead)
 
 
 @dataclass(frozen=True)
@@ -276,6 +293,22 @@ def _drafts(header: dict) -> dict[int, Proposal]:
     if len(found) != len(drafts):
         raise ValueError("field 'drafts' names a slot twice")
     return found
+
+
+def _prompt_logprobs(value: Any) -> tuple[int | None, int | None]:
+    """A chunk's `prompt_logprobs` field: absent, or [k, lookahead token id or null] (the runner
+    checks the token against its vocabulary)."""
+    if value is None:
+        return None, None
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or type(value[0]) is not int
+        or not 0 <= value[0] <= MAX_LOGPROBS
+        or not (value[1] is None or (type(value[1]) is int and value[1] >= 0))
+    ):
+        raise ValueError(f"a chunk's prompt_logprobs is [k (0..{MAX_LOGPROBS}), lookahead token id or null]")
+    return value[0], value[1]
 
 
 def _int_field(fields: dict[str, Any], label: str, name: str | None = None) -> int:

@@ -4,7 +4,8 @@ On the wire (protocol.py `step`): one int32 array of the decode slots' tokens, s
 `counts` (each decode slot's number of tokens: one, or with proposals the ones kept and one more),
 `chunk_tokens` (each chunk's first token, null unless it samples), and where any entry is not null
 `logprobs` and `errors` (one per decode token), `chunk_logprobs` and `chunk_errors` (one per chunk);
-a step that sent its KV adds kv_bytes and transfer_ms.
+a step that sent its KV adds kv_bytes and transfer_ms; where a chunk scores its prompt positions,
+`chunk_prompt_logprobs` holds per chunk its entries (StepChunk.scores of them) or null.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from agent.contract.prompt_logprobs import PromptLogprob
 from agent.contract.sampling import NO_TOKEN, Sampled, SequenceFault, TokenLogprob
 from agent.contract.step import StepRequest, proposal_size
 
@@ -25,6 +27,9 @@ class StepReply:
     firsts: list[Sampled | None]  # each chunk's first token; None where it does not sample
     kv_bytes: int = 0  # a step that sent its KV (KVTransfer): the K/V bytes sent
     transfer_ms: float = 0.0  # and how long the sending took
+    # each chunk's prompt logprobs (StepChunk.prompt_logprobs), None where it asked none; empty:
+    # no chunk asked
+    prompts: Sequence[Sequence[PromptLogprob] | None] = ()
 
     def to_wire(self) -> tuple[dict[str, Any], list[np.ndarray]]:
         tokens = [s for slot in self.decoded for s in slot]
@@ -36,6 +41,10 @@ class StepReply:
         }
         if self.kv_bytes:
             fields |= {"kv_bytes": self.kv_bytes, "transfer_ms": self.transfer_ms}
+        if any(p is not None for p in self.prompts):
+            fields["chunk_prompt_logprobs"] = [
+                None if p is None else [e.to_wire() for e in p] for p in self.prompts
+            ]
         return fields, [np.asarray([s.token for s in tokens], np.int32)]
 
     @classmethod
@@ -79,13 +88,45 @@ class StepReply:
             None if t is None else s
             for t, s in zip(firsts, _sampled(firsts, header, "chunk_", vocab_size, peer))
         ]
+        prompts = _prompt_logprobs(header, request, vocab_size)
         sent = request.transfer is not None and chunk_firsts[0] is not None and chunk_firsts[0].fault is None
         if not sent:
-            return cls(decoded, chunk_firsts)
+            return cls(decoded, chunk_firsts, prompts=prompts)
         kv_bytes, transfer_ms = header.get("kv_bytes"), header.get("transfer_ms")
         if type(kv_bytes) is not int or not isinstance(transfer_ms, (int, float)):
             raise ValueError("step reply without the size and time of its KV transfer")
-        return cls(decoded, chunk_firsts, kv_bytes, float(transfer_ms))
+        return cls(decoded, chunk_firsts, kv_bytes, float(transfer_ms), prompts)
+
+
+def _prompt_logprobs(
+    header: dict, request: StepRequest, vocab_size: int | None
+) -> Sequence[list[PromptLogprob] | None]:
+    """Each chunk's prompt logprobs: as many as it scores (StepChunk.scores) where it asked, else
+    None (none at all where no chunk asked); ValueError where the reply does not fit the request."""
+    asked = [c.prompt_logprobs is not None for c in request.chunks]
+    entries = header.get("chunk_prompt_logprobs")
+    if not any(asked) and entries is None:
+        return ()
+    if entries is None:
+        if any(c.scores for c in request.chunks):
+            raise ValueError("step reply without the prompt logprobs its chunks asked for")
+        return [[] if a else None for a in asked]
+    if not isinstance(entries, list) or len(entries) != len(request.chunks):
+        raise ValueError("step reply's chunk_prompt_logprobs do not fit its chunks")
+    out: list[list[PromptLogprob] | None] = []
+    for chunk, given in zip(request.chunks, entries):
+        if chunk.prompt_logprobs is None:
+            if given is not None:
+                raise ValueError("step reply has prompt logprobs for a chunk that asked none")
+            out.append(None)
+            continue
+        if not isinstance(given, list) or len(given) != chunk.scores:
+            raise ValueError(f"step reply's prompt logprobs of a chunk are not {chunk.scores} entries")
+        parsed = [PromptLogprob.from_wire(e, vocab_size) for e in given]
+        if any(len(e.top) > chunk.prompt_logprobs for e in parsed):
+            raise ValueError("step reply has more top prompt logprobs than its chunk asked for")
+        out.append(parsed)
+    return out
 
 
 def _entries(sampled: Sequence[Sampled | None], prefix: str) -> dict[str, list]:

@@ -188,7 +188,13 @@ class GraphInputs:
             )
 
     def prefill(
-        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0, slot: int | None = None
+        self,
+        table: np.ndarray,
+        tokens: np.ndarray,
+        length: int,
+        start: int = 0,
+        slot: int | None = None,
+        every_row: bool = False,
     ) -> tuple[np.ndarray, ...]:
         """Prompt `tokens` padded to `length`, at positions start..start+n-1 of the sequence with block
         `table`; positions 0..start-1 must already be in the cache (chunked prefill, prefix hits).
@@ -220,7 +226,9 @@ class GraphInputs:
             self.rows(tables, (positions * real)[None, :])[0],
             self.rows(self.scratch_table[None, :], index[None, :])[0],
         )  # [S, KV]
-        last = np.array([n - 1], np.int32)
+        # the rows whose logits it returns: the last real one, or (prompt logprobs) all, a shape per
+        # bucket (one more compile of the graph per bucket, only where asked)
+        last = np.arange(length, dtype=np.int32) if every_row else np.array([n - 1], np.int32)
         paging = (tables, np.zeros(length, np.int32))
         if self.fused_layers:  # row-major write rows, and lengths in place of the mask
             lengths = np.where(real, positions + 1, 0)

@@ -86,11 +86,18 @@ class ModelGraphs(Protocol):
     topk_buckets: list[int]  # the k of each top-k graph
 
     def prefill(
-        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0, slot: int | None = None
+        self,
+        table: np.ndarray,
+        tokens: np.ndarray,
+        length: int,
+        start: int = 0,
+        slot: int | None = None,
+        every_row: bool = False,
     ) -> Tensor:
         """Prompt `tokens` padded to bucket `length`, at positions start.. of the sequence with block
         `table` [MB] -> logits [1, vocab] of its last token. Positions 0..start-1 are read from the
-        cache (GraphInputs.prefill: fused layers only). `slot`: its seat (sliding-window rings)."""
+        cache (GraphInputs.prefill: fused layers only). `slot`: its seat (sliding-window rings).
+        `every_row` (prompt logprobs): logits [length, vocab] of every row instead, padding's last."""
 
     def decode(
         self,

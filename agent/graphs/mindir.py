@@ -117,8 +117,16 @@ class GraphExporter:
         return Tensor(np.zeros((rows, self.spec.vocab_size), np.float32))
 
     def prefill(
-        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0, slot: int | None = None
+        self,
+        table: np.ndarray,
+        tokens: np.ndarray,
+        length: int,
+        start: int = 0,
+        slot: int | None = None,
+        every_row: bool = False,
     ) -> Tensor:
+        if every_row:  # exported with the last row's logits only
+            raise ValueError("MindIR graphs compute no prompt logprobs (every row's logits)")
         inputs = as_tensors(self.inputs.prefill(table, tokens, length, start))
         self._export(
             self.prefill_cell, (*inputs, *self.caches), f"prefill_{length}", "prefill_model", length=length
@@ -295,8 +303,16 @@ class MindIRGraphs:
         return cell
 
     def prefill(
-        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0, slot: int | None = None
+        self,
+        table: np.ndarray,
+        tokens: np.ndarray,
+        length: int,
+        start: int = 0,
+        slot: int | None = None,
+        every_row: bool = False,
     ) -> Tensor:
+        if every_row:  # exported with the last row's logits only
+            raise ValueError("MindIR graphs compute no prompt logprobs (every row's logits)")
         inputs = as_tensors(self.inputs.prefill(table, tokens, length, start))
         return self.prefill_cells[length](*inputs, *self.caches)
 

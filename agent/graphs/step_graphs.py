@@ -257,10 +257,17 @@ class StepGraphs:
             graph.set_inputs(dynamic_rows)
 
     def prefill(
-        self, table: np.ndarray, tokens: np.ndarray, length: int, start: int = 0, slot: int | None = None
+        self,
+        table: np.ndarray,
+        tokens: np.ndarray,
+        length: int,
+        start: int = 0,
+        slot: int | None = None,
+        every_row: bool = False,
     ) -> Tensor:
         """One cell for every bucket `length`: MindSpore compiles a graph per input shape."""
-        return self.prefill_graph(*as_tensors(self.inputs.prefill(table, tokens, length, start, slot)))
+        inputs = self.inputs.prefill(table, tokens, length, start, slot, every_row)
+        return self.prefill_graph(*as_tensors(inputs))
 
     def decode(
         self,

@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders, processors
 
+from agent.model.chat_template import ChatTemplate, ChatTemplateError
 from agent.model.families import GGUF
 from agent.model.formats.gguf_file import gguf_eos_ids, gguf_field, read_gguf
 from agent.model.gguf_vocab import (
@@ -73,16 +72,9 @@ class TextTokenizer:
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
         self.eos_ids = eos_ids
-        self._template = None
+        self._template = ChatTemplate(chat_template) if chat_template else None
         self._added = tokenizer.get_added_tokens_decoder()
         self._bytes: dict[int, bytes] = {}
-        if chat_template:
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.globals["raise_exception"] = _raise_template_error
-            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-            self._template = env.from_string(chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -151,19 +143,25 @@ class TextTokenizer:
         return "tools" in (self.chat_template or "")
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        kwargs: dict | None = None,
     ) -> str:
+        """`kwargs`: more template variables (a request's chat_template_kwargs)."""
         if self._template is None:
             raise TokenizerError("this model has no chat template")
         try:
             return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
+                messages,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
-                **({"tools": tools} if tools else {}),
+                add_generation_prompt=add_generation_prompt,
+                tools=tools or None,
+                kwargs=kwargs,
             )
-        except TemplateError as exc:
+        except ChatTemplateError as exc:
             raise TokenizerError(f"the chat template refused these messages: {exc}") from exc
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -189,10 +187,6 @@ class TextTokenizer:
                 f"vocab/weight mismatch: the tokenizer has {self.vocab_size} "
                 f"tokens but the model's embedding has {vocab_size} rows"
             )
-
-
-def _raise_template_error(message: str):
-    raise TemplateError(message)
 
 
 def load_tokenizer(path: str | Path) -> TextTokenizer:

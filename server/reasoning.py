@@ -1,0 +1,132 @@
+"""A reasoning model's thinking, read apart from its answer (vLLM's and llama.cpp's `reasoning_content`).
+
+Qwen3, QwQ and DeepSeek-R1's distills think in a `<think>...</think>` block before they answer.
+Qwen3 writes `<think>` itself; the R1 templates put it at the end of the prompt, so the answer
+starts inside the block (`inside`). Thinking turned off (Qwen3's enable_thinking false) writes an
+empty block into the prompt: the answer starts outside. Whether a model reasons is
+`model.reasoning_parser`'s, `auto` reading it from its chat template.
+
+Text after `</think>` is the content (its leading whitespace dropped); an answer cut while thinking
+is all reasoning; an answer that does not open a block is all content. Streamed, text that could be
+the start of a tag is held back, never more than a tag's length (or MAX_LEADING_SPACE of leading
+whitespace): the scan is linear in the answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from agent.model.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from server.model_repository import LoadedModel
+
+THINK, END = "<think>", "</think>"
+# Leading whitespace held back while the answer may still open a think block; beyond: content.
+MAX_LEADING_SPACE = 64
+# Prompt tokens read back to see whether the template opened a think block (R1's `<think>\n`).
+PROMPT_TAIL_TOKENS = 16
+
+
+def reasons(template: str | None, setting: str) -> bool:
+    """Whether answers are read for a think block (model.reasoning_parser; auto: the template's)."""
+    if setting == "auto":
+        return THINK in (template or "")
+    return setting == "think"
+
+
+def opens_inside(prompt_tail: str) -> bool:
+    """Whether the prompt (its last tokens' text) leaves a think block open for the answer."""
+    start = prompt_tail.rfind(THINK)
+    return start >= 0 and not prompt_tail[start + len(THINK) :].strip()
+
+
+def of_answers(tokenizer: TextTokenizer, setting: str, prompt: list[int]) -> Reasoning | None:
+    """How a chat's answers are split (None: the model does not reason, or the setting says none)."""
+    if not reasons(tokenizer.chat_template, setting):
+        return None
+    tail = tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return Reasoning(opens_inside(tail))
+
+
+@dataclass
+class Reasoning:
+    """How a request's answers are split: whether each starts inside a think block."""
+
+    inside: bool
+
+    def splitter(self) -> ThinkSplitter:
+        return ThinkSplitter(self.inside)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole answer's (reasoning or None, content)."""
+        splitter = self.splitter()
+        thought, content = splitter.feed(text)
+        more, rest = splitter.finish()
+        return (thought + more) if splitter.opened else None, content + rest
+
+
+# ThinkSplitter's states
+START, INSIDE, CLOSED, CONTENT = "start", "inside", "closed", "content"
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ThinkSplitter:
+    """A streamed answer's text as (reasoning, content) pieces."""
+
+    def __init__(self, inside: bool):
+        self.state = INSIDE if inside else START
+        self.opened = inside  # a think block was opened: the answer has reasoning (maybe empty)
+        self.held = ""  # at most a partial tag, or the leading whitespace
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        """(reasoning, content) of the answer so far that can go out now."""
+        text, self.held = self.held + piece, ""
+        thought: list[str] = []
+        content: list[str] = []
+        while text:
+            if self.state == START:
+                stripped = text.lstrip()
+                if stripped.startswith(THINK):
+                    self.state, self.opened, text = INSIDE, True, stripped[len(THINK) :]
+                elif THINK.startswith(stripped) and len(text) - len(stripped) <= MAX_LEADING_SPACE:
+                    self.held = text  # whitespace, maybe the beginning of the tag: wait
+                    break
+                else:
+                    self.state = CONTENT
+            elif self.state == INSIDE:
+                end = text.find(END)
+                if end >= 0:
+                    thought.append(text[:end])
+                    self.state, text = CLOSED, text[end + len(END) :]
+                else:
+                    keep = _partial_tag(text, END)
+                    thought.append(text[: len(text) - keep])
+                    self.held = text[len(text) - keep :]
+                    break
+            elif self.state == CLOSED:  # the whitespace between the block and the answer is dropped
+                text = text.lstrip()
+                if text:
+                    self.state = CONTENT
+            else:
+                content.append(text)
+                break
+        return "".join(thought), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, at the answer's end: a partial end tag is reasoning, the rest content."""
+        held, self.held = self.held, ""
+        return (held, "") if self.state == INSIDE else ("", held)
+
+
+def model_reasons(model: LoadedModel) -> bool:
+    """Whether a served model's answers are read for thinking."""
+    return reasons(model.tokenizer.chat_template, model.config.model.reasoning_parser)

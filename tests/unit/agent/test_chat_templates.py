@@ -1,0 +1,153 @@
+"""Real models' chat templates (chat_templates/README.md says where from; Phi-3's and Qwen2's from
+llama.cpp's vocabulary suite GGUFs) rendered by agent/model/chat_template.py and by transformers'
+own renderer (`render_jinja_template`, what `apply_chat_template` calls): the prompts must be equal,
+tools, tool calls and results, and `chat_template_kwargs` (Qwen3's enable_thinking) included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from agent.model.chat_template import ChatTemplate, ChatTemplateError
+from agent.model.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
+from tools.fetch_vocab_suite import DEFAULT_DEST
+
+TEMPLATES = Path(__file__).parent / "chat_templates"
+LLAMA31 = "meta-llama-Llama-3.1-8B-Instruct.jinja"
+LLAMA32 = "meta-llama-Llama-3.2-3B-Instruct.jinja"
+QWEN25 = "Qwen-Qwen2.5-7B-Instruct.jinja"
+QWEN3 = "Qwen-Qwen3-0.6B.jinja"
+PHI35 = "microsoft-Phi-3.5-mini-instruct.jinja"
+R1 = "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
+SPECIALS = {
+    LLAMA31: ("<|begin_of_text|>", "<|eot_id|>"),
+    LLAMA32: ("<|begin_of_text|>", "<|eot_id|>"),
+    QWEN25: ("", "<|im_end|>"),
+    QWEN3: ("", "<|im_end|>"),
+    PHI35: ("<s>", "<|endoftext|>"),
+    R1: ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "ville <b>&</b> 'quoted'"}},
+            "required": ["city"],
+        },
+    },
+}
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi, café?"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "And now?"},
+]
+# Tool calls' arguments as objects: what the server hands a template that takes tools.
+CALLS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "type": "function",
+                "id": "call_1",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+]
+
+
+def both(name: str, messages: list[dict], tools=None, **kwargs) -> tuple[str, str]:
+    """(ours, transformers') prompt of this template for the conversation."""
+    text = (TEMPLATES / name).read_text(encoding="utf-8")
+    bos, eos = SPECIALS[name]
+    ours = ChatTemplate(text).render(messages, bos_token=bos, eos_token=eos, tools=tools, kwargs=kwargs)
+    reference, _ = render_jinja_template(
+        [messages],
+        tools=tools,
+        chat_template=text,
+        add_generation_prompt=True,
+        bos_token=bos,
+        eos_token=eos,
+        **kwargs,
+    )
+    return ours, reference[0]
+
+
+@pytest.mark.parametrize("name", list(SPECIALS))
+def test_a_plain_chat_renders_as_transformers_renders_it(name):
+    ours, reference = both(name, CHAT)
+    assert ours == reference
+    assert "And now?" in ours
+
+
+@pytest.mark.parametrize("name", [LLAMA31, LLAMA32, QWEN25, QWEN3])
+def test_tools_calls_and_results_render_as_transformers_renders_them(name):
+    ours, reference = both(name, CALLS, tools=[WEATHER])
+    assert ours == reference
+    # tojson is transformers' (no HTML escaping), so the description is the client's text
+    assert "ville <b>&</b> 'quoted'" in ours and '"Paris"' in ours
+
+
+def test_qwen3_enable_thinking_reaches_the_template():
+    on, reference_on = both(QWEN3, CHAT)
+    off, reference_off = both(QWEN3, CHAT, enable_thinking=False)
+    assert (on, off) == (reference_on, reference_off)
+    assert off == on + "<think>\n\n</think>\n\n"  # thinking off: an empty think block is the answer's start
+
+
+def test_the_r1_distill_prompt_opens_the_think_block():
+    ours, reference = both(R1, CHAT)
+    assert ours == reference and ours.endswith("<｜Assistant｜><think>\n")
+
+
+def test_raise_exception_is_a_chat_template_error():
+    template = ChatTemplate("{{ raise_exception('no system role here') }}")
+    with pytest.raises(ChatTemplateError, match="no system role here"):
+        template.render(CHAT, bos_token="", eos_token="")
+
+
+def test_the_sandbox_refuses_python_internals():
+    escapes = [
+        "{{ messages.__class__.__mro__ }}",
+        "{% set ns = namespace(_x=1) %}{{ ns._x }}",
+        "{{ ''.__class__.__subclasses__() }}",
+    ]
+    for text in escapes:
+        with pytest.raises(ChatTemplateError):
+            ChatTemplate(text).render(CHAT, bos_token="", eos_token="")
+
+
+@pytest.mark.parametrize("vocabulary", ["phi-3", "qwen2"])
+def test_a_gguf_template_renders_as_transformers_renders_it(vocabulary):
+    """The template the GGUF file carries, with its own BOS and EOS tokens, through load_tokenizer."""
+    path = DEFAULT_DEST / f"ggml-vocab-{vocabulary}.gguf"
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: run `make setup-dev` (make test does it first)")
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.chat_template
+    ours = tokenizer.apply_chat_template(CHAT)
+    reference, _ = render_jinja_template(
+        [CHAT],
+        chat_template=tokenizer.chat_template,
+        add_generation_prompt=True,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+    )
+    assert ours == reference[0]
+
+
+def test_a_kwarg_of_the_wrong_type_is_a_tokenizer_error(tiny_llama_dir):
+    """A request's kwargs that the template chokes on are the request's error (400), not a 500."""
+    base = load_tokenizer(tiny_llama_dir)
+    tokenizer = TextTokenizer(base.tokenizer, "{{ messages[0]['content'] + limit }}", None, None, ())
+    with pytest.raises(TokenizerError, match="TypeError"):
+        tokenizer.apply_chat_template(CHAT, kwargs={"limit": 3})
