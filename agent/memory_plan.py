@@ -133,6 +133,30 @@ def working_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2 + rope + gather
 
 
+def planned_length(spec: ModelSpec, runtime: RuntimeSection, room: int | None) -> int:
+    """max_seq_len as set, or (auto) the longest a pool of `room` blocks holds, in LENGTH_STEPs."""
+    if runtime.max_seq_len != "auto":
+        return runtime.max_seq_len
+    assert room is not None, "the runtime's validation asks a budget of max_seq_len auto"
+    max_len = min(spec.max_context, room * runtime.block_size // LENGTH_STEP * LENGTH_STEP)
+    if max_len < runtime.prefill_buckets[-1]:
+        raise MemoryPlanError(
+            f"memory_budget_mb {runtime.memory_budget_mb} leaves {room} KV blocks of "
+            f"{runtime.block_size} positions: not one sequence of the largest prefill bucket "
+            f"({runtime.prefill_buckets[-1]} positions); raise the budget or lower prefill_buckets"
+        )
+    return max_len
+
+
+def pool_blocks(runtime: RuntimeSection, slots: int, max_len: int, room: int | None) -> int:
+    """num_blocks as set, else all the budget's `room`, else (no budget) each seat its whole length."""
+    if runtime.num_blocks != "auto":
+        return runtime.num_blocks
+    if room is not None:
+        return room
+    return slots * -(-max_len // runtime.block_size)
+
+
 def plan_memory(
     spec: ModelSpec, runtime: RuntimeSection, weights: int | None = None
 ) -> tuple[RuntimeSection, MemoryPlan]:
@@ -161,24 +185,9 @@ def plan_memory(
             + " and a KV cache"
         )
 
-    if runtime.max_seq_len == "auto":
-        assert room is not None, "the runtime's validation asks a budget of max_seq_len auto"
-        max_len = min(spec.max_context, room * runtime.block_size // LENGTH_STEP * LENGTH_STEP)
-        if max_len < runtime.prefill_buckets[-1]:
-            raise MemoryPlanError(
-                f"memory_budget_mb {runtime.memory_budget_mb} leaves {room} KV blocks of "
-                f"{runtime.block_size} positions: not one sequence of the largest prefill bucket "
-                f"({runtime.prefill_buckets[-1]} positions); raise the budget or lower prefill_buckets"
-            )
-    else:
-        max_len = runtime.max_seq_len
+    max_len = planned_length(spec, runtime, room)
+    blocks = pool_blocks(runtime, slots, max_len, room)
     per_seq = -(-max_len // runtime.block_size)
-    if runtime.num_blocks != "auto":
-        blocks = runtime.num_blocks
-    elif room is not None:
-        blocks = room
-    else:
-        blocks = slots * per_seq  # no budget: each seat its whole length
     if blocks < per_seq or (room is not None and blocks > room):
         need = f"{per_seq} blocks (one sequence of max_seq_len {max_len})"
         raise MemoryPlanError(

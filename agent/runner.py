@@ -34,14 +34,15 @@ from mindspore import Tensor
 
 from agent.contract.prompt_logprobs import PromptLogprob, score_rows
 from agent.contract.sampling import SamplingParams
-from agent.contract.step import MAX_DRAFT_TOKENS, BlockTable, StepChunk, StepLimits
-from agent.graphs.interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket, mixed_rows
+from agent.contract.step import BlockTable, StepChunk
+from agent.graphs.interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket
 from agent.graphs.layers import WHOLE_MODEL, TensorSplit
 from agent.graphs.mindir import MindIRGraphs
 from agent.graphs.step_graphs import StepGraphs
 from agent.launcher.preflight import require_device
 from agent.model.checkpoint import Checkpoint
-from agent.slots import RunnerError, SlotSampling, SlotState, SlotTable
+from agent.slots import RunnerError, SlotState
+from agent.step_checks import CheckedSlots
 from config.schema import ModelSection, RuntimeSection
 
 log = logging.getLogger(__name__)
@@ -80,17 +81,12 @@ def configure_mindspore(
         ms.set_context(enable_compile_cache=True, compile_cache_path=str(compile_cache))
 
 
-class ModelRunner(SlotTable):
+class ModelRunner(CheckedSlots):
     def __init__(self, graphs: ModelGraphs, runtime: RuntimeSection):
         """A runner over a graph set built for `runtime` (agent.graphs.mindir.GraphExporter: every warm-up
         call exports its graph)."""
-        self.graphs = graphs
-        self.spec = graphs.spec
-        self.runtime = runtime
-        super().__init__(runtime.planned_num_slots)
-        self.max_len = runtime.planned_max_seq_len
+        super().__init__(graphs, runtime)
         self.topk_buckets = graphs.topk_buckets
-        self.sampling = SlotSampling(graphs)  # the host side of each call's token choice
         # the prompt logprobs the last run()'s one chunk asked for (StepChunk.prompt_logprobs)
         self.prompt_scores: list[PromptLogprob] | None = None
 
@@ -106,42 +102,6 @@ class ModelRunner(SlotTable):
     def from_mindir(cls, files: ModelSection, runtime: RuntimeSection) -> ModelRunner:
         """Run the graphs of MindIR files (the model section's *_model files) written by tools.export."""
         return cls(MindIRGraphs(files, runtime), runtime)
-
-    # ----------------------------------------------------------------------------------- state
-
-    @property
-    def num_blocks(self) -> int:
-        """The pool's blocks a server may hand out: 0..num_blocks-1 (the scratch blocks follow)."""
-        return self.graphs.inputs.pool
-
-    @property
-    def max_chunk(self) -> int:
-        """The most prompt positions one prefill graph call computes (a longer chunk is split)."""
-        return self.runtime.prefill_buckets[-1]
-
-    @property
-    def chunked_prefill(self) -> bool:
-        """Whether a prefill may start after cached positions (chunks, prefix-cache hits)."""
-        return self.graphs.inputs.fused_layers
-
-    @property
-    def prefix_caching(self) -> bool:
-        """Whether a prompt may start from another sequence's blocks (a prefix-cache hit): not where
-        sliding-window layers keep their KV in each seat's ring (agent/graphs/interface.py)."""
-        return self.chunked_prefill and not self.graphs.inputs.ring
-
-    @property
-    def mixed_rows(self) -> int:
-        """Rows of one mixed step (decode rows and prompt chunks in one graph call), 0 where these
-        graphs run none."""
-        if not isinstance(self.graphs, MixedStepGraphs) or not self.graphs.inputs.fused_layers:
-            return 0
-        return mixed_rows(self.runtime)
-
-    @property
-    def max_prompt_len(self) -> int:
-        """The longest prompt: one position stays for an answer; without chunks, one graph call."""
-        return self.max_len - 1 if self.chunked_prefill else min(self.max_len - 1, self.max_chunk)
 
     # -------------------------------------------------------------------------------- requests
 
@@ -212,31 +172,6 @@ class ModelRunner(SlotTable):
             self.prompt_scores = scores
         return self._computed(slot, ids, padded), logits
 
-    def _check_chunk(
-        self, slot: int, tokens: Sequence[int], table: BlockTable | None, start: int, sample: bool
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """A chunk's checks (nothing changes): its token ids and its table padded to MB blocks."""
-        self.check_slot(slot)
-        ids = self._check_tokens(tokens)
-        end = len(ids)
-        if end > self.max_prompt_len and (sample or not self.chunked_prefill):
-            raise RunnerError(
-                f"prompt of {end} tokens exceeds the longest prompt this agent accepts "
-                f"({self.max_prompt_len} tokens)"
-            )
-        if end >= self.max_len:
-            raise RunnerError(f"{end} positions do not fit max_seq_len {self.max_len}")
-        state = self.slots.get(slot)
-        if state is not None and sample and state.sampler is not None:
-            raise RunnerError(f"slot {slot} has sampled already; release it first")
-        # A free slot may start anywhere (a prefix-cache hit); a seated one not past what it holds.
-        if not 0 <= start < end or (state is not None and start > state.length):
-            raise RunnerError(
-                f"a prefill computes positions start..{end - 1} after the "
-                f"{0 if state is None else state.length} the slot holds, not from {start}"
-            )
-        return ids, self.padded_table(slot, table, end)
-
     def decode(
         self,
         slots: Sequence[int],
@@ -263,36 +198,6 @@ class ModelRunner(SlotTable):
         tokens = self.sampling.sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
         self._decoded(states, padded, [[t] for t in tokens])
         return tokens
-
-    def _check_decode(
-        self,
-        slots: Sequence[int],
-        tables: Sequence[BlockTable] | None,
-        drafts: Mapping[int, Sequence[int]] | None = None,
-    ) -> tuple[list[SlotState], list[np.ndarray]]:
-        """A decode step's checks (nothing changes): each slot's state and its padded table, which
-        covers its next position and those of its proposals (`drafts`)."""
-        drafts = drafts or {}
-        if len(set(slots)) != len(slots):
-            raise RunnerError(f"decode slots repeat: {list(slots)}")
-        if tables is not None and len(tables) != len(slots):
-            raise RunnerError(f"decode of {len(slots)} slots got {len(tables)} block tables")
-        states = [self.active(s) for s in slots]
-        for slot, state in zip(slots, states):
-            if state.length + len(drafts.get(slot, ())) >= self.max_len:
-                raise RunnerError(f"slot {slot} is full ({self.max_len} positions)")
-            if state.sampler is None or state.next_token is None:
-                raise RunnerError(f"slot {slot} has not finished its prompt")
-            if state.sampler.fault is not None:
-                raise RunnerError(
-                    f"slot {slot} ended with an error ({state.sampler.fault.message}); release it"
-                )
-        if tables is None:
-            return states, [s.table for s in states]
-        return states, [
-            self.padded_table(slot, t, s.length + 1 + len(drafts.get(slot, ())))
-            for slot, s, t in zip(slots, states, tables)
-        ]
 
     def run(
         self,
@@ -325,11 +230,6 @@ class ModelRunner(SlotTable):
         return [], [
             self.prefill(chunk.slot, chunk.tokens, chunk.sampling, chunk.table, chunk.start, mask, score)
         ]
-
-    @property
-    def limits(self) -> StepLimits:
-        """What one mixed step holds (the scheduler plans by the same rule)."""
-        return StepLimits(self.mixed_rows, self.runtime.decode_batch_buckets[-1])
 
     def step(
         self,
@@ -402,62 +302,7 @@ class ModelRunner(SlotTable):
                 state.sampler, state.next_token = new[i], firsts[i]
         return decoded, firsts
 
-    def _check_step(
-        self,
-        slots: Sequence[int],
-        tables: Sequence[BlockTable],
-        chunks: Sequence[StepChunk],
-        masks: Mapping[int, np.ndarray],
-        drafts: Mapping[int, Sequence[int]],
-    ) -> tuple[list[SlotState], list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
-        """A mixed step's checks (nothing changes): the decode slots' states and padded tables, and
-        each chunk's token ids and padded table."""
-        if not self.mixed_rows:
-            raise RunnerError("these graphs run no mixed steps (fused layers, graphs built here)")
-        if not chunks and not drafts:
-            raise RunnerError("a mixed step needs prompt chunks or proposals")
-        chunk_slots = [c.slot for c in chunks]
-        if len(set(chunk_slots)) != len(chunk_slots) or set(chunk_slots) & set(slots):
-            raise RunnerError(f"a mixed step names a slot twice: decode {list(slots)}, chunks {chunk_slots}")
-        self._check_drafts(drafts, slots, masks)
-        states, padded = self._check_decode(slots, tables, drafts)
-        checked = [self._check_chunk(c.slot, c.tokens, c.table, c.start, c.sample) for c in chunks]
-        if masks:
-            self.sampling.check_masks(masks, [*slots, *(c.slot for c in chunks if c.sample)])
-        proposed = sum(len(p) for p in drafts.values())
-        chunk_rows = [len(ids) - c.start for c, (ids, _) in zip(chunks, checked)]
-        refusal = self.limits.refusal(len(slots), proposed, chunk_rows, sum(c.sample for c in chunks))
-        if refusal is not None:
-            raise RunnerError(refusal)
-        return states, padded, checked
-
-    def _check_drafts(
-        self, drafts: Mapping[int, Sequence[int]], slots: Sequence[int], masks: Mapping[int, np.ndarray]
-    ) -> None:
-        """Proposals for decode slots of this call, at most MAX_DRAFT_TOKENS token ids each, and
-        none for a slot whose next token is masked (a grammar's mask holds for one token only)."""
-        for slot, proposed in drafts.items():
-            if slot not in slots:
-                raise RunnerError(f"proposals for slot {slot}, which this step does not decode")
-            if slot in masks:
-                raise RunnerError(f"slot {slot} has a token mask: its next token cannot be proposed")
-            if not 1 <= len(proposed) <= MAX_DRAFT_TOKENS:
-                raise RunnerError(f"a slot's proposals are 1..{MAX_DRAFT_TOKENS} tokens, got {len(proposed)}")
-            self._check_tokens(proposed)
-
     # -------------------------------------------------------------------------------- internals
-
-    def padded_table(self, slot: int, table: BlockTable | None, positions: int) -> np.ndarray:
-        """The server's `table` for `positions` (GraphInputs.table checks and pads it); none: the
-        slot's fixed table."""
-        try:
-            return (
-                self.graphs.inputs.table(table, positions)
-                if table is not None
-                else self.graphs.inputs.slot_table(int(slot))
-            )
-        except ValueError as exc:
-            raise RunnerError(str(exc)) from exc
 
     def kv_graphs(self) -> KVTransferGraphs:
         if not isinstance(self.graphs, KVTransferGraphs):
@@ -466,11 +311,3 @@ class ModelRunner(SlotTable):
 
     def cache_dtype(self):
         return np.float16 if self.runtime.dtype == "float16" else np.float32
-
-    def _check_tokens(self, prompt: Sequence[int]) -> np.ndarray:
-        tokens = np.asarray(prompt, dtype=np.int64)
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise RunnerError("the prompt must be a non-empty list of token ids")
-        if tokens.min() < 0 or tokens.max() >= self.spec.vocab_size:
-            raise RunnerError(f"token ids must lie in 0..{self.spec.vocab_size - 1}")
-        return tokens

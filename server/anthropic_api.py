@@ -30,15 +30,8 @@ from server.anthropic_schema import CountTokensRequest, MessagesRequest
 from server.assembly import unless_disconnected
 from server.errors import ANTHROPIC, ApiError, declares, error_body
 from server.model_repository import ModelRepository
-from server.openai_api import (
-    Choices,
-    admit_chat,
-    chat_text,
-    choice_pieces,
-    serving,
-    translated_chat,
-    whole_choice,
-)
+from server.openai_api import admit_chat, chat_text, serving, translated_chat
+from server.openai_choices import Choices, choice_pieces, whole_choice
 from server.request_body import json_body
 
 # Chat fields as Anthropic names them, for the errors of the translated request.

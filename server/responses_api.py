@@ -36,7 +36,8 @@ from server.access import client_of
 from server.assembly import unless_disconnected
 from server.errors import OPENAI, OPENAI_TYPES, ApiError, declares
 from server.model_repository import ModelRepository
-from server.openai_api import Choices, admit_chat, choice_pieces, translated_chat, whole_choice
+from server.openai_api import admit_chat, translated_chat
+from server.openai_choices import Choices, choice_pieces, whole_choice
 from server.openai_schema import ChatCompletionRequest
 from server.request_body import json_body
 from server.responses_schema import ResponsesRequest, chat_messages
