@@ -123,6 +123,25 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos + rotated * sin
 
 
+def _experts(h: np.ndarray, p: str, checkpoint: Checkpoint, product) -> np.ndarray:
+    """A MoE layer's FFN (Qwen3-MoE's): each row's top-k experts by the router's softmax, weighted."""
+    spec = checkpoint.spec
+    logits = h @ checkpoint.matrix(p + "router").T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    chosen = np.argsort(-probs, -1, kind="stable")[:, : spec.experts_per_token]
+    weights = np.take_along_axis(probs, chosen, -1)
+    if spec.norm_topk_prob:
+        weights /= weights.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for e in np.unique(chosen):
+        rows, slot = np.nonzero(chosen == e)
+        gate = product(h[rows], f"{p}experts.{e}.w_gate")
+        act = gate / (1 + np.exp(-gate)) * product(h[rows], f"{p}experts.{e}.w_up")
+        out[rows] += weights[rows, slot][:, None] * product(act, f"{p}experts.{e}.w_down")
+    return out
+
+
 def numpy_forward(
     checkpoint: Checkpoint, tokens: np.ndarray, kernels: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -184,6 +203,9 @@ def numpy_forward(
         attended = (probs @ np.repeat(v, group, axis=0)).transpose(1, 0, 2).reshape(n, -1)
         x = residual(x, product(attended, p + "wo"), p + "post_attn_norm")
         h = _rms_norm(x, t[p + "ffn_norm"], spec.rms_eps)
+        if spec.is_moe(i):
+            x = x + _experts(h, p, checkpoint, product)
+            continue
         gate = product(h, p + "w_gate")
         if spec.activation == "gelu_tanh":
             gate = 0.5 * gate * (1 + np.tanh(np.float32(0.7978845608028654) * (gate + 0.044715 * gate**3)))

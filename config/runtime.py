@@ -19,6 +19,11 @@ def _bucket_list(values: list[int], name: str) -> list[int]:
     return sorted(set(values))
 
 
+def _clipped(buckets: list[int], limit: int) -> list[int]:
+    """Default buckets for a sequence length of `limit`: those below it, then `limit` itself."""
+    return sorted({b for b in buckets if b < limit} | {limit})
+
+
 _UNPLANNED = (
     'runtime.{field} is still "auto": plan the runtime first '
     "(agent.memory_plan.resolve_runtime resolves it from memory_budget_mb)"
@@ -235,10 +240,17 @@ class RuntimeSection(Section):
                 f"num_blocks {self.planned_num_blocks} of {self.block_size} positions do not hold one "
                 f"sequence of max_seq_len {max_seq_len}"
             )
+        # Buckets left at their defaults follow the user's max_seq_len (those below it, then it);
+        # buckets the user wrote are checked as written.
+        if "attend_buckets" not in self.model_fields_set:
+            self.attend_buckets = _clipped(self.attend_buckets, max_seq_len)
+        if "prefill_buckets" not in self.model_fields_set and self.prefill_buckets[-1] > max_seq_len:
+            self.prefill_buckets = _clipped(self.prefill_buckets, max_seq_len)
         if self.attend_buckets[-1] != max_seq_len:
             raise ValueError(
                 f"the largest of attend_buckets must equal max_seq_len "
-                f"({self.max_seq_len}), got {self.attend_buckets}"
+                f"({self.max_seq_len}), got {self.attend_buckets} (leave attend_buckets out to "
+                "take the default buckets up to max_seq_len)"
             )
         if self.prefill_buckets[-1] > max_seq_len:
             raise ValueError(

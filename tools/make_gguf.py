@@ -17,6 +17,13 @@ Q4_K output, Q6_K down).
 Qwen3 (`arch="qwen3"`): Llama's layers with QK-norm; Phi-3 (`arch="phi3"`): Q, K and V packed in
 attn_qkv, gate and up in ffn_up, as llama.cpp writes them.
 
+Qwen3-MoE (`arch="qwen3moe"`, `--shape qwen3-30b-a3b` or `moe-7b-a1b`): Qwen3's attention and, in
+place of each layer's FFN, a router (ffn_gate_inp [experts, hidden], F32 as llama.cpp keeps it) and
+the experts as 3-D tensors [experts, out, in] (ffn_gate_exps, ffn_up_exps, ffn_down_exps) in the
+format's type (ffn_down_exps as ffn_down in the mixes):
+
+    python -m tools.make_gguf --shape moe-7b-a1b --format Q4_K_M --out models/random-moe-7b-a1b.gguf
+
 Formats: one type for every matrix (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16,
 BF16, F32), or llama.cpp's mixes Q4_K_M and Q5_K_M (Q4_K / Q5_K, with Q6_K for the LM head (the
 embedding when tied) and for attn_v and ffn_down in the layers llama.cpp gives more bits). A matrix
@@ -57,6 +64,9 @@ class Shape:
     window: int = 0  # gemma3: the local layers' sliding window
     context: int = 8192
     rope_base: float = 100000.0
+    experts: int = 0  # qwen3moe: experts a layer, of which experts_used a token, each expert_ffn wide
+    experts_used: int = 0
+    expert_ffn: int = 0
 
     @property
     def hd(self) -> int:
@@ -71,6 +81,37 @@ SHAPES = {
     "7b": Shape(4096, 32, 11008, 32, 32, tied=False),  # Llama 2 7B
     "gemma3-270m": Shape(
         640, 18, 2048, 4, 1, arch="gemma3", head_dim=256, window=512, context=32768, rope_base=1e6
+    ),
+    # Qwen3-30B-A3B: 30.5B weights, 3.3B a token (8 of 128 experts of 768)
+    "qwen3-30b-a3b": Shape(
+        2048,
+        48,
+        6144,
+        32,
+        4,
+        tied=False,
+        arch="qwen3moe",
+        head_dim=128,
+        context=40960,
+        rope_base=1e6,
+        experts=128,
+        experts_used=8,
+        expert_ffn=768,
+    ),
+    # ~6.7B weights, ~1.1B a token (8 of 64 experts of 1024) with the default tokenizer's vocabulary
+    "moe-7b-a1b": Shape(
+        2048,
+        16,
+        6144,
+        16,
+        4,
+        tied=False,
+        arch="qwen3moe",
+        head_dim=128,
+        rope_base=1e6,
+        experts=64,
+        experts_used=8,
+        expert_ffn=1024,
     ),
 }
 
@@ -94,7 +135,7 @@ TYPICAL = {T.Q4_0: 4, T.Q4_1: 8, T.Q5_0: 8, T.Q5_1: 16, T.Q8_0: 64, T.Q2_K: 12, 
 TYPICAL.update({T.Q4_K: 240, T.Q5_K: 480, T.Q6_K: 1000, T.IQ4_NL: 64})
 CENTRE = {T.Q4_1: -7.5, T.Q5_1: -15.5, T.Q2_K: 1.5, T.Q4_K: 7.5, T.Q5_K: 15.5}
 # the matrices that write into the residual stream (Gemma's post-norms rescale them anyway)
-RESIDUAL_OUTPUTS = ("attn_output.weight", "ffn_down.weight")
+RESIDUAL_OUTPUTS = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight")
 # llama.cpp's type for a matrix whose rows are no whole number of the K-quants' 256-weight blocks
 FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
@@ -146,7 +187,7 @@ def mix(name: str) -> Callable[[str, int], GGMLQuantizationType]:
         def mixed(tensor: str, layers: int) -> GGMLQuantizationType:
             if tensor in ("output.weight", "token_embd.weight (tied)"):
                 return T.Q6_K
-            if tensor.endswith(("attn_v.weight", "ffn_down.weight")):
+            if tensor.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
                 i = int(tensor.split(".")[1])
                 more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
                 return T.Q6_K if more_bits else base
@@ -163,7 +204,7 @@ def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (-1, shape.hidden))]
     for i in range(shape.layers):
         b = f"blk.{i}."
-        if shape.arch in ("gemma3", "qwen3"):
+        if shape.arch in ("gemma3", "qwen3", "qwen3moe"):
             out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
         if shape.arch == "gemma3":
             out += [
@@ -178,6 +219,21 @@ def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
                 (b + "ffn_norm.weight", (shape.hidden,)),
                 (b + "ffn_up.weight", (2 * shape.ffn, shape.hidden)),
                 (b + "ffn_down.weight", (shape.hidden, shape.ffn)),
+            ]
+            continue
+        if shape.arch == "qwen3moe":  # the experts in place of the FFN, 3-D [experts, out, in]
+            e, fe = shape.experts, shape.expert_ffn
+            out += [
+                (b + "attn_norm.weight", (shape.hidden,)),
+                (b + "attn_q.weight", (shape.heads * hd, shape.hidden)),
+                (b + "attn_k.weight", (shape.kv_heads * hd, shape.hidden)),
+                (b + "attn_v.weight", (shape.kv_heads * hd, shape.hidden)),
+                (b + "attn_output.weight", (shape.hidden, shape.heads * hd)),
+                (b + "ffn_norm.weight", (shape.hidden,)),
+                (b + "ffn_gate_inp.weight", (e, shape.hidden)),
+                (b + "ffn_gate_exps.weight", (e, fe, shape.hidden)),
+                (b + "ffn_up_exps.weight", (e, fe, shape.hidden)),
+                (b + "ffn_down_exps.weight", (e, shape.hidden, fe)),
             ]
             continue
         out += [
@@ -260,6 +316,10 @@ def write_random_gguf(
     writer.add_vocab_size(vocab)
     if shape.window:
         writer.add_sliding_window(shape.window)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
     for key, (_, kind) in fields.items():
         if kind == GGUFValueType.ARRAY:
             writer.add_array(key, values[key])
@@ -271,20 +331,22 @@ def write_random_gguf(
         if len(dims) == 1:
             plan.append((tensor, dims, T.F32))
             continue
-        rows, cols = (vocab if dims[0] == -1 else dims[0]), dims[1]
+        *experts, rows, cols = dims
+        rows = vocab if rows == -1 else rows
         asked = "token_embd.weight (tied)" if tensor == "token_embd.weight" and shape.tied else tensor
-        plan.append((tensor, (rows, cols), fitting(types(asked, shape.layers), cols)))
+        # llama.cpp keeps a router in F32
+        qtype = T.F32 if tensor.endswith("ffn_gate_inp.weight") else fitting(types(asked, shape.layers), cols)
+        plan.append((tensor, (*experts, rows, cols), qtype))
     for tensor, extent, qtype in plan:
         if len(extent) == 1:
             writer.add_tensor_info(tensor, extent, np.dtype(np.float32), extent[0] * 4)
         elif qtype == T.F32:
-            writer.add_tensor_info(tensor, extent, np.dtype(np.float32), extent[0] * extent[1] * 4)
-        else:
+            writer.add_tensor_info(tensor, extent, np.dtype(np.float32), int(np.prod(extent)) * 4)
+        else:  # an expert tensor's leading axis: [experts, rows, row bytes]
             block, size = GGML_QUANT_SIZES[qtype]
-            row_bytes = extent[1] // block * size
-            writer.add_tensor_info(
-                tensor, (extent[0], row_bytes), np.dtype(np.uint8), extent[0] * row_bytes, qtype
-            )
+            row_bytes = extent[-1] // block * size
+            stored = (*extent[:-1], row_bytes)
+            writer.add_tensor_info(tensor, stored, np.dtype(np.uint8), int(np.prod(stored)), qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -295,7 +357,8 @@ def write_random_gguf(
             scale = embed_scale if extent[0] == vocab else 0.02
             if shape.arch != "gemma3" and tensor.endswith(RESIDUAL_OUTPUTS):
                 scale /= np.sqrt(2 * shape.layers)
-            writer.write_tensor_data(random_blocks(qtype, extent[0], extent[1], rng, scale))
+            rows = int(np.prod(extent[:-1]))  # an expert tensor's experts one above the other
+            writer.write_tensor_data(random_blocks(qtype, rows, extent[-1], rng, scale))
     writer.close()
     return path
 

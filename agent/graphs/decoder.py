@@ -42,6 +42,7 @@ from agent.graphs.layers import (
     rms_norm,
     zeros,
 )
+from agent.graphs.moe import ExpertsFfn, zero_ffn
 from agent.graphs.paged_attention import PagedBackend
 from agent.model.checkpoint import Checkpoint
 from agent.model.spec import ModelSpec
@@ -105,6 +106,8 @@ class DecoderLayer(nn.Cell):
         self.ffn_norm = param(checkpoint.tensors[p + "ffn_norm"], p + "ffn_norm")
         self.has_bias = spec.qkv_bias
         self.hidden = spec.hidden_size
+        # A MoE layer: the fused kernel runs its attention (a zero FFN), ExpertsFfn its experts
+        self.moe: Any = ExpertsFfn(checkpoint, index, self.eps_tensor) if spec.is_moe(index) else None
         if fused:
             self._load_fused(checkpoint, p, share)
             self._fused_options(checkpoint, p)
@@ -163,8 +166,9 @@ class DecoderLayer(nn.Cell):
     def _load_fused(self, checkpoint: Checkpoint, p: str, share: LayerShare) -> None:
         """Each matrix in its own format (a GGUF's, float32 tiles otherwise), multiplied by the
         kernel, which applies the attention scale to the queries itself."""
+        zero = zero_ffn(self.hidden, p) if self.moe is not None else {}
         for name in MATRICES:
-            weights, _ = kept_param(checkpoint, p + name, p + name)
+            weights = zero[name] if name in zero else kept_param(checkpoint, p + name, p + name)[0]
             setattr(self, name, weights)
         ids = [int(checkpoint.blocks[p + n].qtype) if p + n in checkpoint.blocks else 0 for n in MATRICES]
         self.formats = Parameter(Tensor(np.array(ids, np.int32)), name=p + "formats", requires_grad=False)
@@ -308,7 +312,8 @@ class DecoderLayer(nn.Cell):
         before it. The caches are this layer's own Parameters, or graph inputs in an exported
         MindIR graph."""
         if self.kernel_layer is not None:
-            return self.fused(x, cos, sin, write_idx, mask, tables, row_table, k_cache, v_cache)
+            x = self.fused(x, cos, sin, write_idx, mask, tables, row_table, k_cache, v_cache)
+            return x if self.moe is None else self.moe(x, mask)
         if self.paged_attention is not None:
             return self.paged(x, cos, sin, rot, write_idx, mask, tables, row_table, k_cache, v_cache)
         q, k, v = self.qkv(x, cos, sin, rot)
@@ -328,7 +333,8 @@ class DecoderLayer(nn.Cell):
         extent = positions to attend [B*KV], row_table [B] = 0..B-1. Without: where = rows to
         attend [B*KV, L], extent = mask [B*KV, 1, L] over an attend bucket (row_table unused)."""
         if self.kernel_layer is not None:
-            return self.fused(x, cos, sin, write_idx, extent, where, row_table, k_cache, v_cache)
+            x = self.fused(x, cos, sin, write_idx, extent, where, row_table, k_cache, v_cache)
+            return x if self.moe is None else self.moe(x, extent)
         if self.paged_attention is not None:
             return self.paged(x, cos, sin, rot, write_idx, extent, where, row_table, k_cache, v_cache)
         q, k, v = self.qkv(x, cos, sin, rot)

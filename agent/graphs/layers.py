@@ -42,6 +42,7 @@ def fused_only_features(spec: ModelSpec) -> list[str]:
         "GeGLU": spec.activation != "silu",
         "sliding-window layers": bool(spec.local_layers and spec.sliding_window),
         "scaled embeddings": spec.embed_scale != 1.0,
+        "mixture-of-experts FFNs": spec.num_experts > 0,
     }
     return [name for name, present in features.items() if present]
 

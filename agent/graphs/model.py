@@ -59,7 +59,7 @@ class DecoderModel(nn.Cell):
         self.paged = paged is not None  # caches [blocks, block_size, KV heads, head_dim]
         # Every layer fused: the whole stack is one op a step (FusedStack, which takes each layer's
         # inputs in a row) instead of one op a layer.
-        fused = all(layer.kernel_layer is not None for layer in self.layers)
+        fused = all(layer.kernel_layer is not None and layer.moe is None for layer in self.layers)
         self.stack: Any = kernels.stack if fused else None
         self.stack_inputs = tuple(
             getattr(layer, name)

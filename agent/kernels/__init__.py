@@ -27,7 +27,7 @@ from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent
 BUILD_ROOT = SOURCE_DIR / "build"
-KERNELS = ("decode_attention", "skinny_matmul", "elementwise", "fused_layer")
+KERNELS = ("decode_attention", "skinny_matmul", "elementwise", "fused_layer", "moe")
 # One library for all: its thread team (thread_team.h) is one per process, whichever op calls it.
 LIBRARY = "kernels"
 # -fopenmp-simd: `omp simd` loops are vectorised; the threads are thread_team.h's, not OpenMP's.

@@ -8,6 +8,8 @@ matrices kept in their file's format (`blocks`, agent/model/quantized.py; `matri
     layers.{i}.attn_norm [D], wq [H*hd, D], wk [KV*hd, D], wv [KV*hd, D], (bq, bk, bv with QKV bias),
     wo [D, H*hd], ffn_norm [D], w_gate [F, D], w_up [F, D], w_down [D, F],
     (q_norm, k_norm [hd] with QK-norm; post_attn_norm, post_ffn_norm [D] with post-norms: Gemma 3's)
+    a MoE layer (Qwen3-MoE) instead of w_gate, w_up, w_down: router [E, D], and each expert e's
+    experts.{e}.w_gate [Fe, D], experts.{e}.w_up [Fe, D], experts.{e}.w_down [D, Fe]
 
 Norm weights multiply as they are: a Gemma checkpoint's (1 + w) is formed at load (llama.cpp's
 converter has already added the 1 in a GGUF file).
@@ -136,6 +138,7 @@ LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_u
 BIAS_TENSORS = ("bq", "bk", "bv")
 QK_NORM_TENSORS = ("q_norm", "k_norm")
 POST_NORM_TENSORS = ("post_attn_norm", "post_ffn_norm")
+DENSE_FFN_TENSORS = ("w_gate", "w_up", "w_down")  # a MoE layer's experts hold its FFN instead
 
 
 def no_progress(items: Iterable[T]) -> Iterable[T]:
@@ -170,8 +173,21 @@ def expected_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
     names = LAYER_TENSORS + (BIAS_TENSORS if spec.qkv_bias else ())
     names += (QK_NORM_TENSORS if spec.qk_norm else ()) + (POST_NORM_TENSORS if spec.post_norms else ())
     for i in range(spec.num_layers):
+        moe = spec.is_moe(i)
         for name in names:
-            yield f"layers.{i}.{name}", shapes[name]
+            if not (moe and name in DENSE_FFN_TENSORS):
+                yield f"layers.{i}.{name}", shapes[name]
+        if moe:
+            yield from expert_shapes(spec, i)
+
+
+def expert_shapes(spec: ModelSpec, layer: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A MoE layer's router [E, D] and each expert's SwiGLU matrices (in place of the dense FFN's)."""
+    d, f = spec.hidden_size, spec.expert_intermediate_size
+    yield f"layers.{layer}.router", (spec.num_experts, d)
+    for e in range(spec.num_experts):
+        for name, shape in (("w_gate", (f, d)), ("w_up", (f, d)), ("w_down", (d, f))):
+            yield f"layers.{layer}.experts.{e}.{name}", shape
 
 
 def validate(ckpt: Checkpoint) -> None:

@@ -73,6 +73,12 @@ class ModelSpec(BaseModel):
     sliding_window: int = 0  # positions a local layer attends, its own included (0: no local layers)
     local_layers: tuple[int, ...] = ()  # the layers that attend within the sliding window
     rope_local_theta: float | None = None  # the local layers' RoPE base (unscaled); None: rope_theta
+    # Qwen3-MoE's sparse FFN: a router picks experts_per_token of num_experts SwiGLU experts a token
+    num_experts: int = 0  # 0: every layer's FFN is dense
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # a MoE model's layers with a dense FFN (intermediate_size)
 
     @property
     def group_size(self) -> int:
@@ -86,6 +92,10 @@ class ModelSpec(BaseModel):
     def is_local(self, layer: int) -> bool:
         """Whether the layer attends within the sliding window (else to every earlier position)."""
         return self.sliding_window > 0 and layer in self.local_layers
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether the layer's FFN is the routed experts (else dense)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def global_layers(self) -> int:
@@ -112,4 +122,7 @@ class ModelSpec(BaseModel):
         if self.post_norms:
             per_layer += 2 * d
         head = 0 if self.tied_embeddings else v * d
-        return v * d + head + d + self.num_layers * per_layer
+        moe_layers = sum(1 for i in range(self.num_layers) if self.is_moe(i))
+        # a MoE layer's router and experts in place of the dense FFN
+        moe = self.num_experts * (d + 3 * d * self.expert_intermediate_size) - 3 * d * f
+        return v * d + head + d + self.num_layers * per_layer + moe_layers * moe

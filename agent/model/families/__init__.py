@@ -18,6 +18,7 @@ MODULES = (
     "llama",
     "qwen2",
     "qwen3",
+    "qwen3moe",
     "phi3",
     "gemma3",
     "internlm2",

@@ -4,6 +4,7 @@ in it (agent/model/quantized.py), the rest (norms, other types) dequantized by t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -26,7 +27,7 @@ from agent.model.checkpoint import (
 )
 from agent.model.families import GgufLayout, gguf_layout
 from agent.model.families.base import packed_parts
-from agent.model.formats.gguf_header import GgufFile
+from agent.model.formats.gguf_header import GgufFile, GgufTensor
 from agent.model.quantized import BlockMatrix, block_shape, has_kernel
 from agent.model.spec import ModelSpec, RopeScaling
 
@@ -171,8 +172,26 @@ def _parts(
     attn_qkv, ffn_up: families.base.PACKED) once for each of its parts."""
     for t in reader.tensors:
         name = layout.canonical_name(t.name)
+        if name is not None and len(t.shape) == 3:  # a MoE layer's experts: each its own matrix
+            yield from _experts(t, name)
+            continue
         for part, rows in [(None, None)] if name is None else packed_parts(name, spec):
             yield t, part, rows
+
+
+def _experts(t: GgufTensor, name: str) -> Iterator[tuple[GgufTensor, str, None]]:
+    """A 3-D tensor of llama.cpp's experts [experts, out, in] ("layers.<i>.experts.w_gate") as each
+    expert's matrix, a view of its data ("layers.<i>.experts.<e>.w_gate")."""
+    prefix, _, short = name.rpartition(".")
+    experts = int(t.shape[2])
+    size = t.n_bytes // experts
+    rows = int(t.shape[1])
+    for e in range(experts):
+        data = t.data[e] if t.data.ndim == 3 else t.data[e * rows : (e + 1) * rows]
+        view = dataclasses.replace(
+            t, name=f"{t.name}[{e}]", shape=t.shape[:2], data=data, n_bytes=size, start=t.start + e * size
+        )
+        yield view, f"{prefix}.{e}.{short}", None
 
 
 def _kept_in_format(name: str, t) -> bool:

@@ -20,11 +20,12 @@ from agent.model.families.base import GgufLayout, HfLayout, packed_parts
 from agent.model.spec import ModelSpec
 from agent.model.tokenizer import TEMPLATES
 
-GGUF_ARCHITECTURES = {name: name for name in ("llama", "qwen2", "qwen3", "phi3", "gemma3")}
+GGUF_ARCHITECTURES = {name: name for name in ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3")}
 HF_MODEL_TYPES = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
     "phi3": "phi3",
     "internlm2": "internlm2",
     "mistral": "mistral",
@@ -73,14 +74,14 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(name):
     with pytest.raises(CheckpointError) as gguf_refusal:
         families.gguf_layout(name, Path("m.gguf"))
     assert (
-        str(gguf_refusal.value)
-        == f"m.gguf: unsupported architecture {name!r} (supported: llama, qwen2, qwen3, phi3, gemma3)"
+        str(gguf_refusal.value) == f"m.gguf: unsupported architecture {name!r} "
+        "(supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3)"
     )
     with pytest.raises(CheckpointError) as hf_refusal:
         families.hf_layout(name, Path("m"))
     assert (
-        str(hf_refusal.value)
-        == f"m: unsupported architecture {name!r} (supported: llama, qwen2, qwen3, phi3, internlm2, mistral)"
+        str(hf_refusal.value) == f"m: unsupported architecture {name!r} "
+        "(supported: llama, qwen2, qwen3, qwen3_moe, phi3, internlm2, mistral)"
     )
 
 
@@ -101,8 +102,13 @@ def layer_tensors(spec: ModelSpec) -> set[str]:
     return {f"layers.1.{name}" for name in names}
 
 
+# What a MoE family requires of its files (Qwen3-MoE's); the dense families read none of it
+MOE_METADATA = {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 16}
+MOE_CONFIG = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+
+
 def no_metadata(key, default=None, required=True):
-    return default
+    return MOE_METADATA.get(key, default)
 
 
 @pytest.mark.parametrize("layout", families.GGUF.values(), ids=families.GGUF.keys())
@@ -122,7 +128,7 @@ def test_each_gguf_layout_maps_every_tensor_its_layers_read(layout: GgufLayout):
 
 @pytest.mark.parametrize("layout", families.HF.values(), ids=families.HF.keys())
 def test_each_hf_layout_maps_every_tensor_its_layers_read(layout: HfLayout):
-    fields = layout.spec_fields({"num_hidden_layers": 2}) if layout.spec_fields else {}
+    fields = layout.spec_fields({"num_hidden_layers": 2, **MOE_CONFIG}) if layout.spec_fields else {}
     biases = any(name.endswith(".bias") for name in layout.layer_names)  # Phi-3 has none
     spec = tiny_spec(layout.model_type, qkv_bias=biases, **fields)
     # every tensor the layout names, bias included, as it lies in the files: packed Q/K/V rows are
@@ -137,3 +143,17 @@ def test_each_hf_layout_maps_every_tensor_its_layers_read(layout: HfLayout):
     if layout.transform is not None:
         layout.transform(tensors, spec)
     assert set(tensors) >= layer_tensors(spec) | GLOBAL_TENSORS
+
+
+def test_qwen3moe_names_its_router_and_every_experts_matrices():
+    """GGUF: the 3-D expert tensors (split per expert by the reader); HF: one tensor per expert,
+    any number of them; transformers' mlp_only_layers and decoder_sparse_step make dense layers."""
+    gguf, hf = families.GGUF["qwen3moe"], families.HF["qwen3_moe"]
+    assert gguf.canonical_name("blk.3.ffn_gate_inp.weight") == "layers.3.router"
+    assert gguf.canonical_name("blk.3.ffn_down_exps.weight") == "layers.3.experts.w_down"
+    assert hf.canonical_name("model.layers.3.mlp.gate.weight") == "layers.3.router"
+    assert hf.canonical_name("model.layers.3.mlp.experts.127.up_proj.weight") == "layers.3.experts.127.w_up"
+    assert hf.canonical_name("model.layers.3.mlp.experts.x.up_proj.weight") is None
+    assert hf.spec_fields is not None
+    config = {"num_hidden_layers": 6, **MOE_CONFIG, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert hf.spec_fields(config)["dense_layers"] == (0, 2, 3, 4)

@@ -26,7 +26,10 @@ def test_default_config_serves_the_embedded_model_on_cpu():
     [
         ("runtime:\n  num_slots: 0\n", "runtime.num_slots"),
         ("runtime:\n  bogus: 1\n", "runtime.bogus"),
-        ("runtime:\n  max_seq_len: 1024\n", "attend_buckets must equal max_seq_len"),
+        (
+            "runtime:\n  max_seq_len: 1024\n  attend_buckets: [256, 512, 2048]\n",
+            "attend_buckets must equal max_seq_len \\(1024\\), got \\[256, 512, 2048\\]",
+        ),
         ("runtime:\n  prefill_buckets: [4096]\n", "prefill_buckets may not exceed max_seq_len"),
         ("runtime:\n  num_slots: 32\n", "decode_batch_buckets must be at least num_slots"),
         ("runtime:\n  device_target: TPU\n", "runtime.device_target"),
@@ -136,6 +139,22 @@ def test_bad_config_names_the_problem(tmp_path, body, message):
     path.write_text(body)
     with pytest.raises(ConfigError, match=message):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    "max_seq_len, attend, prefill",
+    [
+        (1024, [256, 512, 1024], [32, 64, 128, 512]),
+        (200, [200], [32, 64, 128, 200]),
+        (4096, [256, 512, 2048, 4096], [32, 64, 128, 512]),
+    ],
+)
+def test_default_buckets_follow_the_users_max_seq_len(tmp_path, max_seq_len, attend, prefill):
+    """Buckets left out end at the configured max_seq_len (issue #57: 1024 alone stopped the agent)."""
+    path = tmp_path / "runtime.yaml"
+    path.write_text(f"runtime:\n  max_seq_len: {max_seq_len}\n")
+    runtime = load_config(path).runtime
+    assert (runtime.attend_buckets, runtime.prefill_buckets) == (attend, prefill)
 
 
 def test_groups_give_ports_roles_and_addresses():

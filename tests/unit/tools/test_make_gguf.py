@@ -23,3 +23,23 @@ def test_a_llamas_output_projections_are_scaled_by_its_depth(tmp_path, default_m
     assert sorted(sizes) == sorted(matrices)
     for name, stds in sizes.items():
         assert np.allclose(stds, expected[name], rtol=0.05), (name, stds)
+
+
+def test_the_moe_shapes_hold_their_models_total_and_active_weights():
+    """qwen3-30b-a3b: Qwen3-30B-A3B's 30.5B weights, 3.3B a token (its vocabulary of 151,936);
+    moe-7b-a1b: about 7B, 1B a token with the default tokenizer's 49,152."""
+    from tools.make_gguf import SHAPES, tensor_shapes
+
+    def counts(name: str, vocab: int) -> tuple[float, float]:
+        shape = SHAPES[name]
+        total = active = 0
+        for tensor, dims in tensor_shapes(shape):
+            size = int(np.prod([vocab if d == -1 else d for d in dims]))
+            total += size
+            active += size * shape.experts_used // shape.experts if "_exps" in tensor else size
+        return total / 1e9, active / 1e9
+
+    total, active = counts("qwen3-30b-a3b", 151936)
+    assert abs(total - 30.5) < 0.1 and abs(active - 3.3) < 0.1, (total, active)
+    total, active = counts("moe-7b-a1b", 49152)
+    assert 6.5 < total < 7.5 and 0.9 < active < 1.3, (total, active)
