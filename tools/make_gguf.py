@@ -274,6 +274,45 @@ def cut_vocabulary(fields: dict, limit: int) -> dict:
     return cut
 
 
+def add_shape(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
+    """The shape's hyperparameters as the GGUF keys of its arch."""
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(shape.hd)
+    writer.add_value_length(shape.hd)
+    writer.add_rope_freq_base(shape.rope_base)
+    writer.add_layer_norm_rms_eps(1e-6 if shape.arch == "gemma3" else 1e-5)
+    writer.add_vocab_size(vocab)
+    if shape.window:
+        writer.add_sliding_window(shape.window)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
+
+
+def tensor_plan(
+    shape: Shape, vocab: int, types: Callable[[str, int], GGMLQuantizationType]
+) -> list[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    """Each tensor's (GGUF name, extent, type): vectors F32, matrices of `types` where the row fits."""
+    plan: list[tuple[str, tuple[int, ...], GGMLQuantizationType]] = []
+    for tensor, dims in tensor_shapes(shape):
+        if len(dims) == 1:
+            plan.append((tensor, dims, T.F32))
+            continue
+        *experts, rows, cols = dims
+        rows = vocab if rows == -1 else rows
+        asked = "token_embd.weight (tied)" if tensor == "token_embd.weight" and shape.tied else tensor
+        # llama.cpp keeps a router in F32
+        qtype = T.F32 if tensor.endswith("ffn_gate_inp.weight") else fitting(types(asked, shape.layers), cols)
+        plan.append((tensor, (*experts, rows, cols), qtype))
+    return plan
+
+
 def write_random_gguf(
     path: Path,
     shape: Shape,
@@ -300,43 +339,16 @@ def write_random_gguf(
     if vocab_limit is not None:
         values = cut_vocabulary(values, vocab_limit)
     vocab = len(values["tokenizer.ggml.tokens"])
-    hd = shape.hd
     writer = GGUFWriter(str(path), shape.arch)
     writer.add_name(name)
-    writer.add_block_count(shape.layers)
-    writer.add_context_length(shape.context)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_feed_forward_length(shape.ffn)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_key_length(hd)
-    writer.add_value_length(hd)
-    writer.add_rope_freq_base(shape.rope_base)
-    writer.add_layer_norm_rms_eps(1e-6 if shape.arch == "gemma3" else 1e-5)
-    writer.add_vocab_size(vocab)
-    if shape.window:
-        writer.add_sliding_window(shape.window)
-    if shape.experts:
-        writer.add_expert_count(shape.experts)
-        writer.add_expert_used_count(shape.experts_used)
-        writer.add_expert_feed_forward_length(shape.expert_ffn)
+    add_shape(writer, shape, vocab)
     for key, (_, kind) in fields.items():
         if kind == GGUFValueType.ARRAY:
             writer.add_array(key, values[key])
         else:
             writer.add_key_value(key, values[key], kind)
     rng = np.random.default_rng(seed)
-    plan: list[tuple[str, tuple[int, ...], GGMLQuantizationType]] = []
-    for tensor, dims in tensor_shapes(shape):
-        if len(dims) == 1:
-            plan.append((tensor, dims, T.F32))
-            continue
-        *experts, rows, cols = dims
-        rows = vocab if rows == -1 else rows
-        asked = "token_embd.weight (tied)" if tensor == "token_embd.weight" and shape.tied else tensor
-        # llama.cpp keeps a router in F32
-        qtype = T.F32 if tensor.endswith("ffn_gate_inp.weight") else fitting(types(asked, shape.layers), cols)
-        plan.append((tensor, (*experts, rows, cols), qtype))
+    plan = tensor_plan(shape, vocab, types)
     for tensor, extent, qtype in plan:
         if len(extent) == 1:
             writer.add_tensor_info(tensor, extent, np.dtype(np.float32), extent[0] * 4)
