@@ -3,31 +3,16 @@ streamed at every cut alike, answers that open the block themselves (Qwen3) or s
 (the R1 distills, whose template opens it: rendered from the real templates), which templates
 reason, and hostile answers read in linear time."""
 
-import contextlib
-import signal
 from pathlib import Path
 
 import pytest
 
 from agent.model.chat_template import ChatTemplate
 from server import reasoning
+from time_limit import deadline
 
 TEMPLATES = Path(__file__).parents[1] / "agent" / "chat_templates"
 CHAT = [{"role": "user", "content": "Hi"}]
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def template(name: str) -> str:

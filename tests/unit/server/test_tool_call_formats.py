@@ -3,9 +3,7 @@
 grammar for tool_choice required, and a history's calls written back through Llama 3.1's template;
 hostile answers read in linear time."""
 
-import contextlib
 import json
-import signal
 from pathlib import Path
 
 import llguidance
@@ -16,6 +14,7 @@ from agent.model.tokenizer import load_tokenizer
 from server import tool_calls
 from server.openai_schema import ChatCompletionRequest, Tool
 from server.structured_output import _grammar_text
+from time_limit import deadline
 
 TOOLS = [
     Tool.model_validate(
@@ -26,22 +25,6 @@ TOOLS = [
 TEMPLATES = Path(__file__).parents[1] / "agent" / "chat_templates"
 LLAMA3 = tool_calls.LLAMA3_JSON
 WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Fails the block if it runs longer."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def template(name: str) -> str:

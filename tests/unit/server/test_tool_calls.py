@@ -2,9 +2,7 @@
 streamed text held back around a call, and the prompt for templates without tools; hostile answers
 and histories (unclosed tags, JSON nested past the bound) read in linear time, without a 500."""
 
-import contextlib
 import json
-import signal
 
 import pytest
 
@@ -12,6 +10,7 @@ from server import tool_calls
 from server.errors import ApiError
 from server.openai_schema import ChatCompletionRequest, Tool
 from server.request_body import MAX_JSON_DEPTH
+from time_limit import deadline
 
 TOOLS = [
     Tool.model_validate(
@@ -29,22 +28,6 @@ def call_text(name: str, arguments: dict | str) -> str:
 def nested(depth: int) -> str:
     """A JSON value `depth` levels deep: {"a": [[...]]}."""
     return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Fails the block if it runs longer (SIGALRM: `re` checks signals while it backtracks)."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def test_tagged_calls_are_read_and_the_rest_is_content():
