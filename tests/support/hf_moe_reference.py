@@ -149,15 +149,7 @@ def write_gguf(
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    for key, value in hf.vocabulary_fields(VOCABULARY).items():
-        if isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_string(key, value)
+    hf.add_vocabulary(writer, hf.vocabulary_fields(VOCABULARY))
     for hf_name, array in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
         if hf_name in hf.GLOBAL_NAMES:
             writer.add_tensor(hf.GLOBAL_NAMES[hf_name], np.ascontiguousarray(array, np.float32))

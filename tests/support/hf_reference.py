@@ -86,6 +86,19 @@ def suite_texts(family: str) -> list[str]:
     return [t for t in text.split("\n__ggml_vocab_test__\n") if t.strip()]
 
 
+def add_vocabulary(writer: gguf.GGUFWriter, fields: dict) -> None:
+    """The vocabulary's tokenizer.* keys (vocabulary_fields) into a GGUF being written."""
+    for key, value in fields.items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_string(key, value)
+
+
 def build(family: str, directory: Path, seed: int):
     """The family's tiny model (2 layers, hidden 64, 4 query heads, 2 KV heads, FFN 128) with random
     weights spread so logits are far apart (transformers' init of 0.02 gives near-ties everywhere):
@@ -169,15 +182,7 @@ def write_gguf(hf_dir: Path, path: Path, family: str) -> Path:
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    for key, value in vocabulary_fields(family).items():
-        if isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_string(key, value)
+    add_vocabulary(writer, vocabulary_fields(family))
     tensors = load_file(str(hf_dir / "model.safetensors"))
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_factors(rope, head_dim))
