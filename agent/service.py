@@ -21,6 +21,8 @@ from agent.contract.sampling import Sampled, SequenceFault, TokenLogprob
 from agent.contract.step import MAX_DRAFT_TOKENS, BlockTable, KVTransfer, Proposal, StepRequest
 from agent.contract.step_reply import StepReply
 from agent.drafter import Drafter
+from agent.kv_tier_moves import export_blocks, import_blocks
+from agent.kv_tiers import KVTierStore
 from agent.kv_transfer import KVSender, TransferError, export_kv, import_kv, largest_kv_transfer_bytes
 from agent.runner import ModelRunner, RunnerError
 
@@ -31,6 +33,9 @@ CANCELLED_TICKETS_KEPT = 4096
 # Room for any header (small fields; a KV state lists at most a sequence's tokens) and any token or
 # slot array, whatever the model: the floor of an agent's largest legal frame.
 HEADER_AND_TOKENS_BYTES = 1 << 20
+# The second tier's blocks named in the info reply (64 hex digits each: 2 MiB at most); the rest are
+# only not looked up
+REPORTED_TIER_KEYS = 1 << 15
 
 
 def largest_frame_bytes(runner: ModelRunner, role: str) -> int:
@@ -56,8 +61,10 @@ class AgentService:
         role: str = "mixed",
         sender: KVSender | None = None,
         drafter: Drafter | None = None,
+        tiers: KVTierStore | None = None,
     ):
         self.runner = runner
+        self.tiers = tiers  # the prefix cache's second tier (agent/kv_tiers.py), None: off
         self.drafter = drafter  # the draft model's proposals (runtime.speculation method draft)
         self.sender = sender  # a prefill agent's connections to the decode agents
         self.facts = {
@@ -82,6 +89,8 @@ class AgentService:
             "port": port,
             "max_frame_bytes": largest_frame_bytes(runner, role),
         }
+        if tiers is not None:  # what a previous run left on disk: the scheduler's index starts from it
+            self.facts["kv_tier_keys"] = tiers.recent_keys(REPORTED_TIER_KEYS)
         self.shutdown_requested = False
         self.session: int | None = None  # set by `reset`; see protocol.py
         self.epoch = 0  # the start time of the server holding the session: an older one cannot reset
@@ -180,6 +189,7 @@ class AgentService:
         request = StepRequest.from_wire(header, arrays, self.runner.num_slots)
         if request.transfer is not None and self.sender is None:
             raise ValueError("this agent sends no KV (its role is not prefill)")
+        restore_failed = self._move_tiers(request)
         slots, tables = list(request.slots), list(request.tables)
         drafts = self._proposals(request.drafts, slots, tables)
         decoded, firsts = self.runner.run(slots, tables, request.chunks, request.masks, drafts)
@@ -190,10 +200,36 @@ class AgentService:
             prompts=[
                 None if c.prompt_logprobs is None else self.runner.prompt_scores for c in request.chunks
             ],
+            restore_failed=restore_failed,
         )
         if request.transfer is not None:
             reply = self._send_kv(request.chunks[0].slot, request.transfer, reply)
         return reply.to_wire()
+
+    def _move_tiers(self, request: StepRequest) -> list[str]:
+        """The step's spills into the tier, then its restores out of it, before anything computes
+        (a spilled block may be the one a restore or a chunk writes next); returns the restores'
+        digests the tier no longer had (their blocks are left as they are)."""
+        if not (request.spill or request.restore):
+            return []
+        if self.tiers is None:
+            raise ValueError("this agent keeps no KV tier (runtime.kv_tiers)")
+        if request.spill:
+            kvs = export_blocks(self.runner, [block for block, _ in request.spill])
+            for (_, digest), kv in zip(request.spill, kvs):
+                self.tiers.put(digest, kv)
+        blocks: list[int] = []
+        held: list[np.ndarray] = []
+        failed: list[str] = []
+        for digest, block in request.restore:
+            found = self.tiers.get(digest)
+            if found is None:
+                failed.append(digest)
+            else:
+                blocks.append(block)
+                held.append(found)
+        import_blocks(self.runner, blocks, held)
+        return failed
 
     def _send_kv(self, slot: int, transfer: KVTransfer, reply: StepReply) -> StepReply:
         """A prefill agent's prompt: its KV sent to the decode agent's slot, this slot free again

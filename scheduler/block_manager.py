@@ -24,10 +24,23 @@ or for unsalted ones.
 A freed registered block keeps its KV and stays hit-able until it is needed for a new allocation:
 free uncached blocks go first, then cached ones least recently freed first (a freed table goes tail
 first, so a prefix outlives its continuations).
+
+A second tier (`tiered`: the agents' host memory and disk, agent/kv_tiers.py) keeps what the pool
+evicts. It needs names that outlive this process, so each content also has a digest: the hex
+SHA-256 chain over the parent's digest (the salt's, for a first block) and the block's tokens. An
+evicted content with no other holder is queued in `spills` (block, digest): the agent must copy
+that block out in the next step, before the step writes it. `tier_keys` are the digests the tier
+holds (spilled here, or reported by the agents at start). A lookup that ends in the pool goes on in
+`tier_keys`; those blocks are allocated fresh, queued in `restores` (digest, block) for the agent
+to read back before it computes, and count as hit positions. They are registered only by
+computed(), as any block is, once the step that restored them succeeded: a restore that failed
+(the tier lost the block) is never hit by another sequence; `restore_failed` forgets its digests,
+and the scheduler recomputes that sequence from the failed block on.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +59,7 @@ class _Content:
 
     key: ContentKey
     serial: int
+    digest: str  # the hex SHA-256 chain: the second tier's name for it
     holders: dict[int, None] = field(default_factory=dict)
 
 
@@ -56,15 +70,20 @@ class _Progress:
 
     blocks: int = 0
     serial: int | str = _ROOT
+    digest: str = ""
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, tiered: bool = False
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tiered = tiered and enable_prefix_caching
+        self.tier_hit_tokens = 0  # cumulative: of the hit tokens, the ones restored from the tier
         self.query_tokens = 0  # cumulative: prompt tokens looked up in the cache
         self.hit_tokens = 0  # cumulative: of those, the ones found computed
         self.reset()
@@ -79,6 +98,10 @@ class BlockManager:
         self._next_serial = _ROOT + 1
         self._tables: dict[Hashable, list[int]] = {}
         self._progress: dict[Hashable, _Progress] = {}
+        # the tier outlives the pool (an agent restart re-seeds it: seed_tier)
+        self.tier_keys: set[str] = set()
+        self.spills: list[tuple[int, str]] = []  # (block, digest): copy out before overwriting
+        self.restores: list[tuple[str, int]] = []  # (digest, block): read back before computing
 
     # --- gauges and queries ---
 
@@ -108,7 +131,7 @@ class BlockManager:
     def blocks_needed(self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True) -> int:
         """Free blocks `allocate(key, tokens, salt, reuse)` would take now (hits on blocks in use
         cost none)."""
-        hits = self._lookup(tokens, salt) if reuse else []
+        hits, _ = self._lookup(tokens, salt) if reuse else ([], [])
         return self.blocks_for(len(tokens)) - sum(1 for _, block in hits if self._refs[block])
 
     def can_allocate(self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True) -> bool:
@@ -126,7 +149,7 @@ class BlockManager:
         nothing, when the free blocks do not suffice."""
         if key in self._tables:
             raise ValueError(f"{key!r} already has a block table")
-        hits = self._lookup(tokens, salt) if reuse else []
+        hits, tier = self._lookup(tokens, salt) if reuse else ([], [])
         total = self.blocks_for(len(tokens))
         if total - sum(1 for _, block in hits if self._refs[block]) > self.num_free:
             return None
@@ -137,12 +160,20 @@ class BlockManager:
             self._refs[block] += 1
             table.append(block)
         table.extend(self._take() for _ in range(total - len(hits)))
+        # the tier's blocks follow the pool's: restored into the first fresh ones
+        self.restores += zip(tier, table[len(hits) : len(hits) + len(tier)])
         self._tables[key] = table
-        self._progress[key] = _Progress(len(hits), hits[-1][0].serial if hits else _root(salt))
-        hit = len(hits) * self.block_size
+        last = hits[-1][0] if hits else None
+        self._progress[key] = (
+            _Progress(len(hits), last.serial, last.digest)
+            if last
+            else _Progress(0, _root(salt), _root_digest(salt))
+        )
+        hit = (len(hits) + len(tier)) * self.block_size
         if self.enable_prefix_caching:
             self.query_tokens += len(tokens)
             self.hit_tokens += hit
+            self.tier_hit_tokens += len(tier) * self.block_size
         return hit
 
     def append(self, key: Hashable, length: int) -> bool:
@@ -170,13 +201,14 @@ class BlockManager:
             content_key = (progress.serial, tuple(tokens[i * size : (i + 1) * size]))
             content = self._contents.get(content_key)
             if content is None:
-                content = self._contents[content_key] = _Content(content_key, self._next_serial)
+                digest = _digest(progress.digest, content_key[1])
+                content = self._contents[content_key] = _Content(content_key, self._next_serial, digest)
                 self._next_serial += 1
             block = table[i]
             assert block not in self._content_of, f"block {block} is registered twice"
             content.holders[block] = None
             self._content_of[block] = content
-            progress.blocks, progress.serial = i + 1, content.serial
+            progress.blocks, progress.serial, progress.digest = i + 1, content.serial, content.digest
 
     def truncate(self, key: Hashable, length: int) -> None:
         """Shrink `key`'s table to the blocks of `length` positions: blocks taken for positions it
@@ -204,24 +236,57 @@ class BlockManager:
                 else:
                     self._free_plain.append(block)
 
+    # --- the second tier ---
+
+    def seed_tier(self, digests: Sequence[str]) -> None:
+        """The tier's blocks as an agent reported them (at start: what its disk kept)."""
+        if self.tiered:
+            self.tier_keys.update(digests)
+
+    def take_spills(self) -> list[tuple[int, str]]:
+        """The (block, digest) pairs to copy out in the next step, before it writes them."""
+        spills, self.spills = self.spills, []
+        return spills
+
+    def take_restores(self) -> list[tuple[str, int]]:
+        """The (digest, block) pairs to read back in the next step, before it computes."""
+        restores, self.restores = self.restores, []
+        return restores
+
+    def restore_failed(self, digests: Sequence[str]) -> None:
+        """The tier did not have these (evicted, dropped, corrupt): never looked up there again.
+        Their blocks were never registered, so nothing else hit them."""
+        self.tier_keys.difference_update(digests)
+
     # --- internals ---
 
-    def _lookup(self, tokens: Sequence[int], salt: str | None) -> list[tuple[_Content, int]]:
+    def _lookup(
+        self, tokens: Sequence[int], salt: str | None
+    ) -> tuple[list[tuple[_Content, int]], list[str]]:
         """The cached run of full blocks matching tokens' prefix, at most len(tokens) - 1 positions:
-        (content, block) per block, preferring a holder in use (it costs no free block)."""
+        (content, block) per block, preferring a holder in use (it costs no free block); then the
+        digests of the run that goes on in the tier."""
         if not self.enable_prefix_caching:
-            return []
+            return [], []
         size = self.block_size
         hits: list[tuple[_Content, int]] = []
-        serial = _root(salt)
-        for i in range(max(len(tokens) - 1, 0) // size):
+        serial, digest = _root(salt), _root_digest(salt)
+        limit = max(len(tokens) - 1, 0) // size
+        for i in range(limit):
             content = self._contents.get((serial, tuple(tokens[i * size : (i + 1) * size])))
             if content is None:
                 break
             block = next((b for b in content.holders if self._refs[b]), next(iter(content.holders)))
             hits.append((content, block))
-            serial = content.serial
-        return hits
+            serial, digest = content.serial, content.digest
+        tier: list[str] = []
+        if self.tiered:
+            for i in range(len(hits), limit):
+                digest = _digest(digest, tokens[i * size : (i + 1) * size])
+                if digest not in self.tier_keys:
+                    break
+                tier.append(digest)
+        return hits, tier
 
     def _take(self) -> int:
         """A free block for new KV: an uncached one if any, else the least recently freed cached one,
@@ -234,6 +299,9 @@ class BlockManager:
             del content.holders[block]
             if not content.holders:
                 del self._contents[content.key]
+                if self.tiered:  # its last copy: into the tier, before the new owner writes it
+                    self.spills.append((block, content.digest))
+                    self.tier_keys.add(content.digest)
         self._refs[block] = 1
         return block
 
@@ -241,3 +309,16 @@ class BlockManager:
 def _root(salt: str | None) -> int | str:
     """The parent of a sequence's first block: the common root, or its cache salt."""
     return _ROOT if salt is None else salt
+
+
+def _root_digest(salt: str | None) -> str:
+    """The digest chain's start: the common root's, or the salt's (kept apart from the root's)."""
+    seed = b"root" if salt is None else b"salt:" + salt.encode()
+    return hashlib.sha256(seed).hexdigest()
+
+
+def _digest(parent: str, tokens: Sequence[int]) -> str:
+    """A block's digest: its parent's and its tokens (as fixed-width integers: no two token lists
+    give the same bytes)."""
+    payload = bytes.fromhex(parent) + b"".join(t.to_bytes(8, "little", signed=True) for t in tokens)
+    return hashlib.sha256(payload).hexdigest()

@@ -78,8 +78,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-# 10: prefill and decode are steps (one op, typed request and reply); 11: chunks may ask for prompt logprobs
-PROTOCOL_VERSION = 11
+# 10: prefill and decode are steps (one op, typed request and reply); 11: chunks may ask for prompt logprobs;
+# 12: steps spill and restore blocks of the prefix cache's second tier (an older agent would ignore them)
+PROTOCOL_VERSION = 12
 OPS = ("info", "step", "release", "kv_receive", "reset", "ping", "shutdown")
 SESSION_OPS = ("step", "release", "kv_receive", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent

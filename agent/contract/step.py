@@ -36,6 +36,7 @@ import numpy as np
 from agent.contract.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_DRAFT_TOKENS = 16  # tokens proposed for one slot in one step (speculative decoding)
+MAX_TIER_MOVES = 1 << 16  # blocks one step spills or restores (the prefix cache's second tier)
 
 # Speculative decoding's proposal for one decoding slot of a step (`drafts`): the tokens proposed
 # after its pending token (the server's n-gram lookup), or how many of them the agent's draft model
@@ -193,6 +194,10 @@ class StepRequest:
     masks: TokenMasks = field(default_factory=dict)
     drafts: Mapping[int, Proposal] = field(default_factory=dict)
     transfer: KVTransfer | None = None
+    # the prefix cache's second tier (agent/kv_tiers.py), both before anything computes: (block,
+    # digest) to copy out of the pool, then (digest, block) to read back into it
+    spill: Sequence[tuple[int, str]] = ()
+    restore: Sequence[tuple[str, int]] = ()
 
     @property
     def kind(self) -> str:
@@ -213,6 +218,10 @@ class StepRequest:
             fields["drafts"] = [[s, p if isinstance(p, int) else list(p)] for s, p in self.drafts.items()]
         if self.transfer is not None:
             fields["transfer"] = self.transfer.to_wire()
+        if self.spill:
+            fields["spill"] = [[b, d] for b, d in self.spill]
+        if self.restore:
+            fields["restore"] = [[d, b] for d, b in self.restore]
         if self.masks:
             fields["masked"] = list(self.masks)
             arrays.append(np.stack([self.masks[s] for s in self.masks]).astype(np.int32))
@@ -246,7 +255,9 @@ class StepRequest:
         transfer = KVTransfer.from_wire(header["transfer"]) if "transfer" in header else None
         if transfer is not None and (len(slots) or len(chunks) != 1 or not chunks[0].sample):
             raise ValueError("a step that sends its KV computes one whole prompt alone (sample: true)")
-        return cls(slots.tolist(), list(arrays[1]), chunks, masks, drafts, transfer)
+        spill = [(b, d) for d, b in _tier_moves(header, "spill", swapped=True)]
+        restore = _tier_moves(header, "restore")
+        return cls(slots.tolist(), list(arrays[1]), chunks, masks, drafts, transfer, spill, restore)
 
 
 def block_tables(tables: Sequence[BlockTable]) -> np.ndarray:
@@ -293,6 +304,27 @@ def _drafts(header: dict) -> dict[int, Proposal]:
     if len(found) != len(drafts):
         raise ValueError("field 'drafts' names a slot twice")
     return found
+
+
+def _tier_moves(header: dict, name: str, swapped: bool = False) -> list[tuple[str, int]]:
+    """A step's `restore` ([[digest, block], ...]) or, `swapped`, `spill` ([[block, digest], ...]),
+    as (digest, block) pairs; a digest is 64 lowercase hex digits (the runner checks the blocks)."""
+    moves = header.get(name, [])
+    if not isinstance(moves, list) or len(moves) > MAX_TIER_MOVES:
+        raise ValueError(f"field {name!r} must list at most {MAX_TIER_MOVES} pairs")
+    out = []
+    for move in moves:
+        if not isinstance(move, list) or len(move) != 2:
+            raise ValueError(f"field {name!r} must list [block, digest] or [digest, block] pairs")
+        digest, block = reversed(move) if swapped else move
+        if type(block) is not int or not 0 <= block < 2**31 or not _is_digest(digest):
+            raise ValueError(f"field {name!r}: a block id and a digest of 64 lowercase hex digits")
+        out.append((digest, block))
+    return out
+
+
+def _is_digest(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _prompt_logprobs(value: Any) -> tuple[int | None, int | None]:

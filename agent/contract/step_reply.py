@@ -5,7 +5,9 @@ On the wire (protocol.py `step`): one int32 array of the decode slots' tokens, s
 `chunk_tokens` (each chunk's first token, null unless it samples), and where any entry is not null
 `logprobs` and `errors` (one per decode token), `chunk_logprobs` and `chunk_errors` (one per chunk);
 a step that sent its KV adds kv_bytes and transfer_ms; where a chunk scores its prompt positions,
-`chunk_prompt_logprobs` holds per chunk its entries (StepChunk.scores of them) or null.
+`chunk_prompt_logprobs` holds per chunk its entries (StepChunk.scores of them) or null;
+`restore_failed` lists the digests of the request's `restore` that the tier no longer had (their
+blocks hold no valid KV: the scheduler recomputes from there).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class StepReply:
     # each chunk's prompt logprobs (StepChunk.prompt_logprobs), None where it asked none; empty:
     # no chunk asked
     prompts: Sequence[Sequence[PromptLogprob] | None] = ()
+    restore_failed: Sequence[str] = ()
 
     def to_wire(self) -> tuple[dict[str, Any], list[np.ndarray]]:
         tokens = [s for slot in self.decoded for s in slot]
@@ -45,6 +48,8 @@ class StepReply:
             fields["chunk_prompt_logprobs"] = [
                 None if p is None else [e.to_wire() for e in p] for p in self.prompts
             ]
+        if self.restore_failed:
+            fields["restore_failed"] = list(self.restore_failed)
         return fields, [np.asarray([s.token for s in tokens], np.int32)]
 
     @classmethod
@@ -89,13 +94,21 @@ class StepReply:
             for t, s in zip(firsts, _sampled(firsts, header, "chunk_", vocab_size, peer))
         ]
         prompts = _prompt_logprobs(header, request, vocab_size)
+        failed = header.get("restore_failed", [])
+        if (
+            not isinstance(failed, list)
+            or not all(isinstance(d, str) for d in failed)
+            or not set(failed) <= {d for d, _ in request.restore}
+        ):
+            raise ValueError("step reply's restore_failed names digests its request did not restore")
+        failed = tuple(failed)
         sent = request.transfer is not None and chunk_firsts[0] is not None and chunk_firsts[0].fault is None
         if not sent:
-            return cls(decoded, chunk_firsts, prompts=prompts)
+            return cls(decoded, chunk_firsts, prompts=prompts, restore_failed=failed)
         kv_bytes, transfer_ms = header.get("kv_bytes"), header.get("transfer_ms")
         if type(kv_bytes) is not int or not isinstance(transfer_ms, (int, float)):
             raise ValueError("step reply without the size and time of its KV transfer")
-        return cls(decoded, chunk_firsts, kv_bytes, float(transfer_ms), prompts)
+        return cls(decoded, chunk_firsts, kv_bytes, float(transfer_ms), prompts, failed)
 
 
 def _prompt_logprobs(

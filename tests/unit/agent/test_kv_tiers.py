@@ -1,0 +1,174 @@
+"""The prefix cache's second tier (agent/kv_tiers.py): blocks come back exactly as put, from host
+memory or from disk (also in a new store over the same folder: a restart), each tier stays within
+its bytes evicting least recently used first, and a file that is truncated, corrupt, of another
+model or of another layout is ignored and counted, never returned."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+from agent.kv_tiers import SUFFIX, KVLayout, KVTierStore
+
+LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=4, block_size=4, dtype="float16", kernel_layout="paged")
+BLOCK = LAYOUT.nbytes  # 2*2*2*4*4 * 2 bytes = 256
+MODEL = "weights-sha256:abc"
+
+
+def key(i: int) -> str:
+    return f"{i:016x}"
+
+
+def block(i: int) -> np.ndarray:
+    return np.random.default_rng(i).standard_normal(LAYOUT.shape).astype(LAYOUT.dtype)
+
+
+def disk_store(folder, host_blocks=0, disk_blocks=8, **kwargs) -> KVTierStore:
+    args = dict(layout=LAYOUT, model_identity=MODEL, host_bytes=host_blocks * BLOCK)
+    args.update(kwargs)
+    # a file is the block plus its header (265 bytes here): bound by whole files, with less than
+    # one file to spare
+    return KVTierStore(disk_bytes=disk_blocks * (BLOCK + 300), disk_dir=folder, **args)
+
+
+def test_host_tier_returns_blocks_as_put_and_evicts_least_recently_used():
+    store = KVTierStore(LAYOUT, MODEL, host_bytes=3 * BLOCK)
+    for i in range(3):
+        store.put(key(i), block(i))
+    assert np.array_equal(store.get(key(0)), block(0))  # 0 is now the most recently used
+    store.put(key(3), block(3))  # over the bound: 1 goes, the least recently used
+    assert store.keys() == {key(0), key(2), key(3)}
+    assert store.get(key(1)) is None and store.host_used == 3 * BLOCK
+    assert store.recent_keys(2) == [key(3), key(0)]
+    assert store.counts["host_hits"] == 1 and store.counts["misses"] == 1
+
+
+def test_put_copies_the_block():
+    store = KVTierStore(LAYOUT, MODEL, host_bytes=BLOCK)
+    buffer = block(1)
+    store.put(key(1), buffer)
+    buffer[:] = 0  # the caller reuses its buffer
+    assert np.array_equal(store.get(key(1)), block(1))
+
+
+def test_a_block_of_another_shape_or_a_bad_key_is_refused():
+    store = KVTierStore(LAYOUT, MODEL, host_bytes=4 * BLOCK)
+    with pytest.raises(ValueError, match="float16"):
+        store.put(key(1), block(1).astype(np.float32))
+    with pytest.raises(ValueError, match="hex"):
+        store.put("../../etc/passwd", block(1))
+    with pytest.raises(ValueError, match="hex"):
+        store.get("ABCDEF0123")
+
+
+def test_disk_tier_survives_a_restart(tmp_path):
+    store = disk_store(tmp_path, host_blocks=2)
+    for i in range(4):
+        store.put(key(i), block(i))
+    store.flush()
+    store.close()
+    again = disk_store(tmp_path)  # a new process: its host memory is empty
+    assert again.keys() == {key(i) for i in range(4)}
+    for i in range(4):
+        assert np.array_equal(again.get(key(i)), block(i))
+    assert again.counts["disk_hits"] == 4 and again.counts["ignored_files"] == 0
+
+
+def test_disk_tier_stays_within_its_bytes_least_recently_used_first(tmp_path):
+    store = disk_store(tmp_path, disk_blocks=3)
+    for i in range(3):
+        store.put(key(i), block(i))
+    store.flush()
+    assert store.get(key(0)) is not None  # read back: 0 is now the most recently used
+    store.put(key(3), block(3))
+    store.flush()
+    assert store.keys() == {key(0), key(2), key(3)}
+    assert sorted(p.stem for p in tmp_path.glob(f"*{SUFFIX}")) == sorted(store.keys())
+    assert store.disk_used <= store.disk_bytes and store.counts["evicted"] == 1
+    store.close()
+    # recency is kept on disk too: after a restart the least recently used still goes first
+    again = disk_store(tmp_path, disk_blocks=3)
+    again.put(key(4), block(4))
+    again.flush()
+    assert again.keys() == {key(0), key(3), key(4)}
+
+
+def write_then_damage(tmp_path, damage) -> KVTierStore:
+    store = disk_store(tmp_path)
+    store.put(key(1), block(1))
+    store.put(key(2), block(2))
+    store.flush()
+    store.close()
+    damage(tmp_path / f"{key(1)}{SUFFIX}")
+    return store
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:-10])
+
+
+def flip_a_payload_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def garbage(path):
+    path.write_bytes(b"not a block at all")
+
+
+@pytest.mark.parametrize("damage", [truncate, garbage])
+def test_a_truncated_or_foreign_format_file_is_ignored_at_start(tmp_path, damage):
+    write_then_damage(tmp_path, damage)
+    again = disk_store(tmp_path)
+    assert again.keys() == {key(2)} and again.counts["ignored_files"] == 1
+    assert again.get(key(1)) is None
+
+
+def test_a_corrupt_payload_is_ignored_on_load_and_never_returned(tmp_path):
+    write_then_damage(tmp_path, flip_a_payload_byte)
+    again = disk_store(tmp_path)
+    assert key(1) in again  # the header is fine: the checksum is checked when it is read
+    assert again.get(key(1)) is None
+    assert again.counts["ignored_files"] == 1 and key(1) not in again
+    assert not (tmp_path / f"{key(1)}{SUFFIX}").exists()
+    assert np.array_equal(again.get(key(2)), block(2))
+
+
+def test_files_of_another_model_or_layout_are_ignored(tmp_path):
+    write_then_damage(tmp_path, lambda path: None)
+    other_model = disk_store(tmp_path, model_identity="weights-sha256:def")
+    assert other_model.keys() == set() and other_model.counts["ignored_files"] == 2
+    other_layout = dataclasses.replace(LAYOUT, kernel_layout="contiguous")
+    assert disk_store(tmp_path, layout=other_layout).keys() == set()
+    other_dtype = dataclasses.replace(LAYOUT, dtype="float32")
+    assert disk_store(tmp_path, layout=other_dtype).keys() == set()
+    # left in place: they are valid for their own model
+    assert disk_store(tmp_path).keys() == {key(1), key(2)}
+
+
+def test_a_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
+    store = disk_store(tmp_path, host_blocks=8, queue_blocks=1)
+    # a slow disk (the one fault stood in for): the writer waits until the puts are done
+    disk_free, write = threading.Event(), store._write
+    monkeypatch.setattr(store, "_write", lambda *item: (disk_free.wait(10), write(*item)))
+    for i in range(4):
+        store.put(key(i), block(i))
+    disk_free.set()
+    store.flush()
+    assert store.counts["dropped_writes"] >= 2
+    on_disk = {p.stem for p in tmp_path.glob(f"*{SUFFIX}")}
+    assert store.counts["written"] == len(on_disk) == 4 - store.counts["dropped_writes"]
+    assert all(np.array_equal(store.get(key(i)), block(i)) for i in range(4))  # host memory still has them
+
+
+def test_drop_forgets_both_tiers(tmp_path):
+    store = disk_store(tmp_path, host_blocks=2)
+    for i in range(3):
+        store.put(key(i), block(i))
+    assert store.drop() == 3
+    assert store.keys() == set() and not list(tmp_path.glob(f"*{SUFFIX}"))
+    assert disk_store(tmp_path).keys() == set()

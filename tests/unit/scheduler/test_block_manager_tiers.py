@@ -1,0 +1,132 @@
+"""BlockManager's second tier (tiered=True): an evicted content's last block is queued to spill under
+its digest, a lookup goes on in the tier where the pool's run ends, those blocks are queued to
+restore and count as hits, and only computed() makes them hit-able; digests are the same in a new
+manager (a restart) and differ per cache salt."""
+
+from scheduler.block_manager import BlockManager
+
+SIZE = 4
+
+
+def run(bm: BlockManager, key, tokens, salt=None) -> int:
+    hit = bm.allocate(key, tokens, salt)
+    assert hit is not None
+    bm.computed(key, tokens, len(tokens))
+    return hit
+
+
+def digests(bm: BlockManager, key) -> list[str]:
+    return [bm._content_of[b].digest for b in bm.table(key) if b in bm._content_of]
+
+
+PROMPT = list(range(100, 113))  # three full blocks and one position
+OTHER = list(range(200, 216))  # four full blocks: with a pool of 4 it evicts all of PROMPT's
+
+
+def evicted_prompt(bm: BlockManager) -> list[str]:
+    """PROMPT computed, freed, then pushed out of the pool by OTHER; returns PROMPT's digests."""
+    run(bm, "p", PROMPT)
+    names = digests(bm, "p")
+    bm.free("p")
+    run(bm, "o", OTHER)
+    bm.free("o")
+    return names
+
+
+def test_an_evicted_block_is_spilled_under_its_digest_before_it_is_reused():
+    bm = BlockManager(4, SIZE, tiered=True)
+    names = evicted_prompt(bm)
+    assert len(names) == 3
+    # PROMPT held blocks 0..2; OTHER took the plain block 3, then those, the tail first (LRU)
+    assert bm.take_spills() == [(2, names[2]), (1, names[1]), (0, names[0])]
+    assert bm.take_spills() == [] and bm.tier_keys == set(names)
+
+
+def test_without_the_tier_nothing_is_spilled_or_restored():
+    bm = BlockManager(4, SIZE)
+    evicted_prompt(bm)
+    assert bm.take_spills() == [] and bm.allocate("again", PROMPT) == 0 and bm.take_restores() == []
+
+
+def test_a_block_another_holder_keeps_is_not_spilled():
+    bm = BlockManager(8, SIZE, tiered=True)
+    run(bm, "p", PROMPT)
+    run(bm, "q", PROMPT)  # hits p's blocks: one holder each, in use
+    bm.free("p")
+    run(bm, "o", OTHER)
+    assert bm.take_spills() == []
+
+
+def test_a_lookup_goes_on_in_the_tier_and_restores_count_as_hits():
+    bm = BlockManager(4, SIZE, tiered=True)
+    names = evicted_prompt(bm)
+    bm.take_spills()
+    assert bm.allocate("again", PROMPT) == 3 * SIZE  # the last position is always computed
+    restores = bm.take_restores()
+    assert restores == list(zip(names, bm.table("again")[:3]))
+    assert bm.tier_hit_tokens == 3 * SIZE and bm.hit_tokens == 3 * SIZE
+    # not hit-able before the step that restores them succeeded
+    assert bm.blocks_needed(PROMPT) == 4 and digests(bm, "again") == []
+    bm.computed("again", PROMPT, len(PROMPT))
+    assert digests(bm, "again") == names
+
+
+def test_the_pool_run_then_the_tier_run():
+    bm = BlockManager(6, SIZE, tiered=True)
+    run(bm, "p", PROMPT)
+    names = digests(bm, "p")
+    bm.free("p")  # tail first: blocks 2, 1, 0 in LRU order
+    run(bm, "o", [7] * 8)  # takes the free plain blocks 3, 4: nothing evicted
+    run(bm, "o2", [9] * 12)  # takes block 5, then evicts 2 and 1: PROMPT's first block stays
+    assert [d for _, d in bm.take_spills()] == [names[2], names[1]]
+    bm.free("o")
+    bm.free("o2")
+    assert bm.allocate("again", PROMPT) == 3 * SIZE
+    assert bm.table("again")[0] == 0  # the pool's hit
+    assert [d for d, _ in bm.take_restores()] == names[1:]
+    assert bm.tier_hit_tokens == 2 * SIZE
+
+
+def test_a_failed_restore_is_not_looked_up_again():
+    bm = BlockManager(4, SIZE, tiered=True)
+    names = evicted_prompt(bm)
+    bm.restore_failed(names[1:2])
+    assert bm.allocate("again", PROMPT) == SIZE  # the run stops at the lost block
+    assert [d for d, _ in bm.take_restores()] == names[:1]
+
+
+def test_digests_survive_a_restart_and_are_independent_of_history():
+    first = BlockManager(4, SIZE, tiered=True)
+    names = evicted_prompt(first)
+    restarted = BlockManager(16, SIZE, tiered=True)
+    run(restarted, "x", [1, 2, 3, 4, 5])  # another history: other serial numbers
+    restarted.seed_tier(names)
+    assert restarted.allocate("again", PROMPT) == 3 * SIZE
+    assert [d for d, _ in restarted.take_restores()] == names
+    run(restarted, "fresh", PROMPT + [1])
+    assert digests(restarted, "fresh")[:3] == names
+
+
+def test_a_salted_chain_has_its_own_digests():
+    bm = BlockManager(4, SIZE, tiered=True)
+    names = evicted_prompt(bm)
+    assert bm.allocate("salted", PROMPT, "tenant-a") == 0 and bm.take_restores() == []
+    bm.computed("salted", PROMPT, len(PROMPT))
+    salted = digests(bm, "salted")
+    assert len(salted) == 3 and not set(salted) & set(names)
+    bm.free("salted")
+    other = BlockManager(4, SIZE, tiered=True)
+    other.seed_tier(salted)
+    assert other.allocate("b", PROMPT, "tenant-b") == 0
+    other.free("b")
+    assert other.allocate("a", PROMPT, "tenant-a") == 3 * SIZE
+
+
+def test_reset_forgets_the_tier_until_reseeded():
+    bm = BlockManager(4, SIZE, tiered=True)
+    names = evicted_prompt(bm)
+    bm.reset()
+    assert bm.allocate("again", PROMPT) == 0
+    bm.free("again")
+    bm.seed_tier(names)
+    assert bm.allocate("again2", PROMPT) == 3 * SIZE
