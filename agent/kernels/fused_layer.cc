@@ -1,7 +1,7 @@
 // A whole decoder layer as one kernel, for a decode step (one new token of each of B sequences)
 // and for a prefill (the S tokens of one prompt, row i at position i): RMSNorm, the Q, K and V
 // products (+ bias), RoPE, the new K/V written into the cache, attention over each row's cached
-// positions (a prompt chunk's rows as products: prompt_attention.h), the output product + residual,
+// positions (rows sharing a table in blocks: prompt_attention.h), the output product + residual,
 // RMSNorm, gate/up products, SwiGLU, down product + residual. Launched op by op, MindSpore spent
 // about 14 ms of a 70 ms decode step (B = 16) between ~14 ops a layer and woke the kernels' thread
 // team once an op; here the team is woken once a layer and its stages are separated by barriers
@@ -269,36 +269,9 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8_ac
   float *qkv = qkv_buf.data(), *q = q_buf.data(), *attn = attn_buf.data(), *x1 = x1_buf.data();
   float *gate_up = gate_up_buf.data(), *act = act_buf.data(), *post = post_buf.data();
 
-  // Prompt chunks (runs of rows sharing a table) attend as products; the other rows one by one.
-  struct Block { int64_t run, head, b0, b1; };
-  struct Pack { int64_t run, head, tile; };
-  std::vector<prompt_attention::Run> runs;
-  if (hd % TILE == 0) runs = prompt_attention::find_runs(paging.row_table, len, live, kv, window);
-  std::vector<Pack> packs;
-  std::vector<Block> blocks_todo;
-  std::vector<int64_t> single_rows;
-  std::vector<bool> in_run(live, false);
-  thread_local std::vector<float> run_buf;  // the runs' packed keys and values, kept across calls
-  int64_t run_floats = 0;
-  for (const auto &run : runs) run_floats += 2 * kv * run.padded() * hd;  // (after `lowest` is set)
-  run_buf.resize(run_floats);
-  for (int64_t r = 0, at = 0; r < static_cast<int64_t>(runs.size()); ++r) {
-    auto &run = runs[r];
-    run.keys = run_buf.data() + at;
-    run.values = run.keys + kv * run.padded() * hd;
-    at += 2 * kv * run.padded() * hd;
-    for (int64_t head = 0; head < kv; ++head) {
-      for (int64_t t = 0; t < prompt_attention::tiles_of(run.length - run.lowest); ++t)
-        packs.push_back({r, head, t});
-      for (int64_t b0 = run.first; b0 < run.first + run.rows; b0 += prompt_attention::BLOCK_ROWS)
-        blocks_todo.push_back({r, head, b0, std::min(b0 + prompt_attention::BLOCK_ROWS, run.first + run.rows)});
-    }
-    std::fill(in_run.begin() + run.first, in_run.begin() + run.first + run.rows, true);
-  }
-  for (int64_t n = 0; n < live_rows; ++n)
-    if (!in_run[n / kv]) single_rows.push_back(n);
-  const int64_t n_packs = static_cast<int64_t>(packs.size()), n_blocks = static_cast<int64_t>(blocks_todo.size());
-  const int64_t n_attend = n_blocks + static_cast<int64_t>(single_rows.size());
+  // Attention's work items: blocks of rows sharing a table (prompt_attention.h), per KV head.
+  const std::vector<prompt_attention::Block> blocks_todo = prompt_attention::find_blocks(paging.row_table, live, kv);
+  const int64_t n_attend = static_cast<int64_t>(blocks_todo.size());
 
   const float *bqkv = layer.bqkv;
   team::Team::instance().run([&](team::Region &region) {
@@ -337,21 +310,10 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8_ac
       float *v_row = v_cache + static_cast<int64_t>(write[n]) * hd;
       for (int64_t d = 0; d < hd; ++d) v_row[d] = row[v_at + d] + bqkv[v_bias + d];
     });
-    region.for_dynamic(n_packs, 4, [&](int64_t i) {
-      const auto &run = runs[packs[i].run];
-      const rowwise::Paged at{paging.table(run.first), kv, paging.block, packs[i].head};
-      prompt_attention::pack_tile(run, k_cache, v_cache, at, hd, packs[i].tile);
-    });
     region.for_dynamic(n_attend, 1, [&](int64_t i) {
-      if (i < n_blocks) {
-        const Block &w = blocks_todo[i];
-        prompt_attention::attend_block(runs[w.run], q, len, kv, groups, hd, w.head, w.b0, w.b1, window, attn);
-        return;
-      }
-      const int64_t n = single_rows[i - n_blocks];
-      const rowwise::Paged at{paging.table(n / kv), kv, paging.block, n % kv};
-      rowwise::attend_paged(q + n * groups * hd, k_cache, v_cache, at, len[n], groups, hd,
-                            attn + n * groups * hd, prompt_attention::first_attended(len[n], window));
+      const prompt_attention::Block &w = blocks_todo[i];
+      const rowwise::Paged at{paging.table(w.b0), kv, paging.block, w.head};
+      prompt_attention::attend_block(w, at, k_cache, v_cache, q, len, kv, groups, hd, window, attn);
     });
 
     quantize(region, attn, q_width);

@@ -140,117 +140,152 @@ inline void prefetch_rows(const float *rows, int64_t from, int64_t to) {
   for (int64_t at = from; at < to; at += 16) __builtin_prefetch(rows + at, 0, 2);
 }
 
-// Attention of `groups` query heads [groups, hd] over the cached positions first .. length - 1 of one
-// (sequence, KV head) in a paged cache: out [groups, hd] = softmax(q . K) . V; the scale is already
-// in q. `first` > 0: a sliding-window layer's, whose blocks before it are not read at all. One pass
-// over the blocks (flash decoding's online softmax): a block's keys are dotted with
-// every query head while in L1, eight keys at a time; the weights are folded into running sums,
-// rescaled when a block raises a head's maximum; then each value row is weighed for every head at
-// once. The blocks two ahead stream into L2 a row with each value row: the hardware prefetchers stop
-// at every jump to another block, and the old kernel (a scores pass, a softmax pass and a values
-// pass per head, one block prefetched ahead into L1) waited on memory between blocks at 15 GB/s of
-// the ~25 two threads stream. Measured (tools.model_bench, decode steps): 16 rows at context 1024
-// 76.5 -> ~71 ms, 32 rows 155 -> 112 ms, 32 rows at context 200 74 -> 70 ms, 16 at 200 41.4 -> 39.1.
-// G and HD fixed at compile time (the default model's 3 and 64) keep the sums in registers; others
-// run the same loop on runtime sizes (any groups, any head dim: the columns past a multiple of 8 one
-// at a time).
-template <int64_t G, int64_t HD>
-inline void attend_blocks(const float *q, const float *k_cache, const float *v_cache, const Paged &at,
-                          int64_t length, int64_t first, int64_t groups_, int64_t hd_, float *out) {
-  constexpr int64_t AHEAD = 2, QUERIES = 4;  // blocks prefetched ahead; query heads a key pass serves
-  const int64_t groups = G ? G : groups_, hd = HD ? HD : hd_;
-  const int64_t B = at.block, blocks = (length + B - 1) / B, vec_hd = hd / 8 * 8;
-  thread_local std::vector<float> state;
-  constexpr int64_t MAX_BLOCK = 256;  // config/schema.py block_size's bound
-  alignas(32) float fixed[G * (HD + MAX_BLOCK + 2) + 1];
-  float *acc = fixed;
-  if (G == 0 || HD == 0 || B > MAX_BLOCK) {
-    state.resize(groups * (hd + B + 2));
-    acc = state.data();
+// Attention of `rows` query rows of one (sequence, KV head) in a paged cache, each `groups` query
+// heads [groups, hd] (row r's at q + r * stride, its output at out + r * stride) over its cached
+// positions first[r] .. length[r] - 1: out = softmax(q . K) . V; the scale is already in q.
+// first[r] > 0: a sliding-window layer's, whose blocks before it are not read at all. One pass over
+// the blocks (flash decoding's online softmax): a block's keys are dotted with up to four query
+// vectors at a time while in L1, eight keys at a time; the weights are folded into running sums,
+// rescaled when a block raises a vector's maximum; then each value row is weighed for every vector
+// at once. The blocks two ahead stream into L2 a row with each value row: the hardware prefetchers
+// stop at every jump to another block, and the old kernel (a scores pass, a softmax pass and a
+// values pass per head, one block prefetched ahead into L1) waited on memory between blocks at
+// 15 GB/s of the ~25 two threads stream. Measured (tools.model_bench, decode steps): 16 rows at
+// context 1024 76.5 -> ~71 ms, 32 rows 155 -> 112 ms, 32 rows at context 200 74 -> 70 ms.
+// Batch invariance: a vector's arithmetic (its dot products' order, its blocks' max/rescale
+// sequence, its values' sums in position order) depends only on its own length, first and the
+// block size, never on which vectors share its calls: a decode row, a row of a prompt chunk of any
+// size and a row whose keys were written by an earlier call give bit-identical results (a prompt's
+// rows once attended as products over all keys: its chunking and prefix hits moved greedy answers).
+// Rows of a prompt chunk (consecutive lengths) share each block's key and value loads.
+template <int64_t GN, int64_t HD>
+inline void dot_keys(const float *const *queries, const float *keys, int64_t n, int64_t hd_,
+                     float *const *weights) {
+  const int64_t hd = HD ? HD : hd_, vec_hd = hd / 8 * 8;
+  int64_t l = 0;
+  for (; l + 8 <= n; l += 8) {
+    v8f dots[GN][8] = {};
+    for (int64_t c = 0; c < vec_hd; c += 8)
+      for (int k = 0; k < 8; ++k) {
+        const v8f key = vec8::load(keys + (l + k) * hd + c);
+        for (int64_t g = 0; g < GN; ++g) dots[g][k] += vec8::load(queries[g] + c) * key;
+      }
+    for (int64_t g = 0; g < GN; ++g) {
+      v8f s = vec8::sums(dots[g]);
+      for (int k = 0; k < 8; ++k)
+        for (int64_t d = vec_hd; d < hd; ++d) s[k] += queries[g][d] * keys[(l + k) * hd + d];
+      std::memcpy(weights[g] + l, &s, sizeof s);
+    }
   }
-  std::fill(acc, acc + groups * (hd + B + 2), 0.f);
-  float *weights = acc + groups * hd;  // [groups, hd], [groups, B]
-  float *top = weights + groups * B, *total = top + groups;
-  std::fill(top, top + groups, -INFINITY);
-  for (int64_t j = first / B; j < blocks; ++j) {
-    const int64_t skip = std::max<int64_t>(0, first - j * B);  // positions before `first`
-    const float *keys = at.rows(k_cache, j, hd) + skip * hd, *values = at.rows(v_cache, j, hd) + skip * hd;
-    const int64_t n = std::min(B, length - j * B) - skip;
+  for (; l < n; ++l)
+    for (int64_t g = 0; g < GN; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < hd; ++d) s += queries[g][d] * keys[l * hd + d];
+      weights[g][l] = s;
+    }
+}
+
+template <int64_t HD>
+inline void attend_rows(const float *q, const float *k_cache, const float *v_cache, const Paged &at,
+                        const int64_t *length, const int64_t *first, int64_t rows, int64_t stride,
+                        int64_t groups, int64_t hd_, float *out) {
+  constexpr int64_t AHEAD = 2, QUERIES = 4;  // blocks prefetched ahead; query vectors a key pass serves
+  const int64_t hd = HD ? HD : hd_;
+  const int64_t B = at.block, vec_hd = hd / 8 * 8, vectors = rows * groups;
+  thread_local std::vector<float> state;
+  state.assign(vectors * (hd + B + 2), 0.f);
+  float *acc = state.data();              // [vectors, hd]
+  float *weights = acc + vectors * hd;    // [vectors, B]
+  float *top = weights + vectors * B, *total = top + vectors;
+  std::fill(top, top + vectors, -INFINITY);
+  auto query = [&](int64_t v) { return q + (v / groups) * stride + (v % groups) * hd; };
+  int64_t from = INT64_MAX, blocks = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    if (length[r] > 0) from = std::min(from, first[r] / B), blocks = std::max(blocks, (length[r] + B - 1) / B);
+  for (int64_t j = from; j < blocks; ++j) {
+    const float *block_k = at.rows(k_cache, j, hd), *block_v = at.rows(v_cache, j, hd);
     const float *next_k = nullptr, *next_v = nullptr;
     int64_t next_n = 0;
     if (j + AHEAD < blocks) {
       next_k = at.rows(k_cache, j + AHEAD, hd), next_v = at.rows(v_cache, j + AHEAD, hd);
-      next_n = std::min(B, length - (j + AHEAD) * B);
+      next_n = B;
     }
-    for (int64_t g0 = 0; g0 < groups; g0 += QUERIES) {
-      const int64_t gn = std::min(QUERIES, groups - g0);
-      int64_t l = 0;
-      for (; l + 8 <= n; l += 8) {
-        v8f dots[QUERIES][8] = {};
-        for (int64_t c = 0; c < vec_hd; c += 8)
-          for (int k = 0; k < 8; ++k) {
-            const v8f key = vec8::load(keys + (l + k) * hd + c);
-            for (int64_t g = 0; g < gn; ++g) dots[g][k] += vec8::load(q + (g0 + g) * hd + c) * key;
+    // Runs of rows that read the same positions of this block (all of a prompt chunk's but in its
+    // last blocks) share each key and value load.
+    for (int64_t r0 = 0; r0 < rows;) {
+      const int64_t skip = std::max<int64_t>(0, first[r0] - j * B);  // positions before `first`
+      const int64_t n = std::min(B, length[r0] - j * B) - skip;
+      int64_t r1 = r0 + 1;
+      while (r1 < rows && std::max<int64_t>(0, first[r1] - j * B) == skip &&
+             std::min(B, length[r1] - j * B) - skip == n)
+        ++r1;
+      const int64_t v0 = r0 * groups, v1 = r1 * groups;
+      r0 = r1;
+      if (n <= 0) continue;
+      const float *keys = block_k + skip * hd, *values = block_v + skip * hd;
+      for (int64_t g0 = v0; g0 < v1; g0 += QUERIES) {
+        const int64_t gn = std::min(QUERIES, v1 - g0);
+        const float *queries[QUERIES];
+        float *w[QUERIES];
+        for (int64_t g = 0; g < gn; ++g) queries[g] = query(g0 + g), w[g] = weights + (g0 + g) * B;
+        if (gn == 4) dot_keys<4, HD>(queries, keys, n, hd, w);
+        else if (gn == 3) dot_keys<3, HD>(queries, keys, n, hd, w);
+        else if (gn == 2) dot_keys<2, HD>(queries, keys, n, hd, w);
+        else dot_keys<1, HD>(queries, keys, n, hd, w);
+      }
+      for (int64_t g = v0; g < v1; ++g) {
+        float *w = weights + g * B;
+        const float best = std::max(top[g], *std::max_element(w, w + n));
+        const float rescale = std::exp(top[g] - best);  // 0 on the first block (top is -inf)
+        top[g] = best;
+        v8f sums = {};
+        int64_t l = 0;
+        for (; l + 8 <= n; l += 8) {
+          const v8f e = exp8(vec8::load(w + l) - best);
+          std::memcpy(w + l, &e, sizeof e);
+          sums += e;
+        }
+        float sum = vec8::sum(sums);
+        for (; l < n; ++l) sum += w[l] = std::exp(w[l] - best);
+        total[g] = total[g] * rescale + sum;
+        if (rescale != 1.f)
+          for (int64_t d = 0; d < hd; ++d) acc[g * hd + d] *= rescale;
+      }
+      for (int64_t l = 0; l < n; ++l) {
+        const float *value = values + l * hd;
+        if (l < next_n) prefetch_rows(next_k, l * hd, (l + 1) * hd), prefetch_rows(next_v, l * hd, (l + 1) * hd);
+        for (int64_t c = 0; c < vec_hd; c += 8) {
+          const v8f v = vec8::load(value + c);
+          for (int64_t g = v0; g < v1; ++g) {
+            const v8f sum = vec8::load(acc + g * hd + c) + weights[g * B + l] * v;
+            std::memcpy(acc + g * hd + c, &sum, sizeof sum);
           }
-        for (int64_t g = 0; g < gn; ++g) {
-          v8f s = vec8::sums(dots[g]);
-          for (int k = 0; k < 8; ++k)
-            for (int64_t d = vec_hd; d < hd; ++d) s[k] += q[(g0 + g) * hd + d] * keys[(l + k) * hd + d];
-          std::memcpy(weights + (g0 + g) * B + l, &s, sizeof s);
         }
+        for (int64_t g = v0; g < v1; ++g)
+          for (int64_t d = vec_hd; d < hd; ++d) acc[g * hd + d] += weights[g * B + l] * value[d];
       }
-      for (; l < n; ++l)
-        for (int64_t g = g0; g < g0 + gn; ++g) {
-          float s = 0.f;
-          for (int64_t d = 0; d < hd; ++d) s += q[g * hd + d] * keys[l * hd + d];
-          weights[g * B + l] = s;
-        }
-    }
-    for (int64_t g = 0; g < groups; ++g) {
-      float *w = weights + g * B;
-      const float best = std::max(top[g], *std::max_element(w, w + n));
-      const float rescale = std::exp(top[g] - best);  // 0 on the first block (top is -inf)
-      top[g] = best;
-      v8f sums = {};
-      int64_t l = 0;
-      for (; l + 8 <= n; l += 8) {
-        const v8f e = exp8(vec8::load(w + l) - best);
-        std::memcpy(w + l, &e, sizeof e);
-        sums += e;
-      }
-      float sum = vec8::sum(sums);
-      for (; l < n; ++l) sum += w[l] = std::exp(w[l] - best);
-      total[g] = total[g] * rescale + sum;
-      if (rescale != 1.f)
-        for (int64_t d = 0; d < hd; ++d) acc[g * hd + d] *= rescale;
-    }
-    for (int64_t l = 0; l < n; ++l) {
-      const float *value = values + l * hd;
-      if (l < next_n) prefetch_rows(next_k, l * hd, (l + 1) * hd), prefetch_rows(next_v, l * hd, (l + 1) * hd);
-      for (int64_t c = 0; c < vec_hd; c += 8) {
-        const v8f v = vec8::load(value + c);
-        for (int64_t g = 0; g < groups; ++g) {
-          const v8f sum = vec8::load(acc + g * hd + c) + weights[g * B + l] * v;
-          std::memcpy(acc + g * hd + c, &sum, sizeof sum);
-        }
-      }
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t d = vec_hd; d < hd; ++d) acc[g * hd + d] += weights[g * B + l] * value[d];
+      next_n = 0;  // the next blocks stream in once, with the first run's values
     }
   }
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = 0; g < vectors; ++g) {
     const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
-    for (int64_t d = 0; d < hd; ++d) out[g * hd + d] = acc[g * hd + d] * inv;
+    float *o = out + (g / groups) * stride + (g % groups) * hd;
+    for (int64_t d = 0; d < hd; ++d) o[d] = acc[g * hd + d] * inv;
   }
 }
 
-// attend_blocks for these sizes: the default model's shape with its sums in registers (30 layers'
-// 16 rows at context 200 with the cache in L3: 2.4 ms against 3.4 for the runtime-sized loop).
+// attend_rows for these sizes: the default model's head dim with its sums' loops unrolled.
+inline void attend_paged_rows(const float *q, const float *k_cache, const float *v_cache, const Paged &at,
+                              const int64_t *length, const int64_t *first, int64_t rows, int64_t stride,
+                              int64_t groups, int64_t hd, float *out) {
+  if (hd == 64) return attend_rows<64>(q, k_cache, v_cache, at, length, first, rows, stride, groups, hd, out);
+  attend_rows<0>(q, k_cache, v_cache, at, length, first, rows, stride, groups, hd, out);
+}
+
+// One row: attend_rows of a row alone (a decode row's).
 inline void attend_paged(const float *q, const float *k_cache, const float *v_cache, const Paged &at,
                          int64_t length, int64_t groups, int64_t hd, float *out, int64_t first = 0) {
-  if (groups == 3 && hd == 64)
-    return attend_blocks<3, 64>(q, k_cache, v_cache, at, length, first, groups, hd, out);
-  attend_blocks<0, 0>(q, k_cache, v_cache, at, length, first, groups, hd, out);
+  attend_paged_rows(q, k_cache, v_cache, at, &length, &first, 1, groups * hd, groups, hd, out);
 }
 
 }  // namespace rowwise

@@ -1,8 +1,10 @@
 """runtime.activations int8 keeps a request's tokens its own (issue 58): the default model's greedy
-answers are the same alone, in decode batches of every size, and beside other prompts and proposals
-in mixed steps. A row's int8 products sum alike at every row count (int8_products.h). A prompt's
-chunking still moves its answer: its rows attend as products in runs of 8 rows or more and one by
-one in shorter ones (prompt_attention.h), in float32 too, which int8's rounding makes visible."""
+answers are the same alone, in decode batches of every size, beside other prompts and proposals in
+mixed steps, with the prompt computed in chunks of any size (alone or beside decode rows) and after
+a prefix-cache hit. A row's int8 products sum alike at every row count (int8_products.h), and a
+row's attention alike in a block of rows or alone, its keys written in the same call or an earlier
+one (row_ops.h attend_rows): before, a prompt's rows attended as products over all their keys, and
+chunking or a prefix hit changed 1 of the 8 answers."""
 
 import pytest
 
@@ -39,10 +41,11 @@ QUESTIONS = [
 TABLES = [list(range(6 * i, 6 * i + 6)) for i in range(len(QUESTIONS))]
 
 
-def runner_and_prompts(path) -> tuple[ModelRunner, list[list[int]]]:
+def runner_and_prompts(path, activations: str = "int8") -> tuple[ModelRunner, list[list[int]]]:
     tokenizer = load_tokenizer(path)
     prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
-    return ModelRunner.from_checkpoint(load_checkpoint(path), INT8_RUNTIME), prompts
+    runtime = RuntimeSection.model_validate({**INT8_RUNTIME.model_dump(), "activations": activations})
+    return ModelRunner.from_checkpoint(load_checkpoint(path), runtime), prompts
 
 
 def decode(runner: ModelRunner, slots: list[int], out: dict[int, list[int]]) -> None:
@@ -107,3 +110,72 @@ def assert_answers_are_their_own(runner: ModelRunner, prompts: list[list[int]]) 
 @pytest.mark.default_model
 def test_int8_answers_alone_equal_those_in_batches_and_mixed_steps(default_model_path):
     assert_answers_are_their_own(*runner_and_prompts(default_model_path))
+
+
+def finish(runner: ModelRunner, slot: int, first: int) -> list[int]:
+    """A seated slot's answer from its first token, decoded alone."""
+    out = {slot: [first]}
+    while len(out[slot]) < ANSWER:
+        decode(runner, [slot], out)
+    runner.release(slot)
+    return out[slot]
+
+
+def chunked(runner: ModelRunner, prompt: list[int], slot: int, size: int) -> list[int]:
+    """The prompt's positions `size` at a time, each chunk its own call."""
+    ends = list(range(size, len(prompt), size))
+    for start, end in zip([0, *ends], ends):
+        runner.prefill_chunk(slot, prompt[:end], TABLES[slot], start)
+    return finish(runner, slot, runner.prefill(slot, prompt, GREEDY, TABLES[slot], ends[-1] if ends else 0))
+
+
+def after_prefix_hit(runner: ModelRunner, prompt: list[int], slot: int, cached: int) -> list[int]:
+    """The prompt again from position `cached`: its positions before it are in its blocks from
+    the earlier call that computed the whole prompt (a prefix-cache hit's reuse)."""
+    return finish(runner, slot, runner.prefill(slot, prompt, GREEDY, TABLES[slot], cached))
+
+
+def chunked_beside_decodes(runner: ModelRunner, prompts: list[list[int]], size: int) -> list[list[int]]:
+    """Slot 0 decodes alone; each later prompt arrives in chunks of `size` inside mixed steps beside
+    the decode rows of those already answering."""
+    out = {0: [runner.prefill(0, prompts[0], GREEDY, TABLES[0])]}
+    for slot in range(1, len(prompts)):
+        prompt, start = prompts[slot], 0
+        while True:
+            end = min(start + size, len(prompt))
+            last = end == len(prompt)
+            chunk = StepChunk(slot, prompt[:end], TABLES[slot], start, GREEDY if last else None)
+            slots = [s for s, answer in out.items() if len(answer) < ANSWER]
+            decoded, (first,) = runner.step(slots, [TABLES[s] for s in slots], [chunk])
+            for s, tokens in zip(slots, decoded):
+                out[s] += tokens[: ANSWER - len(out[s])]
+            if last:
+                assert first is not None
+                out[slot] = [first]
+                break
+            start = end
+    while any(len(answer) < ANSWER for answer in out.values()):
+        decode(runner, [s for s, answer in out.items() if len(answer) < ANSWER], out)
+    for slot in out:
+        runner.release(slot)
+    return [out[s] for s in range(len(prompts))]
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("activations", ["int8", "float32"])
+def test_answers_do_not_depend_on_chunking_or_prefix_hits(default_model_path, activations):
+    """Chunks of 1, 3, 8 and 13 positions (runs of rows shorter and longer than an attention block
+    of 8), a prefix hit at a block boundary (16) and mid-prompt-block counts, and chunks inside
+    mixed steps: every answer equals the prompt's computed whole (before the attention's blocks
+    of rows summed as a row alone does, with int8 5 to 7 of the 8 did)."""
+    runner, prompts = runner_and_prompts(default_model_path, activations)
+    solo = [alone(runner, p, s) for s, p in enumerate(prompts)]
+    assert len({tuple(answer) for answer in solo}) == len(solo)
+    for size in (1, 3, 8, 13):
+        assert [chunked(runner, p, s, size) for s, p in enumerate(prompts)] == solo, f"chunks of {size}"
+    for cached in (16, 9):
+        assert all(len(p) > cached for p in prompts)
+        answers = [after_prefix_hit(runner, p, s, cached) for s, p in enumerate(prompts)]
+        assert answers == solo, f"a prefix hit of {cached}"
+    for size in (5, 11):
+        assert chunked_beside_decodes(runner, prompts, size) == solo, f"chunks of {size} in mixed steps"

@@ -141,8 +141,8 @@ def test_prompt_prefilled_in_chunks_equals_the_whole_prompt(
 ):
     """Each chunk's last logits are the reference's at that position; after the last chunk the
     sequence decodes as the whole-prompt prefill's does (both decoded in one batch). Head dim 64:
-    chunks of 8 rows or more attend as products (agent/kernels/prompt_attention.h), shorter ones
-    row by row."""
+    rows attend in blocks of up to 8 sharing each key load, every row's arithmetic that of a row
+    alone (agent/kernels/prompt_attention.h)."""
     directory = tiny_llama_dir if model == "tiny" else head_dim_64_dir
     graphs = graphs_of(directory)
     reference = ref.load_hf_reference(directory)

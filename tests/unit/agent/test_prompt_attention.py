@@ -1,8 +1,9 @@
 """The prompt-attention path of the fused layer (agent/kernels/prompt_attention.h, through FusedStack
-of one layer) called straight with ctypes: a run of prompt rows sharing one block table attends as
-products, and must give what the same rows give one by one (row_ops.h attend_paged), whatever each
-KV head's length, and in a sliding-window layer whatever part of the run's positions each row's
-window leaves out."""
+of one layer) called straight with ctypes: rows sharing one block table attend in blocks that share
+each cache block's loads, and must give bit for bit what the same rows give one by one (row_ops.h
+attend_paged, a decode row's) and in blocks of other sizes, whatever each KV head's length, and in
+a sliding-window layer whatever part of the positions each row's window leaves out: a row's result
+may not depend on the rows beside it (a prompt's chunking, a prefix-cache hit, issue 58)."""
 
 import ctypes
 
@@ -98,7 +99,7 @@ def test_a_run_sizes_its_scratch_from_its_longest_kv_head(library):
     one_by_one, code = fused_layer(library, lengths, np.arange(rows), np.tile(one_table, (rows, 1)))
     assert code == 0
     assert np.isfinite(one_by_one).all()
-    np.testing.assert_allclose(as_run, one_by_one, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(as_run, one_by_one)
 
 
 @pytest.mark.parametrize("window", [1, 5, 30, 40])
@@ -113,6 +114,27 @@ def test_a_run_in_a_sliding_window_attends_as_its_rows_one_by_one(library, windo
     assert code == 0
     one_by_one, code = fused_layer(library, lengths, np.arange(rows), np.tile(one_table, (rows, 1)), window)
     assert code == 0 and np.isfinite(one_by_one).all()
-    np.testing.assert_allclose(as_run, one_by_one, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(as_run, one_by_one)
     whole, _ = fused_layer(library, lengths, np.arange(rows), np.tile(one_table, (rows, 1)), 10_000)
     assert not np.allclose(whole, one_by_one, atol=1e-3)  # the window changed what they attend
+
+
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("split", [[3, 5], [1, 7], [4, 4], [2, 2, 2, 2], [1, 6, 1]])
+def test_a_row_attends_alike_in_blocks_of_every_size(library, split, window):
+    """Rows at positions 13..20 of one sequence in blocks of the given sizes (each block its own copy
+    of the table, as a prompt chunked at those sizes or after a prefix hit would be: its earlier
+    positions already in the cache), against all 8 as one block and each alone: bit-identical. The
+    rows' lengths end in different cache blocks (of 4), the second KV head's 16 positions further."""
+    rows, entries = 8, 12
+    lengths = np.stack([np.arange(14, 14 + rows), np.arange(30, 30 + rows)], axis=1).reshape(-1)
+    one_table = np.random.default_rng(5).permutation(16)[:entries]
+    whole, code = fused_layer(library, lengths, np.zeros(rows, np.int32), one_table[None, :], window)
+    assert code == 0 and np.isfinite(whole).all()
+    row_table = np.repeat(np.arange(len(split)), split).astype(np.int32)
+    blocks, code = fused_layer(library, lengths, row_table, np.tile(one_table, (len(split), 1)), window)
+    assert code == 0
+    np.testing.assert_array_equal(blocks, whole)
+    one_by_one, code = fused_layer(library, lengths, np.arange(rows), np.tile(one_table, (rows, 1)), window)
+    assert code == 0
+    np.testing.assert_array_equal(one_by_one, whole)
