@@ -26,7 +26,7 @@ free uncached blocks go first, then cached ones least recently freed first (a fr
 first, so a prefix outlives its continuations).
 
 A second tier (`tiered`: the agents' host memory and disk, agent/kv_tiers.py) keeps what the pool
-evicts. It needs names that outlive this process, so each content also has a digest: the hex
+evicts. It needs names that outlive this process, so with a tier each content also has a digest: the hex
 SHA-256 chain over the parent's digest (the salt's, for a first block) and the block's tokens. An
 evicted content with no other holder is queued in `spills` (block, digest): the agent must copy
 that block out in the next step, before the step writes it. `tier_keys` are the digests the tier
@@ -201,7 +201,8 @@ class BlockManager:
             content_key = (progress.serial, tuple(tokens[i * size : (i + 1) * size]))
             content = self._contents.get(content_key)
             if content is None:
-                digest = _digest(progress.digest, content_key[1])
+                # a digest names a block in the tier only: no SHA-256 on the step path without one
+                digest = _digest(progress.digest, content_key[1]) if self.tiered else ""
                 content = self._contents[content_key] = _Content(content_key, self._next_serial, digest)
                 self._next_serial += 1
             block = table[i]
