@@ -234,7 +234,7 @@ class BatchScheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Its blocks go to others; it keeps its slot, tokens and sampling state and is recomputed."""
         self.blocks[seq.placement[0]].free(seq.request_id)
-        seq.computed = 0
+        seq.slot_holds, seq.computed = seq.computed, 0
         seq.preemptions += 1
         self.preemptions += 1
 
@@ -244,7 +244,8 @@ class BatchScheduler:
         capacity, blocks = self.groups[group], self.blocks[group]
         for seq in self._group_seqs(group):
             if seq.needs_prefill and not seq.transferring and seq.request_id not in blocks:
-                hit = self.placement.allocate(group, seq, seq.tokens(seq.positions_used))
+                tokens = seq.tokens(seq.positions_used)
+                hit = self.placement.allocate(group, seq, tokens, max_hit=seq.slot_holds)
                 if hit is None:
                     return False
                 seq.computed = hit if capacity.chunked_prefill else 0

@@ -140,16 +140,22 @@ class BlockManager:
     # --- changes ---
 
     def allocate(
-        self, key: Hashable, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
+        self,
+        key: Hashable,
+        tokens: Sequence[int],
+        salt: str | None = None,
+        reuse: bool = True,
+        max_hit: int | None = None,
     ) -> int | None:
         """Give `key` a table covering len(tokens) positions, reusing the longest cached prefix of
         full blocks (computed with the same cache `salt`; none with reuse False: every position's
-        logits are needed) but leaving at least the last token to compute (its logits are needed).
+        logits are needed), of at most `max_hit` positions, but leaving at least the last token to
+        compute (its logits are needed).
         Returns the positions already computed (a multiple of block_size), or None, changing
         nothing, when the free blocks do not suffice."""
         if key in self._tables:
             raise ValueError(f"{key!r} already has a block table")
-        hits, tier = self._lookup(tokens, salt) if reuse else ([], [])
+        hits, tier = self._lookup(tokens, salt, max_hit) if reuse else ([], [])
         total = self.blocks_for(len(tokens))
         if total - sum(1 for _, block in hits if self._refs[block]) > self.num_free:
             return None
@@ -262,17 +268,19 @@ class BlockManager:
     # --- internals ---
 
     def _lookup(
-        self, tokens: Sequence[int], salt: str | None
+        self, tokens: Sequence[int], salt: str | None, max_hit: int | None = None
     ) -> tuple[list[tuple[_Content, int]], list[str]]:
-        """The cached run of full blocks matching tokens' prefix, at most len(tokens) - 1 positions:
-        (content, block) per block, preferring a holder in use (it costs no free block); then the
-        digests of the run that goes on in the tier."""
+        """The cached run of full blocks matching tokens' prefix, at most len(tokens) - 1 positions
+        (and `max_hit`): (content, block) per block, preferring a holder in use (it costs no free
+        block); then the digests of the run that goes on in the tier."""
         if not self.enable_prefix_caching:
             return [], []
         size = self.block_size
         hits: list[tuple[_Content, int]] = []
         serial, digest = _root(salt), _root_digest(salt)
         limit = max(len(tokens) - 1, 0) // size
+        if max_hit is not None:
+            limit = min(limit, max_hit // size)
         for i in range(limit):
             content = self._contents.get((serial, tuple(tokens[i * size : (i + 1) * size])))
             if content is None:

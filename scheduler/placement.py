@@ -101,10 +101,14 @@ class Placement:
             return None
         return group, (prefill if self.groups[group].role == "decode" else None)
 
-    def allocate(self, group: int, seq: Sequence, tokens: list[int]) -> int | None:
-        """Blocks for `tokens` on the group (None: too few free); the positions its cache holds."""
+    def allocate(
+        self, group: int, seq: Sequence, tokens: list[int], max_hit: int | None = None
+    ) -> int | None:
+        """Blocks for `tokens` on the group (None: too few free); the positions its cache holds, at
+        most `max_hit`."""
         blocks = self.blocks[group]
-        hit = blocks.allocate(seq.request_id, tokens, seq.cache_salt, reuse=not seq.scoring_prompt)
+        reuse = not seq.scoring_prompt
+        hit = blocks.allocate(seq.request_id, tokens, seq.cache_salt, reuse=reuse, max_hit=max_hit)
         if hit is not None and blocks.enable_prefix_caching:
             self.prefix_query_tokens += len(tokens)
             self.prefix_hit_tokens += hit

@@ -48,6 +48,9 @@ class Sequence:
     # was preempted (its blocks taken for others; it is recomputed, the prefix cache helping)
     computed: int = 0
     preemptions: int = 0
+    # At its last preemption, the positions its agent slot holds: its recompute starts no later
+    # (the slot refuses a chunk past them)
+    slot_holds: int = 0
     constraint: TokenConstraint | None = None  # structured output: the grammar it follows
     cache_salt: str | None = None  # its prefix-cache blocks are shared only with this salt's
     client: str = ""  # who asked (an API key's digest, or an address): fairness between clients

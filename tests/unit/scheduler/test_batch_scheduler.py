@@ -34,6 +34,7 @@ class FakeAgent:
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
         self.calls: list[str] = []
         self.computed_positions = 0  # prompt positions computed, all chunks together
+        self.held: dict[int, int] = {}  # slot -> positions it holds, as the runner counts them
 
     def next(self, token: int) -> int:
         return (token + 1) % self.cycle if self.cycle else token + 1
@@ -49,6 +50,10 @@ class FakeAgent:
 
     def prefill(self, slot, tokens, table, start, end, sample):
         assert len(table) * self.block_size >= end and 0 <= start < end <= len(tokens)
+        # the runner's rule: a free slot may start anywhere (a prefix-cache hit), a seated one not
+        # past the positions it holds
+        assert start <= self.held.get(slot, start), f"slot {slot} holds {self.held[slot]}, not {start}"
+        self.held[slot] = end
         self._check(table, tokens, start)
         self._write(table, tokens, start, end)
         self.computed_positions += end - start
@@ -86,11 +91,13 @@ class FakeAgent:
                 kept.append(token)
             tokens.append(self.next(tokens[-1]))
             state["length"] += len(kept) + 1
+            self.held[slot] = state["length"]
             out.append([*kept, tokens[-1]])
         return out
 
     def release(self, slot):
         self.slots.pop(slot, None)  # none: a prompt that ended before its last chunk
+        self.held.pop(slot, None)
         self.calls.append(f"release {slot}")
 
 
@@ -505,6 +512,35 @@ def test_without_blocks_the_newest_sequence_is_preempted_and_every_answer_is_its
     assert scheduler.preemptions > 0
     assert all(r.finish_reason is FinishReason.LENGTH and r.output == alone(r) for r in requests)
     assert scheduler.blocks[0].num_used == 0 and scheduler.tokens_in_flight == 0
+
+
+def test_a_sequence_preempted_mid_recompute_restarts_within_what_its_slot_holds():
+    """Preempted twice: the first recompute (no cache left) stops after one chunk, so its slot holds
+    4 positions; meanwhile another sequence caches the same tokens. The second restore must not
+    start past those 4 (the runner refuses a seated slot's chunk past its length) nor write over the
+    other's cached blocks; the answer is still its answer alone."""
+    scheduler, agents = make(slots=(2,), num_blocks=16, max_chunk=4)
+    blocks = scheduler.blocks[0]
+    a = seq("a", prompt=range(1, 9), max_new=16)
+    scheduler.add(a)
+    while len(a.output) < 8:
+        step(scheduler, agents)
+    scheduler._preempt(a)  # as _plan_decodes does when a decode finds no block
+    blocks.allocate("hog", range(100, 100 + 4 * blocks.num_free))  # evicts a's cached blocks
+    blocks.free("hog")
+    b = seq("b", prompt=a.tokens(a.positions_used), max_new=1)  # a's very tokens, cached by b
+    scheduler.add(b)
+    plan = step(scheduler, agents)
+    assert [(c.seq, c.start, c.end) for c in plan.prefills] == [(a, 0, 4), (b, 0, 4)]
+    scheduler._preempt(a)
+    blocks.allocate("hog", range(200, 200 + 4 * blocks.num_free))  # a waits while b computes
+    while b.needs_prefill:
+        step(scheduler, agents)
+    blocks.free("hog")
+    plan = step(scheduler, agents)
+    assert [(c.seq, c.start) for c in plan.prefills] == [(a, 4)]
+    run_all(scheduler, agents)
+    assert a.output == alone(a) and blocks.num_used == 0
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
