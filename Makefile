@@ -38,9 +38,10 @@ lint: setup-dev
 	@$(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/mypy
 
-# The tests that need neither MindSpore nor a process (tests/conftest.py proves MindSpore stays out).
+# The tests that need neither MindSpore nor a process (tests/conftest.py proves MindSpore stays out),
+# on two workers: a minute on two cores.
 unit: setup-dev
-	@$(PY) -m pytest tests/unit
+	@$(PY) -m pytest -n 2 tests/unit
 
 test: lint browser
 	@$(PY) -m pytest

@@ -45,7 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from agent.model.formats.gguf_header import GgufFile
 
 T = GGMLQuantizationType
 DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -329,10 +331,10 @@ def write_random_gguf(
     (cut_vocabulary: SentencePiece vocabularies). `embed_scale`: the embedding's weights' size (a
     tied one is the LM head: larger spreads tiny models' logits). Tensors are written one at a time
     (a 7B file is not held in memory)."""
-    source = GGUFReader(str(tokenizer))
+    source = GgufFile(tokenizer)  # the gguf package's reader takes seconds over a vocabulary
     fields = {
-        key: (field.contents(), field.types[0])
-        for key, field in source.fields.items()
+        key: (value, GGUFValueType(source.kinds[key]))
+        for key, value in source.values.items()
         if key.startswith("tokenizer.")
     }
     values = {key: value for key, (value, _) in fields.items()}

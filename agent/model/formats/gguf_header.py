@@ -40,7 +40,8 @@ class GgufTensor:
 
 
 class GgufFile:
-    """`values`: metadata key -> value (a list for arrays); `tensors` in the file's order."""
+    """`values`: metadata key -> value (a list for arrays); `kinds`: key -> its GGUF value type
+    (GGUFValueType's number: what a writer copying the key needs); `tensors` in the file's order."""
 
     def __init__(self, path: Path):
         raw = np.memmap(path, dtype=np.uint8, mode="r")
@@ -52,9 +53,11 @@ class GgufFile:
         if version < 2:
             raise ValueError(f"GGUF version {version} (2 or later is read)")
         self.values: dict[str, Any] = {}
+        self.kinds: dict[str, int] = {}
         for _ in range(n_values):
             key = self._string()
-            self.values[key] = self._value(self._take("I"))
+            self.kinds[key] = self._take("I")
+            self.values[key] = self._value(self.kinds[key])
         infos = []
         for _ in range(n_tensors):
             name = self._string()

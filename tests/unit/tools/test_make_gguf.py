@@ -1,8 +1,8 @@
 """tools.make_gguf's random models: what their weights hold."""
 
 import numpy as np
-from gguf import GGUFReader
 
+from agent.model.formats.gguf_header import GgufFile
 from tools.make_gguf import Shape, mix, write_random_gguf
 
 
@@ -15,7 +15,7 @@ def test_a_llamas_output_projections_are_scaled_by_its_depth(tmp_path, default_m
         tmp_path / "deep.gguf", Shape(256, layers, 512, 4, 2), mix("F32"), tokenizer=default_model_path
     )
     sizes: dict[str, list[float]] = {}
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in GgufFile(path).tensors:
         if tensor.name.startswith("blk.") and tensor.name.endswith(".weight") and "norm" not in tensor.name:
             sizes.setdefault(tensor.name.split(".")[2], []).append(float(np.std(tensor.data)))
     expected = dict.fromkeys(sizes, 0.02) | {"attn_output": 0.005, "ffn_down": 0.005}  # 0.02 / sqrt(16)
