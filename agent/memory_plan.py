@@ -209,7 +209,8 @@ def plan_memory(
     if runtime.max_seq_len == "auto":  # the attend buckets end at the planned length
         update["attend_buckets"] = sorted({b for b in runtime.attend_buckets if b < max_len} | {max_len})
     try:
-        resolved = RuntimeSection.model_validate({**runtime.model_dump(), **update})
+        # what the user left out is derived again for the planned length (the default buckets)
+        resolved = RuntimeSection.model_validate({**runtime.model_dump(exclude_unset=True), **update})
     except ValueError as exc:
         raise MemoryPlanError(f"the planned runtime ({update}) is not valid: {exc}") from exc
     plan = MemoryPlan(

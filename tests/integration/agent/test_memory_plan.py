@@ -56,6 +56,16 @@ def test_a_budget_fills_the_pool_and_auto_seats_are_the_largest_batch(default_mo
     assert given.num_blocks == 300 and given.total_mb < plan.total_mb
 
 
+def test_a_budget_with_a_given_length_keeps_the_default_buckets_up_to_it(default_model_path):
+    """max_seq_len 1024 with a budget and nothing else: the plan's runtime takes the default buckets
+    cut at 1024 (it once validated the unplanned defaults, [256, 512, 2048], and stopped the agent)."""
+    spec = load_checkpoint(default_model_path).spec
+    runtime = RuntimeSection(num_slots=16, max_seq_len=1024, memory_budget_mb=1500, compile_cache_dir=None)
+    resolved = plan_memory(spec, runtime)[0]
+    assert (resolved.attend_buckets, resolved.prefill_buckets) == ([256, 512, 1024], [32, 64, 128, 512])
+    assert resolved.max_seq_len == 1024 and resolved.num_blocks * 16 >= 1024
+
+
 def test_auto_length_is_the_context_shortened_to_the_budget(default_model_path):
     spec = load_checkpoint(default_model_path).spec  # trained context 8192
     roomy = RuntimeSection(num_slots=4, max_seq_len="auto", memory_budget_mb=100_000, **BUDGETED)
