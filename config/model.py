@@ -21,9 +21,10 @@ class ModelSection(Section):
     argmax_model: Path | None = None
     topk_model: list[Path] = Field(default_factory=list, description="one MindIR file per top-k bucket")
     # How answers are read (server/tool_calls.py, server/reasoning.py); auto: from the chat template.
-    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
         "auto",
-        description="tool calls as `<tool_call>` JSON (hermes) or a whole-answer JSON call (llama3_json)",
+        description="tool calls as `<tool_call>` JSON (hermes), a whole-answer JSON call (llama3_json) "
+        "or after `[TOOL_CALLS]` (mistral)",
     )
     reasoning_parser: Literal["auto", "think", "none"] = Field(
         "auto", description="think: `<think>...</think>` is the answer's reasoning, apart from its content"

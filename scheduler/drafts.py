@@ -24,8 +24,9 @@ class Drafts:
         """Tokens proposed after the group's decoding sequences' pending tokens, while few
         sequences decode and within the logit rows of one mixed call (one left for a prompt's first
         token), each with the blocks of their positions: free blocks only, a proposal never
-        preempts. A grammar's sequence proposes nothing (its mask holds for one token), nor one
-        whose request opted out."""
+        preempts. A constrained sequence proposes only tokens its constraint leaves free (a
+        grammar's mask holds for one token: none; a thinking budget: those before it is spent),
+        and one whose request opted out nothing."""
         speculator = self.speculator
         if speculator is None or not speculator.enabled or not capacity.mixed_rows:
             return
@@ -35,13 +36,15 @@ class Drafts:
         for seq in decodes:
             if room <= 0:
                 return
-            if not seq.speculate or seq.constraint is not None:
+            free = None if seq.constraint is None else seq.constraint.free_tokens
+            if not seq.speculate or free == 0:
                 continue
             k = min(
                 speculator.settings.num_tokens,
                 room,
                 seq.max_new_tokens - len(seq.output) - 1,  # the step's last token is always its own
                 capacity.max_seq_len - 1 - seq.computed,
+                room if free is None else free - 1,  # the step samples k + 1, all free
             )
             proposed = speculator.propose(seq, k) if k > 0 else []
             size = proposal_size(proposed)

@@ -65,10 +65,16 @@ class FaultKind(str, enum.Enum):
 
 class TokenConstraint(Protocol):
     """Which tokens a sequence may generate next (structured output: server/structured_output.py
-    holds the grammar); the engine sends its mask with every call that samples for the sequence."""
+    holds the grammar; a thinking budget: server/thinking_budget.py); the engine sends its mask
+    with every call that samples for the sequence."""
 
-    def mask(self) -> np.ndarray:
-        """The tokens allowed next: int32 words, bit j of word i for token 32 i + j."""
+    def mask(self) -> np.ndarray | None:
+        """The tokens allowed next: int32 words, bit j of word i for token 32 i + j; None: any."""
+        ...
+
+    @property
+    def free_tokens(self) -> int | None:
+        """How many next tokens may be any (proposed, speculative decoding); None: all of them."""
         ...
 
     def advance(self, token: int) -> None:

@@ -331,10 +331,11 @@ def _scores(chunk: Chunk) -> bool:
 
 
 def _masks(seqs: Iterable[Sequence], slot: int | None = None) -> dict[int, np.ndarray]:
-    """The token masks of the sequences that follow a grammar, by slot (structured output);
-    `slot`: the one sequence's slot on a prefill group."""
-    return {
+    """The token masks of the sequences whose next token is constrained, by slot (structured
+    output, a spent thinking budget); `slot`: the one sequence's slot on a prefill group."""
+    masks = {
         s.placement[1] if slot is None else slot: s.constraint.mask()
         for s in seqs
         if s.constraint is not None
     }
+    return {at: mask for at, mask in masks.items() if mask is not None}

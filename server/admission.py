@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from server import reasoning
 from server.assembly import (
     AnswerRequest,
     PromptEncoder,
@@ -25,10 +26,11 @@ from server.assembly import (
     compile_grammar,
     sampling_params,
 )
-from server.errors import ApiStyle
+from server.errors import ApiError, ApiStyle
 from server.model_repository import LoadedModel
 from server.output import AnswerStream
 from server.structured_output import GrammarSpec
+from server.thinking_budget import ThinkingBudget
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class Admission:
     client: str = ""
     priority: int = 0
     speculate: bool = True
+    thinking_budget: int | None = None  # a reasoning model's thinking tokens at most (thinking_budget.py)
+    thinking_param: str = "max_thinking_tokens"
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,7 @@ async def admit_answers(model: LoadedModel, style: ApiStyle, admission: Admissio
         sampling_params(a.sampling, a.do_sample, seed, vocab_size, **a.sampling_fields) for seed in a.seeds
     ]
     grammar = await compile_grammar(model.grammars, a.grammar, a.grammar_param, style.bad_parameter)
+    thinking = None if a.thinking_budget is None else thinking_of(model, a, prompt, max_tokens)
     top = samplings[0].logprobs
     if a.whole and top is not None:
         check_reply_size(len(samplings), max_tokens, top, model.config.server.max_reply_logprobs)
@@ -119,6 +124,25 @@ async def admit_answers(model: LoadedModel, style: ApiStyle, admission: Admissio
         a.client,
         a.priority,
         a.speculate,
+        thinking,
     )
     streams = await admit(model.engine, model.outputs, request, style)
     return Admitted(prompt, max_tokens, streams)
+
+
+def thinking_of(model: LoadedModel, a: Admission, prompt: list[int], max_tokens: int) -> ThinkingBudget:
+    """The request's thinking budget on the model: only a model that reasons has one (elsewhere the
+    field is a 400 naming it, rather than ignored: the client asked for a bound it would not get),
+    and it is at most the answer's length."""
+    budget, param = a.thinking_budget, a.thinking_param
+    assert budget is not None
+    found = reasoning.of_answers(model.tokenizer, model.config.model.reasoning_parser, prompt)
+    if found is None:
+        raise ApiError(400, f"{param}: this model does not reason (model.reasoning_parser)", param=param)
+    if budget > max_tokens:
+        raise ApiError(
+            400,
+            f"{param}: {budget} is more than the answer's length ({a.max_tokens_param} {max_tokens})",
+            param=param,
+        )
+    return ThinkingBudget.of(model.tokenizer, budget, found.inside)

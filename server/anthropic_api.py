@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from sse_starlette.sse import EventSourceResponse
 
-from server import reasoning
 from server.admission import prompt_tokens
 from server.anthropic_schema import CountTokensRequest, MessagesRequest
 from server.assembly import unless_disconnected
@@ -35,7 +34,11 @@ from server.openai_choices import Choices, choice_pieces, whole_choice
 from server.request_body import json_body
 
 # Chat fields as Anthropic names them, for the errors of the translated request.
-NAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}
+NAMES = {
+    "stop": "stop_sequences",
+    "response_format": "output_config.format",
+    "max_thinking_tokens": "thinking.budget_tokens",
+}
 
 
 def stop_reason(finish_reason: str | None, stop_sequence: str | None, calls: list[dict]) -> str:
@@ -159,7 +162,7 @@ def anthropic_router(repository: ModelRepository) -> APIRouter:
     def refuse_unsupported(req: CountTokensRequest) -> None:
         thinks = (req.thinking or {}).get("type") not in (None, "disabled")
         # whether the model reasons matters only where thinking is asked (an unknown model: 404)
-        problem = req.unsupported(thinks and reasoning.model_reasons(repository.serving(req.model)))
+        problem = req.unsupported(thinks and repository.serving(req.model).reasons)
         if problem:
             raise ApiError(400, problem)
 
@@ -167,7 +170,9 @@ def anthropic_router(repository: ModelRepository) -> APIRouter:
     async def create(http: Request, req: MessagesRequest = Depends(messages_request)):
         refuse_unsupported(req)
         chat = translated_chat(req.chat_fields(), NAMES)
-        answer = await admit_chat(http, repository, chat, style=ANTHROPIC)
+        answer = await admit_chat(
+            http, repository, chat, style=ANTHROPIC, thinking_param=NAMES["max_thinking_tokens"]
+        )
         if req.stream:
             return EventSourceResponse(message_events(req, answer))
         return await unless_disconnected(http, answer.streams, whole_message(req, answer))

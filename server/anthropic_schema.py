@@ -188,6 +188,10 @@ class MessagesRequest(CountTokensRequest):
             "cache_salt": self.cache_salt,
             "priority": self.priority,
             "speculate": self.speculate,
+            # enforced (server/thinking_budget.py); "adaptive" thinking has no budget
+            "max_thinking_tokens": self.thinking.get("budget_tokens")
+            if self.thinking and self.thinking.get("type") == "enabled"
+            else None,
         }
 
 

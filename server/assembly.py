@@ -21,10 +21,11 @@ from pydantic import BaseModel
 from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import TextTokenizer, TokenizerError
 from scheduler.engine import Engine
-from scheduler.engine_io import AdmissionError, EngineRequest
+from scheduler.engine_io import AdmissionError, EngineRequest, TokenConstraint
 from server.errors import ApiError, ApiStyle, refusal_status
 from server.output import AnswerStream, OutputProcessor
 from server.structured_output import Grammar, GrammarError, Grammars, GrammarSpec
+from server.thinking_budget import ThinkingBudget
 from server.tracing import current_request
 
 T = TypeVar("T")
@@ -142,6 +143,7 @@ class AnswerRequest:
     client: str = ""
     priority: int = 0
     speculate: bool = True  # its tokens may be proposed (runtime.speculation): false opts out
+    thinking: ThinkingBudget | None = None  # a reasoning model's thinking budget (server/thinking_budget.py)
 
 
 def generate_answer(
@@ -160,7 +162,7 @@ def generate_answer(
         sampling,
         request.max_new_tokens,
         request.ignore_eos,
-        None if request.grammar is None else request.grammar.follow(),
+        _constraint(request),
         request.cache_salt,
         request.client,
         request.priority,
@@ -172,6 +174,12 @@ def generate_answer(
         trace.admitted(engine.config.model.name, engine_request)
     hidden = engine_request.stop_ids(engine.stop_ids)
     return outputs.open(engine_request.request_id, hidden, request.stop, engine.abort)
+
+
+def _constraint(request: AnswerRequest) -> TokenConstraint | None:
+    """One answer's constraint: its grammar, its thinking budget, or both composed."""
+    grammar = None if request.grammar is None else request.grammar.follow()
+    return grammar if request.thinking is None else request.thinking.follow(grammar)
 
 
 async def admit(

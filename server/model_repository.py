@@ -30,6 +30,7 @@ from config.schema import ServingConfig
 from scheduler.agent_client import AgentError
 from scheduler.engine import Engine
 from scheduler.metrics import MetricsByModel, ServingMetrics
+from server import reasoning
 from server.assembly import PromptEncoder
 from server.errors import ApiError
 from server.launcher_client import LauncherClient, LauncherError
@@ -63,6 +64,11 @@ class LoadedModel:
     @property
     def tokenizer(self) -> TextTokenizer:
         return self.outputs.tokenizer
+
+    @property
+    def reasons(self) -> bool:
+        """Whether its answers are read for thinking (server/reasoning.py)."""
+        return reasoning.reasons(self.tokenizer.chat_template, self.config.model.reasoning_parser)
 
     async def drain(self, timeout_s: float, reason: str | None = None) -> None:
         """Refuse new requests (503) and wait up to `timeout_s` for every open stream to end;

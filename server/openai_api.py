@@ -49,9 +49,11 @@ async def admit_choices(
     length: tuple[int | None, str],
     chat: bool,
     style: ApiStyle = OPENAI,
+    thinking_param: str = "max_thinking_tokens",
 ) -> Choices:
     """The request's choices admitted (choice i samples with seed + i), with their grammar;
-    `length`: the answer length asked (None: up to the context) and how the API names it."""
+    `length`: the answer length asked (None: up to the context) and how the API names it;
+    `thinking_param`: how it names the thinking budget."""
     top = req.top_logprobs_asked()
     grammar: Callable[[], GrammarSpec | None] = req.grammar_spec
     grammar_param = "structured_outputs" if req.structured_outputs else "response_format"
@@ -90,6 +92,8 @@ async def admit_choices(
         client=client_of(http.scope),
         priority=req.priority,
         speculate=req.speculate,
+        thinking_budget=req.max_thinking_tokens if isinstance(req, ChatCompletionRequest) else None,
+        thinking_param=thinking_param,
     )
     admitted = await admit_answers(model, style, admission)
     calls = isinstance(req, ChatCompletionRequest) and tool_calls.offered(req)
@@ -110,6 +114,7 @@ async def whole_reply(answer: Choices) -> Response:
     scored: list[tuple[PromptLogprob, ...] | None] = [None] * n
     async with contextlib.aclosing(collected(answer.streams)) as outputs:
         async for i, out in outputs:
+            answer.count_thinking(i, out)
             text, shown = answer.shown(i, out)
             texts[i] += text
             tokens[i] = out.index
@@ -188,6 +193,7 @@ async def stream_events(answer: Choices) -> AsyncIterator[str]:
                 yield json.dumps(error_body(out.error_status, out.error, "openai", code=out.error_status))
                 break
             tokens[i] = out.index
+            answer.count_thinking(i, out)
             reason = "length" if answer.hidden and out.finished else out.finish_reason
             thought, text, found = held(readers[i], out)  # calls go out whole at the end
             text = answer.shown(i, out)[0] if answer.hidden else text
@@ -306,10 +312,11 @@ async def admit_chat(
     req: ChatCompletionRequest,
     length_param: str | None = None,
     style: ApiStyle = OPENAI,
+    thinking_param: str = "max_thinking_tokens",
 ) -> Choices:
     """A chat request admitted: what /v1/chat/completions serves, and the APIs that translate into
-    it (OpenAI's Responses, Anthropic's Messages: `length_param`, how they name max_tokens, and
-    `style`, their errors')."""
+    it (OpenAI's Responses, Anthropic's Messages: `length_param` and `thinking_param`, how they
+    name max_tokens and the thinking budget, and `style`, their errors')."""
     model = serving(repository, req)
     asked, param = (
         (req.max_completion_tokens, "max_completion_tokens")
@@ -317,7 +324,7 @@ async def admit_chat(
         else (req.max_tokens, "max_tokens")
     )
     length = (asked, length_param or param)
-    return await admit_choices(http, model, req, chat_text(model, req), length, True, style)
+    return await admit_choices(http, model, req, chat_text(model, req), length, True, style, thinking_param)
 
 
 async def chat_completion(http: Request, repository: ModelRepository, req: ChatCompletionRequest):

@@ -42,6 +42,7 @@ class Choices:
     usage_prompt: int | None = None  # prompt tokens of all prompts (default: `prompt`'s)
     call_format: str = tool_calls.HERMES  # the model's tool call format (tool_calls.call_format)
     thinks: reasoning.Reasoning | None = None  # chats of a reasoning model: its thinking read apart
+    counters: dict[int, reasoning.ThinkCounter] = field(default_factory=dict)  # each choice's thinking
 
     def __post_init__(self) -> None:
         self.reply_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -65,11 +66,25 @@ class Choices:
     def usage(self, completion_tokens: int) -> dict:
         prompt = len(self.prompt) if self.usage_prompt is None else self.usage_prompt
         completion_tokens = 0 if self.hidden else completion_tokens
-        return {
+        usage: dict = {
             "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,
         }
+        if self.chat:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens()}
+        return usage
+
+    def count_thinking(self, i: int, out: GenerationOutput) -> None:
+        """Choice i's output read for the tokens it spends thinking (a model that reasons)."""
+        if self.thinks is not None:
+            if i not in self.counters:
+                self.counters[i] = self.thinks.counter(self.model.tokenizer)
+            self.counters[i].feed([t.id for t in out.tokens])
+
+    def reasoning_tokens(self) -> int:
+        """The tokens all choices spent thinking so far (count_thinking)."""
+        return 0 if self.hidden else sum(c.tokens for c in self.counters.values())
 
     def watcher(self) -> tool_calls.CallWatcher | None:
         """What holds back a streamed choice's text that may be a tool call (None: no tools)."""
@@ -165,7 +180,8 @@ async def whole_choice(answer: Choices) -> WholeChoice:
     texts: list[str] = []
     last = None
     async with contextlib.aclosing(collected(answer.streams)) as outputs:
-        async for _, out in outputs:
+        async for i, out in outputs:
+            answer.count_thinking(i, out)
             texts.append(out.text)
             last = out
     assert last is not None  # a stream ends with a finished output
@@ -186,6 +202,7 @@ async def choice_pieces(answer: Choices) -> AsyncGenerator[ChoicePiece]:
     """A translated request's one choice as it streams; closing this aborts it."""
     reader = (answer.splitter(), answer.watcher())
     async with contextlib.aclosing(merged(answer.streams)) as outputs:
-        async for _, out in outputs:
+        async for i, out in outputs:
+            answer.count_thinking(i, out)
             thought, text, calls = held(reader, out)
             yield ChoicePiece(text, out, calls, thought)

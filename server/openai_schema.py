@@ -332,6 +332,9 @@ class ChatCompletionRequest(_Common):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
+    # This server's: a reasoning model thinks at most this many tokens (server/thinking_budget.py;
+    # at most the answer's length, checked where the length is known: admission.thinking_of)
+    max_thinking_tokens: int | None = Field(None, ge=0)
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -15,12 +15,9 @@ whitespace): the scan is linear in the answer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from agent.model.detokenizer import IncrementalDetokenizer
 from agent.model.tokenizer import TextTokenizer
-
-if TYPE_CHECKING:
-    from server.model_repository import LoadedModel
 
 THINK, END = "<think>", "</think>"
 # Leading whitespace held back while the answer may still open a think block; beyond: content.
@@ -58,6 +55,9 @@ class Reasoning:
 
     def splitter(self) -> ThinkSplitter:
         return ThinkSplitter(self.inside)
+
+    def counter(self, tokenizer: TextTokenizer) -> ThinkCounter:
+        return ThinkCounter(tokenizer, self.inside)
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole answer's (reasoning or None, content)."""
@@ -127,6 +127,24 @@ class ThinkSplitter:
         return (held, "") if self.state == INSIDE else ("", held)
 
 
-def model_reasons(model: LoadedModel) -> bool:
-    """Whether a served model's answers are read for thinking."""
-    return reasons(model.tokenizer.chat_template, model.config.model.reasoning_parser)
+class ThinkCounter:
+    """The answer tokens spent thinking (usage's reasoning_tokens): those up to and including the
+    one that completes the end tag; all of an answer cut while thinking; none of one that does not
+    think. Counted on token ids, each detokenized once as the answer's text is (linear), until the
+    block ends."""
+
+    def __init__(self, tokenizer: TextTokenizer, inside: bool):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.splitter = ThinkSplitter(inside)
+        self.seen = 0  # tokens read while the answer may still be thinking
+
+    def feed(self, ids: list[int]) -> None:
+        for token in ids:
+            if self.splitter.state in (CLOSED, CONTENT):
+                return
+            self.seen += 1
+            self.splitter.feed(self.detokenizer.add(token))
+
+    @property
+    def tokens(self) -> int:
+        return self.seen if self.splitter.opened else 0

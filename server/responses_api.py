@@ -31,7 +31,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from sse_starlette.sse import EventSourceResponse
 
-from server import reasoning
 from server.access import client_of
 from server.assembly import unless_disconnected
 from server.errors import OPENAI, OPENAI_TYPES, ApiError, declares
@@ -48,6 +47,9 @@ NAMES = {
     "messages": "input",
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
+    # The budget sits in `reasoning`, where Responses keeps its reasoning settings (effort, summary),
+    # named as OpenRouter's reasoning.max_tokens names it, rather than the chat API's extension field.
+    "max_thinking_tokens": "reasoning.max_tokens",
 }
 
 
@@ -78,6 +80,7 @@ class Turn:
             "priority": req.priority,
             "speculate": req.speculate,
             "chat_template_kwargs": req.chat_template_kwargs,
+            "max_thinking_tokens": (req.reasoning or {}).get("max_tokens"),
         }
         return translated_chat(fields, NAMES)
 
@@ -141,12 +144,12 @@ class Turn:
         return json.dumps(response | {"store": False, "store_refused": why}).encode()
 
 
-def usage(prompt_tokens: int, output_tokens: int) -> dict:
+def usage(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,
     }
 
@@ -224,7 +227,7 @@ async def whole_response(turn: Turn, answer: Choices, store: ResponseStore) -> b
     response = turn.finished(
         output_items(choice.content, choice.calls, choice.reasoning),
         choice.finish_reason,
-        usage(len(answer.prompt), choice.tokens),
+        usage(len(answer.prompt), choice.tokens, answer.reasoning_tokens()),
     )
     return turn.stored(store, response)
 
@@ -344,7 +347,8 @@ async def response_events(turn: Turn, answer: Choices, store: ResponseStore) -> 
         ends += events.call(call)
     for e in ends:
         yield e
-    response = turn.finished(events.output, last.finish_reason, usage(len(answer.prompt), last.index))
+    used = usage(len(answer.prompt), last.index, answer.reasoning_tokens())
+    response = turn.finished(events.output, last.finish_reason, used)
     kind = f"response.{response['status']}"
     yield events.final(kind, turn.stored(store, response))
 
@@ -362,9 +366,7 @@ def responses_router(repository: ModelRepository, store: ResponseStore) -> APIRo
     @router.post("/responses")
     async def create(http: Request, req: ResponsesRequest = Depends(responses_request)):
         # whether the model reasons matters only where reasoning is asked (an unknown model: 404)
-        problem = req.unsupported(
-            req.reasoning_asked and reasoning.model_reasons(repository.serving(req.model))
-        )
+        problem = req.unsupported(req.reasoning_asked and repository.serving(req.model).reasons)
         if problem:
             raise ApiError(400, problem, code="unsupported_parameter")
         client = client_of(http.scope)
@@ -374,7 +376,13 @@ def responses_router(repository: ModelRepository, store: ResponseStore) -> APIRo
             else []
         )
         turn = Turn(req, client, history)
-        answer = await admit_chat(http, repository, turn.chat_request(), length_param="max_output_tokens")
+        answer = await admit_chat(
+            http,
+            repository,
+            turn.chat_request(),
+            length_param="max_output_tokens",
+            thinking_param=NAMES["max_thinking_tokens"],
+        )
         if req.stream:
             return EventSourceResponse(response_events(turn, answer, store))
         reply = await unless_disconnected(http, answer.streams, whole_response(turn, answer, store))

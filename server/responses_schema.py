@@ -153,9 +153,12 @@ class ResponsesRequest(BaseModel):
         for key, value in (self.reasoning or {}).items():
             if key == "summary" and value not in (None, *REASONING_SUMMARIES):
                 refused.append((True, f"reasoning.summary must be one of {', '.join(REASONING_SUMMARIES)}"))
-            elif key != "summary" and value is not None:
-                # effort levels: the model thinks as long as it does (max_output_tokens bounds it)
-                refused.append((True, f"reasoning.{key} is not supported (reasoning.summary is)"))
+            elif key not in ("summary", "max_tokens") and value is not None:
+                # effort levels: the model thinks as long as it does (max_tokens bounds its thinking,
+                # checked with the translated chat request's max_thinking_tokens)
+                refused.append(
+                    (True, f"reasoning.{key} is not supported (reasoning.summary and max_tokens are)")
+                )
         for n, tool in enumerate(self.tools or []):
             if tool.get("type") != "function":
                 kind = tool.get("type")

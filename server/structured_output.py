@@ -89,6 +89,10 @@ class GrammarConstraint:
             raise ValueError(f"token {token} is not allowed here: {self.matcher.get_error()}")
 
     @property
+    def free_tokens(self) -> int:
+        return 0  # its mask holds for one token: nothing is proposed
+
+    @property
     def complete(self) -> bool:
         return self.matcher.is_stopped()
 

@@ -10,8 +10,9 @@ asks for this format, Hermes's:
 
 Answers are read in the model's own format (`call_format`: model.tool_call_parser, auto from the
 chat template): `hermes` (Qwen, Hermes: the tags above; a whole answer that is one JSON call is one
-too) or `llama3_json` (Llama 3.1-3.3: the whole answer is JSON calls, `{"name": ..., "parameters":
-{...}}`, separated by `;`, after an optional `<|python_tag|>`).
+too), `llama3_json` (Llama 3.1-3.3: the whole answer is JSON calls, `{"name": ..., "parameters":
+{...}}`, separated by `;`, after an optional `<|python_tag|>`) or `mistral` (text, then
+`[TOOL_CALLS]` and the calls: server/tool_call_mistral.py).
 
 `tool_choice` "required" or a named function constrains the answer to one such call by a grammar
 (the arguments follow the function's JSON Schema); "auto" answers are parsed for calls; "none"
@@ -26,6 +27,7 @@ import json
 import uuid
 from collections.abc import Iterator
 
+from server import tool_call_mistral
 from server.errors import ApiError
 from server.openai_schema import ChatCompletionRequest, ChatMessage, Tool
 from server.request_body import MAX_JSON_DEPTH, TooDeep, json_value
@@ -33,7 +35,7 @@ from server.structured_output import JSON_OPTIONS, GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: a call (or code) follows
-HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 SYSTEM_PROMPT = (
     "You can call functions. To call one, answer with exactly:\n"
     f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}\n'
@@ -43,10 +45,13 @@ SYSTEM_PROMPT = (
 
 def call_format(template: str | None, setting: str) -> str:
     """The format answers are read in: model.tool_call_parser, or (auto) the one the template
-    teaches: Hermes tags where it writes them, Llama 3's JSON where it asks for "parameters"."""
+    teaches: Mistral's where it writes [TOOL_CALLS], Hermes tags where it writes them, Llama 3's
+    JSON where it asks for "parameters"."""
     if setting != "auto":
         return setting
     text = template or ""
+    if tool_call_mistral.MARKER in text:
+        return MISTRAL
     if OPEN not in text and (PYTHON_TAG in text or '"parameters"' in text):
         return LLAMA3_JSON
     return HERMES
@@ -125,6 +130,8 @@ def call_grammar(req: ChatCompletionRequest, fmt: str = HERMES) -> GrammarSpec |
     schema = {"x-guidance": dict(JSON_OPTIONS), "anyOf": calls}
     if fmt == LLAMA3_JSON:
         return GrammarSpec("lark", f"start: call\ncall: %json {json.dumps(schema)}")
+    if fmt == MISTRAL:  # the array alone: the marker is a special token, which text cannot force
+        return GrammarSpec("lark", f'start: "[" call "]"\ncall: %json {json.dumps(schema)}')
     start = f"start: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}"
     return GrammarSpec("lark", f"{start}\ncall: %json {json.dumps(schema)}")
 
@@ -140,6 +147,8 @@ def parse_calls(
         if not found:
             return text, []
         return None, found if parallel else found[:1]
+    if fmt == MISTRAL:
+        return _mistral_calls(text, names, parallel)
     calls, kept, end = [], [], 0
     for start, stop, inside in _blocks(text):
         call = _call(inside, names)
@@ -154,6 +163,17 @@ def parse_calls(
             return None, [whole]
     content = "".join(kept).strip()
     return content or None, calls if parallel else calls[:1]
+
+
+def _mistral_calls(text: str, names: set[str], parallel: bool) -> tuple[str | None, list[dict]]:
+    """Mistral's calls (tool_call_mistral.read), all of offered functions with object arguments,
+    or none: the answer is text."""
+    read = tool_call_mistral.read(text)
+    shaped = [_value_call(value, names) for value in read[1]] if read else []
+    calls = [call for call in shaped if call is not None]
+    if read is None or len(calls) < len(shaped):
+        return text, []
+    return read[0].strip() or None, calls if parallel else calls[:1]
 
 
 def _blocks(text: str) -> Iterator[tuple[int, int, str]]:
@@ -256,17 +276,24 @@ class CallWatcher:
         if self.sent == 0 and text.lstrip().startswith(("{", PYTHON_TAG)):
             self.holding = True  # maybe one JSON call as the whole answer (Llama 3 style)
             return ""
+        if self.fmt == MISTRAL and self.sent == 0 and len(text) < 64 and text.isspace():
+            self.unsent = text  # the answer's start: what follows may be its calls
+            return ""
+        if self.fmt == MISTRAL and self.sent == 0 and text.lstrip().startswith("["):
+            self.holding = True  # the marker, or calls as the whole answer (the array alone)
+            return ""
         if self.fmt == LLAMA3_JSON:
             if self.sent == 0 and len(text) < 64 and PYTHON_TAG.startswith(text.lstrip()):
                 self.unsent = text  # the answer's start: maybe the tag, or whitespace before "{"
                 return ""
             self.unsent, self.sent = "", self.sent + len(text)
             return text
-        start = text.find(OPEN)
+        tag = tool_call_mistral.MARKER if self.fmt == MISTRAL else OPEN
+        start = text.find(tag)
         if start >= 0:
             self.holding, limit = True, start
-        else:  # hold back what could be the beginning of OPEN
-            limit = len(text) - _partial_tag(text)
+        else:  # hold back what could be the beginning of the tag
+            limit = len(text) - _partial_tag(text, tag)
         out, self.unsent = text[:limit], text[limit:]
         self.sent += limit
         return out
@@ -283,9 +310,9 @@ class CallWatcher:
         return "", calls  # the text before the first call already went out
 
 
-def _partial_tag(text: str) -> int:
-    """How many characters at the end of `text` could begin OPEN."""
-    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-size:]):
+def _partial_tag(text: str, tag: str = OPEN) -> int:
+    """How many characters at the end of `text` could begin `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
             return size
     return 0

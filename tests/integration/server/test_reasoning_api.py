@@ -109,18 +109,57 @@ def joined(deltas: list[tuple[str, str]], field: str) -> str:
     return "".join(text for kind, text in deltas if kind == field)
 
 
+def thinking_tokens(logprobs) -> int:
+    """The answer's tokens up to the one that completes `</think>`, from its logprobs' bytes: a
+    count independent of the server's (0: the answer does not close a think block)."""
+    seen = b""
+    for k, entry in enumerate(logprobs.content):
+        seen += bytes(entry.bytes or [])
+        if b"</think>" in seen:
+            return k + 1
+    return 0
+
+
+def reasoning_tokens(usage) -> int:
+    return usage.completion_tokens_details.reasoning_tokens
+
+
+def streamed_usage(client: openai.OpenAI, **body):
+    """The stream's final usage chunk's usage."""
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **body))
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    return chunks[-1].usage
+
+
 def test_chat_thinking_comes_apart_whole_and_streamed(qwen3):
     client = sdk(qwen3[1])
     body = forced("<think>abc</think>answer", messages=QUESTION)
-    message = client.chat.completions.create(**body).choices[0].message
+    reply = client.chat.completions.create(**body, logprobs=True)
+    message = reply.choices[0].message
     assert (message.content, message.model_extra["reasoning_content"]) == ("answer", "abc")
+    thought = reasoning_tokens(reply.usage)
+    assert thought == thinking_tokens(reply.choices[0].logprobs)
+    assert 0 < thought < reply.usage.completion_tokens
+    assert reasoning_tokens(streamed_usage(client, **body)) == thought  # greedy: the same answer
     deltas, calls, reason = streamed_chat(client, **body)
     assert joined(deltas, "reasoning") == "abc" and joined(deltas, "content") == "answer"
     kinds = [kind for kind, _ in deltas]
     assert kinds == sorted(kinds, key=["reasoning", "content"].index)  # thinking first
     assert calls == [] and reason == "stop"
-    plain = client.chat.completions.create(**forced("plain", messages=QUESTION)).choices[0].message
+    plain_body = forced("plain", messages=QUESTION)
+    plain_reply = client.chat.completions.create(**plain_body)
+    plain = plain_reply.choices[0].message
     assert plain.content == "plain" and plain.model_extra["reasoning_content"] is None
+    assert reasoning_tokens(plain_reply.usage) == 0 and plain_reply.usage.completion_tokens > 0
+    assert reasoning_tokens(streamed_usage(client, **plain_body)) == 0
+
+
+def test_reasoning_tokens_of_every_choice_are_summed(qwen3):
+    client = sdk(qwen3[1])
+    body = forced("<think>abc</think>answer", messages=QUESTION)
+    one = reasoning_tokens(client.chat.completions.create(**body).usage)
+    assert reasoning_tokens(client.chat.completions.create(**body, n=3).usage) == 3 * one
+    assert reasoning_tokens(streamed_usage(client, **body, n=3)) == 3 * one
 
 
 def test_a_hermes_call_after_thinking_is_a_tool_call(qwen3):
@@ -241,6 +280,8 @@ def test_responses_give_a_reasoning_item_whole_and_streamed(r1):
     reply = client.responses.create(**body)
     assert [item.type for item in reply.output] == ["reasoning", "message"]
     assert reply.output[0].content[0].text == '"abc' and reply.output_text == 'answer"'
+    spent = reply.usage.output_tokens_details.reasoning_tokens
+    assert 0 < spent < reply.usage.output_tokens
     assert reply.reasoning.summary == "auto"
     events = list(client.responses.create(stream=True, **body))
     thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
@@ -250,6 +291,7 @@ def test_responses_give_a_reasoning_item_whole_and_streamed(r1):
     assert [(e.output_index, e.item.type) for e in done] == [(0, "reasoning"), (1, "message")]
     final = events[-1].response
     assert final.status == "completed" and [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.usage.output_tokens_details.reasoning_tokens == spent  # greedy: the same answer
     # the response continues its conversation (its reasoning item dropped), and an input that
     # sends a reasoning item back is served
     follow = client.responses.create(
@@ -260,6 +302,22 @@ def test_responses_give_a_reasoning_item_whole_and_streamed(r1):
     echoed = [{"role": "user", "content": "Hello there"}, *output, {"role": "user", "content": "And?"}]
     again = client.responses.create(model="tiny", input=echoed, max_output_tokens=2, temperature=0)
     assert again.usage.input_tokens == follow.usage.input_tokens
+
+
+def test_a_responses_answer_that_does_not_think_spends_no_reasoning_tokens(qwen3):
+    """Qwen3 opens its think block itself: an answer that does not (a JSON string) spends none."""
+    client = sdk(qwen3[1])
+    body = dict(
+        model="tiny",
+        input="Hello there",
+        max_output_tokens=300,
+        temperature=0,
+        text={"format": const("plain")},
+    )
+    usage = client.responses.create(**body).usage
+    assert usage.output_tokens_details.reasoning_tokens == 0 and usage.output_tokens > 0
+    final = list(client.responses.create(stream=True, **body))[-1].response
+    assert final.usage.output_tokens_details.reasoning_tokens == 0 and final.output_text == '"plain"'
 
 
 def test_responses_refuse_reasoning_effort(r1):

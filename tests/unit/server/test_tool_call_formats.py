@@ -1,7 +1,7 @@
 """Each family's tool call format (server/tool_calls.py): which one a real chat template teaches
 (tests/unit/agent/chat_templates/), Llama 3's JSON calls read from whole answers and streams, its
 grammar for tool_choice required, and a history's calls written back through Llama 3.1's template;
-hostile answers read in linear time."""
+Mistral's calls in both its shapes, likewise; hostile answers read in linear time."""
 
 import json
 from pathlib import Path
@@ -167,3 +167,181 @@ def test_a_history_call_reaches_llama_31s_template_as_an_object():
     llama = ChatTemplate(template("meta-llama-Llama-3.1-8B-Instruct.jinja"))
     text = llama.render(messages, bos_token="", eos_token="", tools=tool_calls.template_tools(req))
     assert '{"name": "add", "parameters": {"a": 1}}' in text
+
+
+# Mistral: text, then `[TOOL_CALLS]` and a JSON array of calls (tokenizers before v11), or
+# `[TOOL_CALLS]name[ARGS]{...}` repeated (v11+: Mistral Small 3.2, Magistral, Devstral).
+MISTRAL = tool_calls.MISTRAL
+MARKER = "[TOOL_CALLS]"
+# Mistral-7B-Instruct-v0.3's chat template, written from memory and shortened (no system message,
+# no history calls): what matters here is that it writes [AVAILABLE_TOOLS] and [TOOL_CALLS].
+MISTRAL_V03 = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if tools is defined and tools is not none and loop.last %}"
+    "{{- '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{{- '[INST] ' + message['content'] + '[/INST]' }}"
+    "{%- elif message.tool_calls is defined and message.tool_calls is not none %}"
+    "{{- '[TOOL_CALLS] ' + message.tool_calls | map(attribute='function') | list | tojson + eos_token }}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] | trim + eos_token }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '[TOOL_RESULTS] {\"content\": ' + message['content'] | string + '}[/TOOL_RESULTS]' }}"
+    "{%- endif %}{%- endfor %}"
+)
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+ADD = '{"name": "add", "arguments": {"a": 1}}'
+
+
+def names(calls: list[dict]) -> list[str]:
+    return [c["function"]["name"] for c in calls]
+
+
+def test_a_template_that_writes_tool_calls_markers_is_mistrals():
+    assert tool_calls.call_format(MISTRAL_V03, "auto") == MISTRAL
+    assert tool_calls.call_format(MISTRAL_V03, "hermes") == tool_calls.HERMES
+    assert tool_calls.call_format(None, MISTRAL) == MISTRAL
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        (MARKER + "[" + PARIS + ", " + ADD + "]", None),  # before v11
+        ("Let me look.\n" + MARKER + " [" + PARIS + ", " + ADD + "]\n", "Let me look."),
+        (MARKER + 'get_weather[ARGS]{"city": "Paris"}' + MARKER + 'add[ARGS]{"a": 1}', None),  # v11+
+        (
+            "Checking. " + MARKER + 'get_weather[ARGS] {"city": "Paris"} ' + MARKER + 'add[ARGS]{"a": 1}',
+            "Checking.",
+        ),
+        ("[" + PARIS + ", " + ADD + "]", None),  # the marker dropped as a special token, or the grammar's
+    ],
+)
+def test_both_mistral_shapes_are_read(text, content):
+    found, calls = tool_calls.parse_calls(text, TOOLS, fmt=MISTRAL)
+    assert found == content and names(calls) == ["get_weather", "add"]
+    assert arguments(calls[0]) == {"city": "Paris"} and arguments(calls[1]) == {"a": 1}
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    _, first = tool_calls.parse_calls(text, TOOLS, parallel=False, fmt=MISTRAL)
+    assert names(first) == ["get_weather"]
+
+
+def test_a_mistral_call_with_a_marker_inside_its_arguments_is_one_call():
+    text = MARKER + 'add[ARGS]{"a": "[TOOL_CALLS]x[ARGS]{}"}'
+    _, calls = tool_calls.parse_calls(text, TOOLS, fmt=MISTRAL)
+    assert arguments(calls[0]) == {"a": "[TOOL_CALLS]x[ARGS]{}"} and len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather is fine.",
+        "[1, 2, 3]",
+        "[" + PARIS + "] and some text after",
+        "Sure: [" + PARIS + "]",  # an array after text, with no marker
+        MARKER,
+        MARKER + "[]",
+        MARKER + "[" + PARIS,  # cut
+        MARKER + "[" + PARIS + "] trailing",
+        MARKER + '[{"name": "unknown", "arguments": {}}]',  # not an offered function
+        MARKER + '[{"name": "add", "arguments": [1]}]',  # arguments not an object
+        MARKER + "[" + PARIS + ', {"name": "unknown", "arguments": {}}]',  # one bad call: all text
+        MARKER + 'get_weather{"city": "Paris"}',  # no [ARGS]
+        MARKER + 'get_weather[ARGS]{"city": ',
+        MARKER + "get_weather[ARGS]not json",
+        MARKER + 'get_weather[ARGS]{"city": "Paris"} trailing',
+        MARKER + "x" * 300 + '[ARGS]{"a": 1}',  # a name too long
+        MARKER + 'unknown[ARGS]{"a": 1}',
+        "<tool_call>\n" + PARIS + "\n</tool_call>",  # Hermes tags are no Mistral call
+    ],
+)
+def test_other_mistral_answers_are_text(text):
+    assert tool_calls.parse_calls(text, TOOLS, fmt=MISTRAL) == (text, [])
+
+
+def streamed(text: str, cut: int, fmt: str = MISTRAL) -> tuple[str, str, list[dict]]:
+    watcher = tool_calls.CallWatcher(TOOLS, parallel=True, fmt=fmt)
+    shown = "".join(watcher.feed(text[i : i + cut]) for i in range(0, len(text), cut))
+    rest, calls = watcher.finish()
+    return shown, rest, calls
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 11, 1000])
+def test_a_streamed_mistral_answer_shows_its_text_and_holds_its_calls(cut):
+    before = "Let me check [the weather]. "
+    for text in [
+        before + MARKER + "[" + PARIS + "]",
+        before + MARKER + 'get_weather[ARGS]{"city": "Paris"}',
+        "  " + MARKER + "[" + PARIS + "]",
+        "[" + PARIS + "]",
+    ]:
+        shown, rest, calls = streamed(text, cut)
+        assert names(calls) == ["get_weather"] and arguments(calls[0]) == {"city": "Paris"}
+        expected = before if text.startswith(before) else ""
+        assert shown + rest == expected and MARKER[:2] not in shown + rest
+    for text in ["Paris is sunny [1]. [TOOL_CALL", "Not a call: " + MARKER + "nothing", "[1] first"]:
+        shown, rest, calls = streamed(text, cut)
+        assert calls == [] and shown + rest == text
+
+
+def test_a_streamed_mistral_answer_goes_out_as_it_comes():
+    """Beyond its start, text waits only while it may be the beginning of the marker."""
+    watcher = tool_calls.CallWatcher(TOOLS, parallel=True, fmt=MISTRAL)
+    assert watcher.feed("Hello ") == "Hello "
+    assert watcher.feed("there [TOOL") == "there "
+    assert watcher.feed("S] of") == "[TOOLS] of"
+
+
+def test_hostile_mistral_answers_are_read_in_linear_time():
+    with deadline(10):
+        for text in [
+            MARKER * 50_000,
+            "[" * 200_000,
+            MARKER + "[" * 200_000,
+            MARKER + "get_weather[ARGS]" + "{" * 200_000,
+            MARKER + "get_weather[ARGS]" + " " * 200_000,
+            (MARKER + 'add[ARGS]{"a": 1}') * 20_000 + " trailing text",
+            MARKER + "[" + (ADD + ", ") * 20_000 + "]",
+            "[" + MARKER[1:] * 50_000,
+            "x" * 200_000 + MARKER[:-1],
+            MARKER + '[{"name": "add", "arguments": ' + "[" * 3000 + "]" * 3000 + "}]",
+        ]:
+            assert tool_calls.parse_calls(text, TOOLS, fmt=MISTRAL) == (text, [])
+            shown, rest, calls = streamed(text, 5)
+            assert calls == [] and shown + rest == text
+
+
+def test_the_mistral_grammar_is_a_json_array_of_one_call(tiny_llama_dir):
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    named = request(
+        messages=[{"role": "user", "content": "Weather?"}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    spec = tool_calls.call_grammar(named, MISTRAL)
+    assert spec is not None
+    assert accepts(spec, tokenizer, "[" + PARIS + "]")
+    assert not accepts(spec, tokenizer, PARIS)
+    assert not accepts(spec, tokenizer, "[" + ADD + "]")  # not the named function
+    assert not accepts(spec, tokenizer, "[" + PARIS + ", " + PARIS + "]")
+    required = tool_calls.call_grammar(
+        request(messages=[{"role": "user", "content": "Add."}], tool_choice="required"), MISTRAL
+    )
+    assert required is not None and accepts(required, tokenizer, "[" + ADD + "]")
+    # what the grammar lets through is read as a call
+    assert names(tool_calls.parse_calls("[" + PARIS + "]", TOOLS, fmt=MISTRAL)[1]) == ["get_weather"]
+
+
+def test_a_history_call_reaches_mistrals_template_as_an_object():
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    req = request(
+        messages=[
+            {"role": "user", "content": "Add."},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        ]
+    )
+    messages = tool_calls.template_messages(req, template_takes_tools=True)
+    text = ChatTemplate(MISTRAL_V03).render(
+        messages, bos_token="<s>", eos_token="</s>", tools=tool_calls.template_tools(req)
+    )
+    assert '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}]</s>' in text
+    assert "[INST] Add.[/INST]" in text
