@@ -211,7 +211,8 @@ def _join_cluster(split: TensorSplit, spec: ModelSpec, progress: Progress) -> No
             f"the config rank {split.rank} of {split.size}"
         )
     start, end = split.share(spec.num_kv_heads)
+    experts = f", each expert's rows {split.share(spec.expert_intermediate_size)}" if spec.num_experts else ""
     progress(
         f"tensor-parallel rank {split.rank} of {split.size}: KV heads {start}..{end - 1}, "
-        f"FFN columns {split.share(spec.intermediate_size)}"
+        f"FFN columns {split.share(spec.intermediate_size)}{experts}"
     )

@@ -103,6 +103,7 @@ def rank_spec(spec: ModelSpec, ranks: int) -> ModelSpec:
             "num_kv_heads": kv_heads,
             "num_heads": kv_heads * spec.group_size,
             "intermediate_size": -(-spec.intermediate_size // ranks),
+            "expert_intermediate_size": -(-spec.expert_intermediate_size // ranks),
         }
     )
 

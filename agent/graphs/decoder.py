@@ -2,8 +2,9 @@
 each family's files hold; agent/graphs/layers.py: the shared math): its layers, their weights (kept
 in their file's block formats for the CPU kernels) and the KV cache, as Parameters that every graph
 of agent/graphs/step_graphs.py shares. A layer runs op by op or as one fused kernel; the layer
-features of the spec beyond Llama's (QK-norm, post-norms, GeGLU, sliding window: Gemma 3's) are
-options of the fused kernel only.
+features of the spec beyond Llama's (post-norms, GeGLU, sliding window: Gemma 3's) are options of
+the fused kernel only; Qwen3's QK-norm runs either way, Qwen3-MoE's experts in their own op after
+either (agent/graphs/moe.py).
 
 Layout choices come from measurements (../shared/MINDSPORE_CPU.md and our own on an AVX-512 Xeon):
 - Q/K/V are one fused matmul and gate/up another; layer weights are stored [in, out] (on the Xeon,
@@ -101,12 +102,17 @@ class DecoderLayer(nn.Cell):
                 "(runtime.matmul and runtime.decode_attention kernel, float32, a hidden size that is a "
                 "multiple of 32, no tensor parallelism)"
             )
+        if spec.is_moe(index) and kernels.matmul is None:
+            raise ValueError(
+                f"{spec.architecture}: mixture-of-experts FFNs run on the CPU kernels only (runtime.matmul "
+                "kernel, float32)"
+            )
         self.local = spec.is_local(index)
         self.attn_norm = param(checkpoint.tensors[p + "attn_norm"], p + "attn_norm")
         self.ffn_norm = param(checkpoint.tensors[p + "ffn_norm"], p + "ffn_norm")
-        self.has_bias = spec.qkv_bias
+        self.has_bias, self.qk_norm = spec.qkv_bias, spec.qk_norm
         self.hidden = spec.hidden_size
-        # A MoE layer: the fused kernel runs its attention (a zero FFN), ExpertsFfn its experts
+        # A MoE layer: the fused kernel (a zero FFN) or the ops run its attention, ExpertsFfn its experts
         self.moe: Any = ExpertsFfn(checkpoint, index, self.eps_tensor) if spec.is_moe(index) else None
         if fused:
             self._load_fused(checkpoint, p, share)
@@ -193,15 +199,25 @@ class DecoderLayer(nn.Cell):
     def _load_op_by_op(self, checkpoint: Checkpoint, p: str, share: LayerShare) -> None:
         """This rank's rows and columns as float matrices [in, out], Q/K/V and gate/up each one
         product; packed in tiles when the matmul kernel runs them. The attention scale is folded
-        into the Q rows and bias (RoPE is linear, so this commutes)."""
-        t = {name: checkpoint.matrix(p + name) for name in MATRICES}
+        into the Q rows and bias (RoPE is linear, so this commutes), with QK-norm into q_norm."""
+        # a MoE layer's FFN is its experts' (ExpertsFfn)
+        names = MATRICES[:4] if self.moe is not None else MATRICES
+        t = {name: checkpoint.matrix(p + name) for name in names}
         q, kv, ffn = share.q_rows, share.kv_rows, share.ffn
         scale = checkpoint.spec.query_scale
+        if self.qk_norm:
+            # The norm would undo a scale folded into the Q rows: it goes into q_norm's weights, which
+            # every rank holds whole (per head, so each rank norms its own heads with them).
+            self.q_norm = param(checkpoint.tensors[p + "q_norm"] * scale, p + "q_norm")
+            self.k_norm = param(checkpoint.tensors[p + "k_norm"], p + "k_norm")
+            scale = 1.0
         self.wqkv = self._weight(np.concatenate([t["wq"][q] * scale, t["wk"][kv], t["wv"][kv]]).T, p + "wqkv")
         bias = self._qkv_bias(checkpoint, p, share)
         bias[: self.q_size] *= scale
         self.bqkv = param(bias, p + "bqkv", self.dtype)
         self.wo = self._weight(t["wo"][:, q].T, p + "wo")
+        if self.moe is not None:
+            return
         self.w_gate_up = self._weight(np.concatenate([t["w_gate"][ffn], t["w_up"][ffn]]).T, p + "w_gate_up")
         self.w_down = self._weight(t["w_down"][:, ffn].T, p + "w_down")
 
@@ -234,6 +250,8 @@ class DecoderLayer(nn.Cell):
         qkv = self.linear(h, self.wqkv, self.q_size + 2 * self.kv_size)
         if self.has_bias:
             qkv = qkv + self.bqkv
+        if self.qk_norm:
+            qkv = self.norm_heads(qkv)
         if self.kernel_rope is not None:
             heads = self.kernel_rope(qkv, cos, sin, self.kv_heads_tensor)  # [N, heads + 2 KV, hd]
             return ops.split(heads, [self.heads, self.kv_heads, self.kv_heads], 1)
@@ -248,6 +266,15 @@ class DecoderLayer(nn.Cell):
         q, k = ops.split(qk, [self.heads, self.kv_heads], 1)
         return q, k, ops.reshape(v, (-1, self.kv_heads, self.head_dim))
 
+    def norm_heads(self, qkv):
+        """QK-norm: each query and key head of qkv [N, Q + 2 KV] RMS-normed over head_dim by q_norm
+        and k_norm (the queries' scale folded in), before RoPE; V as it is."""
+        q, k, v = ops.split(qkv, [self.q_size, self.kv_size, self.kv_size], 1)
+        norm = (self.eps, self.dtype, self.half, self.kernel_norm, self.eps_tensor)
+        q = rms_norm(ops.reshape(q, (-1, self.head_dim)), self.q_norm, *norm)
+        k = rms_norm(ops.reshape(k, (-1, self.head_dim)), self.k_norm, *norm)
+        return ops.concat((ops.reshape(q, (-1, self.q_size)), ops.reshape(k, (-1, self.kv_size)), v), 1)
+
     def mlp(self, x):
         h = rms_norm(x, self.ffn_norm, self.eps, self.dtype, self.half, self.kernel_norm, self.eps_tensor)
         gate_up = self.linear(h, self.w_gate_up, 2 * self.ffn)
@@ -255,6 +282,16 @@ class DecoderLayer(nn.Cell):
             return self.add_projected(x, self.kernel_swiglu(gate_up), self.w_down, self.hidden)
         gate, up = ops.split(gate_up, self.ffn, 1)
         return self.add_projected(x, ops.silu(gate) * up, self.w_down, self.hidden)
+
+    def feed_forward(self, x, rows):
+        """x plus the FFN's output: the dense one (mlp), or the experts' (MoeFfn), a rank's share of
+        every expert's columns summed over the group. rows: int32 [N * KV] or [N], every row computed
+        by the experts' op (a padding row's output unread)."""
+        if self.moe is None:
+            return self.mlp(x)
+        out = self.moe(x, ops.ones_like(rows))
+        # the op adds its experts' sum to x itself: each rank's part is its output less x
+        return x + self.all_reduce(out - x) if self.parallel else out
 
     def fused(self, x, cos, sin, write_idx, lengths, tables, row_table, k_cache, v_cache):
         """The whole layer in one kernel (agent/kernels/fused_layer.cc FusedStack with one layer): x
@@ -302,7 +339,7 @@ class DecoderLayer(nn.Cell):
         q, k, v = self.qkv(x, cos, sin, rot)
         self.paged_attention.write(k, v, k_cache, v_cache, slots)
         out = self.paged_attention.attend(q, k_cache, v_cache, ops.gather(tables, row_table, 0), lengths)
-        return self.mlp(self.add_projected(x, out, self.wo, self.hidden))
+        return self.feed_forward(self.add_projected(x, out, self.wo, self.hidden), slots)
 
     def prefill(self, x, cos, sin, rot, write_idx, mask, tables, row_table, k_cache, v_cache):
         """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S]: the
@@ -326,7 +363,7 @@ class DecoderLayer(nn.Cell):
         probs = self.softmax(self.bmm_t(q, k), mask)  # [KV, G*S, S]
         out = ops.reshape(self.bmm(probs, v), (self.kv_heads, self.group, -1, self.head_dim))
         out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (-1, self.q_size))
-        return self.mlp(self.add_projected(x, out, self.wo, self.hidden))
+        return self.feed_forward(self.add_projected(x, out, self.wo, self.hidden), write_idx)
 
     def decode(self, x, cos, sin, rot, write_idx, where, extent, row_table, k_cache, v_cache):
         """x: [B, D]; write_idx: [B*KV]. With the attention kernel: where = block tables [B, MB],
@@ -349,4 +386,4 @@ class DecoderLayer(nn.Cell):
         else:
             out = self.attention(q, k_cache, v_cache, where, self.block_size, extent)
         out = ops.reshape(out, (-1, self.q_size))
-        return self.mlp(self.add_projected(x, out, self.wo, self.hidden))
+        return self.feed_forward(self.add_projected(x, out, self.wo, self.hidden), write_idx)

@@ -6,9 +6,9 @@ computed here or in the decoder once for every family that has it.
 
 Tensor parallelism (TensorSplit, LayerShare: agent/model/shard.py): each rank of a group holds a
 contiguous run of KV heads with their query heads (Q/K/V rows, the matching columns of wo, its own KV
-cache) and of FFN columns (gate/up rows, down columns); an AllReduce inside the graph sums the partial
-outputs of wo and w_down. The embedding, norms and lm_head are whole on every rank, so every rank
-computes the same logits.
+cache) and of FFN columns (gate/up rows, down columns; in a MoE layer every expert's, the router
+whole); an AllReduce inside the graph sums the partial outputs of wo and w_down (or of the experts).
+The embedding, norms and lm_head are whole on every rank, so every rank computes the same logits.
 """
 
 from __future__ import annotations
@@ -35,14 +35,12 @@ MATMUL_TILE = 32  # columns per packed tile of agent/kernels/skinny_matmul.cc
 
 def fused_only_features(spec: ModelSpec) -> list[str]:
     """The layer features of a model that only the fused kernel computes (Gemma 3's): none for a
-    Llama-shaped layer."""
+    Llama-shaped layer, Qwen3's (QK-norm) or Qwen3-MoE's (the experts' op follows either path)."""
     features = {
-        "QK-norm": spec.qk_norm,
         "post-norms": spec.post_norms,
         "GeGLU": spec.activation != "silu",
         "sliding-window layers": bool(spec.local_layers and spec.sliding_window),
         "scaled embeddings": spec.embed_scale != 1.0,
-        "mixture-of-experts FFNs": spec.num_experts > 0,
     }
     return [name for name, present in features.items() if present]
 

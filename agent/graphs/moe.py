@@ -5,7 +5,9 @@ and runs only the experts each row chooses, rows grouped by expert (one product 
 Routing is data-dependent, which a compiled graph's static shapes do not express: the op takes all of
 a layer's experts stacked [E, ...] in their file's format (a GGUF's blocks, float32 tiles otherwise)
 and reads the chosen ones' weights only. The layer's attention runs in the fused layer kernel with a
-zero FFN of one tile (its output: attention + residual), then this op adds the experts' sum."""
+zero FFN of one tile (its output: attention + residual), or op by op, then this op adds the experts'
+sum. A tensor-parallel rank holds every expert's share of FFN columns (agent/model/shard.py), the
+router whole; the decoder sums the ranks' parts as a dense FFN's."""
 
 from __future__ import annotations
 
