@@ -73,6 +73,7 @@ class Admission:
     speculate: bool = True
     thinking_budget: int | None = None  # a reasoning model's thinking tokens at most (thinking_budget.py)
     thinking_param: str = "max_thinking_tokens"
+    shown_tokens: frozenset[int] = frozenset()  # special tokens its answers' text keeps
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ async def admit_answers(model: LoadedModel, style: ApiStyle, admission: Admissio
         a.priority,
         a.speculate,
         thinking,
+        a.shown_tokens,
     )
     streams = await admit(model.engine, model.outputs, request, style)
     return Admitted(prompt, max_tokens, streams)

@@ -144,6 +144,7 @@ class AnswerRequest:
     priority: int = 0
     speculate: bool = True  # its tokens may be proposed (runtime.speculation): false opts out
     thinking: ThinkingBudget | None = None  # a reasoning model's thinking budget (server/thinking_budget.py)
+    shown: frozenset[int] = frozenset()  # special tokens the answer's text keeps (a tool format's markers)
 
 
 def generate_answer(
@@ -173,7 +174,7 @@ def generate_answer(
     if trace is not None:
         trace.admitted(engine.config.model.name, engine_request)
     hidden = engine_request.stop_ids(engine.stop_ids)
-    return outputs.open(engine_request.request_id, hidden, request.stop, engine.abort)
+    return outputs.open(engine_request.request_id, hidden, request.stop, engine.abort, request.shown)
 
 
 def _constraint(request: AnswerRequest) -> TokenConstraint | None:

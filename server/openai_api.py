@@ -72,6 +72,7 @@ async def admit_choices(
                 param="tool_choice",
             )
         grammar, grammar_param = (lambda: call_grammar), "tools"
+    calls = isinstance(req, ChatCompletionRequest) and tool_calls.offered(req)
     admission = Admission(
         prompt,
         req,
@@ -94,9 +95,9 @@ async def admit_choices(
         speculate=req.speculate,
         thinking_budget=req.max_thinking_tokens if isinstance(req, ChatCompletionRequest) else None,
         thinking_param=thinking_param,
+        shown_tokens=tool_calls.shown_markers(model.tokenizer, call_format) if calls else frozenset(),
     )
     admitted = await admit_answers(model, style, admission)
-    calls = isinstance(req, ChatCompletionRequest) and tool_calls.offered(req)
     answer = Choices(req, model, admitted.prompt, admitted.streams, chat, top, calls, call_format=call_format)
     if chat:
         answer.thinks = reasoning.of_answers(model.tokenizer, settings.reasoning_parser, admitted.prompt)

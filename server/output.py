@@ -138,15 +138,17 @@ class OutputProcessor:
         hidden: frozenset[int],
         stop: tuple[str, ...],
         abort: Callable[[str], None],
+        shown: frozenset[int] = frozenset(),
     ) -> AnswerStream:
         """The stream of an admitted request; `hidden`: the ids that end it without being text (its
-        EngineRequest.stop_ids). Closing it early (the client is gone) calls `abort(request_id)`,
-        which ends the request and frees its slot."""
+        EngineRequest.stop_ids); `shown`: special tokens written as text (a tool format's markers).
+        Closing it early (the client is gone) calls `abort(request_id)`, which ends the request and
+        frees its slot."""
         stop = tuple(s for s in stop if s)
         stream = _Stream(
             request_id,
             asyncio.Queue(),
-            IncrementalDetokenizer(self.tokenizer),
+            IncrementalDetokenizer(self.tokenizer, shown),
             stop,
             hidden,
             abort,

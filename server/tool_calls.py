@@ -24,9 +24,12 @@ same format for templates that do not know them.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+from agent.model.tokenizer import TextTokenizer
 from server import tool_call_mistral
 from server.errors import ApiError
 from server.openai_schema import ChatCompletionRequest, ChatMessage, Tool
@@ -55,6 +58,19 @@ def call_format(template: str | None, setting: str) -> str:
     if OPEN not in text and (PYTHON_TAG in text or '"parameters"' in text):
         return LLAMA3_JSON
     return HERMES
+
+
+def shown_markers(tokenizer: TextTokenizer, fmt: str) -> frozenset[int]:
+    """The format's markers that the vocabulary holds as special tokens, which a decode drops:
+    Mistral's [TOOL_CALLS] and [ARGS] (control tokens in its vocabularies). The answer's text keeps
+    them, for its calls to be read (vLLM keeps Mistral's special tokens alike)."""
+    if fmt != MISTRAL:
+        return frozenset()
+    ids = [
+        tokenizer.encode(m, add_special_tokens=False)
+        for m in (tool_call_mistral.MARKER, tool_call_mistral.ARGS)
+    ]
+    return frozenset(i[0] for i in ids if len(i) == 1 and tokenizer.token_piece(i[0])[2])
 
 
 def offered(req: ChatCompletionRequest) -> bool:
@@ -169,7 +185,7 @@ def _mistral_calls(text: str, names: set[str], parallel: bool) -> tuple[str | No
     """Mistral's calls (tool_call_mistral.read), all of offered functions with object arguments,
     or none: the answer is text."""
     read = tool_call_mistral.read(text)
-    shaped = [_value_call(value, names) for value in read[1]] if read else []
+    shaped = [_value_call(value, names, _mistral_id) for value in read[1]] if read else []
     calls = [call for call in shaped if call is not None]
     if read is None or len(calls) < len(shaped):
         return text, []
@@ -243,14 +259,24 @@ def _call(text: str, names: set[str]) -> dict | None:
     return _value_call(value, names)
 
 
-def _value_call(value, names: set[str]) -> dict | None:
+def _openai_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _mistral_id() -> str:
+    """Mistral's templates refuse a history call whose id is not 9 letters and digits (vLLM's
+    MistralToolCall ids are made alike)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+def _value_call(value, names: set[str], make_id: Callable[[], str] = _openai_id) -> dict | None:
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if not isinstance(arguments, dict):
         return None
     return {
-        "id": "call_" + uuid.uuid4().hex[:24],
+        "id": make_id(),
         "type": "function",
         "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
     }

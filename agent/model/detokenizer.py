@@ -9,6 +9,9 @@ bytes EF BF BD) is text like any other and is emitted.
 Other tokenizers decode a window of recent ids each step (the vLLM prefix/read offsets), so a long
 answer costs O(length), not O(length^2); there a piece whose decode ends in U+FFFD is held back, as
 the text cannot tell a real U+FFFD from an unfinished character.
+
+Special tokens are no text (a decode skips them), except the `shown` ones: a format's markers that
+an answer is read by (Mistral's [TOOL_CALLS], a control token), written as their names.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: TextTokenizer):
+    def __init__(self, tokenizer: TextTokenizer, shown: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
+        self.shown = shown
         # errors="replace": invalid bytes become U+FFFD, as in the full decode
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if tokenizer.byte_level else None
         self.ids: list[int] = []
@@ -33,7 +37,9 @@ class IncrementalDetokenizer:
     def add(self, token: int) -> str:
         """Append one token id; returns the new text that is safe to emit (may be empty)."""
         self.ids.append(token)
-        if self.utf8 is not None:
+        if token in self.shown:  # what came before it is whole: a character it cut stays cut
+            piece = self._cut() + self.tokenizer.token_piece(token)[0]
+        elif self.utf8 is not None:
             piece = self.utf8.decode(self.tokenizer.token_bytes(token))
         else:
             piece = self._window_piece()
@@ -51,6 +57,17 @@ class IncrementalDetokenizer:
         piece = tail[len(prefix_text) :].rstrip(REPLACEMENT)
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += piece
+        return piece
+
+    def _cut(self) -> str:
+        """The text held back before a shown token (its ids are the last but one); the window
+        starts after it."""
+        if self.utf8 is not None:
+            return self.utf8.decode(b"", final=True)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
+        piece = decode(self.ids[self.prefix_offset : -1])[len(prefix_text) :]
+        self.read_offset = len(self.ids)  # the window goes on over it (a decode skips it)
         return piece
 
     def _window_piece(self) -> str:

@@ -25,13 +25,14 @@ CORPUS = [
 ] * 20
 
 
-def write_tokenizer(directory: Path, vocab_size: int = 400) -> Tokenizer:
+def write_tokenizer(directory: Path, vocab_size: int = 400, specials: tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level BPE trained on CORPUS, with SPECIALS and `specials` as special tokens."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIALS,
+        special_tokens=SPECIALS + list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

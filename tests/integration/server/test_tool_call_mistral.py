@@ -1,37 +1,24 @@
 """Mistral's tool call format through a real agent and `start_server.py`, read with the official
-`openai` package: the tiny model (random weights) gets Mistral-7B-Instruct-v0.3's chat template,
-from which `model.tool_call_parser: auto` picks `mistral`. Structured output forces the answers'
+`openai` package: the tiny model (random weights) gets Mistral Nemo's chat template, from which
+`model.tool_call_parser: auto` picks `mistral`. Structured output forces the answers'
 text (a regex), as tests/integration/server/test_reasoning_api.py does; tool_choice required holds
-the answer to a call by the format's grammar.
-
-The template is written from memory of the official one and shortened (no system message, and
-history calls without the 9-character id check): it renders the tools, [INST] turns and
-[TOOL_CALLS] as the real one does."""
+the answer to a call by the format's grammar."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import openai
 import pytest
 
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
 
-MISTRAL_V03 = (
-    "{{- bos_token }}{%- set user_messages = messages | selectattr('role', 'equalto', 'user') | list %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'user' %}"
-    "{%- if tools is defined and tools is not none and message == user_messages[-1] %}"
-    "{{- '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
-    "{{- '[INST] ' + message['content'] + '[/INST]' }}"
-    "{%- elif message.tool_calls is defined and message.tool_calls is not none %}"
-    "{{- '[TOOL_CALLS] ' + message.tool_calls | map(attribute='function') | list | tojson + eos_token }}"
-    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] | trim + eos_token }}"
-    "{%- elif message['role'] == 'tool' %}"
-    "{{- '[TOOL_RESULTS] {\"content\": ' + message['content'] | string + '}[/TOOL_RESULTS]' }}"
-    "{%- endif %}{%- endfor %}"
-)
+TEMPLATES = Path(__file__).parents[2] / "unit" / "agent" / "chat_templates"
+
+# the real one, from llama.cpp's models/templates (tests/unit/agent/chat_templates/README.md)
+MISTRAL_NEMO = (TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text(encoding="utf-8")
 EOS = "<|im_end|>"  # the tiny vocabulary's
 RUNTIME = {**LONG_ANSWERS_RUNTIME, "max_seq_len": 1536, "attend_buckets": [64, 512, 1536]}
 WEATHER = {
@@ -51,7 +38,7 @@ def url(tmp_path_factory, tiny_llama_dir):
     base = tmp_path_factory.mktemp("mistral")
     directory = base / "model"
     shutil.copytree(tiny_llama_dir, directory)
-    config = {"chat_template": MISTRAL_V03, "bos_token": "<|endoftext|>", "eos_token": EOS}
+    config = {"chat_template": MISTRAL_NEMO, "bos_token": "<|endoftext|>", "eos_token": EOS}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     agent_port, http_port = free_ports(2)
     path = write_config(base, directory, [agent_port], runtime=RUNTIME, server={"port": http_port})
@@ -102,7 +89,7 @@ def test_a_mistral_call_is_a_tool_call_whole_and_streamed(url, answer):
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
     [call] = choice.message.tool_calls or []
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-    assert call.id.startswith("call_")
+    assert len(call.id) == 9 and call.id.isalnum()  # as the template wants it back
     content, calls, reason = streamed(client, **forced(answer))
     assert content == "Checking. " and reason == "tool_calls"  # nothing of the call leaks
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
@@ -125,7 +112,7 @@ def test_tool_choice_required_holds_the_answer_to_a_mistral_call(url):
     city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
     short = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
     body = dict(
-        model="tiny", messages=ASK, tools=[short], tool_choice="required", temperature=0, max_tokens=200
+        model="tiny", messages=ASK, tools=[short], tool_choice="required", temperature=0, max_tokens=1000
     )
     choice = client.chat.completions.create(**body).choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -134,3 +121,17 @@ def test_tool_choice_required_holds_the_answer_to_a_mistral_call(url):
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
     content, calls, reason = streamed(client, **body)
     assert content == "" and reason == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+
+
+def test_a_call_goes_back_through_the_template_with_its_result(url):
+    """The call as the answer gave it, sent back with its result: the real template takes its id
+    (it raises on any id but 9 letters and digits, a 400)."""
+    client = sdk(url)
+    call = client.chat.completions.create(**forced("[TOOL_CALLS][" + PARIS + "]")).choices[0].message
+    history = [
+        *ASK,
+        call.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": '{"temperature": 21}'},
+    ]
+    answer = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=4)
+    assert answer.choices[0].finish_reason in ("stop", "length")

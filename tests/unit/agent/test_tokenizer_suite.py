@@ -65,6 +65,23 @@ def test_a_character_split_across_tokens_is_held_back(name):
     assert [detok.add(t) for t in ids] == [""] * (len(ids) - 1) + ["🪿"]
 
 
+@pytest.mark.parametrize(
+    "name, special", [("llama-bpe", "<|eot_id|>"), ("llama-spm", "</s>"), ("qwen2", "<|im_end|>")]
+)
+def test_a_shown_special_token_is_written_as_its_name(name, special):
+    """A tool format's markers stay in the answer's text (Mistral's [TOOL_CALLS] is a control
+    token): streamed, the text is the decode that keeps special tokens; without, the plain decode."""
+    tokenizer, _ = suite(name)
+    [marker] = tokenizer.encode(special, add_special_tokens=False)
+    before = tokenizer.encode("Checking: søren 🪿", add_special_tokens=False)
+    ids = before + [marker] + tokenizer.encode(' [{"name": "f"}] ok', add_special_tokens=False)
+    shown = IncrementalDetokenizer(tokenizer, frozenset({marker}))
+    text = "".join(shown.add(t) for t in ids) + shown.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=False) and special + " " in text
+    plain = IncrementalDetokenizer(tokenizer)
+    assert "".join(plain.add(t) for t in ids) + plain.flush() == tokenizer.decode(ids)
+
+
 def test_a_user_defined_token_decodes_as_its_text():
     """DeepSeek's vocabulary holds characters such as "ø" as user-defined tokens: text, not the
     byte-level alphabet (read as bytes, "ø" is F8 and "søren" decodes to "s\ufffdren")."""

@@ -10,11 +10,13 @@ import llguidance
 import pytest
 
 from agent.model.chat_template import ChatTemplate
+from agent.model.detokenizer import IncrementalDetokenizer
 from agent.model.tokenizer import load_tokenizer
 from server import tool_calls
 from server.openai_schema import ChatCompletionRequest, Tool
 from server.structured_output import _grammar_text
 from time_limit import deadline
+from tiny_models import write_tokenizer
 
 TOOLS = [
     Tool.model_validate(
@@ -175,19 +177,7 @@ MISTRAL = tool_calls.MISTRAL
 MARKER = "[TOOL_CALLS]"
 # Mistral-7B-Instruct-v0.3's chat template, written from memory and shortened (no system message,
 # no history calls): what matters here is that it writes [AVAILABLE_TOOLS] and [TOOL_CALLS].
-MISTRAL_V03 = (
-    "{{- bos_token }}{%- for message in messages %}"
-    "{%- if message['role'] == 'user' %}"
-    "{%- if tools is defined and tools is not none and loop.last %}"
-    "{{- '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
-    "{{- '[INST] ' + message['content'] + '[/INST]' }}"
-    "{%- elif message.tool_calls is defined and message.tool_calls is not none %}"
-    "{{- '[TOOL_CALLS] ' + message.tool_calls | map(attribute='function') | list | tojson + eos_token }}"
-    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] | trim + eos_token }}"
-    "{%- elif message['role'] == 'tool' %}"
-    "{{- '[TOOL_RESULTS] {\"content\": ' + message['content'] | string + '}[/TOOL_RESULTS]' }}"
-    "{%- endif %}{%- endfor %}"
-)
+MISTRAL_NEMO = "mistralai-Mistral-Nemo-Instruct-2407.jinja"
 PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 ADD = '{"name": "add", "arguments": {"a": 1}}'
 
@@ -197,8 +187,8 @@ def names(calls: list[dict]) -> list[str]:
 
 
 def test_a_template_that_writes_tool_calls_markers_is_mistrals():
-    assert tool_calls.call_format(MISTRAL_V03, "auto") == MISTRAL
-    assert tool_calls.call_format(MISTRAL_V03, "hermes") == tool_calls.HERMES
+    assert tool_calls.call_format(template(MISTRAL_NEMO), "auto") == MISTRAL
+    assert tool_calls.call_format(template(MISTRAL_NEMO), "hermes") == tool_calls.HERMES
     assert tool_calls.call_format(None, MISTRAL) == MISTRAL
 
 
@@ -219,7 +209,7 @@ def test_both_mistral_shapes_are_read(text, content):
     found, calls = tool_calls.parse_calls(text, TOOLS, fmt=MISTRAL)
     assert found == content and names(calls) == ["get_weather", "add"]
     assert arguments(calls[0]) == {"city": "Paris"} and arguments(calls[1]) == {"a": 1}
-    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() and c["type"] == "function" for c in calls)
     assert len({c["id"] for c in calls}) == 2
     _, first = tool_calls.parse_calls(text, TOOLS, parallel=False, fmt=MISTRAL)
     assert names(first) == ["get_weather"]
@@ -331,17 +321,45 @@ def test_the_mistral_grammar_is_a_json_array_of_one_call(tiny_llama_dir):
 
 
 def test_a_history_call_reaches_mistrals_template_as_an_object():
-    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    """Mistral Nemo's real template: arguments as an object, and the call's id as the model's own
+    calls carry it (9 letters and digits: the template refuses others)."""
+    [made] = tool_calls.parse_calls("[" + PARIS + "]", TOOLS, fmt=MISTRAL)[1]
+    assert len(made["id"]) == 9 and made["id"].isalnum()
+    call = {**made, "function": {"name": "add", "arguments": '{"a": 1}'}}
     req = request(
         messages=[
             {"role": "user", "content": "Add."},
             {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "content": "3"},
+            {"role": "tool", "tool_call_id": made["id"], "content": "3"},
         ]
     )
     messages = tool_calls.template_messages(req, template_takes_tools=True)
-    text = ChatTemplate(MISTRAL_V03).render(
+    text = ChatTemplate(template(MISTRAL_NEMO)).render(
         messages, bos_token="<s>", eos_token="</s>", tools=tool_calls.template_tools(req)
     )
-    assert '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}]</s>' in text
-    assert "[INST] Add.[/INST]" in text
+    assert f'[TOOL_CALLS][{{"name": "add", "arguments": {{"a": 1}}, "id": "{made["id"]}"}}]</s>' in text
+    assert f'[TOOL_RESULTS]{{"content": 3, "call_id": "{made["id"]}"}}[/TOOL_RESULTS]' in text
+    assert "[INST]Add.[/INST]" in text
+
+
+def test_mistrals_markers_stay_in_the_answers_text_where_they_are_special_tokens(tmp_path):
+    """Mistral's vocabularies hold [TOOL_CALLS] and [ARGS] as control tokens, which a decode drops:
+    the answer's text keeps them (shown_markers, the detokenizer's `shown`) and its call is read."""
+    mistral, plain = tmp_path / "mistral", tmp_path / "plain"
+    for directory in (mistral, plain):
+        directory.mkdir()
+    write_tokenizer(mistral, specials=("[TOOL_CALLS]", "[ARGS]"))
+    write_tokenizer(plain)
+    tokenizer = load_tokenizer(mistral)
+    shown = tool_calls.shown_markers(tokenizer, MISTRAL)
+    [marker], [args] = (tokenizer.encode(m, add_special_tokens=False) for m in ("[TOOL_CALLS]", "[ARGS]"))
+    assert shown == {marker, args} and tool_calls.shown_markers(tokenizer, tool_calls.HERMES) == set()
+    assert tool_calls.shown_markers(load_tokenizer(plain), MISTRAL) == set()  # plain text there
+    text = tokenizer.encode
+    ids = [*text("Checking. "), marker, *text("get_weather"), args, *text('{"city": "Paris"}')]
+    detokenizer = IncrementalDetokenizer(tokenizer, shown)
+    answer = "".join(detokenizer.add(t) for t in ids) + detokenizer.flush()
+    assert answer == 'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    content, calls = tool_calls.parse_calls(answer, TOOLS, fmt=MISTRAL)
+    assert content == "Checking." and names(calls) == ["get_weather"]
+    assert tokenizer.decode(ids) == 'Checking. get_weather{"city": "Paris"}'  # what a plain decode leaves
