@@ -113,7 +113,11 @@ class DecoderLayer(nn.Cell):
         self.has_bias, self.qk_norm = spec.qkv_bias, spec.qk_norm
         self.hidden = spec.hidden_size
         # A MoE layer: the fused kernel (a zero FFN) or the ops run its attention, ExpertsFfn its experts
-        self.moe: Any = ExpertsFfn(checkpoint, index, self.eps_tensor) if spec.is_moe(index) else None
+        self.moe: Any = (
+            ExpertsFfn(checkpoint, index, self.eps_tensor, kernels.int8_activations)
+            if spec.is_moe(index)
+            else None
+        )
         if fused:
             self._load_fused(checkpoint, p, share)
             self._fused_options(checkpoint, p)

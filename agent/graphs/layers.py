@@ -137,6 +137,7 @@ class CpuKernels:
         # Layers as one op (fused_layer.cc FusedStack: one layer, or all of them); runtime.activations
         # int8: the integer formats' products take int8 activations, the LM head's too.
         suffix = "I8" if int8_activations else ""
+        self.int8_activations = int8_activations  # the MoE layers' op too (agent/graphs/moe.py)
         self.stack = custom(f"FusedStack{suffix}", lambda x, *_: x) if attention and matmul else None
         self.matmul = self.matmul_add = self.matmul_format = self.rows = None
         self.norm = self.swiglu = self.rope = None

@@ -1,6 +1,8 @@
 """A layer's mixture-of-experts FFN (Qwen3-MoE's: agent/model/families/qwen3moe.py) in the graphs:
 its router and experts as Parameters and one op, MoeFfn (agent/kernels/moe.cc), that norms, routes
-and runs only the experts each row chooses, rows grouped by expert (one product per used expert).
+and runs only the experts each row chooses, rows grouped by expert (one product per used expert);
+MoeFfnI8 where the layers run int8 activations (runtime.activations int8: CpuKernels.int8_activations),
+its integer-format experts' products then taking int8 inputs as the dense layers' do.
 
 Routing is data-dependent, which a compiled graph's static shapes do not express: the op takes all of
 a layer's experts stacked [E, ...] in their file's format (a GGUF's blocks, float32 tiles otherwise)
@@ -52,7 +54,9 @@ def zero_ffn(hidden: int, prefix: str) -> dict[str, Parameter]:
 class ExpertsFfn(nn.Cell):
     """One layer's routed FFN: x + sum over the row's top-k experts of weight * expert(norm(x))."""
 
-    def __init__(self, checkpoint: Checkpoint, index: int, eps_tensor: Tensor):
+    def __init__(
+        self, checkpoint: Checkpoint, index: int, eps_tensor: Tensor, int8_activations: bool = False
+    ):
         super().__init__()
         spec, p = checkpoint.spec, f"layers.{index}."
         self.ffn_norm = param(checkpoint.tensors[p + "ffn_norm"], p + "moe_ffn_norm")
@@ -77,7 +81,10 @@ class ExpertsFfn(nn.Cell):
             Tensor(np.array(options, np.int32)), name=p + "moe_options", requires_grad=False
         )
         self.op = ops.Custom(
-            op_path("MoeFfn"), out_shape=lambda x, *_: x, out_dtype=lambda x, *_: x, func_type="aot"
+            op_path("MoeFfnI8" if int8_activations else "MoeFfn"),
+            out_shape=lambda x, *_: x,
+            out_dtype=lambda x, *_: x,
+            func_type="aot",
         )
 
     def construct(self, x, lengths):

@@ -15,6 +15,11 @@
 //   8 formats [4] int32: the format of the router, gate, up and down (every expert's the same)
 //   9 options [2] int32: k (experts a row uses, 1..E), normalise (1: the k weights sum to 1)
 //   output [N, D] last.
+// MoeFfnI8 (runtime.activations int8, as FusedStackI8): the experts' products in an integer format
+// take their inputs quantized per block of 32 (int8_products.h, each slot's row quantized alone, so
+// that an expert's row result is the same at every count of rows it gets); F16 and BF16 experts stay
+// float32 products, as in the dense layers. The router stays float32: it is small (E columns) and its
+// logits decide the routing, which int8 rounding would move between near-equal experts.
 // The products run on the kernels' thread team (thread_team.h): each stage (gather, gate and up, SwiGLU,
 // down, the weighted sums) one loop over every used expert's column tiles or rows, so a step wakes
 // the team twice and waits at a handful of barriers however many experts its rows use.
@@ -24,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "int8_products.h"
 #include "product.h"
 #include "row_ops.h"
 #include "thread_team.h"
@@ -43,11 +49,14 @@ bool read_expert(void *w, int32_t format, int ndim, const int64_t *shape, int64_
   return product::read_matrix(static_cast<const uint8_t *>(w) + e * bytes, format, 3, shape + 1, m);
 }
 
-}  // namespace
+// Whether a format's products take int8 activations (int8_products.h Traits: not F32, F16, BF16).
+bool takes_int8(int32_t format) {
+  bool usable = false;
+  product::visit(format, [&](auto f) { usable = int8::Traits<decltype(f)>::USABLE; });
+  return usable;
+}
 
-extern "C" int MoeFfn(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                      void *extra) {
-  (void)stream; (void)extra; (void)dtypes;
+int run_moe(int nparam, void **params, int *ndims, int64_t **shapes, bool int8_activations) {
   if (nparam != INPUTS + 1 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 1 || ndims[8] != 1 ||
       ndims[9] != 1 || shapes[8][0] != 4 || shapes[9][0] != 2 || shapes[0][0] <= 0 ||
       shapes[1][0] % shapes[0][0] != 0 || shapes[1][0] == 0)
@@ -69,6 +78,11 @@ extern "C" int MoeFfn(int nparam, void **params, int *ndims, int64_t **shapes, c
   if (router.k_dim != dim || router.n_dim() < experts || gate0.k_dim != dim || up0.k_dim != dim ||
       up0.n_dim() != ffn_stride || ffn_stride != (ffn + TILE - 1) / TILE * TILE || down0.n_dim() != dim)
     return 1;
+  if (int8_activations && !int8::AVAILABLE) return 1;
+  // Which products' inputs are quantized: an integer format's k_dim is whole blocks of 32 or 256.
+  const bool int8_in = int8_activations && (takes_int8(formats[GATE]) || takes_int8(formats[UP]));
+  const bool int8_act = int8_activations && takes_int8(formats[DOWN]);
+  if ((int8_in && dim % int8::XBLOCK != 0) || (int8_act && ffn % int8::XBLOCK != 0)) return 1;
 
   const float *x = static_cast<const float *>(params[0]);
   const int32_t *len = static_cast<const int32_t *>(params[1]);
@@ -157,23 +171,54 @@ extern "C" int MoeFfn(int nparam, void **params, int *ndims, int64_t **shapes, c
   act_buf.resize(n_slots * ffn);
   y_buf.resize(n_slots * dim);
   float *xe = xe_buf.data(), *g = gate_buf.data(), *u = up_buf.data(), *act = act_buf.data(), *y = y_buf.data();
+  // MoeFfnI8: each slot's expert input and SwiGLU output quantized (int8::Rows of k_dim per slot), as
+  // they are written; an expert's rows are then its slots' run from e.first.
+  thread_local std::vector<int8_t> xq_buf, aq_buf;
+  thread_local std::vector<float> xd_buf, xs_buf, ad_buf, as_buf;
+  if (int8_in) {
+    xq_buf.resize(n_slots * dim);
+    xd_buf.resize(n_slots * dim / int8::XBLOCK);
+    xs_buf.resize(n_slots * dim / int8::XSUM);
+  }
+  if (int8_act) {
+    aq_buf.resize(n_slots * ffn);
+    ad_buf.resize(n_slots * ffn / int8::XBLOCK);
+    as_buf.resize(n_slots * ffn / int8::XSUM);
+  }
+  // (addresses taken here: in the team's threads the thread_local names are other vectors)
+  const int8::Rows xq{xq_buf.data(), xd_buf.data(), xs_buf.data(), dim};
+  const int8::Rows aq{aq_buf.data(), ad_buf.data(), as_buf.data(), ffn};
+  // Tile j of expert e's product over its rows (from slot e.first): int8 where `quantized` and its
+  // format takes it, the quantized rows those of x from that slot on.
+  auto expert_tile = [](const product::Matrix &w, const Used &e, bool quantized, const int8::Rows &x,
+                        const float *in, float *to, int64_t stride, int64_t j) {
+    const int64_t k = x.k_dim, first = e.first;
+    if (!quantized || !int8::tile(w, {x.q + first * k, x.d + first * (k / int8::XBLOCK),
+                                      x.s + first * (k / int8::XSUM), k},
+                                  nullptr, to, e.count, stride, j))
+      product::tile(w, in, nullptr, to, e.count, stride, j);
+  };
   team::Team::instance().run([&](team::Region &region) {
-    region.for_static(n_slots, [&](int64_t s) { std::memcpy(xe + s * dim, h + rows[s] * dim, sizeof(float) * dim); });
+    region.for_static(n_slots, [&](int64_t s) {
+      std::memcpy(xe + s * dim, h + rows[s] * dim, sizeof(float) * dim);
+      if (int8_in) int8::quantize_row(xq, xe, s);
+    });
     region.for_dynamic(static_cast<int64_t>(gate_up_jobs.size()), 1, [&](int64_t i) {
       const Job &job = gate_up_jobs[i];
       const Used &e = used[job.used];
       const float *in = xe + e.first * dim;
       if (job.up)
-        product::tile(e.up, in, nullptr, u + e.first * ffn_stride, e.count, ffn_stride, job.tile);
+        expert_tile(e.up, e, int8_in, xq, in, u + e.first * ffn_stride, ffn_stride, job.tile);
       else
-        product::tile(e.gate, in, nullptr, g + e.first * ffn_stride, e.count, ffn_stride, job.tile);
+        expert_tile(e.gate, e, int8_in, xq, in, g + e.first * ffn_stride, ffn_stride, job.tile);
     });
     region.for_static(n_slots, [&](int64_t s) {
       rowwise::swiglu(g + s * ffn_stride, u + s * ffn_stride, ffn, act + s * ffn);
+      if (int8_act) int8::quantize_row(aq, act, s);
     });
     region.for_dynamic(static_cast<int64_t>(down_jobs.size()), 1, [&](int64_t i) {
       const Used &e = used[down_jobs[i].used];
-      product::tile(e.down, act + e.first * ffn, nullptr, y + e.first * dim, e.count, dim, down_jobs[i].tile);
+      expert_tile(e.down, e, int8_act, aq, act + e.first * ffn, y + e.first * dim, dim, down_jobs[i].tile);
     });
     // each row: its experts' outputs summed in expert order, weighted, then onto the residual
     region.for_static(live, [&](int64_t b) {
@@ -188,4 +233,19 @@ extern "C" int MoeFfn(int nparam, void **params, int *ndims, int64_t **shapes, c
     });
   });
   return 0;
+}
+
+}  // namespace
+
+extern "C" int MoeFfn(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                      void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  return run_moe(nparam, params, ndims, shapes, false);
+}
+
+// MoeFfn with the opt-in int8 activations for the integer formats' experts.
+extern "C" int MoeFfnI8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                        void *extra) {
+  (void)stream; (void)extra; (void)dtypes;
+  return run_moe(nparam, params, ndims, shapes, true);
 }
