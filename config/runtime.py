@@ -36,23 +36,33 @@ class SpeculationSection(Section):
     weights (few streams) and the proposals are often right (answers that copy from the prompt)."""
 
     method: Literal["none", "ngram", "draft"] = Field(
-        "none",
-        description="ngram: propose what followed the latest earlier occurrence of the sequence's "
-        "last n tokens in its prompt and answer (prompt lookup); draft: the greedy tokens of "
-        "draft_model, a smaller model with the same vocabulary run by each agent beside the "
-        "model; none: off",
+        "ngram",
+        description="ngram (the default): propose what followed the latest earlier occurrence of "
+        "the sequence's last n tokens in its prompt and answer (prompt lookup), as many as pay for "
+        "themselves by the sequence's acceptance and the learned step costs; draft: the greedy "
+        "tokens of draft_model, a smaller model with the same vocabulary run by each agent beside "
+        "the model; none: off",
     )
     draft_model: Path | None = Field(
         None, description="method draft: the draft model's file or folder (any format the agents load)"
     )
-    num_tokens: int = Field(4, ge=1, le=16, description="tokens proposed for a sequence in one step")
+    num_tokens: int = Field(
+        4, ge=1, le=16, description="the most tokens proposed for a sequence in one step (draft: the count)"
+    )
     ngram_min: int = Field(2, ge=1, le=8, description="the shortest n-gram matched")
     ngram_max: int = Field(4, ge=1, le=8, description="the longest n-gram matched (tried first)")
-    max_batch: int = Field(
-        4,
+    adaptive: bool = Field(
+        True,
+        description="ngram: each step's proposal lengths chosen so they pay for themselves "
+        "(scheduler/proposal_length.py); false: num_tokens each (as many as the lookup finds), "
+        "whatever they cost: for tests and measurements of the verification itself",
+    )
+    max_batch: int | None = Field(
+        None,
         ge=1,
-        description="sequences decoding in a group beyond which nothing is proposed: with more, a "
-        "step is bound by its arithmetic, not by reading the weights, and proposals cost time",
+        description="sequences decoding in a group beyond which nothing is proposed; unset: no "
+        "such bound for ngram (proposals stop by themselves where they cost more than they earn), "
+        "4 for draft (whose own cost is not modelled)",
     )
 
     @field_validator("draft_model")

@@ -49,6 +49,7 @@ from scheduler.plan import Chunk, GroupCapacity, Release, StepPlan, attended
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler.speculation import Speculator
 from scheduler.step_costs import StepCosts
+from scheduler.verify_costs import VerifyCosts
 
 
 class BatchScheduler:
@@ -71,6 +72,8 @@ class BatchScheduler:
         self.max_batched_tokens = max_batched_tokens  # positions one group's step computes
         # Each group's learned step costs: how many prompt positions may join its decode rows.
         self.step_costs = [StepCosts(decode_stall_ratio, g.block_size) for g in groups]
+        # Each group's learned cost of verifying proposals: how many pay (scheduler/drafts.py).
+        self.verify_costs = [VerifyCosts() for _ in groups]
         self.tokens_in_flight = 0
         self.placement = Placement(groups, enable_prefix_caching)  # slots, blocks, health
         self.waiting: deque[Sequence] = deque()
@@ -173,7 +176,8 @@ class BatchScheduler:
             if not self._restore_preempted(group):
                 starved.add(group)
             elif decodes:
-                self.drafts.plan(self.groups[group], self.blocks[group], decodes, plan)
+                costs = self.verify_costs[group]
+                self.drafts.plan(self.groups[group], self.blocks[group], decodes, plan, costs)
         admitted, admissible = 0, [g for g in open_groups if g not in starved]
         while self.waiting and admitted < self.max_prefills_per_step:
             seq = self.clients.next_to_admit(self.waiting)

@@ -78,3 +78,6 @@ class SpeculationState:
     backoff: int = 1  # the skip after the next step that keeps none
     proposed: int = 0
     kept: int = 0
+    # decayed counts of kept and missed proposed tokens: its acceptance (scheduler/proposal_length.py)
+    kept_weight: float = 0.0
+    missed_weight: float = 0.0

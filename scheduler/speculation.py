@@ -3,7 +3,8 @@ model) and how much each sequence gets. Pure logic, like the batching policy tha
 (scheduler/batch_scheduler.py).
 
     proposer = Speculator(settings)                     # runtime.speculation
-    proposal = proposer.propose(seq, k)                # ngram: the tokens that followed the latest
+    if not proposer.rests(seq):                        # backing off after proposals that failed
+        proposal = proposer.propose(seq, k)            # ngram: the tokens that followed the latest
                                                        # earlier occurrence; draft: k (the agent's
                                                        # draft model proposes them)
     proposer.verified(seq, proposed, kept)             # its acceptance steers its next proposals
@@ -16,18 +17,26 @@ proposal costs O(n), not a scan of the sequence. A long prompt is indexed newest
 steps (scheduler/ngram.py: bounded work a step on the scheduler loop), and only its latest ends
 are held (bounded memory).
 
-A sequence whose proposals keep failing proposes less often: after a step that kept none, it skips
-1, then 2, 4... up to MAX_SKIP steps before proposing again; a step that keeps one resets it.
+How many tokens each sequence proposes (k, at most num_tokens) is chosen per step from its
+acceptance and the group's learned step costs (scheduler/proposal_length.py): k = 0 where no token
+pays. A sequence whose proposals keep failing also rests: after a step that kept none, it skips 1,
+then 2, 4... up to MAX_SKIP steps before proposing again; a step that keeps one resets it. Resting
+bounds how often a failing sequence probes, and its acceptance drifts back to the prior meanwhile,
+so one whose answer starts copying later proposes again (where the prior pays).
 """
 
 from __future__ import annotations
 
+import sys
+
 from agent.contract.step import Proposal
 from config.schema import SpeculationSection
 from scheduler.ngram import NgramIndex, SpeculationState
+from scheduler.proposal_length import acceptance, age, observe
 from scheduler.sequence import Sequence
 
 MAX_SKIP = 16
+DRAFT_MAX_BATCH = 4  # a draft model's cost is not modelled: it proposes only while few decode
 
 
 class Speculator:
@@ -38,17 +47,38 @@ class Speculator:
     def enabled(self) -> bool:
         return self.settings.method != "none"
 
-    def propose(self, seq: Sequence, k: int) -> Proposal:
-        """At most k tokens proposed after the sequence's pending token, or with a draft model k,
-        the number it is to propose (none while the sequence backs off)."""
-        state = seq.speculation
-        if state is None:
-            state = seq.speculation = SpeculationState(
+    @property
+    def max_batch(self) -> int:
+        """Sequences decoding in a group beyond which nothing is proposed."""
+        if self.settings.max_batch is not None:
+            return self.settings.max_batch
+        return DRAFT_MAX_BATCH if self.settings.method == "draft" else sys.maxsize
+
+    def state(self, seq: Sequence) -> SpeculationState:
+        """The sequence's speculation state, made at its first use."""
+        if seq.speculation is None:
+            seq.speculation = SpeculationState(
                 NgramIndex(self.settings.ngram_min, self.settings.ngram_max), list(seq.prompt)
             )
+        return seq.speculation
+
+    def rests(self, seq: Sequence) -> bool:
+        """Whether the sequence proposes nothing this step, backing off (counts the step); each
+        step ages its acceptance."""
+        state = self.state(seq)
+        age(state)
         if state.skip:
             state.skip -= 1
-            return []
+            return True
+        return False
+
+    def acceptance(self, seq: Sequence) -> float:
+        return acceptance(self.state(seq))
+
+    def propose(self, seq: Sequence, k: int) -> Proposal:
+        """At most k tokens proposed after the sequence's pending token, or with a draft model k,
+        the number it is to propose."""
+        state = self.state(seq)
         if self.settings.method == "draft":
             return k
         tokens = state.tokens  # an answer only grows: its new tokens, not the whole copied each step
@@ -62,6 +92,7 @@ class Speculator:
             return
         state.proposed += proposed
         state.kept += kept
+        observe(state, proposed, kept)
         if kept:
             state.skip, state.backoff = 0, 1
         else:

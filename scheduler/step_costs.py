@@ -87,7 +87,7 @@ class StepCosts:
             [self._xx[i][j] / (scale[i] * scale[j]) + (_TIE_BREAK[i] if i == j else 0.0) for j in range(6)]
             for i in range(6)
         ]
-        model = [m / s for m, s in zip(_solve(normal, [t / s for t, s in zip(self._xt, scale)]), scale)]
+        model = [m / s for m, s in zip(solve_linear(normal, [t / s for t, s in zip(self._xt, scale)]), scale)]
         return model if model[4] > 0 else None  # noise made a position look free: no bound from it
 
     def decode_s(self, rows: int, attended: int) -> float | None:
@@ -121,7 +121,7 @@ def _pairs(start: int, size: int) -> int:
     return size * start + size * (size + 1) // 2
 
 
-def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+def solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     """x with matrix @ x = rhs, for a small symmetric positive definite matrix (Cholesky)."""
     n = len(rhs)
     low = [[0.0] * n for _ in range(n)]

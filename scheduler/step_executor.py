@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agent.contract.step import KVTransfer, Proposal, StepChunk, StepRequest
+from agent.contract.step import KVTransfer, Proposal, StepChunk, StepRequest, proposal_size
 from agent.contract.step_reply import StepReply
 from scheduler.agent_client import AgentClient, AgentError, AgentRequestError, ModelClient
 from scheduler.batch_scheduler import BatchScheduler
@@ -183,6 +183,9 @@ class StepExecutor:
                 costs.mixed(len(seqs), attending, [(c.start, c.end) for c in chunks], seconds)
             else:
                 costs.decoded(len(seqs), attending, seconds)
+            if not chunks:  # a decode, alone or verifying proposals: what proposals cost
+                proposed = sum(proposal_size(p) for p in request.drafts.values())
+                self.scheduler.verify_costs[group].sampled(len(seqs), proposed, seconds)
         return reply
 
     def _apply(

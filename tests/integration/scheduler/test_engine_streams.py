@@ -36,6 +36,8 @@ def agent_config(tmp_path_factory, tiny_llama_dir):
         free_ports(1),
         server={"agent_timeout_s": 20},
         scheduler={"max_waiting_requests": 8},
+        # one token an output: the tests count outputs by index (a verified step's tokens come as one)
+        runtime={"speculation": {"method": "none"}},
     )
     launcher = LauncherProcess(path)
     try:

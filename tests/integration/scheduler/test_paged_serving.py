@@ -27,6 +27,8 @@ PAGED = {
     "decode_batch_buckets": [1, 2, 4, 8, 16],
     "attend_buckets": [512],
     "compile_cache_dir": None,
+    # one token an output: tokens_of reads each output's token_id (a verified step's come as one)
+    "speculation": {"method": "none"},
 }
 
 

@@ -28,8 +28,17 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
     "zq8 #x! 4@m",
 ]
-# max_batch 8: proposals go on while the attacks below and their victim (5 sequences) decode
-SPECULATION = {"method": "ngram", "num_tokens": 4, "ngram_min": 1, "ngram_max": 3, "max_batch": 8}
+# max_batch 8: proposals go on while the attacks below and their victim (5 sequences) decode;
+# adaptive false: on the tiny model verifying costs more than it earns, and the cost-aware lengths
+# would propose nothing once they learned it: these tests are of the verification
+SPECULATION = {
+    "method": "ngram",
+    "num_tokens": 4,
+    "ngram_min": 1,
+    "ngram_max": 3,
+    "max_batch": 8,
+    "adaptive": False,
+}
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,15 @@ from test_reasoning_api import QUESTION, QWEN3, R1, RUNTIME, claude, joined, mod
 
 from agent_harness import free_ports, serving_stack, write_config
 
-SPECULATION = {"method": "ngram", "num_tokens": 4, "ngram_min": 1, "ngram_max": 3, "max_batch": 8}
+# adaptive false: on the tiny model verifying does not pay, and the cost-aware lengths would stop
+SPECULATION = {
+    "method": "ngram",
+    "num_tokens": 4,
+    "ngram_min": 1,
+    "ngram_max": 3,
+    "max_batch": 8,
+    "adaptive": False,
+}
 TAG = "</think>"
 PROPOSED = "llm_serving_spec_proposed_tokens_total"
 BUDGET, LENGTH = 6, 40

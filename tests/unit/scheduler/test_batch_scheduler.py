@@ -748,8 +748,10 @@ def test_proposals_are_kept_where_right_and_answers_equal_those_without_them():
 def test_a_stop_among_the_kept_proposals_ends_the_answer_there():
     """The step keeps 4 proposals and gives a fifth token; the third kept is a stop id: the answer
     ends with it, the tokens after it are not the answer's, and its blocks go back."""
-    scheduler, agents = make(slots=(2,), mixed_rows=32, cycle=7, speculator=speculator())
+    proposer = speculator()
+    scheduler, agents = make(slots=(2,), mixed_rows=32, cycle=7, speculator=proposer)
     request = Sequence("r", [1, 2, 3, 4, 5, 6, 0, 1, 2], SamplingParams(), 20, frozenset({6}))
+    proposer.state(request).kept_weight = 50  # known to copy: all 4 pay (scheduler/proposal_length.py)
     scheduler.add(request)
     step(scheduler, agents)  # the prompt: its first token 3
     plan = step(scheduler, agents)  # proposes 4 5 6 0 after the 3, the agent keeps all and adds 1

@@ -119,10 +119,11 @@ def test_a_sequence_whose_proposals_fail_proposes_ever_less_often_until_one_is_k
     for _ in range(7):
         speculator.verified(seq, 3, 0)
         skipped = 0
-        while not speculator.propose(seq, 3):
+        while speculator.rests(seq):
             skipped += 1
         skips.append(skipped)
     assert skips == [1, 2, 4, 8, 16, MAX_SKIP, MAX_SKIP]
     speculator.verified(seq, 3, 1)  # one kept: it proposes at once again
-    assert speculator.propose(seq, 3) == [1, 2] and seq.speculation.kept == 1
+    assert not speculator.rests(seq) and seq.speculation.kept == 1
+    assert speculator.propose(seq, 3) == [1, 2]
     assert seq.speculation.proposed == 3 * 8
