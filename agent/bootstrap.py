@@ -19,9 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.activations import resolve_activations
 from agent.compile_cache import compile_cache_dir
 from agent.drafter import Drafter, DraftMismatch, check_vocabularies
-from agent.graphs.layers import TensorSplit
+from agent.graphs.layers import WHOLE_MODEL, TensorSplit
 from agent.graphs.mindir import read_known_answer, read_spec
 from agent.known_answer import TOLERANCE, Int8AllowanceError, KnownAnswer, KnownAnswerError
 from agent.memory_plan import (
@@ -98,6 +99,15 @@ def build_runner(
     try:
         return runner, warm_up(runner, progress, place.role, known)
     except Int8AllowanceError as exc:
+        if config.runtime.activations == "auto":  # auto's choice did not hold for these weights: say so
+            progress(
+                f"{exc}: int8 activations move this model's logits past their allowance "
+                f"({TOLERANCE['int8']:.0%} of the largest); building it again with float32 activations "
+                "(set runtime.activations: float32 to start that way)"
+            )
+            del runner
+            runtime = config.runtime.model_copy(update={"activations": "float32"})
+            return build_runner(config.model_copy(update={"runtime": runtime}), place, progress, checkpoint)
         raise KnownAnswerError(
             f"{exc}; runtime.activations int8 moves this model's logits more than the int8 allowance "
             f"({TOLERANCE['int8']:.0%} of the largest): serve it with activations: float32, or report "
@@ -128,13 +138,15 @@ def build_drafter(
             f"runtime.speculation.draft_model {speculation.draft_model}: {checkpoint.spec.vocab_size} "
             f"logits a position, the model's {runner.spec.vocab_size}"
         )
-    draft = ModelRunner.from_checkpoint(checkpoint, runner.runtime)
-    warm_up(
-        draft,
-        lambda line: progress(f"draft model: {line}"),
-        "draft",
-        KnownAnswer.of_checkpoint(checkpoint, runner.runtime),
-    )
+    # the draft's own weights decide its activations (a float draft beside a quantized model)
+    configured = runner.runtime.model_copy(update={"activations": config.runtime.activations})
+
+    def draft_progress(line: str) -> None:
+        progress(f"draft model: {line}")
+
+    runtime = resolve_activations(checkpoint, configured, WHOLE_MODEL, draft_progress)
+    draft = ModelRunner.from_checkpoint(checkpoint, runtime)
+    warm_up(draft, draft_progress, "draft", KnownAnswer.of_checkpoint(checkpoint, runtime))
     return Drafter(draft, runner)
 
 
@@ -161,6 +173,7 @@ def prepare_checkpoint(
         spec = rank_spec(checkpoint.spec, place.split.size)
         weights = weights_bytes(spec, runtime)
     runtime = resolve_runtime(spec, runtime, progress, weights)
+    runtime = resolve_activations(checkpoint, runtime, place.split, progress)
     cache = None if place.cache_user is None else compile_cache_dir(checkpoint, runtime, place.cache_user)
     configure_mindspore(runtime, place.device_id, cache)
     return checkpoint, runtime, cache

@@ -160,12 +160,13 @@ class RuntimeSection(Section):
     matmul: Literal["auto", "kernel", "mindspore"] = Field(
         "auto", description="the layers' matmuls: auto: the custom kernel on CPU, MindSpore's elsewhere"
     )
-    # Opt-in: speed at the cost of exactness (the README's "int8 activations").
-    activations: Literal["float32", "int8"] = Field(
-        "float32",
-        description="the quantized GGUF layers' products: float32 (exact, the default) or int8 "
-        "(activations quantized per block of 32 as llama.cpp does: prompts ~2x faster, decode steps "
-        "faster, answers may differ; needs AVX2 or AVX512-VNNI)",
+    # Speed by default where it is llama.cpp's own arithmetic (the README's "int8 activations").
+    activations: Literal["auto", "float32", "int8"] = Field(
+        "auto",
+        description="the quantized GGUF layers' products: int8 (activations quantized per block of "
+        "32 as llama.cpp does: prompts ~2x faster, decode steps faster, answers may differ; needs "
+        "AVX2 or AVX512-VNNI), float32 (exact), or auto: int8 for a quantized GGUF on the CPU "
+        "kernels with integer dot products, float32 elsewhere (agent/activations.py)",
     )
     compile_cache_dir: Path | None = Field(
         Path("output/compile_cache"), description="MindSpore compile cache; null disables it"

@@ -1,6 +1,7 @@
-"""How often a config's greedy answers equal the default config's: the agreement rate of arithmetic
-that changes answers (runtime.activations: int8) with the float32 path, which the tests hold equal
-to the independent fp32 reference.
+"""How often a config's greedy answers equal the default config's in float32 activations: the
+agreement rate of arithmetic that changes answers (runtime.activations: int8, auto's choice for a
+quantized GGUF) with the float32 path, which the tests hold equal to the independent fp32 reference.
+A baseline left on auto runs float32; one set to int8 stays int8.
 
 python -m tools.agreement --config CONFIG [--against config/default.yaml] [--tokens 64] [--batch 16]
 
@@ -78,6 +79,9 @@ def main() -> int:
     parser.add_argument("--prompt-words", type=int, default=0, metavar="N")
     args = parser.parse_args()
     config, baseline = load_config(args.config), load_config(args.against)
+    if baseline.runtime.activations == "auto":
+        exact = baseline.runtime.model_copy(update={"activations": "float32"})
+        baseline = baseline.model_copy(update={"runtime": exact})
     if config.model.path != baseline.model.path:
         raise SystemExit("the two configs serve different models")
     texts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]

@@ -34,6 +34,9 @@ from config.schema import resolve_path  # noqa: E402
 def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
     """Write every graph of `config` into `output`; returns the manifest's file lists."""
     tokenizer = load_tokenizer(config.model.path)
+    if config.runtime.activations == "auto":  # served MindIR graphs have no int8 choice (config.serving)
+        exact = config.runtime.model_copy(update={"activations": "float32"})
+        config = config.model_copy(update={"runtime": exact})
     # no compile cache: the export traces every graph afresh
     checkpoint, runtime, _ = prepare_checkpoint(config, Placement(cache_user=None), progress)
     output.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import mindspore as ms
 import numpy as np
-from gguf import GGMLQuantizationType
 from mindspore import Tensor, nn, ops
 
+from agent.activations import FLOAT_FORMATS
 from agent.contract.step import StepChunk
 from agent.graphs.decoder import DecoderLayer
 from agent.graphs.interface import GraphInputs, local_ring_blocks, pool_blocks
@@ -23,9 +23,6 @@ from agent.kernels import TARGET_ENV, has_int8_products
 from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
 from config.schema import RuntimeSection
-
-# Weights the int8 activations leave float32 (int8_products.h Traits): the others are integer quants.
-FLOAT_FORMATS = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
 class PrefillLayer(nn.Cell):

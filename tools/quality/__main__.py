@@ -1,11 +1,11 @@
 """python -m tools.quality --target URL [--reference URL] [options]
 
 A model's quality as a server computes it, from prompt logprobs: the text (--text, default
-tools/quality_texts/founding_documents.txt) is tokenized by the target's /tokenize, cut into windows
-of --window tokens every --stride tokens, and each window is sent as a token-id prompt to
-/v1/completions with echo and max_tokens 0. Scored: each window's tokens after its first, and after
-the first window only those past the previous window's end (so with --stride < --window every
-scored token has at least window - stride tokens of context).
+tools/quality_texts/alice_in_wonderland.txt, ~39,000 tokens on the default model's vocabulary) is
+tokenized by the target's /tokenize, cut into windows of --window tokens every --stride tokens, and
+each window is sent as a token-id prompt to /v1/completions with echo and max_tokens 0. Scored: each
+window's tokens after its first, and after the first window only those past the previous window's
+end (so with --stride < --window every scored token has at least window - stride tokens of context).
 
 Reported: the target's perplexity, exp of the mean negative logprob of the scored tokens; with a
 --reference (another server, or the same model served another way, on the same vocabulary: the
@@ -28,7 +28,7 @@ from config.schema import PROJECT_ROOT
 from tools.quality.client import QualityError, Server
 from tools.quality.metrics import Position, summary
 
-DEFAULT_TEXT = PROJECT_ROOT / "tools" / "quality_texts" / "founding_documents.txt"
+DEFAULT_TEXT = PROJECT_ROOT / "tools" / "quality_texts" / "alice_in_wonderland.txt"
 MAX_TOP_K = 20  # vLLM's and this project's bound on prompt_logprobs
 
 
@@ -53,7 +53,9 @@ def measure(
 ) -> tuple[list[Position], list[Position] | None]:
     scored: list[Position] = []
     reference_scored: list[Position] | None = [] if reference else None
-    for start, end, first in windows(len(ids), args.window, args.stride, args.max_windows):
+    spans = windows(len(ids), args.window, args.stride, args.max_windows)
+    for number, (start, end, first) in enumerate(spans, 1):
+        print(f"window {number}/{len(spans)}: tokens {start}..{end - 1}", file=sys.stderr, flush=True)
         prompt = ids[start:end]
         scored += target.score(prompt, args.top_k)[first - 1 :]  # score() starts at index 1
         if reference and reference_scored is not None:

@@ -11,7 +11,10 @@ this side's unreported mass (its remaining mass split over those ids and the buc
 most this side's least known probability, since an unreported id ranks below all reported ones);
 the bucket takes what is left. Both are floored at 1e-10 and renormalised, then
 KL(reference || target) = sum_i p_i log(p_i / q_i) over U and the bucket. With k covering the whole
-vocabulary this is the exact KL; with small k it undercounts disagreement in the tails.
+vocabulary this is the exact KL; with small k it is an estimate whose error goes either way (the
+default model, int8 against float32 activations, the first 20,700 tokens of the default text:
+0.0037 at top-20 where the whole vocabulary gives 0.0026). python -m tools.quality.exact gives
+the exact number for one file in two activation modes.
 """
 
 from __future__ import annotations

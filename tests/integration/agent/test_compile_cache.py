@@ -88,7 +88,10 @@ def rounded_to_float16(model: ref.RefModel) -> ref.RefModel:
 def test_gguf_then_its_checkpoints_then_the_gguf_again_share_one_cache(tmp_path, default_model_path):
     """The reported bug: the GGUF's graphs (Q4_1 one-row path) reused for its .ckpt conversion gave
     'TheTheThe...'. Each run must give the numpy reference's greedy tokens."""
-    runtime = RuntimeSection(**SMALL_DEFAULT_RUNTIME, compile_cache_dir=tmp_path / "cache")
+    # float32: cached_greedy builds as an agent does (auto would pick int8), against the float reference
+    runtime = RuntimeSection(
+        **SMALL_DEFAULT_RUNTIME, activations="float32", compile_cache_dir=tmp_path / "cache"
+    )
     tokenizer = load_tokenizer(default_model_path)
     prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     reference = ref.load_gguf_reference(default_model_path)
@@ -164,21 +167,20 @@ def test_agent_refuses_a_cache_entry_of_other_graphs(tmp_path, tiny_llama_dir):
     (Both entries are an agent's: MindSpore keeps an entry only for the entry script that wrote it.)"""
     gguf = write_tiny_gguf(tiny_llama_dir, tmp_path / "tiny.q4_1.gguf", "Q4_1")
     cache = tmp_path / "cache"
-    runtime = TINY_RUNTIME.model_copy(update={"compile_cache_dir": cache})
+    # float32 both: the entries' keys are computed here as the agents compute theirs (auto would
+    # pick int8 for the GGUF alone)
+    runtime = TINY_RUNTIME.model_copy(update={"compile_cache_dir": cache, "activations": "float32"})
+    served = {"compile_cache_dir": str(cache), "activations": "float32"}
     ports = free_ports(1)
     (tmp_path / "gguf").mkdir()
-    first = LauncherProcess(
-        write_config(tmp_path / "gguf", gguf, ports, runtime={"compile_cache_dir": str(cache)})
-    )
+    first = LauncherProcess(write_config(tmp_path / "gguf", gguf, ports, runtime=served))
     try:
         first.wait_for("all agents started", 180)
     finally:
         first.close()
     entry = compile_cache_dir(load_checkpoint(tiny_llama_dir), runtime, "rank_0")
     shutil.copytree(compile_cache_dir(load_checkpoint(gguf), runtime, "rank_0"), entry)
-    launcher = LauncherProcess(
-        write_config(tmp_path, tiny_llama_dir, ports, runtime={"compile_cache_dir": str(cache)})
-    )
+    launcher = LauncherProcess(write_config(tmp_path, tiny_llama_dir, ports, runtime=served))
     try:
         assert launcher.process.wait(180) != 0
         assert "failed on the probe" in launcher.output()  # a kernel refused the other weights' shapes

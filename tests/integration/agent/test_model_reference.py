@@ -129,7 +129,7 @@ def test_default_model_with_int8_activations_warms_up_and_answers_as_the_int8_re
     tolerance. The France question's 37-token prompt and its decode steps take the int8 products: its
     greedy answer is the reference's with Q8_1 activations, not the float reference's ("L'Étoile, la
     Marseillaise" instead of Paris: llama.cpp, whose Q4_1 products take Q8_1 activations too,
-    answers the same; this is why int8 is opt-in)."""
+    answers the same; activations: float32 is the exact mode)."""
     runtime = DEFAULT_RUNTIME.model_copy(
         update={"num_slots": 40, "decode_batch_buckets": [1, 40], "activations": "int8"}
     )

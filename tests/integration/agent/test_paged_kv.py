@@ -348,7 +348,7 @@ def test_agreement_tool_compares_greedy_answers(tiny_q4_path, tmp_path):
         "decode_batch_buckets: [1, 2], attend_buckets: [64], compile_cache_dir: null%s}\n"
     )
     configs = {}
-    for name, extra in (("float32", ""), ("int8", ", activations: int8")):
+    for name, extra in (("float32", ", activations: float32"), ("int8", ", activations: int8")):
         configs[name] = tmp_path / f"{name}.yaml"
         configs[name].write_text(f"model: {{path: {tiny_q4_path}}}\n" + runtime % extra)
 

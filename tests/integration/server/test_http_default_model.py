@@ -41,6 +41,7 @@ def stack(tmp_path_factory, default_model_path):
             "decode_batch_buckets": [1, 4],
             "attend_buckets": [1024],
             "compile_cache_dir": None,
+            "activations": "float32",  # exact: answers and logprobs are checked against the float reference
         },
         server={"port": http_port, "drain_timeout_s": DRAIN_TIMEOUT_S},
     )
