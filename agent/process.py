@@ -16,12 +16,16 @@ import signal
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
 
 import zmq
 
 from agent.bootstrap import Placement, build_drafter, build_runner
 from agent.contract.transport import ClientKeys, is_peer, secure_agent_socket
+from agent.kv_tier_moves import open_tier_store
 from agent.kv_transfer import KVSender
+from agent.memory_plan import refuse_what_cannot_fit
+from agent.model.formats import load_checkpoint
 from agent.service import AgentService, largest_frame_bytes
 from config.logs import agent_log_filename, setup_logging
 from config.schema import CurveSection, ServingConfig
@@ -79,6 +83,8 @@ def run_agent(config: ServingConfig, rank: int, startup_queue, parent_pid: int) 
         socket.close(linger=0)
         if service.sender is not None:
             service.sender.close()
+        if service.tiers is not None:
+            service.tiers.close()  # the queued disk writes first: they are the next run's hits
         if authenticator is not None:
             authenticator.stop()
         log.info("agent rank %d stopped", rank)
@@ -114,7 +120,37 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         # two models' graphs in one process would share a folder, so neither is cached
         log.info("compile cache off: the draft model's graphs run in this process beside the model's")
         place = replace(place, cache_user=None)
-    runner, warm_up_s = build_runner(config, place, log.info)
+    tiers_config = config.runtime.kv_tiers
+    if tiers_config.enabled and config.model.uses_mindir:
+        raise RuntimeError("runtime.kv_tiers needs the model's weights (a checkpoint), not MindIR files")
+    # the tier's files are named by the weights' fingerprint: the checkpoint is loaded here for it
+    checkpoint = None
+    if tiers_config.enabled:
+        refuse_what_cannot_fit(Path(config.model.path), place.runtime(config.runtime))
+        checkpoint = load_checkpoint(config.model.path, split=place.split, dtype=config.runtime.dtype)
+    runner, warm_up_s = build_runner(config, place, log.info, checkpoint)
+    tiers = None
+    if checkpoint is not None:
+        # blocks computed by other arithmetic (the kernels, int8 activations) would not equal a
+        # recompute here: each arithmetic keeps a folder of its own
+        runtime = runner.runtime
+        attention = "paged" if runtime.paged_attention else "kernel" if runtime.attention_kernel else "gather"
+        arithmetic = f"{runtime.activations}-{'kernel' if runtime.matmul_kernel else 'mindspore'}-{attention}"
+        tiers = open_tier_store(
+            runner,
+            checkpoint,
+            tiers_config.host_mb << 20,
+            tiers_config.disk_mb << 20,
+            tiers_config.disk_dir / arithmetic,
+        )
+        log.info(
+            "KV tiers: host %d MB, disk %d MB%s, %d blocks held at start",
+            tiers_config.host_mb,
+            tiers_config.disk_mb,
+            f" in {tiers.disk_dir}" if tiers.disk_dir is not None else "",
+            len(tiers.keys()),
+        )
+        del checkpoint
     drafter = build_drafter(config, runner, log.info) if place.role != "prefill" else None
     socket: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -147,6 +183,7 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         role=place.role,
         sender=sender,
         drafter=drafter,
+        tiers=tiers,
     )
     log.info("role %s", place.role)
     return socket, service, warm_up_s, authenticator

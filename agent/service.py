@@ -148,7 +148,10 @@ class AgentService:
     # Each op returns (reply fields, reply arrays).
 
     def _op_info(self, header: dict, arrays: list) -> tuple[dict, list]:
-        return dict(self.facts), []
+        facts = dict(self.facts)
+        if self.tiers is not None:  # as of now: a server started later than this agent sees its spills
+            facts["kv_tier_keys"] = self.tiers.recent_keys(REPORTED_TIER_KEYS)
+        return facts, []
 
     def _op_ping(self, header: dict, arrays: list) -> tuple[dict, list]:
         return {}, []
@@ -229,6 +232,14 @@ class AgentService:
                 blocks.append(block)
                 held.append(found)
         import_blocks(self.runner, blocks, held)
+        if request.restore:  # a tier hit: the line an operator (and the end-to-end test) looks for
+            log.info(
+                "KV tier: %d blocks restored, %d missing, %d spilled (counts %s)",
+                len(blocks),
+                len(failed),
+                len(request.spill),
+                self.tiers.counts,
+            )
         return failed
 
     def _send_kv(self, slot: int, transfer: KVTransfer, reply: StepReply) -> StepReply:

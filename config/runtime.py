@@ -79,6 +79,33 @@ class SpeculationSection(Section):
         return self
 
 
+class KVTiersSection(Section):
+    """The prefix cache's second tier (agent/kv_tiers.py): blocks the KV pool evicts kept in host
+    memory, then in files that survive a restart, and read back on a hit instead of recomputed.
+    Off unless a bound is set."""
+
+    host_mb: int = Field(
+        0, ge=0, le=1 << 20, description="host memory for evicted blocks per agent, MB; 0: no host tier"
+    )
+    disk_mb: int = Field(
+        0, ge=0, le=1 << 24, description="disk for evicted blocks per agent, MB; 0: no disk tier"
+    )
+    disk_dir: Path = Field(
+        Path("output/kv_tiers"),
+        validate_default=True,  # the default is resolved against the project root too
+        description="the disk tier's folder (a subfolder per arithmetic and per model's weights)",
+    )
+
+    @field_validator("disk_dir")
+    @classmethod
+    def _dir_absolute(cls, path: Path) -> Path:
+        return resolve_path(path)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_mb or self.disk_mb)
+
+
 class RuntimeSection(Section):
     """How each agent builds and runs its graphs (shapes, KV slots, MindSpore context)."""
 
@@ -172,6 +199,7 @@ class RuntimeSection(Section):
         Path("output/compile_cache"), description="MindSpore compile cache; null disables it"
     )
     speculation: SpeculationSection = Field(default_factory=SpeculationSection)
+    kv_tiers: KVTiersSection = Field(default_factory=KVTiersSection)
 
     @field_validator("prefill_buckets", "decode_batch_buckets", "attend_buckets")
     @classmethod

@@ -242,6 +242,30 @@ class BatchScheduler:
         seq.preemptions += 1
         self.preemptions += 1
 
+    def tier_restore_failed(
+        self, group: int, digests: list[str], restores: list[tuple[str, int]]
+    ) -> list[Sequence]:
+        """The group's agent lacked these digests of the step's `restores` (the tier lost them): they
+        are never looked up again, and each sequence holding such a block (KV never written) is
+        preempted, to be recomputed from that block on, none of the garbage ever registered.
+        Returns those sequences: their agent slots must be released (a chunk of the failed step
+        may have sampled from the garbage), then they start again as fresh prompts do."""
+        blocks = self.blocks[group]
+        blocks.restore_failed(digests)
+        lost = set(digests)
+        failed = {block for digest, block in restores if digest in lost}
+        preempted = []
+        for seq in self._group_seqs(group):
+            if seq.request_id not in blocks:
+                continue
+            table = blocks.table(seq.request_id)
+            first = min((i for i, block in enumerate(table) if block in failed), default=None)
+            if first is not None:
+                self._preempt(seq)
+                seq.slot_holds = min(seq.slot_holds, first * blocks.block_size)
+                preempted.append(seq)
+        return preempted
+
     def _restore_preempted(self, group: int) -> bool:
         """Blocks again for the group's preempted sequences, oldest first, the prefix cache giving
         back what it still holds; False when one of them waits for blocks."""

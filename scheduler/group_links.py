@@ -103,6 +103,7 @@ class GroupLinks:
                 info["mixed_rows"],
                 info["decode_batch_buckets"][-1],
                 bool(info.get("prefix_caching", True)),
+                self._tier_keys(group, info),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentIncompatible(f"agent {client.address} reported an unusable KV cache: {exc}") from exc
@@ -127,6 +128,22 @@ class GroupLinks:
                 capacity.mixed_rows,
             )
         return capacity
+
+    def _tier_keys(self, group: int, info: dict) -> tuple[str, ...] | None:
+        """The digests the group's agent holds in its KV tier (runtime.kv_tiers), or None: no tier
+        used. Only a mixed group of one agent uses it: a tensor-parallel group's agents each hold
+        their own share of the blocks, and a PD prefill group's transfers run beside its steps."""
+        keys = info.get("kv_tier_keys")
+        if keys is None:
+            return None
+        group_config = self.config.agents.groups[group]
+        if group_config.role != "mixed" or group_config.tensor_parallel > 1:
+            log.info("agent %d: its KV tier is not used (only a mixed group of one agent uses one)", group)
+            return None
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise AgentIncompatible(f"agent {self.clients[group].address} reported unusable KV tier keys")
+        log.info("agent %d: KV tier on, %d blocks held", group, len(keys))
+        return tuple(keys)
 
     async def recover(self, group: int, stopping: Callable[[], bool]) -> GroupCapacity | None:
         """Probe a failed group until it answers (restarted by the launcher, or resumed): its

@@ -33,7 +33,11 @@ class Placement:
             and capacity.prefix_caching
             and capacity.role != "decode"
         )
-        return BlockManager(capacity.num_blocks, capacity.block_size, caching)
+        blocks = BlockManager(
+            capacity.num_blocks, capacity.block_size, caching, tiered=capacity.tier_keys is not None
+        )
+        blocks.seed_tier(capacity.tier_keys or ())
+        return blocks
 
     def usable(self, group: int) -> bool:
         """Healthy, and a decode-capable group has a way to get prompts (itself or a prefill group)."""

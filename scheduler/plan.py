@@ -27,6 +27,9 @@ class GroupCapacity:
     max_batch: int = 1  # the most sequences one decode (or mixed step) call takes
     # whether a prompt may reuse another's blocks (not with sliding-window layers' per-seat rings)
     prefix_caching: bool = True
+    # the prefix cache's second tier (runtime.kv_tiers): None where the group keeps none, else the
+    # digests its agent reported holding when connected (the block manager's tier index starts there)
+    tier_keys: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
 
     def mixes(self, decodes: int, chunks: list[Chunk], proposed: int = 0) -> bool:
         """Whether a step of `decodes` decode rows (with `proposed` tokens proposed after them)

@@ -155,14 +155,33 @@ class StepExecutor:
         """The group's step of these decoding sequences (with the tokens proposed after their
         pending tokens: `drafts`) and these prompt chunks, as one agent step."""
         blocks, drafts = self.scheduler.blocks[group], drafts or {}
+        # the KV tier's moves queued since the group's last step: before this step writes or reads
+        spill, restore = blocks.take_spills(), blocks.take_restores()
         request = StepRequest(
             [s.placement[1] for s in seqs],
             [blocks.table(s.request_id) for s in seqs],
             [self._step_chunk(c) for c in chunks],
             _masks([*seqs, *(c.seq for c in chunks if c.sample)]),
             {s.placement[1]: drafts[s.request_id] for s in seqs if s.request_id in drafts},
+            spill=spill,
+            restore=restore,
         )
-        return await self._timed_step(group, request, seqs, chunks)
+        try:
+            reply = await self._timed_step(group, request, seqs, chunks)
+        except AgentRequestError:  # refused (the parts then run alone): the next step carries them
+            blocks.spills[:0], blocks.restores[:0] = spill, restore
+            raise
+        if reply.restore_failed:
+            log.warning(
+                "agent %s: %d of %d blocks not in its KV tier: their sequences are recomputed",
+                self.clients[group].address,
+                len(reply.restore_failed),
+                len(restore),
+            )
+            preempted = self.scheduler.tier_restore_failed(group, list(reply.restore_failed), restore)
+            for seq in preempted:  # its slot may have sampled from the garbage: seated afresh
+                await self.clients[group].release(seq.placement[1])
+        return reply
 
     async def _timed_step(
         self, group: int, request: StepRequest, seqs: list[Sequence], chunks: list[Chunk]
@@ -202,6 +221,9 @@ class StepExecutor:
         for seq in seqs:
             self.hooks.report(seq)
         for chunk, token, scores in zip(chunks, reply.firsts, reply.prompts or [None] * len(chunks)):
+            seq = chunk.seq
+            if not seq.finished and seq.request_id not in self.scheduler.blocks[seq.placement[0]]:
+                continue  # preempted by a failed tier restore: this chunk read blocks never written
             if scores is not None:  # positions start + 1.. (StepChunk.prompt_logprobs)
                 chunk.seq.prompt_logprobs[chunk.start :] = scores
             self.scheduler.prefilled(chunk, token)

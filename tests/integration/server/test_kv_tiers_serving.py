@@ -1,0 +1,113 @@
+"""The prefix cache's second tier end to end (runtime.kv_tiers): a long prompt's blocks, evicted
+from a tiny KV pool by other prompts, are spilled to the agent's disk tier and restored on the
+prompt's next request; its greedy answer and logprobs equal the first time's (computed whole). After
+a restart on the same folder, the blocks are found on disk and restored again, same answer; and
+with those files corrupted after the agent indexed them, the restores fail and the prompt is
+recomputed, same answer. The host tier alone restores too, writing no file."""
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent_harness import free_ports, serving_stack, write_config
+
+# A tiny pool: 8 blocks of 16 positions. Each prompt (a byte-level tokenizer: ~70-90 tokens) with its
+# answer takes 5 to 7 of them, so the next one evicts the one before it from the pool (its blocks go
+# to the tier). The "first" answer is computed whole: nothing was cached yet.
+RUNTIME = {
+    "num_slots": 1,
+    "max_seq_len": 128,
+    "num_blocks": 8,
+    "prefill_buckets": [16, 64],
+    "attend_buckets": [32, 128],
+    "decode_batch_buckets": [1],
+    "speculation": {"method": "none"},
+}
+LONG = "The quiet harbour town kept its lamps lit through the winter storms, and every sailor knew"
+OTHERS = [f"Prompt number {i} talks about something else entirely, {'xyz ' * (8 + i)}" for i in range(3)]
+RESTORED = re.compile(r"KV tier: (\d+) blocks restored, (\d+) missing")
+
+
+def complete(base: str, prompt: str) -> tuple[str, list[float]]:
+    reply = httpx.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    return choice["text"], choice["logprobs"]["token_logprobs"]
+
+
+def restored(log: Path) -> list[tuple[int, int]]:
+    """(blocks restored, missing) per step that restored, from the agent's log."""
+    return [(int(a), int(b)) for a, b in RESTORED.findall(log.read_text())]
+
+
+def config(directory: Path, model: Path, tiers: Path, host_only: bool = False) -> tuple[Path, str, Path]:
+    agent_port, http_port = free_ports(2)
+    directory.mkdir()
+    bounds = {"host_mb": 4} if host_only else {"disk_mb": 16}
+    path = write_config(
+        directory,
+        model,
+        [agent_port],
+        runtime={**RUNTIME, "kv_tiers": {**bounds, "disk_dir": str(tiers)}},
+        server={"port": http_port},
+    )
+    return path, f"http://127.0.0.1:{http_port}", directory / "logs" / "agent_0.log"
+
+
+def test_evicted_prefix_is_restored_from_the_tier_and_answers_as_computed(tmp_path, tiny_llama_dir):
+    tiers = tmp_path / "tiers"
+    path, base, log = config(tmp_path / "first", tiny_llama_dir, tiers)
+    with serving_stack(path):
+        first = complete(base, LONG)
+        assert restored(log) == []
+        for other in OTHERS:  # each evicts the one before: LONG's blocks go to the tier
+            complete(base, other)
+        again = complete(base, LONG)
+        hits = restored(log)
+        assert hits and sum(n for n, _ in hits) >= 4 and all(m == 0 for _, m in hits), hits
+        assert again[0] == first[0]
+        assert again[1] == pytest.approx(first[1], abs=1e-4)
+    assert list((tiers).rglob("*.kv")), "the disk tier kept no file"
+
+    # a restart on the same folder: the agent reports what its disk holds, the scheduler restores it
+    path, base, log = config(tmp_path / "second", tiny_llama_dir, tiers)
+    with serving_stack(path):
+        after = complete(base, LONG)
+        hits = restored(log)
+        assert hits and sum(n for n, _ in hits) >= 4 and all(m == 0 for _, m in hits), hits
+    assert after[0] == first[0]
+    assert after[1] == pytest.approx(first[1], abs=1e-4)
+
+    # files corrupted after the agent indexed them: the restores fail, the sequence is recomputed
+    path, base, log = config(tmp_path / "third", tiny_llama_dir, tiers)
+    with serving_stack(path):
+        for file in tiers.rglob("*.kv"):
+            data = bytearray(file.read_bytes())
+            data[-8:] = bytes(8)  # the payload's last values: only the checksum tells
+            file.write_bytes(bytes(data))
+        recomputed = complete(base, LONG)
+        hits = restored(log)
+        assert hits and all(n == 0 and m > 0 for n, m in hits), hits
+        assert "their sequences are recomputed" in (log.parent / "server_app.log").read_text()
+    assert recomputed[0] == first[0]
+    assert recomputed[1] == pytest.approx(first[1], abs=1e-4)
+
+
+def test_the_host_tier_alone_restores_and_writes_no_file(tmp_path, tiny_llama_dir):
+    tiers = tmp_path / "tiers"
+    path, base, log = config(tmp_path / "host", tiny_llama_dir, tiers, host_only=True)
+    with serving_stack(path):
+        first = complete(base, LONG)
+        for other in OTHERS:
+            complete(base, other)
+        again = complete(base, LONG)
+        hits = restored(log)
+    assert hits and sum(n for n, _ in hits) >= 4 and all(m == 0 for _, m in hits), hits
+    assert again[0] == first[0] and again[1] == pytest.approx(first[1], abs=1e-4)
+    assert not tiers.exists()
