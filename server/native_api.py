@@ -30,7 +30,7 @@ from server.errors import NATIVE, ApiError, declares
 from server.logprob_format import LogprobFormatter
 from server.model_repository import ModelRepository
 from server.openai_schema import json_text
-from server.output import AnswerStream, GenerationOutput
+from server.output import AnswerStream, GeneratedToken, GenerationOutput
 from server.request_body import json_body
 from server.structured_output import GrammarError, GrammarSpec
 
@@ -119,24 +119,45 @@ def sse_events(answer, return_full_text: bool) -> AsyncIterator[str]:
     )
 
 
-def plain_token(out: GenerationOutput, index: int, formatter: LogprobFormatter) -> dict:
-    """A plain-protocol line's token: the piece's text and index, with the id, logprob (null unless
-    details were asked for) and special flag of its last token, and TGI's top_tokens with top_n_tokens."""
-    line: dict = {"token": {"text": out.text, "index": index}}
-    if out.tokens:
-        last = out.tokens[-1]
-        tgi = formatter.tgi(last.id, None if last.logprob is None else last.logprob.logprob)
+def plain_token(text: str, index: int, token: GeneratedToken | None, formatter: LogprobFormatter) -> dict:
+    """A plain-protocol line's token: its text and index, with its id, logprob (null unless details
+    were asked for) and special flag, and TGI's top_tokens with top_n_tokens."""
+    line: dict = {"token": {"text": text, "index": index}}
+    if token is not None:
+        tgi = formatter.tgi(token.id, None if token.logprob is None else token.logprob.logprob)
         line["token"] |= {"id": tgi["id"], "logprob": tgi["logprob"], "special": tgi["special"]}
-        if last.logprob is not None and last.logprob.top:
-            line["top_tokens"] = formatter.tgi_top(last.logprob)
+        if token.logprob is not None and token.logprob.top:
+            line["top_tokens"] = formatter.tgi_top(token.logprob)
     return line
 
 
+def plain_lines(out: GenerationOutput, first: int, formatter: LogprobFormatter) -> bytes:
+    """A line per new token of the output, indexed from `first` (the answer's tokens before it). A
+    step that kept proposed tokens (speculation) brings several at once: each gets its own line, the
+    output's text on the last (the text those tokens completed), the others empty, as TGI streams a
+    token whose text is not yet complete. Text with no new token (held back until the end): a line
+    of its own, indexed as the next token would be."""
+    if not out.tokens:
+        return data_line(plain_token(out.text, first, None, formatter))
+    last = len(out.tokens) - 1
+    return b"".join(
+        data_line(plain_token(out.text if n == last else "", first + n, token, formatter))
+        for n, token in enumerate(out.tokens)
+    )
+
+
 def data_lines(answer, return_full_text: bool, formatter: LogprobFormatter) -> AsyncIterator[bytes]:
+    shown = 0  # the answer's tokens streamed so far (an EOS that ends it is none)
+
+    def lines(out: GenerationOutput, _index: int) -> bytes:
+        nonlocal shown
+        first, shown = shown, shown + len(out.tokens)
+        return plain_lines(out, first, formatter)
+
     return stream_pieces(
         answer,
         return_full_text,
-        lambda out, i: data_line(plain_token(out, i, formatter)),
+        lines,
         lambda message: data_line({"error": message}),
         lambda text: data_line({"generated_text": text}),
         every_token=True,

@@ -379,9 +379,12 @@ def test_unload_under_load_drains_it_and_leaves_the_other_alone(stack):
     statuses = [status for status, _ in refusals]
     assert 503 in statuses and set(statuses[statuses.index(503) :]) == {503}, refusals
     assert any(message == "model 'b' is UNLOADING" for _, message in refusals), refusals
-    # the other model's streams are untouched: the same answers, no error
+    # the other model's streams are untouched: the same answers, no error (their events may cut the
+    # text elsewhere: speculation keeps more or fewer tokens a step under load)
     for p, events in long_a.items():
-        assert results[("a", p)] == events
+        got = results[("a", p)]
+        assert all(e["event"] == "message" for e in got), got[-3:]
+        assert "".join(e["data"] for e in got) == "".join(e["data"] for e in events)
     assert not wait_gone(b_pids, 10), "the unloaded model's agents still run"
     assert all(alive(pid) for pid in a_pids) and launcher_status(stack["control"])["a"]["pids"] == a_pids
     assert tree_rss_mb(launcher) < rss_before - 50, (rss_before, tree_rss_mb(launcher))
