@@ -19,7 +19,7 @@ from agent.kernels import TARGET_ENV, has_int8_products
 from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
 from agent.model.shard import TensorSplit
-from config.schema import RuntimeSection
+from config.schema import RuntimeSection, ServingConfig
 
 # Weights the int8 activations leave float32 (int8_products.h Traits): the others are integer quants.
 FLOAT_FORMATS = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
@@ -61,3 +61,8 @@ def resolve_activations(
     exact = "" if chosen == "int8" else " (exact)"
     progress(f"activations: {chosen}{exact}, chosen by auto: {why}; set runtime.activations to choose")
     return runtime.model_copy(update={"activations": chosen})
+
+
+def exact(config: ServingConfig) -> ServingConfig:
+    """`config` with float32 activations, the exact mode."""
+    return config.model_copy(update={"runtime": config.runtime.model_copy(update={"activations": "float32"})})

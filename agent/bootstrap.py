@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.activations import resolve_activations
+from agent.activations import exact, resolve_activations
 from agent.compile_cache import compile_cache_dir
 from agent.drafter import Drafter, DraftMismatch, check_vocabularies
 from agent.graphs.layers import WHOLE_MODEL, TensorSplit
@@ -106,8 +106,7 @@ def build_runner(
                 "(set runtime.activations: float32 to start that way)"
             )
             del runner
-            runtime = config.runtime.model_copy(update={"activations": "float32"})
-            return build_runner(config.model_copy(update={"runtime": runtime}), place, progress, checkpoint)
+            return build_runner(exact(config), place, progress, checkpoint)
         raise KnownAnswerError(
             f"{exc}; runtime.activations int8 moves this model's logits more than the int8 allowance "
             f"({TOLERANCE['int8']:.0%} of the largest): serve it with activations: float32, or report "

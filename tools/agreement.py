@@ -25,6 +25,7 @@ from pathlib import Path
 from agent.process_env import set_process_defaults
 
 set_process_defaults()  # before MindSpore loads
+from agent.activations import exact  # noqa: E402
 from agent.bootstrap import Placement, build_runner  # noqa: E402
 from agent.contract.sampling import SamplingParams  # noqa: E402
 from agent.model.formats import load_checkpoint  # noqa: E402
@@ -80,8 +81,7 @@ def main() -> int:
     args = parser.parse_args()
     config, baseline = load_config(args.config), load_config(args.against)
     if baseline.runtime.activations == "auto":
-        exact = baseline.runtime.model_copy(update={"activations": "float32"})
-        baseline = baseline.model_copy(update={"runtime": exact})
+        baseline = exact(baseline)
     if config.model.path != baseline.model.path:
         raise SystemExit("the two configs serve different models")
     texts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]

@@ -20,6 +20,7 @@ from agent.process_env import set_process_defaults
 from agent.warm_up import warm_up
 
 set_process_defaults()  # before MindSpore loads
+from agent.activations import exact  # noqa: E402
 from agent.bootstrap import Placement, prepare_checkpoint  # noqa: E402
 from agent.graphs.mindir import GraphExporter  # noqa: E402
 from agent.known_answer import KnownAnswer  # noqa: E402
@@ -35,8 +36,7 @@ def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
     """Write every graph of `config` into `output`; returns the manifest's file lists."""
     tokenizer = load_tokenizer(config.model.path)
     if config.runtime.activations == "auto":  # served MindIR graphs have no int8 choice (config.serving)
-        exact = config.runtime.model_copy(update={"activations": "float32"})
-        config = config.model_copy(update={"runtime": exact})
+        config = exact(config)
     # no compile cache: the export traces every graph afresh
     checkpoint, runtime, _ = prepare_checkpoint(config, Placement(cache_user=None), progress)
     output.mkdir(parents=True, exist_ok=True)

@@ -90,3 +90,22 @@ def wait_until(condition: Callable[[], bool], timeout: float, poll_s: float = 0.
     while not condition() and time.monotonic() < deadline:
         time.sleep(poll_s)
     return condition()
+
+
+def greedy_completions(
+    base: str, prompts: list[list[int]], max_tokens: int, model: str = "tiny"
+) -> list[str]:
+    """Each token-id prompt's /v1/completions text at temperature 0, `max_tokens` long (EOS ignored)."""
+    texts = []
+    for prompt in prompts:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        reply = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+        assert reply.status_code == 200, reply.text
+        texts.append(reply.json()["choices"][0]["text"])
+    return texts

@@ -9,7 +9,6 @@ tests/unit/agent/test_moe_kernel.py's."""
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agent.contract.sampling import SamplingParams
@@ -20,6 +19,7 @@ from agent.runner import ModelRunner
 from agent.warm_up import warm_up
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
 from config.schema import RuntimeSection
+from http_client import greedy_completions
 from tools.make_gguf import Shape, mix, write_random_gguf
 
 INT8_RUNTIME = {**LONG_ANSWERS_RUNTIME, "activations": "int8"}
@@ -75,17 +75,5 @@ def test_the_served_int8_stack_starts_and_answers_greedily(moe_gguf, prompts, in
     agent_port, http_port = free_ports(2)
     config = write_config(tmp_path, moe_gguf, [agent_port], runtime=INT8_RUNTIME, server={"port": http_port})
     with serving_stack(config):
-        for prompt, answer in zip(prompts, int8_answers):
-            reply = httpx.post(
-                f"http://127.0.0.1:{http_port}/v1/completions",
-                json={
-                    "model": "tiny",
-                    "prompt": prompt,
-                    "max_tokens": NEW_TOKENS,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-                timeout=120,
-            )
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["choices"][0]["text"] == tokenizer.decode(answer)
+        texts = greedy_completions(f"http://127.0.0.1:{http_port}", prompts, NEW_TOKENS)
+    assert texts == [tokenizer.decode(answer) for answer in int8_answers]

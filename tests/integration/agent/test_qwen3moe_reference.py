@@ -221,9 +221,8 @@ def test_the_served_stack_answers_as_transformers_over_http(tiny, tmp_path):
     """start_agent.py and start_server.py on the GGUF, as a user runs them (the agent's memory plan,
     warm-up and known-answer check included): /v1/completions of token prompts at temperature 0
     answers with transformers' greedy text, the 150-token prompt in chunks of 64."""
-    import httpx
-
     from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
+    from http_client import greedy_completions
 
     model, paths = tiny
     cases = [prompts()[0], prompts()[1]]
@@ -234,17 +233,4 @@ def test_the_served_stack_answers_as_transformers_over_http(tiny, tmp_path):
         tmp_path, paths[1], [agent_port], runtime=LONG_ANSWERS_RUNTIME, server={"port": http_port}
     )
     with serving_stack(config):
-        for prompt, text in zip(cases, want):
-            reply = httpx.post(
-                f"http://127.0.0.1:{http_port}/v1/completions",
-                json={
-                    "model": "tiny",
-                    "prompt": prompt,
-                    "max_tokens": NEW_TOKENS,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-                timeout=120,
-            )
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["choices"][0]["text"] == text
+        assert greedy_completions(f"http://127.0.0.1:{http_port}", cases, NEW_TOKENS) == want

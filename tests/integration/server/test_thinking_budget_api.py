@@ -16,18 +16,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_reasoning_api import QUESTION, QWEN3, R1, RUNTIME, claude, joined, model_dir, sdk, streamed_chat
+from test_speculation import SPECULATION  # proposals of a fixed length (why: there)
 
 from agent_harness import free_ports, serving_stack, write_config
 
-# adaptive false: on the tiny model verifying does not pay, and the cost-aware lengths would stop
-SPECULATION = {
-    "method": "ngram",
-    "num_tokens": 4,
-    "ngram_min": 1,
-    "ngram_max": 3,
-    "max_batch": 8,
-    "adaptive": False,
-}
 TAG = "</think>"
 PROPOSED = "llm_serving_spec_proposed_tokens_total"
 BUDGET, LENGTH = 6, 40
