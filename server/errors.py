@@ -16,7 +16,7 @@ from scheduler.engine_io import FaultKind, Refusal
 
 RETRY_AFTER_S = "1"
 # vLLM's tokenizer endpoints answer in OpenAI's error shape, as the /v1/ paths do.
-OPENAI_ROOT_PATHS = ("/tokenize", "/detokenize")
+OPENAI_ROOT_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

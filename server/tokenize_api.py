@@ -1,15 +1,19 @@
-"""vLLM's tokenizer endpoints, for clients that count or build prompts in tokens:
+"""vLLM's tokenizer endpoints, for clients that count or build prompts in tokens (lm-evaluation-
+harness's `tokenizer_backend=remote` among them):
 
-    POST /tokenize    {"model", "prompt"[, "add_special_tokens"]} or {"model", "messages"}
-                      -> {"tokens": [...], "count", "max_model_len"}
-    POST /detokenize  {"model", "tokens"} -> {"prompt"}
+    POST /tokenize        {["model",] "prompt"[, "add_special_tokens"]} or {["model",] "messages"}
+                          -> {"tokens": [...], "count", "max_model_len"}
+    POST /detokenize      {["model",] "tokens"} -> {"prompt"}
+    GET  /tokenizer_info  [?model=] -> {"bos_token", "eos_token", "pad_token", "chat_template",
+                          "model_max_length", "tokenizer_class"}
 
-Text is bounded as prompts are (413 past the longest prompt); token lists by the context.
+Without a model, the first configured one answers (as vLLM's one model does). Text is bounded as
+prompts are (413 past the longest prompt); token lists by the context.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.assembly import check_vocabulary
@@ -22,7 +26,7 @@ from server.request_body import json_body
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True  # prompt: what the tokenizer adds around plain text (BOS)
@@ -31,7 +35,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None
     tokens: list[int]
 
 
@@ -39,9 +43,12 @@ def tokenize_router(repository: ModelRepository) -> APIRouter:
     router = APIRouter(dependencies=[declares(OPENAI)])  # vLLM answers these in OpenAI's shape
     tokenize_request, detokenize_request = json_body(TokenizeRequest), json_body(DetokenizeRequest)
 
+    def serving(name: str | None):
+        return repository.serving(repository.first.name if name is None else name)
+
     @router.post("/tokenize")
     async def tokenize(req: TokenizeRequest = Depends(tokenize_request)):
-        model = repository.serving(req.model)
+        model = serving(req.model)
         encoder, engine = model.encoder, model.engine
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "send either prompt or messages", param="prompt")
@@ -60,7 +67,7 @@ def tokenize_router(repository: ModelRepository) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest = Depends(detokenize_request)):
-        model = repository.serving(req.model)
+        model = serving(req.model)
         tokenizer, context = model.tokenizer, model.engine.max_seq_len
         if len(req.tokens) > context:
             raise ApiError(
@@ -68,5 +75,18 @@ def tokenize_router(repository: ModelRepository) -> APIRouter:
             )
         check_vocabulary(req.tokens, tokenizer.vocab_size, "tokens")
         return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info(model: str | None = Query(None, max_length=256)):
+        loaded = serving(model)
+        tokenizer = loaded.tokenizer
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",  # a tokenizer.json's (tokenizers) class
+            "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token,
+            "pad_token": None,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": loaded.engine.max_seq_len,
+        }
 
     return router

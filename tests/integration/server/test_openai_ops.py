@@ -527,9 +527,9 @@ def test_tokenize_and_detokenize(stack, tokenizer):
     def call(path, body, headers=AUTH):
         return httpx.post(f"{base}{path}", headers=headers, json=body, timeout=30)
 
-    reply = call("/tokenize", {"model": "tiny", "prompt": "Hello there"}).json()
-    assert reply["tokens"] == tokenizer.encode("Hello there") and reply["count"] == len(reply["tokens"])
-    assert reply["max_model_len"] > 0
+    hello = call("/tokenize", {"model": "tiny", "prompt": "Hello there"}).json()
+    assert hello["tokens"] == tokenizer.encode("Hello there") and hello["count"] == len(hello["tokens"])
+    assert hello["max_model_len"] > 0
     chat = call("/tokenize", {"model": "tiny", "messages": MESSAGES}).json()
     assert chat["tokens"] == tokenizer.encode_chat(MESSAGES)
     assert call("/detokenize", {"model": "tiny", "tokens": chat["tokens"]}).json() == {
@@ -545,6 +545,31 @@ def test_tokenize_and_detokenize(stack, tokenizer):
         reply = call(path, body)
         assert reply.status_code == status and word in reply.json()["error"]["message"], reply.text
     assert call("/tokenize", {"model": "tiny", "prompt": "x"}, headers={}).status_code == 401
+    # without a model the first configured one answers, as vLLM's (lm-eval's remote tokenizer sends none)
+    assert call("/tokenize", {"prompt": "Hello there"}).json()["tokens"] == hello["tokens"]
+    assert call("/detokenize", {"tokens": chat["tokens"]}).json()["prompt"] == tokenizer.decode(
+        chat["tokens"], skip_special_tokens=False
+    )
+
+
+def test_tokenizer_info(stack, tokenizer):
+    base = stack[0]
+    info = httpx.get(f"{base}/tokenizer_info", headers=AUTH, timeout=30)
+    assert info.status_code == 200, info.text
+    assert info.json() == {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "pad_token": None,
+        "chat_template": tokenizer.chat_template,
+        "model_max_length": httpx.post(
+            f"{base}/tokenize", headers=AUTH, json={"prompt": "x"}, timeout=30
+        ).json()["max_model_len"],
+    }
+    assert httpx.get(f"{base}/tokenizer_info?model=tiny", headers=AUTH, timeout=30).json() == info.json()
+    unknown = httpx.get(f"{base}/tokenizer_info?model=gpt-5", headers=AUTH, timeout=30)
+    assert unknown.status_code == 404 and "served" in unknown.json()["error"]["message"]
+    assert httpx.get(f"{base}/tokenizer_info", timeout=30).status_code == 401
 
 
 # ------------------------------------------------------------------------------------ ops
