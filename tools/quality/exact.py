@@ -2,8 +2,9 @@
 
 One model file in two activation modes, in this process, compared over the whole vocabulary as
 `llama-perplexity --kl-divergence` compares a file with its F16/F32 reference: the text (default
-tools/quality_texts/alice_in_wonderland.txt) is tokenized, cut into chunks of --ctx tokens, and the
-second half of each chunk is scored (every scored token has at least ctx/2 of context), so the
+tools/quality_texts/alice_in_wonderland.txt) is tokenized, cut into chunks of --ctx tokens (each
+starting with BOS where the vocabulary adds one, as llama-perplexity's do), and the second half of
+each chunk is scored (every scored token has at least ctx/2 of context), so the
 numbers stand beside llama-perplexity's on the same text and -c. Reported: each mode's perplexity,
 their ratio, the mean, 99th-percentile and largest KL(reference || target) of the next-token
 distributions, and the top-1 agreement. The served tool (python -m tools.quality) sees only each
@@ -65,12 +66,16 @@ def chunk_rows(runner, ids: np.ndarray) -> np.ndarray:
     return log_softmax(logits[len(ids) // 2 : len(ids) - 1])
 
 
-def compare(runners: dict, tokens: np.ndarray, ctx: int, chunks: int) -> dict:
+def compare(runners: dict, tokens: np.ndarray, ctx: int, chunks: int, bos: int | None = None) -> dict:
+    """`bos`: the id each chunk's first token is replaced with, as llama-perplexity does where the
+    vocabulary adds one (Gemma: without it every chunk is scored as if cut from mid-text)."""
     target, reference = runners["target"], runners["reference"]
     kl: list[np.ndarray] = []
     agree, nll_t, nll_r = 0, 0.0, 0.0
     for c in range(chunks):
-        ids = tokens[c * ctx : (c + 1) * ctx]
+        ids = tokens[c * ctx : (c + 1) * ctx].copy()
+        if bos is not None:
+            ids[0] = bos
         following = ids[ctx // 2 + 1 :]
         p, q = chunk_rows(reference, ids), chunk_rows(target, ids)
         kl.append((np.exp(p) * (p - q)).sum(axis=1))
@@ -127,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    tokens = np.array(load_tokenizer(model).encode(text), np.int64)
+    tokenizer = load_tokenizer(model)
+    tokens = np.array(tokenizer.encode(text), np.int64)
+    added = tokenizer.encode("")  # [BOS] where the vocabulary adds one
     chunks = min(len(tokens) // args.ctx, args.chunks or len(tokens))
     if chunks < 1:
         print(
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "text": str(args.text),
         "ctx": args.ctx,
         "chunks": chunks,
-    } | compare(runners, tokens, args.ctx, chunks)
+    } | compare(runners, tokens, args.ctx, chunks, added[0] if added else None)
     print("| metric | value |\n|---|---|")
     for key, value in result.items():
         print(f"| {key} | {value:.6g} |" if isinstance(value, float) else f"| {key} | {value} |")

@@ -38,11 +38,12 @@ def test_int8_against_float32_over_the_whole_vocabulary(tiny_q8, tmp_path):
     assert main([*argv, "--out", str(tmp_path), "--name", "q"]) == 0
     result = json.loads((tmp_path / "q.json").read_text())
     assert result["chunks"] == CHUNKS and result["positions"] == CHUNKS * (CTX // 2 - 1)
-    tokens = load_tokenizer(tiny_q8).encode(text.read_text())
+    tokenizer = load_tokenizer(tiny_q8)
+    tokens, bos = tokenizer.encode(text.read_text()), tokenizer.encode("")
     reference = ref.load_gguf_reference(tiny_q8)
     nll = []
     for c in range(CHUNKS):
-        ids = tokens[c * CTX : (c + 1) * CTX]
+        ids = (bos + tokens[c * CTX + 1 : (c + 1) * CTX]) if bos else tokens[c * CTX : (c + 1) * CTX]
         logits = ref.forward(reference, ids, ref.RefCache()).astype(np.float64)
         logits -= logits.max(axis=1, keepdims=True)
         logprobs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
