@@ -124,7 +124,11 @@ class ModelRepository:
 
     # ------------------------------------------------------------------------------ routing
 
-    def resolve(self, name: str) -> ServedModel:
+    def resolve(self, name: str | None) -> ServedModel:
+        """The model of that name or alias (None: the first configured, as vLLM's one model answers
+        a request that names none); 404 otherwise."""
+        if name is None:
+            return self.first
         model = self.by_name.get(name)
         if model is None:
             raise ApiError(
@@ -135,8 +139,8 @@ class ModelRepository:
             )
         return model
 
-    def serving(self, name: str) -> LoadedModel:
-        """The READY model of that name or alias; 404 or 503 (naming its state) otherwise."""
+    def serving(self, name: str | None) -> LoadedModel:
+        """The READY model of that name or alias (None: the first configured); 404 or 503 (naming its state) otherwise."""
         model = self.resolve(name)
         if model.state != READY or model.loaded is None:
             raise ApiError(503, f"model {model.name!r} is {model.status()}", param="model")

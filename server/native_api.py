@@ -253,7 +253,7 @@ def native_router(repository: ModelRepository) -> APIRouter:
             return EventSourceResponse(one_event(sum(e.get_bs_current() for e in engines)))
         if model is None and len(repository.models) > 1:
             raise ApiError(400, "group needs model=NAME: groups are a model's (several models are served)")
-        groups = len(repository.resolve(model or repository.first.name).config.agents.groups)
+        groups = len(repository.resolve(model).config.agents.groups)
         if not 0 <= group < groups:
             raise ApiError(400, f"group {group} does not exist (groups: 0..{groups - 1})")
         return EventSourceResponse(one_event(sum(e.get_bs_current(group) for e in engines)))

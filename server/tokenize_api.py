@@ -43,12 +43,9 @@ def tokenize_router(repository: ModelRepository) -> APIRouter:
     router = APIRouter(dependencies=[declares(OPENAI)])  # vLLM answers these in OpenAI's shape
     tokenize_request, detokenize_request = json_body(TokenizeRequest), json_body(DetokenizeRequest)
 
-    def serving(name: str | None):
-        return repository.serving(repository.first.name if name is None else name)
-
     @router.post("/tokenize")
     async def tokenize(req: TokenizeRequest = Depends(tokenize_request)):
-        model = serving(req.model)
+        model = repository.serving(req.model)
         encoder, engine = model.encoder, model.engine
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "send either prompt or messages", param="prompt")
@@ -67,7 +64,7 @@ def tokenize_router(repository: ModelRepository) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest = Depends(detokenize_request)):
-        model = serving(req.model)
+        model = repository.serving(req.model)
         tokenizer, context = model.tokenizer, model.engine.max_seq_len
         if len(req.tokens) > context:
             raise ApiError(
@@ -78,7 +75,7 @@ def tokenize_router(repository: ModelRepository) -> APIRouter:
 
     @router.get("/tokenizer_info")
     async def tokenizer_info(model: str | None = Query(None, max_length=256)):
-        loaded = serving(model)
+        loaded = repository.serving(model)
         tokenizer = loaded.tokenizer
         return {
             "tokenizer_class": "PreTrainedTokenizerFast",  # a tokenizer.json's (tokenizers) class

@@ -17,6 +17,8 @@ import re
 import sys
 from pathlib import Path
 
+import yaml
+
 from tools.quality.__main__ import DEFAULT_TEXT
 
 CHOICES = 4
@@ -36,8 +38,9 @@ def items(text: str, count: int, context: int, seed: int) -> list[dict]:
     sentence at index `gold` among CHOICES distinct candidates."""
     found = sentences(text)
     usable = [s for s in found if MIN_WORDS <= len(s.split()) <= MAX_WORDS]
-    answers = [i for i in range(context, len(found)) if found[i] in usable]
-    if len(answers) < count or len(set(usable)) < CHOICES:
+    distinct = set(usable)
+    answers = [i for i in range(context, len(found)) if found[i] in distinct]
+    if len(answers) < count or len(distinct) < CHOICES:
         raise ValueError(f"the text has {len(answers)} usable sentences, fewer than the {count} items asked")
     rng = random.Random(seed)
     chosen = sorted(rng.sample(answers, count))
@@ -53,25 +56,19 @@ def items(text: str, count: int, context: int, seed: int) -> list[dict]:
 
 def task_yaml(name: str, data: Path) -> str:
     """lm-evaluation-harness's task config over the local JSON lines file `data`."""
-    return "\n".join(
-        [
-            f"task: {name}",
-            "dataset_path: json",
-            "dataset_kwargs:",
-            "  data_files:",
-            f"    test: {json.dumps(str(data.resolve()))}",
-            "test_split: test",
-            "output_type: multiple_choice",
-            'doc_to_text: "{{context}}"',
-            "doc_to_choice: choices",
-            "doc_to_target: gold",
-            'target_delimiter: " "',
-            "metric_list:",
-            "  - metric: acc",
-            "  - metric: acc_norm",
-            "",
-        ]
-    )
+    task = {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{context}}",
+        "doc_to_choice": "choices",
+        "doc_to_target": "gold",
+        "target_delimiter": " ",
+        "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}],
+    }
+    return yaml.safe_dump(task, sort_keys=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
