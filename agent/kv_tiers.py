@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from agent.contract.step_reply import TIER_COUNTS, TierReport
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -86,9 +88,8 @@ class KVTierStore:
         self.host_bytes = host_bytes
         self.disk_bytes = disk_bytes if disk_dir is not None else 0
         self.disk_dir = disk_dir
-        self.counts = dict.fromkeys(
-            ("host_hits", "disk_hits", "misses", "ignored_files", "dropped_writes", "written", "evicted"), 0
-        )
+        self.counts = dict.fromkeys(TIER_COUNTS, 0)  # cumulative
+        self._reported = dict(self.counts)  # as of the last report()
         self._lock = threading.Lock()
         self._host: OrderedDict[str, np.ndarray] = OrderedDict()  # LRU: first = least recently used
         self._host_used = 0  # bytes in _host
@@ -118,6 +119,13 @@ class KVTierStore:
     def disk_used(self) -> int:
         with self._lock:
             return sum(self._disk.values())
+
+    def report(self, restore_s: float) -> TierReport:
+        """What it counted since the previous report, the bytes each tier holds now."""
+        with self._lock:
+            counts = {name: n - self._reported[name] for name, n in self.counts.items()}
+            self._reported = dict(self.counts)
+            return TierReport(counts, self._host_used, sum(self._disk.values()), restore_s)
 
     def keys(self) -> set[str]:
         with self._lock:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from agent.contract import protocol
 from agent.contract.sampling import Sampled, SequenceFault, TokenLogprob
 from agent.contract.step import MAX_DRAFT_TOKENS, BlockTable, KVTransfer, Proposal, StepRequest
-from agent.contract.step_reply import StepReply
+from agent.contract.step_reply import StepReply, TierReport
 from agent.drafter import Drafter
 from agent.kv_tier_moves import export_blocks, import_blocks
 from agent.kv_tiers import KVTierStore
@@ -153,6 +153,13 @@ class AgentService:
             facts["kv_tier_keys"] = self.tiers.recent_keys(REPORTED_TIER_KEYS)
         return facts, []
 
+    def _op_drop_cache(self, header: dict, arrays: list) -> tuple[dict, list]:
+        if self.tiers is None:
+            return {"tier_blocks": 0}, []
+        dropped = self.tiers.drop()
+        log.info("KV tier: %d blocks dropped (an operator's reset)", dropped)
+        return {"tier_blocks": dropped, "tier": self.tiers.report(0.0).to_wire()}, []
+
     def _op_ping(self, header: dict, arrays: list) -> tuple[dict, list]:
         return {}, []
 
@@ -192,7 +199,7 @@ class AgentService:
         request = StepRequest.from_wire(header, arrays, self.runner.num_slots)
         if request.transfer is not None and self.sender is None:
             raise ValueError("this agent sends no KV (its role is not prefill)")
-        restore_failed = self._move_tiers(request)
+        restore_failed, tier = self._move_tiers(request)
         slots, tables = list(request.slots), list(request.tables)
         drafts = self._proposals(request.drafts, slots, tables)
         decoded, firsts = self.runner.run(slots, tables, request.chunks, request.masks, drafts)
@@ -204,23 +211,26 @@ class AgentService:
                 None if c.prompt_logprobs is None else self.runner.prompt_scores for c in request.chunks
             ],
             restore_failed=restore_failed,
+            tier=tier,
         )
         if request.transfer is not None:
             reply = self._send_kv(request.chunks[0].slot, request.transfer, reply)
         return reply.to_wire()
 
-    def _move_tiers(self, request: StepRequest) -> list[str]:
+    def _move_tiers(self, request: StepRequest) -> tuple[list[str], TierReport | None]:
         """The step's spills into the tier, then its restores out of it, before anything computes
         (a spilled block may be the one a restore or a chunk writes next); returns the restores'
-        digests the tier no longer had (their blocks are left as they are)."""
+        digests the tier no longer had (their blocks are left as they are) and the tier's report
+        (None: the step moved nothing)."""
         if not (request.spill or request.restore):
-            return []
+            return [], None
         if self.tiers is None:
             raise ValueError("this agent keeps no KV tier (runtime.kv_tiers)")
         if request.spill:
             kvs = export_blocks(self.runner, [block for block, _ in request.spill])
             for (_, digest), kv in zip(request.spill, kvs):
                 self.tiers.put(digest, kv)
+        started = time.perf_counter()
         blocks: list[int] = []
         held: list[np.ndarray] = []
         failed: list[str] = []
@@ -232,15 +242,17 @@ class AgentService:
                 blocks.append(block)
                 held.append(found)
         import_blocks(self.runner, blocks, held)
+        report = self.tiers.report(time.perf_counter() - started if request.restore else 0.0)
         if request.restore:  # a tier hit: the line an operator (and the end-to-end test) looks for
             log.info(
-                "KV tier: %d blocks restored, %d missing, %d spilled (counts %s)",
+                "KV tier: %d blocks restored in %.1f ms, %d missing, %d spilled (counts %s)",
                 len(blocks),
+                report.restore_s * 1000,
                 len(failed),
                 len(request.spill),
                 self.tiers.counts,
             )
-        return failed
+        return failed, report
 
     def _send_kv(self, slot: int, transfer: KVTransfer, reply: StepReply) -> StepReply:
         """A prefill agent's prompt: its KV sent to the decode agent's slot, this slot free again

@@ -26,7 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from agent.contract import protocol
 from agent.contract.step import StepRequest
-from agent.contract.step_reply import StepReply
+from agent.contract.step_reply import StepReply, TierReport
 from agent.contract.transport import ClientKeys, secure_client_socket
 
 HEARTBEAT_IVL_MS = 1000
@@ -89,6 +89,8 @@ class ModelClient(Protocol):
     async def release(self, slot: int, ticket: int | None = None) -> None: ...
 
     async def ping(self, timeout_s: float | None = None) -> None: ...
+
+    async def drop_cache(self) -> tuple[int, TierReport | None]: ...
 
 
 class AgentTakenOver(AgentUnavailable):
@@ -272,6 +274,17 @@ class AgentClient:
     async def ping(self, timeout_s: float | None = None) -> None:
         await self.call("ping", timeout_s=timeout_s)
 
+    async def drop_cache(self) -> tuple[int, TierReport | None]:
+        """Empty the agent's KV tier: the blocks it held, and its report after (None: it keeps none)."""
+        header, _ = await self.call("drop_cache", session=self.session)
+        dropped = header.get("tier_blocks")
+        try:
+            if type(dropped) is not int or dropped < 0:
+                raise ValueError(f"tier_blocks is {dropped!r:.40}, not a count")
+            return dropped, None if header.get("tier") is None else TierReport.from_wire(header["tier"])
+        except ValueError as exc:
+            raise AgentUnavailable(f"agent {self.address}: drop_cache: {exc}") from exc
+
     def close(self) -> None:
         self._connection.retire()
 
@@ -342,6 +355,9 @@ class GroupClient:
 
     async def ping(self, timeout_s: float | None = None) -> None:
         await self._all("ping", timeout_s)
+
+    async def drop_cache(self) -> tuple[int, TierReport | None]:
+        return (await self._all("drop_cache"))[0]
 
 
 def _tokens_of(reply: StepReply) -> list:

@@ -243,6 +243,21 @@ class BlockManager:
                 else:
                     self._free_plain.append(block)
 
+    def drop_cache(self) -> int:
+        """Forget every cached prefix (an operator's reset); returns how many blocks held one. No
+        block is hit again: free cached blocks become plain free ones, and the tier's index and the
+        spills not yet sent go (the agents empty the tier itself). Blocks in use keep their KV for
+        their sequences, and the restores already queued stay: the sequences that hit them need
+        them (one the tier then lacks is recomputed, as any failed restore is)."""
+        dropped = len(self._content_of)
+        self._free_plain.extend(self._free_cached)
+        self._free_cached.clear()
+        self._contents.clear()
+        self._content_of.clear()
+        self.tier_keys.clear()
+        self.spills.clear()
+        return dropped
+
     # --- the second tier ---
 
     def seed_tier(self, digests: Sequence[str]) -> None:

@@ -213,6 +213,27 @@ class Engine:
             "prefix_caching": blocks.enable_prefix_caching,
         }
 
+    async def drop_prefix_cache(self) -> dict:
+        """Forget every cached prefix, the pool's and the KV tier's, on each healthy group (an
+        operator's reset): {"pool_blocks", "tier_blocks" (how many held one), "skipped_groups"
+        (unhealthy: their pools start empty when they come back, their tiers are kept)}. Raises
+        what the agents' clients raise."""
+        pool = tier = 0
+        skipped = []
+        for group, client in enumerate(self.clients):
+            if not self.scheduler.healthy[group]:
+                skipped.append(group)
+                continue
+            blocks = self.scheduler.blocks[group]
+            pool += blocks.drop_cache()
+            if blocks.tiered:
+                dropped, report = await client.drop_cache()
+                tier += dropped
+                if report is not None:
+                    self.metrics.count_tier(group, report)
+        log.info("prefix cache dropped: %d pool blocks, %d tier blocks", pool, tier)
+        return {"pool_blocks": pool, "tier_blocks": tier, "skipped_groups": skipped}
+
     def releases_pending(self, group: int) -> int:
         """The group's slot releases its agent has not answered yet: planned, or not yet planned
         (a finished sequence's slot is released by the next plan for its group)."""
@@ -307,6 +328,7 @@ class Engine:
         for counter, total in (
             (m.prefix_cache_queries, s.placement.prefix_query_tokens),
             (m.prefix_cache_hits, s.placement.prefix_hit_tokens),
+            (m.prefix_cache_tier_hits, s.placement.prefix_tier_hit_tokens),
             (m.preemptions, s.preemptions),
             (m.proposed_tokens, s.drafts.proposed_tokens),
             (m.accepted_tokens, s.drafts.accepted_tokens),

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
+from agent.contract.step_reply import TierReport
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
 OUTCOMES = ("ok", "aborted", "rejected", "error")
@@ -57,6 +59,7 @@ class ServingMetrics:
         )
         self._agent_metrics(r, p)
         self._cache_metrics(r, p)
+        self._tier_metrics(r, p)
 
     def _agent_metrics(self, r: CollectorRegistry, p: str) -> None:
         """Agent calls and KV transfers, as the server sees them."""
@@ -119,6 +122,67 @@ class ServingMetrics:
         self.speculative_steps = Counter(
             p + "spec_steps", "Decode steps of a sequence that verified proposals", registry=r
         )
+
+    def _tier_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """The prefix cache's second tier (runtime.kv_tiers), as its agents report it."""
+        self.prefix_cache_tier_hits = Counter(
+            p + "prefix_cache_tier_hits",
+            "Prompt tokens restored from the KV tier (host memory or disk; part of prefix_cache_hits)",
+            registry=r,
+        )
+        self.kv_tier_hits = Counter(
+            p + "kv_tier_hits", "KV blocks restored from the KV tier, by tier", ["tier"], registry=r
+        )
+        self.kv_tier_misses = Counter(
+            p + "kv_tier_misses",
+            "KV blocks a restore asked for that the tier no longer held (recomputed instead)",
+            registry=r,
+        )
+        self.kv_tier_bytes = Gauge(
+            p + "kv_tier_bytes", "Bytes the KV tier holds, by tier and group", ["tier", "group"], registry=r
+        )
+        self.kv_tier_restore = Histogram(
+            p + "kv_tier_restore_seconds",
+            "One agent step's restores out of the KV tier (before its compute)",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.kv_tier_disk_writes = Counter(
+            p + "kv_tier_disk_writes", "KV blocks written to the disk tier", registry=r
+        )
+        self.kv_tier_disk_evictions = Counter(
+            p + "kv_tier_disk_evictions", "KV block files removed for room in the disk tier", registry=r
+        )
+        self.kv_tier_dropped_writes = Counter(
+            p + "kv_tier_dropped_writes",
+            "KV blocks not written to disk because the write queue was full (the step never waits)",
+            registry=r,
+        )
+        self.kv_tier_ignored_files = Counter(
+            p + "kv_tier_ignored_files",
+            "KV tier files ignored: truncated, corrupt, another model's or another layout's",
+            registry=r,
+        )
+        for tier in ("host", "disk"):
+            self.kv_tier_hits.labels(tier)
+
+    def count_tier(self, group: int, report: TierReport) -> None:
+        """One agent's tier report (a step reply's or a drop's)."""
+        counts = report.counts
+        self.kv_tier_hits.labels("host").inc(counts["host_hits"])
+        self.kv_tier_hits.labels("disk").inc(counts["disk_hits"])
+        for counter, name in (
+            (self.kv_tier_misses, "misses"),
+            (self.kv_tier_disk_writes, "written"),
+            (self.kv_tier_disk_evictions, "evicted"),
+            (self.kv_tier_dropped_writes, "dropped_writes"),
+            (self.kv_tier_ignored_files, "ignored_files"),
+        ):
+            counter.inc(counts[name])
+        self.kv_tier_bytes.labels("host", str(group)).set(report.host_bytes)
+        self.kv_tier_bytes.labels("disk", str(group)).set(report.disk_bytes)
+        if counts["host_hits"] + counts["disk_hits"] + counts["misses"]:
+            self.kv_tier_restore.observe(report.restore_s)
 
 
 class MetricsByModel:

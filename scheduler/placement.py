@@ -24,6 +24,7 @@ class Placement:
         self.healthy = [True] * len(groups)
         self.prefix_query_tokens = 0  # cumulative: prompt tokens looked up in a prefix cache
         self.prefix_hit_tokens = 0  # of those, found computed
+        self.prefix_tier_hit_tokens = 0  # of those, restored from the second tier
 
     def _block_manager(self, capacity: GroupCapacity) -> BlockManager:
         # A decode group's blocks are written by transfers of whole prompts: no hits there.
@@ -112,10 +113,12 @@ class Placement:
         most `max_hit`."""
         blocks = self.blocks[group]
         reuse = not seq.scoring_prompt
+        from_tier = blocks.tier_hit_tokens
         hit = blocks.allocate(seq.request_id, tokens, seq.cache_salt, reuse=reuse, max_hit=max_hit)
         if hit is not None and blocks.enable_prefix_caching:
             self.prefix_query_tokens += len(tokens)
             self.prefix_hit_tokens += hit
+            self.prefix_tier_hit_tokens += blocks.tier_hit_tokens - from_tier
         return hit
 
     def free_prefill_slot(self, seq: Sequence, computed: bool) -> None:

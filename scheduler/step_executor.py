@@ -171,6 +171,8 @@ class StepExecutor:
         except AgentRequestError:  # refused (the parts then run alone): the next step carries them
             blocks.spills[:0], blocks.restores[:0] = spill, restore
             raise
+        if reply.tier is not None:
+            self.metrics.count_tier(group, reply.tier)
         if reply.restore_failed:
             log.warning(
                 "agent %s: %d of %d blocks not in its KV tier: their sequences are recomputed",

@@ -15,8 +15,8 @@
   listens beyond loopback refuses to start in explicit mode without admin keys
   (check_model_control);
 - the operator's paths (/metrics, /info, /dashboard: per-request counts, prefix-cache hits among
-  them) take only `server.admin_api_keys` where any are set: an ordinary key holder could otherwise
-  learn from the counters whether another client's prompt was cached;
+  them; /reset_prefix_cache) take only `server.admin_api_keys` where any are set: an ordinary key
+  holder could otherwise learn from the counters whether another client's prompt was cached;
 - the request body limit (413, on the bytes read: a request body is read here, within the limit
   and within `server.read_timeout_s` (408), and handed on);
 - who the client is, for the scheduler's fair shares (scheduler/client_share.py): its API key (a
@@ -35,7 +35,7 @@ from config.schema import ServerSection, ServingConfig, is_loopback
 from server.errors import ErrorShape, error_response, path_style
 
 OPEN_PATHS = {"/health"}
-OPERATOR_PATHS = {"/metrics", "/info", "/dashboard"}
+OPERATOR_PATHS = {"/metrics", "/info", "/dashboard", "/reset_prefix_cache"}
 QUERY_KEY_PATHS = {"/dashboard"}
 ADMIN_PREFIX, ADMIN_ACTIONS = "/v2/repository/models/", ("/load", "/unload")
 

@@ -140,7 +140,8 @@ class ModelRepository:
         return model
 
     def serving(self, name: str | None) -> LoadedModel:
-        """The READY model of that name or alias (None: the first configured); 404 or 503 (naming its state) otherwise."""
+        """The READY model of that name or alias (None: the first configured); 404 or 503 (naming
+        its state) otherwise."""
         model = self.resolve(name)
         if model.state != READY or model.loaded is None:
             raise ApiError(503, f"model {model.name!r} is {model.status()}", param="model")

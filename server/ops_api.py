@@ -7,6 +7,8 @@ GET /info      the first model's facts (TGI-style: limits, slots, version) and e
                its state
 GET /metrics   Prometheus text format, each sample labelled with its model
 GET /dashboard a self-contained live page (batch size, queue, tokens/s, TTFT, models, agent health)
+POST /reset_prefix_cache[?model=M]  forget the model's cached prefixes, in the KV pool and in its
+               second tier (host memory and disk; vLLM's name): what was dropped
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from config.schema import ServingConfig
+from scheduler.agent_client import AgentError
 from server.errors import NATIVE, ApiError, declares
 from server.model_repository import ModelRepository, ServedModel
 
@@ -93,6 +96,17 @@ def ops_router(config: ServingConfig, repository: ModelRepository) -> APIRouter:
     @router.get("/metrics")
     async def metrics():
         return Response(generate_latest(repository.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(model: str | None = None):
+        """The first model's, or the named one's. Sequences running keep their KV; nothing is hit
+        from the old cache again (a tenant's prompts can be made to leave the server this way)."""
+        loaded = repository.serving(model)
+        try:
+            dropped = await loaded.engine.drop_prefix_cache()
+        except AgentError as exc:
+            raise ApiError(503, f"the prefix cache was not dropped everywhere: {exc}") from exc
+        return {"model": loaded.name, **dropped}
 
     @router.get("/dashboard")
     async def dashboard():

@@ -42,6 +42,10 @@ Requests (op: fields -> reply fields):
                                                               server's start time, refused with
                                                               stale_session below the holder's)
     ping:     -                                            -> -
+    drop_cache: session                                    -> tier_blocks (how many the agent's
+                                                              KV tier held: all dropped, host
+                                                              memory and disk), [tier (a step
+                                                              reply's TierReport)]
     shutdown: session                                      -> - (the agent exits after replying)
 Token masks (structured output): a step may carry `masked` [slot, ...]
 and, after every other array, an int32 array [len(masked), words <= ceil(vocab_size / 32)]: bit j of
@@ -79,10 +83,11 @@ import msgpack
 import numpy as np
 
 # 10: prefill and decode are steps (one op, typed request and reply); 11: chunks may ask for prompt logprobs;
-# 12: steps spill and restore blocks of the prefix cache's second tier (an older agent would ignore them)
-PROTOCOL_VERSION = 12
-OPS = ("info", "step", "release", "kv_receive", "reset", "ping", "shutdown")
-SESSION_OPS = ("step", "release", "kv_receive", "shutdown")
+# 12: steps spill and restore blocks of the prefix cache's second tier (an older agent would ignore them);
+# 13: drop_cache, and step replies report the tier (TierReport)
+PROTOCOL_VERSION = 13
+OPS = ("info", "step", "release", "kv_receive", "reset", "ping", "drop_cache", "shutdown")
+SESSION_OPS = ("step", "release", "kv_receive", "drop_cache", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent
 ALLOWED_DTYPES = {"int32", "int64", "float32", "float16"}
 MAX_ARRAY_BYTES = 1 << 30

@@ -7,12 +7,14 @@ On the wire (protocol.py `step`): one int32 array of the decode slots' tokens, s
 a step that sent its KV adds kv_bytes and transfer_ms; where a chunk scores its prompt positions,
 `chunk_prompt_logprobs` holds per chunk its entries (StepChunk.scores of them) or null;
 `restore_failed` lists the digests of the request's `restore` that the tier no longer had (their
-blocks hold no valid KV: the scheduler recomputes from there).
+blocks hold no valid KV: the scheduler recomputes from there); a step that moved tier blocks adds
+`tier` (TierReport: what the agent's store counted since its last report, its bytes, the restore time).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,52 @@ import numpy as np
 from agent.contract.prompt_logprobs import PromptLogprob
 from agent.contract.sampling import NO_TOKEN, Sampled, SequenceFault, TokenLogprob
 from agent.contract.step import StepRequest, proposal_size
+
+# What a KV tier store counts (agent/kv_tiers.py), in blocks: restores served from host memory and
+# from disk, restores it no longer had, files it would not load, writes the full disk queue dropped,
+# files written, files evicted for room.
+TIER_COUNTS = ("host_hits", "disk_hits", "misses", "ignored_files", "dropped_writes", "written", "evicted")
+_LARGEST_COUNT = 1 << 48
+
+
+@dataclass(frozen=True)
+class TierReport:
+    """An agent's KV tier after a step that spilled or restored blocks: its counts since its
+    previous report (TIER_COUNTS), the bytes each tier holds now, and the step's restore time."""
+
+    counts: Mapping[str, int]
+    host_bytes: int
+    disk_bytes: int
+    restore_s: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "counts": dict(self.counts),
+            "host_bytes": self.host_bytes,
+            "disk_bytes": self.disk_bytes,
+            "restore_ms": round(self.restore_s * 1000, 3),
+        }
+
+    @classmethod
+    def from_wire(cls, entry: Any) -> TierReport:
+        """ValueError where it is not one (unknown counts, values that are not sizes)."""
+        if not isinstance(entry, dict) or not isinstance(entry.get("counts"), dict):
+            raise ValueError("step reply's tier is not a map with its counts")
+        counts, restore_ms = entry["counts"], entry.get("restore_ms")
+        sizes = [*counts.values(), entry.get("host_bytes"), entry.get("disk_bytes")]
+        if (
+            not set(counts) <= set(TIER_COUNTS)
+            or not all(type(n) is int and 0 <= n < _LARGEST_COUNT for n in sizes)
+            or not isinstance(restore_ms, (int, float))
+            or not (math.isfinite(restore_ms) and 0 <= restore_ms < 1e9)
+        ):
+            raise ValueError("step reply's tier holds unknown counts or values that are not sizes")
+        return cls(
+            {name: counts.get(name, 0) for name in TIER_COUNTS},
+            entry["host_bytes"],
+            entry["disk_bytes"],
+            restore_ms / 1000,
+        )
 
 
 @dataclass(frozen=True)
@@ -33,6 +81,7 @@ class StepReply:
     # no chunk asked
     prompts: Sequence[Sequence[PromptLogprob] | None] = ()
     restore_failed: Sequence[str] = ()
+    tier: TierReport | None = None  # a step that spilled or restored tier blocks
 
     def to_wire(self) -> tuple[dict[str, Any], list[np.ndarray]]:
         tokens = [s for slot in self.decoded for s in slot]
@@ -50,6 +99,8 @@ class StepReply:
             ]
         if self.restore_failed:
             fields["restore_failed"] = list(self.restore_failed)
+        if self.tier is not None:
+            fields["tier"] = self.tier.to_wire()
         return fields, [np.asarray([s.token for s in tokens], np.int32)]
 
     @classmethod
@@ -102,13 +153,14 @@ class StepReply:
         ):
             raise ValueError("step reply's restore_failed names digests its request did not restore")
         failed = tuple(failed)
+        tier = None if header.get("tier") is None else TierReport.from_wire(header["tier"])
         sent = request.transfer is not None and chunk_firsts[0] is not None and chunk_firsts[0].fault is None
         if not sent:
-            return cls(decoded, chunk_firsts, prompts=prompts, restore_failed=failed)
+            return cls(decoded, chunk_firsts, prompts=prompts, restore_failed=failed, tier=tier)
         kv_bytes, transfer_ms = header.get("kv_bytes"), header.get("transfer_ms")
         if type(kv_bytes) is not int or not isinstance(transfer_ms, (int, float)):
             raise ValueError("step reply without the size and time of its KV transfer")
-        return cls(decoded, chunk_firsts, kv_bytes, float(transfer_ms), prompts, failed)
+        return cls(decoded, chunk_firsts, kv_bytes, float(transfer_ms), prompts, failed, tier)
 
 
 def _prompt_logprobs(

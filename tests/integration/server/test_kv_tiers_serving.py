@@ -3,13 +3,16 @@ from a tiny KV pool by other prompts, are spilled to the agent's disk tier and r
 prompt's next request; its greedy answer and logprobs equal the first time's (computed whole). After
 a restart on the same folder, the blocks are found on disk and restored again, same answer; and
 with those files corrupted after the agent indexed them, the restores fail and the prompt is
-recomputed, same answer. The host tier alone restores too, writing no file."""
+recomputed, same answer. /metrics counts the hits per tier, the bytes and the restore time, and
+POST /reset_prefix_cache empties the pool and the tier (files removed, the prompt then computed).
+The host tier alone restores too, writing no file."""
 
 import re
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent_harness import free_ports, serving_stack, write_config
 
@@ -27,7 +30,7 @@ RUNTIME = {
 }
 LONG = "The quiet harbour town kept its lamps lit through the winter storms, and every sailor knew"
 OTHERS = [f"Prompt number {i} talks about something else entirely, {'xyz ' * (8 + i)}" for i in range(3)]
-RESTORED = re.compile(r"KV tier: (\d+) blocks restored, (\d+) missing")
+RESTORED = re.compile(r"KV tier: (\d+) blocks restored in [\d.]+ ms, (\d+) missing")
 
 
 def complete(base: str, prompt: str) -> tuple[str, list[float]]:
@@ -44,6 +47,21 @@ def complete(base: str, prompt: str) -> tuple[str, list[float]]:
 def restored(log: Path) -> list[tuple[int, int]]:
     """(blocks restored, missing) per step that restored, from the agent's log."""
     return [(int(a), int(b)) for a, b in RESTORED.findall(log.read_text())]
+
+
+def metrics(base: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics: (name, its labels but the model's, sorted) -> value."""
+    reply = httpx.get(f"{base}/metrics", timeout=30)
+    assert reply.status_code == 200
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model"))): s.value
+        for family in text_string_to_metric_families(reply.text)
+        for s in family.samples
+    }
+
+
+def tier_hits(sample: dict, tier: str) -> float:
+    return sample[("llm_serving_kv_tier_hits_total", (("tier", tier),))]
 
 
 def config(directory: Path, model: Path, tiers: Path, host_only: bool = False) -> tuple[Path, str, Path]:
@@ -81,6 +99,16 @@ def test_evicted_prefix_is_restored_from_the_tier_and_answers_as_computed(tmp_pa
         after = complete(base, LONG)
         hits = restored(log)
         assert hits and sum(n for n, _ in hits) >= 4 and all(m == 0 for _, m in hits), hits
+        seen = metrics(base)
+        assert tier_hits(seen, "disk") == sum(n for n, _ in hits) and tier_hits(seen, "host") == 0
+        assert seen[("llm_serving_prefix_cache_tier_hits_total", ())] == 16 * sum(n for n, _ in hits)
+        assert seen[("llm_serving_kv_tier_restore_seconds_count", ())] == len(hits)
+        assert seen[("llm_serving_kv_tier_restore_seconds_sum", ())] > 0
+        # this config has no host tier: a disk hit stays on disk only
+        assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "host")))] == 0
+        assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "disk")))] > 0
+        assert seen[("llm_serving_kv_tier_misses_total", ())] == 0
+
     assert after[0] == first[0]
     assert after[1] == pytest.approx(first[1], abs=1e-4)
 
@@ -95,8 +123,32 @@ def test_evicted_prefix_is_restored_from_the_tier_and_answers_as_computed(tmp_pa
         hits = restored(log)
         assert hits and all(n == 0 and m > 0 for n, m in hits), hits
         assert "their sequences are recomputed" in (log.parent / "server_app.log").read_text()
-    assert recomputed[0] == first[0]
-    assert recomputed[1] == pytest.approx(first[1], abs=1e-4)
+        seen = metrics(base)
+        assert seen[("llm_serving_kv_tier_misses_total", ())] == sum(m for _, m in hits)
+        assert seen[("llm_serving_kv_tier_ignored_files_total", ())] == sum(m for _, m in hits)
+        assert tier_hits(seen, "disk") == 0
+        assert recomputed[0] == first[0]
+        assert recomputed[1] == pytest.approx(first[1], abs=1e-4)
+
+        # the operator's reset, with LONG in the tier again: the pool's prefixes and the tier's
+        # blocks go, its files too, and LONG is then computed whole
+        for other in OTHERS:
+            complete(base, other)
+        restores = restored(log)
+        dropped = httpx.post(f"{base}/reset_prefix_cache", timeout=30)
+        assert dropped.status_code == 200, dropped.text
+        body = dropped.json()
+        assert body["model"] == "tiny" and body["skipped_groups"] == []
+        assert body["tier_blocks"] >= 4 and body["pool_blocks"] >= 1, body
+        assert not list(tiers.rglob("*.kv"))
+        seen = metrics(base)
+        assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "disk")))] == 0
+        assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "host")))] == 0
+        hit_tokens = seen[("llm_serving_prefix_cache_hits_total", ())]
+        after_reset = complete(base, LONG)
+        assert restored(log) == restores
+        assert metrics(base)[("llm_serving_prefix_cache_hits_total", ())] == hit_tokens
+    assert after_reset[0] == first[0] and after_reset[1] == pytest.approx(first[1], abs=1e-4)
 
 
 def test_the_host_tier_alone_restores_and_writes_no_file(tmp_path, tiny_llama_dir):
@@ -108,6 +160,10 @@ def test_the_host_tier_alone_restores_and_writes_no_file(tmp_path, tiny_llama_di
             complete(base, other)
         again = complete(base, LONG)
         hits = restored(log)
+        seen = metrics(base)
     assert hits and sum(n for n, _ in hits) >= 4 and all(m == 0 for _, m in hits), hits
+    assert tier_hits(seen, "host") == sum(n for n, _ in hits) and tier_hits(seen, "disk") == 0
+    assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "disk")))] == 0
+    assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "host")))] > 0
     assert again[0] == first[0] and again[1] == pytest.approx(first[1], abs=1e-4)
     assert not tiers.exists()

@@ -216,6 +216,17 @@ def test_two_models_answer_as_alone_under_concurrent_load(stack):
     for path in ("/metrics", "/info", "/dashboard"):
         refused = httpx.get(f"{base}{path}", headers=AUTH)
         assert refused.status_code == 403 and "server.admin_api_keys" in refused.text, (path, refused.text)
+    # and so is dropping the prefix cache (the answers above cached theirs)
+    refused = httpx.post(f"{base}/reset_prefix_cache?model=a", headers=AUTH)
+    assert refused.status_code == 403 and "server.admin_api_keys" in refused.text, refused.text
+    dropped = httpx.post(f"{base}/reset_prefix_cache?model=alpha", headers=ADMIN_AUTH)
+    assert dropped.status_code == 200, dropped.text
+    assert dropped.json()["model"] == "a" and dropped.json()["pool_blocks"] > 0, dropped.text
+    assert dropped.json()["tier_blocks"] == 0
+    again = httpx.post(f"{base}/reset_prefix_cache?model=a", headers=ADMIN_AUTH)
+    assert again.status_code == 200 and again.json()["pool_blocks"] == 0, again.text
+    assert httpx.post(f"{base}/reset_prefix_cache?model=gpt-5", headers=ADMIN_AUTH).status_code == 404
+    assert generate(base, "a", PROMPTS[0]) == alone[("a", PROMPTS[0])]  # computed again, same answer
     metrics = httpx.get(f"{base}/metrics", headers=ADMIN_AUTH).text
     generated = {
         model: float(line.split()[-1])

@@ -172,3 +172,20 @@ def test_drop_forgets_both_tiers(tmp_path):
     assert store.drop() == 3
     assert store.keys() == set() and not list(tmp_path.glob(f"*{SUFFIX}"))
     assert disk_store(tmp_path).keys() == set()
+
+
+def test_a_report_counts_since_the_previous_one_and_gives_the_bytes_held(tmp_path):
+    store = disk_store(tmp_path, host_blocks=2)
+    nbytes = LAYOUT.nbytes
+    store.put(key(1), block(1))
+    store.flush()
+    first = store.report(0.5)
+    assert first.counts["written"] == 1 and first.counts["host_hits"] == 0
+    assert first.host_bytes == nbytes and first.disk_bytes > nbytes and first.restore_s == 0.5
+    store.get(key(1))
+    store.get(key(2))
+    second = store.report(0.0)
+    assert second.counts["written"] == 0  # reported already
+    assert second.counts["host_hits"] == 1 and second.counts["misses"] == 1
+    store.drop()
+    assert store.report(0.0).host_bytes == store.report(0.0).disk_bytes == 0

@@ -1,5 +1,5 @@
 """The step's second-tier fields (agent/contract/step.py `spill`, `restore`; step_reply.py
-`restore_failed`): they go to the wire and back unchanged, and a malformed one from a peer is
+`restore_failed`, `tier`): they go to the wire and back unchanged, and a malformed one from a peer is
 refused with a message naming the field, before anything runs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from agent.contract import protocol
 from agent.contract.step import StepChunk, StepRequest
-from agent.contract.step_reply import StepReply
+from agent.contract.step_reply import TIER_COUNTS, StepReply, TierReport
 
 A, B = "a" * 64, "0123456789abcdef" * 4
 CHUNK = StepChunk(0, [5, 6, 7], [3], 0)
@@ -63,3 +63,27 @@ def test_restore_failed_round_trips_and_names_only_what_was_restored():
         reply_over_wire(StepReply([], [None]), request, {"restore_failed": ["c" * 64]})
     with pytest.raises(ValueError, match="restore_failed"):
         reply_over_wire(StepReply([], [None]), request, {"restore_failed": [[A]]})
+
+
+def test_the_tier_report_round_trips_and_a_malformed_one_is_refused():
+    request = StepRequest(chunks=[CHUNK], restore=[(A, 1)])
+    counts = {name: i for i, name in enumerate(TIER_COUNTS)}
+    reply = StepReply([], [None], tier=TierReport(counts, 4096, 1 << 40, 0.0125))
+    assert reply_over_wire(reply, request) == reply
+    assert reply_over_wire(StepReply([], [None]), request).tier is None
+    # counts a report leaves out are zero (an agent reports what it knows)
+    partial = {"counts": {"host_hits": 2}, "host_bytes": 0, "disk_bytes": 0, "restore_ms": 1}
+    got = reply_over_wire(StepReply([], [None]), request, {"tier": partial}).tier
+    assert got is not None and got.counts == {name: 2 * (name == "host_hits") for name in TIER_COUNTS}
+    for bad in (
+        {**partial, "counts": {"host_hits": -1}},
+        {**partial, "counts": {"stolen": 1}},
+        {**partial, "counts": {"host_hits": True}},
+        {**partial, "host_bytes": 1.5},
+        {**partial, "disk_bytes": None},
+        {**partial, "restore_ms": float("nan")},
+        {**partial, "restore_ms": -1},
+        [1, 2],
+    ):
+        with pytest.raises(ValueError, match="tier"):
+            reply_over_wire(StepReply([], [None]), request, {"tier": bad})

@@ -130,3 +130,23 @@ def test_reset_forgets_the_tier_until_reseeded():
     bm.free("again")
     bm.seed_tier(names)
     assert bm.allocate("again2", PROMPT) == 3 * SIZE
+
+
+def test_drop_cache_forgets_the_pool_and_the_tier_index_but_keeps_what_sequences_use():
+    bm = BlockManager(4, SIZE, tiered=True)
+    names = evicted_prompt(bm)  # PROMPT in the tier, OTHER cached in the pool
+    bm.take_spills()
+    # restores queued for a sequence that counts on them (3 of the 4 blocks: one of OTHER's stays)
+    assert bm.allocate("again", PROMPT[:9]) == 2 * SIZE
+    queued = list(bm.restores)
+    bm.spills.append((3, "f" * 64))  # one not yet sent
+    cached = bm.num_cached
+    assert cached > 0 and bm.drop_cache() == cached
+    assert bm.num_cached == 0 and bm.tier_keys == set() and bm.take_spills() == []
+    assert [d for d, _ in bm.take_restores()] == [d for d, _ in queued] == names[:2]
+    assert bm.num_free == 4 - len(bm.table("again")) == 1
+    bm.computed("again", PROMPT[:9], 9)  # the restore succeeded: registered from here on
+    bm.free("again")
+    assert bm.allocate("other", OTHER) == 0 and bm.take_restores() == []  # neither pool nor tier
+    bm.free("other")
+    assert bm.allocate("prompt", PROMPT[:9]) == 2 * SIZE  # what the sequence computed after the drop
