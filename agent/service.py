@@ -91,6 +91,8 @@ class AgentService:
         }
         if tiers is not None:  # what a previous run left on disk: the scheduler's index starts from it
             self.facts["kv_tier_keys"] = tiers.recent_keys(REPORTED_TIER_KEYS)
+            # a disk tier outlives this process: every computed block goes there, not only evicted ones
+            self.facts["kv_tier_write_through"] = tiers.disk_bytes > 0
         self.shutdown_requested = False
         self.session: int | None = None  # set by `reset`; see protocol.py
         self.epoch = 0  # the start time of the server holding the session: an older one cannot reset

@@ -32,7 +32,10 @@ evicted content with no other holder is queued in `spills` (block, digest): the 
 that block out in the next step, before the step writes it. `tier_keys` are the digests the tier
 holds (spilled here, or reported by the agents at start). A lookup that ends in the pool goes on in
 `tier_keys`; those blocks are allocated fresh, queued in `restores` (digest, block) for the agent
-to read back before it computes, and count as hit positions. They are registered only by
+to read back before it computes, and count as hit positions. With `write_through` (a tier that
+outlives the process: a disk) a content is also queued to spill when it is first registered, so a
+prefix still in the pool when the server or its agent stops is found after the restart; its
+eviction spills it again (the tier may have let it go meanwhile). They are registered only by
 computed(), as any block is, once the step that restored them succeeded: a restore that failed
 (the tier lost the block) is never hit by another sequence; `restore_failed` forgets its digests,
 and the scheduler recomputes that sequence from the failed block on.
@@ -75,7 +78,12 @@ class _Progress:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, tiered: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        tiered: bool = False,
+        write_through: bool = False,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
@@ -83,6 +91,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.tiered = tiered and enable_prefix_caching
+        self.write_through = write_through and self.tiered
         self.tier_hit_tokens = 0  # cumulative: of the hit tokens, the ones restored from the tier
         self.query_tokens = 0  # cumulative: prompt tokens looked up in the cache
         self.hit_tokens = 0  # cumulative: of those, the ones found computed
@@ -211,6 +220,9 @@ class BlockManager:
                 digest = _digest(progress.digest, content_key[1]) if self.tiered else ""
                 content = self._contents[content_key] = _Content(content_key, self._next_serial, digest)
                 self._next_serial += 1
+                if self.write_through and digest not in self.tier_keys:
+                    self.spills.append((table[i], digest))
+                    self.tier_keys.add(digest)
             block = table[i]
             assert block not in self._content_of, f"block {block} is registered twice"
             content.holders[block] = None

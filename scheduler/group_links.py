@@ -91,6 +91,7 @@ class GroupLinks:
                 f"agent {client.address} runs as a {info.get('role')} agent; this "
                 f"server's config makes it {role} (start both from one config)"
             )
+        tier_keys = self._tier_keys(group, info)
         try:
             capacity = GroupCapacity(
                 info["num_slots"],
@@ -103,7 +104,8 @@ class GroupLinks:
                 info["mixed_rows"],
                 info["decode_batch_buckets"][-1],
                 bool(info.get("prefix_caching", True)),
-                self._tier_keys(group, info),
+                tier_keys,
+                tier_keys is not None and info.get("kv_tier_write_through") is True,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentIncompatible(f"agent {client.address} reported an unusable KV cache: {exc}") from exc

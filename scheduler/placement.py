@@ -35,7 +35,11 @@ class Placement:
             and capacity.role != "decode"
         )
         blocks = BlockManager(
-            capacity.num_blocks, capacity.block_size, caching, tiered=capacity.tier_keys is not None
+            capacity.num_blocks,
+            capacity.block_size,
+            caching,
+            tiered=capacity.tier_keys is not None,
+            write_through=capacity.tier_write_through,
         )
         blocks.seed_tier(capacity.tier_keys or ())
         return blocks

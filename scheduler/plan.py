@@ -30,6 +30,8 @@ class GroupCapacity:
     # the prefix cache's second tier (runtime.kv_tiers): None where the group keeps none, else the
     # digests its agent reported holding when connected (the block manager's tier index starts there)
     tier_keys: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
+    # its tier outlives the agent (a disk tier): blocks are saved as they are computed (write-through)
+    tier_write_through: bool = False
 
     def mixes(self, decodes: int, chunks: list[Chunk], proposed: int = 0) -> bool:
         """Whether a step of `decodes` decode rows (with `proposed` tokens proposed after them)

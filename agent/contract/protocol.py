@@ -11,7 +11,8 @@ Requests (op: fields -> reply fields):
                                                     block_size, max_chunk, chunked_prefill,
                                                     prefix_caching, mixed_rows,
                                                     prefill_buckets, decode_batch_buckets,
-                                                    attend_buckets, role, rank, port
+                                                    attend_buckets, role, rank, port,
+                                                    [kv_tier_keys, kv_tier_write_through]
     step:     chunks [{slot, start, sample, [sampling {...} when sample]}, ...] (StepChunk),
               [drafts [[slot, [token, ...] or count], ...]], [transfer {address, slot, session,
               ticket, table}]; arrays [decode slots int32 [n], their block tables int32 [n, w] (-1

@@ -1,7 +1,8 @@
 """The prefix cache's second tier end to end (runtime.kv_tiers): a long prompt's blocks, evicted
 from a tiny KV pool by other prompts, are spilled to the agent's disk tier and restored on the
 prompt's next request; its greedy answer and logprobs equal the first time's (computed whole). After
-a restart on the same folder, the blocks are found on disk and restored again, same answer; and
+a restart on the same folder, the blocks are found on disk and restored again, same answer, and so are
+those of a prompt that was never evicted (a disk tier saves blocks as they are computed); and
 with those files corrupted after the agent indexed them, the restores fail and the prompt is
 recomputed, same answer. /metrics counts the hits per tier, the bytes and the restore time, and
 POST /reset_prefix_cache empties the pool and the tier (files removed, the prompt then computed).
@@ -29,6 +30,8 @@ RUNTIME = {
     "speculation": {"method": "none"},
 }
 LONG = "The quiet harbour town kept its lamps lit through the winter storms, and every sailor knew"
+# computed last before the restart and never evicted: the disk tier has it all the same (write-through)
+FRESH = "A lighthouse keeper wrote letters to the mainland every evening, though no boat came to collect them"
 OTHERS = [f"Prompt number {i} talks about something else entirely, {'xyz ' * (8 + i)}" for i in range(3)]
 RESTORED = re.compile(r"KV tier: (\d+) blocks restored in [\d.]+ ms, (\d+) missing")
 
@@ -91,6 +94,7 @@ def test_evicted_prefix_is_restored_from_the_tier_and_answers_as_computed(tmp_pa
         assert hits and sum(n for n, _ in hits) >= 4 and all(m == 0 for _, m in hits), hits
         assert again[0] == first[0]
         assert again[1] == pytest.approx(first[1], abs=1e-4)
+        fresh = complete(base, FRESH)
     assert list((tiers).rglob("*.kv")), "the disk tier kept no file"
 
     # a restart on the same folder: the agent reports what its disk holds, the scheduler restores it
@@ -108,6 +112,10 @@ def test_evicted_prefix_is_restored_from_the_tier_and_answers_as_computed(tmp_pa
         assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "host")))] == 0
         assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "disk")))] > 0
         assert seen[("llm_serving_kv_tier_misses_total", ())] == 0
+        fresh_again = complete(base, FRESH)
+        assert fresh_again[0] == fresh[0] and fresh_again[1] == pytest.approx(fresh[1], abs=1e-4)
+        fresh_hits = restored(log)[len(hits) :]
+        assert fresh_hits and sum(n for n, _ in fresh_hits) >= 4 and all(m == 0 for _, m in fresh_hits)
 
     assert after[0] == first[0]
     assert after[1] == pytest.approx(first[1], abs=1e-4)

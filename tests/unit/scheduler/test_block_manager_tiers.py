@@ -150,3 +150,28 @@ def test_drop_cache_forgets_the_pool_and_the_tier_index_but_keeps_what_sequences
     assert bm.allocate("other", OTHER) == 0 and bm.take_restores() == []  # neither pool nor tier
     bm.free("other")
     assert bm.allocate("prompt", PROMPT[:9]) == 2 * SIZE  # what the sequence computed after the drop
+
+
+def test_write_through_saves_each_content_once_as_it_is_computed():
+    bm = BlockManager(8, SIZE, tiered=True, write_through=True)
+    run(bm, "p", PROMPT)
+    names = digests(bm, "p")
+    # the three full blocks, queued as computed (the last position's block is not full: never)
+    assert bm.take_spills() == list(zip(bm.table("p")[:3], names)) and bm.tier_keys == set(names)
+    run(bm, "q", PROMPT)  # a pool hit: nothing new to save
+    assert bm.take_spills() == []
+
+    small = BlockManager(4, SIZE, tiered=True, write_through=True)
+    evicted_prompt(small)  # PROMPT saved, then evicted by OTHER: spilled again (the tier may have let it go)
+    spilled = [d for _, d in small.take_spills()]
+    assert spilled.count(names[0]) == 2 and len(spilled) == 3 + 3 + 4
+    assert small.allocate("again", PROMPT) == 3 * SIZE and len(small.take_restores()) == 3
+    small.take_spills()  # OTHER's, evicted for it
+    small.computed("again", PROMPT, len(PROMPT))
+    assert small.take_spills() == []  # restored contents are in the tier already
+
+
+def test_without_write_through_only_evictions_spill():
+    bm = BlockManager(8, SIZE, tiered=True)
+    run(bm, "p", PROMPT)
+    assert bm.take_spills() == [] and bm.tier_keys == set()
