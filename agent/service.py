@@ -236,8 +236,9 @@ class AgentService:
         blocks: list[int] = []
         held: list[np.ndarray] = []
         failed: list[str] = []
-        for digest, block in request.restore:
-            found = self.tiers.get(digest)
+        for (digest, block), found in zip(
+            request.restore, self.tiers.get_many([digest for digest, _ in request.restore])
+        ):
             if found is None:
                 failed.append(digest)
             else:

@@ -189,3 +189,19 @@ def test_a_report_counts_since_the_previous_one_and_gives_the_bytes_held(tmp_pat
     assert second.counts["host_hits"] == 1 and second.counts["misses"] == 1
     store.drop()
     assert store.report(0.0).host_bytes == store.report(0.0).disk_bytes == 0
+
+
+def test_get_many_reads_side_by_side_in_order_and_skips_what_it_cannot_load(tmp_path):
+    write_then_damage(tmp_path, flip_a_payload_byte)
+    again = disk_store(tmp_path)
+    for i in range(3, 9):
+        again.put(key(i), block(i))
+    again.flush()
+    asked = [key(i) for i in (5, 1, 2, 9, 8, 3, 4, 6, 7)]
+    got = again.get_many(asked)
+    assert got[1] is None and got[3] is None  # corrupt; never held
+    assert all(np.array_equal(g, block(int(k, 16))) for k, g in zip(asked, got) if g is not None)
+    assert sum(g is not None for g in got) == 7
+    assert again.counts["disk_hits"] == 7 and again.counts["misses"] == 2
+    got[0][0, 0, 0, 0] = 1  # a restored block is the caller's to write
+    again.close()
