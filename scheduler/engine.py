@@ -224,6 +224,10 @@ class Engine:
             if not self.scheduler.healthy[group]:
                 skipped.append(group)
                 continue
+            # the step in flight first: its spills (taken before the drop) reach the tier before the
+            # agent empties it, never after; no await from here to the pool's drop
+            while (step := self._steps.get(group)) is not None and not step.done():
+                await asyncio.wait([step])
             blocks = self.scheduler.blocks[group]
             pool += blocks.drop_cache()
             if blocks.tiered:
