@@ -48,7 +48,10 @@ READ_THREADS = 4  # files read and checked at once by get_many (file reads and C
 MAGIC = b"MSLLMKV\n"
 SUFFIX = ".kv"
 LARGEST_HEADER = 1 << 16  # a header longer than this is no header of ours
-WRITE_QUEUE_BLOCKS = 64  # writes waiting for the disk; more are dropped (and counted)
+# writes waiting for the disk, at least this many blocks or bytes; more are dropped (and counted): a
+# step of a long prompt saves (write-through) a block per block_size positions it computes
+WRITE_QUEUE_BLOCKS = 64
+WRITE_QUEUE_BYTES = 256 << 20
 _KEY = re.compile(r"[0-9a-f]{8,128}")  # a key is a file name: hex only, no path can hide in it
 
 
@@ -81,7 +84,7 @@ class KVTierStore:
         host_bytes: int,
         disk_bytes: int = 0,
         disk_dir: Path | None = None,
-        queue_blocks: int = WRITE_QUEUE_BLOCKS,
+        queue_blocks: int | None = None,
     ):
         if host_bytes < 0 or disk_bytes < 0:
             raise ValueError(f"tier bounds are bytes >= 0, got {host_bytes} and {disk_bytes}")
@@ -99,7 +102,9 @@ class KVTierStore:
         self._host_used = 0  # bytes in _host
         self._disk: OrderedDict[str, int] = OrderedDict()  # key -> its file's bytes, LRU likewise
         self._pending: dict[str, np.ndarray] = {}  # queued for the disk, not yet written
-        self._queue: queue.Queue[tuple[str, np.ndarray] | None] = queue.Queue(queue_blocks)
+        self._queue: queue.Queue[tuple[str, np.ndarray] | None] = queue.Queue(
+            queue_blocks or max(WRITE_QUEUE_BLOCKS, WRITE_QUEUE_BYTES // layout.nbytes)
+        )
         self._writer: threading.Thread | None = None
         self._readers: ThreadPoolExecutor | None = None  # get_many's, started on first use
         if self.disk_bytes:
@@ -156,7 +161,11 @@ class KVTierStore:
             raise ValueError(f"a block's K/V is {want}, not {kv.dtype}{list(kv.shape)}")
         kv = np.array(kv, copy=True, order="C")
         with self._lock:
-            self._keep_in_host(key, kv)
+            # a digest names its content: the copy held is as good (a retried step's may not be)
+            if key in self._host:
+                self._host.move_to_end(key)
+            else:
+                self._keep_in_host(key, kv)
             if not self.disk_bytes or key in self._disk or key in self._pending:
                 return
             try:
@@ -266,6 +275,7 @@ class KVTierStore:
             and header.get("layout") == asdict(self.layout)
             and header.get("key") == key
             and header.get("nbytes") == self.layout.nbytes
+            and type(header.get("checksum")) is int
         )
 
     def _read_header(self, path: Path, key: str) -> tuple[dict, int] | None:
@@ -318,6 +328,8 @@ class KVTierStore:
             key = path.stem
             if not _KEY.fullmatch(key) or self._read_header(path, key) is None:
                 self.counts["ignored_files"] += 1
+                if _older_format(path):  # this folder's, written before a format change: never read again
+                    _remove(path)
                 continue
             stat = path.stat()
             found.append((stat.st_mtime_ns, key, stat.st_size))
@@ -371,6 +383,22 @@ class KVTierStore:
             self._disk.move_to_end(key)
             self.counts["written"] += 1
             self._evict_disk()
+
+
+def _older_format(path: Path) -> bool:
+    """A file of this store's own format, of an earlier version."""
+    try:
+        with path.open("rb") as f:
+            start = f.read(len(MAGIC) + 4)
+            if len(start) != len(MAGIC) + 4 or start[: len(MAGIC)] != MAGIC:
+                return False
+            (length,) = struct.unpack("<I", start[len(MAGIC) :])
+            if length > LARGEST_HEADER:
+                return False
+            version = json.loads(f.read(length)).get("version")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return type(version) is int and 0 < version < FORMAT_VERSION
 
 
 def _check_key(key: str) -> None:

@@ -72,6 +72,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._recoveries: dict[int, asyncio.Task] = {}
         self._steps: dict[int, asyncio.Task] = {}  # group -> its step in flight (one at a time)
+        self._held: set[int] = set()  # groups planned no step for now (a prefix-cache drop)
         self.failure: str | None = None  # why the loop died, if it did
         self.dead = asyncio.Event()  # set when it did: the server process should exit
         self._transfers: set[asyncio.Task] = set()  # prefills that send their KV to a decode group
@@ -216,25 +217,30 @@ class Engine:
     async def drop_prefix_cache(self) -> dict:
         """Forget every cached prefix, the pool's and the KV tier's, on each healthy group (an
         operator's reset): {"pool_blocks", "tier_blocks" (how many held one), "skipped_groups"
-        (unhealthy: their pools start empty when they come back, their tiers are kept)}. Raises
-        what the agents' clients raise."""
+        (unhealthy: nothing of theirs was dropped)}. Raises what the agents' clients raise."""
         pool = tier = 0
         skipped = []
         for group, client in enumerate(self.clients):
             if not self.scheduler.healthy[group]:
                 skipped.append(group)
                 continue
-            # the step in flight first: its spills (taken before the drop) reach the tier before the
-            # agent empties it, never after; no await from here to the pool's drop
-            while (step := self._steps.get(group)) is not None and not step.done():
-                await asyncio.wait([step])
-            blocks = self.scheduler.blocks[group]
-            pool += blocks.drop_cache()
-            if blocks.tiered:
-                dropped, report = await client.drop_cache()
-                tier += dropped
-                if report is not None:
-                    self.metrics.count_tier(group, report)
+            # no step is planned for the group meanwhile, and the one in flight ends first: the
+            # spills it took reach the tier before the agent empties it, never after
+            self._held.add(group)
+            try:
+                step = self._steps.get(group)
+                if step is not None:
+                    await asyncio.wait([step])
+                blocks = self.scheduler.blocks[group]
+                pool += blocks.drop_cache()
+                if blocks.tiered:
+                    dropped, report = await client.drop_cache()
+                    tier += dropped
+                    if report is not None:
+                        self.metrics.count_tier(group, report)
+            finally:
+                self._held.discard(group)
+                self._wake.set()
         log.info("prefix cache dropped: %d pool blocks, %d tier blocks", pool, tier)
         return {"pool_blocks": pool, "tier_blocks": tier, "skipped_groups": skipped}
 
@@ -313,7 +319,7 @@ class Engine:
 
     async def _run(self) -> None:
         while not self._stopping and self.failure is None:
-            plan = self.scheduler.schedule(busy=self._steps.keys())
+            plan = self.scheduler.schedule(busy=self._steps.keys() | self._held)
             self._count_cache_and_preemptions()
             for group, part in plan.by_group().items():
                 task = self.executor.start(group, part)

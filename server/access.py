@@ -15,8 +15,10 @@
   listens beyond loopback refuses to start in explicit mode without admin keys
   (check_model_control);
 - the operator's paths (/metrics, /info, /dashboard: per-request counts, prefix-cache hits among
-  them; /reset_prefix_cache) take only `server.admin_api_keys` where any are set: an ordinary key
-  holder could otherwise learn from the counters whether another client's prompt was cached;
+  them) take only `server.admin_api_keys` where any are set: an ordinary key holder could otherwise
+  learn from the counters whether another client's prompt was cached;
+- dropping the prefix cache (/reset_prefix_cache) takes only an admin key wherever keys are on: with
+  api_keys alone nobody may (403 naming the setting), since it costs every tenant their cache;
 - the request body limit (413, on the bytes read: a request body is read here, within the limit
   and within `server.read_timeout_s` (408), and handed on);
 - who the client is, for the scheduler's fair shares (scheduler/client_share.py): its API key (a
@@ -35,7 +37,9 @@ from config.schema import ServerSection, ServingConfig, is_loopback
 from server.errors import ErrorShape, error_response, path_style
 
 OPEN_PATHS = {"/health"}
-OPERATOR_PATHS = {"/metrics", "/info", "/dashboard", "/reset_prefix_cache"}
+OPERATOR_PATHS = {"/metrics", "/info", "/dashboard"}
+# what an ordinary key may never do where any keys are set (it would cost every other tenant)
+ADMIN_ONLY_PATHS = {"/reset_prefix_cache"}
 QUERY_KEY_PATHS = {"/dashboard"}
 ADMIN_PREFIX, ADMIN_ACTIONS = "/v2/repository/models/", ("/load", "/unload")
 
@@ -95,6 +99,14 @@ class ApiKeys:
                     "loading and unloading models needs an admin key, and server.admin_api_keys is "
                     "empty: ordinary API keys cannot load or unload models; set server.admin_api_keys "
                     "(or $LLM_SERVING_ADMIN_API_KEYS)"
+                )
+            return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
+        if path in ADMIN_ONLY_PATHS and (self.admin_keys or self.api_keys):
+            if self._authorized(scope, headers, self.admin_keys):
+                return None
+            if self._authorized(scope, headers, self.api_keys):
+                return 403, f"{path} needs an admin key (server.admin_api_keys)" + (
+                    "" if self.admin_keys else ", and none is set"
                 )
             return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
         if path in OPERATOR_PATHS and self.admin_keys:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -98,14 +98,22 @@ def ops_router(config: ServingConfig, repository: ModelRepository) -> APIRouter:
         return Response(generate_latest(repository.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache(model: str | None = None):
-        """The first model's, or the named one's. Sequences running keep their KV; nothing is hit
-        from the old cache again (a tenant's prompts can be made to leave the server this way)."""
+    async def reset_prefix_cache(model: str | None = Query(None, max_length=256)):
+        """The first model's, or the named one's. Nothing cached before is hit again; sequences
+        running keep their KV and cache what they compute from then on. 503 where a group could
+        not drop its part (down, or its agent failed): the others' is dropped, retry for the rest."""
         loaded = repository.serving(model)
         try:
             dropped = await loaded.engine.drop_prefix_cache()
         except AgentError as exc:
             raise ApiError(503, f"the prefix cache was not dropped everywhere: {exc}") from exc
+        if dropped["skipped_groups"]:
+            raise ApiError(
+                503,
+                f"groups {dropped['skipped_groups']} are down: their prefix cache was not dropped "
+                f"(the other groups' was: {dropped['pool_blocks']} pool and {dropped['tier_blocks']} "
+                "tier blocks); retry once they are back",
+            )
         return {"model": loaded.name, **dropped}
 
     @router.get("/dashboard")

@@ -203,5 +203,22 @@ def test_get_many_reads_side_by_side_in_order_and_skips_what_it_cannot_load(tmp_
     assert all(np.array_equal(g, block(int(k, 16))) for k, g in zip(asked, got) if g is not None)
     assert sum(g is not None for g in got) == 7
     assert again.counts["disk_hits"] == 7 and again.counts["misses"] == 2
-    got[0][0, 0, 0, 0] = 1  # a restored block is the caller's to write
     again.close()
+
+
+def test_files_of_an_earlier_format_are_removed_at_start_and_others_kept(tmp_path):
+    write_then_damage(tmp_path, lambda path: None)
+    old = tmp_path / f"{key(1)}{SUFFIX}"
+    data = old.read_bytes()
+    old.write_bytes(data.replace(b'"version": 2', b'"version": 1', 1))
+    (tmp_path / f"{key(3)}{SUFFIX}").write_bytes(b"not ours")
+    again = disk_store(tmp_path)
+    assert again.keys() == {key(2)} and again.counts["ignored_files"] == 2
+    assert not old.exists() and (tmp_path / f"{key(3)}{SUFFIX}").exists()
+
+
+def test_a_block_put_again_keeps_the_copy_held():
+    store = KVTierStore(LAYOUT, "weights-sha256:abc", host_bytes=4 * LAYOUT.nbytes)
+    store.put(key(1), block(1))
+    store.put(key(1), block(2))  # a retried step's export of a block it already overwrote
+    assert np.array_equal(store.get(key(1)), block(1))

@@ -273,3 +273,25 @@ def test_an_aborted_request_reports_its_end():
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def test_dropping_the_prefix_cache_under_load_waits_for_a_step_not_for_the_load():
+    """The group is planned no step while its pool drops (the step in flight ends first); with
+    sequences decoding, the drop answers within a step, not once they are done."""
+    agent, answers = FakeAgent(), Answers()
+
+    async def scenario():
+        engine = engine_over(agent, answers)
+        await engine.start()
+        submit(engine, "long", [1, 2, 3, 4, 5], SamplingParams(), 55)
+        submit(engine, "short", [6, 7, 8, 9, 10], SamplingParams(), 2)
+        await until(lambda: answers.finished("short") and len(answers.tokens.get("long", [])) > 2)
+        dropped = await asyncio.wait_for(engine.drop_prefix_cache(), 2)
+        assert not answers.finished("long")
+        assert dropped["pool_blocks"] >= 2 and dropped["tier_blocks"] == 0 and dropped["skipped_groups"] == []
+        assert engine.scheduler.blocks[0].num_cached == 0
+        await until(lambda: answers.finished("long"))
+        await engine.stop()
+
+    run(scenario())
+    assert answers.tokens["long"] == list(range(6, 61))  # the running sequence went on as it was

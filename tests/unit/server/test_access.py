@@ -33,3 +33,23 @@ def test_a_checked_key_names_its_client_wherever_it_comes_from():
     assert api.client(ADDRESS, bearer("user-key")).startswith("key:")
     assert api.client(ADDRESS, bearer("user-key")) != api.client(ADDRESS, bearer("other-key"))
     assert api.client(ADDRESS, {b"x-api-key": b"admin-key"}).startswith("key:")
+
+
+@pytest.mark.parametrize(
+    "keys, key, expected",
+    [
+        ({}, None, None),  # keys off: as open as every path (loopback unless the operator chose otherwise)
+        ({"api_keys": ["user-key"]}, "user-key", 403),  # no admin key set: nobody may
+        ({"api_keys": ["user-key"]}, None, 401),
+        ({"admin_api_keys": ["admin-key"]}, "made-up", 401),
+        ({"admin_api_keys": ["admin-key"]}, None, 401),  # admin keys alone: inference open, this not
+        ({"api_keys": ["user-key"], "admin_api_keys": ["admin-key"]}, "user-key", 403),
+        ({"api_keys": ["user-key"], "admin_api_keys": ["admin-key"]}, "admin-key", None),
+    ],
+)
+def test_dropping_the_prefix_cache_takes_an_admin_key_wherever_keys_are_on(keys, key, expected):
+    api = ApiKeys(ServerSection(**keys))
+    denied = api.denied({"path": "/reset_prefix_cache"}, {} if key is None else bearer(key))
+    assert (denied and denied[0]) == expected, denied
+    if expected == 403:
+        assert "server.admin_api_keys" in denied[1]
