@@ -96,8 +96,12 @@ def test_one_request_gives_the_span_tree_under_the_clients_trace(traced):
     )
     assert reply.status_code == 200, reply.text
     usage = reply.json()["usage"]
+    # the request's own span ends last (after the reply) and may come in a later export batch than
+    # its children: wait for it, then every span has come
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not any(s.name == "decode" for s in receiver.of_trace(TRACE_ID)):
+    while time.monotonic() < deadline and not any(
+        s.parent_span_id.hex() == PARENT_ID for s in receiver.of_trace(TRACE_ID)
+    ):
         time.sleep(0.1)
     spans = receiver.of_trace(TRACE_ID)
     [root] = [s for s in spans if s.parent_span_id.hex() == PARENT_ID]
