@@ -282,14 +282,10 @@ class KVTierStore:
         """(header, the payload's offset) when the file is one of ours for `key` and long enough."""
         try:
             with path.open("rb") as f:
-                start = f.read(len(MAGIC) + 4)
-                if len(start) != len(MAGIC) + 4 or start[: len(MAGIC)] != MAGIC:
+                opened = _header_of(f)
+                if opened is None:
                     return None
-                (length,) = struct.unpack("<I", start[len(MAGIC) :])
-                if length > LARGEST_HEADER:
-                    return None
-                header = json.loads(f.read(length))
-                offset = len(MAGIC) + 4 + length
+                header, offset = opened
                 if (
                     not self._matches(header, key)
                     or os.fstat(f.fileno()).st_size != offset + header["nbytes"]
@@ -385,18 +381,25 @@ class KVTierStore:
             self._evict_disk()
 
 
+def _header_of(f) -> tuple[dict, int] | None:
+    """An open file's header and its payload's offset, when it starts as this store's files do."""
+    start = f.read(len(MAGIC) + 4)
+    if len(start) != len(MAGIC) + 4 or start[: len(MAGIC)] != MAGIC:
+        return None
+    (length,) = struct.unpack("<I", start[len(MAGIC) :])
+    if length > LARGEST_HEADER:
+        return None
+    header = json.loads(f.read(length))
+    return (header, len(MAGIC) + 4 + length) if isinstance(header, dict) else None
+
+
 def _older_format(path: Path) -> bool:
     """A file of this store's own format, of an earlier version."""
     try:
         with path.open("rb") as f:
-            start = f.read(len(MAGIC) + 4)
-            if len(start) != len(MAGIC) + 4 or start[: len(MAGIC)] != MAGIC:
-                return False
-            (length,) = struct.unpack("<I", start[len(MAGIC) :])
-            if length > LARGEST_HEADER:
-                return False
-            version = json.loads(f.read(length)).get("version")
-    except (OSError, ValueError, AttributeError):
+            opened = _header_of(f)
+        version = opened[0].get("version") if opened else None
+    except (OSError, ValueError):
         return False
     return type(version) is int and 0 < version < FORMAT_VERSION
 
