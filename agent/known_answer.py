@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agent.graphs.cache_format import dequantize_rows, quantize_rows
 from agent.model.checkpoint import Checkpoint
 from config.schema import RuntimeSection
 
@@ -29,7 +30,9 @@ PROBE_LENGTH = 4  # prompt tokens; the decode step adds one more
 # "int8": a call that takes the opt-in int8 products (runtime.activations): the default model's
 # logits move by ~2-3% of the largest from float32's, and as much between two int8 implementations
 # that round a few activations the other way (float32 against float64 inputs).
-TOLERANCE = {"float32": 2e-3, "float16": 5e-2, "bfloat16": 1e-1, "int8": 1e-1}
+# "q8_0": a float32 model over a q8_0 KV cache, against a numpy forward that rounds its K and V as
+# the cache does; a K or V a float32 ulp apart on either side may round to the next quant.
+TOLERANCE = {"float32": 2e-3, "float16": 5e-2, "bfloat16": 1e-1, "int8": 1e-1, "q8_0": 1e-2}
 
 
 class KnownAnswerError(RuntimeError):
@@ -46,7 +49,7 @@ class KnownAnswer:
     tokens: np.ndarray  # [n + 1] the probe prompt (n <= PROBE_LENGTH), then the decode step's token
     prefill_logits: np.ndarray  # [V] after the prompt
     decode_logits: np.ndarray  # [V] after the decode token
-    kv: np.ndarray | None = None  # [2 * layers, KV heads, n, head_dim] the prompt's K and V
+    kv: np.ndarray | None = None  # [2 * layers, KV heads, n, head_dim] the prompt's K and V (float32)
 
     @property
     def prompt(self) -> np.ndarray:
@@ -60,7 +63,8 @@ class KnownAnswer:
     def of_checkpoint(cls, checkpoint: Checkpoint, runtime: RuntimeSection) -> KnownAnswer:
         checkpoint = checkpoint.whole()  # a rank's share: the group computes the whole model's logits
         tokens = probe_tokens(checkpoint.spec.vocab_size, probe_length(runtime))
-        logits, kv = numpy_forward(checkpoint, tokens, kernels=runtime.matmul_kernel)
+        quantized_kv = runtime.kv_cache_dtype == "q8_0"
+        logits, kv = numpy_forward(checkpoint, tokens, kernels=runtime.matmul_kernel, quantized_kv=quantized_kv)
         return cls(tokens, logits[-2], logits[-1], kv[:, :, :-1])
 
     def save(self, directory: Path) -> Path:
@@ -143,7 +147,7 @@ def _experts(h: np.ndarray, p: str, checkpoint: Checkpoint, product) -> np.ndarr
 
 
 def numpy_forward(
-    checkpoint: Checkpoint, tokens: np.ndarray, kernels: bool = False
+    checkpoint: Checkpoint, tokens: np.ndarray, kernels: bool = False, quantized_kv: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Causal forward of `tokens` from position 0 -> logits [S, V] and K/V of every layer
     [2 * layers, KV heads, S, head_dim] (K after RoPE), as the cache holds them. Float32, the
@@ -151,7 +155,8 @@ def numpy_forward(
     the matrices the checkpoint keeps in their format are multiplied by the CPU kernels' products
     (agent/kernels/calls.py), called directly rather than through a graph: what the check catches,
     a graph that does not fit the weights, it still catches, and it does not dequantize the model
-    (the products of every format are held to gguf's dequantization by the kernel tests)."""
+    (the products of every format are held to gguf's dequantization by the kernel tests).
+    `quantized_kv`: K and V rounded to q8_0 as a q8_0 cache holds them (cache_format.py)."""
     spec, t = checkpoint.spec, checkpoint.tensors
 
     def product(x: np.ndarray, name: str) -> np.ndarray:
@@ -194,6 +199,8 @@ def numpy_forward(
             q, k = _rms_norm(q, t[p + "q_norm"], spec.rms_eps), _rms_norm(k, t[p + "k_norm"], spec.rms_eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         v = v.reshape(n, kv_heads, hd).transpose(1, 0, 2)
+        if quantized_kv:  # attention reads what the cache holds
+            k, v = dequantize_rows(quantize_rows(k)), dequantize_rows(quantize_rows(v))
         caches += [k, v]
         hidden = (distance < 0) | (local & (distance >= spec.sliding_window))
         mask = np.where(hidden, -np.inf, 0).astype(np.float32)

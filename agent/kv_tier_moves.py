@@ -3,7 +3,7 @@
 
     layout = tier_layout(runner)
     store = open_tier_store(runner, checkpoint, host_bytes, disk_bytes, root)
-    kvs = export_blocks(runner, [7, 3])       # each [2 * layers, KV heads, block_size, head_dim]
+    kvs = export_blocks(runner, [7, 3])       # each [2 * layers, KV heads, block_size, row width]
     import_blocks(runner, [12, 5], kvs)       # written into other blocks: a later hit reads them
 
 A block's K/V does not depend on where it sits in the pool (the positions are in the K rotation,
@@ -49,6 +49,7 @@ def tier_layout(runner: ModelRunner) -> KVLayout:
         layers=runner.spec.num_layers,
         kv_heads=runner.graphs.inputs.kv_heads,
         head_dim=runner.spec.head_dim,
+        row_width=runner.cache_row_width(),
         block_size=size,
         dtype=np.dtype(runner.cache_dtype()).name,
         kernel_layout="paged"
@@ -74,7 +75,7 @@ def import_blocks(runner: ModelRunner, blocks: Sequence[int], kvs: Sequence[np.n
     layout = tier_layout(runner)
     done = 0
     for group, table, size in _groups(runner, blocks):
-        padded = np.zeros((*layout.shape[:2], size, layout.head_dim), layout.dtype)
+        padded = np.zeros((*layout.shape[:2], size, layout.row_width), layout.dtype)
         for i, kv in enumerate(kvs[done : done + len(group)]):
             if kv.shape != layout.shape or kv.dtype != np.dtype(layout.dtype):
                 raise RunnerError(

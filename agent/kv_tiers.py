@@ -2,7 +2,7 @@
 them go, in host memory and then in files that survive a restart.
 
     store = KVTierStore(layout, model_identity, host_bytes, disk_bytes, disk_dir)
-    store.put(key, kv)        # one block's K/V [2 * layers, KV heads, block_size, head_dim]
+    store.put(key, kv)        # one block's K/V [2 * layers, KV heads, block_size, row width]
     kv = store.get(key)       # None: not held, or its file was truncated, corrupt or foreign
     store.keys()              # what it holds (at start: the files a previous run left, validated)
 
@@ -43,7 +43,7 @@ from agent.contract.step_reply import TIER_COUNTS, TierReport
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: CRC-32 checksums (BLAKE2b's took half a restore's time)
+FORMAT_VERSION = 3  # 2: CRC-32 checksums (BLAKE2b's took half a restore's time); 3: rows of a q8_0 cache
 READ_THREADS = 4  # files read and checked at once by get_many (file reads and CRC-32 release the GIL)
 MAGIC = b"MSLLMKV\n"
 SUFFIX = ".kv"
@@ -63,13 +63,14 @@ class KVLayout:
     layers: int
     kv_heads: int
     head_dim: int
+    row_width: int  # a cache row's elements: head_dim, or a q8_0 row's bytes (agent/graphs/cache_format.py)
     block_size: int
     dtype: str  # numpy's name, e.g. "float16"
     kernel_layout: str  # e.g. "paged" or "contiguous"
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (2 * self.layers, self.kv_heads, self.block_size, self.head_dim)
+        return (2 * self.layers, self.kv_heads, self.block_size, self.row_width)
 
     @property
     def nbytes(self) -> int:

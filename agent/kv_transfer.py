@@ -104,7 +104,7 @@ class KVSender:
 
 
 def export_kv(runner: ModelRunner, slot: int) -> tuple[np.ndarray, dict]:
-    """A just-prefilled slot's K/V [2 * layers, KV heads, length, head_dim] (K then V of each
+    """A just-prefilled slot's K/V [2 * layers, KV heads, length, row width] (K then V of each
     layer) and the state that goes with it (length, pending token, sampler)."""
     state = runner.active(slot)
     if state.sampler is None or state.next_token is None:
@@ -132,7 +132,7 @@ def import_kv(
     if type(length) is not int or type(next_token) is not int:  # not a bool, nor a float
         raise RunnerError("the KV state needs integer length and next_token")
     _check_transfer(runner, length)
-    shape = (2 * runner.spec.num_layers, runner.graphs.inputs.kv_heads, length, runner.spec.head_dim)
+    shape = (2 * runner.spec.num_layers, runner.graphs.inputs.kv_heads, length, runner.cache_row_width())
     if blocks.shape != shape or blocks.dtype != runner.cache_dtype():
         raise RunnerError(
             f"KV blocks of {blocks.dtype}{list(blocks.shape)} do not fit this "
@@ -150,7 +150,7 @@ def import_kv(
     padded_table = runner.padded_table(slot, table, length + 1)
     done = 0
     for sub_table, n, size in _transfer_pieces(runner, padded_table, length):
-        padded = np.zeros((*shape[:2], size, runner.spec.head_dim), blocks.dtype)
+        padded = np.zeros((*shape[:2], size, shape[3]), blocks.dtype)
         padded[:, :, :n] = blocks[:, :, done : done + n]
         runner.kv_graphs().kv_import(sub_table, padded)
         done += n
@@ -158,10 +158,9 @@ def import_kv(
 
 
 def largest_kv_transfer_bytes(runner: ModelRunner) -> int:
-    """The K/V frame of the longest transfer (a whole sequence, float32 at most)."""
-    return (
-        2 * runner.spec.num_layers * runner.graphs.inputs.kv_heads * runner.max_len * runner.spec.head_dim * 4
-    )
+    """The K/V frame of the longest transfer (a whole sequence)."""
+    row_bytes = runner.cache_row_width() * np.dtype(runner.cache_dtype()).itemsize
+    return 2 * runner.spec.num_layers * runner.graphs.inputs.kv_heads * runner.max_len * row_bytes
 
 
 def _check_transfer(runner: ModelRunner, length: int) -> None:

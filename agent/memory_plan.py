@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.graphs.cache_format import VALUE_BYTES, CacheFormat
 from agent.graphs.interface import local_ring_blocks, scratch_blocks
 from agent.launcher.memory_budget import available_mb
 from agent.model.checkpoint import Checkpoint
@@ -39,7 +40,6 @@ from agent.model.spec import ModelSpec
 from config.schema import RuntimeSection
 
 MB = 1 << 20
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 LENGTH_STEP = 256  # a planned max_seq_len is a multiple of this
 
 
@@ -88,7 +88,7 @@ class MemoryPlan:
 
 def weights_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     """The weights' memory from the model's spec alone (all dense in runtime.dtype)."""
-    return spec.parameter_count() * DTYPE_BYTES[runtime.dtype]
+    return spec.parameter_count() * VALUE_BYTES[runtime.dtype]
 
 
 def rank_spec(spec: ModelSpec, ranks: int) -> ModelSpec:
@@ -130,7 +130,7 @@ def working_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     gather = 0
     if not runtime.attention_kernel and not (runtime.paged_attention and runtime.device_target == "Ascend"):
         gather = 2 * runtime.decode_batch_buckets[-1] * positions * spec.num_kv_heads
-        gather *= spec.head_dim * DTYPE_BYTES[runtime.dtype]
+        gather *= spec.head_dim * VALUE_BYTES[runtime.dtype]
     return scores + runtime.decode_batch_buckets[-1] * spec.vocab_size * 4 * 2 + rope + gather
 
 
@@ -171,7 +171,7 @@ def plan_memory(
     longest = spec.max_context if runtime.max_seq_len == "auto" else runtime.max_seq_len
     ring = local_ring_blocks(runtime, spec, longest)
     pool_layers = spec.global_layers if ring else spec.num_layers
-    position_bytes = 2 * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[runtime.dtype]
+    position_bytes = 2 * spec.num_kv_heads * CacheFormat.of(runtime).row_bytes(spec.head_dim)
     per_block = pool_layers * position_bytes * runtime.block_size
     rings = (slots + 1) * ring * (spec.num_layers - pool_layers) * position_bytes * runtime.block_size
     scratch = scratch_blocks(runtime)

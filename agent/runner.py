@@ -32,6 +32,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
+from agent.graphs.cache_format import CacheFormat
 from agent.contract.prompt_logprobs import PromptLogprob, score_rows
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import BlockTable, StepChunk
@@ -310,4 +311,9 @@ class ModelRunner(CheckedSlots):
         return self.graphs
 
     def cache_dtype(self):
-        return np.float16 if self.runtime.dtype == "float16" else np.float32
+        return CacheFormat.of(self.runtime).numpy_dtype
+
+    def cache_row_width(self) -> int:
+        """The last dimension of the K/V that PD transfer and the tiers move: the head dim, or a q8_0
+        row's bytes."""
+        return CacheFormat.of(self.runtime).row_width(self.spec.head_dim)

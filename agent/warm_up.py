@@ -18,6 +18,7 @@ from mindspore import Tensor
 
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import StepChunk
+from agent.graphs.cache_format import dequantize_rows, quantize_rows
 from agent.graphs.interface import MixedStepGraphs
 from agent.known_answer import (
     KnownAnswer,
@@ -102,7 +103,8 @@ def _run_probe(
     scratch, n, dtype = runner.graphs.inputs.scratch_table, len(probe.prompt), runner.runtime.dtype
     expected = np.stack([probe.prefill_logits, probe.decode_logits])
     # the tolerance the layers' outputs are held to (int8 activations round every product's input)
-    held_to = "int8" if runner.runtime.activations == "int8" else dtype
+    quantized_kv = runner.runtime.kv_cache_dtype == "q8_0"
+    held_to = "int8" if runner.runtime.activations == "int8" else "q8_0" if quantized_kv else dtype
 
     if kind == "prefill":
         got = runner.graphs.prefill(scratch, probe.prompt, length).asnumpy()[0]
@@ -137,16 +139,16 @@ def _run_probe(
                 compare(check, row, probe.decode_logits, held_to)
             check_post_process(check, got, greedy.asnumpy())
     elif kind == "kv_export":
-        blocks = runner.kv_graphs().kv_export(scratch, length)
+        blocks = runner.kv_graphs().kv_export(scratch, length)[:, :, :n]
         if check and probe.kv is not None:
-            compare(check, blocks[:, :, :n], probe.kv, held_to)
+            compare(check, dequantize_rows(blocks) if quantized_kv else blocks, probe.kv, held_to)
     elif kind == "kv_import":
         blocks = np.zeros(
-            (2 * runner.spec.num_layers, runner.graphs.inputs.kv_heads, length, runner.spec.head_dim),
+            (2 * runner.spec.num_layers, runner.graphs.inputs.kv_heads, length, runner.cache_row_width()),
             runner.cache_dtype(),
         )
         if probe.kv is not None:  # the decode graphs then read it: a wrong import fails their check
-            blocks[:, :, :n] = probe.kv
+            blocks[:, :, :n] = quantize_rows(probe.kv) if quantized_kv else probe.kv
         runner.kv_graphs().kv_import(scratch, blocks)
     elif kind == "argmax":
         ids = runner.graphs.argmax(Tensor(expected)).asnumpy()

@@ -195,6 +195,13 @@ class RuntimeSection(Section):
         "AVX2 or AVX512-VNNI), float32 (exact), or auto: int8 for a quantized GGUF on the CPU "
         "kernels with integer dot products, float32 elsewhere (agent/activations.py)",
     )
+    kv_cache_dtype: Literal["auto", "q8_0"] = Field(
+        "auto",
+        description="the KV cache's rows: auto (in dtype) or q8_0 (llama.cpp's -ctk/-ctv q8_0: blocks "
+        "of 32 values as int8 with a half scale, 34 bytes for 128 of float32: ~3.8x the positions "
+        "for the same memory; written and read by the fused CPU layer kernel, so it needs "
+        "matmul and decode_attention auto or kernel on CPU, float32, no tensor parallelism)",
+    )
     compile_cache_dir: Path | None = Field(
         Path("output/compile_cache"), description="MindSpore compile cache; null disables it"
     )
@@ -257,6 +264,13 @@ class RuntimeSection(Section):
             raise ValueError(
                 "activations: int8 runs in the fused CPU layer kernel: it needs device_target CPU "
                 "with matmul and decode_attention auto or kernel"
+            )
+        if self.kv_cache_dtype == "q8_0" and not (
+            self.attention_kernel and self.matmul_kernel and self.dtype == "float32"
+        ):
+            raise ValueError(
+                "kv_cache_dtype: q8_0 is written and read by the fused CPU layer kernel: it needs "
+                "device_target CPU, dtype float32, and matmul and decode_attention auto or kernel"
             )
         if self.device_target == "CPU" and self.dtype == "bfloat16":
             raise ValueError("dtype bfloat16 has no MindSpore CPU kernels; use float32 (or float16)")

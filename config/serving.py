@@ -125,6 +125,16 @@ class ServingConfig(SharedSections):
                 "tensor-parallel groups build split graphs from model.path; MindIR "
                 "exports hold the whole model"
             )
+        if self.runtime.kv_cache_dtype == "q8_0" and any(g.tensor_parallel > 1 for g in self.agents.groups):
+            raise ValueError(
+                "runtime.kv_cache_dtype: q8_0 is written and read by the fused CPU layer kernel, which "
+                "runs a whole layer: tensor-parallel groups keep kv_cache_dtype auto"
+            )
+        if self.model.uses_mindir and self.runtime.kv_cache_dtype == "q8_0":
+            raise ValueError(
+                "runtime.kv_cache_dtype: q8_0 is a cache of graphs built from model.path; a MindIR "
+                "export holds the cache it was exported with"
+            )
         if self.model.uses_mindir and self.runtime.activations == "int8":
             raise ValueError(
                 "runtime.activations: int8 picks the kernels of graphs built from model.path; "

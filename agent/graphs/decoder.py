@@ -30,6 +30,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from agent.graphs.cache_format import CacheFormat
 from agent.graphs.layers import (
     MATMUL_TILE,
     WHOLE_MODEL,
@@ -79,9 +80,10 @@ class DecoderLayer(nn.Cell):
         dtype=ms.float32,
         split: TensorSplit = WHOLE_MODEL,
         paged: PagedBackend | None = None,
+        cache: CacheFormat | None = None,
     ):
         """paged: the paged attention backend's factory (paged_attention.paged_backend), None: the
-        CPU kernels or gather."""
+        CPU kernels or gather; cache: the KV cache's rows (None: in dtype)."""
         super().__init__()
         spec, p = checkpoint.spec, f"layers.{index}."
         # a rank's checkpoint holds its share already (its loader read only those rows and columns)
@@ -106,6 +108,11 @@ class DecoderLayer(nn.Cell):
             raise ValueError(
                 f"{spec.architecture}: mixture-of-experts FFNs run on the CPU kernels only (runtime.matmul "
                 "kernel, float32)"
+            )
+        if cache is not None and cache.quantized and not fused:
+            raise ValueError(
+                "runtime.kv_cache_dtype q8_0 is written and read by the fused CPU layer kernel: it needs "
+                "a hidden size that is a multiple of 32 and no tensor parallelism"
             )
         self.local = spec.is_local(index)
         self.attn_norm = param(checkpoint.tensors[p + "attn_norm"], p + "attn_norm")
@@ -135,8 +142,11 @@ class DecoderLayer(nn.Cell):
                 self.kv_heads,
                 spec.head_dim,
             )
-        self.k_cache = zeros(cache_shape, p + "k_cache", dtype)
-        self.v_cache = zeros(cache_shape, p + "v_cache", dtype)
+        cache_dtype = dtype
+        if cache is not None and cache.quantized:
+            cache_shape, cache_dtype = (cache_rows, cache.row_width(spec.head_dim)), cache.mindspore_dtype
+        self.k_cache = zeros(cache_shape, p + "k_cache", cache_dtype)
+        self.v_cache = zeros(cache_shape, p + "v_cache", cache_dtype)
         self.matmul = ops.MatMul()
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
         self.bmm = ops.BatchMatMul()

@@ -148,8 +148,8 @@ class KVTransferGraphs(ModelGraphs, Protocol):
 
     def kv_export(self, table: np.ndarray, length: int) -> np.ndarray:
         """Positions 0..length-1 of the sequence with block `table` -> K/V [2 * layers, KV heads,
-        length, head_dim]."""
+        length, row width] (the head dim, or a q8_0 row's bytes: agent/graphs/cache_format.py)."""
 
     def kv_import(self, table: np.ndarray, blocks: np.ndarray) -> None:
-        """K/V [2 * layers, KV heads, length, head_dim] written into positions 0..length-1 of the
+        """K/V [2 * layers, KV heads, length, row width] written into positions 0..length-1 of the
         sequence with block `table`."""

@@ -10,6 +10,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from agent.graphs.cache_format import CacheFormat
 from agent.graphs.decoder import FUSED_LAYER_INPUTS, DecoderLayer
 from agent.graphs.layers import (
     MATMUL_TILE,
@@ -40,11 +41,12 @@ class DecoderModel(nn.Cell):
         split: TensorSplit = WHOLE_MODEL,
         local_blocks: int = 0,
         paged: PagedBackend | None = None,
+        cache: CacheFormat | None = None,
     ):
         """num_blocks of block_size positions in the KV cache (agent/graphs/interface.py); max_len:
         the positions of the RoPE tables; local_blocks: the blocks of the sliding-window layers' own
         caches (every seat's ring, interface.local_ring_blocks), 0: they take the pool's; paged: the
-        layers' paged attention backend (DecoderLayer)."""
+        layers' paged attention backend (DecoderLayer); cache: the KV cache's rows (None: in dtype)."""
         super().__init__()
         spec = checkpoint.spec
         self.spec = spec
@@ -52,6 +54,7 @@ class DecoderModel(nn.Cell):
         self.kv_heads = end - start  # this rank's
         self.kernel_norm = kernels.norm
         self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
+        self.cache_format = cache or CacheFormat(str(dtype).lower())
         self.layers = nn.CellList(
             self._layers(checkpoint, num_blocks, block_size, kernels, dtype, split, local_blocks, paged)
         )
@@ -98,6 +101,7 @@ class DecoderModel(nn.Cell):
                 dtype,
                 split,
                 paged,
+                self.cache_format,
             )
             for i in range(spec.num_layers)
         ]
@@ -180,4 +184,5 @@ class DecoderModel(nn.Cell):
         return logits if vocab % MATMUL_TILE == 0 else logits[:, :vocab]
 
     def cache_bytes(self) -> int:
-        return 2 * sum(layer.k_cache.size for layer in self.layers) * (2 if self.half else 4)
+        rows = sum(layer.k_cache.size // layer.k_cache.shape[-1] for layer in self.layers)
+        return 2 * rows * self.cache_format.row_bytes(self.spec.head_dim)

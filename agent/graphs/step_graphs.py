@@ -14,6 +14,7 @@ from mindspore import Tensor, nn, ops
 
 from agent.activations import FLOAT_FORMATS
 from agent.contract.step import StepChunk
+from agent.graphs.cache_format import CacheFormat
 from agent.graphs.decoder import DecoderLayer
 from agent.graphs.interface import GraphInputs, local_ring_blocks, pool_blocks
 from agent.graphs.layers import WHOLE_MODEL, CpuKernels, TensorSplit, release_freed_memory
@@ -148,14 +149,15 @@ class TopKGraph(nn.Cell):
 
 
 class KVExportGraph(nn.Cell):
-    """PD disaggregation, sending side: cache rows -> their K and V in every layer, [2 * layers, N, hd]."""
+    """PD disaggregation, sending side: cache rows -> their K and V in every layer, [2 * layers, N, w]
+    (w: a row's width, cache_format.py)."""
 
     def __init__(self, model: DecoderModel):
         super().__init__()
         self.model = model
 
     def construct(self, rows):
-        """rows: GraphInputs.kv_rows (the paged cache's [N, 2] (block, offset): [2 * layers, N, KV, hd])."""
+        """rows: GraphInputs.kv_rows (the paged cache's [N, 2] (block, offset): [2 * layers, N, KV, w])."""
         blocks = []
         for layer in self.model.layers:
             for cache in (layer.k_cache, layer.v_cache):
@@ -164,7 +166,7 @@ class KVExportGraph(nn.Cell):
 
 
 class KVImportGraph(nn.Cell):
-    """PD disaggregation, receiving side: K and V [2 * layers, N, hd] written into cache rows."""
+    """PD disaggregation, receiving side: K and V [2 * layers, N, w] written into cache rows."""
 
     def __init__(self, model: DecoderModel):
         super().__init__()
@@ -220,6 +222,7 @@ class StepGraphs:
             split,
             local_blocks=(runtime.planned_num_slots + 1) * ring,
             paged=paged_backend(runtime),
+            cache=CacheFormat.of(runtime),
         )
         release_freed_memory()
         if int8 and not any(
@@ -305,7 +308,7 @@ class StepGraphs:
         blocks = self.kv_export_graph(Tensor(self.inputs.kv_rows(table, length))).asnumpy()
         if self.model.paged:  # position-major in the paged cache
             return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3))
-        return blocks.reshape(len(blocks), self.inputs.kv_heads, length, self.spec.head_dim)
+        return blocks.reshape(len(blocks), self.inputs.kv_heads, length, self.row_width)
 
     def kv_import(self, table: np.ndarray, blocks: np.ndarray) -> None:
         self._check_transfers()
@@ -313,8 +316,13 @@ class StepGraphs:
         if self.model.paged:
             rows_of = np.ascontiguousarray(blocks.transpose(0, 2, 1, 3))
         else:
-            rows_of = blocks.reshape(len(blocks), -1, self.spec.head_dim)
+            rows_of = blocks.reshape(len(blocks), -1, self.row_width)
         self.kv_import_graph(rows, Tensor(rows_of)).asnumpy()
+
+    @property
+    def row_width(self) -> int:
+        """A cache row's elements: the head dim, or a q8_0 row's bytes."""
+        return self.model.cache_format.row_width(self.spec.head_dim)
 
     def _check_transfers(self) -> None:
         if self.inputs.ring:

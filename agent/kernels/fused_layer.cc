@@ -26,7 +26,8 @@
 //   the blocks a window has left behind); the same tensors again for a model without such layers
 //   then each layer's 18 inputs: attn_norm [D], bqkv [(H + 2 KV) hd], k_cache [R, hd], v_cache
 //   [R, hd] (paged, R = blocks * KV * B: position p of KV head h of a sequence with block table T
-//   is row (T[p / B] * KV + h) * B + p % B, row_ops.h Paged), ffn_norm [D], formats [7] int32 (the
+//   is row (T[p / B] * KV + h) * B + p % B, row_ops.h Paged; or uint8 [R, hd / 32 * 34], a q8_0
+//   cache: kv_rows.h), ffn_norm [D], formats [7] int32 (the
 //   format of each matrix, product.h), wq, wk, wv, wo, w_gate, w_up, w_down (rows as output columns,
 //   packed: product.h read_matrix), q_norm [hd], k_norm [hd], post_attn_norm [D], post_ffn_norm [D]
 //   (each [1] and unread where the layer has none), options [5] int32: the sliding window (0: none,
@@ -94,7 +95,7 @@ struct Step {
 struct Layer {
   const float *attn_norm, *bqkv, *ffn_norm;
   const float *q_norm = nullptr, *k_norm = nullptr, *post_attn_norm = nullptr, *post_ffn_norm = nullptr;
-  float *k_cache, *v_cache;
+  kvrows::Cache k_cache, v_cache;
   int64_t cache_rows, hd, bias;
   int64_t window = 0;  // positions a row attends (0: all it has)
   bool local = false, geglu = false;
@@ -143,7 +144,7 @@ bool read_layer(void **params, int *ndims, int64_t **shapes, int first, const St
   layer.window = options[0], layer.local = options[1] != 0, layer.geglu = options[2] != 0;
   const bool qk_norm = options[3] != 0, post_norms = options[4] != 0;
   if (layer.window < 0 || options[2] < 0 || options[2] > 1) return false;
-  const int64_t head_dim = shapes[at + 2][1];
+  const int64_t head_dim = shapes[layer.local ? 9 : 1][2];  // the RoPE tables'
   if (qk_norm) {
     if (shapes[at + 13][0] != head_dim || shapes[at + 14][0] != head_dim) return false;
     layer.q_norm = static_cast<const float *>(params[at + 13]);
@@ -154,21 +155,22 @@ bool read_layer(void **params, int *ndims, int64_t **shapes, int first, const St
     layer.post_attn_norm = static_cast<const float *>(params[at + 15]);
     layer.post_ffn_norm = static_cast<const float *>(params[at + 16]);
   }
-  if (shapes[layer.local ? 9 : 1][2] != head_dim) return false;
   const int32_t *formats = static_cast<const int32_t *>(params[at + 5]);
   for (int i = 0; i < MATRICES; ++i)
     if (!product::read_matrix(params[at + 6 + i], formats[i], ndims[at + 6 + i], shapes[at + 6 + i], layer.m[i]))
       return false;
   layer.attn_norm = static_cast<const float *>(params[at]);
   layer.bqkv = static_cast<const float *>(params[at + 1]);
-  layer.k_cache = static_cast<float *>(params[at + 2]);
-  layer.v_cache = static_cast<float *>(params[at + 3]);
+  if (!kvrows::Cache::of(params[at + 2], shapes[at + 2][1], head_dim, layer.k_cache) ||
+      !kvrows::Cache::of(params[at + 3], shapes[at + 3][1], head_dim, layer.v_cache) ||
+      shapes[at + 3][1] != shapes[at + 2][1])
+    return false;
   layer.ffn_norm = static_cast<const float *>(params[at + 4]);
-  layer.cache_rows = shapes[at + 2][0], layer.hd = shapes[at + 2][1], layer.bias = shapes[at + 1][0];
+  layer.cache_rows = shapes[at + 2][0], layer.hd = head_dim, layer.bias = shapes[at + 1][0];
   const int64_t hd = layer.hd, kv_width = step.kv * hd, q_width = layer.bias - 2 * kv_width;
   const product::Matrix *m = layer.m;
   const int64_t ffn = m[W_DOWN].k_dim;
-  return shapes[at + 3][0] == layer.cache_rows && shapes[at + 3][1] == hd && hd <= MAX_HEAD_DIM &&
+  return shapes[at + 3][0] == layer.cache_rows && hd <= MAX_HEAD_DIM &&
          q_width > 0 && q_width % (step.kv * hd) == 0 && step.dim % TILE == 0 &&
          m[WQ].n_dim() == padded(q_width) && m[WK].n_dim() == padded(kv_width) &&
          m[WV].n_dim() == padded(kv_width) && m[WQ].k_dim == step.dim && m[WK].k_dim == step.dim &&
@@ -213,7 +215,7 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8_ac
   const Paging &paging = at_positions.paging;
   const int32_t *write = at_positions.write, *len = step.len;
   const int64_t window = layer.window;
-  float *k_cache = layer.k_cache, *v_cache = layer.v_cache;
+  const kvrows::Cache &k_cache = layer.k_cache, &v_cache = layer.v_cache;
 
   int64_t live = 0;  // rows before the padding
   while (live < batch && len[live * kv] > 0) ++live;
@@ -306,9 +308,11 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8_ac
       const int64_t k_bias = q_width + head * hd, v_bias = q_width + (kv + head) * hd;
       for (int64_t d = 0; d < hd; ++d) biased[d] = row[k_at + d] + bqkv[k_bias + d];
       if (k_norm != nullptr) rowwise::rms_norm(biased, k_norm, step.eps, hd, biased);
-      rowwise::rope(biased, c, s, hd, k_cache + static_cast<int64_t>(write[n]) * hd);
-      float *v_row = v_cache + static_cast<int64_t>(write[n]) * hd;
-      for (int64_t d = 0; d < hd; ++d) v_row[d] = row[v_at + d] + bqkv[v_bias + d];
+      float roped[MAX_HEAD_DIM];
+      rowwise::rope(biased, c, s, hd, roped);
+      kvrows::store(k_cache, write[n], roped, hd);
+      for (int64_t d = 0; d < hd; ++d) biased[d] = row[v_at + d] + bqkv[v_bias + d];
+      kvrows::store(v_cache, write[n], biased, hd);
     });
     region.for_dynamic(n_attend, 1, [&](int64_t i) {
       const prompt_attention::Block &w = blocks_todo[i];

@@ -44,7 +44,8 @@ inline std::vector<Block> find_blocks(const int32_t *row_table, int64_t live, in
 // A block's rows: their query vectors q [N * KV * groups, hd] (row b's for head h at
 // (b * KV + h) * groups) -> out, the same layout; each row over its own positions
 // first_attended(len, window) .. len - 1 (len per (row, KV head), row-major).
-inline void attend_block(const Block &w, const rowwise::Paged &at, const float *k_cache, const float *v_cache,
+inline void attend_block(const Block &w, const rowwise::Paged &at, const kvrows::Cache &k_cache,
+                         const kvrows::Cache &v_cache,
                          const float *q, const int32_t *len, int64_t kv, int64_t groups, int64_t hd,
                          int64_t window, float *out) {
   int64_t length[BLOCK_ROWS], first[BLOCK_ROWS];

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_rows.h"
 #include "vec8.h"
 
 namespace rowwise {
@@ -80,17 +81,15 @@ inline void geglu(const float *gate, const float *up, int64_t width, float *out)
   }
 }
 
-// A sequence's cached positions in a paged cache [blocks * kv * block, hd] (agent/graph_interface.py):
-// position p of KV head `head` is row (table[p / block] * kv + head) * block + p % block, so each
-// block holds `block` consecutive positions of one head in consecutive rows.
+// A sequence's cached positions in a paged cache of blocks * kv * block rows (agent/graph_interface.py,
+// kv_rows.h): position p of KV head `head` is row (table[p / block] * kv + head) * block + p % block,
+// so each block holds `block` consecutive positions of one head in consecutive rows.
 struct Paged {
   const int32_t *table;  // the sequence's blocks, position order
   int64_t kv, block, head;
 
-  // The first row of the sequence's j-th block, in `cache`.
-  const float *rows(const float *cache, int64_t j, int64_t hd) const {
-    return cache + ((static_cast<int64_t>(table[j]) * kv + head) * block) * hd;
-  }
+  // The first row of the sequence's j-th block.
+  int64_t first_row(int64_t j) const { return (static_cast<int64_t>(table[j]) * kv + head) * block; }
 };
 
 // Whether the `entries` blocks of `table` hold `length` positions in a pool of `blocks` blocks.
@@ -134,10 +133,10 @@ inline void softmax(float *s, int64_t length) {
   for (int64_t i = 0; i < length; ++i) s[i] *= inv;
 }
 
-// Rows of a paged cache block to stream from memory while another is computed: into L2, a
-// 64-byte line at a time (16 floats).
-inline void prefetch_rows(const float *rows, int64_t from, int64_t to) {
-  for (int64_t at = from; at < to; at += 16) __builtin_prefetch(rows + at, 0, 2);
+// Bytes of a paged cache block to stream from memory while another is computed: into L2, a
+// 64-byte line at a time.
+inline void prefetch_bytes(const uint8_t *rows, int64_t from, int64_t to) {
+  for (int64_t at = from; at < to; at += 64) __builtin_prefetch(rows + at, 0, 2);
 }
 
 // Attention of `rows` query rows of one (sequence, KV head) in a paged cache, each `groups` query
@@ -186,28 +185,32 @@ inline void dot_keys(const float *const *queries, const float *keys, int64_t n, 
 }
 
 template <int64_t HD>
-inline void attend_rows(const float *q, const float *k_cache, const float *v_cache, const Paged &at,
-                        const int64_t *length, const int64_t *first, int64_t rows, int64_t stride,
-                        int64_t groups, int64_t hd_, float *out) {
+inline void attend_rows(const float *q, const kvrows::Cache &k_cache, const kvrows::Cache &v_cache,
+                        const Paged &at, const int64_t *length, const int64_t *first, int64_t rows,
+                        int64_t stride, int64_t groups, int64_t hd_, float *out) {
   constexpr int64_t AHEAD = 2, QUERIES = 4;  // blocks prefetched ahead; query vectors a key pass serves
   const int64_t hd = HD ? HD : hd_;
   const int64_t B = at.block, vec_hd = hd / 8 * 8, vectors = rows * groups;
-  thread_local std::vector<float> state;
+  thread_local std::vector<float> state, dequantized;  // dequantized: a q8_0 block's keys and values
   state.assign(vectors * (hd + B + 2), 0.f);
+  if (k_cache.q8 || v_cache.q8) dequantized.resize(2 * B * hd);
   float *acc = state.data();              // [vectors, hd]
   float *weights = acc + vectors * hd;    // [vectors, B]
   float *top = weights + vectors * B, *total = top + vectors;
   std::fill(top, top + vectors, -INFINITY);
   auto query = [&](int64_t v) { return q + (v / groups) * stride + (v % groups) * hd; };
-  int64_t from = INT64_MAX, blocks = 0;
+  int64_t from = INT64_MAX, reach = 0;
   for (int64_t r = 0; r < rows; ++r)
-    if (length[r] > 0) from = std::min(from, first[r] / B), blocks = std::max(blocks, (length[r] + B - 1) / B);
+    if (length[r] > 0) from = std::min(from, first[r] / B), reach = std::max(reach, length[r]);
+  const int64_t blocks = (reach + B - 1) / B;
   for (int64_t j = from; j < blocks; ++j) {
-    const float *block_k = at.rows(k_cache, j, hd), *block_v = at.rows(v_cache, j, hd);
-    const float *next_k = nullptr, *next_v = nullptr;
+    const int64_t row = at.first_row(j), held = std::min(B, reach - j * B);  // positions any row reads
+    const float *block_k = kvrows::rows(k_cache, row, held, hd, dequantized.data());
+    const float *block_v = kvrows::rows(v_cache, row, held, hd, dequantized.data() + B * hd);
+    const uint8_t *next_k = nullptr, *next_v = nullptr;
     int64_t next_n = 0;
     if (j + AHEAD < blocks) {
-      next_k = at.rows(k_cache, j + AHEAD, hd), next_v = at.rows(v_cache, j + AHEAD, hd);
+      next_k = k_cache.row(at.first_row(j + AHEAD)), next_v = v_cache.row(at.first_row(j + AHEAD));
       next_n = B;
     }
     // Runs of rows that read the same positions of this block (all of a prompt chunk's but in its
@@ -253,7 +256,10 @@ inline void attend_rows(const float *q, const float *k_cache, const float *v_cac
       }
       for (int64_t l = 0; l < n; ++l) {
         const float *value = values + l * hd;
-        if (l < next_n) prefetch_rows(next_k, l * hd, (l + 1) * hd), prefetch_rows(next_v, l * hd, (l + 1) * hd);
+        if (l < next_n) {
+          const int64_t bytes = k_cache.row_bytes;
+          prefetch_bytes(next_k, l * bytes, (l + 1) * bytes), prefetch_bytes(next_v, l * bytes, (l + 1) * bytes);
+        }
         for (int64_t c = 0; c < vec_hd; c += 8) {
           const v8f v = vec8::load(value + c);
           for (int64_t g = v0; g < v1; ++g) {
@@ -275,7 +281,8 @@ inline void attend_rows(const float *q, const float *k_cache, const float *v_cac
 }
 
 // attend_rows for these sizes: the default model's head dim with its sums' loops unrolled.
-inline void attend_paged_rows(const float *q, const float *k_cache, const float *v_cache, const Paged &at,
+inline void attend_paged_rows(const float *q, const kvrows::Cache &k_cache, const kvrows::Cache &v_cache,
+                              const Paged &at,
                               const int64_t *length, const int64_t *first, int64_t rows, int64_t stride,
                               int64_t groups, int64_t hd, float *out) {
   if (hd == 64) return attend_rows<64>(q, k_cache, v_cache, at, length, first, rows, stride, groups, hd, out);
@@ -283,7 +290,8 @@ inline void attend_paged_rows(const float *q, const float *k_cache, const float 
 }
 
 // One row: attend_rows of a row alone (a decode row's).
-inline void attend_paged(const float *q, const float *k_cache, const float *v_cache, const Paged &at,
+inline void attend_paged(const float *q, const kvrows::Cache &k_cache, const kvrows::Cache &v_cache,
+                         const Paged &at,
                          int64_t length, int64_t groups, int64_t hd, float *out, int64_t first = 0) {
   attend_paged_rows(q, k_cache, v_cache, at, &length, &first, 1, groups * hd, groups, hd, out);
 }

@@ -1,5 +1,6 @@
 """Calls a custom CPU kernel (agent/kernels) straight through its C entry point with ctypes, the way
-MindSpore's AOT custom op does: parameter pointers, their ranks and shapes, the output last."""
+MindSpore's AOT custom op does: parameter pointers, their ranks and shapes, the output last; and the
+float32 matrices' packing the kernels read."""
 
 import ctypes
 
@@ -14,3 +15,12 @@ def call(function, arrays: list[np.ndarray], out: np.ndarray) -> int:
         *[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shapes]
     )
     return function(len(arrays) + 1, params, ndims, shape_ptrs, None, None, None)
+
+
+TILE = 32  # the kernels' column tile (agent/kernels/packed_matmul.h)
+
+
+def packed(w: np.ndarray) -> np.ndarray:
+    """[K, N] -> [N / TILE, K, TILE] (agent/graphs/layers.py pack_for_kernel; N a multiple of TILE)."""
+    k, n = w.shape
+    return np.ascontiguousarray(w.reshape(k, n // TILE, TILE).transpose(1, 0, 2))

@@ -27,6 +27,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 
@@ -63,6 +64,11 @@ class GemmaTraits:
 class RefCache:
     keys: list[list[np.ndarray]] = field(default_factory=list)
     values: list[list[np.ndarray]] = field(default_factory=list)
+    # Per layer, the K and V [positions, n_kv, hd] that attention reads in place of the rows computed
+    # here (those are still kept in keys and values): a server's own cache as it holds it (a q8_0
+    # cache's rows, dequantized), so that a rounding which flips with the last float bit upstream
+    # is compared as the server made it.
+    read: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     @property
     def length(self) -> int:
@@ -82,8 +88,6 @@ MATRIX_NAMES = {
 
 
 def load_gguf_reference(path: str | Path) -> RefModel:
-    import gguf
-
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
     meta = lambda k: reader.fields[f"{arch}.{k}"].contents()  # noqa: E731
@@ -339,6 +343,11 @@ def _q8_1_with_ties(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 TIE_ULPS = 8
 
 
+def _q8_0_rounded(rows: np.ndarray) -> np.ndarray:
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    return gguf.quants.dequantize(gguf.quants.quantize(rows.astype(np.float32), q8_0), q8_0).astype(np.float64)
+
+
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
@@ -350,13 +359,16 @@ def forward(
     int8: bool = False,
     near_ties: list[int] | None = None,
     head_slack: list[np.ndarray] | None = None,
+    q8_0_cache: bool = False,
 ) -> np.ndarray:
     """Run `tokens` after what `cache` already holds; returns logits [len(tokens), vocab]. int8: the
     input of every layer product whose weights are in an integer GGUF format rounded to Q8_1 first
     (runtime.activations: int8), the LM head's too; not float weights. near_ties: as q8_1's, a count
     for each rounding of the layers' inputs. head_slack: gets how far each logit [len(tokens), vocab]
     moves should the LM head's input round its near ties the other way (they touch only the logits,
-    so they are allowed for there instead of counting as ties)."""
+    so they are allowed for there instead of counting as ties). q8_0_cache: each new K and V row is
+    kept as gguf's Q8_0 of its float32 value (runtime.kv_cache_dtype: q8_0, llama.cpp's -ctk/-ctv
+    q8_0) and attended as gguf dequantizes it."""
 
     def product(a: np.ndarray, layer: dict, name: str) -> np.ndarray:
         return (q8_1(a, near_ties) if int8 and name in layer["integer"] else a) @ layer[name].T
@@ -388,9 +400,13 @@ def forward(
         q = _rope(q, positions, layer_freqs, model.interleaved_rope)
         k = _rope(k, positions, layer_freqs, model.interleaved_rope)
         v = v.reshape(len(tokens), model.n_kv, hd)
+        if q8_0_cache:
+            k, v = _q8_0_rounded(k), _q8_0_rounded(v)
         cache.keys[li].extend(k)
         cache.values[li].extend(v)
         keys, values = np.stack(cache.keys[li]), np.stack(cache.values[li])  # [T_all, n_kv, hd]
+        if cache.read is not None:
+            keys, values = (np.asarray(a[: len(keys)], np.float64) for a in cache.read[li])
         key_positions = np.arange(keys.shape[0])[None, :]
         hidden = key_positions > positions[:, None]  # causal
         if local and gemma:
@@ -429,14 +445,14 @@ def forward(
     return h @ model.head.T
 
 
-def greedy(model: RefModel, prompt: list[int], n_new: int, stop_ids=()) -> list[int]:
+def greedy(model: RefModel, prompt: list[int], n_new: int, stop_ids=(), q8_0_cache: bool = False) -> list[int]:
     cache = RefCache()
-    logits = forward(model, prompt, cache)[-1]
+    logits = forward(model, prompt, cache, q8_0_cache=q8_0_cache)[-1]
     out: list[int] = []
     for _ in range(n_new):
         token = int(np.argmax(logits))
         out.append(token)
         if token in stop_ids:
             break
-        logits = forward(model, [token], cache)[-1]
+        logits = forward(model, [token], cache, q8_0_cache=q8_0_cache)[-1]
     return out

@@ -56,6 +56,19 @@ def test_a_budget_fills_the_pool_and_auto_seats_are_the_largest_batch(default_mo
     assert given.num_blocks == 300 and given.total_mb < plan.total_mb
 
 
+def test_a_q8_0_cache_plans_34_bytes_for_32_values_and_holds_more_positions(default_model_path):
+    """runtime.kv_cache_dtype q8_0: a position of SmolLM2-135M takes 30 layers x 2 x 3 KV heads x 2
+    blocks x 34 bytes = 12240 bytes against float32's 46080, so one budget holds ~3.7x the blocks
+    (the issue's target: twice the positions)."""
+    spec = load_checkpoint(default_model_path).spec
+    runtime = RuntimeSection(num_slots=16, max_seq_len=2048, memory_budget_mb=1500, **BUDGETED)
+    _, plain = plan_memory(spec, runtime)
+    _, q8 = plan_memory(spec, runtime.model_copy(update={"kv_cache_dtype": "q8_0"}))
+    assert q8.block_mb == pytest.approx(12240 * 16 / MB)
+    assert q8.num_blocks >= 2 * plain.num_blocks and q8.num_blocks > 3.7 * plain.num_blocks
+    assert q8.total_mb <= 1500 < q8.total_mb + q8.block_mb
+
+
 def test_a_budget_with_a_given_length_keeps_the_default_buckets_up_to_it(default_model_path):
     """max_seq_len 1024 with a budget and nothing else: the plan's runtime takes the default buckets
     cut at 1024 (it once validated the unplanned defaults, [256, 512, 2048], and stopped the agent)."""

@@ -11,9 +11,11 @@ import threading
 import numpy as np
 import pytest
 
-from agent.kv_tiers import SUFFIX, KVLayout, KVTierStore
+from agent.kv_tiers import FORMAT_VERSION, SUFFIX, KVLayout, KVTierStore
 
-LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=4, block_size=4, dtype="float16", kernel_layout="paged")
+LAYOUT = KVLayout(
+    layers=2, kv_heads=2, head_dim=4, row_width=4, block_size=4, dtype="float16", kernel_layout="paged"
+)
 BLOCK = LAYOUT.nbytes  # 2*2*2*4*4 * 2 bytes = 256
 MODEL = "weights-sha256:abc"
 
@@ -210,7 +212,8 @@ def test_files_of_an_earlier_format_are_removed_at_start_and_others_kept(tmp_pat
     write_then_damage(tmp_path, lambda path: None)
     old = tmp_path / f"{key(1)}{SUFFIX}"
     data = old.read_bytes()
-    old.write_bytes(data.replace(b'"version": 2', b'"version": 1', 1))
+    version = f'"version": {FORMAT_VERSION}'.encode()
+    old.write_bytes(data.replace(version, f'"version": {FORMAT_VERSION - 1}'.encode(), 1))
     (tmp_path / f"{key(3)}{SUFFIX}").write_bytes(b"not ours")
     again = disk_store(tmp_path)
     assert again.keys() == {key(2)} and again.counts["ignored_files"] == 2

@@ -11,15 +11,7 @@ import numpy as np
 import pytest
 
 from agent.kernels import build
-from kernel_calls import call
-
-TILE = 32
-
-
-def packed(w: np.ndarray) -> np.ndarray:
-    """[K, N] -> [N / TILE, K, TILE] (agent/graphs/layers.py pack_for_kernel; N a multiple of TILE)."""
-    k, n = w.shape
-    return np.ascontiguousarray(w.reshape(k, n // TILE, TILE).transpose(1, 0, 2))
+from kernel_calls import call, packed
 
 
 @pytest.fixture
