@@ -59,6 +59,7 @@ class MemoryPlan:
     block_size: int
     budget_mb: int | None
     rings_mb: float = 0.0  # the sliding-window layers' rings, every seat's
+    kv_format: str = "float32"  # the cache's rows (agent/graphs/cache_format.py)
 
     @property
     def kv_mb(self) -> float:
@@ -72,8 +73,9 @@ class MemoryPlan:
         budget = f" of a {self.budget_mb} MB budget" if self.budget_mb else ""
         positions = self.num_blocks * self.block_size
         return (
-            f"memory plan: weights {self.weights_mb:.0f} MB, KV cache {self.kv_mb:.0f} MB: "
-            f"{self.num_blocks} blocks of {self.block_size} positions ({positions} positions, "
+            f"memory plan: weights {self.weights_mb:.0f} MB, KV cache {self.kv_mb:.0f} MB"
+            + (f" ({self.kv_format})" if self.kv_format == "q8_0" else "")
+            + f": {self.num_blocks} blocks of {self.block_size} positions ({positions} positions, "
             f"{positions / self.max_seq_len:.1f} sequences of max_seq_len {self.max_seq_len}) "
             f"shared by {self.num_slots} seats"
             + (
@@ -225,6 +227,7 @@ def plan_memory(
         runtime.block_size,
         runtime.memory_budget_mb,
         rings / MB,
+        CacheFormat.of(runtime).name,
     )
     return resolved, plan
 

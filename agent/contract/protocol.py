@@ -37,7 +37,8 @@ Requests (op: fields -> reply fields):
                                                               that the scheduler gave up on; it is
                                                               refused if it still arrives)
     kv_receive (agent to agent): slot, ticket, state {length, next_token, sampler};
-              arrays [K/V float32|float16 [2 * layers, kv_heads, length, head_dim],
+              arrays [K/V float32|float16 [2 * layers, kv_heads, length, head_dim], or a q8_0
+                      cache's uint8 rows [..., head_dim / 32 * 34],
                       block table int32]                     -> -
     reset:    session, [epoch]                             -> - (every slot released; epoch: the
                                                               server's start time, refused with
@@ -85,12 +86,12 @@ import numpy as np
 
 # 10: prefill and decode are steps (one op, typed request and reply); 11: chunks may ask for prompt logprobs;
 # 12: steps spill and restore blocks of the prefix cache's second tier (an older agent would ignore them);
-# 13: drop_cache, and step replies report the tier (TierReport)
-PROTOCOL_VERSION = 13
+# 13: drop_cache, and step replies report the tier (TierReport); 14: kv_receive may carry a q8_0 cache's uint8 rows
+PROTOCOL_VERSION = 14
 OPS = ("info", "step", "release", "kv_receive", "reset", "ping", "drop_cache", "shutdown")
 SESSION_OPS = ("step", "release", "kv_receive", "drop_cache", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent
-ALLOWED_DTYPES = {"int32", "int64", "float32", "float16"}
+ALLOWED_DTYPES = {"int32", "int64", "float32", "float16", "uint8"}
 MAX_ARRAY_BYTES = 1 << 30
 MAX_ARRAY_DIMS = 8
 # The largest frame a peer may send (an array; headers are small): the agents' ZeroMQ MAXMSGSIZE,

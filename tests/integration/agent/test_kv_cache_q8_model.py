@@ -13,10 +13,12 @@ from agent.contract.sampling import SamplingParams
 from agent.graphs.cache_format import dequantize_rows, quantize_rows
 from agent.known_answer import KnownAnswer
 from agent.kv_tier_moves import export_blocks, import_blocks, tier_layout
-from agent.kv_transfer import export_kv, import_kv
+from agent.contract import protocol
+from agent.kv_transfer import export_kv
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
-from agent.runner import ModelRunner, RunnerError
+from agent.runner import ModelRunner
+from agent.service import AgentService
 from agent.warm_up import warm_up
 from config.schema import RuntimeSection
 from scheduler.ngram import NgramIndex
@@ -131,8 +133,9 @@ def test_a_prompts_q8_0_blocks_moved_out_and_back_answer_alike(q8_runner, defaul
 
 
 def test_pd_transfer_moves_the_q8_0_rows_and_the_receiver_decodes_alike(q8_runner, default_model_path, release_all):
-    """export_kv / import_kv (PD disaggregation's, between two agents' runners here) of a q8_0 cache:
-    the frame is its uint8 rows, a float32 frame is refused, and the moved sequence goes on as at home."""
+    """export_kv and the kv_receive op (PD disaggregation's frames through the wire protocol, into the
+    agent service) of a q8_0 cache: the frame is its uint8 rows, a float32 frame is refused, and the
+    moved sequence goes on as at home."""
     release_all(q8_runner)
     tokenizer = load_tokenizer(default_model_path)
     prompt = tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
@@ -141,9 +144,17 @@ def test_pd_transfer_moves_the_q8_0_rows_and_the_receiver_decodes_alike(q8_runne
     assert blocks.dtype == np.uint8 and blocks.shape[-1] == q8_runner.cache_row_width()
     at_home = [q8_runner.decode([0])[0] for _ in range(8)]
     q8_runner.release(0)
-    with pytest.raises(RunnerError, match="do not fit"):
-        import_kv(q8_runner, 2, dequantize_rows(blocks), state)
-    import_kv(q8_runner, 2, blocks, state)
+    service = AgentService(q8_runner, model_name="default", rank=0, port=0, role="decode")
+    service.handle(protocol.encode({"op": "reset", "id": 0, "session": 7}))
+
+    def receive(frame: np.ndarray) -> dict:
+        request = {"op": "kv_receive", "id": 1, "session": 7, "slot": 2, "ticket": 1, "state": state}
+        table = np.arange(8, 12, dtype=np.int32)  # 4 blocks of 16 positions
+        return protocol.decode(service.handle(protocol.encode(request, [frame, table])))[0]
+
+    refused = receive(dequantize_rows(blocks))
+    assert not refused["ok"] and "do not fit" in refused["error"]
+    assert receive(blocks)["ok"]
     assert [q8_runner.decode([2])[0] for _ in range(8)] == at_home
 
 

@@ -67,6 +67,7 @@ def test_a_q8_0_cache_plans_34_bytes_for_32_values_and_holds_more_positions(defa
     assert q8.block_mb == pytest.approx(12240 * 16 / MB)
     assert q8.num_blocks >= 2 * plain.num_blocks and q8.num_blocks > 3.7 * plain.num_blocks
     assert q8.total_mb <= 1500 < q8.total_mb + q8.block_mb
+    assert " MB (q8_0): " in q8.describe() and "(q8_0)" not in plain.describe()
 
 
 def test_a_budget_with_a_given_length_keeps_the_default_buckets_up_to_it(default_model_path):
