@@ -34,6 +34,8 @@ from config.schema import resolve_path  # noqa: E402
 
 def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
     """Write every graph of `config` into `output`; returns the manifest's file lists."""
+    if config.runtime.kv_cache_dtype == "q8_0":  # served MindIR graphs keep float caches (config.serving)
+        raise ConfigError("runtime.kv_cache_dtype q8_0 is not exported: export with kv_cache_dtype auto")
     tokenizer = load_tokenizer(config.model.path)
     if config.runtime.activations == "auto":  # served MindIR graphs have no int8 choice (config.serving)
         config = exact(config)

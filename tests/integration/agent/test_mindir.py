@@ -50,6 +50,20 @@ def exported(tmp_path_factory, tiny_llama_dir):
     return config_path, section
 
 
+def test_a_q8_0_cache_is_not_exported(tmp_path, tiny_llama_dir):
+    """A MindIR export keeps float caches, which served MindIR graphs assume: q8_0 is refused by name."""
+    config_path = write_config(tmp_path, tiny_llama_dir, free_ports(1), runtime={"kv_cache_dtype": "q8_0"})
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.export", "--config", str(config_path), "--output", str(tmp_path / "out")],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1 and "kv_cache_dtype q8_0 is not exported" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def run(runner: ModelRunner) -> list:
     """Greedy and seeded-sampling sequences decoded together, one slot released and reused."""
     runner.prefill(0, PROMPTS[0], SamplingParams())

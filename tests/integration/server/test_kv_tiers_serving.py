@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_harness import free_ports, serving_stack, write_config
+from tiny_models import write_tiny_checkpoint
 
 # A tiny pool: 8 blocks of 16 positions. Each prompt (a byte-level tokenizer: ~70-90 tokens) with its
 # answer takes 5 to 7 of them, so the next one evicts the one before it from the pool (its blocks go
@@ -67,7 +68,9 @@ def tier_hits(sample: dict, tier: str) -> float:
     return sample[("llm_serving_kv_tier_hits_total", (("tier", tier),))]
 
 
-def config(directory: Path, model: Path, tiers: Path, host_only: bool = False) -> tuple[Path, str, Path]:
+def config(
+    directory: Path, model: Path, tiers: Path, host_only: bool = False, **runtime
+) -> tuple[Path, str, Path]:
     agent_port, http_port = free_ports(2)
     directory.mkdir()
     bounds = {"host_mb": 4} if host_only else {"disk_mb": 16}
@@ -75,7 +78,7 @@ def config(directory: Path, model: Path, tiers: Path, host_only: bool = False) -
         directory,
         model,
         [agent_port],
-        runtime={**RUNTIME, "kv_tiers": {**bounds, "disk_dir": str(tiers)}},
+        runtime={**RUNTIME, **runtime, "kv_tiers": {**bounds, "disk_dir": str(tiers)}},
         server={"port": http_port},
     )
     return path, f"http://127.0.0.1:{http_port}", directory / "logs" / "agent_0.log"
@@ -175,3 +178,23 @@ def test_the_host_tier_alone_restores_and_writes_no_file(tmp_path, tiny_llama_di
     assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "host")))] > 0
     assert again[0] == first[0] and again[1] == pytest.approx(first[1], abs=1e-4)
     assert not tiers.exists()
+
+
+def test_a_q8_0_cache_moves_through_the_host_tier_and_answers_as_computed(tmp_path):
+    """runtime.kv_cache_dtype q8_0 served end to end (a tiny Llama with heads of 32 values, a q8_0
+    block each): prefix caching and the host tier carry its quantized blocks, and the prompt restored
+    from them answers as when it was computed."""
+    (tmp_path / "model").mkdir()
+    model = write_tiny_checkpoint(tmp_path / "model", "llama", seed=1, hidden=128)
+    path, base, log = config(tmp_path / "q8", model, tmp_path / "tiers", host_only=True, kv_cache_dtype="q8_0")
+    with serving_stack(path):
+        first = complete(base, LONG)
+        for other in OTHERS:
+            complete(base, other)
+        again = complete(base, LONG)
+        hits = restored(log)
+        seen = metrics(base)
+    assert "KV cache" in log.read_text() and "(q8_0)" in log.read_text()
+    assert hits and sum(n for n, _ in hits) >= 4 and all(m == 0 for _, m in hits), hits
+    assert tier_hits(seen, "host") == sum(n for n, _ in hits)
+    assert again[0] == first[0] and again[1] == pytest.approx(first[1], abs=1e-4)
