@@ -64,7 +64,9 @@ class KnownAnswer:
         checkpoint = checkpoint.whole()  # a rank's share: the group computes the whole model's logits
         tokens = probe_tokens(checkpoint.spec.vocab_size, probe_length(runtime))
         quantized_kv = runtime.kv_cache_dtype == "q8_0"
-        logits, kv = numpy_forward(checkpoint, tokens, kernels=runtime.matmul_kernel, quantized_kv=quantized_kv)
+        logits, kv = numpy_forward(
+            checkpoint, tokens, kernels=runtime.matmul_kernel, quantized_kv=quantized_kv
+        )
         return cls(tokens, logits[-2], logits[-1], kv[:, :, :-1])
 
     def save(self, directory: Path) -> Path:

@@ -136,6 +136,8 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         runtime = runner.runtime
         attention = "paged" if runtime.paged_attention else "kernel" if runtime.attention_kernel else "gather"
         arithmetic = f"{runtime.activations}-{'kernel' if runtime.matmul_kernel else 'mindspore'}-{attention}"
+        if runtime.kv_cache_dtype == "q8_0":  # its blocks are other bytes: a folder of their own
+            arithmetic += "-q8_0"
         tiers = open_tier_store(
             runner,
             checkpoint,

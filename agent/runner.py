@@ -32,10 +32,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from agent.graphs.cache_format import CacheFormat
 from agent.contract.prompt_logprobs import PromptLogprob, score_rows
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import BlockTable, StepChunk
+from agent.graphs.cache_format import CacheFormat
 from agent.graphs.interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket
 from agent.graphs.layers import WHOLE_MODEL, TensorSplit
 from agent.graphs.mindir import MindIRGraphs

@@ -86,7 +86,8 @@ import numpy as np
 
 # 10: prefill and decode are steps (one op, typed request and reply); 11: chunks may ask for prompt logprobs;
 # 12: steps spill and restore blocks of the prefix cache's second tier (an older agent would ignore them);
-# 13: drop_cache, and step replies report the tier (TierReport); 14: kv_receive may carry a q8_0 cache's uint8 rows
+# 13: drop_cache, and step replies report the tier (TierReport);
+# 14: kv_receive may carry a q8_0 cache's uint8 rows
 PROTOCOL_VERSION = 14
 OPS = ("info", "step", "release", "kv_receive", "reset", "ping", "drop_cache", "shutdown")
 SESSION_OPS = ("step", "release", "kv_receive", "drop_cache", "shutdown")

@@ -345,7 +345,9 @@ TIE_ULPS = 8
 
 def _q8_0_rounded(rows: np.ndarray) -> np.ndarray:
     q8_0 = gguf.GGMLQuantizationType.Q8_0
-    return gguf.quants.dequantize(gguf.quants.quantize(rows.astype(np.float32), q8_0), q8_0).astype(np.float64)
+    return gguf.quants.dequantize(gguf.quants.quantize(rows.astype(np.float32), q8_0), q8_0).astype(
+        np.float64
+    )
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -445,7 +447,9 @@ def forward(
     return h @ model.head.T
 
 
-def greedy(model: RefModel, prompt: list[int], n_new: int, stop_ids=(), q8_0_cache: bool = False) -> list[int]:
+def greedy(
+    model: RefModel, prompt: list[int], n_new: int, stop_ids=(), q8_0_cache: bool = False
+) -> list[int]:
     cache = RefCache()
     logits = forward(model, prompt, cache, q8_0_cache=q8_0_cache)[-1]
     out: list[int] = []

@@ -9,11 +9,11 @@ import pytest
 from conftest import DEFAULT_RUNTIME
 
 import reference_numpy as ref
+from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
 from agent.graphs.cache_format import dequantize_rows, quantize_rows
 from agent.known_answer import KnownAnswer
 from agent.kv_tier_moves import export_blocks, import_blocks, tier_layout
-from agent.contract import protocol
 from agent.kv_transfer import export_kv
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
@@ -132,7 +132,9 @@ def test_a_prompts_q8_0_blocks_moved_out_and_back_answer_alike(q8_runner, defaul
     assert got == want
 
 
-def test_pd_transfer_moves_the_q8_0_rows_and_the_receiver_decodes_alike(q8_runner, default_model_path, release_all):
+def test_pd_transfer_moves_the_q8_0_rows_and_the_receiver_decodes_alike(
+    q8_runner, default_model_path, release_all
+):
     """export_kv and the kv_receive op (PD disaggregation's frames through the wire protocol, into the
     agent service) of a q8_0 cache: the frame is its uint8 rows, a float32 frame is refused, and the
     moved sequence goes on as at home."""

@@ -54,7 +54,15 @@ def test_a_q8_0_cache_is_not_exported(tmp_path, tiny_llama_dir):
     """A MindIR export keeps float caches, which served MindIR graphs assume: q8_0 is refused by name."""
     config_path = write_config(tmp_path, tiny_llama_dir, free_ports(1), runtime={"kv_cache_dtype": "q8_0"})
     done = subprocess.run(
-        [sys.executable, "-m", "tools.export", "--config", str(config_path), "--output", str(tmp_path / "out")],
+        [
+            sys.executable,
+            "-m",
+            "tools.export",
+            "--config",
+            str(config_path),
+            "--output",
+            str(tmp_path / "out"),
+        ],
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,

@@ -9,10 +9,10 @@ import ctypes
 import gguf
 import numpy as np
 import pytest
+from test_decode_attention import reference
 
 from agent.kernels import build
 from kernel_calls import call, packed
-from test_decode_attention import reference
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -31,7 +31,9 @@ def dequantized(cache: np.ndarray) -> np.ndarray:
     return np.asarray(gguf.quants.dequantize(cache, Q8_0), np.float32)
 
 
-@pytest.mark.parametrize("groups, hd, block, kv", [(3, 64, 16, 3), (2, 32, 4, 2), (4, 128, 32, 1), (1, 96, 1, 2)])
+@pytest.mark.parametrize(
+    "groups, hd, block, kv", [(3, 64, 16, 3), (2, 32, 4, 2), (4, 128, 32, 1), (1, 96, 1, 2)]
+)
 def test_decode_attention_over_a_q8_0_cache_matches_numpy(library, groups, hd, block, kv):
     rng = np.random.default_rng(hd + block)
     lengths_per_row = [0, 1, 7, block, block + 1, 3 * block + 2, 77, 130]
@@ -75,13 +77,23 @@ def one_layer(library, k_cache, v_cache, bias, wkv_scale, lengths, tables, ident
 
     x = normal(rows, dim, scale=1.0)
     angles = rng.random((rows, 1, hd)).astype(np.float32)
-    cos, sin = (np.ones_like(angles), np.zeros_like(angles)) if identity_rope else (np.cos(angles), np.sin(angles))
+    cos, sin = (
+        (np.ones_like(angles), np.zeros_like(angles)) if identity_rope else (np.cos(angles), np.sin(angles))
+    )
     n = np.arange(rows * kv)
     lengths = np.repeat(np.asarray(lengths), kv)
     position = lengths - 1
     table = tables[n // kv]
     write = ((table[n, position // block] * kv + n % kv) * block + position % block).astype(np.int32)
-    common = [x, cos, sin, write, lengths.astype(np.int32), np.array([1e-5], np.float32), tables.astype(np.int32)]
+    common = [
+        x,
+        cos,
+        sin,
+        write,
+        lengths.astype(np.int32),
+        np.array([1e-5], np.float32),
+        tables.astype(np.int32),
+    ]
     common += [np.arange(rows, dtype=np.int32), np.array([block], np.int32)]
     common += [common[1], common[2], common[3], common[6]]
     layer = [

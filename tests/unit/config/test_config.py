@@ -127,7 +127,10 @@ def test_default_config_serves_the_embedded_model_on_cpu():
         ("server:\n  admin_api_keys: ['']\n", "an API key is empty or blank"),
         ("runtime:\n  activations: int8\n  matmul: mindspore\n", "int8 runs in the fused CPU layer"),
         ("runtime:\n  activations: bfloat16\n", "activations"),
-        ("runtime:\n  kv_cache_dtype: q8_0\n  decode_attention: gather\n", "q8_0 is written and read by the fused"),
+        (
+            "runtime:\n  kv_cache_dtype: q8_0\n  decode_attention: gather\n",
+            "q8_0 is written and read by the fused",
+        ),
         ("runtime:\n  kv_cache_dtype: q4_0\n", "kv_cache_dtype: Input should be 'auto' or 'q8_0'"),
         (
             "runtime:\n  kv_cache_dtype: q8_0\nagents:\n  groups: [{ports: [1, 2], cluster_port: 3}]\n",
