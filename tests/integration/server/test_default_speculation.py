@@ -1,6 +1,11 @@
 """N-gram speculation is on by default: a stack configured with no `runtime.speculation` proposes
 tokens (/metrics counts them), and its greedy answers equal those of a stack with `method: none`,
-for prompts that copy themselves and one that does not."""
+for prompts that copy themselves and one that does not.
+
+Which steps propose is the cost-aware rule's choice, from step times the scheduler measures
+(scheduler/verify_costs.py): so how many proposed tokens are kept depends on the machine's load,
+and is not asserted here. That kept tokens leave greedy answers unchanged is asserted where the
+proposal length is fixed (test_speculation.py, `adaptive: false`)."""
 
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -59,7 +64,7 @@ def test_default_greedy_answers_equal_those_without_speculation_and_proposals_ar
     plain = [generate(stacks["none"], p) for p in PROMPTS]
     assert fast == plain
     proposed, kept = (after - prior for after, prior in zip(proposed_and_kept(stacks["default"]), before))
-    assert 0 < kept <= proposed, (kept, proposed)
+    assert proposed > 0 and 0 <= kept <= proposed, (kept, proposed)
     assert proposed_and_kept(stacks["none"]) == (0, 0)
 
 
