@@ -26,8 +26,10 @@ class ModelSection(Section):
         description="tool calls as `<tool_call>` JSON (hermes), a whole-answer JSON call (llama3_json) "
         "or after `[TOOL_CALLS]` (mistral)",
     )
-    reasoning_parser: Literal["auto", "think", "none"] = Field(
-        "auto", description="think: `<think>...</think>` is the answer's reasoning, apart from its content"
+    reasoning_parser: Literal["auto", "think", "mistral", "none"] = Field(
+        "auto",
+        description="the answer's reasoning, apart from its content: `<think>...</think>` (think) "
+        "or `[THINK]...[/THINK]` (mistral: Magistral)",
     )
 
     @field_validator("path", "argmax_model")

@@ -147,4 +147,4 @@ def thinking_of(model: LoadedModel, a: Admission, prompt: list[int], max_tokens:
             f"{param}: {budget} is more than the answer's length ({a.max_tokens_param} {max_tokens})",
             param=param,
         )
-    return ThinkingBudget.of(model.tokenizer, budget, found.inside)
+    return ThinkingBudget.of(model.tokenizer, budget, found.inside, found.tags)

@@ -95,13 +95,23 @@ async def admit_choices(
         speculate=req.speculate,
         thinking_budget=req.max_thinking_tokens if isinstance(req, ChatCompletionRequest) else None,
         thinking_param=thinking_param,
-        shown_tokens=tool_calls.shown_markers(model.tokenizer, call_format) if calls else frozenset(),
+        shown_tokens=shown_markers(model, chat, call_format if calls else None),
     )
     admitted = await admit_answers(model, style, admission)
     answer = Choices(req, model, admitted.prompt, admitted.streams, chat, top, calls, call_format=call_format)
     if chat:
         answer.thinks = reasoning.of_answers(model.tokenizer, settings.reasoning_parser, admitted.prompt)
     return answer
+
+
+def shown_markers(model: LoadedModel, chat: bool, call_format: str | None) -> frozenset[int]:
+    """The special tokens a choice's text keeps: the tool call format's markers (when tools are
+    offered) and a chat's think tags, where the vocabulary holds them as special tokens."""
+    shown = frozenset() if call_format is None else tool_calls.shown_markers(model.tokenizer, call_format)
+    if chat:
+        tags = reasoning.tags_of(model.tokenizer.chat_template, model.config.model.reasoning_parser)
+        shown |= reasoning.shown_markers(model.tokenizer, tags)
+    return shown
 
 
 async def whole_reply(answer: Choices) -> Response:

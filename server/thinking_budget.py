@@ -1,17 +1,17 @@
-"""A reasoning model's thinking budget: at most N tokens inside its `<think>` block, then the block
+"""A reasoning model's thinking budget: at most N tokens inside its think block, then the block
 is closed for it and the answer goes on freely (chat `max_thinking_tokens`, Responses
 `reasoning.max_tokens`, Anthropic `thinking.budget_tokens`).
 
-    budget = ThinkingBudget.of(tokenizer, 64, inside=True)   # inside: the prompt opened the block
+    budget = ThinkingBudget.of(tokenizer, 64, inside=True, tags=THINK)   # inside: the prompt opened it
     seq.constraint = budget.follow(grammar_constraint)        # one per answer (engine_io.TokenConstraint)
 
 The budget is a token constraint (scheduler.engine_io.TokenConstraint, as structured output's
 grammar): any token is allowed until the budget is spent inside the block; then only the next
-token of the close tag (`</think>` encoded by the model's tokenizer: one special token for Qwen3,
-several for other vocabularies, forced in order). The block is followed by the tokens' text, as
-server/reasoning.py reads it: the answer may open it itself (Qwen3) or start inside it (R1's
-templates); text that closes it on its own ends the budget's work; an answer that does not open
-one is never constrained.
+token of the close tag (`</think>` or `[/THINK]` encoded by the model's tokenizer: one special
+token for Qwen3 and Magistral, several for other vocabularies, forced in order). The block is
+followed by the tokens' text, as server/reasoning.py reads it: the answer may open it itself
+(Qwen3, Magistral) or start inside it (R1's templates); text that closes it on its own ends the
+budget's work; an answer that does not open one is never constrained.
 
 With a grammar (structured output), the grammar's mask comes first: when the budget is spent, the
 close tag's next token is forced where the grammar allows it, and the grammar's mask is sent
@@ -34,7 +34,7 @@ import numpy as np
 
 from agent.model.tokenizer import TextTokenizer
 from scheduler.engine_io import TokenConstraint
-from server.reasoning import END, MAX_LEADING_SPACE, THINK
+from server.reasoning import MAX_LEADING_SPACE, Tags
 
 # BudgetConstraint's states
 START, INSIDE, FORCING, DONE = "start", "inside", "forcing", "done"
@@ -51,14 +51,15 @@ class ThinkingBudget:
     inside: bool
     piece: Callable[[int], str]
     words: int
+    tags: Tags
 
     @classmethod
-    def of(cls, tokenizer: TextTokenizer, budget: int, inside: bool) -> ThinkingBudget:
-        close = tuple(tokenizer.encode(END, add_special_tokens=False))
+    def of(cls, tokenizer: TextTokenizer, budget: int, inside: bool, tags: Tags) -> ThinkingBudget:
+        close = tuple(tokenizer.encode(tags.close, add_special_tokens=False))
         if not close:
-            raise ValueError(f"the tokenizer encodes {END!r} as no token")
+            raise ValueError(f"the tokenizer encodes {tags.close!r} as no token")
         words = (tokenizer.vocab_size + 31) // 32
-        return cls(budget, close, inside, lambda token: tokenizer.token_piece(token)[0], words)
+        return cls(budget, close, inside, lambda token: tokenizer.token_piece(token)[0], words, tags)
 
     def follow(self, grammar: TokenConstraint | None = None) -> BudgetConstraint:
         """One answer's constraint, composed with its grammar's (None: no grammar)."""
@@ -108,26 +109,27 @@ class BudgetConstraint:
         if self.state == DONE:
             return
         text = self.text + self.budget.piece(token)
+        tags = self.budget.tags
         if self.state == START:
             stripped = text.lstrip()
-            if stripped.startswith(THINK):
-                self.state, self.text = INSIDE, stripped[len(THINK) :][-len(END) :]
+            if stripped.startswith(tags.open):
+                self.state, self.text = INSIDE, stripped[len(tags.open) :][-len(tags.close) :]
                 self._spent()
-            elif not (THINK.startswith(stripped) and len(text) - len(stripped) <= MAX_LEADING_SPACE):
+            elif not (tags.open.startswith(stripped) and len(text) - len(stripped) <= MAX_LEADING_SPACE):
                 self.state = DONE  # the answer opens no block: it is all content
             else:
                 self.text = text
             return
-        if END in text:  # closed: by the model itself, or the forced tag is complete
+        if tags.close in text:  # closed: by the model itself, or the forced tag is complete
             self.state, self.text = DONE, ""
             return
-        self.text = text[-len(END) :]
+        self.text = text[-len(tags.close) :]
         if self.state == FORCING:
             # the forced token, or (a grammar that did not allow it) another: force the tag again
             matched = token == self.budget.close_ids[self.forced]
             self.forced = self.forced + 1 if matched else self._begun()
             if self.forced == len(self.budget.close_ids):
-                self.state = DONE  # a tag whose tokens do not spell END as text ends here too
+                self.state = DONE  # a tag whose tokens do not spell it as text ends here too
             return
         self.thought += 1
         self._spent()

@@ -2,7 +2,8 @@
 its shapes (as vLLM's mistral_tool_parser reads them):
 
     text before the calls[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]     tokenizers < v11
-    text before the calls[TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}         v11+ (Small 3.2 ...)
+    text before the calls[TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}         v11+ (Magistral ...)
+    text before the calls[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{...}              Small 3.2, Devstral
 
 A whole answer that is the JSON array alone is calls too: `[TOOL_CALLS]` is a special token, which
 a text decode without special tokens drops, and tool_choice's grammar writes the array alone.
@@ -16,8 +17,8 @@ import json
 
 from server.request_body import MAX_JSON_DEPTH, json_value
 
-MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
-MAX_NAME = 256  # characters of a v11 call's function name
+MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+MAX_NAME = 256  # characters of a v11 call's function name and call id
 
 
 def read(text: str) -> tuple[str, list] | None:
@@ -43,7 +44,8 @@ def _array(text: str, at: int) -> list | None:
 
 
 def _named(text: str, at: int) -> list | None:
-    """The v11+ calls: MARKER name ARGS arguments, repeated to the answer's end (`at`: a MARKER)."""
+    """The v11+ calls: MARKER name [CALL_ID id] ARGS arguments, repeated to the answer's end (`at`:
+    a MARKER); a call's id is kept as "id"."""
     calls = []
     while at < len(text):
         if not text.startswith(MARKER, at):
@@ -55,7 +57,9 @@ def _named(text: str, at: int) -> list | None:
         decoded = _decode(text, args + len(ARGS))
         if decoded is None:
             return None
-        calls.append({"name": text[at:args].strip(), "arguments": decoded[0]})
+        name, _, call_id = text[at:args].partition(CALL_ID)
+        call = {"name": name.strip(), "arguments": decoded[0]}
+        calls.append(call | {"id": call_id.strip()} if call_id else call)
         at = _skip_space(text, decoded[1])
     return calls
 

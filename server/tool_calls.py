@@ -24,6 +24,7 @@ same format for templates that do not know them.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 import uuid
@@ -37,6 +38,7 @@ from server.request_body import MAX_JSON_DEPTH, TooDeep, json_value
 from server.structured_output import JSON_OPTIONS, GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")  # the ids Mistral's templates take
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: a call (or code) follows
 HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 SYSTEM_PROMPT = (
@@ -185,7 +187,8 @@ def _mistral_calls(text: str, names: set[str], parallel: bool) -> tuple[str | No
     """Mistral's calls (tool_call_mistral.read), all of offered functions with object arguments,
     or none: the answer is text."""
     read = tool_call_mistral.read(text)
-    shaped = [_value_call(value, names, _mistral_id) for value in read[1]] if read else []
+    taken: set[str] = set()
+    shaped = [_mistral_call(value, names, taken) for value in read[1]] if read else []
     calls = [call for call in shaped if call is not None]
     if read is None or len(calls) < len(shaped):
         return text, []
@@ -267,6 +270,19 @@ def _mistral_id() -> str:
     """Mistral's templates refuse a history call whose id is not 9 letters and digits (vLLM's
     MistralToolCall ids are made alike)."""
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+def _mistral_call(value, names: set[str], taken: set[str]) -> dict | None:
+    """A Mistral call in OpenAI's shape, with the id the model wrote when it is one Mistral's
+    templates take (`[CALL_ID]`, or "id" in a JSON call) and no earlier call of the answer has it
+    (`taken`: their ids), else a new one."""
+    call = _value_call(value, names, _mistral_id)
+    given = value.get("id") if isinstance(value, dict) else None
+    if call is not None and isinstance(given, str) and MISTRAL_ID.fullmatch(given) and given not in taken:
+        call["id"] = given
+    if call is not None:
+        taken.add(call["id"])
+    return call
 
 
 def _value_call(value, names: set[str], make_id: Callable[[], str] = _openai_id) -> dict | None:

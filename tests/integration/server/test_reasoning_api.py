@@ -2,9 +2,11 @@
 and `start_server.py`, read with the official `openai` and `anthropic` packages.
 
 The tiny model's weights are random; its tokenizer directory gets a real model's chat template:
-Qwen3's (the model opens `<think>` itself; tools as `<tool_call>`; enable_thinking), or DeepSeek-R1
+Qwen3's (the model opens `<think>` itself; tools as `<tool_call>`; enable_thinking), DeepSeek-R1
 Distill's (its prompt opens `<think>`: the answer starts inside) served with
-`model.tool_call_parser: llama3_json`. Structured output forces the answers' text: a regex on the
+`model.tool_call_parser: llama3_json`, or Ministral 3 Reasoning's (Magistral's
+`[THINK]...[/THINK]`, which the tiny vocabulary spells in several tokens; special tokens in
+Magistral's own: unit tests). Structured output forces the answers' text: a regex on the
 chat API, a JSON Schema `const` on Responses and Messages (whose answer is then a JSON string, its
 quote marks included)."""
 
@@ -26,6 +28,7 @@ from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write
 TEMPLATES = Path(__file__).parents[2] / "unit" / "agent" / "chat_templates"
 QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
 R1 = (TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja").read_text(encoding="utf-8")
+MAGISTRAL = (TEMPLATES / "mistralai-Ministral-3-14B-Reasoning-2512.jinja").read_text(encoding="utf-8")
 EOS = "<|im_end|>"  # the tiny vocabulary's
 RUNTIME = {**LONG_ANSWERS_RUNTIME, "max_seq_len": 1536, "attend_buckets": [64, 512, 1536]}
 QUESTION = [{"role": "user", "content": "Hello there"}]
@@ -68,6 +71,13 @@ def qwen3(tmp_path_factory, tiny_llama_dir):
 @pytest.fixture(scope="module")
 def r1(tmp_path_factory, tiny_llama_dir):
     directory, path, url = stack_of(tmp_path_factory, tiny_llama_dir, R1, tool_call_parser="llama3_json")
+    with serving_stack(path):
+        yield directory, url
+
+
+@pytest.fixture(scope="module")
+def magistral(tmp_path_factory, tiny_llama_dir):
+    directory, path, url = stack_of(tmp_path_factory, tiny_llama_dir, MAGISTRAL)
     with serving_stack(path):
         yield directory, url
 
@@ -152,6 +162,25 @@ def test_chat_thinking_comes_apart_whole_and_streamed(qwen3):
     assert plain.content == "plain" and plain.model_extra["reasoning_content"] is None
     assert reasoning_tokens(plain_reply.usage) == 0 and plain_reply.usage.completion_tokens > 0
     assert reasoning_tokens(streamed_usage(client, **plain_body)) == 0
+
+
+def test_magistral_thinking_comes_apart_and_its_budget_closes_the_block(magistral):
+    client = sdk(magistral[1])
+    body = forced(r"\[THINK\]abc\[/THINK\]answer", messages=QUESTION)
+    reply = client.chat.completions.create(**body)
+    message = reply.choices[0].message
+    assert (message.content, message.model_extra["reasoning_content"]) == ("answer", "abc")
+    assert 0 < reasoning_tokens(reply.usage) < reply.usage.completion_tokens
+    deltas, _, reason = streamed_chat(client, **body)
+    assert joined(deltas, "reasoning") == "abc" and joined(deltas, "content") == "answer" and reason == "stop"
+    # a budget of 2 tokens: the close tag comes where the grammar lets it, after 2 tokens of thought
+    body = forced(r"\[THINK\][a-z]{1,40}\[/THINK\][a-z]{1,8}", messages=QUESTION)
+    free = client.chat.completions.create(**body).choices[0].message
+    body["extra_body"] |= {"max_thinking_tokens": 2}
+    bounded = client.chat.completions.create(**body)
+    thought = bounded.choices[0].message.model_extra["reasoning_content"]
+    assert 0 < len(thought) < len(free.model_extra["reasoning_content"])
+    assert free.model_extra["reasoning_content"].startswith(thought) and bounded.choices[0].message.content
 
 
 def test_reasoning_tokens_of_every_choice_are_summed(qwen3):

@@ -19,8 +19,8 @@ def template(name: str) -> str:
     return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
-def streamed(text: str, inside: bool, cut: int) -> tuple[str, str]:
-    splitter = reasoning.ThinkSplitter(inside)
+def streamed(text: str, inside: bool, cut: int, tags: reasoning.Tags = reasoning.THINK) -> tuple[str, str]:
+    splitter = reasoning.ThinkSplitter(inside, tags)
     thought, content = "", ""
     for i in range(0, len(text), cut):
         t, c = splitter.feed(text[i : i + cut])
@@ -57,6 +57,28 @@ def test_streamed_answers_split_as_whole_ones_at_every_cut(text, inside, thought
     assert streamed(text, inside, cut) == (thought or "", content)
 
 
+def in_mistral_tags(text: str | None) -> str | None:
+    """A case's text with Magistral's tags for Qwen3's."""
+    if text is None:
+        return None
+    return text.replace("</think>", "[/THINK]").replace("<think>", "[THINK]").replace("</thi", "[/THI")
+
+
+@pytest.mark.parametrize(("text", "inside", "thought", "content"), CASES)
+@pytest.mark.parametrize("cut", [1, 3, 8])
+def test_magistral_answers_split_alike(text, inside, thought, content, cut):
+    text, thought, content = in_mistral_tags(text), in_mistral_tags(thought), in_mistral_tags(content)
+    assert text is not None and content is not None
+    assert reasoning.Reasoning(inside, reasoning.MISTRAL).split(text) == (thought, content)
+    assert streamed(text, inside, cut, reasoning.MISTRAL) == (thought or "", content)
+
+
+def test_the_other_formats_tags_are_text():
+    assert reasoning.Reasoning(False).split("[THINK]a[/THINK]b") == (None, "[THINK]a[/THINK]b")
+    qwen3_style = "<think>a</think>b"
+    assert reasoning.Reasoning(False, reasoning.MISTRAL).split(qwen3_style) == (None, qwen3_style)
+
+
 def test_reasoning_streams_as_it_comes():
     """Only what could be the start of the end tag is held back."""
     splitter = reasoning.ThinkSplitter(inside=True)
@@ -72,6 +94,13 @@ def test_which_templates_reason():
     assert reasoning.reasons(qwen3, "auto") and reasoning.reasons(r1, "auto")
     assert not reasoning.reasons(llama, "auto") and not reasoning.reasons(None, "auto")
     assert reasoning.reasons(llama, "think") and not reasoning.reasons(qwen3, "none")
+    # Magistral's [THINK] (its system prompt explains the format); Mistral Small 3.2 does not reason
+    magistral = template("mistralai-Ministral-3-14B-Reasoning-2512.jinja")
+    small = template("Mistral-Small-3.2-24B-Instruct-2506.jinja")
+    assert reasoning.tags_of(magistral, "auto") == reasoning.MISTRAL and not reasoning.reasons(small, "auto")
+    assert reasoning.tags_of(qwen3, "auto") == reasoning.THINK == reasoning.tags_of(small, "think")
+    assert reasoning.tags_of(llama, "mistral") == reasoning.MISTRAL
+    assert reasoning.tags_of(magistral, "none") is None
 
 
 def render(name: str, **kwargs) -> str:
@@ -85,6 +114,10 @@ def test_the_prompt_says_whether_the_answer_starts_inside():
     assert not reasoning.opens_inside(render("Qwen-Qwen3-0.6B.jinja")[-40:])
     off = render("Qwen-Qwen3-0.6B.jinja", enable_thinking=False)
     assert "<think>" in off and not reasoning.opens_inside(off[-40:])
+    # Magistral: the model opens [THINK]; the system prompt's [THINK]...[/THINK] is text before it
+    magistral = render("mistralai-Ministral-3-14B-Reasoning-2512.jinja")
+    assert "[THINK]" in magistral and not reasoning.opens_inside(magistral, reasoning.MISTRAL)
+    assert reasoning.opens_inside(magistral + "[THINK]\n", reasoning.MISTRAL)
 
 
 def test_hostile_answers_are_split_in_linear_time():

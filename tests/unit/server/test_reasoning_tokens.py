@@ -3,8 +3,10 @@ reasoning_tokens), on a real tokenizer's ids fed as the engine hands them out (o
 time), against a brute-force reference: the shortest prefix of the ids whose decode closes the block."""
 
 import pytest
+from tokenizers import AddedToken
 
-from agent.model.tokenizer import load_tokenizer
+from agent.model.detokenizer import IncrementalDetokenizer
+from agent.model.tokenizer import TextTokenizer, load_tokenizer
 from server import reasoning
 from time_limit import deadline
 
@@ -63,3 +65,28 @@ def test_a_long_answer_is_counted_in_linear_time(tokenizer):
     with deadline(10):
         spent = counted(tokenizer, ids, inside=False, step=1)
     assert spent == len(ids) - len(tokenizer.encode("done", add_special_tokens=False))
+
+
+def test_magistral_tags_as_special_tokens_are_read_and_counted(tiny_llama_dir):
+    """Magistral's vocabulary holds [THINK] and [/THINK] as control tokens, which a text decode
+    drops: of_answers keeps them shown, so the block is seen, split and counted."""
+    inner = load_tokenizer(tiny_llama_dir).tokenizer
+    inner.add_special_tokens([AddedToken(tag, special=True) for tag in ("[THINK]", "[/THINK]")])
+    template = "{{ messages[0]['content'] }} [THINK]How to think[/THINK] is explained"
+    vocab = TextTokenizer(inner, template, None, None, ())
+    prompt = vocab.encode("[INST]Hi[/INST]", add_special_tokens=False)
+    found = reasoning.of_answers(vocab, "auto", prompt)
+    assert found is not None and found.tags == reasoning.MISTRAL and not found.inside
+    think, close = (vocab.encode(tag, add_special_tokens=False) for tag in ("[THINK]", "[/THINK]"))
+    assert len(think) == len(close) == 1 and found.shown == {think[0], close[0]}
+    thinking, answer = (vocab.encode(text, add_special_tokens=False) for text in ("let me see", "Paris"))
+    ids = think + thinking + close + answer
+    counter = found.counter(vocab)
+    counter.feed(ids)
+    assert counter.tokens == 1 + len(thinking) + 1
+    detokenizer = IncrementalDetokenizer(vocab, found.shown)
+    text = "".join(detokenizer.add(token) for token in ids)
+    assert found.split(text) == ("let me see", "Paris")
+    unshown = reasoning.Reasoning(False, reasoning.MISTRAL).counter(vocab)  # the tags dropped: no block
+    unshown.feed(ids)
+    assert unshown.tokens == 0

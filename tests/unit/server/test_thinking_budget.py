@@ -10,7 +10,7 @@ import pytest
 from tokenizers import AddedToken
 
 from agent.model.tokenizer import TextTokenizer, load_tokenizer
-from server.reasoning import END
+from server.reasoning import MISTRAL, THINK
 from server.structured_output import Grammars, GrammarSpec
 from server.thinking_budget import BudgetConstraint, ThinkingBudget
 
@@ -22,9 +22,11 @@ def chars(tiny_llama_dir) -> TextTokenizer:
 
 @pytest.fixture(scope="module")
 def special(tiny_llama_dir) -> TextTokenizer:
-    """The tiny vocabulary with `<think>` and `</think>` as special tokens, as Qwen3's has them."""
+    """The tiny vocabulary with `<think>` and `</think>` as special tokens, as Qwen3's has them, and
+    `[THINK]` and `[/THINK]`, as Magistral's has them."""
     inner = load_tokenizer(tiny_llama_dir).tokenizer
-    inner.add_special_tokens([AddedToken("<think>", special=True), AddedToken("</think>", special=True)])
+    tags = [THINK.open, THINK.close, MISTRAL.open, MISTRAL.close]
+    inner.add_special_tokens([AddedToken(tag, special=True) for tag in tags])
     return TextTokenizer(inner, None, None, None, ())
 
 
@@ -61,10 +63,10 @@ def ids(tokenizer: TextTokenizer, text: str) -> list[int]:
 
 @pytest.mark.parametrize("budget", [0, 1, 3, 7])
 def test_an_answer_inside_the_block_thinks_n_tokens_then_the_close_tag_is_forced(chars, budget):
-    close = ids(chars, END)
+    close = ids(chars, THINK.close)
     assert len(close) > 1  # the tag is several tokens here: forced in order
     thinking = ids(chars, "abcdefgjlmopqrsuvw")  # no letter of the tag: the model does not write it
-    constraint = ThinkingBudget.of(chars, budget, inside=True).follow()
+    constraint = ThinkingBudget.of(chars, budget, inside=True, tags=THINK).follow()
     out = walk(chars, constraint, thinking + ids(chars, "answer"), budget + len(close) + 6)
     # the answer continues freely after the tag: the model's next wanted tokens, the thinking it had left
     assert out == thinking[:budget] + close + thinking[budget : budget + 6]
@@ -73,12 +75,12 @@ def test_an_answer_inside_the_block_thinks_n_tokens_then_the_close_tag_is_forced
 
 
 def test_budget_zero_inside_forces_the_tag_first(chars):
-    constraint = ThinkingBudget.of(chars, 0, inside=True).follow()
-    assert allowed(constraint.mask(), chars.vocab_size) == {ids(chars, END)[0]}
+    constraint = ThinkingBudget.of(chars, 0, inside=True, tags=THINK).follow()
+    assert allowed(constraint.mask(), chars.vocab_size) == {ids(chars, THINK.close)[0]}
 
 
 def test_an_answer_that_opens_the_block_itself_is_counted_from_the_open_tag(chars):
-    constraint = ThinkingBudget.of(chars, 2, inside=False).follow()
+    constraint = ThinkingBudget.of(chars, 2, inside=False, tags=THINK).follow()
     wanted = ids(chars, " \n<think>xyzw")
     out = walk(chars, constraint, wanted, len(wanted) - 2 + 8 + 1)
     assert chars.decode(out) == " \n<think>xy</think>z"
@@ -88,7 +90,7 @@ def test_an_answer_that_opens_the_block_itself_is_counted_from_the_open_tag(char
 def test_a_tag_the_model_began_is_finished_not_restarted(chars, budget):
     # the tag's own tokens count as thinking until it is whole: 9 of them here ("ab</think");
     # a budget spent inside the tag forces the rest of it
-    constraint = ThinkingBudget.of(chars, budget, inside=True).follow()
+    constraint = ThinkingBudget.of(chars, budget, inside=True, tags=THINK).follow()
     wanted = ids(chars, "ab</think>" + "q" * 20)
     assert walk(chars, constraint, wanted, len(wanted)) == wanted
     assert len(allowed(constraint.mask(), chars.vocab_size)) == chars.vocab_size
@@ -96,17 +98,18 @@ def test_a_tag_the_model_began_is_finished_not_restarted(chars, budget):
 
 
 def test_an_answer_without_a_block_is_never_constrained(chars):
-    constraint = ThinkingBudget.of(chars, 0, inside=False).follow()
+    constraint = ThinkingBudget.of(chars, 0, inside=False, tags=THINK).follow()
     wanted = ids(chars, "Paris" + "q" * 20)
     assert walk(chars, constraint, wanted, len(wanted)) == wanted
 
 
-def test_a_one_token_close_tag_is_forced_once(special):
-    close = ids(special, END)
+@pytest.mark.parametrize("tags", [THINK, MISTRAL])
+def test_a_one_token_close_tag_is_forced_once(special, tags):
+    close = ids(special, tags.close)
     assert len(close) == 1
-    constraint = ThinkingBudget.of(special, 2, inside=False).follow()
-    wanted = ids(special, "<think>abcdef")
-    assert len(wanted) == 7  # <think> is one token too
+    constraint = ThinkingBudget.of(special, 2, inside=False, tags=tags).follow()
+    wanted = ids(special, tags.open + "abcdef")
+    assert len(wanted) == 7  # the open tag is one token too
     out = walk(special, constraint, wanted, 5)
     assert out == wanted[:3] + close + [wanted[3]]
 
@@ -114,7 +117,7 @@ def test_a_one_token_close_tag_is_forced_once(special):
 def test_with_a_grammar_the_tag_is_forced_where_the_grammar_allows_it(chars):
     grammars = Grammars(chars, 10_000, 30.0)
     grammar = asyncio.run(grammars.compile(GrammarSpec("regex", "abc[a-z]*</think>answer")))
-    constraint = ThinkingBudget.of(chars, 1, inside=True).follow(grammar.follow())
+    constraint = ThinkingBudget.of(chars, 1, inside=True, tags=THINK).follow(grammar.follow())
     wanted = ids(chars, "abcdefg")
     out = walk(chars, constraint, wanted, 3 + 8 + 6)
     # the grammar holds "abc" past the budget; then "</think>" is forced and the grammar ends it
@@ -124,7 +127,7 @@ def test_with_a_grammar_the_tag_is_forced_where_the_grammar_allows_it(chars):
 def test_a_token_outside_the_grammar_is_refused(chars):
     grammars = Grammars(chars, 10_000, 30.0)
     grammar = asyncio.run(grammars.compile(GrammarSpec("regex", "abc")))
-    constraint = ThinkingBudget.of(chars, 4, inside=True).follow(grammar.follow())
+    constraint = ThinkingBudget.of(chars, 4, inside=True, tags=THINK).follow(grammar.follow())
     with pytest.raises(ValueError, match="not allowed"):
         constraint.advance(ids(chars, "z")[0])
 
@@ -135,7 +138,7 @@ def test_free_tokens_never_promise_a_token_the_budget_would_force(chars, inside,
     left before the first forced token (exactly those, inside the block), and no mask goes out
     while tokens are free."""
     budget = 4
-    constraint = ThinkingBudget.of(chars, budget, inside=inside).follow()
+    constraint = ThinkingBudget.of(chars, budget, inside=inside, tags=THINK).follow()
     frees, masked = [], []
     for token in ids(chars, text)[:12]:
         frees.append(constraint.free_tokens)
@@ -152,18 +155,18 @@ def test_free_tokens_never_promise_a_token_the_budget_would_force(chars, inside,
 
 
 def test_a_closed_block_frees_every_token_and_a_grammar_none(chars):
-    constraint = ThinkingBudget.of(chars, 3, inside=True).follow()
+    constraint = ThinkingBudget.of(chars, 3, inside=True, tags=THINK).follow()
     for token in ids(chars, "a</think>b"):
         constraint.advance(token)
     assert constraint.free_tokens is None and constraint.mask() is None
     grammars = Grammars(chars, 10_000, 30.0)
     grammar = asyncio.run(grammars.compile(GrammarSpec("regex", "[a-z]+")))
-    assert ThinkingBudget.of(chars, 3, inside=True).follow(grammar.follow()).free_tokens == 0
+    assert ThinkingBudget.of(chars, 3, inside=True, tags=THINK).follow(grammar.follow()).free_tokens == 0
 
 
 def test_a_grammar_that_never_allows_the_tag_keeps_its_text(chars):
     grammars = Grammars(chars, 10_000, 30.0)
     grammar = asyncio.run(grammars.compile(GrammarSpec("regex", "[a-z]{12}")))
-    constraint = ThinkingBudget.of(chars, 1, inside=True).follow(grammar.follow())
+    constraint = ThinkingBudget.of(chars, 1, inside=True, tags=THINK).follow(grammar.follow())
     wanted = ids(chars, "abcdefgjlmop")
     assert walk(chars, constraint, wanted, 12) == wanted and constraint.complete

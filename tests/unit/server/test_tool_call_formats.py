@@ -215,6 +215,45 @@ def test_both_mistral_shapes_are_read(text, content):
     assert names(first) == ["get_weather"]
 
 
+def test_mistral_call_ids_the_model_writes_are_kept_where_a_template_takes_them():
+    """Mistral Small 3.2 and Devstral write `name[CALL_ID]id[ARGS]{...}`: a 9-character id of
+    letters and digits is the call's id; another id, or one an earlier call has, gets a new one."""
+    text = (
+        "Checking. "
+        + MARKER
+        + 'get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}'
+        + MARKER
+        + 'add[CALL_ID]a1B2c3D4e[ARGS]{"a": 1}'  # the same id again
+        + MARKER
+        + 'add[CALL_ID]call_1[ARGS]{"a": 2}'  # not one Mistral's templates take
+    )
+    content, calls = tool_calls.parse_calls(text, TOOLS, fmt=MISTRAL)
+    assert content == "Checking." and names(calls) == ["get_weather", "add", "add"]
+    assert [arguments(c) for c in calls] == [{"city": "Paris"}, {"a": 1}, {"a": 2}]
+    ids = [c["id"] for c in calls]
+    assert ids[0] == "a1B2c3D4e" and len(set(ids)) == 3
+    assert all(len(i) == 9 and i.isalnum() for i in ids)
+    _, (json_call,) = tool_calls.parse_calls(
+        MARKER + '[{"name": "add", "arguments": {"a": 1}, "id": "Zz9Yy8Xx7"}]', TOOLS, fmt=MISTRAL
+    )
+    assert json_call["id"] == "Zz9Yy8Xx7"
+    # the calls go back through Mistral Small 3.2's template, which refuses any other id
+    req = request(
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": i, "content": "ok"} for i in ids),
+        ]
+    )
+    rendered = ChatTemplate(template("Mistral-Small-3.2-24B-Instruct-2506.jinja")).render(
+        tool_calls.template_messages(req, template_takes_tools=True),
+        bos_token="<s>",
+        eos_token="</s>",
+        tools=tool_calls.template_tools(req),
+    )
+    assert '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}' in rendered
+
+
 def test_a_mistral_call_with_a_marker_inside_its_arguments_is_one_call():
     text = MARKER + 'add[ARGS]{"a": "[TOOL_CALLS]x[ARGS]{}"}'
     _, calls = tool_calls.parse_calls(text, TOOLS, fmt=MISTRAL)
