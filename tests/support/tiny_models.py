@@ -57,14 +57,16 @@ def write_tiny_checkpoint(
     tied: bool = False,
     shards: int = 1,
     extra_config: dict | None = None,
+    specials: tuple[str, ...] = (),
 ) -> Path:
     """config.json + model.safetensors (or `shards` files and model.safetensors.index.json) +
     tokenizer files; weights scaled so logits spread widely (near-ties would make greedy
     comparisons flaky). model_type "internlm2" packs Q/K/V into wqkv under InternLM2's names, "phi3"
     Q/K/V into qkv_proj and gate/up into gate_up_proj; "qwen3" adds QK-norm weights and a head size of
-    hidden / heads x 1.5 (not hidden / heads); "mistral" is Llama's."""
+    hidden / heads x 1.5 (not hidden / heads); "mistral" is Llama's. `specials`: more special tokens
+    in the vocabulary (Mistral's control tokens)."""
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = write_tokenizer(directory)
+    tokenizer = write_tokenizer(directory, specials=specials)
     vocab = tokenizer.get_vocab_size()
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads * 3 // 2 if model_type == "qwen3" else hidden // heads

@@ -24,11 +24,13 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
+from tiny_models import write_tiny_checkpoint
 
 TEMPLATES = Path(__file__).parents[2] / "unit" / "agent" / "chat_templates"
 QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
 R1 = (TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja").read_text(encoding="utf-8")
 MAGISTRAL = (TEMPLATES / "mistralai-Ministral-3-14B-Reasoning-2512.jinja").read_text(encoding="utf-8")
+MISTRAL_SPECIALS = ("[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]")
 EOS = "<|im_end|>"  # the tiny vocabulary's
 RUNTIME = {**LONG_ANSWERS_RUNTIME, "max_seq_len": 1536, "attend_buckets": [64, 512, 1536]}
 QUESTION = [{"role": "user", "content": "Hello there"}]
@@ -78,6 +80,16 @@ def r1(tmp_path_factory, tiny_llama_dir):
 @pytest.fixture(scope="module")
 def magistral(tmp_path_factory, tiny_llama_dir):
     directory, path, url = stack_of(tmp_path_factory, tiny_llama_dir, MAGISTRAL)
+    with serving_stack(path):
+        yield directory, url
+
+
+@pytest.fixture(scope="module")
+def magistral_vocabulary(tmp_path_factory):
+    """The Magistral template on a tiny model whose vocabulary holds Mistral's markers and think
+    tags as special tokens, as Magistral's does: a text decode drops them."""
+    tiny = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-magistral"), seed=3, specials=MISTRAL_SPECIALS)
+    directory, path, url = stack_of(tmp_path_factory, tiny, MAGISTRAL)
     with serving_stack(path):
         yield directory, url
 
@@ -181,6 +193,68 @@ def test_magistral_thinking_comes_apart_and_its_budget_closes_the_block(magistra
     thought = bounded.choices[0].message.model_extra["reasoning_content"]
     assert 0 < len(thought) < len(free.model_extra["reasoning_content"])
     assert free.model_extra["reasoning_content"].startswith(thought) and bounded.choices[0].message.content
+
+
+def lark(directory: Path, *parts: str) -> str:
+    """A Lark grammar of these parts in order: a special token by its text (MISTRAL_SPECIALS, as
+    `<[id]>`: no regex writes one), else a regex."""
+    tokenizer = load_tokenizer(directory)
+
+    def part(text: str) -> str:
+        if text in MISTRAL_SPECIALS:
+            [token] = tokenizer.encode(text, add_special_tokens=False)
+            return f"<[{token}]>"
+        return "/" + text + "/"
+
+    return "start: " + " ".join(map(part, parts))
+
+
+def test_control_token_markers_and_tags_are_read_end_to_end(magistral_vocabulary):
+    """The model writes [THINK], [/THINK], [TOOL_CALLS] and [ARGS] as the special tokens they are:
+    the thinking comes apart, the call is read, whole and streamed, and the budget forces the one
+    close token."""
+    directory, url = magistral_vocabulary
+    client = sdk(url)
+    grammar = lark(
+        directory,
+        "[THINK]",
+        "need weather",
+        "[/THINK]",
+        r"Checking\. ",
+        "[TOOL_CALLS]",
+        "get_weather",
+        "[ARGS]",
+        r'\{"city": "Paris"\}',
+    )
+    body = {
+        "model": "tiny",
+        "temperature": 0,
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER],
+        "extra_body": {"structured_outputs": {"grammar": grammar}},
+    }
+    choice = client.chat.completions.create(**body).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    assert choice.message.model_extra["reasoning_content"] == "need weather"
+    [found] = choice.message.tool_calls
+    assert found.function.name == "get_weather" and json.loads(found.function.arguments) == {"city": "Paris"}
+    deltas, calls, reason = streamed_chat(client, **body)
+    # streamed, the text before the call goes out as it comes (its space too)
+    assert joined(deltas, "reasoning") == "need weather" and joined(deltas, "content") == "Checking. "
+    assert reason == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+    # a budget of 2: after [THINK] and 2 tokens of thought the one [/THINK] token is forced
+    free_text = {
+        "structured_outputs": {"grammar": lark(directory, "[THINK]", "[a-z]{1,40}", "[/THINK]", "[a-z]{1,8}")}
+    }
+    asked = {"model": "tiny", "temperature": 0, "max_tokens": 60, "messages": QUESTION}
+    free = client.chat.completions.create(**asked, extra_body=free_text)
+    bounded = client.chat.completions.create(**asked, extra_body=free_text | {"max_thinking_tokens": 2})
+    thought = bounded.choices[0].message.model_extra["reasoning_content"]
+    assert free.choices[0].message.model_extra["reasoning_content"].startswith(thought)
+    assert len(thought) < len(free.choices[0].message.model_extra["reasoning_content"])
+    assert reasoning_tokens(bounded.usage) == 4  # [THINK], 2 tokens, [/THINK]
+    assert reasoning_tokens(free.usage) > 4
 
 
 def test_reasoning_tokens_of_every_choice_are_summed(qwen3):
