@@ -74,10 +74,7 @@ def of_answers(tokenizer: TextTokenizer, setting: str, prompt: list[int]) -> Rea
 def shown_markers(tokenizer: TextTokenizer, tags: Tags | None) -> frozenset[int]:
     """The tags that the vocabulary holds as special tokens, which a decode drops (Magistral's
     [THINK] and [/THINK]): the answer's text keeps them, for its thinking to be read apart."""
-    if tags is None:
-        return frozenset()
-    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (tags.open, tags.close)]
-    return frozenset(i[0] for i in ids if len(i) == 1 and tokenizer.token_piece(i[0])[2])
+    return frozenset() if tags is None else tokenizer.special_ids((tags.open, tags.close))
 
 
 @dataclass

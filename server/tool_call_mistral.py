@@ -18,6 +18,7 @@ import json
 from server.request_body import MAX_JSON_DEPTH, json_value
 
 MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+MARKERS = (MARKER, ARGS, CALL_ID)  # control tokens in Mistral's vocabularies
 MAX_NAME = 256  # characters of a v11 call's function name and call id
 
 

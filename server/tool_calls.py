@@ -64,15 +64,11 @@ def call_format(template: str | None, setting: str) -> str:
 
 def shown_markers(tokenizer: TextTokenizer, fmt: str) -> frozenset[int]:
     """The format's markers that the vocabulary holds as special tokens, which a decode drops:
-    Mistral's [TOOL_CALLS] and [ARGS] (control tokens in its vocabularies). The answer's text keeps
-    them, for its calls to be read (vLLM keeps Mistral's special tokens alike)."""
+    Mistral's [TOOL_CALLS], [ARGS] and [CALL_ID] (control tokens in its vocabularies). The answer's
+    text keeps them, for its calls to be read (vLLM keeps Mistral's special tokens alike)."""
     if fmt != MISTRAL:
         return frozenset()
-    ids = [
-        tokenizer.encode(m, add_special_tokens=False)
-        for m in (tool_call_mistral.MARKER, tool_call_mistral.ARGS)
-    ]
-    return frozenset(i[0] for i in ids if len(i) == 1 and tokenizer.token_piece(i[0])[2])
+    return tokenizer.special_ids(tool_call_mistral.MARKERS)
 
 
 def offered(req: ChatCompletionRequest) -> bool:

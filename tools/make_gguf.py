@@ -4,6 +4,7 @@ for benchmarks and tests of how cost grows with a model's size, and tiny models 
 architecture for the tests.
 
     python -m tools.make_gguf --shape 1b --format Q4_K_M --out models/random-1b-Q4_K_M.gguf
+    python -m tools.make_gguf --shape 1b --arch qwen3 --format Q4_K_M --out models/random-qwen3-1b.gguf
     python -m tools.make_gguf --hidden 512 --layers 4 --ffn 1536 --heads 8 --kv-heads 2 \
         --format Q8_0 --out x.gguf
     python -m tools.make_gguf --shape gemma3-270m --format gemma --tokenizer models/gemma-3-270m-q4_k_m.gguf \
@@ -383,6 +384,9 @@ def main() -> int:
     for dim in ("hidden", "layers", "ffn", "heads", "kv-heads"):
         parser.add_argument(f"--{dim}", type=int, help="overrides the preset's")
     parser.add_argument("--untied", action="store_true", help="an output.weight of its own")
+    parser.add_argument(
+        "--arch", choices=("llama", "qwen3", "phi3"), help="a dense preset's layers in another family's form"
+    )
     parser.add_argument("--format", default="Q4_K_M", help="a GGML type name, Q4_K_M or Q5_K_M")
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER, help="GGUF to take it from")
     parser.add_argument("--vocab-limit", type=int, help="a SentencePiece vocabulary's first tokens only")
@@ -394,8 +398,13 @@ def main() -> int:
     if args.shape is None and None in given.values():
         parser.error("give --shape or every one of --hidden --layers --ffn --heads --kv-heads")
     shape = SHAPES[args.shape] if args.shape else Shape(**given)
+    if args.arch and shape.arch not in ("llama", "qwen3", "phi3"):
+        parser.error(f"--arch: the {shape.arch} preset is not a dense Llama-like one")
     shape = dataclasses.replace(
-        shape, **{k: v for k, v in given.items() if v is not None}, tied=shape.tied and not args.untied
+        shape,
+        **{k: v for k, v in given.items() if v is not None},
+        tied=shape.tied and not args.untied,
+        arch=args.arch or shape.arch,
     )
     try:
         types = mix(args.format)

@@ -125,6 +125,12 @@ class TextTokenizer:
             return text.replace(SPACE, " ").encode()
         return bytes(BYTE_OF_CHAR[char] for char in text if char in BYTE_OF_CHAR)
 
+    def special_ids(self, texts: tuple[str, ...]) -> frozenset[int]:
+        """The ids of those texts that the vocabulary holds as one special token (a format's
+        markers: Mistral's [TOOL_CALLS], Magistral's [THINK]), which a decode drops."""
+        ids = [self.encode(text, add_special_tokens=False) for text in texts]
+        return frozenset(i[0] for i in ids if len(i) == 1 and self.token_piece(i[0])[2])
+
     def token_piece(self, token: int) -> tuple[str, bytes, bool]:
         """One token alone, as logprobs show it: its text (a special token's is its name; a token
         holding part of a character shows U+FFFD), its bytes, and whether it is special."""

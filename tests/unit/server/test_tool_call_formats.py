@@ -382,23 +382,28 @@ def test_a_history_call_reaches_mistrals_template_as_an_object():
 
 
 def test_mistrals_markers_stay_in_the_answers_text_where_they_are_special_tokens(tmp_path):
-    """Mistral's vocabularies hold [TOOL_CALLS] and [ARGS] as control tokens, which a decode drops:
-    the answer's text keeps them (shown_markers, the detokenizer's `shown`) and its call is read."""
+    """Mistral's vocabularies hold [TOOL_CALLS], [ARGS] and [CALL_ID] as control tokens, which a
+    decode drops: the answer's text keeps them (shown_markers, the detokenizer's `shown`) and its
+    call is read, with its id."""
     mistral, plain = tmp_path / "mistral", tmp_path / "plain"
     for directory in (mistral, plain):
         directory.mkdir()
-    write_tokenizer(mistral, specials=("[TOOL_CALLS]", "[ARGS]"))
+    write_tokenizer(mistral, specials=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))
     write_tokenizer(plain)
     tokenizer = load_tokenizer(mistral)
     shown = tool_calls.shown_markers(tokenizer, MISTRAL)
-    [marker], [args] = (tokenizer.encode(m, add_special_tokens=False) for m in ("[TOOL_CALLS]", "[ARGS]"))
-    assert shown == {marker, args} and tool_calls.shown_markers(tokenizer, tool_calls.HERMES) == set()
+    markers = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+    [marker], [args], [call_id] = (tokenizer.encode(m, add_special_tokens=False) for m in markers)
+    assert shown == {marker, args, call_id}
+    assert tool_calls.shown_markers(tokenizer, tool_calls.HERMES) == set()
     assert tool_calls.shown_markers(load_tokenizer(plain), MISTRAL) == set()  # plain text there
     text = tokenizer.encode
-    ids = [*text("Checking. "), marker, *text("get_weather"), args, *text('{"city": "Paris"}')]
+    ids = [*text("Checking. "), marker, *text("get_weather"), call_id, *text("a1B2c3D4e"), args]
+    ids += text('{"city": "Paris"}')
     detokenizer = IncrementalDetokenizer(tokenizer, shown)
     answer = "".join(detokenizer.add(t) for t in ids) + detokenizer.flush()
-    assert answer == 'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    assert answer == 'Checking. [TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}'
     content, calls = tool_calls.parse_calls(answer, TOOLS, fmt=MISTRAL)
-    assert content == "Checking." and names(calls) == ["get_weather"]
-    assert tokenizer.decode(ids) == 'Checking. get_weather{"city": "Paris"}'  # what a plain decode leaves
+    assert content == "Checking." and names(calls) == ["get_weather"] and calls[0]["id"] == "a1B2c3D4e"
+    plain_decode = tokenizer.decode(ids)
+    assert plain_decode == 'Checking. get_weathera1B2c3D4e{"city": "Paris"}'  # what a plain decode leaves

@@ -1,6 +1,7 @@
 """tools.make_gguf's random models: what their weights hold."""
 
 import numpy as np
+import pytest
 
 from agent.model.formats.gguf_header import GgufFile
 from tools.make_gguf import Shape, mix, write_random_gguf
@@ -43,3 +44,24 @@ def test_the_moe_shapes_hold_their_models_total_and_active_weights():
     assert abs(total - 30.5) < 0.1 and abs(active - 3.3) < 0.1, (total, active)
     total, active = counts("moe-7b-a1b", 49152)
     assert 6.5 < total < 7.5 and 0.9 < active < 1.3, (total, active)
+
+
+def test_arch_writes_a_dense_preset_in_another_familys_form(tmp_path, monkeypatch, capsys):
+    """--arch: the same dense shape as a Qwen3 (QK-norm) or a Phi-3 (packed QKV and gate-up), to
+    compare families of one size; a MoE preset is refused."""
+    from tools import make_gguf
+
+    dims = ["--hidden", "64", "--layers", "1", "--ffn", "128", "--heads", "4", "--kv-heads", "2"]
+    for arch, marker in (("qwen3", "blk.0.attn_q_norm.weight"), ("phi3", "blk.0.attn_qkv.weight")):
+        out = tmp_path / f"{arch}.gguf"
+        argv = ["make_gguf", *dims, "--arch", arch, "--format", "F32", "--out", str(out)]
+        monkeypatch.setattr("sys.argv", argv)
+        assert make_gguf.main() == 0
+        written = GgufFile(out)
+        assert written.values["general.architecture"] == arch
+        assert marker in {t.name for t in written.tensors}
+    argv = ["make_gguf", "--shape", "moe-7b-a1b", "--arch", "qwen3", "--out", str(tmp_path / "x.gguf")]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit):
+        make_gguf.main()
+    assert "not a dense" in capsys.readouterr().err
