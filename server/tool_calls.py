@@ -97,8 +97,13 @@ def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
 
 def _message(message: ChatMessage, template_takes_tools: bool) -> dict:
     text = message.text()
+    thought = (message.model_extra or {}).get("reasoning_content")
     if template_takes_tools:
         out: dict = {"role": message.role, "content": text}
+        if message.role == "assistant" and isinstance(thought, str):
+            # an earlier answer's thinking as the client sends it back (vLLM's field): Qwen3's
+            # template shows it within a turn of tool calls
+            out["reasoning_content"] = thought
         if message.tool_calls:
             out["tool_calls"] = [
                 {

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import llguidance
 import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from agent.model.chat_template import ChatTemplate
 from agent.model.detokenizer import IncrementalDetokenizer
@@ -407,3 +408,25 @@ def test_mistrals_markers_stay_in_the_answers_text_where_they_are_special_tokens
     assert content == "Checking." and names(calls) == ["get_weather"] and calls[0]["id"] == "a1B2c3D4e"
     plain_decode = tokenizer.decode(ids)
     assert plain_decode == 'Checking. get_weathera1B2c3D4e{"city": "Paris"}'  # what a plain decode leaves
+
+
+def test_an_answers_reasoning_sent_back_reaches_the_template():
+    """A client sends an earlier answer back with its reasoning_content (vLLM's field): Qwen3's
+    template shows it in the turn of tool calls that follows the last question, as transformers
+    renders the same messages."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    req = request(
+        messages=[
+            {"role": "user", "content": "Add."},
+            {"role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "one and two"},
+            {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+        ]
+    )
+    messages = tool_calls.template_messages(req, template_takes_tools=True)
+    assert messages[1]["reasoning_content"] == "one and two" and "reasoning_content" not in messages[0]
+    text, tools = template("Qwen-Qwen3-0.6B.jinja"), tool_calls.template_tools(req)
+    ours = ChatTemplate(text).render(messages, bos_token="", eos_token="", tools=tools)
+    [reference], _ = render_jinja_template(
+        [messages], tools=tools, chat_template=text, add_generation_prompt=True
+    )
+    assert ours == reference and "<think>\none and two\n</think>" in ours
