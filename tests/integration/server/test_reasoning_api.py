@@ -63,25 +63,26 @@ def stack_of(tmp_path_factory, tiny: Path, template: str, **model):
     return directory, path, f"http://127.0.0.1:{http_port}"
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory, tiny_llama_dir):
-    directory, path, url = stack_of(tmp_path_factory, tiny_llama_dir, QWEN3)
+def served(tmp_path_factory, tiny: Path, template: str, **model):
+    """(the model's directory, the server's URL) while the stack serves (a fixture's body)."""
+    directory, path, url = stack_of(tmp_path_factory, tiny, template, **model)
     with serving_stack(path):
         yield directory, url
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, tiny_llama_dir):
+    yield from served(tmp_path_factory, tiny_llama_dir, QWEN3)
 
 
 @pytest.fixture(scope="module")
 def r1(tmp_path_factory, tiny_llama_dir):
-    directory, path, url = stack_of(tmp_path_factory, tiny_llama_dir, R1, tool_call_parser="llama3_json")
-    with serving_stack(path):
-        yield directory, url
+    yield from served(tmp_path_factory, tiny_llama_dir, R1, tool_call_parser="llama3_json")
 
 
 @pytest.fixture(scope="module")
 def magistral(tmp_path_factory, tiny_llama_dir):
-    directory, path, url = stack_of(tmp_path_factory, tiny_llama_dir, MAGISTRAL)
-    with serving_stack(path):
-        yield directory, url
+    yield from served(tmp_path_factory, tiny_llama_dir, MAGISTRAL)
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +90,7 @@ def magistral_vocabulary(tmp_path_factory):
     """The Magistral template on a tiny model whose vocabulary holds Mistral's markers and think
     tags as special tokens, as Magistral's does: a text decode drops them."""
     tiny = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-magistral"), seed=3, specials=MISTRAL_SPECIALS)
-    directory, path, url = stack_of(tmp_path_factory, tiny, MAGISTRAL)
-    with serving_stack(path):
-        yield directory, url
+    yield from served(tmp_path_factory, tiny, MAGISTRAL)
 
 
 def sdk(url: str) -> openai.OpenAI:
