@@ -31,7 +31,8 @@ KERNELS = ("decode_attention", "skinny_matmul", "elementwise", "fused_layer", "m
 # One library for all: its thread team (thread_team.h) is one per process, whichever op calls it.
 LIBRARY = "kernels"
 # -fopenmp-simd: `omp simd` loops are vectorised; the threads are thread_team.h's, not OpenMP's.
-FLAGS = ["-O3", "-shared", "-fPIC", "-std=c++17", "-fopenmp-simd", "-pthread"]
+# -fvisibility=hidden: only the ops' entry points are exported (entry.h says why).
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=c++17", "-fopenmp-simd", "-pthread", "-fvisibility=hidden"]
 HEADERS = tuple(sorted(SOURCE_DIR.rglob("*.h")))
 
 TARGET_ENV = "MS_LLM_KERNEL_TARGET"

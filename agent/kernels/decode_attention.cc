@@ -12,6 +12,7 @@
 // refused (returns 1); the host checks them first (agent/graph_interface.py).
 #include <cstdint>
 
+#include "entry.h"
 #include "row_ops.h"
 #include "thread_team.h"
 
@@ -21,7 +22,7 @@ constexpr int64_t PARALLEL_ROWS = 8;  // (sequence, KV head) rows from which the
 
 }  // namespace
 
-extern "C" int DecodeAttention(int nparam, void **params, int *ndims, int64_t **shapes,
+KERNEL_ENTRY int DecodeAttention(int nparam, void **params, int *ndims, int64_t **shapes,
                                const char **dtypes, void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   if (nparam != 7 || ndims[0] != 3 || ndims[1] != 2 || ndims[3] != 2 || ndims[4] != 1 || ndims[5] != 1)

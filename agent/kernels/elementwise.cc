@@ -3,11 +3,12 @@
 // MindSpore AOT custom-op interface (CPU), float32.
 #include <cstdint>
 
+#include "entry.h"
 #include "row_ops.h"
 
 // RMSNorm of each row (six ops: square, mean, add, rsqrt, two multiplies; 61 norms a step):
 // inputs x [M, D], w [D], eps [1]; output [M, D] = x / sqrt(mean(x^2) + eps) * w.
-extern "C" int RmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+KERNEL_ENTRY int RmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                        void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   if (nparam != 4 || ndims[0] != 2 || ndims[1] != 1 || shapes[1][0] != shapes[0][1]) return 1;
@@ -22,7 +23,7 @@ extern "C" int RmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, 
 
 // SwiGLU (four ops: split, sigmoid, two multiplies): input gate_up [M, 2F] (gate columns, then up);
 // output [M, F] = silu(gate) * up.
-extern "C" int SwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+KERNEL_ENTRY int SwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                       void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   if (nparam != 2 || ndims[0] != 2 || shapes[0][1] % 2 != 0) return 1;
@@ -40,7 +41,7 @@ extern "C" int SwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, c
 // multiplies, an add): input qkv [N, (Q + 2 KV) * hd] (Q query heads, KV key heads, KV value heads),
 // cos [N, 1, hd], sin [N, 1, hd] with the rotate-half sign folded in (first half negative),
 // kv [1] int32 = KV; output [N, Q + 2 KV, hd]: query and key heads rotated, value heads copied.
-extern "C" int Rope(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+KERNEL_ENTRY int Rope(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                     void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   if (nparam != 5 || ndims[0] != 2 || ndims[1] != 3 || ndims[4] != 3) return 1;

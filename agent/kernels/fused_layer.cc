@@ -49,6 +49,7 @@
 #include <cstring>
 #include <vector>
 
+#include "entry.h"
 #include "int8_products.h"
 #include "product.h"
 #include "prompt_attention.h"
@@ -389,14 +390,14 @@ int run_stack(int nparam, void **params, int *ndims, int64_t **shapes, bool int8
 
 }  // namespace
 
-extern "C" int FusedStack(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+KERNEL_ENTRY int FusedStack(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                           void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   return run_stack(nparam, params, ndims, shapes, false);
 }
 
 // FusedStack with the opt-in int8 products for the integer formats' matrices.
-extern "C" int FusedStackI8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+KERNEL_ENTRY int FusedStackI8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   return run_stack(nparam, params, ndims, shapes, true);

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "entry.h"
 #include "int8_products.h"
 #include "product.h"
 #include "row_ops.h"
@@ -237,14 +238,14 @@ int run_moe(int nparam, void **params, int *ndims, int64_t **shapes, bool int8_a
 
 }  // namespace
 
-extern "C" int MoeFfn(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+KERNEL_ENTRY int MoeFfn(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                       void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   return run_moe(nparam, params, ndims, shapes, false);
 }
 
 // MoeFfn with the opt-in int8 activations for the integer formats' experts.
-extern "C" int MoeFfnI8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+KERNEL_ENTRY int MoeFfnI8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                         void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   return run_moe(nparam, params, ndims, shapes, true);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "entry.h"
 #include "int8_products.h"
 #include "product.h"
 #include "thread_team.h"
@@ -28,7 +29,7 @@ int multiply(const float *x, const float *w, const float *residual, float *out, 
 
 }  // namespace
 
-extern "C" int SkinnyMatMul(int nparam, void **params, int *ndims, int64_t **shapes,
+KERNEL_ENTRY int SkinnyMatMul(int nparam, void **params, int *ndims, int64_t **shapes,
                             const char **dtypes, void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   if (nparam != 3 || ndims[0] != 2 || ndims[1] != 3 || shapes[1][2] != packed::TILE) return 1;
@@ -38,7 +39,7 @@ extern "C" int SkinnyMatMul(int nparam, void **params, int *ndims, int64_t **sha
 
 // The same product added to a residual: inputs x [M, K], w [N / TILE, K, TILE], residual [M, N];
 // output [M, N] = residual + x @ W (the layer's two residual adds, one op fewer each).
-extern "C" int SkinnyMatMulAdd(int nparam, void **params, int *ndims, int64_t **shapes,
+KERNEL_ENTRY int SkinnyMatMulAdd(int nparam, void **params, int *ndims, int64_t **shapes,
                                const char **dtypes, void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 2 || shapes[1][2] != packed::TILE ||
@@ -64,7 +65,7 @@ bool read_format_call(int nparam, void **params, int *ndims, int64_t **shapes, p
 // The product with W in a weight format (product.h): inputs x [M, K] float32, w (packed: F32
 // [N / TILE, K, TILE] float32, else [N / TILE, K / BLOCK, TILE_BYTES] uint8), format [1] int32;
 // output [M, N] float32. The LM head of a GGUF (its own format, or the tied embedding's).
-extern "C" int SkinnyMatMulFormat(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+KERNEL_ENTRY int SkinnyMatMulFormat(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                   void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   product::Matrix m;
@@ -81,7 +82,7 @@ extern "C" int SkinnyMatMulFormat(int nparam, void **params, int *ndims, int64_t
 // SkinnyMatMulFormat with int8 activations (int8_products.h): x's rows quantized per block of 32,
 // then the products (F16, BF16 and F32 weights as float32). The int8 products called alone (the
 // fused layer's under runtime.activations int8); refused (1) without them.
-extern "C" int SkinnyMatMulFormatI8(int nparam, void **params, int *ndims, int64_t **shapes,
+KERNEL_ENTRY int SkinnyMatMulFormatI8(int nparam, void **params, int *ndims, int64_t **shapes,
                                     const char **dtypes, void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   product::Matrix m;
@@ -106,7 +107,7 @@ extern "C" int SkinnyMatMulFormatI8(int nparam, void **params, int *ndims, int64
 // needs (a GGUF's token embedding stays in its format; when tied it is also the LM head, one copy).
 // Inputs ids [N] int32, w and format as SkinnyMatMulFormat's (rows are its output columns); output
 // [N, K] float32. An id outside the matrix's rows is refused (returns 1).
-extern "C" int MatrixRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+KERNEL_ENTRY int MatrixRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                           void *stream, void *extra) {
   (void)stream; (void)extra; (void)dtypes;
   product::Matrix m;
