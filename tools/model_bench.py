@@ -24,7 +24,9 @@ from agent.process_env import set_process_defaults
 set_process_defaults()  # before MindSpore loads
 import numpy as np  # noqa: E402
 
+from agent.activations import resolve_activations  # noqa: E402
 from agent.bootstrap import Placement, build_runner  # noqa: E402
+from agent.graphs.layers import WHOLE_MODEL  # noqa: E402
 from agent.memory_plan import MemoryPlanError  # noqa: E402
 from agent.model.checkpoint import CheckpointError  # noqa: E402
 from agent.model.formats import load_checkpoint  # noqa: E402
@@ -132,6 +134,8 @@ def main() -> int:
                 "compile_cache_dir": None,
             }
         )
+        # what an agent runs: `activations: auto` decided for these weights on this CPU
+        runtime = resolve_activations(checkpoint, runtime, WHOLE_MODEL, print)
         configure_mindspore(runtime)
         runner = ModelRunner.from_checkpoint(checkpoint, runtime)
         built_mb = resident_mb()
