@@ -354,13 +354,27 @@ inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, cons
 // (formats/format.h quads): an unpacked copy's writing and reading cost more than a few rows'
 // products. A 2048 x 2048 matrix, 1 row (2-core EPYC), float32 / unpacked / direct: Q4_K 0.082 /
 // 0.105 / 0.057 ms, Q6_K 0.119 / - / 0.076; 4 rows, Q4_K 0.158 / - / 0.088. The AVX2 target, 1 row:
-// Q4_K 0.124 -> 0.072 ms. At 5 rows and more, direct and unpacked were within noise, then unpacked ahead.
-constexpr int64_t DIRECT_ROWS = 4;
+// Q4_K 0.124 -> 0.072 ms. AVX-512 takes 5 rows in one block where a group holds 1 or 2 sub-blocks
+// (N + 2 registers a row of its 32): a step that verifies 4 proposals, unpacked -> direct (2-core
+// Xeon), the default model 9.3 -> 8.3 ms, a 1B Q4_K_M 58 -> 52 ms; 6 rows direct ran slower than
+// unpacked (74 against 61 ms: registers spilled), and so do Q6_K's 4-sub-block groups above 4 rows.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr int DIRECT_BLOCK = 4;
+// Sub-blocks a format's groups unpack together (formats/format.h Group<N>).
+constexpr int group_subs(int32_t id) {
+  switch (id) {
+    case formats::Q2_K::ID: case formats::Q3_K::ID: case formats::Q6_K::ID: return 4;
+    case formats::Q4_K::ID: case formats::Q5_K::ID: return 2;
+    default: return 1;
+  }
+}
+template <class F>
+constexpr int DIRECT_BLOCK = group_subs(F::ID) <= 2 ? 5 : 4;
 #else
+template <class F>
 constexpr int DIRECT_BLOCK = 2;  // AVX2's 16 registers: a group's sums (up to 4 sub-blocks) a row
 #endif
+template <class F>
+constexpr int64_t DIRECT_ROWS = std::max(4, DIRECT_BLOCK<F>);
 
 // sums + the byte products of four k a column: quants q (packed::quad's layout, the format's low 8
 // bits) times x's four int8 `four`.
@@ -446,9 +460,9 @@ inline bool tile(const product::Matrix &w, const Rows &x, const float *residual,
     if constexpr (Traits<F>::USABLE) {
       const int64_t blocks = w.k_dim / F::BLOCK;
       const uint8_t *tile = static_cast<const uint8_t *>(w.w) + j * blocks * F::TILE_BYTES;
-      if (m_dim <= DIRECT_ROWS) {
-        packed::equal_blocks(m_dim, DIRECT_BLOCK, [&](int64_t row, int64_t n) {
-          packed::with_rows<DIRECT_BLOCK>(n, [&](auto rows) {
+      if (m_dim <= DIRECT_ROWS<F>) {
+        packed::equal_blocks(m_dim, DIRECT_BLOCK<F>, [&](int64_t row, int64_t n) {
+          packed::with_rows<DIRECT_BLOCK<F>>(n, [&](auto rows) {
             direct_rows<F, decltype(rows)::value>(x, tile, residual, out, n_dim, row, j * packed::TILE);
           });
         });
