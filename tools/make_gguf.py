@@ -54,6 +54,9 @@ T = GGMLQuantizationType
 DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+DENSE_ARCHES = ("llama", "qwen3", "phi3")  # --arch: a dense preset's layers in one of these families' forms
+
+
 @dataclass(frozen=True)
 class Shape:
     hidden: int
@@ -385,7 +388,7 @@ def main() -> int:
         parser.add_argument(f"--{dim}", type=int, help="overrides the preset's")
     parser.add_argument("--untied", action="store_true", help="an output.weight of its own")
     parser.add_argument(
-        "--arch", choices=("llama", "qwen3", "phi3"), help="a dense preset's layers in another family's form"
+        "--arch", choices=DENSE_ARCHES, help="a dense preset's layers in another family's form"
     )
     parser.add_argument("--format", default="Q4_K_M", help="a GGML type name, Q4_K_M or Q5_K_M")
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER, help="GGUF to take it from")
@@ -398,7 +401,7 @@ def main() -> int:
     if args.shape is None and None in given.values():
         parser.error("give --shape or every one of --hidden --layers --ffn --heads --kv-heads")
     shape = SHAPES[args.shape] if args.shape else Shape(**given)
-    if args.arch and shape.arch not in ("llama", "qwen3", "phi3"):
+    if args.arch and shape.arch not in DENSE_ARCHES:
         parser.error(f"--arch: the {shape.arch} preset is not a dense Llama-like one")
     shape = dataclasses.replace(
         shape,

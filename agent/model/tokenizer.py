@@ -75,6 +75,7 @@ class TextTokenizer:
         self._template = ChatTemplate(chat_template) if chat_template else None
         self._added = tokenizer.get_added_tokens_decoder()
         self._bytes: dict[int, bytes] = {}
+        self._special_ids: dict[tuple[str, ...], frozenset[int]] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -127,9 +128,14 @@ class TextTokenizer:
 
     def special_ids(self, texts: tuple[str, ...]) -> frozenset[int]:
         """The ids of those texts that the vocabulary holds as one special token (a format's
-        markers: Mistral's [TOOL_CALLS], Magistral's [THINK]), which a decode drops."""
-        ids = [self.encode(text, add_special_tokens=False) for text in texts]
-        return frozenset(i[0] for i in ids if len(i) == 1 and self.token_piece(i[0])[2])
+        markers: Mistral's [TOOL_CALLS], Magistral's [THINK]), which a decode drops. Cached: asked
+        for the same markers at every chat request's admission."""
+        cached = self._special_ids.get(texts)
+        if cached is None:
+            ids = [self.encode(text, add_special_tokens=False) for text in texts]
+            cached = frozenset(i[0] for i in ids if len(i) == 1 and self.token_piece(i[0])[2])
+            self._special_ids[texts] = cached
+        return cached
 
     def token_piece(self, token: int) -> tuple[str, bytes, bool]:
         """One token alone, as logprobs show it: its text (a special token's is its name; a token
