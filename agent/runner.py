@@ -27,6 +27,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import mindspore as ms
 import numpy as np
@@ -269,8 +270,8 @@ class ModelRunner(CheckedSlots):
             self.sampling.constrain(
                 masks, {**dict(zip(slots, states)), **{chunks[i].slot: new[i] for i in sampling}}
             )
-        assert isinstance(self.graphs, MixedStepGraphs)  # _check_step: mixed_rows says so
-        logits, greedy = self.graphs.mixed(
+        graphs = cast(MixedStepGraphs, self.graphs)  # _check_step: mixed_rows says so
+        logits, greedy = graphs.mixed(
             np.stack([padded[i] for i in plain]) if plain else np.zeros((0, 0), np.int32),
             np.array([states[i].next_token for i in plain], np.int64),
             np.array([states[i].length for i in plain], np.int64),

@@ -22,6 +22,11 @@ class CheckedSlots(SlotTable):
         super().__init__(runtime.planned_num_slots)
         self.max_len = runtime.planned_max_seq_len
         self.sampling = SlotSampling(graphs)  # the host side of each call's token choice
+        # Rows of one mixed step (decode rows and prompt chunks in one graph call), 0 where these
+        # graphs run none: fixed by the graphs, and read several times a step (an isinstance of a
+        # Protocol walks its members: 0.2 ms a step).
+        fused = isinstance(graphs, MixedStepGraphs) and graphs.inputs.fused_layers
+        self.mixed_rows = mixed_rows(runtime) if fused else 0
 
     @property
     def num_blocks(self) -> int:
@@ -43,14 +48,6 @@ class CheckedSlots(SlotTable):
         """Whether a prompt may start from another sequence's blocks (a prefix-cache hit): not where
         sliding-window layers keep their KV in each seat's ring (agent/graphs/interface.py)."""
         return self.chunked_prefill and not self.graphs.inputs.ring
-
-    @property
-    def mixed_rows(self) -> int:
-        """Rows of one mixed step (decode rows and prompt chunks in one graph call), 0 where these
-        graphs run none."""
-        if not isinstance(self.graphs, MixedStepGraphs) or not self.graphs.inputs.fused_layers:
-            return 0
-        return mixed_rows(self.runtime)
 
     @property
     def max_prompt_len(self) -> int:
