@@ -273,7 +273,8 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8_ac
   float *gate_up = gate_up_buf.data(), *act = act_buf.data(), *post = post_buf.data();
 
   // Attention's work items: blocks of rows sharing a table (prompt_attention.h), per KV head.
-  const std::vector<prompt_attention::Block> blocks_todo = prompt_attention::find_blocks(paging.row_table, live, kv);
+  const std::vector<prompt_attention::Block> blocks_todo =
+      prompt_attention::find_blocks(paging.row_table, live, kv, groups, team::Team::instance().size());
   const int64_t n_attend = static_cast<int64_t>(blocks_todo.size());
 
   const float *bqkv = layer.bqkv;
