@@ -48,7 +48,10 @@ def auto_activations(checkpoint: Checkpoint, runtime: RuntimeSection, split: Ten
             f"the kernels ({TARGET_ENV}={kernel_target()}) have no integer dot products (AVX2, "
             "AVX-VNNI or AVX512-VNNI)"
         )
-    return "int8", f"{'/'.join(sorted(formats))} layer matrices on kernels with integer dot products"
+    return "int8", (
+        f"{'/'.join(sorted(formats))} layer matrices on kernels with integer dot products "
+        f"({TARGET_ENV}={kernel_target()})"
+    )
 
 
 def resolve_activations(

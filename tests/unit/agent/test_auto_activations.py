@@ -6,6 +6,7 @@ import pytest
 
 from agent.activations import auto_activations, resolve_activations
 from agent.kernels import has_int8_products
+from agent.kernels import target as kernel_target
 from agent.model.formats import load_checkpoint
 from agent.model.shard import WHOLE_MODEL, TensorSplit
 from config.schema import RuntimeSection
@@ -27,7 +28,11 @@ def checkpoints(tmp_path_factory):
 def test_a_quantized_gguf_runs_int8_where_the_kernels_have_integer_dot_products(checkpoints):
     chosen, why = auto_activations(checkpoints["Q8_0"], RUNTIME, WHOLE_MODEL)
     if has_int8_products():
-        assert (chosen, why) == ("int8", "Q8_0 layer matrices on kernels with integer dot products")
+        assert (chosen, why) == (
+            "int8",
+            "Q8_0 layer matrices on kernels with integer dot products "
+            f"(MS_LLM_KERNEL_TARGET={kernel_target()})",
+        )
     else:
         assert chosen == "float32" and "no integer dot products" in why
 
