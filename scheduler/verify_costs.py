@@ -1,5 +1,7 @@
-"""VerifyCosts: what proposed tokens add to a group's decode step, learned from the agent's own
-compute times (the proposal lengths' costs: scheduler/proposal_length.py).
+"""VerifyCosts: what proposed tokens add to a group's decode step, learned from the steps' round
+trips as the scheduler waits for them: the agent's compute and what every step adds around it
+(ZeroMQ, (de)serialising), since a step's tokens cost all of it (the proposal lengths' costs:
+scheduler/proposal_length.py).
 
 Decode steps, with or without proposals to verify (and no prompt chunk: those are StepCosts'),
 are samples of one linear model,

@@ -295,3 +295,25 @@ def test_dropping_the_prefix_cache_under_load_waits_for_a_step_not_for_the_load(
 
     run(scenario())
     assert answers.tokens["long"] == list(range(6, 61))  # the running sequence went on as it was
+
+
+def test_proposal_costs_are_learned_from_the_steps_round_trips():
+    """The proposal lengths weigh a step's extra tokens against what a step costs the scheduler:
+    its whole round trip, not the agent's compute alone (which leaves out ZeroMQ and
+    (de)serialising, and made proposals look dearer than they are). The fake reports 1 ms of
+    compute for steps that take at least 2 ms (its sleep)."""
+    agent, answers = FakeAgent(), Answers()
+
+    async def scenario():
+        engine = engine_over(agent, answers)
+        await engine.start()
+        # the answer counts up (last + 1): the prompt's "2, 3" recurs, so some steps verify proposals
+        submit(engine, "r", [1, 2, 3, 1, 2], SamplingParams(), 12)
+        await until(lambda: answers.finished("r"))
+        await engine.stop()
+        return engine.scheduler.verify_costs[0]
+
+    costs = run(scenario())
+    assert costs.known  # plain steps and verifying ones were both measured
+    step_s = costs.decode_s(1)
+    assert step_s is not None and step_s >= 0.002 > agent.decode_compute_s
