@@ -17,9 +17,9 @@ namespace prompt_attention {
 // Rows a work item takes: a 16-row chunk is 2 x KV heads items for the 2 threads.
 constexpr int64_t BLOCK_ROWS = 8;
 
-// Rows [b0, b1) sharing a block table, KV head `head`, its query heads [g0, g1) (g1 0: all).
+// Rows [b0, b1) sharing a block table, KV head `head`, its query heads [g0, g1).
 struct Block {
-  int64_t head, b0, b1, g0 = 0, g1 = 0;
+  int64_t head, b0, b1, g0, g1;
 };
 
 // The first position a row attending `len` positions reads (a sliding window of `window`; 0: none).
@@ -42,7 +42,8 @@ inline std::vector<Block> find_blocks(const int32_t *row_table, int64_t live, in
     int64_t e = b + 1;
     while (e < live && row_table[e] == row_table[b]) ++e;
     for (int64_t b0 = b; b0 < e; b0 += BLOCK_ROWS)
-      for (int64_t head = 0; head < kv; ++head) blocks.push_back({head, b0, std::min(b0 + BLOCK_ROWS, e)});
+      for (int64_t head = 0; head < kv; ++head)
+        blocks.push_back({head, b0, std::min(b0 + BLOCK_ROWS, e), 0, groups});
     b = e;
   }
   if (groups > 1 && static_cast<int64_t>(blocks.size()) < 2 * threads && blocks.size() % threads != 0) {
@@ -72,10 +73,9 @@ inline void attend_block(const Block &w, const rowwise::Paged &at, const kvrows:
     length[b - w.b0] = len[b * kv + w.head];
     first[b - w.b0] = first_attended(length[b - w.b0], window);
   }
-  const int64_t g0 = w.g0, g1 = w.g1 ? w.g1 : groups;
-  const int64_t at_row = (w.b0 * kv + w.head) * groups * hd + g0 * hd;
+  const int64_t at_row = (w.b0 * kv + w.head) * groups * hd + w.g0 * hd;
   rowwise::attend_paged_rows(q + at_row, k_cache, v_cache, at, length, first, w.b1 - w.b0, kv * groups * hd,
-                             g1 - g0, hd, out + at_row);
+                             w.g1 - w.g0, hd, out + at_row);
 }
 
 }  // namespace prompt_attention
