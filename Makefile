@@ -43,10 +43,11 @@ lint: setup-dev
 unit: setup-dev
 	@$(PY) -m pytest -n 2 tests/unit
 
-# The whole suite on two workers, a test file each at a time (its module fixtures, a served stack
-# among them, start once): about 35 minutes on two cores instead of 56.
-test: lint browser
-	@$(PY) -m pytest -n 2 --dist loadfile
+# The whole suite: the unit tests as `make unit` runs them (so that loop cannot break unseen: its
+# guard against MindSpore fires only in a unit-only run), then the integration tests on two workers,
+# a test file each at a time (its module fixtures, a served stack among them, start once).
+test: lint unit browser
+	@$(PY) -m pytest -n 2 --dist loadfile tests/integration
 
 # The long fault suite: 200 disconnecting clients and a soak (SOAK_S seconds, default 600).
 test-long: setup-dev

@@ -21,7 +21,7 @@ from agent.process_env import set_process_defaults  # noqa: E402
 
 set_process_defaults()  # as the agent processes run: before MindSpore loads
 
-from agent.kernels import TARGET_ENV, testable_targets  # noqa: E402
+from agent.kernels import TARGET_ENV, has_int8_products, testable_targets  # noqa: E402
 from agent.model.formats import load_checkpoint  # noqa: E402
 from config.schema import PROJECT_ROOT, RuntimeSection  # noqa: E402
 from tiny_models import write_tiny_checkpoint  # noqa: E402
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from agent.runner import ModelRunner
 
 UNIT_ONLY = pytest.StashKey[bool]()
+UNIT_MINDSPORE = pytest.StashKey[str]()  # why a unit-only run fails every test, if it must
 DEFAULT_MODEL = PROJECT_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA_MODEL = PROJECT_ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"  # tools.fetch_model --model gemma3-270m
 
@@ -66,6 +67,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """MindSpore's context, configured before the fixtures of the first test that may use it."""
     if not is_unit(item):
         _configure_mindspore()
+    elif item.config.stash.get(UNIT_MINDSPORE, ""):
+        pytest.fail(item.config.stash[UNIT_MINDSPORE])
 
 
 @functools.cache
@@ -81,10 +84,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     unit_only = bool(session.items) and all(is_unit(item) for item in session.items)
     session.config.stash[UNIT_ONLY] = unit_only
     if unit_only and "mindspore" in sys.modules:
-        pytest.exit(
-            "MindSpore was imported while collecting unit tests: a module in tests/unit (or what "
-            "it imports) loads it",
-            returncode=pytest.ExitCode.TESTS_FAILED,
+        # Each test fails with the reason (an exit here ended every xdist worker with a crash report
+        # that named some test and no cause, and ran no test).
+        session.config.stash[UNIT_MINDSPORE] = (
+            "MindSpore was imported while collecting unit tests: a module in tests/unit (or what it "
+            "imports) loads it; make that import lazy or move the test to tests/integration"
         )
 
 
@@ -114,11 +118,29 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     AVX-512 proves the AVX2 and the portable code paths too."""
     if "kernel_target" in metafunc.fixturenames:
         metafunc.parametrize("kernel_target", testable_targets(), indirect=True)
+    if "int8_kernel_target" in metafunc.fixturenames:
+        targets = [name for name in testable_targets() if has_int8_products(name)]
+        metafunc.parametrize("int8_kernel_target", targets or [NO_INT8_TARGET], indirect=True)
+
+
+# A machine whose every target lacks the int8 products (an Arm host: the portable target only).
+NO_INT8_TARGET = pytest.param(
+    None,
+    marks=pytest.mark.skip(reason="no kernel target here has int8 products: they need AVX2 or AVX512-VNNI"),
+)
 
 
 @pytest.fixture
 def kernel_target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The kernel target of this run of the test: graphs built in it call that target's library."""
+    monkeypatch.setenv(TARGET_ENV, request.param)
+    return request.param
+
+
+@pytest.fixture
+def int8_kernel_target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """As kernel_target, over the targets with int8 products only (AVX-512 VNNI and AVX2 on an
+    AVX-512 machine, AVX2 on an AVX2 one): the tests of int8 activations run at each."""
     monkeypatch.setenv(TARGET_ENV, request.param)
     return request.param
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import gguf
-import mindspore as ms
 import numpy as np
 
 from config.runtime import RuntimeSection
@@ -38,6 +37,8 @@ class CacheFormat:
 
     @property
     def mindspore_dtype(self):
+        import mindspore as ms  # here alone: the planners and tools that size rows run without MindSpore
+
         return ms.uint8 if self.quantized else getattr(ms, self.name)
 
     def row_width(self, head_dim: int) -> int:

@@ -314,11 +314,19 @@ def _rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray, interleaved: 
     return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
 
 
-def q8_1(x: np.ndarray, near_ties: list[int] | None = None) -> np.ndarray:
+def q8_1(
+    x: np.ndarray, near_ties: list[int] | None = None, jitter: np.random.Generator | None = None
+) -> np.ndarray:
     """x as llama.cpp's Q8_1 activations hold it: each block of 32 in float32 rounded to the grid of
     d = max |x| / 127 (to nearest, ties to even), then dequantized (d * q) in float64. near_ties: gets
     the count of values near a rounding boundary (TIE_ULPS), where a float32 input a few ulps away
-    (summed in another order) rounds the other way: either answer is right."""
+    (summed in another order) rounds the other way: either answer is right. jitter: each value first
+    moved one float32 ulp up or down at random, as a float32 implementation's inputs differ from this
+    float64 forward's (forward's ulp_jitter: how far the int8 answer moves on that alone)."""
+    if jitter is not None:
+        x32 = x.astype(np.float32)
+        away = np.where(jitter.random(x32.shape) < 0.5, np.inf, -np.inf).astype(np.float32)
+        x = np.nextafter(x32, away)
     dequantized, tie_steps = _q8_1_with_ties(x)
     if near_ties is not None:
         near_ties.append(int(np.count_nonzero(tie_steps)))
@@ -362,6 +370,7 @@ def forward(
     near_ties: list[int] | None = None,
     head_slack: list[np.ndarray] | None = None,
     q8_0_cache: bool = False,
+    ulp_jitter: np.random.Generator | None = None,
 ) -> np.ndarray:
     """Run `tokens` after what `cache` already holds; returns logits [len(tokens), vocab]. int8: the
     input of every layer product whose weights are in an integer GGUF format rounded to Q8_1 first
@@ -370,10 +379,11 @@ def forward(
     moves should the LM head's input round its near ties the other way (they touch only the logits,
     so they are allowed for there instead of counting as ties). q8_0_cache: each new K and V row is
     kept as gguf's Q8_0 of its float32 value (runtime.kv_cache_dtype: q8_0, llama.cpp's -ctk/-ctv
-    q8_0) and attended as gguf dequantizes it."""
+    q8_0) and attended as gguf dequantizes it. ulp_jitter (with int8): every rounded input, the LM
+    head's too, first moved one float32 ulp at random (q8_1's jitter)."""
 
     def product(a: np.ndarray, layer: dict, name: str) -> np.ndarray:
-        return (q8_1(a, near_ties) if int8 and name in layer["integer"] else a) @ layer[name].T
+        return (q8_1(a, near_ties, ulp_jitter) if int8 and name in layer["integer"] else a) @ layer[name].T
 
     start = cache.length
     positions = np.arange(start, start + len(tokens), dtype=np.float64)
@@ -441,6 +451,8 @@ def forward(
     h = _rms(x, model.norm, model.eps)
     if not (int8 and model.head_integer):
         return h @ model.head.T
+    if ulp_jitter is not None:
+        return q8_1(h, jitter=ulp_jitter) @ model.head.T
     h, tie_steps = _q8_1_with_ties(h)
     if head_slack is not None:
         head_slack.append(tie_steps @ np.abs(model.head).T)

@@ -108,7 +108,8 @@ def assert_answers_are_their_own(runner: ModelRunner, prompts: list[list[int]]) 
 
 
 @pytest.mark.default_model
-def test_int8_answers_alone_equal_those_in_batches_and_mixed_steps(default_model_path):
+def test_int8_answers_alone_equal_those_in_batches_and_mixed_steps(default_model_path, int8_kernel_target):
+    """At every kernel target with int8 products (AVX-512 VNNI's and AVX2's on an AVX-512 machine)."""
     assert_answers_are_their_own(*runner_and_prompts(default_model_path))
 
 
@@ -162,13 +163,21 @@ def chunked_beside_decodes(runner: ModelRunner, prompts: list[list[int]], size: 
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("activations", ["int8", "float32"])
-def test_answers_do_not_depend_on_chunking_or_prefix_hits(default_model_path, activations):
+def test_int8_answers_do_not_depend_on_chunking_or_prefix_hits(default_model_path, int8_kernel_target):
     """Chunks of 1, 3, 8 and 13 positions (runs of rows shorter and longer than an attention block
     of 8), a prefix hit at a block boundary (16) and mid-prompt-block counts, and chunks inside
     mixed steps: every answer equals the prompt's computed whole (before the attention's blocks
-    of rows summed as a row alone does, with int8 5 to 7 of the 8 did)."""
-    runner, prompts = runner_and_prompts(default_model_path, activations)
+    of rows summed as a row alone does, with int8 5 to 7 of the 8 did). At every kernel target with
+    int8 products."""
+    assert_answers_do_not_depend_on_chunking(*runner_and_prompts(default_model_path, "int8"))
+
+
+@pytest.mark.default_model
+def test_float32_answers_do_not_depend_on_chunking_or_prefix_hits(default_model_path):
+    assert_answers_do_not_depend_on_chunking(*runner_and_prompts(default_model_path, "float32"))
+
+
+def assert_answers_do_not_depend_on_chunking(runner: ModelRunner, prompts: list[list[int]]) -> None:
     solo = [alone(runner, p, s) for s, p in enumerate(prompts)]
     assert len({tuple(answer) for answer in solo}) == len(solo)
     for size in (1, 3, 8, 13):

@@ -8,13 +8,13 @@ from conftest import DEFAULT_RUNTIME, TINY_RUNTIME
 
 import reference_numpy as ref
 from agent.contract.sampling import SamplingParams
-from agent.kernels import has_int8_products
 from agent.known_answer import KnownAnswer
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner
 from agent.warm_up import warm_up
 from config.schema import PROJECT_ROOT
+from int8_comparison import Int8Reach
 from scheduler.ngram import NgramIndex
 from tiny_models import write_tiny_checkpoint
 
@@ -120,16 +120,16 @@ def test_default_model_greedy_matches_reference_and_says_paris(
 
 
 @pytest.mark.default_model
-@pytest.mark.skipif(not has_int8_products(), reason="the int8 products need AVX512-VNNI")
-def test_default_model_with_int8_activations_warms_up_and_answers_as_the_int8_reference(
-    default_model_path,
+def test_default_model_with_int8_activations_warms_up_and_answers_within_the_q8_1_references_reach(
+    default_model_path, int8_kernel_target
 ):
-    """runtime.activations int8 on the default model: the warm-up's known-answer check passes
-    with every call (a decode batch of 1 and of 40, mixed steps of 40 sequences) held to the int8
-    tolerance. The France question's 37-token prompt and its decode steps take the int8 products: its
-    greedy answer is the reference's with Q8_1 activations, not the float reference's ("L'Étoile, la
-    Marseillaise" instead of Paris: llama.cpp, whose Q4_1 products take Q8_1 activations too,
-    answers the same; activations: float32 is the exact mode)."""
+    """runtime.activations int8 on the default model, at every kernel target with int8 products
+    (AVX-512 VNNI and AVX2 on an AVX-512 machine): the warm-up's known-answer check passes with every
+    call (a decode batch of 1 and of 40, mixed steps of 40 sequences) held to the int8 tolerance, and
+    each held-out prompt's greedy answer (its prompt and 7 decode steps) takes the int8 products and
+    stays within the Q8_1 reference's reach (int8_comparison.Int8Reach: on the France question the
+    reference's first token itself turns on float32 ulps, so no exact token is owed there; alone, in
+    batches and in mixed steps the answers are equal, test_int8_batch_invariance)."""
     runtime = DEFAULT_RUNTIME.model_copy(
         update={"num_slots": 40, "decode_batch_buckets": [1, 40], "activations": "int8"}
     )
@@ -138,16 +138,28 @@ def test_default_model_with_int8_activations_warms_up_and_answers_as_the_int8_re
     warm_up(runner, lambda line: None, known=KnownAnswer.of_checkpoint(checkpoint, runtime))
     reference = ref.load_gguf_reference(default_model_path)
     tokenizer = load_tokenizer(default_model_path)
-    prompt = tokenizer.encode_chat([{"role": "user", "content": CHAT_PROMPTS[0]}])
-    got = [runner.prefill(0, prompt, GREEDY)]
-    while len(got) < 8:
-        got += runner.decode([0])
-    cache = ref.RefCache()
-    want = [int(np.argmax(ref.forward(reference, prompt, cache, int8=True)[-1]))]
-    while len(want) < 8:
-        want.append(int(np.argmax(ref.forward(reference, [want[-1]], cache, int8=True)[-1])))
-    assert got == want, (tokenizer.decode(got), tokenizer.decode(want))
-    assert got != ref.greedy(reference, prompt, 8)
+    for slot, question in enumerate(CHAT_PROMPTS):
+        prompt = tokenizer.encode_chat([{"role": "user", "content": question}])
+        reach, table = Int8Reach(reference), runner.graphs.inputs.slot_table(slot)
+        bucket = next(b for b in runner.runtime.prefill_buckets if b >= len(prompt))
+        got = runner.graphs.prefill(table, np.asarray(prompt), bucket).asnumpy()[0]
+        answer = [reach.check(got, prompt)]
+        while len(answer) < 8:
+            position = len(prompt) + len(answer) - 1
+            attend = next(a for a in runner.runtime.attend_buckets if a > position)
+            got = runner.graphs.decode(table[None, :], np.array(answer[-1:]), np.array([position]), 1, attend)
+            answer.append(reach.check(got[0].asnumpy()[0], answer[-1:]))
+        assert answer == runner_answer(runner, slot, prompt, len(answer)), question
+
+
+def runner_answer(runner: ModelRunner, slot: int, prompt: list[int], length: int) -> list[int]:
+    """The runner's own greedy answer: the sampling graphs pick what the logits above chose."""
+    runner.release(slot)
+    answer = [runner.prefill(slot, prompt, GREEDY)]
+    while len(answer) < length:
+        answer += runner.decode([slot])
+    runner.release(slot)
+    return answer
 
 
 @pytest.mark.default_model

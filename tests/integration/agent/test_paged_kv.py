@@ -337,7 +337,10 @@ def test_kernels_refuse_a_table_that_slipped_past_the_host(path, tiny_llama_dir,
     assert np.abs(prefill(graphs, table, prompt) - want).max() < TOLERANCE
 
 
-@pytest.mark.skipif(not has_int8_products(), reason="the int8 products need AVX512-VNNI")
+@pytest.mark.skipif(
+    not has_int8_products(),
+    reason="the int8 products need AVX2 or AVX512-VNNI (kernels of the native target have none)",
+)
 def test_agreement_tool_compares_greedy_answers(tiny_q4_path, tmp_path):
     """python -m tools.agreement: a config against itself agrees everywhere; int8 against float32
     reports, per prompt, where its answer first differs (or that it does not)."""
