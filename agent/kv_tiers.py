@@ -18,19 +18,31 @@ weights fingerprint of agent/compile_cache.py), the KV layout and the payload's 
 it catches a damaged or half-written file; whoever may write the folder may write any KV, so it is
 the operator's, as the model file is). A file
 that does not match all of them (another model, another layout, truncated, corrupt) is ignored
-and counted, never loaded: wrong KV would silently change answers.
+and counted, never loaded: wrong KV would silently change answers; whatever a malformed file raises
+while it is read (a header nested too deep for the JSON parser included) counts the same.
+
+The files hold what the prompts were (layer 0's K rows depend only on the token and its position,
+and the weights are public), so they are this user's alone: folders are created 0700 and files 0600
+(so from the start, never loosened), and every file is opened through a descriptor of the store's
+folder, never through a symbolic link (O_NOFOLLOW); a folder that is a link or another user's is
+refused at start. `report()` also names the keys the store let go since the previous report (out of
+both tiers: least recently used, a write the full queue dropped, a corrupt file), so whoever
+indexes its blocks (the scheduler) forgets them too.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import queue
 import re
+import stat
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.contract.step_reply import TIER_COUNTS, TierReport
+from agent.contract.step_reply import MAX_REPORTED_EVICTIONS, TIER_COUNTS, TierReport
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +65,12 @@ LARGEST_HEADER = 1 << 16  # a header longer than this is no header of ours
 WRITE_QUEUE_BLOCKS = 64
 WRITE_QUEUE_BYTES = 256 << 20
 _KEY = re.compile(r"[0-9a-f]{8,128}")  # a key is a file name: hex only, no path can hide in it
+FOLDER_MODE = 0o700  # the files hold what the prompts were: this user's alone
+FILE_MODE = 0o600
+# a block file opened to read: never through a link, never waiting on a planted FIFO (refused after fstat)
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# a block file written: a new file of this user's (O_EXCL: nothing planted under its name is reused)
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -103,14 +121,19 @@ class KVTierStore:
         self._host_used = 0  # bytes in _host
         self._disk: OrderedDict[str, int] = OrderedDict()  # key -> its file's bytes, LRU likewise
         self._pending: dict[str, np.ndarray] = {}  # queued for the disk, not yet written
+        # keys let go (in neither tier nor queued) since the last report, oldest first; bounded: the
+        # scheduler's index is bounded by capacity_blocks too, whatever is not reported
+        self._evicted: OrderedDict[str, None] = OrderedDict()
         self._queue: queue.Queue[tuple[str, np.ndarray] | None] = queue.Queue(
             queue_blocks or max(WRITE_QUEUE_BLOCKS, WRITE_QUEUE_BYTES // layout.nbytes)
         )
         self._writer: threading.Thread | None = None
         self._readers: ThreadPoolExecutor | None = None  # get_many's, started on first use
+        self._folder = -1  # the disk tier's folder, opened: every file is reached through it
         if self.disk_bytes:
             assert disk_dir is not None
-            disk_dir.mkdir(parents=True, exist_ok=True)
+            self._folder = _open_folder(disk_dir)
+            weakref.finalize(self, os.close, self._folder)
             self._scan()
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
@@ -131,12 +154,21 @@ class KVTierStore:
         with self._lock:
             return sum(self._disk.values())
 
+    @property
+    def capacity_blocks(self) -> int:
+        """The most blocks both tiers hold at once (a file is a little larger than its block)."""
+        return (self.host_bytes + self.disk_bytes) // self.layout.nbytes
+
     def report(self, restore_s: float) -> TierReport:
-        """What it counted since the previous report, the bytes each tier holds now."""
+        """What it counted since the previous report, the bytes each tier holds now, and the keys it
+        let go since then (at most MAX_REPORTED_EVICTIONS: the rest go with the next report)."""
         with self._lock:
             counts = {name: n - self._reported[name] for name, n in self.counts.items()}
             self._reported = dict(self.counts)
-            return TierReport(counts, self._host_used, sum(self._disk.values()), restore_s)
+            evicted: list[str] = []
+            while self._evicted and len(evicted) < MAX_REPORTED_EVICTIONS:
+                evicted.append(self._evicted.popitem(last=False)[0])
+            return TierReport(counts, self._host_used, sum(self._disk.values()), restore_s, tuple(evicted))
 
     def keys(self) -> set[str]:
         with self._lock:
@@ -162,19 +194,19 @@ class KVTierStore:
             raise ValueError(f"a block's K/V is {want}, not {kv.dtype}{list(kv.shape)}")
         kv = np.array(kv, copy=True, order="C")
         with self._lock:
+            self._evicted.pop(key, None)  # held again: never reported as let go
             # a digest names its content: the copy held is as good (a retried step's may not be)
             if key in self._host:
                 self._host.move_to_end(key)
             else:
                 self._keep_in_host(key, kv)
-            if not self.disk_bytes or key in self._disk or key in self._pending:
-                return
-            try:
-                self._queue.put_nowait((key, kv))
-            except queue.Full:
-                self.counts["dropped_writes"] += 1
-                return
-            self._pending[key] = kv
+            if self.disk_bytes and key not in self._disk and key not in self._pending:
+                try:
+                    self._queue.put_nowait((key, kv))
+                    self._pending[key] = kv
+                except queue.Full:
+                    self.counts["dropped_writes"] += 1
+            self._note_if_evicted(key)  # no room in host memory and no disk: never held
 
     def get(self, key: str) -> np.ndarray | None:
         """The block's K/V, from host memory, else from its file (validated, then kept in host memory
@@ -197,7 +229,8 @@ class KVTierStore:
                 self.counts["misses"] += 1
                 if on_disk and self._disk.pop(key, None) is not None:
                     self.counts["ignored_files"] += 1
-                    _remove(self._path(key))
+                    self._remove(key)
+                    self._note_if_evicted(key)
                 return None
             self.counts["disk_hits"] += 1
             if key in self._disk:
@@ -222,8 +255,9 @@ class KVTierStore:
             self._host_used = 0
             self._pending.clear()
             for key in self._disk:
-                _remove(self._path(key))
+                self._remove(key)
             self._disk.clear()
+            self._evicted.clear()  # the scheduler empties its index itself (an operator's reset)
             return len(keys)
 
     def flush(self) -> None:
@@ -250,12 +284,33 @@ class KVTierStore:
         self._host[key] = kv
         self._host_used += kv.nbytes - (0 if old is None else old.nbytes)
         while self._host_used > self.host_bytes:
-            _, old = self._host.popitem(last=False)
+            gone, old = self._host.popitem(last=False)
             self._host_used -= old.nbytes
+            self._note_if_evicted(gone)
 
-    def _path(self, key: str) -> Path:
-        assert self.disk_dir is not None
-        return self.disk_dir / f"{key}{SUFFIX}"
+    def _note_if_evicted(self, key: str) -> None:
+        """Under the lock: `key` is reported as let go when neither tier holds it nor will."""
+        if key in self._host or key in self._disk or key in self._pending:
+            return
+        self._evicted[key] = None
+        if len(self._evicted) > max(self.capacity_blocks, MAX_REPORTED_EVICTIONS):
+            self._evicted.popitem(last=False)
+
+    def _open_file(self, key: str) -> io.BufferedReader:
+        """`key`'s file in the store's folder, to read: OSError where it is a link or not a plain
+        file of this user (a FIFO, a folder, another user's file planted in an older folder)."""
+        f = os.fdopen(os.open(f"{key}{SUFFIX}", _READ_FLAGS, dir_fd=self._folder), "rb")
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            f.close()
+            raise OSError(f"{key}{SUFFIX} is not a plain file of this user")
+        return f
+
+    def _remove(self, key: str, suffix: str = SUFFIX) -> None:
+        try:
+            os.unlink(f"{key}{suffix}", dir_fd=self._folder)  # a link itself goes, never its target
+        except FileNotFoundError:
+            pass
 
     def _header(self, key: str, payload: bytes) -> dict:
         return {
@@ -279,76 +334,88 @@ class KVTierStore:
             and type(header.get("checksum")) is int
         )
 
-    def _read_header(self, path: Path, key: str) -> tuple[dict, int] | None:
-        """(header, the payload's offset) when the file is one of ours for `key` and long enough."""
-        try:
-            with path.open("rb") as f:
-                opened = _header_of(f)
-                if opened is None:
-                    return None
-                header, offset = opened
-                if (
-                    not self._matches(header, key)
-                    or os.fstat(f.fileno()).st_size != offset + header["nbytes"]
-                ):
-                    return None
-                return header, offset
-        except (OSError, ValueError):  # json's errors are ValueErrors, a bad UTF-8 header too
+    def _valid_header(self, f: io.BufferedReader, key: str) -> tuple[dict, int] | None:
+        """(header, the payload's offset) when the open file is one of ours for `key` and of its
+        whole length; the file is then positioned at the payload. Raises what a malformed file
+        makes the parser raise."""
+        opened = _header_of(f)
+        if opened is None:
             return None
+        header, offset = opened
+        if not self._matches(header, key) or os.fstat(f.fileno()).st_size != offset + header["nbytes"]:
+            return None
+        return header, offset
 
     def _read(self, key: str) -> np.ndarray | None:
-        path = self._path(key)
-        found = self._read_header(path, key)
-        if found is None:
-            return None
-        header, offset = found
-        payload = bytearray(header["nbytes"])  # read into: the array owns it, writable, no copy
         try:
-            with path.open("rb") as f:
-                f.seek(offset)
+            with self._open_file(key) as f:
+                found = self._valid_header(f, key)
+                if found is None:
+                    return None
+                header, _ = found
+                payload = bytearray(header["nbytes"])  # read into: the array owns it, writable, no copy
                 if f.readinto(payload) != len(payload):
                     return None
-            _touch(path)
-        except OSError:
+                _touch(f.fileno())
+        except Exception:  # whatever a malformed file raises (a RecursionError too): not loaded
             return None
         if zlib.crc32(payload) != header["checksum"]:  # corruption, not an adversary: see the module
             return None
         return np.frombuffer(payload, self.layout.dtype).reshape(self.layout.shape)
 
     def _scan(self) -> None:
-        """Index the files a previous run left, least recently used first; count what is not ours."""
-        assert self.disk_dir is not None
+        """Index the files a previous run left, least recently used first; count what is not ours.
+        Nothing a file holds stops the start: each is loaded, or ignored and counted."""
         found = []
-        for path in self.disk_dir.iterdir():
-            if path.suffix != SUFFIX:
+        for name in os.listdir(self._folder):
+            if not name.endswith(SUFFIX):
                 continue  # a write that a crash interrupted (.tmp), or not ours at all
-            key = path.stem
-            if not _KEY.fullmatch(key) or self._read_header(path, key) is None:
+            key = name[: -len(SUFFIX)]
+            try:
+                seen = self._scan_file(key) if _KEY.fullmatch(key) else None
+            except Exception:  # a header nested past the parser's depth (RecursionError), a link...
+                seen = None
+            if seen is None:
                 self.counts["ignored_files"] += 1
-                if _older_format(path):  # this folder's, written before a format change: never read again
-                    _remove(path)
                 continue
-            stat = path.stat()
-            found.append((stat.st_mtime_ns, key, stat.st_size))
-        for _, key, size in sorted(found):
+            found.append((*seen, key))
+        for _, size, key in sorted(found):
             self._disk[key] = size
         self._evict_disk()
-        if found or self.counts["ignored_files"]:
-            log.info(
-                "KV tier: %d blocks on disk in %s, %d files ignored",
-                len(self._disk),
-                self.disk_dir,
+        self._evicted.clear()  # never indexed by anyone: nothing to report
+        if found:
+            log.info("KV tier: %d blocks on disk in %s", len(self._disk), self.disk_dir)
+        if self.counts["ignored_files"]:
+            log.warning(
+                "KV tier: %d files in %s ignored (another model's or layout's, an earlier format, "
+                "truncated, corrupt, or not a plain file of this user)",
                 self.counts["ignored_files"],
+                self.disk_dir,
             )
+
+    def _scan_file(self, key: str) -> tuple[int, int] | None:
+        """(mtime, size) of `key`'s file when it is a valid block; None when not (one of an earlier
+        format of this store is removed: never read again)."""
+        with self._open_file(key) as f:
+            if self._valid_header(f, key) is not None:
+                info = os.fstat(f.fileno())
+                return info.st_mtime_ns, info.st_size
+            f.seek(0)
+            opened = _header_of(f)
+        version = opened[0].get("version") if opened else None
+        if type(version) is int and 0 < version < FORMAT_VERSION:
+            self._remove(key)
+        return None
 
     def _evict_disk(self) -> None:
         """Under the lock: the least recently used files go while over the bound."""
         used = sum(self._disk.values())
         while used > self.disk_bytes and self._disk:
             key, size = self._disk.popitem(last=False)
-            _remove(self._path(key))
+            self._remove(key)
             used -= size
             self.counts["evicted"] += 1
+            self._note_if_evicted(key)
 
     def _write_loop(self) -> None:
         while True:
@@ -362,21 +429,30 @@ class KVTierStore:
                 assert item is not None
                 with self._lock:
                     self._pending.pop(item[0], None)
+                    self._note_if_evicted(item[0])
             finally:
                 self._queue.task_done()
 
     def _write(self, key: str, kv: np.ndarray) -> None:
         payload = kv.tobytes()
         header = json.dumps(self._header(key, payload)).encode()
-        path = self._path(key)
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("wb") as f:  # written whole, then renamed: a reader never sees half a file
+        # written whole, then renamed: a reader never sees half a file. Per process: agents of one
+        # model share the folder
+        tmp = f"{key}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE, dir_fd=self._folder)
+        except FileExistsError:  # a crashed run's (or something planted): unlinked, never followed
+            self._remove(key, f".{os.getpid()}.tmp")
+            fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE, dir_fd=self._folder)
+        with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
-        os.replace(tmp, path)
-        _touch(path)
+            f.flush()
+            _touch(f.fileno())
+            size = os.fstat(f.fileno()).st_size
+        os.replace(tmp, f"{key}{SUFFIX}", src_dir_fd=self._folder, dst_dir_fd=self._folder)
         with self._lock:
             self._pending.pop(key, None)
-            self._disk[key] = path.stat().st_size
+            self._disk[key] = size
             self._disk.move_to_end(key)
             self.counts["written"] += 1
             self._evict_disk()
@@ -394,31 +470,49 @@ def _header_of(f) -> tuple[dict, int] | None:
     return (header, len(MAGIC) + 4 + length) if isinstance(header, dict) else None
 
 
-def _older_format(path: Path) -> bool:
-    """A file of this store's own format, of an earlier version."""
-    try:
-        with path.open("rb") as f:
-            opened = _header_of(f)
-        version = opened[0].get("version") if opened else None
-    except (OSError, ValueError):
-        return False
-    return type(version) is int and 0 < version < FORMAT_VERSION
-
-
 def _check_key(key: str) -> None:
     if not isinstance(key, str) or not _KEY.fullmatch(key):
         raise ValueError(f"a KV tier key is 8..128 lowercase hex digits, not {key!r:.40}")
 
 
-def _touch(path: Path) -> None:
+def _touch(fd: int) -> None:
     """Recency survives a restart: the scan orders files by mtime. Set from the fine clock (the
     file system's own stamps may tick only every few ms, tying blocks used one after another)."""
     now = time.time_ns()
-    os.utime(path, ns=(now, now))
+    os.utime(fd, ns=(now, now))
 
 
-def _remove(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+def _open_folder(folder: Path) -> int:
+    """The disk tier's folder, opened (every file is then reached through this descriptor: a
+    folder renamed or swapped for a link later changes nothing), the missing ones of it and its
+    parents created 0700 first. Refused where it is a link or another user's; one of this user's
+    that others may read (an earlier version's, created 0755) is closed to them."""
+    missing = []
+    at = folder
+    while not os.path.lexists(at) and at != at.parent:
+        missing.append(at)
+        at = at.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, FOLDER_MODE)
+        except FileExistsError:  # another agent of the model made it meanwhile
+            pass
+    if os.path.islink(folder):
+        raise RuntimeError(
+            f"the KV tier's folder {folder} is a symbolic link, which the disk tier never follows "
+            "(whoever can change the link would read or plant blocks): set runtime.kv_tiers.disk_dir "
+            "to the real folder, or replace the link by the folder itself"
+        )
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid():
+        os.close(fd)
+        raise RuntimeError(
+            f"the KV tier's folder {folder} belongs to user id {info.st_uid}, not to this process's "
+            f"({os.geteuid()}): that user could read the prompts' blocks or plant others; remove "
+            "it, or set runtime.kv_tiers.disk_dir to a folder of this user's"
+        )
+    if info.st_mode & 0o077:
+        log.warning("KV tier: %s was open to other users: now %o (this user's alone)", folder, FOLDER_MODE)
+        os.fchmod(fd, FOLDER_MODE)
+    return fd

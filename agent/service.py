@@ -93,6 +93,8 @@ class AgentService:
             self.facts["kv_tier_keys"] = tiers.recent_keys(REPORTED_TIER_KEYS)
             # a disk tier outlives this process: every computed block goes there, not only evicted ones
             self.facts["kv_tier_write_through"] = tiers.disk_bytes > 0
+            # the scheduler's index of the tier's blocks never holds more (lost reports included)
+            self.facts["kv_tier_capacity"] = tiers.capacity_blocks
         self.shutdown_requested = False
         self.session: int | None = None  # set by `reset`; see protocol.py
         self.epoch = 0  # the start time of the server holding the session: an older one cannot reset

@@ -39,13 +39,18 @@ eviction spills it again (the tier may have let it go meanwhile). They are regis
 computed(), as any block is, once the step that restored them succeeded: a restore that failed
 (the tier lost the block) is never hit by another sequence; `restore_failed` forgets its digests,
 and the scheduler recomputes that sequence from the failed block on.
+
+`tier_keys` is bounded by what the tier holds: the agent reports the digests its tier let go (its
+least recently used, with the steps that move blocks) and `tier_evicted` forgets them; and it never
+holds more than `tier_capacity` (the tier's blocks, as its agent reported them), the least recently
+spilled or restored going first, so lost reports cannot grow it either.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 _ROOT = 0  # the parent serial of a sequence's first block (without a cache salt)
@@ -84,6 +89,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         tiered: bool = False,
         write_through: bool = False,
+        tier_capacity: int | None = None,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
@@ -92,6 +98,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.tiered = tiered and enable_prefix_caching
         self.write_through = write_through and self.tiered
+        self.tier_capacity = tier_capacity  # the most blocks the tier holds (None: unbounded)
         self.tier_hit_tokens = 0  # cumulative: of the hit tokens, the ones restored from the tier
         self.query_tokens = 0  # cumulative: prompt tokens looked up in the cache
         self.hit_tokens = 0  # cumulative: of those, the ones found computed
@@ -107,8 +114,9 @@ class BlockManager:
         self._next_serial = _ROOT + 1
         self._tables: dict[Hashable, list[int]] = {}
         self._progress: dict[Hashable, _Progress] = {}
-        # the tier outlives the pool (an agent restart re-seeds it: seed_tier)
-        self.tier_keys: set[str] = set()
+        # the tier outlives the pool (an agent restart re-seeds it: seed_tier); least recently
+        # spilled or restored first
+        self.tier_keys: OrderedDict[str, None] = OrderedDict()
         self.spills: list[tuple[int, str]] = []  # (block, digest): copy out before overwriting
         self.restores: list[tuple[str, int]] = []  # (digest, block): read back before computing
 
@@ -177,6 +185,7 @@ class BlockManager:
         table.extend(self._take() for _ in range(total - len(hits)))
         # the tier's blocks follow the pool's: restored into the first fresh ones
         self.restores += zip(tier, table[len(hits) : len(hits) + len(tier)])
+        self._index_tier(tier)  # used: the tier keeps them longest too
         self._tables[key] = table
         last = hits[-1][0] if hits else None
         self._progress[key] = (
@@ -222,7 +231,7 @@ class BlockManager:
                 self._next_serial += 1
                 if self.write_through and digest not in self.tier_keys:
                     self.spills.append((table[i], digest))
-                    self.tier_keys.add(digest)
+                    self._index_tier([digest])
             block = table[i]
             assert block not in self._content_of, f"block {block} is registered twice"
             content.holders[block] = None
@@ -273,9 +282,10 @@ class BlockManager:
     # --- the second tier ---
 
     def seed_tier(self, digests: Sequence[str]) -> None:
-        """The tier's blocks as an agent reported them (at start: what its disk kept)."""
+        """The tier's blocks as an agent reported them (at start: what its disk kept), the most
+        recently used first."""
         if self.tiered:
-            self.tier_keys.update(digests)
+            self._index_tier(reversed(digests))
 
     def take_spills(self) -> list[tuple[int, str]]:
         """The (block, digest) pairs to copy out in the next step, before it writes them."""
@@ -290,7 +300,12 @@ class BlockManager:
     def restore_failed(self, digests: Sequence[str]) -> None:
         """The tier did not have these (evicted, dropped, corrupt): never looked up there again.
         Their blocks were never registered, so nothing else hit them."""
-        self.tier_keys.difference_update(digests)
+        self.tier_evicted(digests)
+
+    def tier_evicted(self, digests: Iterable[str]) -> None:
+        """The tier let these go (its agent's report): no longer looked up there."""
+        for digest in digests:
+            self.tier_keys.pop(digest, None)
 
     # --- internals ---
 
@@ -337,9 +352,18 @@ class BlockManager:
                 del self._contents[content.key]
                 if self.tiered:  # its last copy: into the tier, before the new owner writes it
                     self.spills.append((block, content.digest))
-                    self.tier_keys.add(content.digest)
+                    self._index_tier([content.digest])
         self._refs[block] = 1
         return block
+
+    def _index_tier(self, digests: Iterable[str]) -> None:
+        """These digests are in the tier, the most recently used last; the least recently used go
+        past its capacity (the tier has let them go, whether or not its report came)."""
+        for digest in digests:
+            self.tier_keys[digest] = None
+            self.tier_keys.move_to_end(digest)
+        while self.tier_capacity is not None and len(self.tier_keys) > self.tier_capacity:
+            self.tier_keys.popitem(last=False)
 
 
 def _root(salt: str | None) -> int | str:
@@ -349,7 +373,9 @@ def _root(salt: str | None) -> int | str:
 
 def _root_digest(salt: str | None) -> str:
     """The digest chain's start: the common root's, or the salt's (kept apart from the root's)."""
-    seed = b"root" if salt is None else b"salt:" + salt.encode()
+    # surrogatepass: total over every str (the APIs refuse lone surrogates; an engine loop that
+    # met one anyway would fail every request on it)
+    seed = b"root" if salt is None else b"salt:" + salt.encode("utf-8", "surrogatepass")
     return hashlib.sha256(seed).hexdigest()
 
 

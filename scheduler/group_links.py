@@ -106,6 +106,7 @@ class GroupLinks:
                 bool(info.get("prefix_caching", True)),
                 tier_keys,
                 tier_keys is not None and info.get("kv_tier_write_through") is True,
+                self._tier_capacity(info) if tier_keys is not None else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentIncompatible(f"agent {client.address} reported an unusable KV cache: {exc}") from exc
@@ -146,6 +147,14 @@ class GroupLinks:
             raise AgentIncompatible(f"agent {self.clients[group].address} reported unusable KV tier keys")
         log.info("agent %d: KV tier on, %d blocks held", group, len(keys))
         return tuple(keys)
+
+    @staticmethod
+    def _tier_capacity(info: dict) -> int:
+        """The most blocks the agent's KV tier holds: its index here never holds more."""
+        capacity = info.get("kv_tier_capacity")
+        if type(capacity) is not int or capacity < 0:
+            raise ValueError(f"kv_tier_capacity is {capacity!r:.40}, not a number of blocks")
+        return capacity
 
     async def recover(self, group: int, stopping: Callable[[], bool]) -> GroupCapacity | None:
         """Probe a failed group until it answers (restarted by the launcher, or resumed): its

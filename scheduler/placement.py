@@ -40,6 +40,7 @@ class Placement:
             caching,
             tiered=capacity.tier_keys is not None,
             write_through=capacity.tier_write_through,
+            tier_capacity=capacity.tier_capacity,
         )
         blocks.seed_tier(capacity.tier_keys or ())
         return blocks

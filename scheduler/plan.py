@@ -32,6 +32,7 @@ class GroupCapacity:
     tier_keys: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
     # its tier outlives the agent (a disk tier): blocks are saved as they are computed (write-through)
     tier_write_through: bool = False
+    tier_capacity: int | None = None  # the most blocks its tier holds (bounds the tier index)
 
     def mixes(self, decodes: int, chunks: list[Chunk], proposed: int = 0) -> bool:
         """Whether a step of `decodes` decode rows (with `proposed` tokens proposed after them)

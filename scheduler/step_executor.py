@@ -173,6 +173,7 @@ class StepExecutor:
             raise
         if reply.tier is not None:
             self.metrics.count_tier(group, reply.tier)
+            blocks.tier_evicted(reply.tier.evicted_keys)  # the index holds only what the tier does
         if reply.restore_failed:
             log.warning(
                 "agent %s: %d of %d blocks not in its KV tier: their sequences are recomputed",

@@ -8,7 +8,8 @@ a step that sent its KV adds kv_bytes and transfer_ms; where a chunk scores its 
 `chunk_prompt_logprobs` holds per chunk its entries (StepChunk.scores of them) or null;
 `restore_failed` lists the digests of the request's `restore` that the tier no longer had (their
 blocks hold no valid KV: the scheduler recomputes from there); a step that moved tier blocks adds
-`tier` (TierReport: what the agent's store counted since its last report, its bytes, the restore time).
+`tier` (TierReport: what the agent's store counted since its last report, its bytes, the restore time,
+and the keys it let go since then, which the scheduler's index of tier blocks then forgets).
 """
 
 from __future__ import annotations
@@ -29,17 +30,24 @@ from agent.contract.step import StepRequest, proposal_size
 # files written, files evicted for room.
 TIER_COUNTS = ("host_hits", "disk_hits", "misses", "ignored_files", "dropped_writes", "written", "evicted")
 _LARGEST_COUNT = 1 << 48
+# Keys a TierReport names as let go, at most (64 hex digits each: 256 KiB); the store keeps the rest
+# for its next report
+MAX_REPORTED_EVICTIONS = 1 << 12
+_LONGEST_KEY = 128
 
 
 @dataclass(frozen=True)
 class TierReport:
     """An agent's KV tier after a step that spilled or restored blocks: its counts since its
-    previous report (TIER_COUNTS), the bytes each tier holds now, and the step's restore time."""
+    previous report (TIER_COUNTS), the bytes each tier holds now, the step's restore time, and the
+    keys it let go since its previous report (held in neither tier any more: least recently used
+    out, a write dropped, a corrupt file)."""
 
     counts: Mapping[str, int]
     host_bytes: int
     disk_bytes: int
     restore_s: float
+    evicted_keys: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -47,6 +55,7 @@ class TierReport:
             "host_bytes": self.host_bytes,
             "disk_bytes": self.disk_bytes,
             "restore_ms": round(self.restore_s * 1000, 3),
+            "evicted_keys": list(self.evicted_keys),
         }
 
     @classmethod
@@ -63,11 +72,19 @@ class TierReport:
             or not (math.isfinite(restore_ms) and 0 <= restore_ms < 1e9)
         ):
             raise ValueError("step reply's tier holds unknown counts or values that are not sizes")
+        evicted = entry.get("evicted_keys", [])
+        if (
+            not isinstance(evicted, list)
+            or len(evicted) > MAX_REPORTED_EVICTIONS
+            or not all(isinstance(k, str) and 0 < len(k) <= _LONGEST_KEY for k in evicted)
+        ):
+            raise ValueError(f"step reply's tier names more than {MAX_REPORTED_EVICTIONS} keys, or not keys")
         return cls(
             {name: counts.get(name, 0) for name in TIER_COUNTS},
             entry["host_bytes"],
             entry["disk_bytes"],
             restore_ms / 1000,
+            tuple(evicted),
         )
 
 

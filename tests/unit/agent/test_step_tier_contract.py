@@ -8,7 +8,7 @@ import pytest
 
 from agent.contract import protocol
 from agent.contract.step import StepChunk, StepRequest
-from agent.contract.step_reply import TIER_COUNTS, StepReply, TierReport
+from agent.contract.step_reply import MAX_REPORTED_EVICTIONS, TIER_COUNTS, StepReply, TierReport
 
 A, B = "a" * 64, "0123456789abcdef" * 4
 CHUNK = StepChunk(0, [5, 6, 7], [3], 0)
@@ -87,3 +87,16 @@ def test_the_tier_report_round_trips_and_a_malformed_one_is_refused():
     ):
         with pytest.raises(ValueError, match="tier"):
             reply_over_wire(StepReply([], [None]), request, {"tier": bad})
+
+
+def test_the_keys_a_tier_let_go_round_trip_and_a_malformed_list_is_refused():
+    request = StepRequest(chunks=[CHUNK], spill=[(1, A)])
+    counts = dict.fromkeys(TIER_COUNTS, 0)
+    reply = StepReply([], [None], tier=TierReport(counts, 0, 0, 0.0, (A, B)))
+    assert reply_over_wire(reply, request).tier == TierReport(counts, 0, 0, 0.0, (A, B))
+    partial = {"counts": {}, "host_bytes": 0, "disk_bytes": 0, "restore_ms": 0}
+    got = reply_over_wire(StepReply([], [None]), request, {"tier": partial}).tier
+    assert got is not None and got.evicted_keys == ()
+    for bad in ([A] * (MAX_REPORTED_EVICTIONS + 1), [3], [""], ["a" * 129], A):
+        with pytest.raises(ValueError, match="tier"):
+            reply_over_wire(StepReply([], [None]), request, {"tier": {**partial, "evicted_keys": bad}})

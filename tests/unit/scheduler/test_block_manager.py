@@ -394,3 +394,14 @@ def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
     assert blocks.allocate("tenant-b", prompt, salt="b") == 0
     assert blocks.allocate("tenant-a-again", prompt, salt="a") == 12
     assert blocks.allocate("plain-again", prompt) == 12
+
+
+def test_any_salt_string_hashes_even_a_lone_surrogate():
+    """The APIs refuse a lone surrogate in cache_salt; were one to reach the block manager anyway,
+    its digest is still computed (a UnicodeEncodeError in the engine loop failed every request)."""
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(1, 10))
+    assert blocks.allocate("odd", prompt, salt="tenant-\ud800") == 0
+    blocks.computed("odd", prompt, len(prompt))
+    assert blocks.allocate("odd-again", prompt, salt="tenant-\ud800") == 8
+    assert blocks.allocate("other", prompt, salt="tenant-\udc00") == 0

@@ -1,8 +1,12 @@
 """BlockManager's second tier (tiered=True): an evicted content's last block is queued to spill under
 its digest, a lookup goes on in the tier where the pool's run ends, those blocks are queued to
 restore and count as hits, and only computed() makes them hit-able; digests are the same in a new
-manager (a restart) and differ per cache salt."""
+manager (a restart) and differ per cache salt. The index of the tier's blocks holds what the tier
+holds (the agent's reports of what it let go) and never more than its capacity."""
 
+import numpy as np
+
+from agent.kv_tiers import KVLayout, KVTierStore
 from scheduler.block_manager import BlockManager
 
 SIZE = 4
@@ -39,7 +43,7 @@ def test_an_evicted_block_is_spilled_under_its_digest_before_it_is_reused():
     assert len(names) == 3
     # PROMPT held blocks 0..2; OTHER took the plain block 3, then those, the tail first (LRU)
     assert bm.take_spills() == [(2, names[2]), (1, names[1]), (0, names[0])]
-    assert bm.take_spills() == [] and bm.tier_keys == set(names)
+    assert bm.take_spills() == [] and set(bm.tier_keys) == set(names)
 
 
 def test_without_the_tier_nothing_is_spilled_or_restored():
@@ -142,7 +146,7 @@ def test_drop_cache_forgets_the_pool_and_the_tier_index_but_keeps_what_sequences
     bm.spills.append((3, "f" * 64))  # one not yet sent
     cached = bm.num_cached
     assert cached > 0 and bm.drop_cache() == cached
-    assert bm.num_cached == 0 and bm.tier_keys == set() and bm.take_spills() == []
+    assert bm.num_cached == 0 and set(bm.tier_keys) == set() and bm.take_spills() == []
     assert [d for d, _ in bm.take_restores()] == [d for d, _ in queued] == names[:2]
     assert bm.num_free == 4 - len(bm.table("again")) == 1
     bm.computed("again", PROMPT[:9], 9)  # the restore succeeded: registered from here on
@@ -157,7 +161,7 @@ def test_write_through_saves_each_content_once_as_it_is_computed():
     run(bm, "p", PROMPT)
     names = digests(bm, "p")
     # the three full blocks, queued as computed (the last position's block is not full: never)
-    assert bm.take_spills() == list(zip(bm.table("p")[:3], names)) and bm.tier_keys == set(names)
+    assert bm.take_spills() == list(zip(bm.table("p")[:3], names)) and set(bm.tier_keys) == set(names)
     run(bm, "q", PROMPT)  # a pool hit: nothing new to save
     assert bm.take_spills() == []
 
@@ -174,4 +178,79 @@ def test_write_through_saves_each_content_once_as_it_is_computed():
 def test_without_write_through_only_evictions_spill():
     bm = BlockManager(8, SIZE, tiered=True)
     run(bm, "p", PROMPT)
-    assert bm.take_spills() == [] and bm.tier_keys == set()
+    assert bm.take_spills() == [] and set(bm.tier_keys) == set()
+
+
+# The issue's stream: unique prompts of four full blocks each through a pool of 64 blocks (12,000
+# digests after 3,000 prompts when nothing is ever forgotten)
+STREAM = 3000
+LAYOUT = KVLayout(
+    layers=1, kv_heads=1, head_dim=4, row_width=4, block_size=SIZE, dtype="float16", kernel_layout="paged"
+)
+
+
+def unique_prompt(i: int) -> list[int]:
+    return list(range(i * 17, i * 17 + 17))
+
+
+def serve(bm: BlockManager, key, tokens, tier: KVTierStore | None) -> int:
+    """One prompt as the engine runs it: allocated, its step (the agent's tier moves first:
+    spills, restores, then the report the reply carries), computed, freed. Returns the size of
+    the tier index as the step left it."""
+    bm.allocate(key, tokens)
+    if tier is not None:
+        for _, digest in bm.take_spills():
+            tier.put(digest, np.zeros(LAYOUT.shape, LAYOUT.dtype))
+        restores = bm.take_restores()
+        failed = [d for (d, _), kv in zip(restores, tier.get_many([d for d, _ in restores])) if kv is None]
+        bm.restore_failed(failed)
+        bm.tier_evicted(tier.report(0.0).evicted_keys)
+    indexed = len(bm.tier_keys)
+    bm.computed(key, tokens, len(tokens))  # its blocks are saved (write-through) in the next step
+    bm.free(key)
+    return indexed
+
+
+def test_the_tier_index_holds_what_the_tier_holds_over_a_stream_of_unique_prompts():
+    tier = KVTierStore(LAYOUT, "model", host_bytes=256 * LAYOUT.nbytes)
+    bm = BlockManager(64, SIZE, tiered=True, write_through=True)  # no cap: the reports alone
+    for i in range(STREAM):
+        assert serve(bm, i, unique_prompt(i), tier) <= tier.capacity_blocks == 256
+        if i % 100 == 0:
+            assert set(bm.tier_keys) - tier.keys() == {d for _, d in bm.spills}  # those not yet sent
+    # what the tier still holds is still found there
+    assert bm.allocate("again", unique_prompt(STREAM - 1)) == 4 * SIZE
+
+
+def digests_of(tokens: list[int]) -> set[str]:
+    """A prompt's digests (they depend on its tokens alone)."""
+    probe = BlockManager(8, SIZE, tiered=True)
+    run(probe, "probe", tokens)
+    return set(digests(probe, "probe"))
+
+
+def test_the_tier_index_never_outgrows_the_tiers_capacity_when_reports_are_lost():
+    bm = BlockManager(64, SIZE, tiered=True, write_through=True, tier_capacity=256)
+    largest = 0
+    for i in range(STREAM):
+        serve(bm, i, unique_prompt(i), None)  # the agent's reports never arrive
+        if i == 40:  # an early prompt hit again (restored from the tier): kept past its age
+            assert bm.allocate("early", unique_prompt(0)) == 4 * SIZE
+            bm.free("early")
+        if i == 80:  # the index is full: the first prompt, restored at 40, is kept; the second went
+            indexed = set(bm.tier_keys)
+            assert digests_of(unique_prompt(0)) <= indexed and not digests_of(unique_prompt(1)) & indexed
+        largest = max(largest, len(bm.tier_keys))
+    assert largest == 256
+    assert digests_of(unique_prompt(STREAM - 1)) <= set(bm.tier_keys)  # the most recent are kept
+    assert not digests_of(unique_prompt(STREAM - 100)) & set(bm.tier_keys)  # the least recent went
+
+
+def test_a_restored_digest_outlives_those_indexed_before_its_restore():
+    bm = BlockManager(8, SIZE, tiered=True, tier_capacity=6)
+    older, newer = [f"{i:064x}" for i in range(3)], [f"{i:064x}" for i in range(3, 6)]
+    bm.seed_tier(sorted(digests_of(PROMPT)))
+    bm.seed_tier(older)  # indexed after PROMPT's
+    assert bm.allocate("again", PROMPT) == 3 * SIZE  # restored: the most recently used now
+    bm.seed_tier(newer)  # over the capacity: the least recently used go, older's, not PROMPT's
+    assert set(bm.tier_keys) == digests_of(PROMPT) | set(newer)
