@@ -1,10 +1,18 @@
 """Per-sequence token choice from the top-k post-process graph's candidates.
 
 The device returns the K best (logit, id) pairs of each row, best first; each sequence then applies
-its own repetition penalty, top-k, temperature and top-p with its own random draws. A sequence's draw
-for its n-th token is a function of its key (from its seed, else random) and n alone, never of a
-generator's state: a seeded request gives the same text whatever else shares its batch and however
-its steps were made (one token, or proposals verified, as speculative decoding makes them by load).
+its own repetition penalty, temperature and truncation with its own random draws. Truncation runs
+in llama.cpp's sampler-chain order: top-k, typical_p (locally typical sampling, transformers'
+TypicalLogitsWarper: the tokens whose surprisal is nearest the entropy of the top-k's distribution,
+until their mass reaches typical_p), top-p over what is left, then min_p (the tokens of at least
+min_p times the most likely remaining one's probability; vLLM v0's place too, where v1 applies it
+before top-k/top-p: the two differ only where top-p and min_p are both set). All of them act on
+the distribution after the temperature, as vLLM's do and this sampler's top-p always has (llama.cpp
+scales last). Each row's truncation is its own arithmetic on its own candidates, so a row's token
+never depends on the other rows of its batch. A sequence's draw for its n-th token is a function of
+its key (from its seed, else random) and n alone, never of a generator's state: a seeded request
+gives the same text whatever else shares its batch and however its steps were made (one token, or
+proposals verified, as speculative decoding makes them by load).
 
 Penalties: `repetition_penalty` (CTRL-style, over prompt and output tokens) and OpenAI's
 `presence_penalty` / `frequency_penalty` (subtracted from the logits of output tokens, once and per
@@ -15,14 +23,16 @@ before them; `candidates_needed` asks for that many, and the whole vocabulary wh
 A row that needs the whole vocabulary does not run a top-k over it on the device (13-23 ms for a
 batch of 32 with a 49152-token vocabulary, paid by every row of the batch): `choose_from_logits`
 takes its logits row and draws from the same distribution on the host, sorting only the tokens the
-draw can reach (none without top-p, the nucleus with it).
+draw can reach (none without truncation, the nucleus with top-p or min_p; typical_p needs the order
+of every token of the top-k, the whole vocabulary without one).
 
 The whole row is also taken by a sequence that asks for logprobs (their normaliser is the whole
 vocabulary's), has a logit bias (it may raise any token), has stop ids to suppress (`min_tokens`) or
 a token mask (structured output: the server's grammar sends one with each step that samples for it).
 Logprobs are those of the distribution the token is drawn from: the logits after penalties, logit
-bias and suppression, divided by the temperature (1 for greedy rows), before top-k/top-p truncation;
-only the chosen token's and the `logprobs` best tokens' values leave the agent, never the logits.
+bias and suppression, divided by the temperature (1 for greedy rows), before truncation (top-k,
+typical_p, top-p, min_p); only the chosen token's and the `logprobs` best tokens' values leave the
+agent, never the logits.
 """
 
 from __future__ import annotations
@@ -133,12 +143,7 @@ class SlotSampler:
             logits, ids = logits[order], ids[order]
             if p.top_k > 0:
                 logits, ids = logits[: p.top_k], ids[: p.top_k]
-            probs = np.exp((logits - logits[0]) / p.temperature)
-            running = np.cumsum(probs)
-            keep = len(running)
-            if p.top_p < 1.0:
-                keep = int(np.searchsorted(running / running[-1], p.top_p)) + 1
-            cumulative = running[:keep] / running[keep - 1]  # the arithmetic of _nucleus
+            ids, cumulative = _truncated(np.exp((logits - logits[0]) / p.temperature), ids, p)
             index = int(np.searchsorted(cumulative, self.uniform(), side="right"))
             token = int(ids[min(index, len(cumulative) - 1)])
         self.observe(token)
@@ -232,11 +237,19 @@ class SlotSampler:
     def _draw(self, probs: np.ndarray) -> int:
         """The position's draw (as in choose()) from unnormalised probabilities by token id."""
         p = self.params
-        if p.top_k == 0 and p.top_p >= 1.0:  # no truncation: the id order serves as well as any
+        if p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0 and p.typical_p >= 1.0:
+            # no truncation: the id order serves as well as any
             cumulative = np.cumsum(probs)
             index = int(np.searchsorted(cumulative, self.uniform() * cumulative[-1], side="right"))
             return min(index, len(probs) - 1)
-        ids, cumulative = _nucleus(probs, p.top_k or len(probs), p.top_p)
+        if p.typical_p < 1.0:
+            # the entropy is the whole top-k's: every one of them sorted, as choose() has them
+            top_k = min(p.top_k or len(probs), len(probs))
+            kept = np.argpartition(-probs, top_k - 1)[:top_k] if top_k < len(probs) else np.arange(len(probs))
+            best = kept[np.lexsort((kept, -probs[kept]))]
+            ids, cumulative = _truncated(probs[best], best, p)
+        else:
+            ids, cumulative = _nucleus(probs, p.top_k or len(probs), p.top_p, p.min_p)
         index = int(np.searchsorted(cumulative, self.uniform(), side="right"))
         return int(ids[min(index, len(ids) - 1)])
 
@@ -342,22 +355,66 @@ def _best_ids(values: np.ndarray, peak: float, best: int) -> np.ndarray:
     return ids[np.lexsort((ids, -values[ids]))]
 
 
-def _nucleus(probs: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
-    """The ids a top-k then top-p draw can reach, best first, with their cumulative share (ending
-    at 1). Sorts a growing prefix of the best tokens until it holds the nucleus, not the vocabulary."""
+def _nucleus(
+    probs: np.ndarray, top_k: int, top_p: float, min_p: float = 0.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ids a top-k, top-p then min_p draw can reach, best first, with their cumulative share
+    (ending at 1). Sorts a growing prefix of the best tokens until it holds the nucleus (or every
+    token min_p keeps), not the vocabulary."""
     top_k = min(top_k, len(probs))  # a top_k past the vocabulary keeps it all
     kept = np.argpartition(-probs, top_k - 1)[:top_k] if top_k < len(probs) else np.arange(len(probs))
     total = probs[kept].sum()
+    threshold = min_p * probs[kept].max()
     size = min(top_k, FIRST_NUCLEUS_GUESS)
     while True:
         best = kept if size == top_k else kept[np.argpartition(-probs[kept], size - 1)[:size]]
         ids = best[np.lexsort((best, -probs[best]))]  # best first, ties by id
         running = np.cumsum(probs[ids])
-        if size == top_k or (top_p < 1.0 and running[-1] / total >= top_p):
+        if (
+            size == top_k
+            or (top_p < 1.0 and running[-1] / total >= top_p)
+            or probs[ids[-1]] < threshold  # every token min_p keeps is in
+        ):
             break
         size = min(top_k, size * 8)
     keep = len(ids)
     if top_p < 1.0:
         keep = min(int(np.searchsorted(running / total, top_p)) + 1, len(ids))
+    if min_p > 0.0:  # as _truncated cuts it
+        keep = min(keep, int(np.count_nonzero(probs[ids] >= min_p * probs[ids[0]])))
     # normalised as choose() normalises its candidates': the same draw picks the same token
     return ids[:keep], running[:keep] / running[keep - 1]
+
+
+def _truncated(probs: np.ndarray, ids: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """typical_p, top-p then min_p over the top-k's probabilities (unnormalised, best first, ties
+    by id): the ids a draw can reach, in that order, with their cumulative share (ending at 1)."""
+    if params.typical_p < 1.0:
+        typical = _typical(probs, params.typical_p)
+        probs, ids = probs[typical], ids[typical]
+    running = np.cumsum(probs)
+    keep = len(running)
+    if params.top_p < 1.0:
+        keep = int(np.searchsorted(running / running[-1], params.top_p)) + 1
+    if params.min_p > 0.0:
+        # relative to the most likely token left: llama.cpp's, after typical_p (which may drop the
+        # most likely one); a prefix of the best-first order
+        keep = min(keep, int(np.count_nonzero(probs >= params.min_p * probs[0])))
+    return ids[:keep], running[:keep] / running[keep - 1]
+
+
+def _typical(probs: np.ndarray, mass: float) -> np.ndarray:
+    """Locally typical sampling's tokens as a mask (Meister et al. 2022, as transformers'
+    TypicalLogitsWarper keeps them): by distance of their surprisal from the entropy, nearest
+    first, until their probability reaches `mass`, with every token as near as the last one (so
+    ties never depend on an order). `probs`: unnormalised, best first."""
+    share = probs / probs.sum()
+    with np.errstate(divide="ignore"):
+        surprisal = -np.log(share)  # infinite where a probability underflowed to 0: never typical
+    finite = share > 0
+    entropy = float(np.sum(share[finite] * surprisal[finite]))
+    distance = np.abs(surprisal - entropy)
+    order = np.argsort(distance, kind="stable")
+    running = np.cumsum(share[order])
+    last = min(int(np.count_nonzero(running < mass)), len(order) - 1)
+    return distance <= distance[order[last]]

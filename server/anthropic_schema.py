@@ -6,7 +6,8 @@ served by a reasoning model (server/reasoning.py: its thinking comes back as `th
 `disabled` sets the template's enable_thinking false, as Qwen3's takes it); an assistant's past
 thinking blocks are dropped, as the reasoning models' templates drop past thinking. What the server
 cannot honour (images, documents, thinking on a model that does not reason, server tools, MCP
-servers) is refused by `unsupported()` with a message naming it."""
+servers, sampling parameters the chat request would not carry) is refused by `unsupported()` with a
+message naming it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from agent.contract.sampling import CacheSalt
+from server.openai_schema import MAX_MESSAGES, refused_sampling
 
 SERVED_BLOCKS = {
     "user": ("text", "tool_result"),
@@ -88,7 +92,7 @@ class CountTokensRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[Block] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
@@ -158,13 +162,16 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
+    # vLLM's and llama.cpp's, carried to the chat request (and checked there)
+    min_p: float | None = None
+    typical_p: float | None = None
     stream: bool = False
     metadata: dict | None = None
     container: str | dict | None = None
     output_config: OutputConfig | None = None
     # This server's chat extensions (the `anthropic` package sends them through extra_body),
     # passed on as /v1/chat/completions takes them and checked there: a bad value is a 400.
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     priority: int | None = None
     speculate: bool | None = None
 
@@ -173,7 +180,7 @@ class MessagesRequest(CountTokensRequest):
             return "container is not supported"
         if self.output_config and self.output_config.effort is not None:
             return "output_config.effort is not supported (no effort levels: thinking runs as the model does)"
-        return super().unsupported(reasons)
+        return refused_sampling(self, "/v1/messages") or super().unsupported(reasons)
 
     def chat_fields(self) -> dict:
         return {
@@ -183,6 +190,8 @@ class MessagesRequest(CountTokensRequest):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
+            "min_p": self.min_p,
+            "typical_p": self.typical_p,
             "user": (self.metadata or {}).get("user_id"),
             "response_format": self.output_config.response_format() if self.output_config else None,
             "cache_salt": self.cache_salt,

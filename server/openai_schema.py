@@ -1,5 +1,8 @@
 """Request bodies of the OpenAI-compatible API. Parameters the server cannot honour are refused by
-`unsupported()` with a message naming them, never silently ignored."""
+`unsupported()` with a message naming them, never silently ignored: the sampling parameters other
+servers take and no sampler here implements among them (agent/contract/sampling.py's
+UNSERVED_SAMPLING, whichever API they come to). Other unknown fields (what SDKs and clients send
+beside the request) are accepted."""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agent.contract.sampling import (
-    MAX_CACHE_SALT_CHARS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_PRIORITY,
@@ -17,15 +19,22 @@ from agent.contract.sampling import (
     MAX_SEED,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
+    CacheSalt,
     LogitBias,
+    SamplingParams,
     StopTokenIds,
     check_stop_strings,
+    unserved_sampling,
 )
 from server.request_body import json_value
 from server.structured_output import GrammarError, GrammarSpec
 from server.template_kwargs import check_template_kwargs
 
 MAX_N = 8  # completions per request; each is one more sequence in the batch
+# A conversation's messages (Anthropic's, Responses' input items): each is validated, converted and
+# rendered before the prompt's length is known; the longest prompt bounds them again per model
+# (server/assembly.py PromptEncoder). 50,000 empty messages fit in a 1 MB body.
+MAX_MESSAGES = 4096
 MAX_CHOICES = 256  # structured_outputs.choice
 MAX_TOKEN_ID_DIGITS = 10  # logit_bias keys: token ids are int32
 
@@ -103,7 +112,8 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    # Unknown fields are accepted (the SDK and other clients send extras); known ones are checked.
+    # Unknown fields are accepted (the SDK and other clients send extras), except sampling
+    # parameters no sampler here implements (unsupported()); known ones are checked.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
@@ -121,13 +131,15 @@ class _Common(BaseModel):
     user: str | None = None
     # Extensions vLLM and llama.cpp accept too.
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # 0: off
+    typical_p: float = Field(1.0, gt=0.0, le=1.0)  # 1: off
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: StopTokenIds = ()
     structured_outputs: StructuredOutputs | None = None
     # vLLM's: prefix-cache blocks shared only with requests of the same salt
-    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    cache_salt: CacheSalt | None = None
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     speculate: bool = True  # false: no tokens proposed for it (runtime.speculation)
 
@@ -182,7 +194,32 @@ class _Common(BaseModel):
         """The first parameter this server cannot honour, as a message; None if all are fine."""
         if self.presence_penalty < 0 or self.frequency_penalty < 0:
             return "negative presence_penalty/frequency_penalty are not supported (0 to 2 are)"
-        return None
+        return unserved_sampling(request_fields(self), type(self).model_fields)
+
+
+def request_fields(request: BaseModel) -> dict:
+    """A request's fields by name, the unknown ones (pydantic's extra) too."""
+    return {**request.__dict__, **(request.model_extra or {})}
+
+
+# The sampler's parameters (SamplingParams') as the chat API takes them: an API that translates into
+# a chat request and does not carry one (Responses, Anthropic's) refuses it by name.
+CHAT_SAMPLING = frozenset(SamplingParams.model_fields) - {"do_sample", "logprobs", "prompt_logprobs"}
+
+
+def refused_sampling(request: BaseModel, api: str) -> str | None:
+    """The sampling parameters `request` (of the API at path `api`) asks for and its API does not
+    serve, as a message naming them: those no sampler here implements, then the chat API's own."""
+    fields, served = request_fields(request), type(request).model_fields
+    problem = unserved_sampling(fields, served)
+    elsewhere = [n for n, v in fields.items() if n in CHAT_SAMPLING and n not in served and v is not None]
+    if problem or not elsewhere:
+        return problem
+    one = len(elsewhere) == 1
+    return (
+        f"{', '.join(elsewhere)} {'is' if one else 'are'} not supported on {api} "
+        f"(/v1/chat/completions takes {'it' if one else 'them'})"
+    )
 
 
 # A prompt given as token ids: bounded here only against absurd bodies; the longest prompt the
@@ -322,7 +359,7 @@ def refused_content(messages: list[ChatMessage]) -> str | None:
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -71,6 +71,8 @@ class Turn:
             "max_tokens": req.max_output_tokens,
             "temperature": req.temperature,
             "top_p": req.top_p,
+            "min_p": req.min_p,
+            "typical_p": req.typical_p,
             "tools": req.chat_tools(),
             "tool_choice": req.chat_tool_choice(),
             "parallel_tool_calls": req.parallel_tool_calls,

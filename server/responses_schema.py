@@ -4,14 +4,17 @@ chat messages (function calls an assistant's `tool_calls`, their outputs `tool` 
 `instructions` a system message, function tools chat tools, `text.format` a `response_format`;
 reasoning items (a reasoning model's past thinking) are dropped, as its template drops past
 thinking. What the server cannot honour (built-in tools, background mode, `reasoning` on a model
-that does not reason, reasoning effort levels, ...) is refused by `unsupported()` with a message
-naming it."""
+that does not reason, reasoning effort levels, sampling parameters the chat request would not
+carry, ...) is refused by `unsupported()` with a message naming it."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agent.contract.sampling import CacheSalt
+from server.openai_schema import MAX_MESSAGES, refused_sampling
 
 # The text content parts a message may hold; images, files and audio are refused.
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -80,11 +83,14 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
-    input: str | list[InputItem] = Field(default_factory=list)
+    input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)] = Field(default_factory=list)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # vLLM's and llama.cpp's, carried to the chat request (and checked there)
+    min_p: float | None = None
+    typical_p: float | None = None
     tools: list[dict] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
@@ -96,7 +102,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = Field(None, max_length=MAX_USER_CHARS)
     # This server's chat extensions, passed on as /v1/chat/completions takes them (and checks them
     # there: a bad value is a 400 naming it).
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     priority: int | None = None
     speculate: bool | None = None
     chat_template_kwargs: dict | None = None
@@ -135,7 +141,9 @@ class ResponsesRequest(BaseModel):
     def unsupported(self, reasons: bool = False) -> str | None:
         """The first field this server cannot honour, as a message naming it; None if all are fine.
         `reasons`: the model thinks aloud (server/reasoning.py)."""
+        sampling = refused_sampling(self, "/v1/responses")
         refused = [
+            (sampling is not None, sampling or ""),
             (self.background, "background mode (background: true) is not supported"),
             (self.conversation, "conversation is not supported: chain responses with previous_response_id"),
             (self.prompt, "prompt (reusable prompt templates) is not supported"),

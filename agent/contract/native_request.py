@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agent.contract.sampling import (
-    MAX_CACHE_SALT_CHARS,
     MAX_LOGPROBS,
     MAX_PRIORITY,
     MAX_REPETITION_PENALTY,
@@ -15,7 +14,9 @@ from agent.contract.sampling import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
+    CacheSalt,
     check_stop_strings,
+    unserved_sampling,
 )
 
 
@@ -30,13 +31,17 @@ class TgiGrammar(BaseModel):
 
 class Parameters(BaseModel):
     """Generation parameters with upstream's defaults; top_k is clamped to [0, 2^31 - 1] and top_p
-    to [0.01, 1]; NaN and infinity are refused."""
+    to [0.01, 1]; NaN and infinity are refused, and so is any other key (a sampling parameter no
+    sampler here implements with a message saying so)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     do_sample: bool = False
     top_k: int = 3
     top_p: float = 1.0
+    # vLLM's and llama.cpp's (0: off); TGI's typical_p (1 or null: off)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, gt=0.0, le=1.0)
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     max_new_tokens: int = Field(300, ge=1)
@@ -66,14 +71,10 @@ class Parameters(BaseModel):
         0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="lower first (scheduler.scheduling_policy priority)"
     )
     speculate: bool = Field(True, description="false: no tokens proposed for it (runtime.speculation)")
-    cache_salt: str | None = Field(
-        None,
-        min_length=1,
-        max_length=MAX_CACHE_SALT_CHARS,
-        description="prefix-cache blocks shared only with requests of the same salt (vLLM's cache_salt)",
+    cache_salt: CacheSalt | None = Field(
+        None, description="prefix-cache blocks shared only with requests of the same salt (vLLM's cache_salt)"
     )
-    # Accepted for TGI clients; they change nothing here.
-    typical_p: float | None = None
+    # TGI's: accepted off for its clients, refused on (no watermark is applied here)
     watermark: bool = False
 
     def logprobs_asked(self) -> int | None:
@@ -84,6 +85,26 @@ class Parameters(BaseModel):
         """decoder_input_details: each prompt token's logprob (no alternatives), shown in the
         details (none without them)."""
         return 0 if self.decoder_input_details and self.details else None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unserved_sampler(cls, data):
+        problem = unserved_sampling(data, cls.model_fields) if isinstance(data, dict) else None
+        if problem:
+            raise ValueError(problem)
+        return data
+
+    @field_validator("typical_p", mode="before")
+    @classmethod
+    def _null_typical_p(cls, value):
+        return 1.0 if value is None else value
+
+    @field_validator("watermark")
+    @classmethod
+    def _no_watermark(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("watermark is not supported")
+        return value
 
     @field_validator("top_k")
     @classmethod

@@ -12,7 +12,9 @@ Requests (op: fields -> reply fields):
                                                     prefix_caching, mixed_rows,
                                                     prefill_buckets, decode_batch_buckets,
                                                     attend_buckets, role, rank, port,
-                                                    [kv_tier_keys, kv_tier_write_through]
+                                                    [kv_tier_keys, kv_tier_write_through,
+                                                    kv_tier_capacity (blocks both tiers hold
+                                                    at most)]
     step:     chunks [{slot, start, sample, [sampling {...} when sample]}, ...] (StepChunk),
               [drafts [[slot, [token, ...] or count], ...]], [transfer {address, slot, session,
               ticket, table}]; arrays [decode slots int32 [n], their block tables int32 [n, w] (-1
@@ -87,8 +89,10 @@ import numpy as np
 # 10: prefill and decode are steps (one op, typed request and reply); 11: chunks may ask for prompt logprobs;
 # 12: steps spill and restore blocks of the prefix cache's second tier (an older agent would ignore them);
 # 13: drop_cache, and step replies report the tier (TierReport);
-# 14: kv_receive may carry a q8_0 cache's uint8 rows
-PROTOCOL_VERSION = 14
+# 14: kv_receive may carry a q8_0 cache's uint8 rows;
+# 15: a step reply's tier names the keys the agent's tier let go (evicted_keys), info its capacity;
+# 16: a step's sampling carries min_p and typical_p (an older agent would ignore them)
+PROTOCOL_VERSION = 16
 OPS = ("info", "step", "release", "kv_receive", "reset", "ping", "drop_cache", "shutdown")
 SESSION_OPS = ("step", "release", "kv_receive", "drop_cache", "shutdown")
 PEER_OPS = ("kv_receive",)  # what another agent (not the server) may ask of an agent

@@ -1,11 +1,13 @@
-"""Sampling parameters of one sequence and their limits: part of the prefill message and of both HTTP
-APIs' requests. The agent applies them (agent/sampling.py)."""
+"""Sampling parameters of one sequence and their limits: part of the prefill message and of the HTTP
+APIs' requests, and the sampling parameters other servers name that no API here serves. The agent
+applies them (agent/sampling.py)."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Annotated, NamedTuple
+from collections.abc import Callable, Collection, Mapping
+from typing import Annotated, Any, NamedTuple
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -35,6 +37,9 @@ MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: OpenAI's bound
 # A request's prefix-cache salt (vLLM's cache_salt): a tenant's requests share cached prompt blocks
 # only with each other.
 MAX_CACHE_SALT_CHARS = 256
+# Pydantic's str refuses a lone surrogate (which JSON's "\ud800" escape would carry), so a salt is
+# always text that hashes as UTF-8 (scheduler/block_manager.py).
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 MAX_PRIORITY = 2**31 - 1  # a request's priority (lower first) lies within +-this
 
 
@@ -68,6 +73,94 @@ LogitBias = Annotated[
 ]
 
 
+def _off_at(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: value in values
+
+
+# Sampling parameters that llama.cpp's server, vLLM, Ollama or transformers name and that no sampler
+# here implements, each with whether a value asks for nothing (that sampler is off at it, as clients
+# send it by default). A request that asks for one is refused naming it (every API's request checks
+# its body with unserved_sampling()): answered without it, a client tuned for those servers would
+# get other answers and no error.
+UNSERVED_SAMPLING: dict[str, Callable[[Any], bool]] = {
+    # llama.cpp (Ollama names its options alike)
+    "mirostat": _off_at(0),
+    "dry_multiplier": _off_at(0),
+    "xtc_probability": _off_at(0),
+    "top_n_sigma": lambda value: type(value) in (int, float) and value <= 0,
+    "dynatemp_range": _off_at(0),
+    "tfs_z": _off_at(1),
+    "top_a": _off_at(0),
+    "penalize_nl": _off_at(False),
+    "repeat_penalty": _off_at(1),
+    "n_probs": _off_at(0),
+    "min_keep": _off_at(0, 1),
+    "samplers": _off_at(),
+    # vLLM
+    "use_beam_search": _off_at(False),
+    "best_of": _off_at(1),  # /v1/completions serves best_of = n itself
+    "length_penalty": _off_at(1),
+    "early_stopping": _off_at(False),
+    "bad_words": _off_at([]),
+    "allowed_token_ids": _off_at(),
+    "logits_processors": _off_at([]),
+    # transformers (TGI)
+    "penalty_alpha": _off_at(0),
+    "eta_cutoff": _off_at(0),
+    "epsilon_cutoff": _off_at(0),
+    "num_beams": _off_at(1),
+    "no_repeat_ngram_size": _off_at(0),
+}
+# Settings of the samplers above: they ask for nothing while every sampler they set is off.
+UNSERVED_SETTINGS: dict[str, tuple[str, ...]] = {
+    "mirostat_tau": ("mirostat",),
+    "mirostat_eta": ("mirostat",),
+    "dry_base": ("dry_multiplier",),
+    "dry_allowed_length": ("dry_multiplier",),
+    "dry_penalty_last_n": ("dry_multiplier",),
+    "dry_sequence_breakers": ("dry_multiplier",),
+    "xtc_threshold": ("xtc_probability",),
+    "dynatemp_exponent": ("dynatemp_range",),
+    # llama.cpp's window of its penalties: here they cover the whole prompt and answer
+    "repeat_last_n": ("repetition_penalty", "repeat_penalty", "presence_penalty", "frequency_penalty"),
+}
+# This server's names for what some of them ask, said in the refusal.
+UNSERVED_HINTS = {"repeat_penalty": "repetition_penalty", "n_probs": "logprobs"}
+_SERVED_OFF = {"repetition_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0}
+
+
+def _asks_nothing(name: str, value: Any) -> bool:
+    if value is None:
+        return True
+    if name in _SERVED_OFF:
+        return value == _SERVED_OFF[name]
+    return UNSERVED_SAMPLING[name](value)
+
+
+def unserved_sampling(body: Mapping[str, Any], served: Collection[str] = ()) -> str | None:
+    """The parameters of a request `body` (its fields by name) that ask for a sampler this server
+    lacks, as a message naming them; None if none do. `served`: the names the API takes itself."""
+    asked = [
+        name
+        for name, value in body.items()
+        if name not in served
+        and (
+            (name in UNSERVED_SAMPLING and not _asks_nothing(name, value))
+            or (
+                name in UNSERVED_SETTINGS
+                and value is not None
+                and not all(_asks_nothing(s, body.get(s)) for s in UNSERVED_SETTINGS[name])
+            )
+        )
+    ]
+    if not asked:
+        return None
+    names = ", ".join(f"{n} (send {UNSERVED_HINTS[n]})" if n in UNSERVED_HINTS else n for n in asked)
+    one = len(asked) == 1
+    verb, pronoun = ("is", "it") if one else ("are", "them")
+    return f"{names} {verb} not supported: no sampler of this server implements {pronoun}"
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
 
@@ -75,6 +168,10 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)  # below GREEDY_TEMPERATURE: greedy
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)  # 0: no top-k limit
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # min_p: only tokens at least this share of the most likely one's probability (0: off);
+    # typical_p: locally typical sampling's mass (1: off). agent/sampling.py says where each applies.
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, gt=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     presence_penalty: float = Field(0.0, ge=0.0, le=MAX_PENALTY)
     frequency_penalty: float = Field(0.0, ge=0.0, le=MAX_PENALTY)

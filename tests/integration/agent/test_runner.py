@@ -198,6 +198,50 @@ def test_whole_vocabulary_rows_skip_the_whole_vocabulary_top_k(
     assert ks and tiny_llama_runner.spec.vocab_size not in ks, ks  # only the top-k row's small graph
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        # top-k candidates from the device
+        SamplingParams(do_sample=True, temperature=1.4, top_k=40, min_p=0.05, typical_p=0.9, seed=5),
+        # the whole row on the host: min_p's nucleus, typical_p's full order
+        SamplingParams(do_sample=True, temperature=1.4, min_p=0.02, seed=6),
+        SamplingParams(do_sample=True, temperature=1.3, typical_p=0.8, top_p=0.95, seed=7),
+    ],
+)
+def test_min_p_and_typical_p_rows_draw_alike_alone_and_in_any_batch(
+    tiny_llama_runner, tiny_llama_dir, release_all, params
+):
+    """Batch invariance through the graphs: a seeded row with min_p / typical_p draws the same tokens
+    alone and beside rows of other parameters (greedy, a larger top-k that brings more candidates,
+    logprobs that bring every row's logits to the host, another min_p), whatever its slot."""
+    release_all(tiny_llama_runner)
+    runner, tok = tiny_llama_runner, load_tokenizer(tiny_llama_dir)
+    prompt = tok.encode("The capital of France")
+    alone = generate_alone(runner, prompt, 12, params=params)
+    assert len(set(alone)) > 1
+    greedy, wide, logprobs, other = (
+        GREEDY,
+        SamplingParams(do_sample=True, top_k=200, repetition_penalty=1.3, seed=1),
+        SamplingParams(do_sample=True, temperature=0.8, logprobs=3, seed=2),
+        SamplingParams(do_sample=True, min_p=0.3, typical_p=0.5, seed=3),
+    )
+    texts = ["The quick brown fox", "emoji 😀 and", "Numbers 0123"]
+    # (slot, prompt, parameters), the row under test first
+    batches = [
+        [(2, prompt, params), *zip([0, 1, 3], [tok.encode(t) for t in texts], [greedy, wide, other])],
+        [(0, prompt, params), (1, tok.encode(texts[0]), logprobs)],
+    ]
+    for batch in batches:
+        seqs = [[runner.prefill(slot, ids, p)] for slot, ids, p in batch]
+        slots = [slot for slot, _, _ in batch]
+        for _ in range(11):
+            for seq, token in zip(seqs, runner.decode(slots)):
+                seq.append(token)
+        for slot in slots:
+            runner.release(slot)
+        assert seqs[0] == alone
+
+
 def bitmask(vocab: int, allowed) -> np.ndarray:
     """A token mask as the server sends it: bit j of int32 word i allows token 32 i + j."""
     bits = np.zeros(((vocab + 31) // 32) * 32, np.uint8)

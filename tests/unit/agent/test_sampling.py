@@ -1,9 +1,18 @@
-"""SlotSampler on fixed candidate lists: distributions, top-k/top-p truncation, seeds, penalties."""
+"""SlotSampler on fixed candidate lists: distributions, top-k/typical-p/top-p/min-p truncation against a numpy
+reference, seeds, penalties, batch invariance; the sampling parameters no sampler here implements."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from agent.contract.sampling import SamplingParams, TokenLogprob
+from agent.contract.sampling import (
+    UNSERVED_SAMPLING,
+    UNSERVED_SETTINGS,
+    SamplingParams,
+    TokenLogprob,
+    unserved_sampling,
+)
 from agent.sampling import SlotSampler
 
 VOCAB = 1000
@@ -332,3 +341,212 @@ def test_a_mask_that_allows_only_what_min_tokens_keeps_out_is_that_sequences_fau
     with pytest.raises(SamplingFault, match="min_tokens") as fault:
         sampler.choose_from_logits(np.zeros(VOCAB))
     assert fault.value.fault().kind == "request"
+
+
+# ----------------------------------------------------------------------------- min_p and typical_p
+
+
+def reference_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0):
+    """An independent numpy reference of the truncations, in llama.cpp's chain order on the
+    temperature-scaled distribution: top-k; typical_p as transformers' TypicalLogitsWarper writes it
+    (log-softmax, entropy, |surprisal - entropy| ascending, cumulative mass below typical_p plus one,
+    ties with the last kept); top-p (the smallest best-first prefix reaching it); min_p as vLLM's
+    _apply_min_p (probability below min_p times the largest remaining one removed)."""
+    scaled = logits.astype(np.float64) / temperature
+    allowed = np.ones(len(scaled), bool)
+    if top_k:
+        allowed &= scaled >= np.sort(scaled)[-top_k]
+
+    def probs():
+        p = np.where(allowed, np.exp(scaled - scaled[allowed].max()), 0.0)
+        return p / p.sum()
+
+    if typical_p < 1.0:
+        masked = np.where(allowed, scaled, -np.inf)
+        normalized = masked - (masked.max() + np.log(np.exp(masked - masked.max()).sum()))
+        p = np.exp(normalized)
+        with np.errstate(invalid="ignore"):
+            entropy = -np.nansum(normalized * p)
+        shifted = np.abs(-normalized - entropy)
+        sorted_indices = np.argsort(shifted, kind="stable")
+        sorted_scores = shifted[sorted_indices]
+        cumulative = np.cumsum(p[sorted_indices])
+        last_ind = min(int((cumulative < typical_p).sum()), len(scaled) - 1)
+        allowed[sorted_indices[sorted_scores > sorted_scores[last_ind]]] = False
+    if top_p < 1.0:
+        p = probs()
+        order = np.argsort(-p, kind="stable")
+        keep = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
+        allowed[order[keep:]] = False
+    if min_p > 0.0:
+        p = probs()
+        allowed &= p >= min_p * p.max()
+    return probs()
+
+
+class ScriptedDraws(SlotSampler):
+    """A sampler whose draws are given: the token each uniform picks shows its distribution."""
+
+    def __init__(self, params, draws):
+        super().__init__(params, [], VOCAB)
+        self.draws = iter(draws)
+
+    def uniform(self) -> float:
+        return next(self.draws)
+
+
+def picks(params, logits, draws, path):
+    sampler = ScriptedDraws(params, draws)
+    if path == "whole row":
+        return [sampler.choose_from_logits(logits.astype(np.float32)) for _ in draws]
+    values, ids = candidates(logits)
+    return [sampler.choose(values, ids) for _ in draws]
+
+
+TRUNCATIONS = [
+    {"min_p": 0.05},
+    {"min_p": 0.3},
+    {"min_p": 1.0},
+    {"min_p": 0.1, "temperature": 0.5},
+    {"typical_p": 0.2},
+    {"typical_p": 0.5},
+    {"typical_p": 0.95},
+    {"typical_p": 0.9, "temperature": 1.7},
+    {"typical_p": 0.7, "top_k": 40},
+    {"typical_p": 0.8, "top_p": 0.7, "min_p": 0.02},
+    {"min_p": 0.01, "top_p": 0.9, "top_k": 100},
+    {"typical_p": 0.3, "min_p": 0.5, "temperature": 1.3},
+]
+
+
+@pytest.mark.parametrize("path", ["candidates", "whole row"])
+@pytest.mark.parametrize("truncation", TRUNCATIONS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_min_p_and_typical_p_keep_the_reference_distribution(seed, truncation, path):
+    """For random logits, the tokens a draw can reach and each one's share equal the numpy
+    reference's: a uniform in the middle of each allowed token's interval (best first, ties by
+    id) picks that token, and one just below 1 picks the last of them (nothing else is reachable)."""
+    logits = np.random.default_rng(seed).normal(0, 2.5, VOCAB).astype(np.float32)
+    want = reference_distribution(logits.astype(np.float64), **truncation)
+    allowed = np.lexsort((np.arange(VOCAB), -want))[: int(np.count_nonzero(want))]
+    assert 0 < len(allowed) < VOCAB  # each case truncates something
+    upper = np.cumsum(want[allowed])
+    middles = upper - want[allowed] / 2
+    params = SamplingParams(do_sample=True, seed=1, **truncation)
+    got = picks(params, logits, [*middles, 1 - 1e-12], path)
+    assert got == [*allowed.tolist(), int(allowed[-1])]
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS)
+def test_seeded_draws_pick_only_allowed_tokens_in_their_share(truncation):
+    rng = np.random.default_rng(5)
+    logits = np.full(VOCAB, -20.0)
+    logits[rng.choice(VOCAB, 40, replace=False)] = rng.normal(0, 1.5, 40)
+    want = reference_distribution(logits, **truncation)
+    n = 20_000
+    params = SamplingParams(do_sample=True, seed=11, **truncation)
+    for draws in (draw(params, logits, n), draw_from_logits(params, logits, n)):
+        counts = np.bincount(draws, minlength=VOCAB) / n
+        assert np.all(counts[want == 0] == 0), "a token outside the truncation was drawn"
+        assert np.abs(counts - want).max() < 0.015
+
+
+def test_typical_p_may_drop_the_most_likely_token():
+    """Locally typical sampling keeps the tokens whose surprisal is nearest the entropy: with one
+    likely token beside a flat tail, that is the tail, and min_p then counts from its best."""
+    logits = np.zeros(VOCAB)
+    logits[7] = 4.0
+    logits[:5] = [1.0, 0.9, 0.8, 0.7, 0.6]
+    want = reference_distribution(logits, typical_p=0.3)
+    assert want[7] == 0 and want.sum() == pytest.approx(1.0)
+    params = SamplingParams(do_sample=True, seed=3, typical_p=0.3)
+    assert 7 not in set(draw_from_logits(params, logits, 500)) | set(draw(params, logits, 500))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(do_sample=True, seed=4, top_k=20, min_p=0.1),
+        SamplingParams(do_sample=True, seed=4, top_k=50, typical_p=0.6, repetition_penalty=1.4),
+        SamplingParams(do_sample=True, seed=4, top_k=30, top_p=0.8, min_p=0.05, typical_p=0.9),
+    ],
+)
+def test_a_rows_tokens_do_not_depend_on_the_candidates_its_batch_brings(params):
+    """Batch invariance: a batch's top-k graph returns as many candidates as its most demanding row
+    needs (a bucket), so a row sees more candidates in a bigger batch than alone; and a row of the
+    same sequence may draw from its whole logits row instead (logprobs asked). Each gives the same
+    tokens from the same seed."""
+    rng = np.random.default_rng(9)
+    rows = rng.normal(0, 2, (12, VOCAB)).astype(np.float32)
+    runs = []
+    for extra in (0, 37, VOCAB):
+        sampler = SlotSampler(params, [1, 2, 3], VOCAB)
+        tokens = []
+        for row in rows:
+            values, ids = candidates(row)
+            k = min(VOCAB, sampler.candidates_needed() + extra)
+            tokens.append(sampler.choose(values[:k], ids[:k]))
+        runs.append(tokens)
+    whole = SlotSampler(params.model_copy(update={"logprobs": 2}), [1, 2, 3], VOCAB)
+    runs.append([whole.choose_from_logits(row) for row in rows])
+    assert all(run == runs[0] for run in runs) and len(set(runs[0])) > 1
+
+
+@pytest.mark.parametrize(
+    "field, value", [("min_p", -0.01), ("min_p", 1.01), ("typical_p", 0.0), ("typical_p", 1.5)]
+)
+def test_min_p_and_typical_p_past_their_bounds_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_p_and_typical_p_survive_the_pd_state():
+    params = SamplingParams(do_sample=True, seed=2, min_p=0.2, typical_p=0.7)
+    state = SlotSampler(params, [], VOCAB).state()
+    assert SlotSampler.from_state(state, VOCAB).params == params
+
+
+@pytest.mark.parametrize(
+    "body, refused",
+    [
+        ({"mirostat": 2, "mirostat_tau": 5.0}, ["mirostat", "mirostat_tau"]),
+        ({"mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1}, []),  # off: asks nothing
+        ({"dry_multiplier": 0.8, "dry_base": 1.75}, ["dry_multiplier", "dry_base"]),
+        ({"dry_multiplier": 0, "dry_sequence_breakers": ["\n"]}, []),
+        ({"xtc_probability": 0.5}, ["xtc_probability"]),
+        ({"tfs_z": 1.0, "top_a": 0, "typical_p": 0.5}, []),
+        ({"tfs_z": 0.9}, ["tfs_z"]),
+        ({"top_n_sigma": -1}, []),
+        ({"top_n_sigma": 1.5}, ["top_n_sigma"]),
+        ({"repeat_last_n": 64}, []),  # no penalty to window
+        ({"repeat_last_n": 64, "repetition_penalty": 1.1}, ["repeat_last_n"]),
+        ({"use_beam_search": True, "length_penalty": 0.5}, ["use_beam_search", "length_penalty"]),
+        ({"best_of": 1, "user": "someone", "metadata": {"a": 1}}, []),  # other fields: not sampling
+        ({"best_of": 3, "n_probs": 2}, ["best_of", "n_probs"]),
+        (
+            {"penalty_alpha": 0.6, "eta_cutoff": 3e-4, "epsilon_cutoff": 3e-4},
+            ["penalty_alpha", "eta_cutoff", "epsilon_cutoff"],
+        ),
+        ({"dynatemp_range": 0.5, "dynatemp_exponent": 1}, ["dynatemp_range", "dynatemp_exponent"]),
+        ({"penalize_nl": True}, ["penalize_nl"]),
+    ],
+)
+def test_sampling_parameters_no_sampler_implements_are_named_unless_off(body, refused):
+    problem = unserved_sampling(body)
+    if not refused:
+        assert problem is None
+    else:
+        assert problem is not None and all(name in problem for name in refused), problem
+        assert "not supported" in problem
+
+
+def test_names_an_api_takes_itself_are_not_refused_as_unserved():
+    assert unserved_sampling({"best_of": 2}, served={"best_of"}) is None
+
+
+def test_the_server_readme_names_every_refused_sampling_parameter():
+    """Docs that cannot drift: the README's sampling section lists what the server refuses."""
+    readme = (Path(__file__).parents[3] / "server" / "README.md").read_text()
+    section = readme.split("### Sampling parameters", 1)[1].split("\n### ", 1)[0]
+    missing = [n for n in [*UNSERVED_SAMPLING, *UNSERVED_SETTINGS] if f"`{n}`" not in section]
+    assert not missing, missing
