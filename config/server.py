@@ -48,8 +48,9 @@ class ServerSection(Section):
     max_reply_logprobs: int = Field(
         262144,
         ge=1,
-        description="a non-streamed reply's logprob entries: choices x answer tokens (max_tokens, "
-        "else the context) x (1 + top_logprobs); beyond it: 400 (stream it, or ask for fewer)",
+        description="a reply's logprob entries: choices x (prompt tokens x (1 + prompt_logprobs), "
+        "streamed or not, + for a non-streamed reply answer tokens (max_tokens, else the context) "
+        "x (1 + top_logprobs)); beyond it: 400 (stream it, or ask for fewer)",
     )
     max_grammar_bytes: int = Field(
         32768,
@@ -119,6 +120,13 @@ class ServerSection(Section):
         "at no cost",
     )
 
+    prefix_cache_per_key: bool = Field(
+        True,
+        description="with keys on, each key's requests share cached prompt blocks (in every tier) only "
+        "with that key's: its verified identity salts the cache (a request's cache_salt adds to it). "
+        "false: one cache for all keys (single-tenant deployments), and a key's time to first token "
+        "then shows whether another key sent a prompt",
+    )
     admin_api_keys: list[str] = Field(
         default_factory=list,
         description="the only keys that may load and unload models (also $LLM_SERVING_ADMIN_API_KEYS); "

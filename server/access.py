@@ -44,6 +44,9 @@ QUERY_KEY_PATHS = {"/dashboard"}
 ADMIN_PREFIX, ADMIN_ACTIONS = "/v2/repository/models/", ("/load", "/unload")
 
 
+KEY_CLIENT = "key:"  # the prefix of a client named by its verified key (else "addr:")
+
+
 def is_admin_path(path: str) -> bool:
     return path.startswith(ADMIN_PREFIX) and path.endswith(ADMIN_ACTIONS)
 
@@ -126,7 +129,7 @@ class ApiKeys:
         else its address. Never a key nobody checked: with admin keys only, inference is open, and
         a client that made up a key for each request would be a new client each time."""
         if self._authorized(scope, headers, self.api_keys + self.admin_keys):
-            return "key:" + hashlib.sha256(self._key(scope, headers)).hexdigest()[:16]
+            return KEY_CLIENT + hashlib.sha256(self._key(scope, headers)).hexdigest()[:16]
         address = scope.get("client")
         return f"addr:{address[0]}" if address else "addr:unknown"
 

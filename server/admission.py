@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from server import reasoning
+from server.access import KEY_CLIENT
 from server.assembly import (
     AnswerRequest,
     PromptEncoder,
@@ -111,9 +112,15 @@ async def admit_answers(model: LoadedModel, style: ApiStyle, admission: Admissio
     ]
     grammar = await compile_grammar(model.grammars, a.grammar, a.grammar_param, style.bad_parameter)
     thinking = None if a.thinking_budget is None else thinking_of(model, a, prompt, max_tokens)
-    top = samplings[0].logprobs
-    if a.whole and top is not None:
-        check_reply_size(len(samplings), max_tokens, top, model.config.server.max_reply_logprobs)
+    first = samplings[0]
+    check_reply_size(
+        len(samplings),
+        max_tokens if a.whole else 0,
+        first.logprobs,
+        len(prompt),
+        first.prompt_logprobs,
+        model.config.server.max_reply_logprobs,
+    )
     request = AnswerRequest(
         prompt,
         samplings,
@@ -121,7 +128,7 @@ async def admit_answers(model: LoadedModel, style: ApiStyle, admission: Admissio
         a.stop,
         a.ignore_eos,
         grammar,
-        a.cache_salt,
+        tenant_salt(a.client, a.cache_salt, model.config.server.prefix_cache_per_key),
         a.client,
         a.priority,
         a.speculate,
@@ -130,6 +137,16 @@ async def admit_answers(model: LoadedModel, style: ApiStyle, admission: Admissio
     )
     streams = await admit(model.engine, model.outputs, request, style)
     return Admitted(prompt, max_tokens, streams)
+
+
+def tenant_salt(client: str, cache_salt: str | None, per_key: bool) -> str | None:
+    """The prefix-cache salt a request's blocks chain from: with keys on (the client a verified
+    key, server/access.py ApiKeys.client) and server.prefix_cache_per_key, the key's identity and
+    the request's own salt, so that no key learns from its time to first token what another sent;
+    else the request's salt alone (a client's address is no tenant: it shares the common cache)."""
+    if not (per_key and client.startswith(KEY_CLIENT)):
+        return cache_salt
+    return client if cache_salt is None else f"{client}\n{cache_salt}"
 
 
 def thinking_of(model: LoadedModel, a: Admission, prompt: list[int], max_tokens: int) -> ThinkingBudget:

@@ -53,8 +53,10 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         errors, style = exc.errors(), style_of(request)
-        if any(e.get("type") == "json_invalid" for e in errors):
-            return error_response(400, "the request body is not valid JSON", style.shape)
+        invalid = next((e for e in errors if e.get("type") == "json_invalid"), None)
+        if invalid is not None:  # the parser's reason: where, and what (a lone surrogate's \ud800 escape ...)
+            reason = str(invalid.get("ctx", {}).get("error", ""))[:200]
+            return error_response(400, f"the request body is not valid JSON ({reason})", style.shape)
         fields = [".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors]
         problems = "; ".join(f"{field}: {e['msg']}" for field, e in zip(fields, errors))
         return error_response(style.invalid_body, problems, style.shape, param=fields[0])

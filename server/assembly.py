@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from agent.contract.sampling import SamplingParams
+from agent.model.chat_template import RenderBudgetError
 from agent.model.tokenizer import TextTokenizer, TokenizerError
 from scheduler.engine import Engine
 from scheduler.engine_io import AdmissionError, EngineRequest, TokenConstraint
@@ -97,18 +98,30 @@ def check_answer_fits(
         )
 
 
-def check_reply_size(choices: int, max_tokens: int, top_logprobs: int, limit: int) -> None:
-    """A non-streamed answer with logprobs is built whole in memory: its entries are bounded
-    (server.max_reply_logprobs), refused with 400 before any work."""
-    entries = choices * max_tokens * (1 + top_logprobs)
-    if entries > limit:
-        raise ApiError(
-            400,
-            f"a reply of {choices} choice(s) x {max_tokens} tokens x {1 + top_logprobs} logprobs each "
-            f"({entries} entries) exceeds server.max_reply_logprobs ({limit}): ask for fewer "
-            "(max_tokens, n, top_logprobs) or stream the answer",
-            param="top_logprobs",
-        )
+def check_reply_size(
+    choices: int, answer_tokens: int, top: int | None, prompt_tokens: int, prompt_top: int | None, limit: int
+) -> None:
+    """A reply's logprob entries are bounded (server.max_reply_logprobs), refused with 400 before
+    any work: each choice's prompt part (echo's logprobs, prompt_logprobs: prompt tokens x (1 + k),
+    built whole even in a stream) and, in a reply built whole, its answer's (answer_tokens x (1 +
+    top_logprobs); 0 answer tokens for a stream, which sends them as they come)."""
+    answer = answer_tokens * (1 + top) if top is not None else 0
+    prompt = prompt_tokens * (1 + prompt_top) if prompt_top is not None else 0
+    entries = choices * (answer + prompt)
+    if entries <= limit:
+        return
+    parts = []
+    if answer:
+        parts.append(f"{answer_tokens} answer tokens x {1 + (top or 0)} logprobs")
+    if prompt:
+        parts.append(f"{prompt_tokens} prompt tokens x {1 + (prompt_top or 0)} logprobs")
+    raise ApiError(
+        400,
+        f"a reply of {choices} choice(s) x ({' + '.join(parts)}) = {entries} logprob entries exceeds "
+        f"server.max_reply_logprobs ({limit}): ask for fewer (n, max_tokens, top_logprobs, "
+        "prompt_logprobs, a shorter prompt){'' if prompt else ' or stream the answer'}",
+        param="prompt_logprobs" if prompt >= answer else "top_logprobs",
+    )
 
 
 def check_first_token(grammar: Grammar, sampling: SamplingParams, eos_ids: frozenset[int]) -> None:
@@ -212,14 +225,16 @@ async def admit(
 class PromptEncoder:
     """Prompt text -> token ids without stalling the event loop. A prompt of more characters than
     the longest accepted prompt's tokens could hold (each at most the vocabulary's longest token)
-    is refused (413) before any work; a long one is tokenized, chat template included, in a small
-    thread pool. The token bound follows in `admit`."""
+    is refused (413) before any work; a long one is tokenized in a small thread pool, and every
+    conversation is rendered there (the chat template's cost is the model file's, not the
+    request's: chat_template.RenderBudget bounds it). The token bound follows in `admit`."""
 
     def __init__(self, tokenizer: TextTokenizer, engine: Engine):
         self.tokenizer, self.engine = tokenizer, engine
         vocabulary = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
         # A byte-level token's string has one character per byte: never fewer than its text's.
         self.longest_token_chars = max(map(len, vocabulary), default=1)
+        self.template_chars = template_chars_per_message(tokenizer)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     async def encode(
@@ -240,21 +255,45 @@ class PromptEncoder:
         """`tools`: for a template that renders them (tokenizer.template_takes_tools);
         `template_kwargs`: more template variables (a request's chat_template_kwargs)."""
 
+        most_chars = self._most_chars() if bounded else None
+
         def render() -> list[int]:  # the template writes BOS itself where the model wants one
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, kwargs=template_kwargs)
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, kwargs=template_kwargs, max_chars=most_chars
+            )
             return self._ids(text, False)
 
-        chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools) if tools else "")
-        chars += len(json.dumps(template_kwargs)) if template_kwargs else 0
-        return await self._off_loop(chars, bounded, param, render)
+        if bounded:
+            self._check_messages(len(messages))
+        # What the render writes at least: every message's fields (empty ones too: each costs the
+        # template's own text), the tools and the variables.
+        chars = sum(map(message_chars, messages)) + len(messages) * self.template_chars
+        chars += (len(json.dumps(tools)) if tools else 0) + (
+            len(json.dumps(template_kwargs)) if template_kwargs else 0
+        )
+        try:
+            return await self._off_loop(chars, bounded, param, render, inline=False)
+        except RenderBudgetError as exc:
+            if exc.output:
+                raise ApiError(413, f"the chat template renders this conversation too long: {exc}") from exc
+            raise ApiError(
+                500,
+                f"the model's chat template exceeded its render budget ({exc}): the template in the model's "
+                "files needs fixing or replacing (a GGUF's tokenizer.chat_template, tokenizer_config.json's)",
+            ) from exc
 
     async def _off_loop(
-        self, chars: int, bounded: bool, param: str | None, tokenize: Callable[[], list[int]]
+        self,
+        chars: int,
+        bounded: bool,
+        param: str | None,
+        tokenize: Callable[[], list[int]],
+        inline: bool = True,
     ) -> list[int]:
         if bounded:
             self._check_chars(chars)
         try:
-            if chars <= INLINE_PROMPT_CHARS:
+            if inline and chars <= INLINE_PROMPT_CHARS:
                 return tokenize()
             return await asyncio.get_running_loop().run_in_executor(self.pool, tokenize)
         except TokenizerError as exc:
@@ -265,17 +304,55 @@ class PromptEncoder:
         # which the event loop would stand still).
         return self.tokenizer.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def _most_tokens(self) -> int | None:
+        """The longest prompt any agent group accepts (None: not connected yet, and admission
+        refuses the request then)."""
+        return max((c.max_prompt_len for c in self.engine.capacities), default=None)
+
+    def _most_chars(self) -> int | None:
+        most_tokens = self._most_tokens()
+        return None if most_tokens is None else most_tokens * self.longest_token_chars
+
     def _check_chars(self, chars: int) -> None:
-        if not self.engine.capacities:
-            return  # not connected to the agents yet: admission refuses the request
-        most_tokens = max(c.max_prompt_len for c in self.engine.capacities)
-        most_chars = most_tokens * self.longest_token_chars
-        if chars > most_chars:
+        most_tokens, most_chars = self._most_tokens(), self._most_chars()
+        if most_chars is not None and chars > most_chars:
             raise ApiError(
                 413,
                 f"the prompt has {chars} characters; the longest accepted is {most_tokens} tokens, "
                 f"which never hold more than {most_chars} characters",
             )
+
+    def _check_messages(self, count: int) -> None:
+        """A conversation of more messages than the longest prompt has tokens (each message writes
+        at least its template's markers) is refused before it is rendered."""
+        most_tokens = self._most_tokens()
+        if most_tokens is not None and count > most_tokens:
+            raise ApiError(
+                413,
+                f"the conversation has {count} messages; the longest accepted prompt is {most_tokens} "
+                "tokens, and each message takes at least one",
+                param="messages",
+            )
+
+
+def message_chars(message: dict) -> int:
+    """The characters a message's fields hold (its content, role, name, tool calls, reasoning ...),
+    which its render writes at least."""
+    return sum(
+        len(v) if isinstance(v, str) else len(json.dumps(v)) for v in message.values() if v is not None
+    )
+
+
+def template_chars_per_message(tokenizer: TextTokenizer) -> int:
+    """The characters the chat template writes around each message besides its fields (ChatML's
+    `<|im_start|>user\n...<|im_end|>\n`: 23), measured once from two empty turns; at least 1."""
+    turn = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
+    try:
+        one = tokenizer.apply_chat_template(turn[:1], add_generation_prompt=False)
+        three = tokenizer.apply_chat_template([*turn, turn[0]], add_generation_prompt=False)
+    except (TokenizerError, RenderBudgetError):
+        return 1  # no template, or one that refuses empty turns: count the fields alone
+    return max(1, (len(three) - len(one)) // 2)
 
 
 async def unless_disconnected(

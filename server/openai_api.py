@@ -209,12 +209,15 @@ async def stream_events(answer: Choices) -> AsyncIterator[str]:
             thought, text, found = held(readers[i], out)  # calls go out whole at the end
             text = answer.shown(i, out)[0] if answer.hidden else text
             prompt: tuple[str, dict | None, dict] = ("", None, {})
-            if pending[i]:
-                pending[i], prompt = False, answer.prompt_part(i, out.prompt_logprobs)
+            if pending[i]:  # its prompt's logprobs (thousands of entries) built and encoded off the loop
+                pending[i], prompt = (
+                    False,
+                    await asyncio.to_thread(answer.prompt_part, i, out.prompt_logprobs),
+                )
             if found:
                 if text or thought or prompt != ("", None, {}):
                     chunk = piece(answer, i, out, text, prompt=prompt, thought=thought)
-                    yield json.dumps(answer.envelope([chunk], True), ensure_ascii=False)
+                    yield await encoded(answer.envelope([chunk], True), prompt)
                 delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(found)]}
                 chunk = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
                 yield json.dumps(answer.envelope([chunk], True), ensure_ascii=False)
@@ -228,10 +231,17 @@ async def stream_events(answer: Choices) -> AsyncIterator[str]:
                 or prompt != ("", None, {})
             ):
                 chunk = piece(answer, i, out, text, reason, prompt, thought)
-                yield json.dumps(answer.envelope([chunk], True), ensure_ascii=False)
+                yield await encoded(answer.envelope([chunk], True), prompt)
     if req.stream_options and req.stream_options.include_usage:
         yield json.dumps({**answer.envelope([], True), "usage": answer.usage(sum(tokens))})
     yield "[DONE]"
+
+
+async def encoded(chunk: dict, prompt: tuple[str, dict | None, dict]) -> str:
+    """A chunk as JSON: off the event loop where it carries a prompt part (megabytes of logprobs)."""
+    if prompt == ("", None, {}):
+        return json.dumps(chunk, ensure_ascii=False)
+    return await asyncio.to_thread(json.dumps, chunk, ensure_ascii=False)
 
 
 async def respond(http: Request, answer: Choices):

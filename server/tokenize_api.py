@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from server.assembly import check_vocabulary
 from server.errors import OPENAI, ApiError, declares
 from server.model_repository import ModelRepository
-from server.openai_schema import ChatMessage, refused_content
+from server.openai_schema import MAX_MESSAGES, ChatMessage, refused_content
 from server.request_body import json_body
 
 
@@ -28,7 +28,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True  # prompt: what the tokenizer adds around plain text (BOS)
 
 

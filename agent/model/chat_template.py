@@ -8,12 +8,20 @@ and the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
-from collections.abc import Mapping
+import math
+import re
+import threading
+from collections.abc import Callable, Mapping, Sized
+from dataclasses import dataclass
 from datetime import datetime
+from functools import wraps
 
 import jinja2
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.nodes import Concat
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # What the server sets itself: a request's chat_template_kwargs may not override them.
@@ -22,6 +30,33 @@ RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
 
 class ChatTemplateError(Exception):
     """The template refused the conversation (its raise_exception, or a failure rendering it)."""
+
+
+class RenderBudgetError(ChatTemplateError):
+    """The template ran past its render budget (RenderBudget): its text, not the request, is at
+    fault, unless `output` (the prompt it writes is longer than the budget allows)."""
+
+    def __init__(self, message: str, output: bool = False):
+        super().__init__(message)
+        self.output = output
+
+
+@dataclass(frozen=True)
+class RenderBudget:
+    """What one render may cost. The sandbox bounds each range() but not a render: a template from a
+    model file could loop 100000 x 100000 times or build 'x' * 10**10 and freeze or exhaust the
+    server at its first chat. chars bounds the prompt written and every string or list the template
+    builds on the way (each `*`, `+`, `**`, `%`, `~` and each filter or method call is checked
+    before it runs where its size shows in its arguments, and after); seconds bounds the render's
+    time (the rendering thread is interrupted)."""
+
+    chars: int = 4_000_000
+    seconds: float = 2.0
+
+
+# The largest integer a template may raise to a power (bits of the result).
+MAX_POWER_BITS = 4096
+_NUMBERS = re.compile(r"\d+")
 
 
 def _raise_exception(message: str):
@@ -59,13 +94,99 @@ class _Namespace(jinja2.utils.Namespace):
             raise SecurityError(f"a chat template may not store {name!r} (underscore names) on a namespace")
 
 
+class _BoundedCodeGenerator(CodeGenerator):
+    """Jinja's `a ~ b` through the environment's checked join (compiled as a plain join otherwise,
+    which no sandbox hook sees: a template doubling a string 33 times holds 8 GB)."""
+
+    def visit_Concat(self, node: Concat, frame: Frame) -> None:
+        self.write("environment.bounded_join((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The transformers sandbox, with each operation that can build a large value checked against
+    the render's budget before it runs (sizes shown in its arguments) and after (its result)."""
+
+    code_generator_class = _BoundedCodeGenerator
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def __init__(self, chars: int, **options):
+        super().__init__(**options)
+        self.chars = chars
+
+    def check_size(self, value: object) -> object:
+        if isinstance(value, (str, list, tuple, dict)):
+            self.check_count(len(value))
+        return value
+
+    def check_count(self, items: int) -> None:
+        if items > self.chars:
+            raise RenderBudgetError(f"it builds a value of {items} items, past the budget of {self.chars}")
+
+    def check_arguments(self, args: tuple, kwargs: dict) -> None:
+        """A width, count or padding asked for (center, indent, ljust, zfill, wordwrap ...)."""
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and abs(value) > self.chars:
+                raise RenderBudgetError(f"it asks for a size of {value}, past the budget of {self.chars}")
+
+    def check_format(self, text: str) -> None:
+        """A format string's widths and precisions ('%999999999s', '{:999999999}')."""
+        if any(len(n) > 9 or int(n) > self.chars for n in _NUMBERS.findall(text)):
+            raise RenderBudgetError(f"a format names a width past the budget of {self.chars}")
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "*" and isinstance(left, int) != isinstance(right, int):
+            items, times = (right, left) if isinstance(left, int) else (left, right)
+            if isinstance(items, (str, list, tuple)) and isinstance(times, int):
+                self.check_count(len(items) * times)
+        if operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
+            if abs(left) > 1 and right > 0 and right * math.log2(abs(left)) > MAX_POWER_BITS:
+                raise RenderBudgetError(f"it raises {left} to the power {right}")
+        if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, type(left)):
+            self.check_count(len(left) + len(right))
+        if operator == "%" and isinstance(left, str):
+            self.check_format(left)
+        return self.check_size(super().call_binop(context, operator, left, right))
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's signature)
+        __self.check_arguments(args, kwargs)
+        owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)  # str.format, sandboxed
+        if isinstance(owner, str):
+            __self.check_format(owner)
+        return __self.check_size(super().call(__context, __obj, *args, **kwargs))
+
+    def bounded_join(self, values: tuple) -> str:
+        self.check_count(sum(len(v) if isinstance(v, str) else 1 for v in values))
+        return jinja2.runtime.str_join(values)
+
+    def bounded_filter(self, name: str, filter_: Callable) -> Callable:
+        value_at = 1 if hasattr(filter_, "jinja_pass_arg") else 0  # after the environment or context
+
+        @wraps(filter_)  # keeps jinja_pass_arg: Jinja still passes what the filter takes
+        def checked(*args, **kwargs):
+            self.check_arguments(args[value_at + 1 :], kwargs)
+            value = args[value_at]
+            if name == "format" and isinstance(value, str):
+                self.check_format(value)
+            if name == "join" and isinstance(value, Sized):  # the separators alone
+                separator = args[value_at + 1] if len(args) > value_at + 1 else kwargs.get("d", "")
+                self.check_count(len(value) * len(separator) if isinstance(separator, str) else 0)
+            return self.check_size(filter_(*args, **kwargs))
+
+        return checked
+
+
 class ChatTemplate:
-    def __init__(self, text: str):
-        self.text = text
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    def __init__(self, text: str, budget: RenderBudget = RenderBudget()):
+        self.text, self.budget = text, budget
+        env = _BoundedSandbox(
+            budget.chars, trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.filters["tojson"] = _tojson
+        env.filters = {name: env.bounded_filter(name, f) for name, f in env.filters.items()}
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         env.globals["namespace"] = _Namespace
@@ -80,19 +201,75 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         kwargs: Mapping[str, object] | None = None,
+        max_chars: int | None = None,
     ) -> str:
-        """The prompt; `kwargs` (checked by the caller: none of RESERVED) are more variables."""
+        """The prompt; `kwargs` (checked by the caller: none of RESERVED) are more variables.
+        Within the budget, the prompt at most `max_chars` too: RenderBudgetError past either."""
+        variables = dict(
+            **(kwargs or {}),
+            messages=messages,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
         try:
-            return self._template.render(
-                **(kwargs or {}),
-                messages=messages,
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=bos_token,
-                eos_token=eos_token,
-            )
+            most = min(self.budget.chars, max_chars or self.budget.chars)
+            return _within_seconds(self.budget.seconds, lambda: self._written(variables, most))
+        except RenderBudgetError:
+            raise
         except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
             # A template's own failure on what a request sent (a kwarg of the wrong type, a role it
             # does not know) is that request's fault, not the server's.
             raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from exc
+        except (RecursionError, MemoryError) as exc:
+            raise RenderBudgetError(f"{type(exc).__name__} while rendering") from exc
+
+    def _written(self, variables: dict, max_chars: int) -> str:
+        """The output a piece at a time, counted: a loop that writes without end stops at the bound."""
+        pieces, written = [], 0
+        for piece in self._template.generate(**variables):
+            written += len(piece)
+            if written > max_chars:
+                raise RenderBudgetError(
+                    f"the prompt it writes is longer than {max_chars} characters", output=True
+                )
+            pieces.append(piece)
+        return "".join(pieces)
+
+
+class _RenderTimeout(BaseException):
+    """Raised inside the rendering thread when its time is up (a BaseException: a template's own
+    error handling, which catches Exception, cannot swallow it)."""
+
+
+def _within_seconds(seconds: float, render: Callable[[], str]) -> str:
+    """render() in this thread, interrupted after `seconds`: a watchdog raises _RenderTimeout in
+    it (CPython's PyThreadState_SetAsyncExc, delivered between bytecodes: a template's loops are
+    Python code; one long C call is bounded by the size checks instead). The lock orders the
+    watchdog's raise before the cancel that clears it, so it never lands after this returns."""
+    thread, lock = threading.get_ident(), threading.Lock()
+    fired: list[bool] = []  # True: the watchdog raised; False: the render is over
+
+    def interrupt() -> None:
+        with lock:
+            if not fired:
+                fired.append(True)
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(thread), ctypes.py_object(_RenderTimeout)
+                )
+
+    watchdog = threading.Timer(seconds, interrupt)
+    watchdog.start()
+    try:
+        try:
+            return render()
+        finally:
+            watchdog.cancel()
+            with lock:
+                if fired:  # raised but perhaps not yet delivered: withdraw it
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
+                fired.append(False)  # done: a late watchdog raises nothing
+    except _RenderTimeout:
+        raise RenderBudgetError(f"it ran past {seconds:g} s") from None

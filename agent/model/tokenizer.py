@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, processors
 
-from agent.model.chat_template import ChatTemplate, ChatTemplateError
+from agent.model.chat_template import ChatTemplate, ChatTemplateError, RenderBudgetError
 from agent.model.families import GGUF
 from agent.model.formats.gguf_file import gguf_eos_ids, gguf_field, read_gguf
 from agent.model.gguf_vocab import (
@@ -160,8 +160,10 @@ class TextTokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         kwargs: dict | None = None,
+        max_chars: int | None = None,
     ) -> str:
-        """`kwargs`: more template variables (a request's chat_template_kwargs)."""
+        """`kwargs`: more template variables (a request's chat_template_kwargs); `max_chars`: the
+        longest prompt wanted (chat_template.RenderBudgetError past it, or past the render budget)."""
         if self._template is None:
             raise TokenizerError("this model has no chat template")
         try:
@@ -172,7 +174,10 @@ class TextTokenizer:
                 add_generation_prompt=add_generation_prompt,
                 tools=tools or None,
                 kwargs=kwargs,
+                max_chars=max_chars,
             )
+        except RenderBudgetError:
+            raise
         except ChatTemplateError as exc:
             raise TokenizerError(f"the chat template refused these messages: {exc}") from exc
 

@@ -810,36 +810,86 @@ def surface_requests() -> list[tuple[str, str, dict]]:
     ]
 
 
-def hostile_requests(z: int) -> list[tuple[str, str, dict]]:
+JSON = {"content-type": "application/json"}
+
+
+def round4_requests() -> list[tuple[str, str, dict | bytes]]:
+    """(name, path, body) of the hostile requests of hardening round 4: conversations of empty
+    messages, prompt logprobs past the reply bound, a lone surrogate salt, sampling parameters this
+    server does not implement."""
+    empty = [{"role": "user"}] * 50000
+    return [
+        ("empty-messages", "/v1/chat/completions", {"model": "tiny", "messages": empty, "max_tokens": 1}),
+        ("empty-messages-tokenize", "/tokenize", {"model": "tiny", "messages": empty}),
+        (
+            "prompt-logprobs-bomb",
+            "/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": [5] * 400,
+                "n": 8,
+                "echo": True,
+                "logprobs": 20,
+                "prompt_logprobs": 20,
+                "max_tokens": 0,
+                "stream": True,
+            },
+        ),
+        (  # as the JSON escape: httpx would not encode the string itself
+            "surrogate-salt",
+            "/v1/completions",
+            json.dumps({"model": "tiny", "prompt": "hi", "cache_salt": "\ud800"}).encode(),
+        ),
+        ("mirostat", "/v1/completions", {"model": "tiny", "prompt": "hi", "mirostat": 2}),
+    ]
+
+
+def hostile_requests(z: int) -> list[tuple[str, str, dict | bytes]]:
     """(name, path, body) of each kind of hostile request (`z`: the token id of "z")."""
     completion = {"model": "tiny", "prompt": "hostile", "max_tokens": 40}
-    return surface_requests() + [
-        ("nan-temperature", "/v1/completions", {**completion, "temperature": 1e-300, "logprobs": 5}),
-        ("tiny-penalty", "/v1/completions", {**completion, "repetition_penalty": 1e-300, "logprobs": 2}),
-        (
-            "native-details-tiny-temperature",
-            "/models/tiny/generate",
-            {"inputs": "hostile", "parameters": {"do_sample": True, "temperature": 1e-300, "details": True}},
-        ),
-        (
-            "no-legal-token",
-            "/v1/completions",
-            {**completion, "structured_outputs": {"regex": "qz?"}, "min_tokens": 8, "stop_token_ids": [z]},
-        ),
-        ("huge-reply", "/v1/completions", {**completion, "n": 8, "max_tokens": 500, "logprobs": 20}),
-        ("bias-digits", "/v1/completions", {**completion, "logit_bias": {"9" * 5000: 1}}),
-        (
-            "infer-object",
-            "/v2/models/tiny/infer",
-            {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [{"a": 1}]}]},
-        ),
-        ("big-grammar", "/v1/completions", {**completion, "structured_outputs": {"grammar": "x" * 40000}}),
-        (
-            "flood-stream",
-            "/v1/completions",
-            {**completion, "max_tokens": 400, "ignore_eos": True, "stream": True, "n": 8},
-        ),
-    ]
+    return (
+        surface_requests()
+        + round4_requests()
+        + [
+            ("nan-temperature", "/v1/completions", {**completion, "temperature": 1e-300, "logprobs": 5}),
+            ("tiny-penalty", "/v1/completions", {**completion, "repetition_penalty": 1e-300, "logprobs": 2}),
+            (
+                "native-details-tiny-temperature",
+                "/models/tiny/generate",
+                {
+                    "inputs": "hostile",
+                    "parameters": {"do_sample": True, "temperature": 1e-300, "details": True},
+                },
+            ),
+            (
+                "no-legal-token",
+                "/v1/completions",
+                {
+                    **completion,
+                    "structured_outputs": {"regex": "qz?"},
+                    "min_tokens": 8,
+                    "stop_token_ids": [z],
+                },
+            ),
+            ("huge-reply", "/v1/completions", {**completion, "n": 8, "max_tokens": 500, "logprobs": 20}),
+            ("bias-digits", "/v1/completions", {**completion, "logit_bias": {"9" * 5000: 1}}),
+            (
+                "infer-object",
+                "/v2/models/tiny/infer",
+                {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [{"a": 1}]}]},
+            ),
+            (
+                "big-grammar",
+                "/v1/completions",
+                {**completion, "structured_outputs": {"grammar": "x" * 40000}},
+            ),
+            (
+                "flood-stream",
+                "/v1/completions",
+                {**completion, "max_tokens": 400, "ignore_eos": True, "stream": True, "n": 8},
+            ),
+        ]
+    )
 
 
 def hostile_client(
@@ -848,7 +898,8 @@ def hostile_client(
     while time.monotonic() < deadline:
         name, path, body = rng.choice(kinds)
         try:
-            with httpx.stream("POST", base + path, json=body, timeout=REQUEST_TIMEOUT_S) as response:
+            content = {"content": body, "headers": JSON} if isinstance(body, bytes) else {"json": body}
+            with httpx.stream("POST", base + path, timeout=REQUEST_TIMEOUT_S, **content) as response:
                 response.read()
                 status = response.status_code
         except httpx.HTTPError as exc:

@@ -5,12 +5,13 @@ tools, tool calls and results, and `chat_template_kwargs` (Qwen3's enable_thinki
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from agent.model.chat_template import ChatTemplate, ChatTemplateError
+from agent.model.chat_template import ChatTemplate, ChatTemplateError, RenderBudget, RenderBudgetError
 from agent.model.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
 from tools.fetch_vocab_suite import DEFAULT_DEST
 
@@ -151,3 +152,55 @@ def test_a_kwarg_of_the_wrong_type_is_a_tokenizer_error(tiny_llama_dir):
     tokenizer = TextTokenizer(base.tokenizer, "{{ messages[0]['content'] + limit }}", None, None, ())
     with pytest.raises(TokenizerError, match="TypeError"):
         tokenizer.apply_chat_template(CHAT, kwargs={"limit": 3})
+
+
+BUDGET = RenderBudget(chars=100_000, seconds=1.0)
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{{ 'x' * 10**10 }}",  # one C call: refused before it runs
+        "{{ ([0] * 10**10)|length }}",
+        "{{ 2 ** 100000 }}",
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+        "{{ 'x'|center(10**10) }}",
+        "{{ 'x'.ljust(10**10) }}",
+        "{{ 'a\nb'|indent(10**10) }}",
+        "{{ '%999999999999s' % 'x' }}",
+        "{{ '{:999999999999}'.format('x') }}",
+        "{{ '%999999999999s'|format('x') }}",
+        "{{ range(100000)|join('x' * 1000) }}",
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    ],
+)
+def test_a_template_building_past_its_budget_is_stopped(text):
+    with pytest.raises(RenderBudgetError) as refused:
+        ChatTemplate(text, BUDGET).render(HI, bos_token="", eos_token="")
+    assert not refused.value.output
+
+
+def test_a_template_looping_past_its_time_is_interrupted_and_the_thread_goes_on():
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    started = time.perf_counter()
+    with pytest.raises(RenderBudgetError, match="ran past 1 s"):
+        ChatTemplate(loop, BUDGET).render(HI, bos_token="", eos_token="")
+    assert time.perf_counter() - started < 10
+    time.sleep(0.05)  # a late interrupt would land here, in this thread
+    assert ChatTemplate("{{ messages[0].content }}", BUDGET).render(HI, bos_token="", eos_token="") == "hi"
+
+
+def test_a_template_writing_past_the_longest_prompt_is_stopped_as_output():
+    writes = "{% for i in range(100000) %}{% for j in range(100000) %}xx{% endfor %}{% endfor %}"
+    with pytest.raises(RenderBudgetError) as refused:
+        ChatTemplate(writes, BUDGET).render(HI, bos_token="", eos_token="", max_chars=5000)
+    assert refused.value.output and "5000" in str(refused.value)
+
+
+def test_the_budget_leaves_ordinary_arithmetic_and_formatting_alone():
+    text = "{{ '%5d'|format(3) }}|{{ 'ab'.center(6) }}|{{ 'x' ~ 'y' }}|{{ 2 ** 10 }}|{{ '-' * 3 }}"
+    text += "|{{ [1] + [2] }}"
+    rendered = ChatTemplate(text, BUDGET).render(HI, bos_token="", eos_token="")
+    assert rendered == "    3|  ab  |xy|1024|---|[1, 2]"
