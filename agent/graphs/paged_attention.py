@@ -14,7 +14,7 @@ inputs for each) give:
 
 PagedAttention is the reference in standard MindSpore ops (ScatterNdUpdate for the write, Gather by
 block table and a masked softmax for the attention), which runs on every target and is tested on CPU
-against the fused CPU kernels (tests/integration/agent/test_paged_attention.py). It gathers each
+against the fused CPU kernels (tests/integration/agent/test_ascend_graphs.py). It gathers each
 row's whole table (rows x max_seq_len positions of K and V per layer), so it is the semantics and the
 CPU check, not a fast path. AscendPagedAttention calls the Ascend kernels with the same inputs; this
 project has no NPU and no CANN, so that layer has never run (README "On Ascend"); its graphs are

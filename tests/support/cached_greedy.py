@@ -1,4 +1,4 @@
-"""python tests/cached_greedy.py MODEL RUNTIME_JSON PROMPT_JSON STEPS: build a runner with the
+"""python tests/support/cached_greedy.py MODEL RUNTIME_JSON PROMPT_JSON STEPS: build a runner with the
 runtime's compile cache, warm it up with the known-answer check, print its greedy tokens as JSON.
 (A file, not `python -c`: MindSpore's compile cache reads its entry script.)"""
 

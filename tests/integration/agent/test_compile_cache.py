@@ -2,7 +2,7 @@
 known-answer check (agent/known_answer.py) behind it.
 
 MindSpore's compile cache is process-wide, so each cached run below is its own process
-(tests/cached_greedy.py)."""
+(tests/support/cached_greedy.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A GGUF whose matrices hold every weight format the kernels multiply (agent/kernels/formats/), through
-the graphs against the independent numpy reference (tests/reference_numpy.py, which dequantizes the
+the graphs against the independent numpy reference (tests/support/reference_numpy.py, which dequantizes the
 file's blocks with the gguf package): logits and greedy tokens for calls of 1 to 64 rows (a row at a
 time, straight from the blocks, tiles dequantized whole), at every kernel target. Loading keeps each
 matrix in its format (nothing dequantized), and the memory plan counts the file's sizes."""

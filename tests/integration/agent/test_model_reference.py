@@ -1,4 +1,4 @@
-"""The MindSpore graphs against the independent numpy reference (tests/reference_numpy.py)."""
+"""The MindSpore graphs against the independent numpy reference (tests/support/reference_numpy.py)."""
 
 import json
 
@@ -60,7 +60,7 @@ def test_tiny_checkpoint_logits_match_reference(
     directory = tiny_llama_dir if family == "llama" else tiny_qwen2_dir
     runtime = TINY_RUNTIME.model_copy(update={"decode_attention": attention, "matmul": matmul})
     runner = ModelRunner.from_checkpoint(load_checkpoint(directory), runtime)
-    # with both kernels each decode layer is one fused op (agent/kernels/decode_layer.cc)
+    # with both kernels each decode layer is one fused op (agent/kernels/fused_layer.cc)
     fused = runner.graphs.model.layers[0].kernel_layer is not None
     assert fused == (attention == matmul == "kernel")
     reference = ref.load_hf_reference(directory)

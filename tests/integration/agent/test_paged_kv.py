@@ -1,5 +1,5 @@
 """The paged KV cache through the graphs (agent/graphs/interface.py, agent/kernels): K/V written and
-read through block tables, against the independent numpy reference (tests/reference_numpy.py).
+read through block tables, against the independent numpy reference (tests/support/reference_numpy.py).
 
 The tables are shuffled blocks of the pool, so a kernel that read a sequence's positions as
 contiguous rows, or one table for every row, would give other logits; prompts are prefilled in

@@ -1,7 +1,7 @@
 """The Ascend/GPU preflight (agent/launcher/preflight.py): one line per problem, with its fix, from
 what MindSpore reports. MindSpore's answers are mocked (DeviceProbe values, and probe_in_child in
 check_config) because no NPU or CANN toolkit exists here; the real launcher on this machine is
-tests/integration/agent/test_ascend_preflight.py."""
+tests/integration/agent/test_ascend_ready.py."""
 
 from __future__ import annotations
 
