@@ -32,6 +32,7 @@ RUNTIME = {**LONG_ANSWERS_RUNTIME, "max_seq_len": 2048, "attend_buckets": [64, 5
 MAX_REPLY_LOGPROBS = 20000
 JSON = {"content-type": "application/json"}
 NOT_TEXT = "\udfff"  # a lone surrogate
+HI = [{"role": "user", "content": "hi"}]
 FLOOD_MESSAGES = 30000  # under 1 MB (server.max_body_bytes) in each API's shape
 # The tiny model's template with three hostile branches, chosen by the last message's text.
 HOSTILE_TEMPLATE = (
@@ -192,3 +193,27 @@ def test_a_lone_surrogate_cache_salt_is_refused_where_it_enters(base, expected, 
         reply = httpx.post(f"{base}{path}", content=raw, headers=JSON, timeout=60)
     assert reply.status_code == 400, reply.text
     assert "not valid JSON" in reply.text and "hex escape" in reply.text, reply.text
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "mirostat": 2, "mirostat_tau": 5.0}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "dry_multiplier": 0.8}),
+        (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "xtc_probability": 0.5},
+        ),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 16, "tfs_z": 0.9}),
+    ],
+    ids=["completions", "chat", "messages", "responses"],
+)
+def test_sampling_parameters_this_server_lacks_are_refused_not_ignored(base, expected, path, body):
+    """A client tuned for llama.cpp or vLLM gets an error naming what is not served, not other answers."""
+    named = next(k for k in ("mirostat", "dry_multiplier", "xtc_probability", "tfs_z") if k in body)
+    with under_attack(base, lambda: victim(base), expected, f"unserved sampling {named}"):
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda _: post(base, path, body), range(4)))
+    for reply in replies:
+        assert reply.status_code == 400, reply.text
+        assert named in error_message(reply), error_message(reply)
