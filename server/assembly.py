@@ -234,7 +234,7 @@ class PromptEncoder:
         vocabulary = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
         # A byte-level token's string has one character per byte: never fewer than its text's.
         self.longest_token_chars = max(map(len, vocabulary), default=1)
-        self.template_chars = template_chars_per_message(tokenizer)
+        self.template_chars: int | None = None  # measured by the first chat, off the event loop
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     async def encode(
@@ -267,6 +267,11 @@ class PromptEncoder:
             self._check_messages(len(messages))
         # What the render writes at least: every message's fields (empty ones too: each costs the
         # template's own text), the tools and the variables.
+        if self.template_chars is None:  # two renders of the model's template: in the pool
+            measured = await asyncio.get_running_loop().run_in_executor(
+                self.pool, template_chars_per_message, self.tokenizer
+            )
+            self.template_chars = measured
         chars = sum(map(message_chars, messages)) + len(messages) * self.template_chars
         chars += (len(json.dumps(tools)) if tools else 0) + (
             len(json.dumps(template_kwargs)) if template_kwargs else 0

@@ -12,6 +12,7 @@ import ctypes
 import json
 import math
 import re
+import string
 import threading
 from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass
@@ -54,9 +55,14 @@ class RenderBudget:
     seconds: float = 2.0
 
 
-# The largest integer a template may raise to a power (bits of the result).
-MAX_POWER_BITS = 4096
+# The integers a template computes with, in bits (a product of two, a power).
+MAX_INT_BITS = 4096
+MAX_JSON_SPACING = 64  # tojson's indent and separators
+# The calls whose integer arguments are sizes: a width, a padding, a count of pieces.
+SIZING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
+SIZING_FILTERS = frozenset({"center", "indent", "wordwrap", "truncate", "batch", "slice", "lipsum"})
 _NUMBERS = re.compile(r"\d+")
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?")
 
 
 def _raise_exception(message: str):
@@ -108,7 +114,9 @@ class _BoundedCodeGenerator(CodeGenerator):
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """The transformers sandbox, with each operation that can build a large value checked against
-    the render's budget before it runs (sizes shown in its arguments) and after (its result)."""
+    the render's budget before it runs (from the sizes its arguments show: a repeat count, a width,
+    a replacement's growth) and after (its result); integers a template computes with are bounded
+    in bits, since a product or quotient of huge ones runs in one C call the watchdog cannot stop."""
 
     code_generator_class = _BoundedCodeGenerator
     intercepted_binops = frozenset({"*", "**", "+", "%"})
@@ -118,7 +126,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         self.chars = chars
 
     def check_size(self, value: object) -> object:
-        if isinstance(value, (str, list, tuple, dict)):
+        if isinstance(value, (str, bytes, list, tuple, dict)):
             self.check_count(len(value))
         return value
 
@@ -126,57 +134,134 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         if items > self.chars:
             raise RenderBudgetError(f"it builds a value of {items} items, past the budget of {self.chars}")
 
-    def check_arguments(self, args: tuple, kwargs: dict) -> None:
-        """A width, count or padding asked for (center, indent, ljust, zfill, wordwrap ...)."""
+    def check_widths(self, args: tuple, kwargs: dict) -> None:
+        """The widths, counts and paddings a sizing call asks for (center, indent, ljust, zfill ...)."""
         for value in (*args, *kwargs.values()):
             if isinstance(value, int) and abs(value) > self.chars:
                 raise RenderBudgetError(f"it asks for a size of {value}, past the budget of {self.chars}")
 
-    def check_format(self, text: str) -> None:
-        """A format string's widths and precisions ('%999999999s', '{:999999999}')."""
-        if any(len(n) > 9 or int(n) > self.chars for n in _NUMBERS.findall(text)):
-            raise RenderBudgetError(f"a format names a width past the budget of {self.chars}")
+    def check_percent(self, text: str, args: object) -> None:
+        """A %-format's widths and precisions ('%999999999s'; '%*s' takes its width from args)."""
+        for width, precision in _PERCENT_SPEC.findall(text):
+            if "*" in (width, precision):
+                self.check_widths(args if isinstance(args, tuple) else (args,), {})
+            elif any(len(n) > 9 or int(n) > self.chars for n in (width, precision) if n):
+                raise RenderBudgetError(f"a format names a width past the budget of {self.chars}")
+
+    def check_braces(self, text: str, args: tuple, kwargs: dict) -> None:
+        """A str.format's widths ('{:999999999}'; '{0:{1}}' takes its width from the arguments)."""
+        for _, _, spec, _ in string.Formatter().parse(text):
+            if not spec:
+                continue
+            if "{" in spec:
+                numbers = (
+                    int(v) if isinstance(v, str) and v.isdigit() else v for v in (*args, *kwargs.values())
+                )
+                self.check_widths(tuple(numbers), {})
+            elif any(len(n) > 9 or int(n) > self.chars for n in _NUMBERS.findall(spec)):
+                raise RenderBudgetError(f"a format names a width past the budget of {self.chars}")
+
+    def check_replace(self, text: str, args: tuple) -> None:
+        """str.replace's result: one copy of `new` at each match (at every position for '')."""
+        if len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+            matches = len(text) + 1 if args[0] == "" else text.count(args[0])
+            if len(args) > 2 and isinstance(args[2], int) and args[2] >= 0:
+                matches = min(matches, args[2])
+            self.check_count(len(text) + matches * len(args[1]))
+
+    def check_join(self, separator: str, items: object) -> None:
+        if isinstance(items, Sized) and isinstance(separator, str):
+            self.check_count(len(separator) * len(items))
+            if isinstance(items, (list, tuple, str)):
+                self.check_count(sum(len(item) if isinstance(item, str) else 1 for item in items))
 
     def call_binop(self, context, operator: str, left, right):
-        if operator == "*" and isinstance(left, int) != isinstance(right, int):
+        if operator == "*" and isinstance(left, int) and isinstance(right, int):
+            if left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                raise RenderBudgetError(f"it multiplies integers past {MAX_INT_BITS} bits")
+        elif operator == "*" and (isinstance(left, int) or isinstance(right, int)):
             items, times = (right, left) if isinstance(left, int) else (left, right)
-            if isinstance(items, (str, list, tuple)) and isinstance(times, int):
+            if isinstance(items, (str, bytes, list, tuple)) and isinstance(times, int):
                 self.check_count(len(items) * times)
         if operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
-            if abs(left) > 1 and right > 0 and right * math.log2(abs(left)) > MAX_POWER_BITS:
+            if abs(left) > 1 and right > 0 and right * math.log2(abs(left)) > MAX_INT_BITS:
                 raise RenderBudgetError(f"it raises {left} to the power {right}")
-        if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, type(left)):
+        if operator == "+" and isinstance(left, (str, bytes, list, tuple)) and isinstance(right, type(left)):
             self.check_count(len(left) + len(right))
         if operator == "%" and isinstance(left, str):
-            self.check_format(left)
+            self.check_percent(left, right)
         return self.check_size(super().call_binop(context, operator, left, right))
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's signature)
-        __self.check_arguments(args, kwargs)
-        owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)  # str.format, sandboxed
-        if isinstance(owner, str):
-            __self.check_format(owner)
+        method = getattr(__obj, "__wrapped__", __obj)  # str.format comes wrapped by the sandbox
+        owner, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+        if isinstance(owner, (str, bytes)):
+            __self.check_method(owner, name, args, kwargs)
         return __self.check_size(super().call(__context, __obj, *args, **kwargs))
 
+    def check_method(self, owner: str | bytes, name: str, args: tuple, kwargs: dict) -> None:
+        """A string method's result, before it runs, where its arguments make it grow."""
+        if name in SIZING_METHODS:
+            self.check_widths(args, kwargs)
+        if not isinstance(owner, str):
+            return
+        if name in ("format", "format_map"):
+            self.check_braces(owner, args, kwargs)
+        elif name == "replace":
+            self.check_replace(owner, args)
+        elif name == "join" and args:
+            self.check_join(owner, args[0])
+        elif name == "expandtabs":
+            tab = args[0] if args else kwargs.get("tabsize", 8)
+            self.check_count(len(owner) + owner.count("\t") * (tab if isinstance(tab, int) else 8))
+        elif name == "translate" and args and isinstance(args[0], dict):
+            longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
+            self.check_count(len(owner) * longest)
+
     def bounded_join(self, values: tuple) -> str:
-        self.check_count(sum(len(v) if isinstance(v, str) else 1 for v in values))
+        self.check_count(sum(len(v) if isinstance(v, str) else len(str(v)) for v in values))
         return jinja2.runtime.str_join(values)
+
+    def bounded_concat(self, values) -> str:
+        """A block's or macro's output joined (Jinja's `concat`), checked first."""
+        pieces = list(values)
+        self.check_count(sum(map(len, pieces)))
+        return "".join(pieces)
 
     def bounded_filter(self, name: str, filter_: Callable) -> Callable:
         value_at = 1 if hasattr(filter_, "jinja_pass_arg") else 0  # after the environment or context
 
         @wraps(filter_)  # keeps jinja_pass_arg: Jinja still passes what the filter takes
         def checked(*args, **kwargs):
-            self.check_arguments(args[value_at + 1 :], kwargs)
-            value = args[value_at]
-            if name == "format" and isinstance(value, str):
-                self.check_format(value)
-            if name == "join" and isinstance(value, Sized):  # the separators alone
-                separator = args[value_at + 1] if len(args) > value_at + 1 else kwargs.get("d", "")
-                self.check_count(len(value) * len(separator) if isinstance(separator, str) else 0)
+            value, rest = args[value_at], args[value_at + 1 :]
+            self.check_filter(name, value, rest, kwargs)
             return self.check_size(filter_(*args, **kwargs))
 
         return checked
+
+    def check_filter(self, name: str, value: object, args: tuple, kwargs: dict) -> None:
+        """A filter's result, before it runs, where its arguments make it grow."""
+        if name in SIZING_FILTERS:
+            self.check_widths(args, kwargs)
+        if name == "format" and isinstance(value, str):
+            self.check_percent(value, args)
+        elif name == "join":
+            self.check_join(args[0] if args else kwargs.get("d", ""), value)
+        elif name == "replace" and isinstance(value, str):
+            self.check_replace(value, args)
+        elif name == "indent" and isinstance(value, str):
+            width = args[0] if args else kwargs.get("width", 4)
+            self.check_count(len(value) + (value.count("\n") + 1) * (width if isinstance(width, int) else 0))
+        elif name == "sum" and not isinstance(
+            kwargs.get("start", args[1] if len(args) > 1 else 0), (int, float)
+        ):
+            raise RenderBudgetError("it sums sequences (each step copies the whole sum)")
+        elif name == "tojson":
+            indent, separators = kwargs.get("indent"), kwargs.get("separators") or ()
+            if (isinstance(indent, int) and indent > MAX_JSON_SPACING) or any(
+                len(str(part)) > MAX_JSON_SPACING for part in separators
+            ):
+                raise RenderBudgetError(f"it spaces JSON past {MAX_JSON_SPACING} characters")
 
 
 class ChatTemplate:
@@ -185,6 +270,7 @@ class ChatTemplate:
         env = _BoundedSandbox(
             budget.chars, trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
+        env.concat = env.bounded_concat  # type: ignore[method-assign]  # blocks', macros' and `set` blocks' output
         env.filters["tojson"] = _tojson
         env.filters = {name: env.bounded_filter(name, f) for name, f in env.filters.items()}
         env.globals["raise_exception"] = _raise_exception
@@ -261,9 +347,9 @@ def _within_seconds(seconds: float, render: Callable[[], str]) -> str:
                 )
 
     watchdog = threading.Timer(seconds, interrupt)
-    watchdog.start()
     try:
         try:
+            watchdog.start()  # inside: a watchdog that fires before start() returns raises in it
             return render()
         finally:
             watchdog.cancel()

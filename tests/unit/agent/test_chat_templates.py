@@ -5,6 +5,7 @@ tools, tool calls and results, and `chat_template_kwargs` (Qwen3's enable_thinki
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -174,6 +175,22 @@ HI = [{"role": "user", "content": "hi"}]
         "{{ '%999999999999s'|format('x') }}",
         "{{ range(100000)|join('x' * 1000) }}",
         "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+        # one C call each, past the watchdog's reach or building far past the budget before a check
+        "{% set ns = namespace(x=3**2000) %}{% for i in range(12) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+        "{{ ([[1]] * 100000)|sum(start=[])|length }}",
+        "{% set s = 'x' * 10000 %}{{ s.replace('', s) }}",
+        "{% set s = 'x' * 10000 %}{{ s|replace('', s) }}",
+        "{% set s = 'x' * 10000 %}{{ s.join(s) }}",
+        "{% set s = 'x' * 10000 %}{{ ([s] * 10000)|join }}",
+        "{% set s = 'x' * 10000 %}{{ s.translate({120: s}) }}",
+        "{{ ('\t' * 10000).expandtabs(10000) }}",
+        "{{ ('\n' * 10000)|indent(10000, blank=true) }}",
+        "{{ [[[]]] * 10|tojson(indent=10000) }}",
+        "{{ '%*s' % (100000000, 'x') }}",
+        "{{ '{0:{1}}'.format('x', '100000000') }}",
+        "{% set s = 'x' * 10000 %}{{ '' ~ [s] * 10000 }}",
+        "{% set s = 'x' * 20000 %}{% set b %}{% for i in range(10000) %}{{ s }}{% endfor %}{% endset %}",
+        "{{ ('x'.encode() * 100000000)|length }}",
     ],
 )
 def test_a_template_building_past_its_budget_is_stopped(text):
@@ -204,3 +221,23 @@ def test_the_budget_leaves_ordinary_arithmetic_and_formatting_alone():
     text += "|{{ [1] + [2] }}"
     rendered = ChatTemplate(text, BUDGET).render(HI, bos_token="", eos_token="")
     assert rendered == "    3|  ab  |xy|1024|---|[1, 2]"
+
+
+@pytest.mark.parametrize(
+    "text, content, rendered",
+    [
+        ("{{ messages[0].content.strip() }}", "My phone is 4155550123", "My phone is 4155550123"),
+        ("{{ messages[0].content.lower() }}", "Tokens 4096000 MAX", "tokens 4096000 max"),
+        ("{{ '{}'.format(messages[0].content) }}", "12345678901", "12345678901"),
+        ("{{ 'n=%d'|format(12345678901) }}", "", "n=12345678901"),
+        ("{{ {'a': 1}.get('missing', 5000000) }}", "", "5000000"),
+        ("{{ 'build 20240726'.strip() }}|{{ '%s 20240726'|format('v') }}", "", "build 20240726|v 20240726"),
+        ("{{ 'a,b,c'.split(',', 1) }}|{{ 'aaa'.replace('a', 'b', 2) }}", "", "['a', 'b,c']|bba"),
+        ("{% set b %}{{ messages[0].content }}!{% endset %}{{ b }}", "hi", "hi!"),
+        ("{{ [1, 2]|sum }}|{{ [[1], [2]]|tojson(indent=2) }}", "", "3|" + json.dumps([[1], [2]], indent=2)),
+    ],
+)
+def test_ordinary_content_and_arithmetic_render_as_ever(text, content, rendered):
+    """Message content with long numbers, big integers as values, formats of them: no budget applies."""
+    messages = [{"role": "user", "content": content}]
+    assert ChatTemplate(text).render(messages, bos_token="", eos_token="") == rendered
