@@ -8,13 +8,14 @@ and the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
 import re
 import string
 import threading
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from datetime import datetime
 from functools import wraps
@@ -46,8 +47,9 @@ class RenderBudgetError(ChatTemplateError):
 class RenderBudget:
     """What one render may cost. The sandbox bounds each range() but not a render: a template from a
     model file could loop 100000 x 100000 times or build 'x' * 10**10 and freeze or exhaust the
-    server at its first chat. chars bounds the prompt written and every string or list the template
-    builds on the way (each `*`, `+`, `**`, `%`, `~` and each filter or method call is checked
+    server at its first chat. chars (and twice the characters the request's own messages, tools and
+    variables hold, which its prompt may carry) bounds the prompt written and every string or list
+    the template builds on the way (each `*`, `+`, `**`, `%`, `~` and each filter or method call is checked
     before it runs where its size shows in its arguments, and after); seconds bounds the render's
     time (the rendering thread is interrupted)."""
 
@@ -123,7 +125,23 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def __init__(self, chars: int, **options):
         super().__init__(**options)
-        self.chars = chars
+        self.default_chars = chars
+        self._render = threading.local()  # this thread's render: its room (ChatTemplate.render)
+
+    @property
+    def chars(self) -> int:
+        return getattr(self._render, "chars", self.default_chars)
+
+    @contextlib.contextmanager
+    def room(self, chars: int) -> Iterator[None]:
+        """The budget of the values this thread's render builds: the template's own plus room for
+        the request's text, which its prompt holds (a long prompt, as `truncate` allows, is no fault
+        of the template)."""
+        self._render.chars = chars
+        try:
+            yield
+        finally:
+            del self._render.chars
 
     def check_size(self, value: object) -> object:
         if isinstance(value, (str, bytes, list, tuple, dict)):
@@ -276,7 +294,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         env.globals["namespace"] = _Namespace
-        self._template = env.from_string(text)
+        self._env, self._template = env, env.from_string(text)
 
     def render(
         self,
@@ -291,6 +309,8 @@ class ChatTemplate:
     ) -> str:
         """The prompt; `kwargs` (checked by the caller: none of RESERVED) are more variables.
         Within the budget, the prompt at most `max_chars` too: RenderBudgetError past either."""
+        room = self.budget.chars + 2 * _text_size((messages, tools, kwargs))
+        most = room if max_chars is None else min(room, max_chars)
         variables = dict(
             **(kwargs or {}),
             messages=messages,
@@ -301,8 +321,8 @@ class ChatTemplate:
             eos_token=eos_token,
         )
         try:
-            most = min(self.budget.chars, max_chars or self.budget.chars)
-            return _within_seconds(self.budget.seconds, lambda: self._written(variables, most))
+            with self._env.room(room):
+                return _within_seconds(self.budget.seconds, lambda: self._written(variables, most))
         except RenderBudgetError:
             raise
         except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
@@ -323,6 +343,17 @@ class ChatTemplate:
                 )
             pieces.append(piece)
         return "".join(pieces)
+
+
+def _text_size(value: object) -> int:
+    """The characters of the strings a request's messages, tools and variables hold."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_text_size(k) + _text_size(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(map(_text_size, value))
+    return 0
 
 
 class _RenderTimeout(BaseException):

@@ -14,6 +14,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from agent.model.chat_template import ChatTemplate, ChatTemplateError, RenderBudget, RenderBudgetError
 from agent.model.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
+from tiny_models import CHATML
 from tools.fetch_vocab_suite import DEFAULT_DEST
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -241,3 +242,12 @@ def test_ordinary_content_and_arithmetic_render_as_ever(text, content, rendered)
     """Message content with long numbers, big integers as values, formats of them: no budget applies."""
     messages = [{"role": "user", "content": content}]
     assert ChatTemplate(text).render(messages, bos_token="", eos_token="") == rendered
+
+
+def test_a_prompt_longer_than_the_budget_renders_when_the_request_brought_it():
+    """The budget is the template's: a request's own long text (a `truncate`d native prompt) is room."""
+    long = [{"role": "user", "content": "word " * 1000}]
+    small = RenderBudget(chars=1000, seconds=1.0)
+    assert ChatTemplate(CHATML, small).render(long, bos_token="", eos_token="").count("word") == 1000
+    with pytest.raises(RenderBudgetError):  # the template's own growth past it is still refused
+        ChatTemplate("{{ messages[0].content * 3 }}", small).render(long, bos_token="", eos_token="")
