@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from agent.model.quantized import BlockMatrix
+from agent.model.quantized import Q8_0, BlockMatrix, Int8Linear
 from agent.model.shard import WHOLE_MODEL, LayerShare, TensorSplit
 from agent.model.spec import ModelSpec
 
@@ -101,6 +101,9 @@ class Checkpoint:
     # (LayerShare.cut), and whole_tensors reads the whole model's from the files when asked.
     split: TensorSplit = WHOLE_MODEL
     whole_tensors: LazyTensors | None = None
+    # An int8 checkpoint's (agent/model/formats/int8_checkpoint.py) linears by canonical name: their
+    # scales for Ascend's quantized products; the matrices themselves are in blocks or tensors
+    int8: dict[str, Int8Linear] = field(default_factory=dict)
 
     def whole(self) -> Checkpoint:
         """The whole model: this checkpoint, or a share's files read a tensor at a time (the known
@@ -113,6 +116,15 @@ class Checkpoint:
         """A tensor as float32, a kept matrix dequantized (a new array each call)."""
         kept = self.blocks.get(name)
         return self.tensors[name] if kept is None else kept.dequantize()
+
+    def int8_weight(self, name: str) -> np.ndarray:
+        """An int8 checkpoint's matrix as the file's int8 values [out, in]: a Q8_0 matrix's quants, or a
+        float32 one divided by its rows' scales (|q| <= 128, so the quotient rounds back exactly)."""
+        kept = self.blocks.get(name)
+        if kept is not None and kept.qtype == Q8_0:
+            return kept.int8_quants()
+        scale = self.int8[name].weight_scale[:, None]
+        return np.rint(self.matrix(name) / scale).astype(np.int8)
 
     def kept(self, name: str) -> BlockMatrix | None:
         """A matrix kept in its GGUF format, or None; a lazy view's packed from the file when asked."""

@@ -3,6 +3,10 @@ a GGUF's blocks rearranged into column tiles, byte for byte (the packed matrix i
 so that a decode step reads 0.5-2 bytes a weight instead of float32's 4. The values are exactly
 gguf.quants.dequantize's; `dequantize()` gives them as float32 for the paths without the kernels.
 
+An int8 checkpoint's per-channel matrices (agent/model/formats/int8_checkpoint.py) become Q8_0 blocks
+with their int8 values as they are (`BlockMatrix.from_int8`), and `Int8Linear` keeps what Ascend's
+quantized products take beside them.
+
 Packed layout (agent/kernels/formats/format.h): a matrix of N rows (the product's output columns) and
 K columns as [ceil(N / TILE), K / BLOCK, TILE x the block's bytes]: per tile of TILE rows and block,
 each field of the file's block stored as [elements][TILE][element bytes]. Float32 matrices are
@@ -12,13 +16,18 @@ each field of the file's block stored as [elements][TILE][element bytes]. Float3
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 TILE = 32  # output columns per packed tile (agent/kernels/lanes.h)
 F32 = GGMLQuantizationType.F32
+Q8_0 = GGMLQuantizationType.Q8_0
+Q8_0_BLOCK = 32
+# float16's normal range: a Q8_0 scale in it is the float32 scale to 2^-11 relative; below it the
+# spacing is fixed (2^-24), so a smaller scale would lose more and 0 would lose the row
+F16_NORMAL = (2.0**-14, 65504.0)
 
 # Each format the kernels multiply (agent/kernels/formats/): its block's fields as (byte offset,
 # bytes, bytes an element), in the file's order. F16 and BF16 go in blocks of 32 weights.
@@ -82,6 +91,27 @@ class BlockMatrix:
             F32, (rows, cols), np.ascontiguousarray(padded.reshape(tiles, TILE, cols).transpose(0, 2, 1))
         )
 
+    @classmethod
+    def from_int8(cls, quants: np.ndarray, scales: np.ndarray) -> BlockMatrix:
+        """An int8 [rows, cols] matrix with one float scale a row (w = q * s) as Q8_0: every block of
+        a row takes the row's scale as its float16 `d` and the int8 values as they are. A scale is
+        then rounded to float16 (2^-11 relative within F16_NORMAL, exact for a bfloat16 one); the
+        caller keeps matrices whose scales leave that range in float32."""
+        rows, cols = quants.shape
+        blocks = cols // Q8_0_BLOCK
+        d = np.repeat(np.asarray(scales, "<f2").reshape(rows, 1, 1), blocks, axis=1)
+        raw = np.concatenate(
+            [d.view(np.uint8), np.asarray(quants, np.int8).reshape(rows, blocks, Q8_0_BLOCK).view(np.uint8)],
+            axis=2,
+        )
+        return cls.from_gguf(Q8_0, raw.reshape(rows, -1), cols)
+
+    def int8_quants(self) -> np.ndarray:
+        """A Q8_0 matrix's int8 values [rows, cols] (its blocks' scales left out)."""
+        rows, cols = self.shape
+        raw = self.raw().reshape(rows, cols // Q8_0_BLOCK, 2 + Q8_0_BLOCK)
+        return np.ascontiguousarray(raw[:, :, 2:]).view(np.int8).reshape(rows, cols)
+
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes
@@ -126,3 +156,25 @@ def _pack_blocks(qtype: GGMLQuantizationType, raw: np.ndarray) -> np.ndarray:
         )
         target[...] = part.transpose(0, 2, 3, 1, 4)
     return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Int8Linear:
+    """An int8 checkpoint's linear beyond its int8 weights q [out, in] (Checkpoint.int8_weight): what
+    Ascend's quantized products take (agent/graphs/quant_matmul.py). `scheme`:
+
+    - "static" (msModelSlim W8A8): xq = clamp(round(x / input_scale + input_offset), -128, 127),
+      y = (xq @ q^T + quant_bias) * deq_scale;
+    - "dynamic" (msModelSlim W8A8_DYNAMIC, compressed-tensors int8 with dynamic per-token activations):
+      per row t = max |x| / 127, y = (round(x / t) @ q^T) * weight_scale * t;
+    - "weight_only" (msModelSlim W8A16, compressed-tensors int8 weights alone): y = x @ (q * weight_scale)^T.
+
+    weight_scale is each output row's float scale in all three (static: deq_scale / input_scale), so
+    that q * weight_scale is the float matrix the CPU multiplies."""
+
+    scheme: str
+    weight_scale: np.ndarray = field(repr=False)  # float32 [out]
+    deq_scale: np.ndarray | None = field(default=None, repr=False)  # float32 [out], static
+    quant_bias: np.ndarray | None = field(default=None, repr=False)  # int32 [out], static
+    input_scale: float = 1.0  # static
+    input_offset: float = 0.0  # static, an int8 value

@@ -1,6 +1,7 @@
 """HuggingFace model directories: config.json, generation_config.json, *.safetensors (one file or
 shards listed in model.safetensors.index.json); one code path, with each family's tensor names and
-load-time reshaping from its module (agent/model/families/)."""
+load-time reshaping from its module (agent/model/families/). An int8 checkpoint's linears (msModelSlim
+W8A8, compressed-tensors int8) are read by agent/model/formats/int8_checkpoint.py beside the float tensors."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from agent.model.checkpoint import (
     no_progress,
 )
 from agent.model.families import HfLayout, hf_layout
+from agent.model.formats import int8_checkpoint
 from agent.model.spec import ModelSpec, RopeScaling
 
 log = logging.getLogger(__name__)
@@ -119,11 +121,17 @@ def _spec(directory: Path) -> tuple[ModelSpec, HfLayout]:
     return spec, layout
 
 
+def read_spec(directory: Path) -> ModelSpec:
+    """The model's spec from its config.json alone (no weights read): planning tools."""
+    return _spec(directory)[0]
+
+
 def load(directory: Path, progress: Progress) -> Checkpoint:
     spec, layout = _spec(directory)
     tensors: dict[str, np.ndarray] = {}
-    entries = [entry for file in _weight_files(directory) for entry in _safetensors_entries(file)]
-    for hf_name, read in progress(entries):
+    entries = dict(entry for file in _weight_files(directory) for entry in _safetensors_entries(file))
+    int8 = _int8_linears(directory, layout, entries)  # taken out of entries
+    for hf_name, read in progress(list(entries.items())):
         name = layout.canonical_name(hf_name)
         if name is None:
             log.debug("ignoring tensor %s", hf_name)
@@ -131,13 +139,40 @@ def load(directory: Path, progress: Progress) -> Checkpoint:
         tensors[name] = np.ascontiguousarray(read(), dtype=np.float32)
     if layout.transform is not None:
         layout.transform(tensors, spec)
-    return Checkpoint(spec=spec, tensors=tensors, source=directory, format="safetensors")
+    checkpoint = Checkpoint(spec=spec, tensors=tensors, source=directory, format="safetensors")
+    int8_checkpoint.place(int8, checkpoint, tensors, layout.canonical_name)
+    return checkpoint
+
+
+def _int8_linears(
+    directory: Path, layout: HfLayout, entries: dict[str, Callable[[], np.ndarray]]
+) -> dict[str, int8_checkpoint.Int8Weights]:
+    """An int8 checkpoint's linears (none for a float one), their tensors taken out of `entries`."""
+    fmt = int8_checkpoint.find_format(directory, read_json(directory / "config.json"))
+    if fmt is None:
+        return {}
+    if layout.transform is not None:
+        raise CheckpointError(
+            f"{directory}: int8 {layout.model_type} checkpoints are not supported: its packed matrices are "
+            "split at load, which int8 blocks are not"
+        )
+    return int8_checkpoint.read_linears(fmt, entries)
 
 
 def open_lazy(directory: Path) -> Checkpoint:
     """The checkpoint with its tensors left in the files (LazyTensors): a part of one reads only
     its bytes. A family whose tensors are split at load (InternLM2's packed wqkv) is read whole."""
     spec, layout = _spec(directory)
+    if int8_checkpoint.find_format(directory, read_json(directory / "config.json")) is not None:
+        # a rank's share of int8 matrices is cut from their float32 values (the Q8_0 products are the
+        # whole model's): every rank holds the whole model dequantized while it loads
+        whole = load(directory, no_progress)
+        log.info(
+            "%s: int8 checkpoint: a tensor-parallel rank takes its share of the dequantized weights",
+            directory,
+        )
+        dense = {**whole.tensors, **{name: kept.dequantize() for name, kept in whole.blocks.items()}}
+        return dataclasses.replace(whole, tensors=LazyTensors.in_memory(dense), blocks={}, int8={})
     if layout.transform is not None:
         whole = load(directory, no_progress)
         return dataclasses.replace(whole, tensors=LazyTensors.in_memory(whole.tensors))
