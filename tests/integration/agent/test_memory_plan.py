@@ -7,7 +7,7 @@ from conftest import TINY_RUNTIME
 
 import reference_numpy as ref
 from agent.contract.sampling import SamplingParams
-from agent.memory_plan import MB, MemoryPlanError, plan_memory
+from agent.memory_plan import MB, MemoryPlanError, check_peak, plan_memory, rank_spec
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner
@@ -101,6 +101,18 @@ def test_the_default_plan_holds_the_context_and_64_short_chats_at_once(default_m
     assert plan.total_mb <= runtime.memory_budget_mb
 
 
+def test_the_cpu_plan_has_no_reserves_whatever_the_ranks(default_model_path):
+    """The device reserves (kernel workspace, graph inputs/outputs, HCCL buffers) are Ascend's and
+    GPU's: the CPU plan is what it was, one line, a tensor-parallel group's included."""
+    spec = load_checkpoint(default_model_path).spec
+    runtime = RuntimeSection(num_slots=16, max_seq_len=2048, memory_budget_mb=1500, **BUDGETED)
+    resolved, plan = plan_memory(spec, runtime)
+    assert plan.reserves == () and plan.pooled_mb == plan.total_mb
+    assert plan.total_mb == plan.weights_mb + plan.kv_mb + plan.working_mb
+    assert plan_memory(spec, runtime, ranks=2) == (resolved, plan)
+    assert "\n" not in plan.describe() and "reserves" not in plan.describe()
+
+
 def test_budgets_too_small_are_refused_with_the_sizes(default_model_path):
     spec = load_checkpoint(default_model_path).spec
     with pytest.raises(MemoryPlanError, match=r"does not hold the weights \(513 MB\)"):
@@ -184,31 +196,118 @@ def test_shipped_ascend_example_plans_llama2_7b_into_a_64gb_910b():
     resolved, plan = plan_memory(llama2(32, 4096, 32, 32, 11008), ascend_example_runtime())
     assert plan.weights_mb == pytest.approx(6738.4e6 * 2 / MB, rel=1e-3)  # 6.74B parameters
     assert plan.block_mb == 8  # 32 layers x 2 x 4096 x 2 bytes x 16 positions
-    # working: the prefill scores (32 x 32 heads x 512^2 x 4 bytes), the logits and the RoPE tables;
-    # PagedAttention reads the blocks in place (the gather path added one layer's K and V for 32 rows
-    # over 2048 positions, 1024 MB, and planned 5354 blocks)
-    assert plan.working_mb == pytest.approx(1024 + 8 + 2, abs=2)
-    # 32 seats (the largest decode batch), blocks for about 42.8 sequences of 2048 positions
-    assert resolved.num_slots == 32 and resolved.num_blocks == 5482 and plan.total_mb <= 58000
+    # working, the prompt path: one layer's activations of 512 rows (4 x 4096 + 4 x 4096 + 3 x 11008
+    # values of 2 bytes: 64 MB) and the RoPE tables; the Ascend kernels keep the scores on chip and
+    # read the blocks in place (the gather path adds every layer's prefill scores, 32 x 32 heads x
+    # 512^2 x 4 bytes, and one layer's K and V for 32 rows over 2048 positions: 1024 MB each)
+    assert plan.working_mb == pytest.approx(64 + 2, abs=1)
+    # 32 seats (the largest decode batch), blocks for about 41.6 sequences of 2048 positions after the
+    # reserves (test_ascend_reserves_are_lines_of_the_plan_and_the_pool_gets_what_they_leave)
+    assert resolved.num_slots == 32 and resolved.num_blocks == 5322 and plan.total_mb <= 58000
     gather = ascend_example_runtime().model_copy(update={"decode_attention": "gather"})
-    assert plan_memory(llama2(32, 4096, 32, 32, 11008), gather)[1].working_mb == pytest.approx(2058, abs=2)
+    assert plan_memory(llama2(32, 4096, 32, 32, 11008), gather)[1].working_mb == pytest.approx(2114, abs=1)
+
+
+def test_ascend_reserves_are_lines_of_the_plan_and_the_pool_gets_what_they_leave():
+    """On Ascend the plan sets aside the kernel workspace (a stated margin: 1 GB + 2% of the budget)
+    and the graphs' inputs and outputs (measured: the largest step's outputs are a 512-row prefill's
+    logits of every row, float32), each a line of the plan, and the KV pool takes what is left: 160
+    blocks of 8 MB fewer than the 5482 planned before them (their 2248 MB, less the 968 MB of working
+    memory the prefill scores took, which the Ascend kernels keep on chip)."""
+    resolved, plan = plan_memory(llama2(32, 4096, 32, 32, 11008), ascend_example_runtime())
+    reserves = {reserve.name: reserve for reserve in plan.reserves}
+    assert list(reserves) == ["kernel workspace", "graph inputs/outputs"]  # one rank: no HCCL buffers
+    assert reserves["kernel workspace"].mb == pytest.approx(1024 + 0.02 * 58000)
+    outputs = 512 * 32000 * 4 / MB
+    assert outputs < reserves["graph inputs/outputs"].mb < outputs + 4  # the inputs: block tables, ids
+    assert all(reserve.pooled for reserve in plan.reserves) and plan.pooled_mb == plan.total_mb
+    left = 58000 - plan.weights_mb - plan.working_mb - plan.reserves_mb
+    assert resolved.num_blocks == pytest.approx(left // plan.block_mb - plan.scratch_blocks, abs=1)
+    assert 5482 - resolved.num_blocks == pytest.approx((plan.reserves_mb + plan.working_mb - 1034) / 8, abs=1)
+    assert plan.total_mb <= 58000 < plan.total_mb + plan.block_mb
+    lines = plan.describe().splitlines()
+    assert f"reserves {plan.reserves_mb:.0f} MB: {plan.total_mb:.0f} MB of a 58000 MB budget" in lines[0]
+    assert [line.split(":")[0] for line in lines[1:]] == [
+        "  working",
+        "  kernel workspace",
+        "  graph inputs/outputs",
+    ]
+    assert "logits [512, 32000] float32" in lines[3] and "the prompt path" in lines[1]
+
+
+def test_a_block_table_of_every_decode_row_is_a_graph_input():
+    """The graph inputs are measured on what GraphInputs builds: the decode graph of 32 rows takes
+    their block tables [32, 2048 / 16] int32, among ids and positions of a few bytes a row."""
+    from agent.memory_plan import graph_input_bytes
+
+    runtime = ascend_example_runtime()
+    sizes = graph_input_bytes(llama2(32, 4096, 32, 32, 11008), runtime, 32)
+    # prefill and its every-row variant per bucket, decode per batch bucket, mixed per batch bucket
+    assert len(sizes) == 2 * 2 + 5 + 5
+    decode_32 = sizes[4 + 4]
+    assert 32 * 128 * 4 <= decode_32 < 32 * 128 * 4 + 32 * 64
+
+
+def test_hccl_buffers_are_reserved_for_a_tensor_parallel_group_on_ascend_only(monkeypatch):
+    """Each communicator holds 2 x HCCL_BUFFSIZE (CANN's default 200 MB), outside MindSpore's pool:
+    400 MB, 50 blocks of 8 MB, of a rank of 2; none for one rank, none on GPU (NCCL, not planned)."""
+    monkeypatch.delenv("HCCL_BUFFSIZE", raising=False)
+    spec, runtime = rank_spec(llama2(32, 4096, 32, 32, 11008), 2), ascend_example_runtime()
+    one, two = plan_memory(spec, runtime)[1], plan_memory(spec, runtime, ranks=2)[1]
+    assert "HCCL" not in one.describe()
+    hccl = {reserve.name: reserve for reserve in two.reserves}["HCCL buffers"]
+    assert hccl.mb == 400 and not hccl.pooled and two.pooled_mb == pytest.approx(two.total_mb - 400)
+    assert one.num_blocks - two.num_blocks == 400 // 4  # a rank's block: 4 MB (half the KV heads)
+    assert "  HCCL buffers: 400 MB (1 communicator x 2 x HCCL_BUFFSIZE 200 MB" in two.describe()
+    monkeypatch.setenv("HCCL_BUFFSIZE", "100")
+    assert plan_memory(spec, runtime, ranks=2)[1].reserves[-1].mb == 200
+    monkeypatch.setenv("HCCL_BUFFSIZE", "lots")
+    with pytest.raises(MemoryPlanError, match="HCCL_BUFFSIZE='lots' is not a whole number"):
+        plan_memory(spec, runtime, ranks=2)
+    gpu = runtime.model_copy(update={"device_target": "GPU", "decode_attention": "auto"})
+    names = [reserve.name for reserve in plan_memory(spec, gpu, ranks=2)[1].reserves]
+    assert names == ["kernel workspace", "graph inputs/outputs"]
+
+
+def test_a_budget_too_small_for_the_reserves_is_refused_naming_them():
+    runtime = ascend_example_runtime().model_copy(update={"memory_budget_mb": 14000})
+    with pytest.raises(MemoryPlanError, match=r"the reserves \(\d+ MB: kernel workspace 1304 MB, graph"):
+        plan_memory(llama2(32, 4096, 32, 32, 11008), runtime)
+
+
+def test_check_peak_refuses_a_warm_up_over_the_plan_with_the_numbers():
+    """After warm-up, MindSpore's pool's peak (max_memory_allocated) is held to what the plan gives
+    the pool (the plan less HCCL's buffers, which HCCL allocates outside it)."""
+    spec, runtime = rank_spec(llama2(32, 4096, 32, 32, 11008), 2), ascend_example_runtime()
+    plan = plan_memory(spec, runtime, ranks=2)[1]
+    assert check_peak(plan, int(plan.pooled_mb * MB)) is None
+    assert check_peak(plan, 30000 * MB, 58000 * MB) is None  # reserved is named, never held to the plan
+    refusal = check_peak(plan, int((plan.pooled_mb + 100) * MB), 58000 * MB)
+    assert refusal is not None
+    assert f"peaked at {plan.pooled_mb + 100:.0f} MB allocated (58000 MB reserved)" in refusal
+    assert f"100 MB over the {plan.pooled_mb:.0f} MB the memory plan gives it" in refusal
+    assert f"weights {plan.weights_mb:.0f} MB, KV cache {plan.kv_mb:.0f} MB" in refusal
+    assert "kernel workspace 2184 MB" in refusal and "400 MB of HCCL buffers outside the pool" in refusal
+    assert f"runtime.num_blocks to at most {plan.num_blocks - 25}" in refusal  # 100 MB of 4 MB blocks
 
 
 def test_a_tensor_parallel_rank_plans_its_share_llama2_70b_on_eight_910b():
     """Llama-2-70B at TP 8 with the Ascend example's runtime: each rank holds 1 of the 8 KV heads,
     8 query heads and 1/8 of the FFN, the embedding and output head whole: ~17 GB of float16
     weights, where the whole model (131 GB) does not fit a 64 GB card at all."""
-    from agent.memory_plan import rank_spec, weights_bytes
+    from agent.memory_plan import weights_bytes
 
     runtime, spec = ascend_example_runtime(), llama2(80, 8192, 64, 8, 28672)
     with pytest.raises(MemoryPlanError, match=r"does not hold the weights \(131563 MB\)"):
         plan_memory(spec, runtime)
     share = rank_spec(spec, 8)
     assert (share.num_heads, share.num_kv_heads, share.intermediate_size) == (8, 1, 3584)
-    resolved, plan = plan_memory(share, runtime, weights_bytes(share, runtime))
+    resolved, plan = plan_memory(share, runtime, weights_bytes(share, runtime), ranks=8)
     assert plan.weights_mb == pytest.approx(17323, abs=1)
     assert plan.block_mb == pytest.approx(80 * 2 * 128 * 2 * 16 / MB)  # 640 KB a block
-    assert resolved.num_blocks == 64012 and plan.total_mb <= 58000
+    # after the reserves, HCCL's buffers among them (64012 blocks before them, and the prefill scores)
+    assert resolved.num_blocks == 60740 and plan.total_mb <= 58000
+    assert "HCCL buffers: 400 MB" in plan.describe()
     assert rank_spec(spec, 3).num_kv_heads == 3  # 8 heads over 3 ranks: 3 + 3 + 2, planned as 3
 
 
