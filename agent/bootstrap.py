@@ -1,13 +1,18 @@
 """From a config to a ModelRunner whose graphs passed the known-answer check: what the agent process
 and the tools that run the model in-process (generate, model_bench, export) all do, in this order:
 
-    weights (a checkpoint, or an export's MindIR files)
+    init_device: MindSpore's context on the device (device, memory cap, compile level, threads),
+                 then the tensor-parallel cluster joined when the model is split (init(): HCCL on
+                 Ascend), before the weights load: a rank's slow load never counts against
+                 the cluster's connect timeout
+    -> weights (a checkpoint, or an export's MindIR files)
     -> runtime (the memory plan resolves num_slots / max_seq_len / num_blocks "auto")
-    -> MindSpore context (device, threads, the compile cache keyed by agent/compile_cache.py)
-    -> ModelRunner (after joining the tensor-parallel cluster when the model is split)
+    -> the compile cache, keyed by the weights and the plan (agent/compile_cache.py)
+    -> ModelRunner
     -> warm-up, every graph checked against a numpy forward of the weights (agent/known_answer.py)
 
-The process's entry calls agent.process_env.set_process_defaults() before importing this module.
+The process's entry calls agent.process_env.set_process_defaults() before importing this module,
+and init_device() once before build_runner() or prepare_checkpoint().
 """
 
 from __future__ import annotations
@@ -19,13 +24,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import mindspore as ms
+
 from agent.activations import exact, resolve_activations
-from agent.compile_cache import compile_cache_dir
+from agent.compile_cache import compile_cache_dir, use_compile_cache
 from agent.drafter import Drafter, DraftMismatch, check_vocabularies
 from agent.graphs.layers import WHOLE_MODEL, TensorSplit
 from agent.graphs.mindir import read_known_answer, read_spec
 from agent.known_answer import TOLERANCE, Int8AllowanceError, KnownAnswer, KnownAnswerError
 from agent.memory_plan import (
+    MemoryPlan,
+    MemoryPlanError,
+    check_peak,
     checkpoint_weights_bytes,
     rank_spec,
     refuse_what_cannot_fit,
@@ -60,7 +70,7 @@ class Placement:
         split = TensorSplit(agents.rank_in_group[rank], group.tensor_parallel)
         return cls(
             cache_user=f"rank_{rank}" + (f"_tp{split.rank}of{split.size}" if split.size > 1 else ""),
-            device_id=agents.start_device_id + rank,
+            device_id=agents.device_id(rank),
             split=split,
             role=agents.roles[rank],
             num_slots=group.num_slots,
@@ -72,6 +82,14 @@ class Placement:
         return configured.model_copy(update={"num_slots": self.num_slots})
 
 
+def init_device(config: ServingConfig, place: Placement, progress: Progress = log.info) -> None:
+    """The process's MindSpore context on `place`'s device (configure_mindspore: once a process)
+    and, for a tensor-parallel share, its group's cluster joined: before any weights load."""
+    configure_mindspore(place.runtime(config.runtime), place.device_id)
+    if place.split.size > 1:
+        _join_cluster(place.split, progress)
+
+
 def build_runner(
     config: ServingConfig,
     place: Placement,
@@ -79,13 +97,13 @@ def build_runner(
     checkpoint: Checkpoint | None = None,
 ) -> tuple[ModelRunner, float]:
     """The runner of `config` at `place` (from `checkpoint` when already loaded), warmed up and
-    checked, and the warm-up's seconds. A graph that disagrees with the weights raises
-    KnownAnswerError saying what to do."""
+    checked, and the warm-up's seconds; after init_device(). A graph that disagrees with the
+    weights raises KnownAnswerError saying what to do."""
     if config.model.uses_mindir:
-        runner, known = _mindir_runner(config, place, progress)
+        runner, known, plan = _mindir_runner(config, place, progress)
         remedy = f"the MindIR files of {config.model.path} do not fit their own manifest: export them again"
     else:
-        runner, known, cache = _checkpoint_runner(config, place, progress, checkpoint)
+        runner, known, plan, cache = _checkpoint_runner(config, place, progress, checkpoint)
         remedy = (
             f"the compile cache {cache.parent} holds graphs that do not fit this model: delete that "
             f"folder and start again (if this persists with an empty cache, it is a bug: report it)"
@@ -97,7 +115,9 @@ def build_runner(
         f"{runner.num_slots} seats (max_seq_len {runner.max_len}), {runner.graphs.cache_bytes() / 1e6:.0f} MB"
     )
     try:
-        return runner, warm_up(runner, progress, place.role, known)
+        seconds = warm_up(runner, progress, place.role, known)
+        check_device_peak(runner.runtime, plan)
+        return runner, seconds
     except Int8AllowanceError as exc:
         if config.runtime.activations == "auto":  # auto's choice did not hold for these weights: say so
             progress(
@@ -114,6 +134,16 @@ def build_runner(
         ) from exc
     except KnownAnswerError as exc:
         raise KnownAnswerError(f"{exc}; {remedy}") from exc
+
+
+def check_device_peak(runtime: RuntimeSection, plan: MemoryPlan) -> None:
+    """After warm-up (every graph at its largest shape) on a device: MindSpore's pool peak against
+    the plan, MemoryPlanError with the numbers when over it. CPU's pool keeps no statistics."""
+    if runtime.device_target == "CPU":
+        return
+    refusal = check_peak(plan, ms.runtime.max_memory_allocated(), ms.runtime.max_memory_reserved())
+    if refusal is not None:
+        raise MemoryPlanError(refusal)
 
 
 def build_drafter(
@@ -151,9 +181,9 @@ def build_drafter(
 
 def prepare_checkpoint(
     config: ServingConfig, place: Placement, progress: Progress, checkpoint: Checkpoint | None = None
-) -> tuple[Checkpoint, RuntimeSection, Path | None]:
-    """The weights (loaded unless given), the planned runtime and the MindSpore context with the
-    compile cache (its folder returned): what every runner built from a checkpoint needs first."""
+) -> tuple[Checkpoint, RuntimeSection, MemoryPlan, Path | None]:
+    """The weights (loaded unless given), the planned runtime, its memory plan and the compile cache
+    (its folder returned): what every runner built from a checkpoint needs, after init_device()."""
     if checkpoint is None:
         refuse_what_cannot_fit(Path(config.model.path), place.runtime(config.runtime))
         start = time.perf_counter()
@@ -171,47 +201,45 @@ def prepare_checkpoint(
     else:  # each rank's device holds its share of the layers (and KV heads)
         spec = rank_spec(checkpoint.spec, place.split.size)
         weights = weights_bytes(spec, runtime)
-    runtime = resolve_runtime(spec, runtime, progress, weights)
+    runtime, plan = resolve_runtime(spec, runtime, progress, weights, ranks=place.split.size)
     runtime = resolve_activations(checkpoint, runtime, place.split, progress)
     cache = None if place.cache_user is None else compile_cache_dir(checkpoint, runtime, place.cache_user)
-    configure_mindspore(runtime, place.device_id, cache)
-    return checkpoint, runtime, cache
+    if cache is not None:
+        use_compile_cache(cache)
+    return checkpoint, runtime, plan, cache
 
 
 def _checkpoint_runner(
     config: ServingConfig, place: Placement, progress: Progress, checkpoint: Checkpoint | None
-) -> tuple[ModelRunner, KnownAnswer, Path | None]:
-    checkpoint, runtime, cache = prepare_checkpoint(config, place, progress, checkpoint)
+) -> tuple[ModelRunner, KnownAnswer, MemoryPlan, Path | None]:
+    checkpoint, runtime, plan, cache = prepare_checkpoint(config, place, progress, checkpoint)
     if place.split.size > 1:
-        _join_cluster(place.split, checkpoint.spec, progress)
+        _describe_share(place.split, checkpoint.spec, progress)
     runner = ModelRunner.from_checkpoint(checkpoint, runtime, place.split)
     start = time.perf_counter()
     known = KnownAnswer.of_checkpoint(checkpoint, runtime)
     progress(f"known answer for the warm-up check computed in {time.perf_counter() - start:.2f}s")
-    return runner, known, cache
+    return runner, known, plan, cache
 
 
 def _mindir_runner(
     config: ServingConfig, place: Placement, progress: Progress
-) -> tuple[ModelRunner, KnownAnswer]:
+) -> tuple[ModelRunner, KnownAnswer, MemoryPlan]:
     start = time.perf_counter()
-    runtime = resolve_runtime(read_spec(config.model), place.runtime(config.runtime), progress)
-    configure_mindspore(runtime, place.device_id)
+    runtime, plan = resolve_runtime(read_spec(config.model), place.runtime(config.runtime), progress)
     runner = ModelRunner.from_mindir(config.model, runtime)
     progress(
         f"MindIR graphs loaded in {time.perf_counter() - start:.1f}s "
         f"({runner.spec.parameter_count() / 1e6:.1f}M parameters)"
     )
-    return runner, read_known_answer(config.model)
+    return runner, read_known_answer(config.model), plan
 
 
-def _join_cluster(split: TensorSplit, spec: ModelSpec, progress: Progress) -> None:
+def _join_cluster(split: TensorSplit, progress: Progress) -> None:
     """Tensor parallelism: join the group's MindSpore cluster (the launcher set MS_ROLE=MS_WORKER,
     MS_NODE_ID and the scheduler's address); its collectives then run inside the graphs."""
     from mindspore.communication import get_group_size, get_rank, init
 
-    if spec.num_kv_heads < split.size:
-        raise RuntimeError(f"{spec.num_kv_heads} KV heads cannot be split over {split.size} agents")
     progress(
         f"joining the tensor-parallel cluster as rank {split.rank} of {split.size} (scheduler "
         f"{os.environ.get('MS_SCHED_HOST')}:{os.environ.get('MS_SCHED_PORT')})"
@@ -222,6 +250,12 @@ def _join_cluster(split: TensorSplit, spec: ModelSpec, progress: Progress) -> No
             f"the cluster made this agent rank {get_rank()} of {get_group_size()}, "
             f"the config rank {split.rank} of {split.size}"
         )
+
+
+def _describe_share(split: TensorSplit, spec: ModelSpec, progress: Progress) -> None:
+    """A tensor-parallel rank's share of the loaded model, checked and logged."""
+    if spec.num_kv_heads < split.size:
+        raise RuntimeError(f"{spec.num_kv_heads} KV heads cannot be split over {split.size} agents")
     start, end = split.share(spec.num_kv_heads)
     experts = f", each expert's rows {split.share(spec.expert_intermediate_size)}" if spec.num_experts else ""
     progress(

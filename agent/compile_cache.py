@@ -67,6 +67,13 @@ def compile_cache_dir(checkpoint: Checkpoint, runtime: RuntimeSection, user: str
     return folder / user
 
 
+def use_compile_cache(folder: Path) -> None:
+    """This process's graphs compiled into `folder` and read back from it: any time before the
+    first graph compiles (the folder's key needs the weights and the planned runtime)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ms.set_context(enable_compile_cache=True, compile_cache_path=str(folder))
+
+
 def weights_fingerprint(checkpoint: Checkpoint) -> str:
     """SHA-256 over each tensor's name, shape and FINGERPRINT_SAMPLES evenly spaced elements (and the
     kept matrices' packed blocks likewise): ~1 ms instead of ~0.4 s for hashing a whole model."""

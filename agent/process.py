@@ -20,7 +20,7 @@ from pathlib import Path
 
 import zmq
 
-from agent.bootstrap import Placement, build_drafter, build_runner
+from agent.bootstrap import Placement, build_drafter, build_runner, init_device
 from agent.contract.transport import ClientKeys, is_peer, secure_agent_socket
 from agent.kv_tier_moves import open_tier_store
 from agent.kv_transfer import KVSender
@@ -123,6 +123,7 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
     tiers_config = config.runtime.kv_tiers
     if tiers_config.enabled and config.model.uses_mindir:
         raise RuntimeError("runtime.kv_tiers needs the model's weights (a checkpoint), not MindIR files")
+    init_device(config, place, log.info)
     # the tier's files are named by the weights' fingerprint: the checkpoint is loaded here for it
     checkpoint = None
     if tiers_config.enabled:

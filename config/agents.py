@@ -108,8 +108,8 @@ class GroupSection(Section):
 
 
 class AgentsSection(Section):
-    """The agent processes: one per port, pinned to device start_device_id + rank (rank: the port's
-    place in `ports`, or in the groups' ports in order)."""
+    """The agent processes: one per port (its rank: the port's place in `ports`, or in the groups'
+    ports in order), pinned to device start_device_id + its local rank (device_id)."""
 
     host: str = Field("127.0.0.1", description="address the agents bind and the server connects to")
     ports: list[int] = Field(
@@ -120,7 +120,9 @@ class AgentsSection(Section):
         default_factory=list,
         description="agent groups with roles (they give the ports); empty: one mixed group per port",
     )
-    start_device_id: int = Field(0, ge=0)
+    start_device_id: int = Field(
+        0, ge=0, description="the device of each host's first agent; its other agents take the next ones"
+    )
     startup_timeout_s: float = Field(600.0, gt=0, description="longest a start-up may take")
     kv_transfer_timeout_s: float = Field(
         10.0,
@@ -213,6 +215,17 @@ class AgentsSection(Section):
 
     def address(self, rank: int) -> str:
         return f"tcp://{self.hosts[rank]}:{self.ports[rank]}"
+
+    def local_rank(self, rank: int) -> int:
+        """`rank`'s place among the agents of its host (the earlier ranks at the same address;
+        every loopback address is this machine's)."""
+        machines = ["loopback" if is_loopback(host) else host for host in self.hosts]
+        return machines[:rank].count(machines[rank])
+
+    def device_id(self, rank: int) -> int:
+        """The device of the agent at `rank`: start_device_id + its local rank, so each host's agents
+        count from start_device_id (two hosts of 8 cards: devices 0..7 on each, never 8..15)."""
+        return self.start_device_id + self.local_rank(rank)
 
     @model_validator(mode="after")
     def _one_cpu_set_per_agent(self) -> AgentsSection:

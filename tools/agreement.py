@@ -26,7 +26,7 @@ from agent.process_env import set_process_defaults
 
 set_process_defaults()  # before MindSpore loads
 from agent.activations import exact  # noqa: E402
-from agent.bootstrap import Placement, build_runner  # noqa: E402
+from agent.bootstrap import Placement, build_runner, init_device  # noqa: E402
 from agent.contract.sampling import SamplingParams  # noqa: E402
 from agent.model.formats import load_checkpoint  # noqa: E402
 from agent.model.tokenizer import load_tokenizer  # noqa: E402
@@ -39,6 +39,7 @@ OUTPUT = PROJECT_ROOT / "output" / "agreement.json"
 
 def answers(config: ServingConfig, prompts: list[list[int]], tokens: int, batch: int) -> list[list[int]]:
     """Greedy `tokens` tokens after each prompt, `batch` prompts decoded together."""
+    init_device(config, Placement("agreement"))
     runner, _ = build_runner(config, Placement("agreement"), lambda line: print(line, file=sys.stderr))
     if batch > runner.runtime.planned_num_slots:
         raise SystemExit(f"--batch {batch} exceeds the config's {runner.runtime.planned_num_slots} slots")

@@ -21,7 +21,7 @@ from agent.warm_up import warm_up
 
 set_process_defaults()  # before MindSpore loads
 from agent.activations import exact  # noqa: E402
-from agent.bootstrap import Placement, prepare_checkpoint  # noqa: E402
+from agent.bootstrap import Placement, init_device, prepare_checkpoint  # noqa: E402
 from agent.graphs.mindir import GraphExporter  # noqa: E402
 from agent.known_answer import KnownAnswer  # noqa: E402
 from agent.memory_plan import MemoryPlanError  # noqa: E402
@@ -40,7 +40,8 @@ def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
     if config.runtime.activations == "auto":  # served MindIR graphs have no int8 choice (config.serving)
         config = exact(config)
     # no compile cache: the export traces every graph afresh
-    checkpoint, runtime, _ = prepare_checkpoint(config, Placement(cache_user=None), progress)
+    init_device(config, Placement(cache_user=None))
+    checkpoint, runtime, _, _ = prepare_checkpoint(config, Placement(cache_user=None), progress)
     output.mkdir(parents=True, exist_ok=True)
     exporter = GraphExporter(checkpoint, runtime, output)
     warm_up(ModelRunner(exporter, runtime), progress)  # the warm-up calls every graph shape once

@@ -12,7 +12,7 @@ import time
 from agent.process_env import set_process_defaults
 
 set_process_defaults()  # before MindSpore loads
-from agent.bootstrap import Placement, build_runner  # noqa: E402
+from agent.bootstrap import Placement, build_runner, init_device  # noqa: E402
 from agent.contract.sampling import SamplingParams, add_sampling_options, sampling_options  # noqa: E402
 from agent.known_answer import KnownAnswerError  # noqa: E402
 from agent.memory_plan import MemoryPlanError  # noqa: E402
@@ -33,6 +33,7 @@ def main() -> int:
     args = parser.parse_args()
     try:  # every graph compiled (or read from the cache) and checked against the weights
         config = load_config(args.config)
+        init_device(config, Placement("generate"))
         checkpoint = load_checkpoint(config.model.path)
         tokenizer = load_tokenizer(config.model.path)
         tokenizer.check_fits(checkpoint.spec.vocab_size)

@@ -25,7 +25,7 @@ set_process_defaults()  # before MindSpore loads
 import numpy as np  # noqa: E402
 
 from agent.activations import resolve_activations  # noqa: E402
-from agent.bootstrap import Placement, build_runner  # noqa: E402
+from agent.bootstrap import Placement, build_runner, init_device  # noqa: E402
 from agent.graphs.layers import WHOLE_MODEL  # noqa: E402
 from agent.memory_plan import MemoryPlanError  # noqa: E402
 from agent.model.checkpoint import CheckpointError  # noqa: E402
@@ -113,6 +113,7 @@ def main() -> int:
     print(f"loaded {checkpoint.spec.name} in {load_s:.1f}s, resident {loaded_mb:.0f} MB", flush=True)
     if args.warm_up:
         try:
+            init_device(config, Placement("bench"))
             _, warm_up_s = build_runner(config, Placement("bench"), print, checkpoint)
         except MemoryPlanError as exc:
             print(f"error: {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from agent.process_env import device_defaults
 from config.logs import agent_log_filename
 from config.schema import ServingConfig
 
@@ -129,9 +130,13 @@ class AgentLauncher:
             env["MS_NODE_ID"] = str(node_id)
         return env
 
+    def _device_env(self) -> dict[str, str]:
+        """The device target's defaults (HCCL's and MindSpore's on Ascend) the user has not set."""
+        return device_defaults(self.config.runtime.device_target)
+
     def _start_cluster(self, group: int) -> None:
         """The MindSpore cluster scheduler of a tensor-parallel group (before its workers)."""
-        with _environment(self._cluster_env(group, "MS_SCHED")):
+        with _environment({**self._device_env(), **self._cluster_env(group, "MS_SCHED")}):
             process = self.ctx.Process(
                 target=_cluster_main, name=f"cluster-{group}", args=(self.config, group, os.getpid())
             )
@@ -179,11 +184,9 @@ class AgentLauncher:
         agent.ready = False
         agents = self.config.agents
         group = agents.group_of_rank[agent.rank]
-        env = (
-            self._cluster_env(group, "MS_WORKER", agents.rank_in_group[agent.rank])
-            if agents.groups[group].tensor_parallel > 1
-            else {}
-        )
+        env = self._device_env()
+        if agents.groups[group].tensor_parallel > 1:
+            env |= self._cluster_env(group, "MS_WORKER", agents.rank_in_group[agent.rank])
         with _environment(env):  # a spawned child starts with the parent's environment
             agent.process = self.ctx.Process(
                 target=_agent_main,
@@ -196,7 +199,7 @@ class AgentLauncher:
             agent.rank,
             agent.process.pid,
             agent.port,
-            self.config.agents.start_device_id + agent.rank,
+            agents.device_id(agent.rank),
         )
 
     def _take_reports(self, fail_on_error: bool, timeout_s: float = POLL_S) -> None:

@@ -120,7 +120,7 @@ class LaunchedModels:
         ]
         runtime, policy = model.config.runtime, model.config.agents
         on_host = runtime.device_target == "CPU"
-        devices = () if on_host else tuple(policy.start_device_id + rank for rank in launcher.agents)
+        devices = () if on_host else tuple(policy.device_id(rank) for rank in launcher.agents)
         problem = refusal(
             model.name,
             need,

@@ -5,7 +5,7 @@ runtime's compile cache, warm it up with the known-answer check, print its greed
 import json
 import sys
 
-from agent.bootstrap import Placement, build_runner
+from agent.bootstrap import Placement, build_runner, init_device
 from agent.contract.sampling import SamplingParams
 from config.schema import ModelSection, RuntimeSection, ServingConfig
 
@@ -16,6 +16,7 @@ model, runtime, prompt, steps = (
     int(sys.argv[4]),
 )
 config = ServingConfig(model=ModelSection(path=model), runtime=runtime)
+init_device(config, Placement("test"))
 runner, _ = build_runner(config, Placement("test"), lambda line: None)
 tokens = [runner.prefill(0, prompt, SamplingParams())]
 while len(tokens) < steps:

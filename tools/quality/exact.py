@@ -37,7 +37,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def build(model: Path, mode: str, ctx: int, config_dir: Path):
     """A runner of `model` in activation `mode`, one seat of ctx positions, checked by its warm-up."""
-    from agent.bootstrap import Placement, build_runner
+    from agent.bootstrap import Placement, build_runner, init_device
     from config import load_config
 
     path = config_dir / f"exact_{mode}.yaml"
@@ -53,9 +53,9 @@ def build(model: Path, mode: str, ctx: int, config_dir: Path):
         "speculation": {"method": "none"},
     }
     path.write_text(json.dumps({"model": {"path": str(model)}, "runtime": runtime}))
-    runner, _ = build_runner(
-        load_config(str(path)), Placement("quality"), lambda line: print(line, file=sys.stderr)
-    )
+    config, place = load_config(str(path)), Placement("quality")
+    init_device(config, place)
+    runner, _ = build_runner(config, place, lambda line: print(line, file=sys.stderr))
     return runner
 
 

@@ -184,6 +184,24 @@ def test_groups_give_ports_roles_and_addresses():
     assert [agents.address(r) for r in (0, 1)] == ["tcp://127.0.0.1:7000", "tcp://localhost:7001"]
 
 
+def test_device_ids_count_from_start_device_id_on_each_host():
+    """An agent's device is start_device_id + its rank among its own host's agents (every loopback
+    address is one host): a second host's agents start again at start_device_id."""
+    keys = {"public_key": "k" * 40, "secret_key": "s" * 40}
+    agents = AgentsSection(
+        start_device_id=2,
+        groups=[
+            {"ports": [7000, 7001], "cluster_port": 7100},
+            {"ports": [7002], "host": "localhost"},
+            {"ports": [7003, 7004], "cluster_port": 7101, "host": "10.0.0.2"},
+            {"ports": [7005], "host": "10.0.0.2"},
+        ],
+        curve={"server_public_key": "p" * 40, "agents": [keys] * 6},
+    )
+    assert [agents.local_rank(r) for r in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert [agents.device_id(r) for r in range(6)] == [2, 3, 4, 2, 3, 4]
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "absent.yaml")
@@ -278,6 +296,28 @@ def test_the_shipped_repository_serves_the_default_and_loads_gemma_on_request():
 @pytest.mark.parametrize("path", sorted((PROJECT_ROOT / "config").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
     assert load_config(path, environ={}).model_configs()
+
+
+@pytest.mark.parametrize(
+    "name, model, ranks",
+    [
+        ("qwen3_8b_ascend_tp2.yaml", "Qwen3-8B", 2),
+        ("qwen3_32b_ascend.yaml", "Qwen3-32B", 4),
+        ("qwen3_32b_ascend_tp8.yaml", "Qwen3-32B", 8),
+    ],
+)
+def test_shipped_ascend_tensor_parallel_configs_split_one_model_over_the_cards(name, model, ranks):
+    """One group of `ranks` agents on devices 0.. of one host, with its cluster port; the Ascend
+    settings the issue asks for (never run on an NPU here)."""
+    config = load_config(PROJECT_ROOT / "config" / name, environ={})
+    runtime, agents = config.runtime, config.agents
+    assert (runtime.device_target, runtime.dtype) == ("Ascend", "bfloat16")
+    assert (runtime.decode_attention, runtime.matmul) == ("paged", "mindspore")
+    assert config.model.path == PROJECT_ROOT / "models" / model  # a Hugging Face directory
+    assert [group.tensor_parallel for group in agents.groups] == [ranks]
+    assert agents.groups[0].cluster_port is not None and agents.groups[0].role == "mixed"
+    assert [agents.device_id(rank) for rank in range(ranks)] == list(range(ranks))
+    assert runtime.memory_budget_mb <= agents.device_memory_mb == 65536  # a 64 GB 910B
 
 
 def test_a_key_moved_to_the_scheduler_section_fails_naming_its_new_place(tmp_path):
