@@ -26,7 +26,6 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import cast
 
 import mindspore as ms
@@ -57,30 +56,25 @@ def memory_size(mb: int) -> str:
     return f"{math.ceil(mb * 1000 / 1024) / 1000}GB"
 
 
-def configure_mindspore(
-    runtime: RuntimeSection, device_id: int = 0, compile_cache: Path | None = None
-) -> None:
+def configure_mindspore(runtime: RuntimeSection, device_id: int = 0) -> None:
     """The process-wide MindSpore context; call once per process before building a runner. On
     Ascend/GPU: the device checked first (DeviceUnavailable: one line per problem, no traceback
     from deep in MindSpore), its memory pool capped at memory_budget_mb (models sharing a device
-    each keep to their own plan) and the compile level set explicitly."""
+    each keep to their own plan) and its jit_config (runtime.jit_config: the compile level, and
+    MindSpore's internal inference kernels on Ascend)."""
     device = runtime.device_target != "CPU"
     if device:
         require_device(runtime.device_target, device_id)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device(runtime.device_target, device_id)
-    jit_level = "O0" if runtime.jit_level == "auto" and device else runtime.jit_level
-    if jit_level != "auto":
-        ms.set_context(jit_config={"jit_level": jit_level})
+    if runtime.jit_config:
+        ms.set_context(jit_config=runtime.jit_config)
     if device and runtime.memory_budget_mb is not None:
         ms.runtime.set_memory(max_size=memory_size(runtime.memory_budget_mb))
     if runtime.cpu_threads is not None and runtime.device_target == "CPU":
         from mindspore.device_context.cpu.op_tuning import threads_num
 
         threads_num(runtime.cpu_threads)
-    if compile_cache is not None:
-        compile_cache.mkdir(parents=True, exist_ok=True)
-        ms.set_context(enable_compile_cache=True, compile_cache_path=str(compile_cache))
 
 
 class ModelRunner(CheckedSlots):

@@ -126,6 +126,20 @@ class RuntimeSection(Section):
         )
 
     @property
+    def jit_config(self) -> dict[str, str]:
+        """MindSpore's jit_config the agents set ({}: MindSpore's own, on CPU with jit_level auto).
+        On Ascend with the paged backend also infer_boost on: MindSpore's internal kernels, the only
+        PagedAttention and ReshapeAndCache it has for 910B, are selected for inference graphs only
+        (MsContext::IsEnableInferBoost reads jit_config's infer_boost; the step graphs' predict phase,
+        agent/graphs/step_graphs.py PagedStepGraph, is the other half), as vllm-mindspore sets it."""
+        device = self.device_target != "CPU"
+        level = "O0" if self.jit_level == "auto" and device else self.jit_level
+        config: dict[str, str] = {} if level == "auto" else {"jit_level": level}
+        if self.paged_attention and self.device_target == "Ascend":
+            config["infer_boost"] = "on"
+        return config
+
+    @property
     def matmul_kernel(self) -> bool:
         """The layers' matmuls by the custom CPU kernel (packed weights, skinny products) rather
         than MindSpore's MatMul."""
@@ -260,6 +274,13 @@ class RuntimeSection(Section):
             raise ValueError(f"decode_attention: kernel is a CPU kernel; use gather on {self.device_target}")
         if self.matmul == "kernel" and self.device_target != "CPU":
             raise ValueError(f"matmul: kernel is a CPU kernel; use mindspore on {self.device_target}")
+        if self.paged_attention and self.jit_level in ("O1", "O2"):
+            raise ValueError(
+                f"jit_level {self.jit_level} with paged attention: MindSpore runs PagedAttention and "
+                "ReshapeAndCache as its internal inference kernels, which only the kernel-by-kernel "
+                "level O0 selects (as vllm-mindspore and MindFormers' predict mode require); use "
+                "jit_level O0 or auto"
+            )
         if self.activations == "int8" and not (self.attention_kernel and self.matmul_kernel):
             raise ValueError(
                 "activations: int8 runs in the fused CPU layer kernel: it needs device_target CPU "

@@ -88,6 +88,12 @@ SHAPES = {
     "gemma3-270m": Shape(
         640, 18, 2048, 4, 1, arch="gemma3", head_dim=256, window=512, context=32768, rope_base=1e6
     ),
+    "qwen3-8b": Shape(
+        4096, 36, 12288, 32, 8, tied=False, arch="qwen3", head_dim=128, context=40960, rope_base=1e6
+    ),
+    "qwen3-32b": Shape(
+        5120, 64, 25600, 64, 8, tied=False, arch="qwen3", head_dim=128, context=40960, rope_base=1e6
+    ),
     # Qwen3-30B-A3B: 30.5B weights, 3.3B a token (8 of 128 experts of 768)
     "qwen3-30b-a3b": Shape(
         2048,

@@ -46,6 +46,7 @@ from agent.graphs.layers import (
 )
 from agent.graphs.moe import ExpertsFfn, zero_ffn
 from agent.graphs.paged_attention import PagedBackend
+from agent.graphs.quant_matmul import Int8Matmul
 from agent.model.checkpoint import Checkpoint
 from agent.model.spec import ModelSpec
 
@@ -81,9 +82,11 @@ class DecoderLayer(nn.Cell):
         split: TensorSplit = WHOLE_MODEL,
         paged: PagedBackend | None = None,
         cache: CacheFormat | None = None,
+        int8_matmul: type[Int8Matmul] | None = None,
     ):
         """paged: the paged attention backend's factory (paged_attention.paged_backend), None: the
-        CPU kernels or gather; cache: the KV cache's rows (None: in dtype)."""
+        CPU kernels or gather; cache: the KV cache's rows (None: in dtype); int8_matmul: the cell an
+        int8 checkpoint's linears run in where MindSpore's ops run the layer (None: dequantized)."""
         super().__init__()
         spec, p = checkpoint.spec, f"layers.{index}."
         # a rank's checkpoint holds its share already (its loader read only those rows and columns)
@@ -118,6 +121,7 @@ class DecoderLayer(nn.Cell):
         self.attn_norm = param(checkpoint.tensors[p + "attn_norm"], p + "attn_norm")
         self.ffn_norm = param(checkpoint.tensors[p + "ffn_norm"], p + "ffn_norm")
         self.has_bias, self.qk_norm = spec.qkv_bias, spec.qk_norm
+        self.int8_products = False  # the linears are int8 products' cells (_load_int8)
         self.hidden = spec.hidden_size
         # A MoE layer: the fused kernel (a zero FFN) or the ops run its attention, ExpertsFfn its experts
         self.moe: Any = (
@@ -129,7 +133,7 @@ class DecoderLayer(nn.Cell):
             self._load_fused(checkpoint, p, share)
             self._fused_options(checkpoint, p)
         else:
-            self._load_op_by_op(checkpoint, p, share)
+            self._load_op_by_op(checkpoint, p, share, int8_matmul)
         self.paged_attention: Any = None
         cache_shape: tuple[int, ...] = (cache_rows, spec.head_dim)
         if paged is not None:
@@ -210,14 +214,12 @@ class DecoderLayer(nn.Cell):
         ]
         self.options = Parameter(Tensor(np.array(options, np.int32)), name=p + "options", requires_grad=False)
 
-    def _load_op_by_op(self, checkpoint: Checkpoint, p: str, share: LayerShare) -> None:
+    def _load_op_by_op(
+        self, checkpoint: Checkpoint, p: str, share: LayerShare, int8_matmul: type[Int8Matmul] | None
+    ) -> None:
         """This rank's rows and columns as float matrices [in, out], Q/K/V and gate/up each one
         product; packed in tiles when the matmul kernel runs them. The attention scale is folded
         into the Q rows and bias (RoPE is linear, so this commutes), with QK-norm into q_norm."""
-        # a MoE layer's FFN is its experts' (ExpertsFfn)
-        names = MATRICES[:4] if self.moe is not None else MATRICES
-        t = {name: checkpoint.matrix(p + name) for name in names}
-        q, kv, ffn = share.q_rows, share.kv_rows, share.ffn
         scale = checkpoint.spec.query_scale
         if self.qk_norm:
             # The norm would undo a scale folded into the Q rows: it goes into q_norm's weights, which
@@ -225,6 +227,12 @@ class DecoderLayer(nn.Cell):
             self.q_norm = param(checkpoint.tensors[p + "q_norm"] * scale, p + "q_norm")
             self.k_norm = param(checkpoint.tensors[p + "k_norm"], p + "k_norm")
             scale = 1.0
+        if int8_matmul is not None and self._load_int8(checkpoint, p, scale, share, int8_matmul):
+            return
+        # a MoE layer's FFN is its experts' (ExpertsFfn)
+        names = MATRICES[:4] if self.moe is not None else MATRICES
+        t = {name: checkpoint.matrix(p + name) for name in names}
+        q, kv, ffn = share.q_rows, share.kv_rows, share.ffn
         self.wqkv = self._weight(np.concatenate([t["wq"][q] * scale, t["wk"][kv], t["wv"][kv]]).T, p + "wqkv")
         bias = self._qkv_bias(checkpoint, p, share)
         bias[: self.q_size] *= scale
@@ -235,11 +243,38 @@ class DecoderLayer(nn.Cell):
         self.w_gate_up = self._weight(np.concatenate([t["w_gate"][ffn], t["w_up"][ffn]]).T, p + "w_gate_up")
         self.w_down = self._weight(t["w_down"][:, ffn].T, p + "w_down")
 
+    def _load_int8(
+        self, checkpoint: Checkpoint, p: str, scale: float, share: LayerShare, cell: type[Int8Matmul]
+    ) -> bool:
+        """An int8 checkpoint's linears as quantized products (agent/graphs/quant_matmul.py: Ascend's
+        QuantBatchMatmul or WeightQuantBatchMatmul, their reference elsewhere) where MindSpore's ops
+        run this whole layer; True when they do. A static (W8A8) product's quant_bias holds the Q/K/V
+        bias, scaled with the Q rows like their dequantization."""
+        if self.parallel or p + "wq" not in checkpoint.int8:
+            return False
+        self.int8_products = True
+        self.wqkv = cell.of(
+            checkpoint, [p + n for n in ("wq", "wk", "wv")], p + "wqkv", self.dtype, [scale, 1, 1]
+        )
+        if self.wqkv.scheme == "static":
+            self.has_bias = False
+        else:
+            bias = self._qkv_bias(checkpoint, p, share)
+            bias[: self.q_size] *= scale
+            self.bqkv = param(bias, p + "bqkv", self.dtype)
+        self.wo = cell.of(checkpoint, [p + "wo"], p + "wo", self.dtype)
+        if self.moe is None:
+            self.w_gate_up = cell.of(checkpoint, [p + "w_gate", p + "w_up"], p + "w_gate_up", self.dtype)
+            self.w_down = cell.of(checkpoint, [p + "w_down"], p + "w_down", self.dtype)
+        return True
+
     def _weight(self, w: np.ndarray, name: str) -> Parameter:
         return param(pack_for_kernel(w) if self.kernel_matmul is not None else w, name, self.dtype)
 
     def linear(self, x, w, n: int):
-        """x [M, K] @ w -> [M, n]."""
+        """x [M, K] @ w -> [M, n] (w: an int8 product's cell, where the layer has them)."""
+        if self.int8_products:
+            return w(x)
         if self.kernel_matmul is None:
             return self.matmul(x, w)
         y = self.kernel_matmul(x, w)
@@ -346,14 +381,22 @@ class DecoderLayer(nn.Cell):
             self.options,
         )
 
-    def paged(self, x, cos, sin, rot, slots, lengths, tables, row_table, k_cache, v_cache):
-        """The layer through the paged backend: x [N, D]; slots and lengths [N] (each row's cache
-        slot and positions attended), tables [T, MB], row_table [N] each row's table: the same
-        inputs for prompts, chunks, mixed steps and decode (agent/graphs/paged_attention.py)."""
+    def paged(self, x, cos, sin, rot, paging, k_cache, v_cache, prompt: bool):
+        """The layer through the paged backend: x [N, D]; paging: the step's slot_mapping,
+        batch_valid_length, q_seq_lens, block_tables and attn_mask (agent/graphs/paged_attention.py),
+        the same for prompts, chunks, mixed steps and decode; prompt: every sequence starts at
+        position 0 (the prefill phase: attention over the rows' own K/V)."""
+        slot_mapping, batch_valid_length, q_seq_lens, block_tables, attn_mask = paging
         q, k, v = self.qkv(x, cos, sin, rot)
-        self.paged_attention.write(k, v, k_cache, v_cache, slots)
-        out = self.paged_attention.attend(q, k_cache, v_cache, ops.gather(tables, row_table, 0), lengths)
-        return self.feed_forward(self.add_projected(x, out, self.wo, self.hidden), slots)
+        written = self.paged_attention.write(k, v, k_cache, v_cache, slot_mapping)
+        q = ops.depend(q, written)  # the read after the write, as vllm-mindspore orders them
+        if prompt:
+            out = self.paged_attention.prompt(q, k, v, batch_valid_length, q_seq_lens, attn_mask)
+        else:
+            out = self.paged_attention.attend(
+                q, k_cache, v_cache, block_tables, batch_valid_length, q_seq_lens, attn_mask
+            )
+        return self.feed_forward(self.add_projected(x, out, self.wo, self.hidden), slot_mapping)
 
     def prefill(self, x, cos, sin, rot, write_idx, mask, tables, row_table, k_cache, v_cache):
         """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S]: the
@@ -365,8 +408,6 @@ class DecoderLayer(nn.Cell):
         if self.kernel_layer is not None:
             x = self.fused(x, cos, sin, write_idx, mask, tables, row_table, k_cache, v_cache)
             return x if self.moe is None else self.moe(x, mask)
-        if self.paged_attention is not None:
-            return self.paged(x, cos, sin, rot, write_idx, mask, tables, row_table, k_cache, v_cache)
         q, k, v = self.qkv(x, cos, sin, rot)
         k = ops.transpose(k, (1, 0, 2))  # [KV, S, hd]
         v = ops.transpose(v, (1, 0, 2))
@@ -386,8 +427,6 @@ class DecoderLayer(nn.Cell):
         if self.kernel_layer is not None:
             x = self.fused(x, cos, sin, write_idx, extent, where, row_table, k_cache, v_cache)
             return x if self.moe is None else self.moe(x, extent)
-        if self.paged_attention is not None:
-            return self.paged(x, cos, sin, rot, write_idx, extent, where, row_table, k_cache, v_cache)
         q, k, v = self.qkv(x, cos, sin, rot)
         ops.scatter_update(k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))
         ops.scatter_update(v_cache, write_idx, ops.reshape(v, (-1, self.head_dim)))

@@ -11,6 +11,18 @@ from agent.contract.step import StepChunk
 from agent.graphs.shapes import bucket, decode_attends, pool_blocks, scratch_blocks
 from config.schema import RuntimeSection
 
+# The masks' value for a hidden position (vllm-mindspore's: the internal kernels add it to the scores
+# in float16 and bfloat16 alike for PagedAttention; FlashAttentionScore's compressed bfloat16 mask
+# holds 1 where float16's holds it)
+MASK_VALUE = -10000.0
+PROMPT_MASK_SIZE = 128  # the compressed causal mask FlashAttentionScore's internal kernel tiles
+
+
+def prompt_mask(dtype: str) -> np.ndarray:
+    """FlashAttentionScore's compressed causal mask, [128, 128], for a model in `dtype`."""
+    value = 1.0 if dtype == "bfloat16" else MASK_VALUE
+    return np.triu(np.ones((PROMPT_MASK_SIZE, PROMPT_MASK_SIZE), np.float32), 1) * value
+
 
 class GraphInputs:
     """Host-side inputs of one graph set's prefill and decode graphs, as NumPy arrays in graph order,
@@ -39,8 +51,9 @@ class GraphInputs:
         self.num_blocks = pool_blocks(runtime)  # the pool, the scratch blocks included
         self.pool = runtime.planned_num_blocks  # the blocks a server hands out
         self.kv_heads, self.group, self.fused_layers = kv_heads, group, fused_layers
-        # the paged backend's inputs: a slot per row and a length per row (paged_attention.py)
+        # the paged backend's inputs: slots per row, lengths and tables per sequence (paged_attention.py)
         self.paged = runtime.paged_attention
+        self.dtype = runtime.dtype
         self.decode_attends = decode_attends(runtime)
         self._head_rows = np.arange(kv_heads, dtype=np.int64)
         self.scratch_positions = scratch_blocks(runtime) * self.block_size
@@ -124,21 +137,60 @@ class GraphInputs:
         return 0 if self.decode_attends == [0] else bucket(self.decode_attends, int(positions.max()) + 1)
 
     def paging(self, write: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Write rows [rows, KV] and attended lengths [rows] as the graphs take them: the CPU kernels'
-        row-major cache rows and lengths [rows * KV] (they skip padding rows, of length 0); the paged
-        backend's slot mapping (block * block_size + offset) and context lengths [rows], where a
-        padding row attends 1 position, not 0 (a row attending nothing would be NaN, which its K/V
-        would carry into the scratch blocks), and writes scratch position (its row), past every
-        position a real row of the call writes there (warm-up's probe: scratch positions 0..n-1)."""
-        if self.paged:
-            size = self.block_size
-            head0 = write[:, 0]  # (block * KV + 0) * size + offset
-            slots = head0 // (self.kv_heads * size) * size + head0 % size
-            padding = np.flatnonzero(lengths == 0)
-            at = padding % self.scratch_positions
-            slots[padding] = self.scratch_table[at // size] * size + at % size
-            return slots.astype(np.int32), np.maximum(lengths, 1).astype(np.int32)
+        """Write rows [rows, KV] and attended lengths [rows] as the CPU kernels take them: row-major
+        cache rows and lengths [rows * KV] (they skip padding rows, of length 0)."""
         return write.reshape(-1).astype(np.int32), np.repeat(lengths, self.kv_heads).astype(np.int32)
+
+    def paged_step(
+        self,
+        sequences: Sequence[tuple[np.ndarray, np.ndarray, int]],
+        rows: int,
+        logit_rows: Sequence[int] | np.ndarray,
+        prompt: bool,
+    ) -> tuple[np.ndarray, ...]:
+        """The paged graphs' inputs (agent/graphs/paged_attention.py) for `sequences` (a checked
+        block table [MB], the new tokens, the position of the first) padded to `rows`: input_ids,
+        positions, slot_mapping, batch_valid_length, q_seq_lens, block_tables, attn_mask and the
+        rows whose logits the graph returns. prompt: for the prefill phase's graph (every sequence
+        from position 0), whose mask is FlashAttentionScore's compressed one. Each padding row is
+        a sequence of one row of its own in the scratch blocks, at position 0, writing scratch
+        position (its row), past every position a real row of the call writes there (warm-up's
+        probe: scratch positions 0..n-1)."""
+        sizes = [len(tokens) for _, tokens, _ in sequences]
+        pad = rows - sum(sizes)
+        if pad < 0 or min(sizes, default=1) < 1:
+            raise ValueError(f"sequences of {sizes} new tokens do not fit {rows} rows")
+        each = [start + np.arange(n) for (_, _, start), n in zip(sequences, sizes)]
+        real = np.concatenate(each) if each else np.zeros(0, np.int64)
+        self.check_positions(real, "the step")
+        size = self.block_size
+        blocks = [table[p // size] for (table, _, _), p in zip(sequences, each)]
+        at = np.arange(sum(sizes), rows) % self.scratch_positions
+        slots = [
+            *(b * size + p % size for b, p in zip(blocks, each)),
+            self.scratch_table[at // size] * size + at % size,
+        ]
+        if prompt and any(start for _, _, start in sequences):
+            raise ValueError("a prompt step's sequences start at position 0")
+        positions = np.concatenate([real, np.zeros(pad, np.int64)])
+        if prompt:
+            mask = prompt_mask(self.dtype)
+        elif max(sizes, default=1) == 1:
+            mask = np.zeros((1, 1), np.float32)  # one row a sequence: nothing to hide
+        else:  # a row hides the positions after its own (the later rows of its sequence)
+            width = self.blocks_per_seq * size
+            mask = np.where(np.arange(width)[None, :] > positions[:, None], MASK_VALUE, 0.0)
+        tokens = [*(np.asarray(t, np.int64) for _, t, _ in sequences), np.zeros(pad, np.int64)]
+        return (
+            np.concatenate(tokens).astype(np.int32),
+            positions.astype(np.int32),
+            np.concatenate(slots).astype(np.int32),
+            np.array([start + n for (_, _, start), n in zip(sequences, sizes)] + [1] * pad, np.int32),
+            np.array(sizes + [1] * pad, np.int32),
+            np.stack([table for table, _, _ in sequences] + [self.scratch_table] * pad).astype(np.int32),
+            mask.astype(np.float32),
+            np.asarray(logit_rows, np.int32),
+        )
 
     def rows(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache rows [n, P, KV] of `positions` [n, P] of the sequences with block `tables` [n, MB]
@@ -229,6 +281,8 @@ class GraphInputs:
         # the rows whose logits it returns: the last real one, or (prompt logprobs) all, a shape per
         # bucket (one more compile of the graph per bucket, only where asked)
         last = np.arange(length, dtype=np.int32) if every_row else np.array([n - 1], np.int32)
+        if self.paged:
+            return self.paged_step([(tables[0], np.asarray(tokens), start)], length, last, prompt=start == 0)
         paging = (tables, np.zeros(length, np.int32))
         if self.fused_layers:  # row-major write rows, and lengths in place of the mask
             lengths = np.where(real, positions + 1, 0)
@@ -300,6 +354,15 @@ class GraphInputs:
                 last.extend(range(first, first + sizes[i]))
             elif chunk.sample:
                 last.append(first + sizes[i] - 1)
+        if self.paged:
+            decoding = [
+                (t, np.asarray(decode_tokens[i : i + 1]), int(p))
+                for i, (t, p) in enumerate(zip(decode_tables, decode_positions))
+            ]
+            chunked = [(t[0], tok, c.start) for t, tok, c in zip(tables[1 if d else 0 :], tokens[1:], chunks)]
+            return self.paged_step(
+                decoding + chunked, rows, last + [0] * (logit_rows - len(last)), prompt=False
+            )
         pad = rows - d - sum(sizes)
         tables.append(np.repeat(self.scratch_table[None, :], self.max_seqs - d - len(chunks), 0))
         all_tables = np.concatenate(tables).astype(np.int32)
@@ -346,6 +409,11 @@ class GraphInputs:
                 f"{rows} rows"
             )
         self.check_positions(positions, "the decode step")
+        if self.paged:
+            decoding = [
+                (t, np.asarray(tokens[i : i + 1]), int(p)) for i, (t, p) in enumerate(zip(tables, positions))
+            ]
+            return self.paged_step(decoding, rows, np.arange(rows), prompt=False)
         pad = rows - len(tables)
         lengths = np.concatenate([positions + 1, np.zeros(pad, np.int64)])  # padding attends nothing
         tables = np.concatenate([tables, np.repeat(self.scratch_table[None, :], pad, 0)])

@@ -23,6 +23,7 @@ from agent.graphs.layers import (
     rope_tables,
 )
 from agent.graphs.paged_attention import PagedBackend
+from agent.graphs.quant_matmul import Int8Matmul
 from agent.model.checkpoint import Checkpoint
 from agent.model.spec import ModelSpec
 
@@ -42,11 +43,13 @@ class DecoderModel(nn.Cell):
         local_blocks: int = 0,
         paged: PagedBackend | None = None,
         cache: CacheFormat | None = None,
+        int8_matmul: type[Int8Matmul] | None = None,
     ):
         """num_blocks of block_size positions in the KV cache (agent/graphs/interface.py); max_len:
         the positions of the RoPE tables; local_blocks: the blocks of the sliding-window layers' own
         caches (every seat's ring, interface.local_ring_blocks), 0: they take the pool's; paged: the
-        layers' paged attention backend (DecoderLayer); cache: the KV cache's rows (None: in dtype)."""
+        layers' paged attention backend (DecoderLayer); cache: the KV cache's rows (None: in dtype);
+        int8_matmul: the cell of an int8 checkpoint's products where MindSpore's ops run the layers."""
         super().__init__()
         spec = checkpoint.spec
         self.spec = spec
@@ -56,7 +59,9 @@ class DecoderModel(nn.Cell):
         self.eps_tensor = Tensor(np.array([spec.rms_eps], np.float32))
         self.cache_format = cache or CacheFormat(str(dtype).lower())
         self.layers = nn.CellList(
-            self._layers(checkpoint, num_blocks, block_size, kernels, dtype, split, local_blocks, paged)
+            self._layers(
+                checkpoint, num_blocks, block_size, kernels, dtype, split, local_blocks, paged, int8_matmul
+            )
         )
         self.dtype, self.half = dtype, dtype != ms.float32
         self.paged = paged is not None  # caches [blocks, block_size, KV heads, head_dim]
@@ -86,6 +91,7 @@ class DecoderModel(nn.Cell):
         split,
         local_blocks: int,
         paged: PagedBackend | None,
+        int8_matmul: type[Int8Matmul] | None,
     ) -> list[DecoderLayer]:
         """The layers, a sliding-window layer with a cache of local_blocks where it has its own."""
         spec = checkpoint.spec
@@ -102,6 +108,7 @@ class DecoderModel(nn.Cell):
                 split,
                 paged,
                 self.cache_format,
+                int8_matmul,
             )
             for i in range(spec.num_layers)
         ]

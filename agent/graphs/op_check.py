@@ -36,12 +36,18 @@ ASCEND_OPS = frozenset(
         "Argmax",
         "BatchMatMul",
         "Cast",
+        "Concat",  # QK-norm (Qwen3)
         "ExpandDims",
+        "FlashAttentionScore",  # prompts on the paged backend (TH layout, MindSpore's internal kernel)
         "Gather",
         "GatherNd",  # the paged cache's K/V transfers
         "MatMul",
         "Mul",
         "PagedAttention",
+        "QuantBatchMatmul",  # W8A8 checkpoints (agent/graphs/quant_matmul.py), as vllm-ascend runs them
+        "QuantV2",
+        "DynamicQuantExt",
+        "WeightQuantBatchMatmul",
         "ReduceMean",
         "Reshape",
         "ReshapeAndCache",
@@ -54,6 +60,7 @@ ASCEND_OPS = frozenset(
         "Split",
         "Square",
         "StridedSlice",
+        "TensorToTuple",  # FlashAttentionScore's lengths, as vllm-mindspore passes them (a host op)
         "TopK",
         "Transpose",
     }
@@ -65,12 +72,19 @@ GRAPH_NODES = frozenset(
 )
 
 
-def traced_ops(cell: nn.Cell, inputs: tuple[Tensor, ...]) -> set[str]:
-    """The operator types of `cell`'s graph for `inputs` (every function, lazily inlined layers
-    included): the front end of mindspore.export, without the parameters' data."""
+def traced_model(cell: nn.Cell, inputs: tuple[Tensor, ...]) -> mind_ir_pb2.ModelProto:
+    """`cell`'s graph for `inputs` as MindIR: the front end of mindspore.export, without the
+    parameters' data."""
     stream, _ = _cell_info(cell, True, *inputs)
     model = mind_ir_pb2.ModelProto()
     model.ParseFromString(stream)
+    return model
+
+
+def traced_ops(cell: nn.Cell, inputs: tuple[Tensor, ...]) -> set[str]:
+    """The operator types of `cell`'s graph for `inputs` (every function, lazily inlined layers
+    included)."""
+    model = traced_model(cell, inputs)
     nodes = [*model.graph.node, *(node for function in model.functions for node in function.node)]
     # an operator node's type reads "REF::MatMul:12"; a call of another function names that function
     return {
@@ -115,7 +129,10 @@ def step_graph_ops(
         calls["kv_import"] = (graphs.kv_import_graph, (moved, blocks.astype(ms.dtype_to_nptype(cache.dtype))))
     found = {}
     for name, (cell, args) in calls.items():
-        tensors = tuple(a if isinstance(a, Tensor) else Tensor(a) for a in args)
+        if graphs.model.paged and name in ("prefill", "decode", "mixed"):
+            tensors = graphs.paged_tensors(args)
+        else:
+            tensors = tuple(a if isinstance(a, Tensor) else Tensor(a) for a in args)
         found[name] = traced_ops(cell, tensors)
         if compile_graphs:
             cell.compile(*tensors)

@@ -20,6 +20,7 @@ from agent.graphs.interface import GraphInputs, local_ring_blocks, pool_blocks
 from agent.graphs.layers import WHOLE_MODEL, CpuKernels, TensorSplit, release_freed_memory
 from agent.graphs.model import DecoderModel
 from agent.graphs.paged_attention import paged_backend
+from agent.graphs.quant_matmul import int8_matmul_cell
 from agent.kernels import TARGET_ENV, has_int8_products
 from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
@@ -129,6 +130,45 @@ class DecodeGraph(TopGraph):
         return logits_and_argmax(self.model.logits(x))
 
 
+class PagedStepGraph(TopGraph):
+    """A step of the paged backend (agent/graphs/paged_attention.py): rows of one or more sequences ->
+    K/V written, the logits of `logit_rows` and their argmax. Its inputs carry the names the Ascend
+    kernels read them by (batch_valid_length, q_seq_lens), and it runs in MindSpore's predict phase:
+    `prefill` (prompt: every sequence from position 0, FlashAttentionScore) or `increment` (decode
+    rows, chunks, mixed steps: PagedAttention). A predict-phase cell keeps one compiled graph per
+    phase and runs it for any call, so its inputs are dynamic (set_inputs), as vllm-mindspore's."""
+
+    def __init__(self, model: DecoderModel, prompt: bool):
+        super().__init__()
+        self.model = model
+        self.prompt = prompt
+        self.phase = "prefill" if prompt else "increment"
+        dtype = model.dtype
+        self.set_inputs(
+            *(Tensor(shape=[None], dtype=ms.int32) for _ in range(5)),  # up to q_seq_lens
+            Tensor(shape=[None, None], dtype=ms.int32),  # block_tables
+            Tensor(shape=[None, None], dtype=dtype),  # attn_mask
+            Tensor(shape=[None], dtype=ms.int32),  # logit_rows
+        )
+
+    def construct(
+        self,
+        input_ids,
+        positions,
+        slot_mapping,
+        batch_valid_length,
+        q_seq_lens,
+        block_tables,
+        attn_mask,
+        logit_rows,
+    ):
+        x, cos, sin = self.model.embed_tokens(input_ids, positions)
+        paging = (slot_mapping, batch_valid_length, q_seq_lens, block_tables, attn_mask)
+        for layer in self.model.layers:
+            x = layer.paged(x, cos, sin, self.model.rot, paging, layer.k_cache, layer.v_cache, self.prompt)
+        return logits_and_argmax(self.model.logits(ops.gather(x, logit_rows, 0)))
+
+
 class ArgmaxGraph(nn.Cell):
     """Greedy post-process: logits [B, V] -> token ids [B]."""
 
@@ -223,6 +263,9 @@ class StepGraphs:
             local_blocks=(runtime.planned_num_slots + 1) * ring,
             paged=paged_backend(runtime),
             cache=CacheFormat.of(runtime),
+            # an int8 checkpoint's linears: Q8_0 blocks where the matmul kernel runs them, else
+            # quantized products (Ascend's kernels, their reference elsewhere)
+            int8_matmul=None if runtime.matmul_kernel else int8_matmul_cell(runtime.device_target),
         )
         release_freed_memory()
         if int8 and not any(
@@ -241,9 +284,14 @@ class StepGraphs:
             fused_layers=self.model.layers[0].kernel_layer is not None or runtime.paged_attention,
             ring_blocks=ring,
         )
-        self.prefill_graph = PrefillGraph(self.model)
-        self.mixed_graph = MixedStepGraph(self.prefill_graph)
-        self.decode_graph = DecodeGraph(self.model)
+        if self.model.paged:  # one graph a phase: prompts, and every other step
+            self.prefill_graph: nn.Cell = PagedStepGraph(self.model, prompt=True)
+            self.decode_graph: nn.Cell = PagedStepGraph(self.model, prompt=False)
+            self.mixed_graph: nn.Cell = self.decode_graph
+        else:
+            self.prefill_graph = PrefillGraph(self.model)
+            self.mixed_graph = MixedStepGraph(self.prefill_graph)
+            self.decode_graph = DecodeGraph(self.model)
         self.argmax_graph = ArgmaxGraph()
         self.kv_export_graph = KVExportGraph(self.model)
         self.kv_import_graph = KVImportGraph(self.model)
@@ -267,6 +315,9 @@ class StepGraphs:
     ) -> Tensor:
         """One cell for every bucket `length`: MindSpore compiles a graph per input shape."""
         inputs = self.inputs.prefill(table, tokens, length, start, slot, every_row)
+        if self.model.paged:
+            graph = self.prefill_graph if start == 0 else self.decode_graph
+            return graph(*self.paged_tensors(inputs))[0]
         return self.prefill_graph(*as_tensors(inputs))
 
     def decode(
@@ -279,7 +330,7 @@ class StepGraphs:
         slots: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         inputs = self.inputs.decode(tables, tokens, positions, rows, attend, slots)
-        return self.decode_graph(*as_tensors(inputs))
+        return self.decode_graph(*(self.paged_tensors(inputs) if self.model.paged else as_tensors(inputs)))
 
     def mixed(
         self,
@@ -295,7 +346,13 @@ class StepGraphs:
         inputs = self.inputs.mixed(
             decode_tables, decode_tokens, decode_positions, chunks, rows, logit_rows, decode_slots
         )
-        return self.mixed_graph(*as_tensors(inputs))
+        return self.mixed_graph(*(self.paged_tensors(inputs) if self.model.paged else as_tensors(inputs)))
+
+    def paged_tensors(self, inputs: tuple[np.ndarray, ...]) -> tuple[Tensor, ...]:
+        """GraphInputs.paged_step's arrays as PagedStepGraph's inputs: the mask in the model's dtype."""
+        tensors = list(as_tensors(inputs))
+        tensors[6] = Tensor(inputs[6], dtype=self.model.dtype)
+        return tuple(tensors)
 
     def argmax(self, logits: Tensor) -> Tensor:
         return self.argmax_graph(logits)

@@ -10,12 +10,16 @@ import sys
 import numpy as np
 import pytest
 from conftest import TINY_RUNTIME
+from mindspore import ops
 
 import reference_numpy as ref
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import StepChunk
+from agent.graphs.decoder import DecoderLayer
+from agent.graphs.graph_contract import check_contract
 from agent.graphs.interface import bucket, mixed_rows
-from agent.graphs.op_check import not_on_ascend, step_graph_ops
+from agent.graphs.op_check import not_on_ascend, small_shapes, step_graph_ops
+from agent.graphs.paged_attention import AscendPagedAttention
 from agent.graphs.step_graphs import StepGraphs
 from agent.known_answer import KnownAnswer
 from agent.model.formats import load_checkpoint
@@ -24,7 +28,7 @@ from agent.runner import ModelRunner
 from agent.warm_up import warm_up
 from agent_harness import LauncherProcess, free_ports, write_config
 from config import load_config
-from config.schema import PROJECT_ROOT
+from config.schema import PROJECT_ROOT, RuntimeSection
 from engine_harness import EngineAndStreams
 
 PAGED = TINY_RUNTIME.model_copy(update={"decode_attention": "paged", "matmul": "mindspore"})
@@ -139,21 +143,103 @@ def test_a_runner_over_the_paged_backend_chunks_prompts_and_reuses_prefixes(grap
         warm_up(runner, lambda message: None, role, known)
 
 
-def test_the_ascend_configuration_uses_only_ascend_ops(tiny_llama_dir, graphs):
-    """config/llama2_7b_ascend.yaml's graphs traced on CPU (tools.ascend_ops): ReshapeAndCache and
-    PagedAttention in every step graph, no gather attention, nothing MindSpore lacks on Ascend; the
-    CPU configuration's graphs, with the custom kernels, fail the same check."""
-    command = [sys.executable, "-m", "tools.ascend_ops", "--model", str(tiny_llama_dir)]
-    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+ASCEND_CONFIGS = sorted(
+    path.relative_to(PROJECT_ROOT).as_posix()
+    for path in (PROJECT_ROOT / "config").glob("*.yaml")
+    if load_config(path).runtime.device_target == "Ascend"
+)
+
+
+@pytest.mark.parametrize("config", ASCEND_CONFIGS)
+def test_each_shipped_ascend_configuration_keeps_the_kernels_contract(config):
+    """python -m tools.ascend_ops over each shipped Ascend configuration, at its model's attention
+    shapes (head_dim 128): the contract it prints (the context, the phases, every input's name and
+    the operands it feeds), no problem, ReshapeAndCache in every step graph, FlashAttentionScore for
+    prompts and PagedAttention for the rest, and nothing MindSpore lacks on Ascend."""
+    command = [sys.executable, "-m", "tools.ascend_ops", "--config", config]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines()[1:])
-    for graph in ("prefill", "decode", "mixed"):
-        ops = set(lines[graph].split())
-        assert {"ReshapeAndCache", "PagedAttention"} <= ops, graph
-        assert not {"Softmax", "BatchMatMul", "ScatterUpdate", "Custom"} & ops, graph
-    assert lines["not on Ascend"] == "none"
+    out = done.stdout
+    assert "head_dim 128" in out.splitlines()[0]
+    context = "context: jit_config {'jit_level': 'O0', 'infer_boost': 'on'}"
+    assert f"{context}; phases prefill prefill, increment increment" in out
+    assert "increment: batch_valid_length INT32[?] -> PagedAttention.context_lens x2" in out
+    assert "increment: q_seq_lens INT32[?] -> PagedAttention.q_seq_lens x2" in out
+    assert "prefill: q_seq_lens INT32[?] -> FlashAttentionScore.actual_seq_qlen x2" in out
+    assert "prefill: batch_valid_length INT32[?] -> FlashAttentionScore.actual_seq_kvlen x2" in out
+    assert "problem:" not in out and out.rstrip().endswith("contract: passed")
+    listed = [line.split(": ", 1) for line in out.splitlines()[1:] if "->" not in line]
+    ops = {name: set(rest.split()) for name, rest in listed}
+    assert {"ReshapeAndCache", "FlashAttentionScore"} <= ops["prefill"] and "PagedAttention" not in ops[
+        "prefill"
+    ]
+    for graph in ("decode", "mixed"):
+        assert {"ReshapeAndCache", "PagedAttention"} <= ops[graph] and "FlashAttentionScore" not in ops[graph]
+    assert not {"Softmax", "BatchMatMul", "ScatterUpdate", "Custom"} & ops["all"]
+    assert ops["not on Ascend"] == {"none"}
+
+
+def test_the_cpu_configuration_fails_the_ascend_op_check(graphs):
+    """The CPU configuration's graphs, with the custom kernels, are refused by the same op check."""
     cpu = step_graph_ops(graphs[0], TINY_RUNTIME)
     assert not_on_ascend(cpu["prefill"]) == not_on_ascend(cpu["decode"]) == ["Custom"]
+
+
+def test_the_contract_check_finds_each_departure_from_the_upstream_contract(tiny_llama_dir, monkeypatch):
+    """The check passes the Ascend configuration's graphs as built (over the tiny model, traced on
+    CPU), and names each departure made to them (methods replaced on the real cells before they are
+    built and traced): the read not ordered after the write, a length fed to the wrong operand, a
+    graph outside the predict phase, the context without infer_boost."""
+    runtime = small_shapes(load_config(PROJECT_ROOT / "config" / "qwen3_8b_ascend.yaml").runtime)
+
+    def problems() -> list[str]:
+        return check_contract(StepGraphs(load_checkpoint(tiny_llama_dir), runtime), runtime).problems
+
+    assert problems() == []
+
+    def unordered(self, x, cos, sin, rot, paging, k_cache, v_cache, prompt):
+        slot_mapping, batch_valid_length, q_seq_lens, block_tables, attn_mask = paging
+        q, k, v = self.qkv(x, cos, sin, rot)
+        self.paged_attention.write(k, v, k_cache, v_cache, slot_mapping)
+        if prompt:
+            out = self.paged_attention.prompt(q, k, v, batch_valid_length, q_seq_lens, attn_mask)
+        else:
+            out = self.paged_attention.attend(
+                q, k_cache, v_cache, block_tables, batch_valid_length, q_seq_lens, attn_mask
+            )
+        return self.feed_forward(self.add_projected(x, out, self.wo, self.hidden), slot_mapping)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DecoderLayer, "paged", unordered)
+        found = problems()
+    assert "prefill: a FlashAttentionScore's query is not ordered after its layer's write" in found
+    assert "increment: a PagedAttention's query is not ordered after its layer's write" in found
+
+    def swapped(self, query, key_cache, value_cache, block_tables, batch_valid_length, q_seq_lens, attn_mask):
+        query = ops.reshape(query, (-1, self.heads * self.head_dim))
+        return self.paged_attention(
+            query, key_cache, value_cache, block_tables, q_seq_lens, None, None, attn_mask, batch_valid_length
+        )
+
+    with monkeypatch.context() as patch:
+        patch.setattr(AscendPagedAttention, "attend", swapped)
+        found = problems()
+    context = (
+        "increment: PagedAttention.context_lens comes from q_seq_lens, upstream's from batch_valid_length"
+    )
+    assert context in found
+    query = "increment: PagedAttention.q_seq_lens comes from batch_valid_length, upstream's from q_seq_lens"
+    assert query in found
+
+    graphs = StepGraphs(load_checkpoint(tiny_llama_dir), runtime)
+    graphs.decode_graph.phase = "predict"
+    found = check_contract(graphs, runtime).problems
+    assert found == ["the increment graph runs in phase 'predict', not 'increment'"]
+    monkeypatch.setattr(RuntimeSection, "jit_config", property(lambda self: {"jit_level": "O0"}))
+    assert problems() == [
+        "jit_config {'jit_level': 'O0'}: the internal kernels need jit_level O0 and infer_boost on "
+        "(device_target Ascend, decode_attention paged)"
+    ]
 
 
 def test_float16_paged_graphs_follow_the_reference(tiny_llama_dir):

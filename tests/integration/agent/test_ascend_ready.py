@@ -91,15 +91,31 @@ def test_an_agent_on_ascend_caps_its_memory_pool_and_sets_the_compile_level(mind
     assert mindspore_calls == [
         ("set_context", {"mode": ms.GRAPH_MODE}),
         ("set_device", "Ascend", 3),
-        ("set_context", {"jit_config": {"jit_level": "O0"}}),
+        # the paged backend's kernels exist only as MindSpore's internal inference kernels
+        ("set_context", {"jit_config": {"jit_level": "O0", "infer_boost": "on"}}),
         ("set_memory", {"max_size": "56.641GB"}),  # 58000 MB, rounded up
     ]
     mindspore_calls.clear()
-    configure_mindspore(RuntimeSection(**{**ASCEND, "jit_level": "O2", "memory_budget_mb": None}), 0)
+    gather = {**ASCEND, "decode_attention": "gather", "jit_level": "O2", "memory_budget_mb": None}
+    configure_mindspore(RuntimeSection(**gather), 0)
     assert mindspore_calls[2:] == [("set_context", {"jit_config": {"jit_level": "O2"}})]  # no cap
     mindspore_calls.clear()
     configure_mindspore(RuntimeSection(compile_cache_dir=None), 0)  # CPU: as before
     assert mindspore_calls == [("set_context", {"mode": ms.GRAPH_MODE}), ("set_device", "CPU", 0)]
+
+
+def test_paged_attention_refuses_the_graph_sinking_compile_levels():
+    """O1 and O2 select no internal kernel: a paged configuration at either is refused, saying why."""
+    for level in ("O1", "O2"):
+        with pytest.raises(
+            ValueError, match=f"jit_level {level} with paged attention: .* only the kernel-by-kernel"
+        ):
+            RuntimeSection(**{**ASCEND, "jit_level": level})
+    assert RuntimeSection(**{**ASCEND, "jit_level": "O0"}).jit_config == {
+        "jit_level": "O0",
+        "infer_boost": "on",
+    }
+    assert RuntimeSection(compile_cache_dir=None).jit_config == {}  # CPU: MindSpore's own
 
 
 def test_an_agent_past_the_visible_devices_stops_before_mindspore_touches_one(mindspore_calls):

@@ -5,6 +5,7 @@ before any graph (whose kernels check nothing the host can) sees them."""
 import numpy as np
 import pytest
 
+from agent.graphs.graph_inputs import MASK_VALUE, prompt_mask
 from agent.graphs.interface import GraphInputs, pool_blocks
 from config.schema import RuntimeSection
 
@@ -169,24 +170,36 @@ def test_sliding_window_layers_write_each_seat_s_ring_as_the_window_moves():
     assert len(FUSED.prefill(FUSED.slot_table(0), np.arange(5), 8)) == 7  # no rings: as before
 
 
-def test_the_paged_backend_takes_a_slot_and_a_length_per_row():
-    """decode_attention paged: ReshapeAndCache's slot mapping (block table[p // B] * B + p % B, one
-    per row, not per head) and PagedAttention's context lengths, from the same tables and positions
-    as the CPU kernels' rows; a padding row attends 1 position, not 0 (which would be NaN)."""
+def test_the_paged_backend_takes_upstreams_inputs_a_slot_per_row_and_lengths_per_sequence():
+    """decode_attention paged, the inputs of MindSpore's Ascend kernels (agent/graphs/paged_attention.py):
+    ReshapeAndCache's slot mapping (block table[p // B] * B + p % B, one per row, not per head);
+    a table, batch_valid_length and q_seq_lens per sequence; each padding row a sequence of one row
+    at position 0 of the scratch table, writing scratch position (its row). A prompt from position
+    0 takes FlashAttentionScore's compressed causal mask; a chunk after cached positions a lookahead
+    mask hiding each row's later positions; decode rows (one a sequence) a [1, 1] zero mask."""
     paged = GraphInputs(
         RUNTIME.model_copy(update={"decode_attention": "paged"}), KV, GROUP, fused_layers=True
     )
     table = np.array([7, 2, 5], np.int32)
-    _, _, slots, lengths, *_ = paged.prefill(table, np.arange(3), 8, start=15)
+    scratch = paged.scratch_table
+    tokens, positions, slots, valid, q_lens, tables, mask, logit_rows = paged.prefill(
+        table, np.arange(3), 8, start=15
+    )
+    assert tokens.tolist() == [0, 1, 2, 0, 0, 0, 0, 0] and positions.tolist() == [15, 16, 17, 0, 0, 0, 0, 0]
     assert slots.tolist()[:3] == [7 * 16 + 15, 2 * 16 + 0, 2 * 16 + 1]
-    assert lengths.tolist() == [16, 17, 18, 1, 1, 1, 1, 1]
-    scratch = [int(paged.scratch_table[p // 16]) * 16 + p % 16 for p in range(3, 8)]
-    assert slots.tolist()[3:] == scratch  # padding writes to the scratch blocks
+    assert slots.tolist()[3:] == [int(scratch[p // 16]) * 16 + p % 16 for p in range(3, 8)]
+    assert valid.tolist() == [18, 1, 1, 1, 1, 1] and q_lens.tolist() == [3, 1, 1, 1, 1, 1]
+    assert tables.tolist() == [table.tolist()] + [scratch.tolist()] * 5 and logit_rows.tolist() == [2]
+    assert mask.shape == (8, 48) and (mask[1, :17] == 0).all() and (mask[1, 17:] == MASK_VALUE).all()
+    *_, mask, logit_rows = paged.prefill(table, np.arange(3), 8, start=0, every_row=True)
+    assert mask.tolist() == prompt_mask("float32").tolist() and logit_rows.tolist() == list(range(8))
     assert paged.attend(np.array([30])) == 0  # one decode graph per batch: no attend buckets
-    _, _, slots, tables, lengths, row_table = paged.decode(table[None], np.array([4]), np.array([33]), 4, 0)
-    assert slots[0] == 5 * 16 + 1 and lengths.tolist() == [34, 1, 1, 1]
+    _, positions, slots, valid, q_lens, tables, mask, _ = paged.decode(
+        table[None], np.array([4]), np.array([33]), 4, 0
+    )
+    assert slots[0] == 5 * 16 + 1 and valid.tolist() == [34, 1, 1, 1] and q_lens.tolist() == [1] * 4
     # padding rows write scratch positions 1..3 (their rows), not all of them position 0
-    assert slots.tolist()[1:] == [int(paged.scratch_table[0]) * 16 + p for p in (1, 2, 3)]
-    assert tables.shape == (4, 3) and row_table.tolist() == [0, 1, 2, 3]
+    assert slots.tolist()[1:] == [int(scratch[0]) * 16 + p for p in (1, 2, 3)]
+    assert tables.shape == (4, 3) and mask.tolist() == [[0.0]] and positions.tolist() == [33, 0, 0, 0]
     cpu_slots, cpu_lengths = FUSED.paging(np.array([[row(table, 33, 0), row(table, 33, 1)]]), np.array([34]))
     assert cpu_slots.tolist() == [row(table, 33, 0), row(table, 33, 1)] and cpu_lengths.tolist() == [34, 34]
