@@ -24,6 +24,7 @@ tied embedding as the LM head. Gemma's RMSNorm multiplies by (1 + w): a GGUF hol
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -371,11 +372,14 @@ def forward(
     head_slack: list[np.ndarray] | None = None,
     q8_0_cache: bool = False,
     ulp_jitter: np.random.Generator | None = None,
+    activations: Callable[[np.ndarray, int, str], np.ndarray] | None = None,
 ) -> np.ndarray:
     """Run `tokens` after what `cache` already holds; returns logits [len(tokens), vocab]. int8: the
     input of every layer product whose weights are in an integer GGUF format rounded to Q8_1 first
     (runtime.activations: int8), the LM head's too; not float weights. near_ties: as q8_1's, a count
-    for each rounding of the layers' inputs. head_slack: gets how far each logit [len(tokens), vocab]
+    for each rounding of the layers' inputs. activations: each layer product's input (a, the layer's
+    index, the product: q k v o gate up down) as the product rounds it first (an int8 checkpoint's
+    activation quantization). head_slack: gets how far each logit [len(tokens), vocab]
     moves should the LM head's input round its near ties the other way (they touch only the logits,
     so they are allowed for there instead of counting as ties). q8_0_cache: each new K and V row is
     kept as gguf's Q8_0 of its float32 value (runtime.kv_cache_dtype: q8_0, llama.cpp's -ctk/-ctv
@@ -383,6 +387,8 @@ def forward(
     head's too, first moved one float32 ulp at random (q8_1's jitter)."""
 
     def product(a: np.ndarray, layer: dict, name: str) -> np.ndarray:
+        if activations is not None:
+            a = activations(a, next(i for i, held in enumerate(model.layers) if held is layer), name)
         return (q8_1(a, near_ties, ulp_jitter) if int8 and name in layer["integer"] else a) @ layer[name].T
 
     start = cache.length
