@@ -44,9 +44,9 @@ from agent.graphs.layers import (
     rms_norm,
     zeros,
 )
-from agent.graphs.moe import ExpertsFfn, zero_ffn
+from agent.graphs.moe import ExpertsFfn, mindspore_experts, zero_ffn
 from agent.graphs.paged_attention import PagedBackend
-from agent.graphs.quant_matmul import Int8Matmul
+from agent.graphs.quant_matmul import Int8Matmul, int8_matmul_cell
 from agent.model.checkpoint import Checkpoint
 from agent.model.spec import ModelSpec
 
@@ -82,11 +82,12 @@ class DecoderLayer(nn.Cell):
         split: TensorSplit = WHOLE_MODEL,
         paged: PagedBackend | None = None,
         cache: CacheFormat | None = None,
-        int8_matmul: type[Int8Matmul] | None = None,
+        device_target: str = "CPU",
     ):
         """paged: the paged attention backend's factory (paged_attention.paged_backend), None: the
-        CPU kernels or gather; cache: the KV cache's rows (None: in dtype); int8_matmul: the cell an
-        int8 checkpoint's linears run in where MindSpore's ops run the layer (None: dequantized)."""
+        CPU kernels or gather; cache: the KV cache's rows (None: in dtype); device_target: where
+        MindSpore's ops run the layer, its int8 products and routed experts run that device's kernels
+        (their reference elsewhere)."""
         super().__init__()
         spec, p = checkpoint.spec, f"layers.{index}."
         # a rank's checkpoint holds its share already (its loader read only those rows and columns)
@@ -107,11 +108,6 @@ class DecoderLayer(nn.Cell):
                 "(runtime.matmul and runtime.decode_attention kernel, float32, a hidden size that is a "
                 "multiple of 32, no tensor parallelism)"
             )
-        if spec.is_moe(index) and kernels.matmul is None:
-            raise ValueError(
-                f"{spec.architecture}: mixture-of-experts FFNs run on the CPU kernels only (runtime.matmul "
-                "kernel, float32)"
-            )
         if cache is not None and cache.quantized and not fused:
             raise ValueError(
                 "runtime.kv_cache_dtype q8_0 is written and read by the fused CPU layer kernel: it needs "
@@ -123,17 +119,20 @@ class DecoderLayer(nn.Cell):
         self.has_bias, self.qk_norm = spec.qkv_bias, spec.qk_norm
         self.int8_products = False  # the linears are int8 products' cells (_load_int8)
         self.hidden = spec.hidden_size
-        # A MoE layer: the fused kernel (a zero FFN) or the ops run its attention, ExpertsFfn its experts
-        self.moe: Any = (
-            ExpertsFfn(checkpoint, index, self.eps_tensor, kernels.int8_activations)
-            if spec.is_moe(index)
-            else None
-        )
+        # A MoE layer: the fused kernel (a zero FFN) or the ops run its attention; its experts run in
+        # the CPU kernel's op (ExpertsFfn), or with MindSpore's products in the device's MoE kernels
+        self.moe: Any = None
+        if spec.is_moe(index) and kernels.matmul is not None:
+            self.moe = ExpertsFfn(checkpoint, index, self.eps_tensor, kernels.int8_activations)
+        elif spec.is_moe(index):
+            self.moe = mindspore_experts(device_target)(checkpoint, index, spec.rms_eps, dtype)
         if fused:
             self._load_fused(checkpoint, p, share)
             self._fused_options(checkpoint, p)
         else:
-            self._load_op_by_op(checkpoint, p, share, int8_matmul)
+            self._load_op_by_op(
+                checkpoint, p, share, None if kernels.matmul else int8_matmul_cell(device_target)
+            )
         self.paged_attention: Any = None
         cache_shape: tuple[int, ...] = (cache_rows, spec.head_dim)
         if paged is not None:

@@ -23,7 +23,6 @@ from agent.graphs.layers import (
     rope_tables,
 )
 from agent.graphs.paged_attention import PagedBackend
-from agent.graphs.quant_matmul import Int8Matmul
 from agent.model.checkpoint import Checkpoint
 from agent.model.spec import ModelSpec
 
@@ -43,13 +42,13 @@ class DecoderModel(nn.Cell):
         local_blocks: int = 0,
         paged: PagedBackend | None = None,
         cache: CacheFormat | None = None,
-        int8_matmul: type[Int8Matmul] | None = None,
+        device_target: str = "CPU",
     ):
         """num_blocks of block_size positions in the KV cache (agent/graphs/interface.py); max_len:
         the positions of the RoPE tables; local_blocks: the blocks of the sliding-window layers' own
         caches (every seat's ring, interface.local_ring_blocks), 0: they take the pool's; paged: the
         layers' paged attention backend (DecoderLayer); cache: the KV cache's rows (None: in dtype);
-        int8_matmul: the cell of an int8 checkpoint's products where MindSpore's ops run the layers."""
+        device_target: where MindSpore's ops run the layers (their int8 products', experts' kernels)."""
         super().__init__()
         spec = checkpoint.spec
         self.spec = spec
@@ -60,7 +59,7 @@ class DecoderModel(nn.Cell):
         self.cache_format = cache or CacheFormat(str(dtype).lower())
         self.layers = nn.CellList(
             self._layers(
-                checkpoint, num_blocks, block_size, kernels, dtype, split, local_blocks, paged, int8_matmul
+                checkpoint, num_blocks, block_size, kernels, dtype, split, local_blocks, paged, device_target
             )
         )
         self.dtype, self.half = dtype, dtype != ms.float32
@@ -91,7 +90,7 @@ class DecoderModel(nn.Cell):
         split,
         local_blocks: int,
         paged: PagedBackend | None,
-        int8_matmul: type[Int8Matmul] | None,
+        device_target: str,
     ) -> list[DecoderLayer]:
         """The layers, a sliding-window layer with a cache of local_blocks where it has its own."""
         spec = checkpoint.spec
@@ -108,7 +107,7 @@ class DecoderModel(nn.Cell):
                 split,
                 paged,
                 self.cache_format,
-                int8_matmul,
+                device_target,
             )
             for i in range(spec.num_layers)
         ]

@@ -9,16 +9,26 @@ a layer's experts stacked [E, ...] in their file's format (a GGUF's blocks, floa
 and reads the chosen ones' weights only. The layer's attention runs in the fused layer kernel with a
 zero FFN of one tile (its output: attention + residual), or op by op, then this op adds the experts'
 sum. A tensor-parallel rank holds every expert's share of FFN columns (agent/model/shard.py), the
-router whole; the decoder sums the ranks' parts as a dense FFN's."""
+router whole; the decoder sums the ranks' parts as a dense FFN's.
+
+Where MindSpore's products run the layers (Ascend; matmul: mindspore elsewhere), the experts run in
+the MoE kernels Ascend has (AscendExperts) or their reference in standard ops (MindSporeExperts)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.ops.auto_generate import (
+    GroupedMatmulV4,
+    MoeGatingTopKSoftmax,
+    MoeInitRoutingV2,
+    MoeTokenUnpermute,
+)
 
-from agent.graphs.layers import MATMUL_TILE, param
+from agent.graphs.layers import MATMUL_TILE, param, rms_norm
 from agent.kernels import op_path
 from agent.model.checkpoint import Checkpoint
 from agent.model.quantized import F32, BlockMatrix
@@ -101,3 +111,97 @@ class ExpertsFfn(nn.Cell):
             self.formats,
             self.options,
         )
+
+
+class MindSporeExperts(nn.Cell):
+    """One layer's routed FFN in standard MindSpore ops, with the inputs of Ascend's MoE kernels (as
+    vllm-mindspore's FusedExperts calls them): x + sum over the row's top-k experts of weight *
+    expert(norm(x)). The router is float, every expert's gate and up stacked [E, D, 2F] (w1) and its
+    down [E, F, D] (w2), in the model's dtype. This reference computes every expert for every row and
+    keeps the chosen ones' (E times the work: the semantics and the CPU check, not a fast path);
+    AscendExperts runs only the chosen rows through each expert."""
+
+    def __init__(self, checkpoint: Checkpoint, index: int, eps: float, dtype):
+        super().__init__()
+        spec, p = checkpoint.spec, f"layers.{index}."
+        self.experts, self.top_k, self.renormalize = (
+            spec.num_experts,
+            spec.experts_per_token,
+            spec.norm_topk_prob,
+        )
+        self.eps, self.dtype, self.half = eps, dtype, dtype != ms.float32
+        self.ffn_norm = param(checkpoint.tensors[p + "ffn_norm"], p + "moe_ffn_norm")
+        self.router = param(checkpoint.matrix(p + "router"), p + "router", dtype)  # [E, D]
+
+        def expert(e: int, name: str) -> np.ndarray:
+            return checkpoint.matrix(f"{p}experts.{e}.{name}")
+
+        w1 = [np.concatenate([expert(e, "w_gate"), expert(e, "w_up")]).T for e in range(self.experts)]
+        self.w1 = param(np.stack(w1), p + "experts.w1", dtype)  # [E, D, 2F]
+        self.w2 = param(
+            np.stack([expert(e, "w_down").T for e in range(self.experts)]), p + "experts.w2", dtype
+        )
+        self.ffn = self.w2.shape[1]
+        self.matmul_t = ops.MatMul(transpose_b=True)
+        self.bmm = ops.BatchMatMul()
+
+    def construct(self, x, rows):
+        """x [N, D] after attention; rows [N] (unread: every row routed, a padding row's output unread)."""
+        h = rms_norm(x, self.ffn_norm, self.eps, self.dtype, self.half, None, None)
+        logits = ops.cast(self.matmul_t(h, self.router), ms.float32)  # [N, E]
+        weights, ids = self.route(logits)
+        return x + self.routed(h, weights, ids)
+
+    def route(self, logits):
+        """The top-k experts of each row and their weights (the softmax's, renormalized over the k
+        where the model says so)."""
+        weights, ids = ops.topk(ops.softmax(logits, -1), self.top_k)
+        if self.renormalize:
+            weights = weights / (ops.sum(weights, -1, True) + 1e-20)
+        return weights, ops.cast(ids, ms.int32)
+
+    def routed(self, h, weights, ids):
+        every = ops.broadcast_to(ops.expand_dims(h, 0), (self.experts, -1, -1))  # [E, N, D]
+        gate, up = ops.split(self.bmm(every, self.w1), self.ffn, -1)
+        out = self.bmm(ops.silu(gate) * up, self.w2)  # [E, N, D]
+        chosen = ops.reduce_sum(ops.one_hot(ids, self.experts, 1.0, 0.0) * ops.expand_dims(weights, -1), 1)
+        chosen = ops.expand_dims(ops.cast(chosen, self.dtype), 1)  # [N, 1, E]
+        return ops.squeeze(self.bmm(chosen, ops.transpose(out, (1, 0, 2))), 1)
+
+
+class AscendExperts(MindSporeExperts):
+    """The same routed FFN on Ascend's MoE kernels, as vllm-mindspore's FusedExperts runs tensor
+    parallelism: MoeGatingTopKSoftmax, MoeInitRoutingV2 (rows grouped by expert), GroupedMatmulV4 for
+    w1 and w2, MoeTokenUnpermute (each row's experts weighted and summed). Never run: no NPU here."""
+
+    def __init__(self, checkpoint: Checkpoint, index: int, eps: float, dtype):
+        super().__init__(checkpoint, index, eps, dtype)
+        self.gating = MoeGatingTopKSoftmax()
+        self.init_routing = MoeInitRoutingV2()
+        self.grouped_matmul = GroupedMatmulV4()
+        self.unpermute = MoeTokenUnpermute()
+
+    def route(self, logits):
+        weights, ids, _ = self.gating(logits, None, self.top_k)
+        if self.renormalize:
+            weights = weights / (ops.sum(weights, -1, True) + 1e-20)
+        return weights, ops.cast(ids, ms.int32)
+
+    def routed(self, h, weights, ids):
+        grouped, unsort, group_list, _ = self.init_routing(h, ids, 0, 0, self.experts, 0, 2, True)
+        group_list = ops.cast(group_list, ms.int64)
+        gate, up = ops.split(self._per_expert(grouped, self.w1, group_list), self.ffn, -1)
+        out = self._per_expert(ops.silu(gate) * up, self.w2, group_list)
+        return self.unpermute(out, unsort, ops.cast(weights, self.dtype), False, None)
+
+    def _per_expert(self, rows, weight, group_list):
+        """Each expert's rows (grouped, counts in group_list) times its matrix."""
+        none = (None,) * 6  # bias, scale, offset, antiquant scale and offset, per-token scale
+        return self.grouped_matmul(
+            [rows], [weight], *none, group_list, split_item=3, group_type=0, group_list_type=1
+        )[0]
+
+
+def mindspore_experts(device_target: str) -> type[MindSporeExperts]:
+    """The routed FFN where MindSpore's ops run the layer: Ascend's kernels there, the reference elsewhere."""
+    return AscendExperts if device_target == "Ascend" else MindSporeExperts

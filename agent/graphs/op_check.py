@@ -23,7 +23,7 @@ from config.schema import RuntimeSection
 
 # Operators that MindSpore runs on Ascend and these graphs use: each one's API page (in MindSpore
 # 2.10's own docstrings: the primitive's, or its function's, mindspore.ops.add for Add, ...) lists
-# "Supported Platforms: Ascend GPU CPU". ReshapeAndCache and PagedAttention are the inference kernels
+# Ascend among its "Supported Platforms". ReshapeAndCache and PagedAttention are the inference kernels
 # vllm-mindspore and MindFormers run on 910B (CANN ATB's ReshapeAndCacheOperation and
 # PagedAttentionOperation); their docstrings still say "no backend implementation in MindSpore", but
 # the 2.10 wheel ships their 910B kernels (lib/plugin/ascend/ms_kernels_internal/internal_kernel/
@@ -37,32 +37,38 @@ ASCEND_OPS = frozenset(
         "BatchMatMul",
         "Cast",
         "Concat",  # QK-norm (Qwen3)
+        "Div",  # the MoE router's renormalized weights
+        "DynamicQuantExt",  # int8 checkpoints' per-token activations (agent/graphs/quant_matmul.py)
         "ExpandDims",
         "FlashAttentionScore",  # prompts on the paged backend (TH layout, MindSpore's internal kernel)
         "Gather",
         "GatherNd",  # the paged cache's K/V transfers
+        "GroupedMatmulV4",  # Qwen3-MoE's experts on Ascend (agent/graphs/moe.py AscendExperts)
+        "InnerMoeTokenUnpermute",  # MoeTokenUnpermute's primitive: the experts' rows summed back
         "MatMul",
+        "MoeGatingTopKSoftmax",  # the MoE router's top-k
+        "MoeInitRoutingV2",  # rows grouped by expert
         "Mul",
         "PagedAttention",
-        "QuantBatchMatmul",  # W8A8 checkpoints (agent/graphs/quant_matmul.py), as vllm-ascend runs them
-        "QuantV2",
-        "DynamicQuantExt",
-        "WeightQuantBatchMatmul",
+        "QuantBatchMatmul",  # W8A8 checkpoints' products, as vllm-ascend runs them
+        "QuantV2",  # W8A8's static activation quantization
         "ReduceMean",
         "Reshape",
         "ReshapeAndCache",
         "Rsqrt",
         "ScatterNdUpdate",  # the paged cache's K/V transfers
         "ScatterUpdate",  # the gather path's cache writes
-        "Stack",
         "SiLU",
         "Softmax",
         "Split",
         "Square",
+        "Stack",
         "StridedSlice",
+        "SumExt",  # ops.sum
         "TensorToTuple",  # FlashAttentionScore's lengths, as vllm-mindspore passes them (a host op)
         "TopK",
         "Transpose",
+        "WeightQuantBatchMatmul",  # int8 weights with float activations (msModelSlim W8A16)
     }
 )
 # Nodes of the graph itself (ordering, tuples and lists, parameter loads, constants), not operators:

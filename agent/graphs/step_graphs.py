@@ -20,7 +20,6 @@ from agent.graphs.interface import GraphInputs, local_ring_blocks, pool_blocks
 from agent.graphs.layers import WHOLE_MODEL, CpuKernels, TensorSplit, release_freed_memory
 from agent.graphs.model import DecoderModel
 from agent.graphs.paged_attention import paged_backend
-from agent.graphs.quant_matmul import int8_matmul_cell
 from agent.kernels import TARGET_ENV, has_int8_products
 from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
@@ -263,9 +262,7 @@ class StepGraphs:
             local_blocks=(runtime.planned_num_slots + 1) * ring,
             paged=paged_backend(runtime),
             cache=CacheFormat.of(runtime),
-            # an int8 checkpoint's linears: Q8_0 blocks where the matmul kernel runs them, else
-            # quantized products (Ascend's kernels, their reference elsewhere)
-            int8_matmul=None if runtime.matmul_kernel else int8_matmul_cell(runtime.device_target),
+            device_target=runtime.device_target,
         )
         release_freed_memory()
         if int8 and not any(

@@ -302,6 +302,7 @@ def test_every_shipped_config_loads(path):
     "name, model, ranks",
     [
         ("qwen3_8b_ascend_tp2.yaml", "Qwen3-8B", 2),
+        ("qwen3_30b_a3b_ascend.yaml", "Qwen3-30B-A3B", 2),
         ("qwen3_32b_ascend.yaml", "Qwen3-32B", 4),
         ("qwen3_32b_ascend_tp8.yaml", "Qwen3-32B", 8),
     ],
