@@ -55,42 +55,20 @@ def test_an_agent_whose_pool_peaked_over_its_plan_after_warm_up_refuses_to_start
     """After warm-up on a device, MindSpore's pool peak is held to the plan: over it, the agent
     stops with the numbers and the blocks that would fit; under it, it starts. A mock: no NPU
     here, so the pool's statistics are given, not measured; on CPU they are not read at all."""
+    from test_memory_plan import ascend_example_runtime, llama2
+
     from agent.memory_plan import MemoryPlanError, plan_memory
-    from agent.model.spec import ModelSpec
     from config.schema import RuntimeSection
 
-    runtime = RuntimeSection(
-        device_target="Ascend",
-        dtype="bfloat16",
-        memory_budget_mb=58000,
-        max_seq_len=2048,
-        compile_cache_dir=None,
-    )
-    spec = ModelSpec(  # Qwen3-8B's
-        architecture="qwen3",
-        name="qwen3-8b",
-        num_layers=36,
-        hidden_size=4096,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate_size=12288,
-        vocab_size=151936,
-        rope_theta=1e6,
-        rms_eps=1e-6,
-        tied_embeddings=False,
-        qkv_bias=False,
-        max_context=40960,
-        bos_id=None,
-        eos_ids=(151645,),
-        qk_norm=True,
-    )
+    runtime = ascend_example_runtime()
+    spec = llama2(32, 4096, 32, 32, 11008)
     _, plan = plan_memory(spec, runtime)
     monkeypatch.setattr(ms.runtime, "max_memory_reserved", lambda: 60 << 30)
-    monkeypatch.setattr(ms.runtime, "max_memory_allocated", lambda: int(plan.pooled_mb + 3000) << 20)
+    peak_mb = int(plan.pooled_mb) + 3000
+    monkeypatch.setattr(ms.runtime, "max_memory_allocated", lambda: peak_mb << 20)
     with pytest.raises(MemoryPlanError, match="over") as refused:
         agent.bootstrap.check_device_peak(runtime, plan)
-    assert f"{plan.pooled_mb + 3000:.0f} MB" in str(refused.value)
+    assert f"peaked at {peak_mb} MB allocated" in str(refused.value)
     monkeypatch.setattr(ms.runtime, "max_memory_allocated", lambda: int(plan.pooled_mb - 1) << 20)
     agent.bootstrap.check_device_peak(runtime, plan)
     monkeypatch.setattr(ms.runtime, "max_memory_allocated", lambda: 1 << 50)
