@@ -35,8 +35,8 @@ decode slot with the ticket, which the decode group then refuses should the KV s
 from __future__ import annotations
 
 import random
-from collections import deque
-from collections.abc import Collection
+from collections import Counter, deque
+from collections.abc import Collection, Mapping
 
 from agent.contract.sampling import Sampled
 from agent.contract.step import Proposal, proposal_size
@@ -44,6 +44,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.client_share import ClientShares
 from scheduler.drafts import Drafts
 from scheduler.engine_io import AdmissionError, FaultKind, Refusal
+from scheduler.engine_stats import EngineStats, GroupStats, KvBlockStats
 from scheduler.placement import Placement
 from scheduler.plan import Chunk, GroupCapacity, Release, StepPlan, attended
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
@@ -157,6 +158,41 @@ class BatchScheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def stats(self, agents: list[tuple[str, ...]], releasing: Mapping[int, int]) -> EngineStats:
+        """The state now: agents, each group's addresses; releasing, each group's releases sent to
+        its agent and not answered yet (the executor's)."""
+        running = Counter(seq.group for seq in self.running.values())
+        planned = Counter(release.group for release in self.pending_releases)
+        groups = tuple(
+            GroupStats(
+                group=g,
+                agents=agents[g],
+                role=capacity.role,
+                healthy=self.healthy[g],
+                seats=capacity.seats,
+                max_prompt_len=capacity.max_prompt_len,
+                max_seq_len=capacity.max_seq_len,
+                running=running[g],
+                releases_pending=planned[g] + releasing.get(g, 0),
+                kv_blocks=KvBlockStats(
+                    block_size=blocks.block_size,
+                    total=blocks.num_blocks,
+                    used=blocks.num_used,
+                    free=blocks.num_free,
+                    cached=blocks.num_cached,
+                    prefix_caching=blocks.enable_prefix_caching,
+                ),
+            )
+            for g, (capacity, blocks) in enumerate(zip(self.groups, self.blocks))
+        )
+        return EngineStats(
+            started=True,
+            running=self.num_running,
+            waiting=self.num_waiting,
+            tokens_in_flight=self.tokens_in_flight,
+            groups=groups,
+        )
 
     # -------------------------------------------------------------------------------- planning
 

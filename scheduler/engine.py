@@ -4,7 +4,7 @@
     await engine.start()                        # connects to every group and checks `info`
     engine.add_request(EngineRequest(request_id, prompt, sampling, max_new_tokens))  # or AdmissionError
     ... on_update(EngineOutput) after each of its new tokens, and at its end (it may return a finish) ...
-    engine.get_bs_current(), engine.get_queue_current()
+    engine.stats()                              # EngineStats: running, waiting, each group's slots and blocks
     engine.refuse_new_requests(); await engine.stop()
 
 The loop never blocks the event loop: agent calls are awaited ZeroMQ round trips. Each iteration
@@ -38,6 +38,7 @@ from scheduler.agent_client import AgentTakenOver
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.client_share import ClientShares
 from scheduler.engine_io import AdmissionError, EngineOutput, EngineRequest, FinishReason, Refusal
+from scheduler.engine_stats import EngineStats, GroupStats
 from scheduler.group_links import GroupLinks
 from scheduler.metrics import ServingMetrics
 from scheduler.plan import GroupCapacity
@@ -79,37 +80,39 @@ class Engine:
         self._draining = False
         self._ending = "the server is shutting down"  # what refused and ended requests are told
         self._stopping = False
-        self.capacities: list[GroupCapacity] = []
+        self._capacities: list[GroupCapacity] = []
         self._counted: dict = {}  # counter -> the scheduler's total it last reached
         self.timed = config.server.otlp_endpoint is not None  # sequences keep a Timeline
         self._bind_gauges()
 
     def _bind_gauges(self) -> None:
         m = self.metrics
-        m.running.set_function(self.get_bs_current)
-        m.waiting.set_function(self.get_queue_current)
-        m.slots_used.set_function(self.get_bs_current)
-        m.tokens_in_flight.set_function(lambda: self.scheduler.tokens_in_flight if self.started else 0)
-        m.slots_total.set_function(
-            lambda: (
-                sum(c.seats for c, ok in zip(self.capacities, self.scheduler.healthy) if ok and c.decodes)
-                if self.started
-                else 0
-            )
-        )
+        m.running.set_function(lambda: self.stats().running)
+        m.waiting.set_function(lambda: self.stats().waiting)
+        m.slots_used.set_function(lambda: self.stats().running)
+        m.tokens_in_flight.set_function(lambda: self.stats().tokens_in_flight)
+        m.slots_total.set_function(lambda: self.stats().slots)
         for group in range(len(self.clients)):
-            m.group_running.labels(str(group)).set_function(partial(self.get_bs_current, group))
-            m.group_slots.labels(str(group)).set_function(partial(self.group_slots, group))
+            m.group_running.labels(str(group)).set_function(partial(self._group_stat, group, "running"))
+            m.group_slots.labels(str(group)).set_function(partial(self._group_stat, group, "slots"))
         for state in ("used", "free", "cached"):
-            m.kv_blocks.labels(state).set_function(partial(self.kv_blocks, state))
+            m.kv_blocks.labels(state).set_function(partial(lambda s: self.stats().kv_blocks(s), state))
 
-    def kv_blocks(self, state: str) -> int:
-        """KV blocks of the healthy groups: used (held by sequences), free (unused or cached with
-        no holder), cached (holding a prefix for reuse)."""
+    def _group_stat(self, group: int, name: str) -> int:
+        return getattr(self.stats().groups[group], name)
+
+    def stats(self) -> EngineStats:
+        """What the engine is doing now (scheduler/engine_stats.py): every observer's one source."""
+        agents = [tuple(client.address.split(",")) for client in self.clients]
         if not self.started:
-            return 0
-        pools = [b for b, ok in zip(self.scheduler.blocks, self.scheduler.healthy) if ok]
-        return sum(getattr(b, f"num_{state}") for b in pools)
+            roles = [group.role for group in self.config.agents.groups]
+            return EngineStats(
+                started=False,
+                groups=tuple(
+                    GroupStats(group=g, agents=a, role=r) for g, (a, r) in enumerate(zip(agents, roles))
+                ),
+            )
+        return self.scheduler.stats(agents, self.executor.releasing)
 
     @property
     def started(self) -> bool:
@@ -119,18 +122,18 @@ class Engine:
     @property
     def max_seq_len(self) -> int:
         """The longest sequence any group holds (their runtime may have planned it)."""
-        return max(c.max_seq_len for c in self.capacities)
+        return max(c.max_seq_len for c in self._capacities)
 
     # ------------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        self.capacities = await self.links.connect_all()
+        self._capacities = await self.links.connect_all()
         self.stop_ids |= frozenset(self.links.eos_ids)
         for client in self.clients:
             self.metrics.agent_up.labels(client.address).set(1)
         s = self.config.scheduler
         self.scheduler = BatchScheduler(
-            self.capacities,
+            self._capacities,
             s.max_waiting_requests,
             s.max_prefills_per_step,
             s.max_tokens_in_flight,
@@ -186,34 +189,6 @@ class Engine:
         reasons += [f"agents not answering: {', '.join(down)}"] if down else []
         return "; ".join(reasons) or None
 
-    def get_bs_current(self, group: int | None = None) -> int:
-        """Running sequences, in total or of one group."""
-        if not self.started:
-            return 0
-        if group is None:
-            return self.scheduler.num_running
-        return sum(1 for seq in self.scheduler.running.values() if seq.group == group)
-
-    def group_slots(self, group: int) -> int:
-        """KV slots of a group while it is healthy, else 0."""
-        if not self.started or not self.scheduler.healthy[group]:
-            return 0
-        return self.capacities[group].seats
-
-    def group_blocks(self, group: int) -> dict | None:
-        """A group's KV block pool (None before the engine starts)."""
-        if not self.started:
-            return None
-        blocks = self.scheduler.blocks[group]
-        return {
-            "block_size": blocks.block_size,
-            "total": blocks.num_blocks,
-            "used": blocks.num_used,
-            "free": blocks.num_free,
-            "cached": blocks.num_cached,
-            "prefix_caching": blocks.enable_prefix_caching,
-        }
-
     async def drop_prefix_cache(self) -> dict:
         """Forget every cached prefix, the pool's and the KV tier's, on each healthy group (an
         operator's reset): {"pool_blocks", "tier_blocks" (how many held one), "skipped_groups"
@@ -243,17 +218,6 @@ class Engine:
                 self._wake.set()
         log.info("prefix cache dropped: %d pool blocks, %d tier blocks", pool, tier)
         return {"pool_blocks": pool, "tier_blocks": tier, "skipped_groups": skipped}
-
-    def releases_pending(self, group: int) -> int:
-        """The group's slot releases its agent has not answered yet: planned, or not yet planned
-        (a finished sequence's slot is released by the next plan for its group)."""
-        if not self.started:
-            return 0
-        planned = sum(1 for r in self.scheduler.pending_releases if r.group == group)
-        return planned + self.executor.releasing[group]
-
-    def get_queue_current(self) -> int:
-        return self.scheduler.num_waiting if self.started else 0
 
     # -------------------------------------------------------------------------------- requests
 
@@ -415,7 +379,7 @@ class Engine:
         self._recoveries.pop(group, None)
         if capacity is None:  # a newer server holds it, or this engine stops
             return
-        self.capacities[group] = capacity
+        self._capacities[group] = capacity
         self.scheduler.group_recovered(group, capacity)
         self.metrics.agent_up.labels(self.clients[group].address).set(1)
         log.info("agent %s is back: serving on it again", self.clients[group].address)

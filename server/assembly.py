@@ -312,7 +312,7 @@ class PromptEncoder:
     def _most_tokens(self) -> int | None:
         """The longest prompt any agent group accepts (None: not connected yet, and admission
         refuses the request then)."""
-        return max((c.max_prompt_len for c in self.engine.capacities), default=None)
+        return self.engine.stats().max_prompt_len
 
     def _most_chars(self) -> int | None:
         most_tokens = self._most_tokens()

@@ -250,17 +250,17 @@ def native_router(repository: ModelRepository) -> APIRouter:
         is the agent of port N in the model's agents.ports)."""
         engines = repository.engines(model)
         if group is None:
-            return EventSourceResponse(one_event(sum(e.get_bs_current() for e in engines)))
+            return EventSourceResponse(one_event(sum(e.stats().running for e in engines)))
         if model is None and len(repository.models) > 1:
             raise ApiError(400, "group needs model=NAME: groups are a model's (several models are served)")
         groups = len(repository.resolve(model).config.agents.groups)
         if not 0 <= group < groups:
             raise ApiError(400, f"group {group} does not exist (groups: 0..{groups - 1})")
-        return EventSourceResponse(one_event(sum(e.get_bs_current(group) for e in engines)))
+        return EventSourceResponse(one_event(sum(e.stats().groups[group].running for e in engines)))
 
     @router.get("/serving/get_request_numbers")
     async def get_request_numbers(model: str | None = None):
         """?model=M: one model's waiting requests (without: every model's)."""
-        return EventSourceResponse(one_event(sum(e.get_queue_current() for e in repository.engines(model))))
+        return EventSourceResponse(one_event(sum(e.stats().waiting for e in repository.engines(model))))
 
     return router

@@ -13,6 +13,7 @@ POST /reset_prefix_cache[?model=M]  forget the model's cached prefixes, in the K
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -38,33 +39,31 @@ def package_version() -> str:
 def model_info(model: ServedModel) -> dict:
     """One model's facts: its names, state, limits and groups (limits and groups while loaded)."""
     config, engine = model.config, model.loaded.engine if model.loaded is not None else None
-    capacities = engine.capacities if engine is not None else []
-    facts: dict = {
+    stats = engine.stats() if engine is not None else None
+    connected = stats.groups if stats is not None and stats.started else ()
+    return {
         "model_id": model.name,
         "aliases": config.model.aliases,
         "state": model.state,
         "reason": model.reason,
-        "max_input_length": min((c.max_prompt_len for c in capacities), default=None),
-        "max_total_tokens": min((c.max_seq_len for c in capacities), default=None),
-        "slots": sum(c.seats for c in capacities if c.decodes),
-        "agents": [a for c in engine.clients for a in c.address.split(",")] if engine is not None else [],
-        "groups": [],
-    }
-    if engine is not None:
-        facts["groups"] = [
+        "max_input_length": min((g.max_prompt_len for g in connected), default=None),
+        "max_total_tokens": min((g.max_seq_len for g in connected), default=None),
+        "slots": stats.seats if stats is not None else 0,
+        "agents": [a for g in stats.groups for a in g.agents] if stats is not None else [],
+        "groups": [
             {
-                "group": i,
-                "role": config.agents.groups[i].role,
-                "agents": client.address.split(","),
-                "slots": engine.group_slots(i),
-                "running": engine.get_bs_current(i),
+                "group": g.group,
+                "role": g.role,
+                "agents": list(g.agents),
+                "slots": g.slots,
+                "running": g.running,
                 # slot releases the group's agent has not answered yet (0: every freed slot is free there)
-                "releases_pending": engine.releases_pending(i),
-                "kv_blocks": engine.group_blocks(i),
+                "releases_pending": g.releases_pending,
+                "kv_blocks": None if g.kv_blocks is None else asdict(g.kv_blocks),
             }
-            for i, client in enumerate(engine.clients)
-        ]
-    return facts
+            for g in (stats.groups if stats is not None else ())
+        ],
+    }
 
 
 def ops_router(config: ServingConfig, repository: ModelRepository) -> APIRouter:

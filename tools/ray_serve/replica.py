@@ -132,8 +132,8 @@ class LLMServerReplica:
         """The load the autoscaling policy reads (tools/ray_serve/autoscaling.py)."""
         engines = self.repository.engines(None)
         return {
-            "running": float(sum(e.get_bs_current() for e in engines)),
-            "waiting": float(sum(e.get_queue_current() for e in engines)),
+            "running": float(sum(e.stats().running for e in engines)),
+            "waiting": float(sum(e.stats().waiting for e in engines)),
         }
 
     async def handle_http(

@@ -83,8 +83,8 @@ def test_answers_under_load_equal_answers_alone(agent_config, tokenizer, tiny_ll
 
         async def watch():
             while True:
-                seen["bs"] = max(seen["bs"], server.engine.get_bs_current())
-                seen["queue"] = max(seen["queue"], server.engine.get_queue_current())
+                seen["bs"] = max(seen["bs"], server.engine.stats().running)
+                seen["queue"] = max(seen["queue"], server.engine.stats().waiting)
                 await asyncio.sleep(0.005)
 
         watcher = asyncio.create_task(watch())
@@ -112,13 +112,13 @@ def test_closing_a_stream_aborts_and_frees_the_slot(agent_config, tokenizer):
         await server.engine.start()
         stream = server.generate_answer("gone", tokenizer.encode("The quick"), GREEDY, 60)
         await stream.__anext__()
-        assert server.engine.get_bs_current() == 1
+        assert server.engine.stats().running == 1
         await stream.aclose()  # what a disconnecting HTTP client does to its generator
         for _ in range(200):
-            if server.engine.get_bs_current() == 0:
+            if server.engine.stats().running == 0:
                 break
             await asyncio.sleep(0.01)
-        bs = server.engine.get_bs_current()
+        bs = server.engine.stats().running
         # The freed slot is usable again: four new requests fill all four slots.
         texts = await asyncio.gather(
             *(collect(server.generate_answer(f"n{i}", [5 + i], GREEDY, 5)) for i in range(4))

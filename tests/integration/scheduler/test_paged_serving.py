@@ -123,7 +123,7 @@ def test_sixteen_streams_in_a_third_of_their_blocks_are_preempted_and_lose_nothi
         return (
             answers,
             server.engine.scheduler.preemptions,
-            server.engine.kv_blocks("used"),
+            server.engine.stats().kv_blocks("used"),
             mixed_steps(server),
         )
 

@@ -176,11 +176,13 @@ def test_a_slot_release_is_pending_until_its_agent_answers_it():
         await engine.start()
         submit(engine, "r", [1, 2], SamplingParams(), 3)
         await until(lambda: answers.finished("r"))
-        assert engine.releases_pending(0) == 1  # not yet planned
+        assert engine.stats().groups[0].releases_pending == 1  # not yet planned
         await until(lambda: engine.executor.releasing[0] == 1)
-        assert engine.releases_pending(0) == 1 and agent.released == []  # planned, not answered
+        assert (
+            engine.stats().groups[0].releases_pending == 1 and agent.released == []
+        )  # planned, not answered
         answer_release.set()
-        await until(lambda: engine.releases_pending(0) == 0)
+        await until(lambda: engine.stats().groups[0].releases_pending == 0)
         assert agent.released == [0]
         await engine.stop()
 

@@ -1,0 +1,79 @@
+"""EngineStats: what an engine is doing at one moment, per group (vLLM's SchedulerStats), frozen. The
+one source of /info, /serving/get_bs and /serving/get_queue, the Prometheus gauges and the dashboard
+(which reads /info and /metrics). BatchScheduler.stats builds it; Engine.stats adds nothing but the
+state before the groups connect."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+BlockState = Literal["used", "free", "cached"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvBlockStats:
+    """A group's KV block pool: used (held by sequences), free (unused, or cached with no holder),
+    cached (holding a prefix for reuse)."""
+
+    block_size: int
+    total: int
+    used: int
+    free: int
+    cached: int
+    prefix_caching: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupStats:
+    """One agent group: its agents, role and limits (zero before it connects), its health, the
+    sequences it runs, the slot releases its agent has not answered yet (planned or not yet
+    planned: 0 when every freed slot is free there) and its KV pool (None before it connects)."""
+
+    group: int
+    agents: tuple[str, ...]
+    role: str
+    healthy: bool = False
+    seats: int = 0
+    max_prompt_len: int = 0
+    max_seq_len: int = 0
+    running: int = 0
+    releases_pending: int = 0
+    kv_blocks: KvBlockStats | None = None
+
+    @property
+    def decodes(self) -> bool:
+        return self.role != "prefill"
+
+    @property
+    def slots(self) -> int:
+        """KV slots while the group is healthy, else 0."""
+        return self.seats if self.healthy else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    started: bool  # connected to every group, the loop running
+    running: int = 0
+    waiting: int = 0
+    tokens_in_flight: int = 0  # prompt + answer tokens of every admitted request
+    groups: tuple[GroupStats, ...] = ()
+
+    @property
+    def seats(self) -> int:
+        """Decode slots of every group, healthy or not."""
+        return sum(g.seats for g in self.groups if g.decodes)
+
+    @property
+    def slots(self) -> int:
+        """Decode slots of the healthy groups."""
+        return sum(g.slots for g in self.groups if g.decodes)
+
+    @property
+    def max_prompt_len(self) -> int | None:
+        """The longest prompt some group takes (None before they connect)."""
+        return max((g.max_prompt_len for g in self.groups), default=None) if self.started else None
+
+    def kv_blocks(self, state: BlockState) -> int:
+        """KV blocks in `state` of the healthy groups."""
+        return sum(getattr(g.kv_blocks, state) for g in self.groups if g.healthy and g.kv_blocks)
