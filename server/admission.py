@@ -135,7 +135,7 @@ async def admit_answers(model: LoadedModel, style: ApiStyle, admission: Admissio
         thinking,
         a.shown_tokens,
     )
-    streams = await admit(model.engine, model.outputs, request, style)
+    streams = await admit(model.client, request, style)
     return Admitted(prompt, max_tokens, streams)
 
 

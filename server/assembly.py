@@ -23,8 +23,9 @@ from agent.model.chat_template import RenderBudgetError
 from agent.model.tokenizer import TextTokenizer, TokenizerError
 from scheduler.engine import Engine
 from scheduler.engine_io import AdmissionError, EngineRequest, TokenConstraint
+from server.engine_client import EngineClient
 from server.errors import ApiError, ApiStyle, refusal_status
-from server.output import AnswerStream, OutputProcessor
+from server.output import AnswerStream
 from server.structured_output import Grammar, GrammarError, Grammars, GrammarSpec
 from server.thinking_budget import ThinkingBudget
 from server.tracing import current_request
@@ -161,11 +162,7 @@ class AnswerRequest:
 
 
 def generate_answer(
-    engine: Engine,
-    outputs: OutputProcessor,
-    request: AnswerRequest,
-    sampling: SamplingParams,
-    request_id: str | None = None,
+    client: EngineClient, request: AnswerRequest, sampling: SamplingParams, request_id: str | None = None
 ) -> AnswerStream:
     """One answer of the request, queued at once (AdmissionError if refused) with its stream;
     closing the stream early (the client is gone) aborts it and frees its slot."""
@@ -183,11 +180,10 @@ def generate_answer(
         request.speculate,
         trace,
     )
-    engine.add_request(engine_request)
+    stream = client.generate(engine_request, request.stop, request.shown)
     if trace is not None:
-        trace.admitted(engine.config.model.name, engine_request)
-    hidden = engine_request.stop_ids(engine.stop_ids)
-    return outputs.open(engine_request.request_id, hidden, request.stop, engine.abort, request.shown)
+        trace.admitted(client.engine.config.model.name, engine_request)
+    return stream
 
 
 def _constraint(request: AnswerRequest) -> TokenConstraint | None:
@@ -196,11 +192,9 @@ def _constraint(request: AnswerRequest) -> TokenConstraint | None:
     return grammar if request.thinking is None else request.thinking.follow(grammar)
 
 
-async def admit(
-    engine: Engine, outputs: OutputProcessor, request: AnswerRequest, style: ApiStyle
-) -> list[AnswerStream]:
+async def admit(client: EngineClient, request: AnswerRequest, style: ApiStyle) -> list[AnswerStream]:
     """One answer stream per sampling, all admitted or none (a refusal becomes an ApiError)."""
-    if request.priority and engine.config.scheduler.scheduling_policy != "priority":
+    if request.priority and client.engine.config.scheduler.scheduling_policy != "priority":
         raise ApiError(
             400,
             "priority needs scheduler.scheduling_policy: priority (this server is first come, first served)",
@@ -210,11 +204,11 @@ async def admit(
         # once per distinct min_tokens and stop ids (n choices differ only in their seeds)
         distinct = {(s.min_tokens, tuple(s.stop_token_ids)): s for s in request.samplings}
         for sampling in distinct.values():
-            check_first_token(request.grammar, sampling, engine.stop_ids)
+            check_first_token(request.grammar, sampling, client.stop_ids)
     streams = []
     try:
         for sampling in request.samplings:
-            streams.append(generate_answer(engine, outputs, request, sampling))
+            streams.append(generate_answer(client, request, sampling))
     except AdmissionError as exc:
         for stream in streams:  # admitted choices of a refused request go too
             await stream.aclose()

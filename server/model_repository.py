@@ -32,6 +32,7 @@ from scheduler.engine import Engine
 from scheduler.metrics import MetricsByModel, ServingMetrics
 from server import reasoning
 from server.assembly import PromptEncoder
+from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.launcher_client import LauncherClient, LauncherError
 from server.logprob_format import LogprobFormatter
@@ -57,6 +58,7 @@ class LoadedModel:
     config: ServingConfig
     engine: Engine
     outputs: OutputProcessor
+    client: EngineClient  # what the routes drive: the engine and its answer streams together
     encoder: PromptEncoder
     grammars: Grammars
     formatter: LogprobFormatter
@@ -213,6 +215,7 @@ class ModelRepository:
             model.config,
             engine,
             outputs,
+            EngineClient(engine, outputs),
             PromptEncoder(tokenizer, engine),
             Grammars(
                 tokenizer,

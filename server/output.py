@@ -2,8 +2,7 @@
 
     outputs = OutputProcessor(tokenizer, metrics)
     engine = Engine(config, tokenizer.vocab_size, tokenizer.eos_ids, outputs.update, metrics)
-    engine.add_request(request)                  # server/assembly.py
-    stream = outputs.open(request.request_id, request.stop_ids(engine.stop_ids), stop, engine.abort)
+    stream = EngineClient(engine, outputs).generate(request, stop)   # server/engine_client.py
     async for out in stream:
         out.text ...                            # pieces join to the full answer; last one: finished
 

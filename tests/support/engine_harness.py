@@ -8,6 +8,7 @@ from agent.model.tokenizer import TextTokenizer
 from config.schema import ServingConfig
 from scheduler.engine import Engine
 from server.assembly import AnswerRequest, generate_answer
+from server.engine_client import EngineClient
 from server.output import AnswerStream, OutputProcessor
 
 
@@ -15,6 +16,7 @@ class EngineAndStreams:
     def __init__(self, config: ServingConfig, tokenizer: TextTokenizer):
         self.outputs = OutputProcessor(tokenizer)
         self.engine = Engine(config, tokenizer.vocab_size, tokenizer.eos_ids, self.outputs.update)
+        self.client = EngineClient(self.engine, self.outputs)
 
     def generate_answer(
         self,
@@ -26,4 +28,4 @@ class EngineAndStreams:
         ignore_eos: bool = False,
     ) -> AnswerStream:
         request = AnswerRequest(prompt, [sampling], max_new_tokens, stop, ignore_eos)
-        return generate_answer(self.engine, self.outputs, request, sampling, request_id)
+        return generate_answer(self.client, request, sampling, request_id)
