@@ -2,7 +2,8 @@
 
     engine = Engine(config, vocab_size, eos_ids, on_update)
     await engine.start()                        # connects to every group and checks `info`
-    engine.add_request(EngineRequest(request_id, prompt, sampling, max_new_tokens))  # or AdmissionError
+    engine.add_request(EngineRequest(request_id=rid, prompt=ids, sampling=s, max_new_tokens=64))
+                                                # or AdmissionError
     ... on_update(EngineOutput) after each of its new tokens, and at its end (it may return a finish) ...
     engine.stats()                              # EngineStats: running, waiting, each group's slots and blocks
     engine.refuse_new_requests(); await engine.stop()
@@ -232,19 +233,8 @@ class Engine:
             raise AdmissionError(self._ending, Refusal.SHUTTING_DOWN)
         if self.links.taken_over and not self.scheduler.can_serve:
             raise AdmissionError(self.links.taken_over_reason(), Refusal.NO_GROUP)
-        seq = Sequence(
-            request.request_id,
-            list(request.prompt),
-            request.sampling,
-            request.max_new_tokens,
-            request.stop_ids(self.stop_ids),
-            constraint=request.constraint,
-            cache_salt=request.cache_salt,
-            client=request.client,
-            priority=request.priority,
-            speculate=request.speculate,
-            timeline=Timeline(time.monotonic(), context=request.trace) if self.timed else None,
-        )
+        timeline = Timeline(time.monotonic(), context=request.trace) if self.timed else None
+        seq = Sequence.from_request(request, request.stop_ids(self.stop_ids), timeline)
         try:
             self.scheduler.add(seq)
         except AdmissionError:

@@ -2,7 +2,7 @@
 engine a frozen EngineRequest (Engine.add_request) and reads frozen EngineOutputs (the engine's
 on_update), never the scheduler's mutable Sequence.
 
-    engine.add_request(EngineRequest("r1", prompt, sampling, max_new_tokens=64))
+    engine.add_request(EngineRequest(request_id="r1", prompt=prompt, sampling=sampling, max_new_tokens=64))
     ... on_update(EngineOutput("r1", new_token_ids=(42,), ...)) after each step that touched it ...
     ... and exactly one finished output (finish_reason set) at its end, whatever ended it ...
 
@@ -87,7 +87,7 @@ class TokenConstraint(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineRequest:
     """One answer to generate. `sampling` is the value validated where the request entered (the
     API's schema built it); the engine and the agents take it as it is. `constraint`: the grammar

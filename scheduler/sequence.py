@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from agent.contract.prompt_logprobs import PromptLogprob
 from agent.contract.sampling import SamplingParams, TokenLogprob
-from scheduler.engine_io import EngineOutput, FaultKind, FinishReason, TokenConstraint
+from scheduler.engine_io import EngineOutput, EngineRequest, FaultKind, FinishReason, TokenConstraint
 from scheduler.ngram import SpeculationState
 from scheduler.timeline import Timeline
 
@@ -58,6 +58,26 @@ class Sequence:
     speculate: bool = True  # the request lets the scheduler propose its tokens (speculative decoding)
     speculation: SpeculationState | None = None  # its proposals' state, once it proposed
     timeline: Timeline | None = None  # its agent calls' times, while tracing is on (scheduler/timeline.py)
+
+    @classmethod
+    def from_request(
+        cls, request: EngineRequest, stop_ids: frozenset[int], timeline: Timeline | None = None
+    ) -> Sequence:
+        """A request's sequence, waiting; `stop_ids`: the ids that end it (EngineRequest.stop_ids of
+        the model's EOS ids); `timeline`: its times, while tracing is on."""
+        return cls(
+            request.request_id,
+            list(request.prompt),
+            request.sampling,
+            request.max_new_tokens,
+            stop_ids,
+            constraint=request.constraint,
+            cache_salt=request.cache_salt,
+            client=request.client,
+            priority=request.priority,
+            speculate=request.speculate,
+            timeline=timeline,
+        )
 
     @property
     def finished(self) -> bool:

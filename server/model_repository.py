@@ -31,12 +31,12 @@ from scheduler.agent_client import AgentError
 from scheduler.engine import Engine
 from scheduler.metrics import MetricsByModel, ServingMetrics
 from server import reasoning
-from server.assembly import PromptEncoder
 from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.launcher_client import LauncherClient, LauncherError
 from server.logprob_format import LogprobFormatter
 from server.output import OutputProcessor
+from server.prompt_encoder import PromptEncoder
 from server.structured_output import Grammars
 from server.tracing import Tracing
 

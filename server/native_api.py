@@ -24,7 +24,7 @@ from sse_starlette.sse import EventSourceResponse
 from agent.contract.native_request import ClientRequest, TgiGrammar
 from server.access import client_of
 from server.admission import Admission, Prompt, admit_answers
-from server.assembly import unless_disconnected
+from server.client_disconnect import unless_disconnected
 from server.collect import whole_answer
 from server.errors import NATIVE, ApiError, declares
 from server.logprob_format import LogprobFormatter
@@ -205,12 +205,12 @@ def native_router(repository: ModelRepository) -> APIRouter:
         chat = model.config.server.apply_chat_template if p.chat_template is None else p.chat_template
         messages = [{"role": "user", "content": request.inputs}] if chat else None
         admission = Admission(
-            Prompt(request.inputs, messages, truncate=p.truncate),
-            p,
-            p.do_sample,
-            (p.seed,),
-            p.max_new_tokens,
-            "max_new_tokens",
+            prompt=Prompt(request.inputs, messages, truncate=p.truncate),
+            sampling=p,
+            do_sample=p.do_sample,
+            seeds=(p.seed,),
+            max_tokens=p.max_new_tokens,
+            max_tokens_param="max_new_tokens",
             # the upstream default (300) still just ends early
             length_checked="max_new_tokens" in p.model_fields_set,
             sampling_fields={"logprobs": p.logprobs_asked(), "prompt_logprobs": p.prompt_logprobs_asked()},

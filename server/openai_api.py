@@ -30,7 +30,7 @@ from agent.contract.prompt_logprobs import PromptLogprob
 from server import reasoning, tool_calls
 from server.access import client_of
 from server.admission import Admission, Prompt, admit_answers
-from server.assembly import unless_disconnected
+from server.client_disconnect import unless_disconnected
 from server.collect import collected, merged
 from server.errors import OPENAI, ApiError, ApiStyle, declares, error_body
 from server.model_repository import LoadedModel, ModelRepository
@@ -74,11 +74,12 @@ async def admit_choices(
         grammar, grammar_param = (lambda: call_grammar), "tools"
     calls = isinstance(req, ChatCompletionRequest) and tool_calls.offered(req)
     admission = Admission(
-        prompt,
-        req,
-        req.temperature > 0,
-        tuple(None if req.seed is None else req.seed + i for i in range(req.n)),
-        *length,
+        prompt=prompt,
+        sampling=req,
+        do_sample=req.temperature > 0,
+        seeds=tuple(None if req.seed is None else req.seed + i for i in range(req.n)),
+        max_tokens=length[0],
+        max_tokens_param=length[1],
         sampling_fields={
             "logprobs": top,
             "logit_bias": req.logit_bias,

@@ -33,7 +33,7 @@ from server.template_kwargs import check_template_kwargs
 MAX_N = 8  # completions per request; each is one more sequence in the batch
 # A conversation's messages (Anthropic's, Responses' input items): each is validated, converted and
 # rendered before the prompt's length is known; the longest prompt bounds them again per model
-# (server/assembly.py PromptEncoder). 50,000 empty messages fit in a 1 MB body.
+# (server/prompt_encoder.py). 50,000 empty messages fit in a 1 MB body.
 MAX_MESSAGES = 4096
 MAX_CHOICES = 256  # structured_outputs.choice
 MAX_TOKEN_ID_DIGITS = 10  # logit_bias keys: token ids are int32

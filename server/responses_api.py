@@ -32,7 +32,7 @@ from fastapi.responses import Response
 from sse_starlette.sse import EventSourceResponse
 
 from server.access import client_of
-from server.assembly import unless_disconnected
+from server.client_disconnect import unless_disconnected
 from server.errors import OPENAI, OPENAI_TYPES, ApiError, declares
 from server.model_repository import ModelRepository
 from server.openai_api import admit_chat, translated_chat

@@ -16,7 +16,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.assembly import check_vocabulary
+from server.admission import check_vocabulary
 from server.errors import OPENAI, ApiError, declares
 from server.model_repository import ModelRepository
 from server.openai_schema import MAX_MESSAGES, ChatMessage, refused_content

@@ -39,7 +39,7 @@ from agent.contract.sampling import (
 )
 from server.access import client_of
 from server.admission import Admission, Prompt, admit_answers
-from server.assembly import unless_disconnected
+from server.client_disconnect import unless_disconnected
 from server.collect import whole_answer
 from server.errors import TRITON, ApiError, declares
 from server.model_repository import ModelRepository
@@ -146,12 +146,12 @@ async def start_answer(
     chat = model.config.server.apply_chat_template if p.chat_template is None else p.chat_template
     messages = [{"role": "user", "content": prompt_text}] if chat else None
     admission = Admission(
-        Prompt(prompt_text, messages, param="text_input"),
-        p,
-        p.temperature > 0,
-        (p.seed,),
-        p.max_tokens,
-        "max_tokens",
+        prompt=Prompt(prompt_text, messages, param="text_input"),
+        sampling=p,
+        do_sample=p.temperature > 0,
+        seeds=(p.seed,),
+        max_tokens=p.max_tokens,
+        max_tokens_param="max_tokens",
         stop=tuple(p.stop),
         ignore_eos=p.ignore_eos,
         client=client,

@@ -7,7 +7,7 @@ from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import TextTokenizer
 from config.schema import ServingConfig
 from scheduler.engine import Engine
-from server.assembly import AnswerRequest, generate_answer
+from server.admission import AnswerRequest, generate_answer
 from server.engine_client import EngineClient
 from server.output import AnswerStream, OutputProcessor
 
@@ -27,5 +27,11 @@ class EngineAndStreams:
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
     ) -> AnswerStream:
-        request = AnswerRequest(prompt, [sampling], max_new_tokens, stop, ignore_eos)
+        request = AnswerRequest(
+            prompt=prompt,
+            samplings=[sampling],
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            ignore_eos=ignore_eos,
+        )
         return generate_answer(self.client, request, sampling, request_id)

@@ -13,18 +13,20 @@ from scheduler.sequence import Sequence, SequenceStatus
 
 
 def test_a_request_is_frozen_and_holds_a_validated_sampling():
-    request = EngineRequest("r", [1, 2, 3], SamplingParams(temperature=0.5), 8)  # type: ignore[arg-type]
+    sampling = SamplingParams(temperature=0.5)
+    request = EngineRequest(request_id="r", prompt=[1, 2, 3], sampling=sampling, max_new_tokens=8)  # type: ignore[arg-type]
     assert request.prompt == (1, 2, 3)  # a caller's list is not shared with the engine
     with pytest.raises(dataclasses.FrozenInstanceError):
         request.max_new_tokens = 9  # type: ignore[misc]
     with pytest.raises(TypeError, match="SamplingParams"):  # a raw dict never reaches the engine
-        EngineRequest("r", (1,), {"temperature": 0.5}, 8)  # type: ignore[arg-type]
+        EngineRequest(request_id="r", prompt=(1,), sampling={"temperature": 0.5}, max_new_tokens=8)  # type: ignore[arg-type]
 
 
 def test_the_stop_ids_are_eos_and_the_requests_own_unless_eos_is_ignored():
     sampling = SamplingParams(stop_token_ids=(7, 8))
-    assert EngineRequest("r", (1,), sampling, 4).stop_ids({0, 2}) == {0, 2, 7, 8}
-    assert EngineRequest("r", (1,), sampling, 4, ignore_eos=True).stop_ids({0, 2}) == {7, 8}
+    request = EngineRequest(request_id="r", prompt=(1,), sampling=sampling, max_new_tokens=4)
+    assert request.stop_ids({0, 2}) == {0, 2, 7, 8}
+    assert dataclasses.replace(request, ignore_eos=True).stop_ids({0, 2}) == {7, 8}
 
 
 def test_a_sequence_reports_its_new_tokens_and_its_end_once():

@@ -1,6 +1,6 @@
 """One admission path (server/admission.py): every API reaches the engine through admit_answers,
-and only that reaches assembly.admit and the engine's add_request. Read from the source: a new
-front end that admits on its own fails here."""
+and only that reaches admission.admit, the engine client's generate and the engine's add_request.
+Read from the source: a new front end that admits on its own fails here."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ def callers(name: str) -> set[str]:
 
 
 def test_the_engine_is_reached_by_one_call():
-    assert callers("add_request") == {"assembly.py:generate_answer"}
-    assert callers("generate_answer") == {"assembly.py:admit"}
+    assert callers("add_request") == {"engine_client.py:generate"}
+    assert callers("generate") == {"admission.py:generate_answer"}
+    assert callers("generate_answer") == {"admission.py:admit"}
     assert callers("admit") == {"admission.py:admit_answers"}
 
 
