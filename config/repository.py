@@ -2,7 +2,7 @@
 model section's keys plus its own runtime and agents; the top-level agents keys (but the ports,
 groups and CPU sets, which are each model's own) are every model's defaults.
 
-ModelRepository parses that form as it is written; ServingConfig (config/serving.py) builds each
+RepositoryConfig parses that form as it is written; ServingConfig (config/serving.py) builds each
 model's one-model config from it."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class ModelEntry(ModelSection):
         return ModelSection.model_validate(self.model_dump(include=set(ModelSection.model_fields)))
 
 
-class ModelRepository(SharedSections):
+class RepositoryConfig(SharedSections):
     """Several models in one server (Triton's model repository): `models`, and the sections they
     share."""
 
@@ -82,7 +82,7 @@ class ModelRepository(SharedSections):
         return agents
 
     @model_validator(mode="after")
-    def _ray_serves_one_model(self) -> ModelRepository:
+    def _ray_serves_one_model(self) -> RepositoryConfig:
         if self.ray is not None:
             raise ValueError(RAY_SERVES_ONE_MODEL)
         return self

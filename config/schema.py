@@ -7,7 +7,7 @@ from config.base import PROJECT_ROOT, Section, is_loopback, resolve_path
 from config.logs import LoggingSection
 from config.model import ModelSection
 from config.ray import RaySection
-from config.repository import MODEL_NAME, PER_MODEL_AGENTS, AgentsKeys, ModelEntry, ModelRepository
+from config.repository import MODEL_NAME, PER_MODEL_AGENTS, AgentsKeys, ModelEntry, RepositoryConfig
 from config.runtime import RuntimeSection, SpeculationSection
 from config.scheduler import SchedulerSection
 from config.server import ServerSection
@@ -25,7 +25,7 @@ __all__ = [
     "GroupSection",
     "LoggingSection",
     "ModelEntry",
-    "ModelRepository",
+    "RepositoryConfig",
     "ModelSection",
     "RaySection",
     "Role",

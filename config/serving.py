@@ -1,5 +1,5 @@
 """ServingConfig: one model's config (`model`, `runtime`, `agents` and the shared sections), what
-every process runs by; a file in the repository form (`models:`) is parsed by ModelRepository and
+every process runs by; a file in the repository form (`models:`) is parsed by RepositoryConfig and
 gives one such config per model (model_configs())."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from config.agents import AgentsSection
 from config.model import ModelSection
-from config.repository import ModelEntry, ModelRepository
+from config.repository import ModelEntry, RepositoryConfig
 from config.runtime import RuntimeSection
 from config.shared import RAY_SERVES_ONE_MODEL, SharedSections
 
@@ -26,11 +26,11 @@ class ServingConfig(SharedSections):
     @model_validator(mode="wrap")
     @classmethod
     def _repository_form(cls, data, handler):
-        """The repository form is its own type: parsed by ModelRepository, each model's config built
+        """The repository form is its own type: parsed by RepositoryConfig, each model's config built
         from its typed sections; this config is the first model's with the repository's sections."""
         if not isinstance(data, dict) or "models" not in data:
             return handler(data)
-        repository = ModelRepository.model_validate(data)
+        repository = RepositoryConfig.model_validate(data)
         configs = {
             entry.name: cls._of_entry(repository, i, entry) for i, entry in enumerate(repository.models)
         }
@@ -52,7 +52,7 @@ class ServingConfig(SharedSections):
         return config
 
     @classmethod
-    def _of_entry(cls, repository: ModelRepository, index: int, entry: ModelEntry) -> ServingConfig:
+    def _of_entry(cls, repository: RepositoryConfig, index: int, entry: ModelEntry) -> ServingConfig:
         """One repository model's config in the one-model form; its agents log in a folder of its own."""
         where = f"models[{index}] ({entry.name})"
         try:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from config import ConfigError, load_config
-from config.schema import PROJECT_ROOT, AgentsSection, ModelRepository, ServingConfig
+from config.schema import PROJECT_ROOT, AgentsSection, RepositoryConfig, ServingConfig
 
 
 def test_default_config_serves_the_embedded_model_on_cpu():
@@ -338,7 +338,7 @@ def test_a_key_moved_to_the_scheduler_section_fails_naming_its_new_place(tmp_pat
 
 
 def test_the_repository_form_parses_to_its_own_type():
-    """`models:` is a ModelRepository: entries with their own runtime, agents keys layered over the
+    """`models:` is a RepositoryConfig: entries with their own runtime, agents keys layered over the
     shared ones (CURVE too: the server's keys shared, each model its agents' keys)."""
     keys = [c * 40 for c in "sabcd"]
     data = {
@@ -361,7 +361,7 @@ def test_the_repository_form_parses_to_its_own_type():
             },
         ],
     }
-    repository = ModelRepository.model_validate(data)
+    repository = RepositoryConfig.model_validate(data)
     assert [entry.name for entry in repository.models] == ["a", "b"]
     assert repository.agents.model_fields_set == {"shutdown_grace_s", "curve"}
     b = repository.agents_of(repository.models[1])

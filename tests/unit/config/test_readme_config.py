@@ -7,7 +7,7 @@ import re
 
 from pydantic import BaseModel
 
-from config.schema import PROJECT_ROOT, ModelRepository, ServingConfig
+from config.schema import PROJECT_ROOT, RepositoryConfig, ServingConfig
 
 
 def documented_rows() -> dict[str, str]:
@@ -36,7 +36,7 @@ def schema_fields() -> dict[str, object]:
                 fields[f"{section}.{name}"] = getattr(getattr(defaults, section), name)
         else:
             fields[section] = getattr(defaults, section)
-    assert set(ModelRepository.model_fields) - set(ServingConfig.model_fields) == {"models"}
+    assert set(RepositoryConfig.model_fields) - set(ServingConfig.model_fields) == {"models"}
     return fields
 
 
