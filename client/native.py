@@ -21,7 +21,7 @@ from typing import Literal
 
 import httpx
 
-from agent.contract.native_request import ClientRequest, Parameters
+from server.native_schema import ClientRequest, Parameters
 
 DEFAULT_URL = "http://127.0.0.1:9811"
 

@@ -21,7 +21,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from sse_starlette.sse import EventSourceResponse
 
-from agent.contract.native_request import ClientRequest, TgiGrammar
 from server.access import client_of
 from server.admission import Admission, Prompt, admit_answers
 from server.client_disconnect import unless_disconnected
@@ -29,6 +28,7 @@ from server.collect import whole_answer
 from server.errors import NATIVE, ApiError, declares
 from server.logprob_format import LogprobFormatter
 from server.model_repository import ModelRepository
+from server.native_schema import ClientRequest, TgiGrammar
 from server.openai_schema import json_text
 from server.output import AnswerStream, GeneratedToken, GenerationOutput
 from server.request_body import json_body

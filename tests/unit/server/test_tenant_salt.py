@@ -29,8 +29,8 @@ def test_a_salt_that_is_not_text_is_refused_by_every_schema():
     request is validated, naming the field: pydantic's str takes only text."""
     from pydantic import ValidationError
 
-    from agent.contract.native_request import Parameters
     from server.anthropic_schema import MessagesRequest
+    from server.native_schema import Parameters
     from server.openai_schema import CompletionRequest
     from server.responses_schema import ResponsesRequest
 
