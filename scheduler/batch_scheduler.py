@@ -9,7 +9,7 @@ a tensor-parallel group, which the scheduler sees as one.
     scheduler.decoded(seqs, tokens); scheduler.prefilled(chunk, token or None)
 
 The plan's parts are in scheduler/plan.py; the groups' slots, blocks and health, and where a new
-sequence goes, in scheduler/placement.py; speculative decoding's proposals in scheduler/drafts.py;
+sequence goes, in scheduler/placement.py; speculative decoding's proposals in scheduler/speculation/drafts.py;
 what each client may hold (fair share) in scheduler/client_share.py.
 
 Each step of a group spends at most `max_batched_tokens` positions: every decode row first (a
@@ -42,15 +42,15 @@ from agent.contract.sampling import Sampled
 from agent.contract.step import Proposal, proposal_size
 from scheduler.block_manager import BlockManager
 from scheduler.client_share import ClientShares
-from scheduler.drafts import Drafts
 from scheduler.engine_io import AdmissionError, FaultKind, Refusal
 from scheduler.engine_stats import EngineStats, GroupStats, KvBlockStats
 from scheduler.placement import Placement
 from scheduler.plan import Chunk, GroupCapacity, Release, StepPlan, attended
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
-from scheduler.speculation import Speculator
+from scheduler.speculation.drafts import Drafts
+from scheduler.speculation.speculator import Speculator
+from scheduler.speculation.verify_costs import VerifyCosts
 from scheduler.step_costs import StepCosts
-from scheduler.verify_costs import VerifyCosts
 
 
 class BatchScheduler:
@@ -73,7 +73,7 @@ class BatchScheduler:
         self.max_batched_tokens = max_batched_tokens  # positions one group's step computes
         # Each group's learned step costs: how many prompt positions may join its decode rows.
         self.step_costs = [StepCosts(decode_stall_ratio, g.block_size) for g in groups]
-        # Each group's learned cost of verifying proposals: how many pay (scheduler/drafts.py).
+        # Each group's learned cost of verifying proposals: how many pay (scheduler/speculation/drafts.py).
         self.verify_costs = [VerifyCosts() for _ in groups]
         self.tokens_in_flight = 0
         self.placement = Placement(groups, enable_prefix_caching)  # slots, blocks, health

@@ -44,7 +44,7 @@ from scheduler.group_links import GroupLinks
 from scheduler.metrics import ServingMetrics
 from scheduler.plan import GroupCapacity
 from scheduler.sequence import Sequence
-from scheduler.speculation import Speculator
+from scheduler.speculation.speculator import Speculator
 from scheduler.step_executor import StepExecutor, StepHooks
 from scheduler.timeline import Timeline
 

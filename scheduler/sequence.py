@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from agent.contract.prompt_logprobs import PromptLogprob
 from agent.contract.sampling import SamplingParams, TokenLogprob
 from scheduler.engine_io import EngineOutput, EngineRequest, FaultKind, FinishReason, TokenConstraint
-from scheduler.ngram import SpeculationState
+from scheduler.speculation.ngram import SpeculationState
 from scheduler.timeline import Timeline
 
 

@@ -21,7 +21,7 @@ from agent.runner import ModelRunner
 from agent.service import AgentService
 from agent.warm_up import warm_up
 from config.schema import RuntimeSection
-from scheduler.ngram import NgramIndex
+from scheduler.speculation.ngram import NgramIndex
 
 pytestmark = pytest.mark.default_model
 GREEDY = SamplingParams()

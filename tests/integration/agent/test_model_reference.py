@@ -15,7 +15,7 @@ from agent.runner import ModelRunner
 from agent.warm_up import warm_up
 from config.schema import PROJECT_ROOT
 from int8_comparison import Int8Reach
-from scheduler.ngram import NgramIndex
+from scheduler.speculation.ngram import NgramIndex
 from tiny_models import write_tiny_checkpoint
 
 GREEDY = SamplingParams()

@@ -3,7 +3,7 @@ tokens (/metrics counts them), and its greedy answers equal those of a stack wit
 for prompts that copy themselves and one that does not.
 
 Which steps propose is the cost-aware rule's choice, from step times the scheduler measures
-(scheduler/verify_costs.py): so how many proposed tokens are kept depends on the machine's load,
+(scheduler/speculation/verify_costs.py): so how many proposed tokens are kept depends on the machine's load,
 and is not asserted here. That kept tokens leave greedy answers unchanged is asserted where the
 proposal length is fixed (test_speculation.py, `adaptive: false`)."""
 

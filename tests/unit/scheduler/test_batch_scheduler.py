@@ -15,7 +15,7 @@ from scheduler.client_share import ClientShares
 from scheduler.engine_io import AdmissionError, FaultKind, Refusal
 from scheduler.plan import GroupCapacity
 from scheduler.sequence import FinishReason, Sequence
-from scheduler.speculation import Speculator
+from scheduler.speculation.speculator import Speculator
 
 EOS = 99
 
@@ -751,7 +751,7 @@ def test_a_stop_among_the_kept_proposals_ends_the_answer_there():
     proposer = speculator()
     scheduler, agents = make(slots=(2,), mixed_rows=32, cycle=7, speculator=proposer)
     request = Sequence("r", [1, 2, 3, 4, 5, 6, 0, 1, 2], SamplingParams(), 20, frozenset({6}))
-    proposer.state(request).kept_weight = 50  # known to copy: all 4 pay (scheduler/proposal_length.py)
+    proposer.state(request).kept_weight = 50  # known to copy: all 4 pay (its proposal lengths)
     scheduler.add(request)
     step(scheduler, agents)  # the prompt: its first token 3
     plan = step(scheduler, agents)  # proposes 4 5 6 0 after the 3, the agent keeps all and adds 1

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from agent.contract.sampling import SamplingParams
 from config.schema import SpeculationSection
-from scheduler.ngram import STEP_ENDS, WINDOW, NgramIndex
 from scheduler.sequence import Sequence
-from scheduler.speculation import MAX_SKIP, Speculator
+from scheduler.speculation.ngram import STEP_ENDS, WINDOW, NgramIndex
+from scheduler.speculation.speculator import MAX_SKIP, Speculator
 
 
 def brute_force(tokens: list[int], n_min: int, n_max: int, k: int, first_end: int = 0) -> list[int]:

@@ -1,5 +1,6 @@
-"""Proposal lengths (scheduler/proposal_length.py): each sequence proposes as many tokens as pay for
-themselves in tokens per second, from its acceptance and the step costs; none where none pays."""
+"""Proposal lengths (scheduler/speculation/proposal_length.py): each sequence proposes as many
+tokens as pay for themselves in tokens per second, from its acceptance and the step costs; none
+where none pays."""
 
 import itertools
 import random
@@ -8,8 +9,8 @@ import pytest
 
 from config import load_config
 from config.schema import SpeculationSection
-from scheduler.ngram import NgramIndex, SpeculationState
-from scheduler.proposal_length import (
+from scheduler.speculation.ngram import NgramIndex, SpeculationState
+from scheduler.speculation.proposal_length import (
     FALLBACK_STEP_TOKENS,
     Candidate,
     acceptance,
@@ -18,8 +19,8 @@ from scheduler.proposal_length import (
     observe,
     proposal_lengths,
 )
-from scheduler.speculation import Speculator
-from scheduler.verify_costs import PROBE_EVERY, VerifyCosts
+from scheduler.speculation.speculator import Speculator
+from scheduler.speculation.verify_costs import PROBE_EVERY, VerifyCosts
 
 
 def rate(step_s: float, fixed_s: float, decodes: int, candidates: list[Candidate], lengths) -> float:

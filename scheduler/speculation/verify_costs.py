@@ -1,7 +1,7 @@
 """VerifyCosts: what proposed tokens add to a group's decode step, learned from the steps' round
 trips as the scheduler waits for them: the agent's compute and what every step adds around it
 (ZeroMQ, (de)serialising), since a step's tokens cost all of it (the proposal lengths' costs:
-scheduler/proposal_length.py).
+scheduler/speculation/proposal_length.py).
 
 Decode steps, with or without proposals to verify (and no prompt chunk: those are StepCosts'),
 are samples of one linear model,
@@ -15,7 +15,7 @@ are pulled slightly towards zero, the time going to the intercept and to `fixed`
 did show is still predicted right. Until a plain decode step and one that verifies were seen, the
 costs are unknown (None). Costs learned while proposals did not pay would stop them for good (no
 step verifies, none measures again): after PROBE_EVERY decode steps without one, the proposal
-lengths are chosen as if unknown until a step verifies (scheduler/proposal_length.py).
+lengths are chosen as if unknown until a step verifies (scheduler/speculation/proposal_length.py).
 
     costs = VerifyCosts()
     costs.sampled(rows=1, proposed=0, seconds=0.020)

@@ -1,5 +1,5 @@
 """A sequence's speculative-decoding state: the index its n-gram proposals come from and its record
-of kept proposals (scheduler/speculation.py proposes with them)."""
+of kept proposals (scheduler/speculation/speculator.py proposes with them)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,6 @@ class SpeculationState:
     backoff: int = 1  # the skip after the next step that keeps none
     proposed: int = 0
     kept: int = 0
-    # decayed counts of kept and missed proposed tokens: its acceptance (scheduler/proposal_length.py)
+    # decayed counts of kept and missed proposed tokens: its acceptance (proposal_length.py)
     kept_weight: float = 0.0
     missed_weight: float = 0.0

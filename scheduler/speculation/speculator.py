@@ -14,11 +14,11 @@ its own prompt and answer; the tokens that followed their latest earlier occurre
 Answers that copy from the prompt (summaries, extraction, edits of a document, code) keep most of
 them. The lookup is an index of every n-gram's latest end, kept up to date as tokens arrive: a
 proposal costs O(n), not a scan of the sequence. A long prompt is indexed newest first over a few
-steps (scheduler/ngram.py: bounded work a step on the scheduler loop), and only its latest ends
+steps (scheduler/speculation/ngram.py: bounded work a step on the scheduler loop), and only its latest ends
 are held (bounded memory).
 
 How many tokens each sequence proposes (k, at most num_tokens) is chosen per step from its
-acceptance and the group's learned step costs (scheduler/proposal_length.py): k = 0 where no token
+acceptance and the group's learned step costs (scheduler/speculation/proposal_length.py): k = 0 where no token
 pays. A sequence whose proposals keep failing also rests: after a step that kept none, it skips 1,
 then 2, 4... up to MAX_SKIP steps before proposing again; a step that keeps one resets it. Resting
 bounds how often a failing sequence probes, and its acceptance drifts back to the prior meanwhile,
@@ -31,9 +31,9 @@ import sys
 
 from agent.contract.step import Proposal
 from config.schema import SpeculationSection
-from scheduler.ngram import NgramIndex, SpeculationState
-from scheduler.proposal_length import acceptance, age, observe
 from scheduler.sequence import Sequence
+from scheduler.speculation.ngram import NgramIndex, SpeculationState
+from scheduler.speculation.proposal_length import acceptance, age, observe
 
 MAX_SKIP = 16
 DRAFT_MAX_BATCH = 4  # a draft model's cost is not modelled: it proposes only while few decode

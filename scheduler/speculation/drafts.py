@@ -1,16 +1,16 @@
 """Drafts: the tokens proposed after decoding sequences' pending tokens (speculative decoding), as
 the BatchScheduler plans them, and the counts of what the agents kept. The proposals themselves come
-from the Speculator (scheduler/speculation.py)."""
+from the Speculator (scheduler/speculation/speculator.py)."""
 
 from __future__ import annotations
 
 from agent.contract.step import proposal_size
 from scheduler.block_manager import BlockManager
 from scheduler.plan import GroupCapacity, StepPlan
-from scheduler.proposal_length import choose_lengths
 from scheduler.sequence import Sequence
-from scheduler.speculation import Speculator
-from scheduler.verify_costs import VerifyCosts
+from scheduler.speculation.proposal_length import choose_lengths
+from scheduler.speculation.speculator import Speculator
+from scheduler.speculation.verify_costs import VerifyCosts
 
 
 class Drafts:
@@ -32,7 +32,7 @@ class Drafts:
         rows of one mixed call (one left for a prompt's first token), each with the blocks of their
         positions: free blocks only, a proposal never preempts. With n-gram lookup each sequence
         proposes as many as pay for themselves, from its acceptance and what proposals cost the
-        group's steps (`costs`, scheduler/proposal_length.py); a draft model num_tokens. A
+        group's steps (`costs`, scheduler/speculation/proposal_length.py); a draft model num_tokens. A
         constrained sequence proposes only tokens its constraint leaves free (a grammar's mask
         holds for one token: none; a thinking budget: those before it is spent), and one whose
         request opted out nothing."""

@@ -1,6 +1,6 @@
 """How many tokens each decoding sequence proposes in a step (n-gram speculation): as many as pay
 for themselves in tokens per second, from each sequence's acceptance and what proposals cost the
-group's steps (scheduler/verify_costs.py).
+group's steps (scheduler/speculation/verify_costs.py).
 
 A sequence's acceptance α is the chance that a proposed token is kept given the one before it was:
 a Beta estimate from its verified steps (k kept of p proposed: k kept, and one missed when k < p),
@@ -9,7 +9,8 @@ back to the prior, PRIOR_KEPT / (PRIOR_KEPT + PRIOR_MISSED), while the sequence 
 The i-th token of a proposal is then kept with probability α^i.
 
 A step of n decode rows takes T0 seconds; proposals add a fixed F once (the step runs the mixed
-graph) and m a proposed token, as the group's VerifyCosts learned them (scheduler/verify_costs.py).
+graph) and m a proposed token, as the group's VerifyCosts learned them
+(scheduler/speculation/verify_costs.py).
 The lengths k_s maximise the step's expected tokens per second,
 
     (n + sum_s sum_{i <= k_s} α_s^i) / (T0 + F [any k_s > 0] + m sum_s k_s),
@@ -19,7 +20,7 @@ and the best of those prefixes (none at all included). So a token pays only wher
 what a step's time already earns: with one stream and a copying answer most do; with many streams
 a step already earns n tokens and few or none pay, so proposals stop by themselves under load.
 Before the costs are known, and for a probe (a group whose steps verified nothing for a while:
-scheduler/verify_costs.py), a step is taken to cost FALLBACK_STEP_TOKENS proposal tokens plus one
+scheduler/speculation/verify_costs.py), a step is taken to cost FALLBACK_STEP_TOKENS proposal tokens plus one
 per decode row, and F nothing: a conservative guess (a real decode step reads all the weights, a
 proposal token costs far less), so early proposals are few and stop beyond a few streams.
 """
@@ -29,8 +30,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from scheduler.ngram import SpeculationState
-from scheduler.verify_costs import VerifyCosts
+from scheduler.speculation.ngram import SpeculationState
+from scheduler.speculation.verify_costs import VerifyCosts
 
 PRIOR_KEPT, PRIOR_MISSED = 1.0, 1.0  # α = 0.5 before any verified step, worth two tokens' evidence
 DECAY = 0.8  # per step: the last ~5 steps weigh most
