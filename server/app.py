@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from config.schema import ServingConfig
 from server.access import AccessMiddleware
 from server.anthropic_api import anthropic_router
+from server.client_deadlines import StalledClientMiddleware
 from server.errors import ApiError, error_response, style_of
 from server.model_repository import ModelRepository
 from server.native_api import native_router
@@ -25,7 +26,6 @@ from server.ops_api import ops_router
 from server.repository_api import repository_router
 from server.responses_api import responses_router
 from server.responses_store import ResponseStore, StoreBounds
-from server.stalled_clients import StalledClientMiddleware
 from server.tokenize_api import tokenize_router
 from server.tracing import TracingMiddleware
 from server.triton_api import triton_router

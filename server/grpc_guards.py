@@ -1,5 +1,5 @@
-"""What bounds a gRPC client as server/access.py, slow_clients.py and stalled_clients.py bound an HTTP
-one (server/grpc_server.py serves the calls):
+"""What bounds a gRPC client as server/access.py and server/client_deadlines.py bound an HTTP one
+(server/grpc_server.py serves the calls):
 
 - calls per peer (`CallGuard`): one client address has at most `server.grpc_max_calls_per_peer`
   calls open, RESOURCE_EXHAUSTED beyond, so that one peer's idle calls cannot take every one of the

@@ -8,7 +8,7 @@
 A second signal during the drain skips the wait (uvicorn's own fast exit). A signal while the
 server still waits for its agents (before it listens) ends the wait at once: exit 0. If the
 engine's loop dies, the open requests get their error, then the process exits 1 so that a
-supervisor restarts it. Slow clients are bounded by `SlowClientGuard` (server/slow_clients.py).
+supervisor restarts it. Slow clients are bounded by `SlowClientGuard` (server/client_deadlines.py).
 With `server.grpc_port`, the KServe v2 gRPC server (server/grpc_server.py) listens beside HTTP on
 the same loop from the same start, and stops with it.
 """
@@ -27,8 +27,8 @@ from sse_starlette.sse import AppStatus
 
 from config.schema import ServingConfig, is_loopback
 from scheduler.agent_client import AgentError
+from server.client_deadlines import SlowClientGuard
 from server.model_repository import ModelRepository
-from server.slow_clients import SlowClientGuard
 
 if TYPE_CHECKING:
     import grpc

@@ -1,5 +1,5 @@
 """Ray Serve's HTTP proxy with the plain server's bound on request heads: a head must arrive within
-server.read_timeout_s (server/slow_clients.py), where Ray's uvicorn bounds none (a client that
+server.read_timeout_s (server/client_deadlines.py), where Ray's uvicorn bounds none (a client that
 trickles a header a byte at a time held a connection for ever).
 
 Ray Serve calls RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH in its HTTP proxy's process before that
@@ -26,8 +26,8 @@ def guard_heads() -> list:
     """In Ray Serve's HTTP proxy: its uvicorn server will speak SlowClientGuard. No middleware."""
     from uvicorn import config
 
-    from server.slow_clients import SlowClientGuard
+    from server.client_deadlines import SlowClientGuard
 
     SlowClientGuard.head_timeout_s = float(os.environ[HEAD_TIMEOUT_ENV])
-    config.HTTP_PROTOCOLS["auto"] = "server.slow_clients:SlowClientGuard"
+    config.HTTP_PROTOCOLS["auto"] = "server.client_deadlines:SlowClientGuard"
     return []
