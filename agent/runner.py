@@ -32,6 +32,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
+from agent.checked_slots import CheckedSlots
 from agent.contract.prompt_logprobs import PromptLogprob, score_rows
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import BlockTable, StepChunk
@@ -43,7 +44,6 @@ from agent.graphs.step_graphs import StepGraphs
 from agent.launcher.preflight import require_device
 from agent.model.checkpoint import Checkpoint
 from agent.slots import RunnerError, SlotState
-from agent.step_checks import CheckedSlots
 from config.schema import ModelSection, RuntimeSection
 
 log = logging.getLogger(__name__)
