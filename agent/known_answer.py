@@ -148,6 +148,47 @@ def _experts(h: np.ndarray, p: str, checkpoint: Checkpoint, product) -> np.ndarr
     return out
 
 
+def _attention(
+    h: np.ndarray,
+    p: str,
+    checkpoint: Checkpoint,
+    product,
+    rope: tuple[np.ndarray, np.ndarray],
+    mask: np.ndarray,
+    quantized_kv: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A layer's attention over its normed rows h [S, hidden] -> the attended rows [S, heads * hd]
+    (before wo), and its K (after RoPE) and V [KV heads, S, hd] as the cache holds them."""
+    spec, t = checkpoint.spec, checkpoint.tensors
+    n, hd, kv_heads, group = len(h), spec.head_dim, spec.num_kv_heads, spec.group_size
+    cos, sin = rope
+    q, k, v = (
+        product(h, p + name) + t.get(p + bias, 0) for name, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
+    )
+    q, k = q.reshape(n, -1, hd).transpose(1, 0, 2), k.reshape(n, kv_heads, hd).transpose(1, 0, 2)
+    if spec.qk_norm:
+        q, k = _rms_norm(q, t[p + "q_norm"], spec.rms_eps), _rms_norm(k, t[p + "k_norm"], spec.rms_eps)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    v = v.reshape(n, kv_heads, hd).transpose(1, 0, 2)
+    if quantized_kv:  # attention reads what the cache holds
+        k, v = dequantize_rows(quantize_rows(k)), dequantize_rows(quantize_rows(v))
+    scores = q @ np.repeat(k, group, axis=0).transpose(0, 2, 1) * np.float32(spec.query_scale) + mask
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    attended = (probs @ np.repeat(v, group, axis=0)).transpose(1, 0, 2).reshape(n, -1)
+    return attended, k, v
+
+
+def _gated_ffn(h: np.ndarray, p: str, activation: str, product) -> np.ndarray:
+    """A dense layer's FFN: w_down(act(w_gate h) * w_up h), act GELU (tanh) or SiLU."""
+    gate = product(h, p + "w_gate")
+    if activation == "gelu_tanh":
+        gate = 0.5 * gate * (1 + np.tanh(np.float32(0.7978845608028654) * (gate + 0.044715 * gate**3)))
+    else:
+        gate = gate / (1 + np.exp(-gate))
+    return product(gate * product(h, p + "w_up"), p + "w_down")
+
+
 def numpy_forward(
     checkpoint: Checkpoint, tokens: np.ndarray, kernels: bool = False, quantized_kv: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -169,7 +210,7 @@ def numpy_forward(
             return calls.product(x, kept)
         return x @ checkpoint.matrix(name).T
 
-    n, hd, kv_heads, group = len(tokens), spec.head_dim, spec.num_kv_heads, spec.group_size
+    n = len(tokens)
     ropes = {}
     for local in {spec.is_local(i) for i in range(spec.num_layers)}:
         angles = np.concatenate([np.outer(np.arange(n), spec.rope_inv_freq(local))] * 2, 1)
@@ -190,37 +231,17 @@ def numpy_forward(
     caches = []
     for i in range(spec.num_layers):
         p, local = f"layers.{i}.", spec.is_local(i)
-        cos, sin = ropes[local]
         h = _rms_norm(x, t[p + "attn_norm"], spec.rms_eps)
-        q, k, v = (
-            product(h, p + name) + t.get(p + bias, 0)
-            for name, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
-        )
-        q, k = q.reshape(n, -1, hd).transpose(1, 0, 2), k.reshape(n, kv_heads, hd).transpose(1, 0, 2)
-        if spec.qk_norm:
-            q, k = _rms_norm(q, t[p + "q_norm"], spec.rms_eps), _rms_norm(k, t[p + "k_norm"], spec.rms_eps)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        v = v.reshape(n, kv_heads, hd).transpose(1, 0, 2)
-        if quantized_kv:  # attention reads what the cache holds
-            k, v = dequantize_rows(quantize_rows(k)), dequantize_rows(quantize_rows(v))
-        caches += [k, v]
         hidden = (distance < 0) | (local & (distance >= spec.sliding_window))
         mask = np.where(hidden, -np.inf, 0).astype(np.float32)
-        scores = q @ np.repeat(k, group, axis=0).transpose(0, 2, 1) * np.float32(spec.query_scale) + mask
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        attended = (probs @ np.repeat(v, group, axis=0)).transpose(1, 0, 2).reshape(n, -1)
+        attended, k, v = _attention(h, p, checkpoint, product, ropes[local], mask, quantized_kv)
+        caches += [k, v]
         x = residual(x, product(attended, p + "wo"), p + "post_attn_norm")
         h = _rms_norm(x, t[p + "ffn_norm"], spec.rms_eps)
         if spec.is_moe(i):
             x = x + _experts(h, p, checkpoint, product)
             continue
-        gate = product(h, p + "w_gate")
-        if spec.activation == "gelu_tanh":
-            gate = 0.5 * gate * (1 + np.tanh(np.float32(0.7978845608028654) * (gate + 0.044715 * gate**3)))
-        else:
-            gate = gate / (1 + np.exp(-gate))
-        x = residual(x, product(gate * product(h, p + "w_up"), p + "w_down"), p + "post_ffn_norm")
+        x = residual(x, _gated_ffn(h, p, spec.activation, product), p + "post_ffn_norm")
     head = "embed" if spec.tied_embeddings else "lm_head"
     logits = product(_rms_norm(x, t["final_norm"], spec.rms_eps), head)
     return logits, np.stack(caches)

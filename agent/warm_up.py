@@ -111,33 +111,9 @@ def _run_probe(
         if check:
             compare(check, got, probe.prefill_logits, held_to)
     elif kind == "decode":
-        logits, greedy = runner.graphs.decode(
-            np.tile(scratch, (rows, 1)), np.full(rows, probe.decode_token), np.full(rows, n), rows, length
-        )
-        if check:
-            got = logits.asnumpy()
-            for row in got:
-                compare(check, row, probe.decode_logits, held_to)
-            # int8 products may reorder near-equal logits: the graph's argmax is of its own
-            chosen_from = got if held_to == "int8" else np.tile(probe.decode_logits, (rows, 1))
-            check_post_process(check, chosen_from, greedy.asnumpy())
+        _run_decode_probe(runner, rows, length, probe, check, held_to)
     elif kind == "mixed":  # the probe's prompt as a chunk and rows - 1 decode rows after it
-        assert isinstance(runner.graphs, MixedStepGraphs)
-        decodes = rows - 1
-        logits, greedy = runner.graphs.mixed(
-            np.tile(scratch, (decodes, 1)),
-            np.full(decodes, probe.decode_token),
-            np.full(decodes, n),
-            [StepChunk(0, list(probe.prompt), scratch, 0, SamplingParams())],
-            length,
-            rows,
-        )
-        if check:
-            got = logits.asnumpy()
-            compare(check, got[decodes], probe.prefill_logits, held_to)
-            for row in got[:decodes]:
-                compare(check, row, probe.decode_logits, held_to)
-            check_post_process(check, got, greedy.asnumpy())
+        _run_mixed_probe(runner, rows, length, probe, check, held_to)
     elif kind == "kv_export":
         blocks = runner.kv_graphs().kv_export(scratch, length)[:, :, :n]
         if check and probe.kv is not None:
@@ -158,3 +134,43 @@ def _run_probe(
         values, ids = (t.asnumpy() for t in runner.graphs.topk(length, Tensor(expected)))
         if check:
             check_post_process(check, expected, ids, values)
+
+
+def _run_decode_probe(
+    runner: ModelRunner, rows: int, length: int, probe: KnownAnswer, check: str | None, held_to: str
+) -> None:
+    """`rows` copies of the probe's decode step, each row's logits and argmax checked."""
+    scratch, n = runner.graphs.inputs.scratch_table, len(probe.prompt)
+    logits, greedy = runner.graphs.decode(
+        np.tile(scratch, (rows, 1)), np.full(rows, probe.decode_token), np.full(rows, n), rows, length
+    )
+    if check:
+        got = logits.asnumpy()
+        for row in got:
+            compare(check, row, probe.decode_logits, held_to)
+        # int8 products may reorder near-equal logits: the graph's argmax is of its own
+        chosen_from = got if held_to == "int8" else np.tile(probe.decode_logits, (rows, 1))
+        check_post_process(check, chosen_from, greedy.asnumpy())
+
+
+def _run_mixed_probe(
+    runner: ModelRunner, rows: int, length: int, probe: KnownAnswer, check: str | None, held_to: str
+) -> None:
+    """The probe's prompt as a chunk and rows - 1 decode rows after it, each row's logits checked."""
+    assert isinstance(runner.graphs, MixedStepGraphs)
+    scratch, n = runner.graphs.inputs.scratch_table, len(probe.prompt)
+    decodes = rows - 1
+    logits, greedy = runner.graphs.mixed(
+        np.tile(scratch, (decodes, 1)),
+        np.full(decodes, probe.decode_token),
+        np.full(decodes, n),
+        [StepChunk(0, list(probe.prompt), scratch, 0, SamplingParams())],
+        length,
+        rows,
+    )
+    if check:
+        got = logits.asnumpy()
+        compare(check, got[decodes], probe.prefill_logits, held_to)
+        for row in got[:decodes]:
+            compare(check, row, probe.decode_logits, held_to)
+        check_post_process(check, got, greedy.asnumpy())

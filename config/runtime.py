@@ -54,7 +54,7 @@ class SpeculationSection(Section):
     adaptive: bool = Field(
         True,
         description="ngram: each step's proposal lengths chosen so they pay for themselves "
-        "(scheduler/proposal_length.py); false: num_tokens each (as many as the lookup finds), "
+        "(scheduler/speculation/proposal_length.py); false: num_tokens each (as many as the lookup finds), "
         "whatever they cost: for tests and measurements of the verification itself",
     )
     max_batch: int | None = Field(
@@ -269,7 +269,8 @@ class RuntimeSection(Section):
         return self.max_seq_len
 
     @model_validator(mode="after")
-    def _buckets_cover_limits(self) -> RuntimeSection:
+    def _kernels_fit_device(self) -> RuntimeSection:
+        """The kernels, activations, KV cache dtype and model dtype the device target can run."""
         if self.decode_attention == "kernel" and self.device_target != "CPU":
             raise ValueError(f"decode_attention: kernel is a CPU kernel; use gather on {self.device_target}")
         if self.matmul == "kernel" and self.device_target != "CPU":
@@ -304,6 +305,10 @@ class RuntimeSection(Section):
                 "dtype float16 on CPU needs matmul: mindspore and decode_attention: gather "
                 "(the custom CPU kernels compute in float32)"
             )
+        return self
+
+    @model_validator(mode="after")  # after _kernels_fit_device: pydantic runs them in this order
+    def _buckets_cover_limits(self) -> RuntimeSection:
         if not self.planned:
             if self.memory_budget_mb is None and "auto" in (self.num_slots, self.max_seq_len):
                 raise ValueError("num_slots/max_seq_len auto need memory_budget_mb")

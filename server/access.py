@@ -93,36 +93,36 @@ class ApiKeys:
         """(status, why) when the request's key does not open its path."""
         path = scope["path"]
         if is_admin_path(path) and self.admin_only:
-            if self._authorized(scope, headers, self.admin_keys):
-                return None
-            if self._authorized(scope, headers, self.api_keys):
-                if self.admin_keys:
-                    return 403, "loading and unloading models needs an admin key (server.admin_api_keys)"
-                return 403, (
+            if self.admin_keys:
+                refusal = "loading and unloading models needs an admin key (server.admin_api_keys)"
+            else:
+                refusal = (
                     "loading and unloading models needs an admin key, and server.admin_api_keys is "
                     "empty: ordinary API keys cannot load or unload models; set server.admin_api_keys "
                     "(or $LLM_SERVING_ADMIN_API_KEYS)"
                 )
-            return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
+            return self._admin_denied(scope, headers, refusal)
         if path in ADMIN_ONLY_PATHS and (self.admin_keys or self.api_keys):
-            if self._authorized(scope, headers, self.admin_keys):
-                return None
-            if self._authorized(scope, headers, self.api_keys):
-                return 403, f"{path} needs an admin key (server.admin_api_keys)" + (
-                    "" if self.admin_keys else ", and none is set"
-                )
-            return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
+            refusal = f"{path} needs an admin key (server.admin_api_keys)" + (
+                "" if self.admin_keys else ", and none is set"
+            )
+            return self._admin_denied(scope, headers, refusal)
         if path in OPERATOR_PATHS and self.admin_keys:
-            if self._authorized(scope, headers, self.admin_keys):
-                return None
-            if self._authorized(scope, headers, self.api_keys):
-                return 403, f"{path} is the operator's: it needs an admin key (server.admin_api_keys)"
-            return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
+            refusal = f"{path} is the operator's: it needs an admin key (server.admin_api_keys)"
+            return self._admin_denied(scope, headers, refusal)
         if not self.api_keys or path in OPEN_PATHS:
             return None
         if self._authorized(scope, headers, self.api_keys + self.admin_keys):
             return None
         return 401, "missing or invalid API key (send Authorization: Bearer KEY)"
+
+    def _admin_denied(self, scope, headers: dict, refusal: str) -> tuple[int, str] | None:
+        """On a path that needs an admin key: None for one, 403 `refusal` for an ordinary key, 401 else."""
+        if self._authorized(scope, headers, self.admin_keys):
+            return None
+        if self._authorized(scope, headers, self.api_keys):
+            return 403, refusal
+        return 401, "missing or invalid admin API key (send Authorization: Bearer KEY)"
 
     def client(self, scope, headers: dict) -> str:
         """Who sent a request: the digest of its key when the key is one of the server's (checked),

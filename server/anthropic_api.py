@@ -26,7 +26,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from server.admission import prompt_tokens
 from server.anthropic_schema import CountTokensRequest, MessagesRequest
-from server.assembly import unless_disconnected
+from server.client_disconnect import unless_disconnected
 from server.errors import ANTHROPIC, ApiError, declares, error_body
 from server.model_repository import ModelRepository
 from server.openai_api import admit_chat, chat_text, serving, translated_chat
@@ -94,26 +94,10 @@ async def message_events(req: MessagesRequest, answer: Choices) -> AsyncIterator
     thinking_delta), a text block whose deltas come as the text does, each tool_use block whole
     at the end (its input as one input_json_delta), message_delta with the stop reason and usage,
     message_stop; an `error` event if the answer fails."""
-
-    def event(kind: str, **fields) -> dict:
-        return {"event": kind, "data": json.dumps({"type": kind, **fields}, ensure_ascii=False)}
-
     start = message(req, [], None, None, {"input_tokens": len(answer.prompt), "output_tokens": 0})
-    yield event("message_start", message=start)
-    yield event("ping")
-    # blocks opened so far; the open one's type (thinking or text), closed before the next opens
-    blocks, open_block, last, calls = 0, None, None, list[dict]()
-
-    def opened(kind: str) -> list[dict]:
-        """The events that close the open block (if another) and open one of this kind."""
-        nonlocal blocks, open_block
-        if open_block == kind:
-            return []
-        events: list[dict] = [event("content_block_stop", index=blocks - 1)] if open_block else []
-        open_block, blocks = kind, blocks + 1
-        start = thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
-        return [*events, event("content_block_start", index=blocks - 1, content_block=start)]
-
+    yield _event("message_start", message=start)
+    yield _event("ping")
+    blocks, last, calls = _StreamedBlocks(), None, list[dict]()
     async with contextlib.aclosing(choice_pieces(answer)) as pieces:
         async for piece in pieces:
             last = piece.out
@@ -123,36 +107,61 @@ async def message_events(req: MessagesRequest, answer: Choices) -> AsyncIterator
                     "data": json.dumps(error_body(last.error_status, last.error, "anthropic")),
                 }
                 return
-            if piece.reasoning:
-                for opening in opened("thinking"):
-                    yield opening
-                delta = {"type": "thinking_delta", "thinking": piece.reasoning}
-                yield event("content_block_delta", index=blocks - 1, delta=delta)
-            if piece.text:
-                for opening in opened("text"):
-                    yield opening
-                delta = {"type": "text_delta", "text": piece.text}
-                yield event("content_block_delta", index=blocks - 1, delta=delta)
+            for streamed in blocks.delta("thinking", piece.reasoning) + blocks.delta("text", piece.text):
+                yield streamed
             calls = piece.calls or calls
     assert last is not None
-    if open_block != "text" and not calls:  # no text: one empty text block, as whole_message gives
-        for opening in opened("text"):
+    if blocks.open != "text" and not calls:  # no text: one empty text block, as whole_message gives
+        for opening in blocks.opened("text"):
             yield opening
-    if open_block:
-        yield event("content_block_stop", index=blocks - 1)
-    for index, call in enumerate(calls, start=blocks):  # after the thinking and text blocks
+    for closing in blocks.closed():
+        yield closing
+    for index, call in enumerate(calls, start=blocks.count):  # after the thinking and text blocks
         block = tool_use(call)
-        yield event("content_block_start", index=index, content_block={**block, "input": {}})
+        yield _event("content_block_start", index=index, content_block={**block, "input": {}})
         delta = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
-        yield event("content_block_delta", index=index, delta=delta)
-        yield event("content_block_stop", index=index)
+        yield _event("content_block_delta", index=index, delta=delta)
+        yield _event("content_block_stop", index=index)
     reason = stop_reason(last.finish_reason, last.stop_sequence, calls)
-    yield event(
+    yield _event(
         "message_delta",
         delta={"stop_reason": reason, "stop_sequence": last.stop_sequence},
         usage={"output_tokens": last.index},
     )
-    yield event("message_stop")
+    yield _event("message_stop")
+
+
+def _event(kind: str, **fields) -> dict:
+    return {"event": kind, "data": json.dumps({"type": kind, **fields}, ensure_ascii=False)}
+
+
+class _StreamedBlocks:
+    """A streamed message's thinking and text blocks: how many opened so far, and the open one's
+    type, closed before the next opens."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.open: str | None = None
+
+    def delta(self, kind: str, text: str | None) -> list[dict]:
+        """The events of `text` in a block of `kind` (thinking_delta or text_delta), after those that
+        open the block; none for no text."""
+        if not text:
+            return []
+        delta = {"type": f"{kind}_delta", kind: text}
+        return [*self.opened(kind), _event("content_block_delta", index=self.count - 1, delta=delta)]
+
+    def opened(self, kind: str) -> list[dict]:
+        """The events that close the open block (if another) and open one of this kind."""
+        if self.open == kind:
+            return []
+        events = self.closed()
+        self.open, self.count = kind, self.count + 1
+        start = thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+        return [*events, _event("content_block_start", index=self.count - 1, content_block=start)]
+
+    def closed(self) -> list[dict]:
+        return [_event("content_block_stop", index=self.count - 1)] if self.open else []
 
 
 def anthropic_router(repository: ModelRepository) -> APIRouter:

@@ -126,17 +126,38 @@ def check_contract(graphs: StepGraphs, runtime: RuntimeSection) -> ContractRepor
 def _check_graph(
     phase: str, graph: nn.Cell, graphs: StepGraphs, runtime: RuntimeSection, report: ContractReport
 ) -> None:
-    model = traced_model(graph, graph.get_inputs())
-    traced = _Traced(model)
+    """One traced graph against the contract: its inputs' names, the kernels' operands, the order of
+    each layer's write and attention, the inputs' dtypes and ranks, the caches' shapes."""
+    traced = _Traced(traced_model(graph, graph.get_inputs()))
     want_dtype = MINDIR_TYPES[runtime.dtype]
     names = [name.rsplit(":", 1)[-1] for name in traced.inputs]
     expected = [name for name, _, _ in STEP_INPUTS]
     if names != expected:
         report.problems.append(f"{phase}: inputs {names}, upstream's are {expected}")
+    feeds = _check_wiring(phase, traced, names, len(graphs.model.layers), report)
+    _check_ordering(phase, traced, report)
+    _check_inputs(phase, traced, feeds, want_dtype, report)
+    cache = (
+        graphs.model.layers[0].k_cache.shape[0],
+        runtime.block_size,
+        graphs.model.kv_heads,
+        graphs.spec.head_dim,
+    )
+    for name, (dtype, shape) in traced.parameters.items():
+        if name.endswith(("k_cache", "v_cache")) and (shape != cache or dtype != want_dtype):
+            report.problems.append(
+                f"{phase}: {name} is {dtype}{list(shape)}, the kernels read {want_dtype}{list(cache)}"
+            )
+
+
+def _check_wiring(
+    phase: str, traced: _Traced, names: list[str], layers: int, report: ContractReport
+) -> dict[str, dict[str, int]]:
+    """Each kernel node per layer, each operand from where upstream takes it; returns, per graph
+    input, the operands it feeds with how many nodes each."""
     feeds: dict[str, dict[str, int]] = {name: {} for name in names}
-    layers = len(graphs.model.layers)
-    kinds = {op: traced.nodes_of(op) for op in ("ReshapeAndCache", ATTENTION[phase])}
-    for op, nodes in kinds.items():
+    for op in ("ReshapeAndCache", ATTENTION[phase]):
+        nodes = traced.nodes_of(op)
         if len(nodes) != layers:
             report.problems.append(f"{phase}: {len(nodes)} {op} nodes for {layers} layers")
         for node in nodes:
@@ -150,14 +171,26 @@ def _check_graph(
                     report.problems.append(
                         f"{phase}: {op}.{operand} comes from {found}, upstream's from {want}"
                     )
-    for node in kinds[ATTENTION[phase]]:
+    return feeds
+
+
+def _check_ordering(phase: str, traced: _Traced, report: ContractReport) -> None:
+    """Each attention's query ordered after its layer's cache write."""
+    for node in traced.nodes_of(ATTENTION[phase]):
         if not traced.ordered_after_write(node.input[0]):
             report.problems.append(
                 f"{phase}: a {ATTENTION[phase]}'s query is not ordered after its layer's write"
             )
+
+
+def _check_inputs(
+    phase: str, traced: _Traced, feeds: dict[str, dict[str, int]], want_dtype: str, report: ContractReport
+) -> None:
+    """Each graph input's dtype and rank against upstream's, and its line in the report."""
+    specs = {name: (dtype, rank) for name, dtype, rank in STEP_INPUTS}
     for name, (dtype, shape) in traced.inputs.items():
         short = name.rsplit(":", 1)[-1]
-        spec = {n: (d, r) for n, d, r in STEP_INPUTS}.get(short)
+        spec = specs.get(short)
         if spec is not None:
             want = want_dtype if spec[0] == "model" else spec[0]
             if dtype != want or len(shape) != spec[1]:
@@ -167,17 +200,6 @@ def _check_graph(
                 )
         uses = tuple(f"{use} x{count}" for use, count in feeds.get(short, {}).items())
         report.inputs.append(InputUse(phase, short, dtype, shape, uses))
-    cache = (
-        graphs.model.layers[0].k_cache.shape[0],
-        runtime.block_size,
-        graphs.model.kv_heads,
-        graphs.spec.head_dim,
-    )
-    for name, (dtype, shape) in traced.parameters.items():
-        if name.endswith(("k_cache", "v_cache")) and (shape != cache or dtype != want_dtype):
-            report.problems.append(
-                f"{phase}: {name} is {dtype}{list(shape)}, the kernels read {want_dtype}{list(cache)}"
-            )
 
 
 def _check_attributes(graphs: StepGraphs, report: ContractReport) -> None:

@@ -397,8 +397,7 @@ def forward(
     gemma = model.gemma
     if gemma is not None:
         x = x * np.sqrt(x.shape[1])
-    hd, group = model.head_dim, model.n_heads // model.n_kv
-    freqs = _frequencies(model.theta, hd, model.rope_scaling)
+    freqs = _frequencies(model.theta, model.head_dim, model.rope_scaling)
     if model.freq_factors is not None:
         freqs = freqs / model.freq_factors
     if not cache.keys:
@@ -406,55 +405,89 @@ def forward(
         cache.values = [[] for _ in model.layers]
     for li, layer in enumerate(model.layers):
         local = gemma is not None and li in gemma.local_layers
-        layer_freqs = _frequencies(gemma.local_theta, hd, None) if local and gemma else freqs
+        layer_freqs = _frequencies(gemma.local_theta, model.head_dim, None) if local and gemma else freqs
         h = _rms(x, layer["attn_norm"], model.eps)
-        q, k, v = product(h, layer, "q"), product(h, layer, "k"), product(h, layer, "v")
-        if layer["bq"] is not None:
-            q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-        q = q.reshape(len(tokens), model.n_heads, hd)
-        k = k.reshape(len(tokens), model.n_kv, hd)
-        if layer.get("q_norm") is not None:  # Gemma 3, Qwen3
-            q, k = _rms(q, layer["q_norm"], model.eps), _rms(k, layer["k_norm"], model.eps)
-        q = _rope(q, positions, layer_freqs, model.interleaved_rope)
-        k = _rope(k, positions, layer_freqs, model.interleaved_rope)
-        v = v.reshape(len(tokens), model.n_kv, hd)
-        if q8_0_cache:
-            k, v = _q8_0_rounded(k), _q8_0_rounded(v)
-        cache.keys[li].extend(k)
-        cache.values[li].extend(v)
-        keys, values = np.stack(cache.keys[li]), np.stack(cache.values[li])  # [T_all, n_kv, hd]
-        if cache.read is not None:
-            keys, values = (np.asarray(a[: len(keys)], np.float64) for a in cache.read[li])
-        key_positions = np.arange(keys.shape[0])[None, :]
-        hidden = key_positions > positions[:, None]  # causal
-        if local and gemma:
-            hidden |= key_positions <= positions[:, None] - gemma.window
-        if model.window:
-            hidden |= key_positions <= positions[:, None] - model.window
-        scale = gemma.query_scale if gemma else 1.0 / np.sqrt(hd)
-        out = np.empty((len(tokens), model.n_heads, hd))
-        for head in range(model.n_heads):
-            kv_head = head // group
-            scores = q[:, head] @ keys[:, kv_head].T * scale  # [T, T_all]
-            scores = np.where(hidden, -np.inf, scores)
-            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            out[:, head] = (scores / scores.sum(axis=-1, keepdims=True)) @ values[:, kv_head]
-        attended = product(out.reshape(len(tokens), -1), layer, "o")
+        attended = _attention(model, li, h, positions, layer_freqs, cache, product, q8_0_cache)
+        attended = product(attended, layer, "o")
         if gemma is not None:
             attended = _rms(attended, layer["post_attn_norm"], model.eps)
         x = x + attended
-        h = _rms(x, layer["ffn_norm"], model.eps)
-        gate = product(h, layer, "gate")
-        if gemma is not None:
-            ffn = _rms(
-                product(_gelu_tanh(gate) * product(h, layer, "up"), layer, "down"),
-                layer["post_ffn_norm"],
-                model.eps,
-            )
-        else:
-            ffn = product((gate / (1.0 + np.exp(-gate))) * product(h, layer, "up"), layer, "down")
-        x = x + ffn
-    h = _rms(x, model.norm, model.eps)
+        x = x + _ffn(model, layer, _rms(x, layer["ffn_norm"], model.eps), product)
+    return _lm_head(model, _rms(x, model.norm, model.eps), int8, head_slack, ulp_jitter)
+
+
+def _attention(
+    model: RefModel,
+    li: int,
+    h: np.ndarray,
+    positions: np.ndarray,
+    freqs: np.ndarray,
+    cache: RefCache,
+    product: Callable[[np.ndarray, dict, str], np.ndarray],
+    q8_0_cache: bool,
+) -> np.ndarray:
+    """Layer li's attention of the normed rows h (at `positions`, RoPE of `freqs`) over what the cache
+    holds and their own K and V, which it appends: [T, heads * hd], before the output product."""
+    layer, gemma, hd, n = model.layers[li], model.gemma, model.head_dim, len(h)
+    q, k, v = product(h, layer, "q"), product(h, layer, "k"), product(h, layer, "v")
+    if layer["bq"] is not None:
+        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    q = q.reshape(n, model.n_heads, hd)
+    k = k.reshape(n, model.n_kv, hd)
+    if layer.get("q_norm") is not None:  # Gemma 3, Qwen3
+        q, k = _rms(q, layer["q_norm"], model.eps), _rms(k, layer["k_norm"], model.eps)
+    q = _rope(q, positions, freqs, model.interleaved_rope)
+    k = _rope(k, positions, freqs, model.interleaved_rope)
+    v = v.reshape(n, model.n_kv, hd)
+    if q8_0_cache:
+        k, v = _q8_0_rounded(k), _q8_0_rounded(v)
+    cache.keys[li].extend(k)
+    cache.values[li].extend(v)
+    keys, values = np.stack(cache.keys[li]), np.stack(cache.values[li])  # [T_all, n_kv, hd]
+    if cache.read is not None:
+        keys, values = (np.asarray(a[: len(keys)], np.float64) for a in cache.read[li])
+    key_positions = np.arange(keys.shape[0])[None, :]
+    hidden = key_positions > positions[:, None]  # causal
+    if gemma is not None and li in gemma.local_layers:
+        hidden |= key_positions <= positions[:, None] - gemma.window
+    if model.window:
+        hidden |= key_positions <= positions[:, None] - model.window
+    scale = gemma.query_scale if gemma else 1.0 / np.sqrt(hd)
+    group = model.n_heads // model.n_kv
+    out = np.empty((n, model.n_heads, hd))
+    for head in range(model.n_heads):
+        kv_head = head // group
+        scores = q[:, head] @ keys[:, kv_head].T * scale  # [T, T_all]
+        scores = np.where(hidden, -np.inf, scores)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        out[:, head] = (scores / scores.sum(axis=-1, keepdims=True)) @ values[:, kv_head]
+    return out.reshape(n, -1)
+
+
+def _ffn(
+    model: RefModel, layer: dict, h: np.ndarray, product: Callable[[np.ndarray, dict, str], np.ndarray]
+) -> np.ndarray:
+    """The layer's FFN of the normed rows h: down(act(gate) * up), Gemma's GELU (tanh) and post-norm,
+    else SiLU."""
+    gate = product(h, layer, "gate")
+    if model.gemma is not None:
+        return _rms(
+            product(_gelu_tanh(gate) * product(h, layer, "up"), layer, "down"),
+            layer["post_ffn_norm"],
+            model.eps,
+        )
+    return product((gate / (1.0 + np.exp(-gate))) * product(h, layer, "up"), layer, "down")
+
+
+def _lm_head(
+    model: RefModel,
+    h: np.ndarray,
+    int8: bool,
+    head_slack: list[np.ndarray] | None,
+    ulp_jitter: np.random.Generator | None,
+) -> np.ndarray:
+    """The logits of the final-normed rows h; with int8 and an integer head, h rounded to Q8_1 first
+    (forward's head_slack and ulp_jitter)."""
     if not (int8 and model.head_integer):
         return h @ model.head.T
     if ulp_jitter is not None:

@@ -195,7 +195,12 @@ def _save_shards(tensors: dict, directory: Path, shards: int) -> None:
 
 # ------------------------------------------------------------------------------------------ GGUF
 
-GGUF_NAMES = {
+GGUF_MODEL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+GGUF_NAMES = {  # a layer's, after "model.layers.{i}." ("blk.{i}." in GGUF)
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
@@ -233,6 +238,44 @@ def _random_blocks(rows: np.ndarray, qtype, rng) -> np.ndarray:
     return blocks.reshape(rows.shape[0], -1)
 
 
+def _add_tokenizer(writer, hf_dir: Path, config: dict) -> None:
+    """The HuggingFace tokenizer as GGUF vocabulary (the added tokens as control tokens) and merges,
+    with the eos token and the chat template."""
+    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    specials = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    tokens = sorted({**vocab, **specials}.items(), key=lambda kv: kv[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t for t, _ in tokens])
+    writer.add_token_types([3 if t in specials else 1 for t, _ in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
+
+
+def _gguf_name(hf_name: str) -> str:
+    """llama.cpp's name of a HuggingFace tensor."""
+    if hf_name in GGUF_MODEL_NAMES:
+        return GGUF_MODEL_NAMES[hf_name]
+    index, rest = hf_name[len("model.layers.") :].split(".", 1)
+    return f"blk.{index}.{GGUF_NAMES[rest]}"
+
+
+def _add_quantized(writer, name: str, array: np.ndarray, qtype_name: str, rng) -> None:
+    """A matrix whose rows fit qtype_name's blocks: random blocks for the types gguf cannot quantize
+    to, F16 as float16, the rest quantized by gguf."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    if qtype_name in ("Q4_K", "Q6_K", "Q8_1"):
+        writer.add_tensor(name, _random_blocks(array, qtype, rng), raw_dtype=qtype)
+    elif qtype_name == "F16":
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
 def write_tiny_gguf(
     hf_dir: Path, path: Path, qtype_name: str = "F32", seed: int = 0, embedding_qtype: str | None = None
 ) -> Path:
@@ -266,28 +309,10 @@ def write_tiny_gguf(
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling["factor"])
 
-    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    specials = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
-    tokens = sorted({**vocab, **specials}.items(), key=lambda kv: kv[1])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([t for t, _ in tokens])
-    writer.add_token_types([3 if t in specials else 1 for t, _ in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
-    writer.add_eos_token_id(config["eos_token_id"])
-    writer.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
+    _add_tokenizer(writer, hf_dir, config)
 
     for hf_name, array in sorted(tensors.items()):
-        if hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            name = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight",
-            }[hf_name]
-        else:
-            index, rest = hf_name[len("model.layers.") :].split(".", 1)
-            name = f"blk.{index}.{GGUF_NAMES[rest]}"
+        name = _gguf_name(hf_name)
         if arch == "llama" and ".attn_q." in name:
             array = _llamacpp_permute(array, heads)
         elif arch == "llama" and ".attn_k." in name:
@@ -297,12 +322,7 @@ def write_tiny_gguf(
             embedding = gguf.GGMLQuantizationType[embedding_qtype]
             writer.add_tensor(name, gguf.quants.quantize(array, embedding), raw_dtype=embedding)
         elif array.ndim == 2 and array.shape[1] % block_size == 0 and qtype_name != "F32":
-            if qtype_name in ("Q4_K", "Q6_K", "Q8_1"):
-                writer.add_tensor(name, _random_blocks(array, qtype, rng), raw_dtype=qtype)
-            elif qtype_name == "F16":
-                writer.add_tensor(name, array.astype(np.float16))
-            else:
-                writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            _add_quantized(writer, name, array, qtype_name, rng)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()

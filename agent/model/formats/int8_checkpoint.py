@@ -168,38 +168,41 @@ class CompressedTensors:
         groups = quantization.get("config_groups") or {}
         if not isinstance(groups, dict) or not groups:
             raise refuse("quantization_config without config_groups")
-        schemes = set()
-        for group_name, group in groups.items():
-            fmt = group.get("format") or quantization.get("format")
-            if fmt not in COMPRESSED_FORMATS:
-                raise refuse(f"format {fmt!r}")
-            weights = group.get("weights") or {}
-            bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
-            if bits != 8 or kind != "int":
-                raise refuse(f"{group_name} weights of {bits} bits, type {kind!r},")
-            if weights.get("symmetric") is not True:
-                raise refuse(f"{group_name} asymmetric weights")
-            if strategy not in ("channel", "tensor"):
-                raise refuse(f"{group_name} weights of strategy {strategy!r}")
-            activations = group.get("input_activations")
-            if activations is None:
-                schemes.add("weight_only")
-                continue
-            dynamic_token = activations.get("dynamic") is True and activations.get("strategy") == "token"
-            if activations.get("num_bits") != 8 or activations.get("type") != "int" or not dynamic_token:
-                raise refuse(
-                    f"{group_name} input_activations ({activations.get('num_bits')} bits, type "
-                    f"{activations.get('type')!r}, dynamic {activations.get('dynamic')}, strategy "
-                    f"{activations.get('strategy')!r})"
-                )
-            if activations.get("symmetric") is not True:
-                raise refuse(f"{group_name} asymmetric input_activations")
-            schemes.add("dynamic")
+        schemes = {cls._group_scheme(name, group, quantization, refuse) for name, group in groups.items()}
         if len(schemes) > 1:
             raise refuse("config_groups of different activation schemes")
         if quantization.get("kv_cache_scheme"):
             log.info("%s: kv_cache_scheme ignored: the KV cache holds the model's own dtype", path)
         return cls(path, schemes.pop())
+
+    @staticmethod
+    def _group_scheme(group_name: str, group: dict, quantization: dict, refuse) -> str:
+        """A config group's activation scheme, "weight_only" or "dynamic" (int8 per token); a
+        refusal for weights other than symmetric int8 per channel or tensor, or other activations."""
+        fmt = group.get("format") or quantization.get("format")
+        if fmt not in COMPRESSED_FORMATS:
+            raise refuse(f"format {fmt!r}")
+        weights = group.get("weights") or {}
+        bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
+        if bits != 8 or kind != "int":
+            raise refuse(f"{group_name} weights of {bits} bits, type {kind!r},")
+        if weights.get("symmetric") is not True:
+            raise refuse(f"{group_name} asymmetric weights")
+        if strategy not in ("channel", "tensor"):
+            raise refuse(f"{group_name} weights of strategy {strategy!r}")
+        activations = group.get("input_activations")
+        if activations is None:
+            return "weight_only"
+        dynamic_token = activations.get("dynamic") is True and activations.get("strategy") == "token"
+        if activations.get("num_bits") != 8 or activations.get("type") != "int" or not dynamic_token:
+            raise refuse(
+                f"{group_name} input_activations ({activations.get('num_bits')} bits, type "
+                f"{activations.get('type')!r}, dynamic {activations.get('dynamic')}, strategy "
+                f"{activations.get('strategy')!r})"
+            )
+        if activations.get("symmetric") is not True:
+            raise refuse(f"{group_name} asymmetric input_activations")
+        return "dynamic"
 
     def linears(self, tensors: Readers) -> dict[str, str]:
         """Every weight with a weight_scale beside it (those the config's ignore list left out have none)."""

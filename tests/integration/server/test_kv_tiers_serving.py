@@ -84,24 +84,12 @@ def config(
     return path, f"http://127.0.0.1:{http_port}", directory / "logs" / "agent_0.log"
 
 
-def test_evicted_prefix_is_restored_from_the_tier_and_answers_as_computed(tmp_path, tiny_llama_dir):
-    tiers = tmp_path / "tiers"
-    path, base, log = config(tmp_path / "first", tiny_llama_dir, tiers)
-    with serving_stack(path):
-        first = complete(base, LONG)
-        assert restored(log) == []
-        for other in OTHERS:  # each evicts the one before: LONG's blocks go to the tier
-            complete(base, other)
-        again = complete(base, LONG)
-        hits = restored(log)
-        assert hits and sum(n for n, _ in hits) >= 4 and all(m == 0 for _, m in hits), hits
-        assert again[0] == first[0]
-        assert again[1] == pytest.approx(first[1], abs=1e-4)
-        fresh = complete(base, FRESH)
-    assert list((tiers).rglob("*.kv")), "the disk tier kept no file"
-
-    # a restart on the same folder: the agent reports what its disk holds, the scheduler restores it
-    path, base, log = config(tmp_path / "second", tiny_llama_dir, tiers)
+def restored_after_restart(
+    directory: Path, model: Path, tiers: Path, fresh: tuple[str, list[float]]
+) -> tuple[str, list[float]]:
+    """A restart on the same folder: the agent reports what its disk holds, the scheduler restores
+    it (LONG's blocks, and FRESH's though never evicted), /metrics counts disk hits; LONG's answer."""
+    path, base, log = config(directory, model, tiers)
     with serving_stack(path):
         after = complete(base, LONG)
         hits = restored(log)
@@ -119,46 +107,73 @@ def test_evicted_prefix_is_restored_from_the_tier_and_answers_as_computed(tmp_pa
         assert fresh_again[0] == fresh[0] and fresh_again[1] == pytest.approx(fresh[1], abs=1e-4)
         fresh_hits = restored(log)[len(hits) :]
         assert fresh_hits and sum(n for n, _ in fresh_hits) >= 4 and all(m == 0 for _, m in fresh_hits)
+    return after
 
+
+def recomputed_when_corrupted(base: str, log: Path, tiers: Path, first: tuple[str, list[float]]) -> None:
+    """Files corrupted after the agent indexed them: the restores fail, the sequence is recomputed."""
+    for file in tiers.rglob("*.kv"):
+        data = bytearray(file.read_bytes())
+        data[-8:] = bytes(8)  # the payload's last values: only the checksum tells
+        file.write_bytes(bytes(data))
+    recomputed = complete(base, LONG)
+    hits = restored(log)
+    assert hits and all(n == 0 and m > 0 for n, m in hits), hits
+    assert "their sequences are recomputed" in (log.parent / "server_app.log").read_text()
+    seen = metrics(base)
+    assert seen[("llm_serving_kv_tier_misses_total", ())] == sum(m for _, m in hits)
+    assert seen[("llm_serving_kv_tier_ignored_files_total", ())] == sum(m for _, m in hits)
+    assert tier_hits(seen, "disk") == 0
+    assert recomputed[0] == first[0]
+    assert recomputed[1] == pytest.approx(first[1], abs=1e-4)
+
+
+def computed_after_reset(base: str, log: Path, tiers: Path) -> tuple[str, list[float]]:
+    """The operator's reset, with LONG in the tier again: the pool's prefixes and the tier's blocks
+    go, its files too, and LONG is then computed whole; its answer."""
+    for other in OTHERS:
+        complete(base, other)
+    restores = restored(log)
+    dropped = httpx.post(f"{base}/reset_prefix_cache", timeout=30)
+    assert dropped.status_code == 200, dropped.text
+    body = dropped.json()
+    assert body["model"] == "tiny" and body["skipped_groups"] == []
+    assert body["tier_blocks"] >= 4 and body["pool_blocks"] >= 1, body
+    assert not list(tiers.rglob("*.kv"))
+    seen = metrics(base)
+    assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "disk")))] == 0
+    assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "host")))] == 0
+    hit_tokens = seen[("llm_serving_prefix_cache_hits_total", ())]
+    after_reset = complete(base, LONG)
+    assert restored(log) == restores
+    assert metrics(base)[("llm_serving_prefix_cache_hits_total", ())] == hit_tokens
+    return after_reset
+
+
+def test_evicted_prefix_is_restored_from_the_tier_and_answers_as_computed(tmp_path, tiny_llama_dir):
+    tiers = tmp_path / "tiers"
+    path, base, log = config(tmp_path / "first", tiny_llama_dir, tiers)
+    with serving_stack(path):
+        first = complete(base, LONG)
+        assert restored(log) == []
+        for other in OTHERS:  # each evicts the one before: LONG's blocks go to the tier
+            complete(base, other)
+        again = complete(base, LONG)
+        hits = restored(log)
+        assert hits and sum(n for n, _ in hits) >= 4 and all(m == 0 for _, m in hits), hits
+        assert again[0] == first[0]
+        assert again[1] == pytest.approx(first[1], abs=1e-4)
+        fresh = complete(base, FRESH)
+    assert list((tiers).rglob("*.kv")), "the disk tier kept no file"
+
+    after = restored_after_restart(tmp_path / "second", tiny_llama_dir, tiers, fresh)
     assert after[0] == first[0]
     assert after[1] == pytest.approx(first[1], abs=1e-4)
 
-    # files corrupted after the agent indexed them: the restores fail, the sequence is recomputed
     path, base, log = config(tmp_path / "third", tiny_llama_dir, tiers)
     with serving_stack(path):
-        for file in tiers.rglob("*.kv"):
-            data = bytearray(file.read_bytes())
-            data[-8:] = bytes(8)  # the payload's last values: only the checksum tells
-            file.write_bytes(bytes(data))
-        recomputed = complete(base, LONG)
-        hits = restored(log)
-        assert hits and all(n == 0 and m > 0 for n, m in hits), hits
-        assert "their sequences are recomputed" in (log.parent / "server_app.log").read_text()
-        seen = metrics(base)
-        assert seen[("llm_serving_kv_tier_misses_total", ())] == sum(m for _, m in hits)
-        assert seen[("llm_serving_kv_tier_ignored_files_total", ())] == sum(m for _, m in hits)
-        assert tier_hits(seen, "disk") == 0
-        assert recomputed[0] == first[0]
-        assert recomputed[1] == pytest.approx(first[1], abs=1e-4)
-
-        # the operator's reset, with LONG in the tier again: the pool's prefixes and the tier's
-        # blocks go, its files too, and LONG is then computed whole
-        for other in OTHERS:
-            complete(base, other)
-        restores = restored(log)
-        dropped = httpx.post(f"{base}/reset_prefix_cache", timeout=30)
-        assert dropped.status_code == 200, dropped.text
-        body = dropped.json()
-        assert body["model"] == "tiny" and body["skipped_groups"] == []
-        assert body["tier_blocks"] >= 4 and body["pool_blocks"] >= 1, body
-        assert not list(tiers.rglob("*.kv"))
-        seen = metrics(base)
-        assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "disk")))] == 0
-        assert seen[("llm_serving_kv_tier_bytes", (("group", "0"), ("tier", "host")))] == 0
-        hit_tokens = seen[("llm_serving_prefix_cache_hits_total", ())]
-        after_reset = complete(base, LONG)
-        assert restored(log) == restores
-        assert metrics(base)[("llm_serving_prefix_cache_hits_total", ())] == hit_tokens
+        recomputed_when_corrupted(base, log, tiers, first)
+        after_reset = computed_after_reset(base, log, tiers)
     assert after_reset[0] == first[0] and after_reset[1] == pytest.approx(first[1], abs=1e-4)
 
 

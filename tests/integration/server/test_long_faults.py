@@ -400,29 +400,43 @@ def chaos_answer(kind: str, response: httpx.Response, deadline: float) -> tuple[
         )
     payloads = stream_payloads(response, deadline)
     if kind == "native-sse":
-        events = [json.loads(p) for p in payloads]
-        errors = [i for i, e in enumerate(events) if e["event"] == "error"]
-        if errors:
-            return stream_error([events[i]["data"] for i in errors], events[errors[0] + 1 :])
-        pieces = "".join(e["data"] for e in events[:-1])
-        if events and all(e["event"] == "message" for e in events) and events[-1]["data"] == pieces:
-            return "ok", pieces
-        return "truncated", events[-3:]
+        return native_sse_answer(payloads)
     if kind == "native-plain":
-        lines = [json.loads(p) for p in payloads]
-        errors = [i for i, line in enumerate(lines) if "error" in line]
-        if errors:
-            return stream_error([lines[i]["error"] for i in errors], lines[errors[0] + 1 :])
-        tokens = [line.get("token", {}) for line in lines[:-1]]
-        pieces = "".join(t.get("text", "") for t in tokens)
-        if (
-            lines
-            and lines[-1] == {"generated_text": pieces}
-            and [t.get("index") for t in tokens] == list(range(len(tokens)))
-        ):
-            return "ok", pieces
-        return "truncated", lines[-3:]
-    # OpenAI: chunks, then "[DONE]" (after an error chunk too)
+        return native_plain_answer(payloads)
+    return openai_stream_answer(kind, payloads)
+
+
+def native_sse_answer(payloads: list[str]) -> tuple[str, object]:
+    """The native SSE stream: message events whose last holds the whole text."""
+    events = [json.loads(p) for p in payloads]
+    errors = [i for i, e in enumerate(events) if e["event"] == "error"]
+    if errors:
+        return stream_error([events[i]["data"] for i in errors], events[errors[0] + 1 :])
+    pieces = "".join(e["data"] for e in events[:-1])
+    if events and all(e["event"] == "message" for e in events) and events[-1]["data"] == pieces:
+        return "ok", pieces
+    return "truncated", events[-3:]
+
+
+def native_plain_answer(payloads: list[str]) -> tuple[str, object]:
+    """The native plain stream: a line per token, indexed from 0, then the generated text."""
+    lines = [json.loads(p) for p in payloads]
+    errors = [i for i, line in enumerate(lines) if "error" in line]
+    if errors:
+        return stream_error([lines[i]["error"] for i in errors], lines[errors[0] + 1 :])
+    tokens = [line.get("token", {}) for line in lines[:-1]]
+    pieces = "".join(t.get("text", "") for t in tokens)
+    if (
+        lines
+        and lines[-1] == {"generated_text": pieces}
+        and [t.get("index") for t in tokens] == list(range(len(tokens)))
+    ):
+        return "ok", pieces
+    return "truncated", lines[-3:]
+
+
+def openai_stream_answer(kind: str, payloads: list[str]) -> tuple[str, object]:
+    """OpenAI's stream: chunks, then "[DONE]" (after an error chunk too), one finish_reason."""
     chunks = [json.loads(p) for p in payloads if p != "[DONE]"]
     errors = [i for i, c in enumerate(chunks) if "error" in c]
     if errors:
@@ -584,23 +598,11 @@ def server_usage(stack, server: psutil.Process) -> dict:
     }
 
 
-def test_chaos_soak_every_answer_exact_or_a_clear_error_while_agents_are_killed_and_stopped(chaos_stack):
-    stack = chaos_stack
-    base, agents, server = stack["base"], stack["agents"], stack["server"]
-    duration = soak_seconds()
-    seed = int(os.environ.get("CHAOS_SEED", random.randrange(2**32)))
-    print(f"\nchaos soak {duration:.0f}s: seed {seed} (CHAOS_SEED={seed} repeats its choices)", flush=True)
-    rng = random.Random(seed)
-    server_process = psutil.Process(server.process.pid)
-    born = server_process.create_time()
-    assert len(agents.agent_pids()) == 2, agents.agent_pids()
-
-    expected = answers_alone(base)
-    distinct = len({json.dumps(v, ensure_ascii=False) for v in expected.values()})
-    print(f"  {len(expected)} distinct requests, {distinct} distinct answers alone", flush=True)
-    wait_idle(base)
-    idle_before = server_usage(stack, server_process)
-
+def chaos_load(stack, rng: random.Random, expected: dict, duration: float, server_process) -> dict:
+    """CHAOS_CLIENTS clients sending for `duration` s beside the chaos thread's faults, the server's
+    usage sampled meanwhile: the records, the requests sent by kind, the faults, the chaos thread's
+    problems, the samples (t from t0), the warm-up (no faults: the baseline is taken after it)."""
+    base = stack["base"]
     warm_up = min(60.0, duration / 5)  # load without faults: the baseline is taken after it
     tail = max(15.0, duration / 10)  # no fault starts in the last `tail` seconds of the load
     t0 = time.monotonic()
@@ -633,28 +635,36 @@ def test_chaos_soak_every_answer_exact_or_a_clear_error_while_agents_are_killed_
     load_ended = time.monotonic()
     chaos.join(300)
     assert not chaos.is_alive(), "the chaos thread is stuck"
-    wait_ready(base, 240)
-    wait_idle(base)
-    idle_after = server_usage(stack, server_process)
-    # After the chaos: every kind of request, alone again, gets its answer.
-    final = [chaos_call(base, kind, seeded, 0, expected) for kind in CHAOS_KINDS for seeded in (False, True)]
+    return {
+        "t0": t0,
+        "warm_up": warm_up,
+        "records": records,
+        "sent": sent,
+        "faults": faults,
+        "problems": problems,
+        "samples": samples,
+        "sample_every": sample_every,
+        "load_ended": load_ended,
+    }
 
-    # The figures.
-    ok = Counter(r["kind"] for r in records if r["outcome"] == "ok")
-    errors = Counter(r["kind"] for r in records if r["outcome"] == "error")
-    bad = [r for r in records + final if r["outcome"] not in ("ok", "error")]
+
+def print_chaos_figures(
+    title: str, load: dict, ok: Counter, errors: Counter, bad: list, settled: list, idle: tuple[dict, dict]
+) -> None:
+    """The soak's counts, faults, server usage (settled samples; idle before and after) and latencies,
+    then its most common error messages and the first requests neither exact nor a clear error."""
+    records, sent, faults = load["records"], load["sent"], load["faults"]
+    idle_before, idle_after = idle
     latencies = sorted(r["end"] - r["start"] for r in records if r["outcome"] == "ok")
     error_latencies = [r["end"] - r["start"] for r in records if r["outcome"] == "error"]
     messages = Counter(
         re.sub(r"127\.0\.0\.1:\d+", "AGENT", str(r["value"])) for r in records if r["outcome"] == "error"
     )
-    settled = [s for s in samples if s["t"] >= warm_up] or samples[-1:]
-    baseline = settled[0]
     fault_kinds = Counter(f["kind"] for f in faults)
     rss, fds = [s["rss_mb"] for s in settled], [s["fds"] for s in settled]
     p50 = statistics.median(latencies) if latencies else 0.0
     print(
-        f"chaos soak {duration:.0f}s seed {seed}: sent {sum(sent.values())} = ok {sum(ok.values())} + "
+        f"{title}: sent {sum(sent.values())} = ok {sum(ok.values())} + "
         f"errors {sum(errors.values())} (other {len(bad)}); by kind (sent=ok+errors) "
         + ", ".join(f"{k} {sent[k]}={ok[k]}+{errors[k]}" for k in CHAOS_KINDS)
         + f"; faults {len(faults)} ({', '.join(f'{k} {n}' for k, n in sorted(fault_kinds.items()))}), "
@@ -671,7 +681,44 @@ def test_chaos_soak_every_answer_exact_or_a_clear_error_while_agents_are_killed_
     for r in bad[:10]:
         print(f"  NOT OK: {r}")
 
-    assert not problems, problems
+
+def test_chaos_soak_every_answer_exact_or_a_clear_error_while_agents_are_killed_and_stopped(chaos_stack):
+    stack = chaos_stack
+    base, agents, server = stack["base"], stack["agents"], stack["server"]
+    duration = soak_seconds()
+    seed = int(os.environ.get("CHAOS_SEED", random.randrange(2**32)))
+    print(f"\nchaos soak {duration:.0f}s: seed {seed} (CHAOS_SEED={seed} repeats its choices)", flush=True)
+    rng = random.Random(seed)
+    server_process = psutil.Process(server.process.pid)
+    born = server_process.create_time()
+    assert len(agents.agent_pids()) == 2, agents.agent_pids()
+
+    expected = answers_alone(base)
+    distinct = len({json.dumps(v, ensure_ascii=False) for v in expected.values()})
+    print(f"  {len(expected)} distinct requests, {distinct} distinct answers alone", flush=True)
+    wait_idle(base)
+    idle_before = server_usage(stack, server_process)
+
+    load = chaos_load(stack, rng, expected, duration, server_process)
+    records, sent, faults, samples = load["records"], load["sent"], load["faults"], load["samples"]
+    wait_ready(base, 240)
+    wait_idle(base)
+    idle_after = server_usage(stack, server_process)
+    # After the chaos: every kind of request, alone again, gets its answer.
+    final = [chaos_call(base, kind, seeded, 0, expected) for kind in CHAOS_KINDS for seeded in (False, True)]
+
+    # The figures.
+    ok = Counter(r["kind"] for r in records if r["outcome"] == "ok")
+    errors = Counter(r["kind"] for r in records if r["outcome"] == "error")
+    bad = [r for r in records + final if r["outcome"] not in ("ok", "error")]
+    settled = [s for s in samples if s["t"] >= load["warm_up"]] or samples[-1:]
+    baseline = settled[0]
+    fault_kinds = Counter(f["kind"] for f in faults)
+    print_chaos_figures(
+        f"chaos soak {duration:.0f}s seed {seed}", load, ok, errors, bad, settled, (idle_before, idle_after)
+    )
+
+    assert not load["problems"], load["problems"]
     assert not bad, f"{len(bad)} request(s) neither exact nor a clear error, e.g. {bad[:3]}"
     assert sum(sent.values()) == len(records) and all(sent[k] == ok[k] + errors[k] for k in sent), (
         sent,
@@ -693,7 +740,7 @@ def test_chaos_soak_every_answer_exact_or_a_clear_error_while_agents_are_killed_
     )
     assert server.output().count("Application startup complete") == 1, server.output()[-2000:]
     assert agents.process.poll() is None, agents.output()[-2000:]  # the restart budget held
-    assert load_ended - t0 < duration + REQUEST_TIMEOUT_S + sample_every + 5
+    assert load["load_ended"] - load["t0"] < duration + REQUEST_TIMEOUT_S + load["sample_every"] + 5
     # Flat memory and descriptors. RSS_MARGIN_MB (30) is allocator noise plus headroom: a leak of a
     # request's state (~10 KB: its sequence, text, stream) over these thousands of requests, or of
     # a socket and its buffers at each of the agents' reconnections, would pass it.
