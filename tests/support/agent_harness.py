@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ import zmq
 
 from agent.contract import protocol
 from config.schema import PROJECT_ROOT
+from waiting import wait_until
 
 
 def free_ports(n: int) -> list[int]:
@@ -108,16 +108,19 @@ class LauncherProcess:
         return "\n".join(self.lines)
 
     def wait_for(self, text: str, timeout: float, start: int = 0) -> int:
-        """Index of the first line from `start` on containing `text`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for i in range(start, len(self.lines)):
-                if text in self.lines[i]:
-                    return i
-            if self.process.poll() is not None and not self._reader.is_alive():
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{text!r} not printed within {timeout}s; output:\n{self.output()}")
+        """Index of the first line from `start` on containing `text` (fails at once if the process
+        ended without printing it)."""
+
+        def found() -> list[int]:
+            at = [i for i in range(start, len(self.lines)) if text in self.lines[i]][:1]
+            if not at and self.process.poll() is not None and not self._reader.is_alive():
+                raise AssertionError(f"{text!r} never printed: the process exited ({self.process.poll()})")
+            return at
+
+        try:
+            return wait_until(found, timeout, f"{text!r} printed", poll_s=0.1)[0]
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; output:\n{self.output()}") from None
 
     def agent_pids(self) -> list[int]:
         return [c.pid for c in self._children() if "resource_tracker" not in " ".join(c.cmdline())]
@@ -163,10 +166,26 @@ def alive(pid: int) -> bool:
         return False
 
 
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """The CPU seconds each thread of the process has run so far, by thread id."""
+    return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
+
+
+def worker_thread_busy(pid: int, since: dict[int, float], seconds: float = 0.1) -> bool:
+    """Whether a thread of the process other than its main one (a server's event loop) has run
+    `seconds` of CPU since `since` (thread_cpu_seconds then): work off the loop under way, such as
+    a long prompt tokenized or a grammar compiled in a pool."""
+    return any(
+        cpu - since.get(thread, 0.0) >= seconds
+        for thread, cpu in thread_cpu_seconds(pid).items()
+        if thread != pid
+    )
+
+
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
+    """The pids still alive once they all ended, or `timeout` seconds passed (the caller asserts)."""
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not any(alive(p) for p in pids), timeout, "the processes gone", poll_s=0.1)
     return [p for p in pids if alive(p)]
 
 

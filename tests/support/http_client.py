@@ -4,8 +4,6 @@ its clients parse it (a real SSE client, `data:` line parsing, plain JSON)."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 
 import httpx
 from httpx_sse import connect_sse
@@ -82,14 +80,6 @@ def aborted_requests(base: str, headers: dict | None = None) -> float:
         for s in f.samples
         if s.name == "llm_serving_requests_total" and s.labels.get("outcome") == "aborted"
     )
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, poll_s: float = 0.05) -> bool:
-    """Poll `condition` until it holds or `timeout` seconds pass -> whether it holds."""
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(poll_s)
-    return condition()
 
 
 def greedy_completions(

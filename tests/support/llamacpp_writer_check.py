@@ -14,13 +14,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import hf_moe_reference as moe
 import hf_reference as hf
 from agent.model.tokenizer import load_tokenizer
+from waiting import wait_until
 
 NEW_TOKENS = 12
 SUITE_TEXTS = (5, 20, 33)  # as the reference tests take them
@@ -43,13 +43,15 @@ def llamacpp_answers(server: Path, gguf: Path, cases: list[list[int]], port: int
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
+
+        def healthy() -> bool:
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=1) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.1)
+                    return reply.status == 200
+            except OSError:  # not listening yet, or 503 while it loads the model
+                return False
+
+        wait_until(healthy, 120, "llama-server answering /health", poll_s=0.1)
         answers = []
         for prompt in cases:
             body = {

@@ -30,6 +30,7 @@ from agent_harness import LauncherProcess, free_ports, write_config
 from config import load_config
 from config.schema import PROJECT_ROOT, RuntimeSection
 from engine_harness import EngineAndStreams
+from waiting import wait_until_async
 
 PAGED = TINY_RUNTIME.model_copy(update={"decode_attention": "paged", "matmul": "mindspore"})
 # Block tables of the pool's 16 blocks (4 of 16 positions each): B shares A's first two blocks and C
@@ -286,10 +287,10 @@ def test_an_agent_on_the_paged_backend_serves_chunked_prompts_and_prefix_hits(tm
                 assert outputs[-1].finished and outputs[-1].error is None, outputs[-1]
                 answers.append([o.token_id for o in outputs if o.token_id is not None])
             metric = server.engine.metrics.registry.get_sample_value
-            for _ in range(500):  # the loop's next iteration counts them into the metrics
-                if metric("llm_serving_prefix_cache_hits_total"):
-                    break
-                await asyncio.sleep(0.01)
+            # the loop's next iteration counts them into the metrics
+            await wait_until_async(
+                lambda: metric("llm_serving_prefix_cache_hits_total"), 5, "a prefix cache hit"
+            )
             return answers, metric("llm_serving_prefix_cache_hits_total")
         finally:
             await server.engine.stop()

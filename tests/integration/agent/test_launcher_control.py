@@ -7,7 +7,6 @@ import asyncio
 import os
 import signal
 import threading
-import time
 
 import pytest
 import zmq
@@ -17,6 +16,7 @@ from agent.launcher.control import ControlChannel
 from agent_harness import LONG_ANSWERS_RUNTIME, curve_keys, free_ports
 from config.schema import ServingConfig
 from server.launcher_client import LauncherClient, LauncherError, LauncherUnreachable
+from waiting import wait_until
 
 
 def config_of(port: int, curve: dict | None) -> ServingConfig:
@@ -229,16 +229,20 @@ def test_a_failed_restart_fails_that_model_only(launched):
 
     models, config, faults, _, _ = launched
     assert call(config, "load", timeout_s=30, model="c")["ok"]
-    deadline = time.monotonic() + 180
-    while call(config, "status", timeout_s=30, model="c")["models"]["c"]["state"] != "READY":
-        assert time.monotonic() < deadline, "c did not load"
-        time.sleep(0.5)
+    wait_until(
+        lambda: call(config, "status", timeout_s=30, model="c")["models"]["c"]["state"] == "READY",
+        180,
+        "c loaded",
+        poll_s=0.5,
+    )
     (pid,) = call(config, "status", timeout_s=30, model="c")["models"]["c"]["pids"]
     faults["c"] = 0
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while (c := call(config, "status", timeout_s=30)["models"])["c"]["state"] != "UNAVAILABLE":
-        assert time.monotonic() < deadline, c
-        time.sleep(0.2)
+
+    def unavailable() -> dict | None:
+        states = call(config, "status", timeout_s=30)["models"]
+        return states if states["c"]["state"] == "UNAVAILABLE" else None
+
+    c = wait_until(unavailable, 30, "c UNAVAILABLE", poll_s=0.2)
     assert "supervising its agents failed: BlockingIOError" in c["c"]["reason"], c
     assert c["a"]["state"] == "READY" and all(alive(p) for p in c["a"]["pids"])

@@ -4,7 +4,6 @@ import asyncio
 import os
 import signal
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -222,10 +221,9 @@ def test_reconnect_while_a_call_polls_ends_that_call_cleanly():
             call = asyncio.create_task(client.ping())
             assert [h["op"] for h in await agent.received(10)] == ["ping"]  # its reply now awaited
             client.reconnect()
-            started = time.monotonic()
+            # ended by the reconnect, not by its own timeout ("no reply to ping within 30s")
             with pytest.raises(AgentUnavailable, match="reconnected"):
                 await call
-            assert time.monotonic() - started < 1.0
             answering = asyncio.create_task(agent.answer_all())
             await client.ping(5)  # the fresh connection works
             answering.cancel()

@@ -15,6 +15,7 @@ from engine_harness import EngineAndStreams
 from scheduler.engine_io import AdmissionError, Refusal
 from scheduler.sequence import FinishReason
 from server.errors import OPENAI, refusal_status
+from waiting import wait_until_async
 
 GREEDY = SamplingParams()
 TEXTS = [
@@ -85,7 +86,7 @@ def test_answers_under_load_equal_answers_alone(agent_config, tokenizer, tiny_ll
             while True:
                 seen["bs"] = max(seen["bs"], server.engine.stats().running)
                 seen["queue"] = max(seen["queue"], server.engine.stats().waiting)
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.005)  # the watcher's sampling interval
 
         watcher = asyncio.create_task(watch())
         # 6 requests, 4 slots: two must wait in the queue and enter as slots free up.
@@ -114,10 +115,7 @@ def test_closing_a_stream_aborts_and_frees_the_slot(agent_config, tokenizer):
         await stream.__anext__()
         assert server.engine.stats().running == 1
         await stream.aclose()  # what a disconnecting HTTP client does to its generator
-        for _ in range(200):
-            if server.engine.stats().running == 0:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: server.engine.stats().running == 0, 5, "the slot freed")
         bs = server.engine.stats().running
         # The freed slot is usable again: four new requests fill all four slots.
         texts = await asyncio.gather(
@@ -185,8 +183,7 @@ def test_a_dropped_stream_is_closed_on_the_event_loop_not_inside_garbage_collect
         inner = stream._stream  # the output layer's side of it, which the engine reports to
         del stream  # the last reference: __del__ runs here
         finished_inside_del = inner.ended
-        for _ in range(10):
-            await asyncio.sleep(0)
+        await wait_until_async(lambda: inner.ended, 5, "the dropped stream ended on the loop")
         left_open = server.generate_answer("left", [7], GREEDY, 3)  # outlives the loop
         await server.engine.stop()
         outs = [inner.queue.get_nowait() for _ in range(inner.queue.qsize())]

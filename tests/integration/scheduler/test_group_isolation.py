@@ -3,7 +3,6 @@ heartbeats, but the call never returns), the other group's requests go on at ful
 
 import asyncio
 import threading
-import time
 
 import pytest
 import zmq
@@ -89,20 +88,23 @@ def test_a_stuck_group_holds_only_its_own_requests(groups, tiny_llama_dir):
         first = [await healthy.__anext__(), await stuck.__anext__()]
         placed = tuple(server.engine.scheduler.running[r].group for r in ("healthy", "stuck"))
         proxy.stuck.set()
-        started = time.monotonic()
-        rest = await asyncio.wait_for(collect(healthy), 10)
+        # Hang guards only: what the test proves is the state asserted below.
+        rest = await asyncio.wait_for(collect(healthy), 3 * AGENT_TIMEOUT_S)
         newcomer = await asyncio.wait_for(
-            collect(server.generate_answer("new", prompt, GREEDY, 8, ignore_eos=True)), 10
+            collect(server.generate_answer("new", prompt, GREEDY, 8, ignore_eos=True)), 3 * AGENT_TIMEOUT_S
         )
-        elapsed = time.monotonic() - started
+        # Both answered while the other group was still stuck: its request running, its reply held,
+        # and the group not yet given up on (agent_timeout_s not reached).
+        scheduler = server.engine.scheduler
+        still_stuck = ("stuck" in scheduler.running, scheduler.healthy[1], len(proxy.held) > 0)
         proxy.stuck.clear()  # the agent answers again: its request goes on where it was
         stuck_rest = await asyncio.wait_for(collect(stuck), AGENT_TIMEOUT_S)
         await server.engine.stop()
-        return placed, first + rest, newcomer, elapsed, stuck_rest
+        return placed, first + rest, newcomer, still_stuck, stuck_rest
 
-    placed, healthy, newcomer, elapsed, stuck_rest = asyncio.run(scenario())
+    placed, healthy, newcomer, still_stuck, stuck_rest = asyncio.run(scenario())
     assert placed == (0, 1)
     assert healthy[-1].finish_reason == "length" and healthy[-1].index == 40
     assert newcomer[-1].finish_reason == "length" and newcomer[-1].index == 8
-    assert elapsed < AGENT_TIMEOUT_S / 2, elapsed
+    assert still_stuck == (True, True, True), still_stuck
     assert stuck_rest[-1].finish_reason == "length" and stuck_rest[-1].error is None

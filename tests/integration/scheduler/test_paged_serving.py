@@ -15,6 +15,7 @@ from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, write_config
 from config import load_config
 from engine_harness import EngineAndStreams
+from waiting import wait_until_async
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(do_sample=True, top_k=20, temperature=0.9, seed=3)
@@ -95,10 +96,12 @@ def test_a_prefix_cache_hit_gives_the_tokens_of_a_cold_prefill(config, tokenizer
         cold = await tokens_of(server, "cold", first, params, 12)
         warm = await tokens_of(server, "warm", second, params, 12)
         metric = server.engine.metrics.registry.get_sample_value
-        for _ in range(500):  # the loop's next iteration counts them into the metrics
-            if metric("llm_serving_prefix_cache_queries_total") == 2 * 109:
-                break
-            await asyncio.sleep(0.01)
+        # the loop's next iteration counts them into the metrics
+        await wait_until_async(
+            lambda: metric("llm_serving_prefix_cache_queries_total") == 2 * 109,
+            5,
+            "both prompts' queries counted",
+        )
         counts = [metric(f"llm_serving_prefix_cache_{kind}_total") for kind in ("queries", "hits")]
         cached = metric("llm_serving_kv_blocks", {"state": "cached"})
         return cold, warm, counts, cached

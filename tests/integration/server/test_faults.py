@@ -22,6 +22,7 @@ from agent_harness import (
     write_config,
 )
 from http_client import one_event, post
+from waiting import wait_until
 
 # Room for answers long enough to still be running when the fault hits.
 FAULT_RUNTIME = {**LONG_ANSWERS_RUNTIME, "max_seq_len": 2048, "attend_buckets": [64, 2048]}
@@ -108,16 +109,6 @@ def queue_depth(base: str) -> int:
     return one_event(f"{base}/serving/get_request_numbers")
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not {what} within {timeout}s")
-
-
 def ready(base: str) -> httpx.Response:
     return httpx.get(f"{base}/ready", timeout=30)
 
@@ -149,6 +140,7 @@ def assert_all_failed_fast(requests: list[Request], fault_at: float) -> list[flo
             assert "failed" in r.events[-1]["data"]
         else:
             assert r.status == 503 and "failed" in r.json["error"], (r.status, r.json)
+    # A clock is the subject here: the promise is a bound on how long detection takes.
     assert max(delays) < DETECTION_BOUND_S, delays
     return delays
 
@@ -157,10 +149,12 @@ def assert_refused_while_down(stack) -> None:
     base = stack["base"]
     response = ready(base)
     assert response.status_code == 503 and stack["agent_address"] in response.json()["error"]
-    started = time.monotonic()
     refused = post(f"{base}/models/tiny/generate", body("while down", 4))
-    assert refused.status_code == 503 and "no agent is available" in refused.json()["error"]
-    assert refused.headers["retry-after"] and time.monotonic() - started < 2
+    # Refused at admission (not queued until the agent came back, or failed from the queue later).
+    assert (
+        refused.status_code == 503 and "no agent is available (every agent failed" in refused.json()["error"]
+    )
+    assert refused.headers["retry-after"]
     assert httpx.get(f"{base}/health").status_code == 200  # the server itself stays up
 
 

@@ -67,7 +67,7 @@ def test_made_up_keys_do_not_make_new_clients(stack):
             answers = [pool.submit(attacker) for _ in range(ATTACKERS)]
             while not all(a.done() for a in answers):
                 most_running = max(most_running, batch_size(base))
-                time.sleep(0.02)
+                time.sleep(0.02)  # the batch size sampled every 20 ms while the attack runs
             texts = [a.result() for a in answers]
     # The attacker's four answers ran one at a time (one client, capped at one), beside the victim;
     # on main each made-up key was a client of its own and all five ran at once.

@@ -11,6 +11,7 @@ import pytest
 
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
 from http_client import answer_three_ways, data_lines, one_event, post
+from waiting import wait_until
 
 TEXTS = ["The quick brown fox", "你好，世界！ 东京", "emoji 😀 🎉 and\nnewlines\n\n"]
 DRAIN_TIMEOUT_S = 60
@@ -103,8 +104,7 @@ def test_continuous_batching_over_http(stack):
     early = [TimedStream(base, p, 300) for p in early_prompts]
     for s in early:
         s.start()
-    while not all(s.first for s in early):
-        time.sleep(0.01)
+    wait_until(lambda: all(s.first for s in early), 60, "a token of every early stream", poll_s=0.01)
     late = [TimedStream(base, p, 20) for p in late_prompts]
     for s in late:
         s.start()
@@ -131,10 +131,7 @@ def test_disconnect_frees_the_slot(stack):
         lines = r.iter_lines()  # kept: a dropped iterator closes the connection at once
         next(lines)
         assert one_event(f"{base}/serving/get_bs") == 1
-    deadline = time.monotonic() + 10
-    while one_event(f"{base}/serving/get_bs") != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert one_event(f"{base}/serving/get_bs") == 0
+    wait_until(lambda: one_event(f"{base}/serving/get_bs") == 0, 10, "the slot freed")
 
 
 @pytest.mark.parametrize(
@@ -278,8 +275,7 @@ def test_sigterm_drains_running_streams_then_exits_0(stack):
     streams = [TimedStream(base, p, 300) for p in want]
     for s in streams:
         s.start()
-    while not all(s.first for s in streams):
-        time.sleep(0.01)
+    wait_until(lambda: all(s.first for s in streams), 60, "a token of every stream", poll_s=0.01)
     server.process.send_signal(signal.SIGTERM)
     server.wait_for("refusing new requests, draining", 10)
     refused = post(f"{base}/models/tiny/generate", {"inputs": "late", "parameters": {"max_new_tokens": 2}})

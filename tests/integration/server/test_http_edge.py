@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from agent_harness import LONG_ANSWERS_RUNTIME, LauncherProcess, free_ports, serving_stack, write_config
-from http_client import aborted_requests, one_event, wait_until
+from http_client import aborted_requests, one_event
+from waiting import wait_until
 
 READ_TIMEOUT_S = 2
 MAX_CONNECTIONS = 16
@@ -87,7 +88,7 @@ def test_big_prompts_do_not_stall_a_running_stream(stack):
 
     reader = threading.Thread(target=stream)
     reader.start()
-    assert wait_until(lambda: len(gaps) > 20, 30)
+    wait_until(lambda: len(gaps) > 20, 30, "20 tokens streamed alone")
     alone = sorted(gaps)[len(gaps) // 2]
     big = {"inputs": BIG_PROMPT, "parameters": {"truncate": 8, "max_new_tokens": 2}}
     started = len(gaps)
@@ -107,6 +108,8 @@ def test_big_prompts_do_not_stall_a_running_stream(stack):
         f"inter-token gap: p50 alone {alone * 1000:.1f} ms; "
         f"worst while 8 big prompts arrived {worst * 1000:.1f} ms"
     )
+    # A clock is the subject: a stall is time the event loop stands still (tokenizing a big
+    # prompt on it took seconds; in the pool the gaps stay in milliseconds).
     assert worst < 1.0
 
 
@@ -148,9 +151,9 @@ def test_a_client_that_goes_away_stops_its_generation(stack, path, body):
     base, _, port = stack
     before = aborted_requests(base)
     sock = raw_request(port, path, body)
-    assert wait_until(lambda: one_event(f"{base}/serving/get_bs") >= 1, 10)
+    wait_until(lambda: one_event(f"{base}/serving/get_bs") >= 1, 10, "the request running")
     sock.close()
-    assert wait_until(lambda: one_event(f"{base}/serving/get_bs") == 0, 10)
+    wait_until(lambda: one_event(f"{base}/serving/get_bs") == 0, 10, "the request stopped")
     assert aborted_requests(base) == before + body.get("n", 1)
 
 
@@ -162,7 +165,7 @@ def test_a_request_head_sent_too_slowly_is_cut_off(stack):
     not before server.read_timeout_s, and the server still answers."""
     base, _, port = stack
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.settimeout(0.5)
+    sock.settimeout(0.5)  # the slow client: a byte, then up to 0.5 s waiting for an answer
     started = time.monotonic()
     closed, answered = False, b""
     for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100:
@@ -178,6 +181,7 @@ def test_a_request_head_sent_too_slowly_is_cut_off(stack):
             break
     elapsed = time.monotonic() - started
     assert closed and not answered, answered
+    # A clock is the subject: the head deadline (server.read_timeout_s) is what closed it.
     assert READ_TIMEOUT_S - 0.5 <= elapsed < READ_TIMEOUT_S + 2, elapsed
     assert httpx.get(f"{base}/health").status_code == 200
 
@@ -199,11 +203,13 @@ def test_a_body_sent_too_slowly_is_408(stack):
 def test_connections_beyond_the_limit_get_503(stack):
     base, _, port = stack
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS)]
-    time.sleep(0.2)
-    assert httpx.get(f"{base}/health").status_code == 503
+    # Until the server has taken all of them in: then one more is refused.
+    wait_until(
+        lambda: httpx.get(f"{base}/health").status_code == 503, 10, "a connection past the limit refused"
+    )
     for sock in idle:
         sock.close()
-    assert wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, 5)
+    wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, 5, "connections served again")
 
 
 @pytest.mark.parametrize("host", ["evil.example:{port}", "evil.example", "127.0.0.1:1"])
@@ -279,10 +285,11 @@ def test_a_dead_scheduler_loop_ends_requests_and_the_server_exits_1(stack, monke
             # so that the test fails instead of hanging.
             for _ in range(2):
                 if not served.wait(30):
+                    results["signalled"] = True
                     os.kill(os.getpid(), signal.SIGTERM)
 
     def stream_then_break_the_scheduler() -> list[str]:
-        assert wait_until(lambda: loaded.engine.started, 60)
+        wait_until(lambda: loaded.engine.started, 60, "the engine connected to the agent")
         body = {"inputs": "The quick", "parameters": {"max_new_tokens": 450, "ignore_eos": True}}
         with httpx.stream("POST", f"{base}/models/tiny/generate_stream", json=body, timeout=20) as r:
             lines = r.iter_lines()
@@ -293,10 +300,10 @@ def test_a_dead_scheduler_loop_ends_requests_and_the_server_exits_1(stack, monke
 
             # The loop plans again when the stream's step ends, and dies there.
             monkeypatch.setattr(loaded.engine.scheduler, "schedule", broken)
-            deadline, rest = time.monotonic() + 20, []
-            for line in lines:  # a hung stream still gets sse-starlette's ping every 15 s
+            rest = []
+            for line in lines:
                 rest.append(line)
-                if time.monotonic() > deadline:
+                if line.startswith(":"):  # sse-starlette's ping, after 15 s of nothing: a hung stream
                     break
             return rest
 
@@ -304,13 +311,12 @@ def test_a_dead_scheduler_loop_ends_requests_and_the_server_exits_1(stack, monke
     thread.start()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        started = time.monotonic()
         code = serve(config, create_app(config, repository), repository)
     finally:
         served.set()
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     thread.join(30)
-    assert code == 1 and time.monotonic() - started < 60
+    assert code == 1 and "signalled" not in results  # it exited by itself, not stopped by the test
     assert loaded.engine.dead.is_set() and "a scheduler bug" in loaded.engine.failure
     assert any("error" in line for line in results.get("rest", [])), results

@@ -2,7 +2,6 @@
 channel; no model loaded, so no agent starts) and real servers: admin keys beyond loopback, ordinary
 keys never, and the control channel under CURVE whenever the agents are."""
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -10,8 +9,17 @@ import pytest
 import yaml
 import zmq
 
-from agent_harness import LONG_ANSWERS_RUNTIME, LauncherProcess, curve_keys, free_ports, serving_stack
+from agent_harness import (
+    LONG_ANSWERS_RUNTIME,
+    LauncherProcess,
+    curve_keys,
+    free_ports,
+    serving_stack,
+    thread_cpu_seconds,
+    worker_thread_busy,
+)
 from config import load_config
+from waiting import wait_until
 
 USER = "user-key"
 AUTH = {"Authorization": f"Bearer {USER}"}
@@ -148,8 +156,13 @@ def test_an_unload_while_a_prompt_is_tokenized_is_a_503(loaded, path, parameters
     prompt = "the quick brown fox jumps over the lazy dog " * 100_000  # seconds to tokenize
     body = {"inputs": prompt, "parameters": {"truncate": 16, "max_new_tokens": 4, **parameters}}
     with ThreadPoolExecutor(1) as pool:
+        idle = thread_cpu_seconds(server.process.pid)
         answer = pool.submit(httpx.post, f"{base}{path}", json=body, timeout=120)
-        time.sleep(0.3)  # the body is in, its tokens are being counted
+        wait_until(
+            lambda: worker_thread_busy(server.process.pid, idle) or answer.done(),
+            60,
+            "the prompt tokenized in the server's pool",
+        )
         unload = httpx.post(f"{base}{UNLOAD}", timeout=120)
         reply = answer.result()
     assert unload.status_code == 200, unload.text

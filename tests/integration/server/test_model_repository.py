@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from agent.contract import launcher_control as control
 from agent_harness import LONG_ANSWERS_RUNTIME, LauncherProcess, alive, free_ports, supervised_stop, wait_gone
+from waiting import wait_until
 
 USER, ADMIN = "user-key", "admin-key"
 AUTH, ADMIN_AUTH = {"Authorization": f"Bearer {USER}"}, {"Authorization": f"Bearer {ADMIN}"}
@@ -363,14 +364,16 @@ def test_unload_under_load_drains_it_and_leaves_the_other_alone(stack):
     ]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{base}/serving/get_bs?model=b", headers=AUTH).text.count('"data": 4') == 0:
-        assert time.monotonic() < deadline, "b's streams never ran"
-        time.sleep(0.02)
+    wait_until(
+        lambda: '"data": 4' in httpx.get(f"{base}/serving/get_bs?model=b", headers=AUTH).text,
+        30,
+        "b's 4 streams running",
+        poll_s=0.02,
+    )
     unloading = threading.Thread(target=run, args=("unload", unload, base, "b"))
     unloading.start()
     refusals = []
-    while unloading.is_alive():
+    while unloading.is_alive():  # a client asking again and again while the model unloads
         reply = httpx.post(f"{base}/models/b/generate", json=body("x"), headers=AUTH, timeout=TIMEOUT)
         refusals.append((reply.status_code, reply.json().get("error")))
         time.sleep(0.02)

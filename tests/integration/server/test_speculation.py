@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,6 +19,7 @@ from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write
 from attack_watch import under_attack
 from browser import chromium_driver
 from config.schema import PROJECT_ROOT
+from waiting import wait_until
 
 # Prompts that repeat themselves (what prompt lookup proposes from), and one that does not.
 PROMPTS = [
@@ -241,9 +241,7 @@ def test_a_seeded_sampled_answer_is_the_same_alone_and_under_load(stack):
     load_prompts = [PROMPTS[i % 3] + f" {i}" for i in range(7)]
     with ThreadPoolExecutor(len(load_prompts)) as pool:
         load = [pool.submit(generate, stack, p, True, max_new_tokens=120) for p in load_prompts]
-        deadline = time.monotonic() + 60
-        while batch_size(stack) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: batch_size(stack) >= 4, 60, "4 of the load's requests running")
         busy = generate(stack, PROMPTS[0], True, **seeded)["generated_text"]
         for answer in load:
             answer.result()

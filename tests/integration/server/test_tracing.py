@@ -5,7 +5,6 @@ its chunks, decode with its agent steps) with the client's trace id and the GenA
 request the access check refuses makes no span."""
 
 import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -16,6 +15,7 @@ import tritonclient.grpc as triton_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack, write_config
+from waiting import wait_until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 KEY = "tracing-key"
@@ -98,11 +98,11 @@ def test_one_request_gives_the_span_tree_under_the_clients_trace(traced):
     usage = reply.json()["usage"]
     # the request's own span ends last (after the reply) and may come in a later export batch than
     # its children: wait for it, then every span has come
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not any(
-        s.parent_span_id.hex() == PARENT_ID for s in receiver.of_trace(TRACE_ID)
-    ):
-        time.sleep(0.1)
+    wait_until(
+        lambda: any(s.parent_span_id.hex() == PARENT_ID for s in receiver.of_trace(TRACE_ID)),
+        15,
+        "the request's own span",
+    )
     spans = receiver.of_trace(TRACE_ID)
     [root] = [s for s in spans if s.parent_span_id.hex() == PARENT_ID]
     assert root.name == "chat tiny" and root.kind == root.SPAN_KIND_SERVER
@@ -154,20 +154,17 @@ def test_a_request_without_traceparent_starts_its_own_trace(traced):
         headers=AUTH,
     )
     assert reply.status_code == 200
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        roots = [s for s in receiver.spans if s.trace_id not in before and s.name == "generate tiny"]
-        if roots:
-            break
-        time.sleep(0.1)
-    [root] = roots
+    [root] = wait_until(
+        lambda: [s for s in receiver.spans if s.trace_id not in before and s.name == "generate tiny"],
+        15,
+        "a 'generate tiny' span of a new trace",
+    )
     assert not root.parent_span_id and attributes(root)["gen_ai.usage.output_tokens"] == 3
 
 
 def spans_of(receiver: Receiver, trace_id: str, name: str) -> list:
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not any(s.name == name for s in receiver.of_trace(trace_id)):
-        time.sleep(0.1)
+    """The trace's spans, once its span `name` has come (the request's own span comes last)."""
+    wait_until(lambda: any(s.name == name for s in receiver.of_trace(trace_id)), 15, f"a {name!r} span")
     return receiver.of_trace(trace_id)
 
 
@@ -183,7 +180,7 @@ def test_a_grpc_infer_is_traced_under_the_clients_traceparent(traced):
             parameters={"max_tokens": 3},
             headers={**AUTH, "traceparent": f"00-{trace_id}-{parent}-01"},
         )
-    spans = spans_of(receiver, trace_id, "decode")
+    spans = spans_of(receiver, trace_id, "generate tiny")
     [root] = [s for s in spans if s.parent_span_id.hex() == parent]
     assert root.name == "generate tiny" and attributes(root)["gen_ai.usage.output_tokens"] == 3
     assert {s.name for s in spans if s.parent_span_id == root.span_id} == {"queue", "prefill", "decode"}

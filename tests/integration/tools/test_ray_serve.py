@@ -7,7 +7,6 @@ import json
 import re
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -26,6 +25,7 @@ from agent_harness import (
 )
 from config.schema import PROJECT_ROOT
 from http_client import TIMEOUT, one_event, post
+from waiting import wait_until
 
 RAY = {
     "min_replicas": 2,
@@ -212,14 +212,6 @@ def test_serving_figures_are_summed_over_replicas_or_one_replicas(ray_stack):
 
 
 LONG_300 = {"max_new_tokens": 300, "ignore_eos": True}
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout}s")
-        time.sleep(0.2)
 
 
 def test_a_shared_prefix_lands_on_one_replica_with_cache_hits_and_unrelated_prompts_spread(ray_stack):

@@ -14,6 +14,7 @@ from config.schema import ServingConfig
 from scheduler.agent_client import AgentUnavailable
 from scheduler.engine import Engine
 from scheduler.engine_io import EngineOutput, EngineRequest, FaultKind, FinishReason
+from waiting import wait_until_async
 
 VOCAB, EOS = 100, 0
 FAULTY = SamplingParams(min_tokens=7)  # the fake fails the choices of sequences sampling so
@@ -125,17 +126,11 @@ def engine_over(agent: FakeAgent, answers: Answers) -> Engine:
 
 
 def submit(engine: Engine, request_id: str, prompt: list[int], sampling: SamplingParams, max_new_tokens: int):
-    engine.add_request(EngineRequest(request_id, tuple(prompt), sampling, max_new_tokens))
-
-
-async def until(condition, timeout_s: float = 5) -> None:
-    """Waits for `condition()` to hold (a barrier on the state, not on time)."""
-
-    async def holds():
-        while not condition():
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(holds(), timeout_s)
+    engine.add_request(
+        EngineRequest(
+            request_id=request_id, prompt=tuple(prompt), sampling=sampling, max_new_tokens=max_new_tokens
+        )
+    )
 
 
 def test_requests_decode_to_their_length_and_free_their_slots():
@@ -146,8 +141,11 @@ def test_requests_decode_to_their_length_and_free_their_slots():
         await engine.start()
         for i in range(6):
             submit(engine, f"r{i}", [10 * i + 1, 10 * i + 2], SamplingParams(), 5)
-        await until(lambda: answers.finished(*(f"r{i}" for i in range(6))))
-        await until(lambda: len(agent.released) == 6)  # the last releases: the next iteration
+        await wait_until_async(
+            lambda: answers.finished(*(f"r{i}" for i in range(6))), 5, "the six requests finished"
+        )
+        # the last releases: the next iteration
+        await wait_until_async(lambda: len(agent.released) == 6, 5, "every slot released")
         await engine.stop()
 
     run(scenario())
@@ -175,14 +173,16 @@ def test_a_slot_release_is_pending_until_its_agent_answers_it():
         engine = engine_over(agent, answers)
         await engine.start()
         submit(engine, "r", [1, 2], SamplingParams(), 3)
-        await until(lambda: answers.finished("r"))
+        await wait_until_async(lambda: answers.finished("r"), 5, "r finished")
         assert engine.stats().groups[0].releases_pending == 1  # not yet planned
-        await until(lambda: engine.executor.releasing[0] == 1)
+        await wait_until_async(lambda: engine.executor.releasing[0] == 1, 5, "r's release sent to the agent")
         assert (
             engine.stats().groups[0].releases_pending == 1 and agent.released == []
         )  # planned, not answered
         answer_release.set()
-        await until(lambda: engine.stats().groups[0].releases_pending == 0)
+        await wait_until_async(
+            lambda: engine.stats().groups[0].releases_pending == 0, 5, "r's release answered"
+        )
         assert agent.released == [0]
         await engine.stop()
 
@@ -197,7 +197,7 @@ def test_a_sequence_fault_ends_that_sequence_alone():
         await engine.start()
         submit(engine, "faulty", [1, 2], FAULTY, 8)
         submit(engine, "fine", [3, 4], SamplingParams(), 8)
-        await until(lambda: answers.finished("faulty", "fine"))
+        await wait_until_async(lambda: answers.finished("faulty", "fine"), 5, "both requests finished")
         await engine.stop()
 
     run(scenario())
@@ -215,13 +215,14 @@ def test_a_dead_group_fails_its_sequences_and_serves_again_once_it_answers():
         engine = engine_over(agent, answers)
         await engine.start()
         submit(engine, "before", [1, 2], SamplingParams(), 40)
-        await until(lambda: len(answers.tokens.get("before", [])) >= 3)
+        await wait_until_async(lambda: len(answers.tokens.get("before", [])) >= 3, 5, "3 tokens of before")
         agent.down = True
-        await until(lambda: answers.finished("before"))
+        await wait_until_async(lambda: answers.finished("before"), 5, "before finished")
         agent.down = False
-        await until(lambda: engine.scheduler.healthy[0])  # the engine probes a failed group every second
+        # the engine probes a failed group every second
+        await wait_until_async(lambda: engine.scheduler.healthy[0], 5, "the group healthy again")
         submit(engine, "after", [20], SamplingParams(), 3)
-        await until(lambda: answers.finished("after"))
+        await wait_until_async(lambda: answers.finished("after"), 5, "after finished")
         await engine.stop()
 
     run(scenario())
@@ -246,8 +247,8 @@ def test_a_finish_the_output_layer_decides_is_applied():
         engine = engine_over(agent, answers)
         await engine.start()
         submit(engine, "stops", [1], SamplingParams(), 30)
-        await until(lambda: answers.finished("stops"))
-        await until(lambda: agent.released)
+        await wait_until_async(lambda: answers.finished("stops"), 5, "stops finished")
+        await wait_until_async(lambda: agent.released, 5, "a slot released")
         await engine.stop()
 
     run(scenario())
@@ -264,10 +265,10 @@ def test_an_aborted_request_reports_its_end():
         engine = engine_over(agent, answers)
         await engine.start()
         submit(engine, "gone", [1], SamplingParams(), 1000)
-        await until(lambda: len(answers.tokens.get("gone", [])) >= 2)
+        await wait_until_async(lambda: len(answers.tokens.get("gone", [])) >= 2, 5, "2 tokens of gone")
         engine.abort("gone")
         assert answers.ends["gone"].finish_reason is FinishReason.ABORT
-        await until(lambda: agent.released)
+        await wait_until_async(lambda: agent.released, 5, "a slot released")
         await engine.stop()
 
     run(scenario())
@@ -287,12 +288,16 @@ def test_dropping_the_prefix_cache_under_load_waits_for_a_step_not_for_the_load(
         await engine.start()
         submit(engine, "long", [1, 2, 3, 4, 5], SamplingParams(), 55)
         submit(engine, "short", [6, 7, 8, 9, 10], SamplingParams(), 2)
-        await until(lambda: answers.finished("short") and len(answers.tokens.get("long", [])) > 2)
+        await wait_until_async(
+            lambda: answers.finished("short") and len(answers.tokens.get("long", [])) > 2,
+            5,
+            "short finished and 3 tokens of long",
+        )
         dropped = await asyncio.wait_for(engine.drop_prefix_cache(), 2)
         assert not answers.finished("long")
         assert dropped["pool_blocks"] >= 2 and dropped["tier_blocks"] == 0 and dropped["skipped_groups"] == []
         assert engine.scheduler.blocks[0].num_cached == 0
-        await until(lambda: answers.finished("long"))
+        await wait_until_async(lambda: answers.finished("long"), 5, "long finished")
         await engine.stop()
 
     run(scenario())
@@ -311,7 +316,7 @@ def test_proposal_costs_are_learned_from_the_steps_round_trips():
         await engine.start()
         # the answer counts up (last + 1): the prompt's "2, 3" recurs, so some steps verify proposals
         submit(engine, "r", [1, 2, 3, 1, 2], SamplingParams(), 12)
-        await until(lambda: answers.finished("r"))
+        await wait_until_async(lambda: answers.finished("r"), 5, "r finished")
         await engine.stop()
         return engine.scheduler.verify_costs[0]
 

@@ -275,7 +275,7 @@ def stand_in_server():
             self.send_header("Content-Type", "text/plain")
             self.end_headers()
             for i in range(body["parameters"]["max_new_tokens"]):
-                time.sleep(0.002)
+                time.sleep(0.002)  # the fake server's decode: a token every 2 ms
                 self.wfile.write(b'data:{"token": {"text": "a", "index": %d}}\n' % i)
                 self.wfile.flush()
             self.wfile.write(b'data:{"generated_text": "aaaa"}\n')
