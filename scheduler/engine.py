@@ -121,6 +121,11 @@ class Engine:
         return self._task is not None
 
     @property
+    def max_prompt_len(self) -> int | None:
+        """The longest prompt some group takes (None before they connect)."""
+        return max((c.max_prompt_len for c in self._capacities), default=None)
+
+    @property
     def max_seq_len(self) -> int:
         """The longest sequence any group holds (their runtime may have planned it)."""
         return max(c.max_seq_len for c in self._capacities)

@@ -69,11 +69,6 @@ class EngineStats:
         """Decode slots of the healthy groups."""
         return sum(g.slots for g in self.groups if g.decodes)
 
-    @property
-    def max_prompt_len(self) -> int | None:
-        """The longest prompt some group takes (None before they connect)."""
-        return max((g.max_prompt_len for g in self.groups), default=None) if self.started else None
-
     def kv_blocks(self, state: BlockState) -> int:
         """KV blocks in `state` of the healthy groups."""
         return sum(getattr(g.kv_blocks, state) for g in self.groups if g.healthy and g.kv_blocks)

@@ -110,7 +110,7 @@ class PromptEncoder:
     def _most_tokens(self) -> int | None:
         """The longest prompt any agent group accepts (None: not connected yet, and admission
         refuses the request then)."""
-        return self.engine.stats().max_prompt_len
+        return self.engine.max_prompt_len
 
     def _most_chars(self) -> int | None:
         most_tokens = self._most_tokens()

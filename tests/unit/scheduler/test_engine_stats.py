@@ -37,5 +37,5 @@ def test_stats_follow_the_scheduler_group_by_group():
 
 def test_before_the_groups_connect_the_stats_are_empty_but_name_the_agents():
     stats = EngineStats(started=False, groups=(GroupStats(group=0, agents=("tcp://a:1",), role="prefill"),))
-    assert stats.max_prompt_len is None and stats.slots == 0 and stats.kv_blocks("free") == 0
+    assert stats.slots == 0 and stats.kv_blocks("free") == 0
     assert not stats.groups[0].decodes and stats.groups[0].kv_blocks is None
