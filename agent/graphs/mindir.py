@@ -91,6 +91,11 @@ class GraphExporter:
     the example shapes (ModelRunner.warm_up calls every shape once) and returns zeros."""
 
     def __init__(self, checkpoint: Checkpoint, runtime: RuntimeSection, directory: Path):
+        if runtime.paged_attention:
+            raise MindIRError(
+                "the paged backend's graphs (decode_attention paged, Ascend's) run in MindSpore's predict "
+                "phase from code and are not exported: serve the model from its checkpoint"
+            )
         self.code = StepGraphs(checkpoint, runtime)
         if self.code.inputs.ring:
             raise MindIRError(

@@ -11,7 +11,7 @@ import yaml
 from conftest import TINY_RUNTIME
 
 from agent.contract.sampling import SamplingParams
-from agent.graphs.mindir import EXPORT_FORMAT, MindIRError, read_known_answer
+from agent.graphs.mindir import EXPORT_FORMAT, GraphExporter, MindIRError, read_known_answer
 from agent.known_answer import KnownAnswerError
 from agent.model.detokenizer import IncrementalDetokenizer
 from agent.model.formats import load_checkpoint
@@ -20,7 +20,7 @@ from agent.runner import ModelRunner
 from agent.warm_up import warm_up
 from agent_harness import free_ports, serving_stack, write_config
 from config import ConfigError, load_config
-from config.schema import PROJECT_ROOT, ModelSection
+from config.schema import PROJECT_ROOT, ModelSection, RuntimeSection
 from http_client import post
 from tiny_models import write_tiny_checkpoint
 
@@ -83,6 +83,14 @@ def run(runner: ModelRunner) -> list:
     for slot in (0, 1):
         runner.release(slot)
     return steps
+
+
+def test_the_paged_backend_is_not_exported(tmp_path):
+    """Paged attention's graphs run in MindSpore's predict phase from code: an export is refused by
+    name before any graph is built (no checkpoint is read)."""
+    paged = RuntimeSection(decode_attention="paged", matmul="mindspore", compile_cache_dir=None)
+    with pytest.raises(MindIRError, match="paged backend's graphs .* are not exported"):
+        GraphExporter(None, paged, tmp_path)  # type: ignore[arg-type]
 
 
 def test_exported_graphs_give_the_tokens_of_the_graphs_from_code(exported, tiny_llama_dir):
