@@ -5,8 +5,16 @@ a tensor-parallel group, which the scheduler sees as one.
 
     plan = scheduler.schedule()     # releases, decodes, then prompt chunks within the token budget
     plan = scheduler.schedule(busy={1})   # the same, leaving out groups whose step is in flight
-    ... run plan.releases, then plan.decodes, then plan.prefills on the groups, in that order ...
-    scheduler.decoded(seqs, tokens); scheduler.prefilled(chunk, token or None)
+    ... each of plan.parts runs (its releases, then its agent steps), each of plan.transfers too ...
+    outputs = scheduler.update(outcomes)  # what the calls came to -> each touched request's news
+    outputs = scheduler.finish_requests(["r1"], FinishReason.ABORT)   # the client is gone
+
+A plan is final: which calls it makes (a group's decode and its prompt chunks in one mixed call
+where they fit, each alone where not, or where the agent refused the last mixed call), their
+requests (scheduler/step_requests.py), block tables and tier moves. The outcomes (StepOutcome) are
+the only way results come back: tokens, prompt scores, failures, a lost group, the step and
+verification costs; constraints (grammars, thinking budgets) advance here, token by token, as the
+tokens are appended (vLLM's update_from_output).
 
 The plan's parts are in scheduler/plan.py; the groups' slots, blocks and health, and where a new
 sequence goes, in scheduler/placement.py; speculative decoding's proposals in scheduler/speculation/drafts.py;
@@ -27,7 +35,7 @@ at once: a group's blocks are handed out only by a plan for that group, which ru
 PD disaggregation: a sequence placed on a `decode` group also gets a slot and blocks of a `prefill`
 group and a transfer ticket. Its whole prompt is computed there (the prefill group's prefix cache
 helping) and sent to the decode slot's blocks, outside the plan's order (decode steps never wait for
-it); `transferred()` or `transfer_failed()` reports the outcome. Until then it is not decoded and
+it); its outcome comes back through update() as any call's does. Until then it is not decoded and
 its decode blocks are never preempted. A sequence that ends before its KV arrived releases its
 decode slot with the ticket, which the decode group then refuses should the KV still come.
 """
@@ -35,22 +43,37 @@ decode slot with the ticket, which the decode group then refuses should the KV s
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter, deque
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import replace
 
 from agent.contract.sampling import Sampled
 from agent.contract.step import Proposal, proposal_size
+from agent.contract.step_reply import StepReply
 from scheduler.block_manager import BlockManager
 from scheduler.client_share import ClientShares
-from scheduler.engine_io import AdmissionError, FaultKind, Refusal
-from scheduler.engine_stats import EngineStats, GroupStats, KvBlockStats
+from scheduler.engine_io import AdmissionError, EngineOutput, FaultKind, Refusal
+from scheduler.engine_stats import EngineCounts, EngineStats, GroupStats, KvBlockStats
 from scheduler.placement import Placement
-from scheduler.plan import Chunk, GroupCapacity, Release, StepPlan, attended
+from scheduler.plan import (
+    Chunk,
+    Failure,
+    GroupCapacity,
+    KVDestination,
+    PlannedStep,
+    Release,
+    StepOutcome,
+    StepPlan,
+    attended,
+)
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler.speculation.drafts import Drafts
 from scheduler.speculation.speculator import Speculator
 from scheduler.speculation.verify_costs import VerifyCosts
 from scheduler.step_costs import StepCosts
+from scheduler.step_requests import scores, step_request, transfer_request
+from scheduler.timeline import AgentCall
 
 
 class BatchScheduler:
@@ -83,6 +106,8 @@ class BatchScheduler:
         self.preemptions = 0  # cumulative, for the metrics
         self.drafts = Drafts(speculator)  # speculative decoding's proposals and their counts
         self.clients = clients or ClientShares()  # what each client holds; the fair admission order
+        # groups whose agent refused a mixed step: their next step runs its parts alone
+        self._split: set[int] = set()
 
     # The groups' state, kept by the placement (the lists are its own: changed in place).
     @property
@@ -123,7 +148,7 @@ class BatchScheduler:
             )
         # Requests a free slot will take on the next iteration do not count as waiting: a burst
         # that arrives between two iterations must not be refused while slots are idle.
-        free = self.placement.free_seats()
+        free = self.placement.free_slot_count()
         # Generation stops at the last position, so no request holds more than max_seq_len.
         seq.token_budget = min(len(seq.prompt) + seq.max_new_tokens, self.placement.longest_sequence())
         limit = self.max_tokens_in_flight
@@ -139,17 +164,17 @@ class BatchScheduler:
         self.clients.queued(seq)
         self.waiting.append(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Finish a waiting or running sequence (client gone); its slot is released next step."""
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                self._finish(seq, FinishReason.ABORT)
-                return seq
-        running = self.running.get(request_id)
-        if running is not None:
-            self._finish(running, FinishReason.ABORT)
-        return running
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> list[EngineOutput]:
+        """End these requests, waiting or running (the client is gone: ABORT; a stop string in
+        their text: STOP); their slots are released by the next plan. Their final outputs."""
+        ids = set(request_ids)
+        ended = [seq for seq in self.waiting if seq.request_id in ids]
+        for seq in ended:
+            self.waiting.remove(seq)
+        ended += [self.running[rid] for rid in ids if rid in self.running]
+        for seq in ended:
+            self._finish(seq, reason)
+        return self._reports(ended)
 
     @property
     def num_running(self) -> int:
@@ -170,7 +195,7 @@ class BatchScheduler:
                 agents=agents[g],
                 role=capacity.role,
                 healthy=self.healthy[g],
-                seats=capacity.seats,
+                usable_slots=capacity.usable_slots,
                 max_prompt_len=capacity.max_prompt_len,
                 max_seq_len=capacity.max_seq_len,
                 running=running[g],
@@ -192,7 +217,22 @@ class BatchScheduler:
             waiting=self.num_waiting,
             tokens_in_flight=self.tokens_in_flight,
             groups=groups,
+            counts=EngineCounts(
+                preemptions=self.preemptions,
+                prefix_query_tokens=self.placement.prefix_query_tokens,
+                prefix_hit_tokens=self.placement.prefix_hit_tokens,
+                prefix_tier_hit_tokens=self.placement.prefix_tier_hit_tokens,
+                proposed_tokens=self.drafts.proposed_tokens,
+                accepted_tokens=self.drafts.accepted_tokens,
+                speculative_steps=self.drafts.speculative_steps,
+            ),
         )
+
+    def drop_cache(self, group: int) -> tuple[int, bool]:
+        """Forget the group's cached prefixes: how many pool blocks held one, and whether its agent
+        keeps a KV tier to empty too."""
+        blocks = self.blocks[group]
+        return blocks.drop_cache(), blocks.tiered
 
     # -------------------------------------------------------------------------------- planning
 
@@ -202,7 +242,9 @@ class BatchScheduler:
         plan = StepPlan(releases=[r for r in self.pending_releases if r.group not in busy])
         self.pending_releases = [r for r in self.pending_releases if r.group in busy]
         for release in plan.releases:  # released before this plan's prefills run
-            self.placement.free_slot(release.group, release.slot)
+            plan.part(release.group).releases.append(release)
+            if not release.keep:
+                self.placement.free_slot(release.group, release.slot)
         open_groups = [g for g in range(len(self.groups)) if self.healthy[g] and g not in busy]
         starved: set[int] = set()  # groups where a placed sequence waits for blocks: admit none
         for group in open_groups:
@@ -211,7 +253,7 @@ class BatchScheduler:
                 plan.decodes[group] = decodes
             if not self._restore_preempted(group):
                 starved.add(group)
-            elif decodes:
+            elif decodes and group not in self._split:
                 costs = self.verify_costs[group]
                 self.drafts.plan(self.groups[group], self.blocks[group], decodes, plan, costs)
         admitted, admissible = 0, [g for g in open_groups if g not in starved]
@@ -224,7 +266,68 @@ class BatchScheduler:
         for group in open_groups:
             decodes = plan.decodes.get(group, [])
             self._plan_prompts(group, self._prompt_budget(group, decodes, plan.proposed(decodes)), plan)
+            plan.part(group).steps.extend(self._group_steps(group, plan))
+        plan.transfers = [self._transfer_step(c) for c in plan.prefills if c.seq.transferring]
+        plan.parts = {g: part for g, part in plan.parts.items() if part.releases or part.steps}
         return plan
+
+    def _group_steps(self, group: int, plan: StepPlan) -> list[PlannedStep]:
+        """The group's agent calls: its decode rows (with their proposals) and its own prompt
+        chunks in one mixed call where they fit, then each chunk left alone (one that scores its
+        prompt positions always is); everything alone after the agent refused a mixed call."""
+        split = group in self._split
+        self._split.discard(group)
+        decodes = plan.decodes.get(group, [])
+        chunks = [c for c in plan.prefills if c.seq.placement[0] == group and not c.seq.transferring]
+        local = [c for c in chunks if not scores(c)]
+        drafts = {s.request_id: plan.drafts[s.request_id] for s in decodes if s.request_id in plan.drafts}
+        mixes = self.groups[group].mixes
+        proposed = plan.proposed(decodes)
+        together = local if not split and mixes(len(decodes), local, proposed) else []
+        steps = []
+        if decodes:
+            if split or not mixes(len(decodes), together, proposed):  # the proposals go unverified
+                self._drop_drafts(decodes, drafts)
+                drafts = {}
+                for seq in decodes:
+                    plan.drafts.pop(seq.request_id, None)
+            steps.append(self._planned(group, decodes, together, drafts, tier_moves=True))
+        for chunk in chunks:
+            if not any(chunk is c for c in together):
+                steps.append(self._planned(group, [], [chunk], {}, tier_moves=not steps))
+        return steps
+
+    def _planned(
+        self,
+        group: int,
+        decodes: list[Sequence],
+        chunks: list[Chunk],
+        drafts: Mapping[str, Proposal],
+        tier_moves: bool,
+    ) -> PlannedStep:
+        request = step_request(self.blocks[group], decodes, chunks, drafts, tier_moves)
+        return PlannedStep(
+            group=group,
+            request=request,
+            decodes=tuple(decodes),
+            chunks=tuple(chunks),
+            drafts=drafts,
+            attending=attended(decodes),
+        )
+
+    def _transfer_step(self, chunk: Chunk) -> PlannedStep:
+        """PD disaggregation: the prompt computed on its prefill group, its KV sent to the decode
+        group's slot and blocks under the sequence's ticket."""
+        seq = chunk.seq
+        (prefill_group, _), (group, slot) = seq.prefill_placement, seq.placement
+        assert seq.ticket is not None  # given when the transfer was planned
+        table = tuple(self.blocks[group].table(seq.request_id))
+        return PlannedStep(
+            group=prefill_group,
+            request=transfer_request(self.blocks[prefill_group], chunk),
+            send_to=KVDestination(group, slot, seq.ticket, table),
+            chunks=(chunk,),
+        )
 
     def _prompt_budget(self, group: int, decodes: list[Sequence], proposed: int) -> int:
         """Prompt positions a step of the `decodes` rows (and the `proposed` tokens after them) may
@@ -278,19 +381,18 @@ class BatchScheduler:
         seq.preemptions += 1
         self.preemptions += 1
 
-    def tier_restore_failed(
-        self, group: int, digests: list[str], restores: list[tuple[str, int]]
-    ) -> list[Sequence]:
+    def _tier_restore_failed(
+        self, group: int, digests: list[str], restores: Iterable[tuple[str, int]]
+    ) -> None:
         """The group's agent lacked these digests of the step's `restores` (the tier lost them): they
         are never looked up again, and each sequence holding such a block (KV never written) is
-        preempted, to be recomputed from that block on, none of the garbage ever registered.
-        Returns those sequences: their agent slots must be released (a chunk of the failed step
-        may have sampled from the garbage), then they start again as fresh prompts do."""
+        preempted, to be recomputed from that block on, none of the garbage ever registered. Its
+        agent slot is reset first (a chunk of the failed step may have sampled from the garbage):
+        the next plan releases it, the sequence keeping it."""
         blocks = self.blocks[group]
         blocks.restore_failed(digests)
         lost = set(digests)
         failed = {block for digest, block in restores if digest in lost}
-        preempted = []
         for seq in self._group_seqs(group):
             if seq.request_id not in blocks:
                 continue
@@ -299,8 +401,7 @@ class BatchScheduler:
             if first is not None:
                 self._preempt(seq)
                 seq.slot_holds = min(seq.slot_holds, first * blocks.block_size)
-                preempted.append(seq)
-        return preempted
+                self.pending_releases.append(Release(group, seq.placement[1], keep=True))
 
     def _restore_preempted(self, group: int) -> bool:
         """Blocks again for the group's preempted sequences, oldest first, the prefix cache giving
@@ -375,44 +476,102 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------------------- results
 
-    def prefilled(self, chunk: Chunk, token: Sampled | None) -> None:
-        """A chunk ran: its positions hold KV (full blocks join the prefix cache); the last chunk
-        of a prompt brings its first token."""
-        seq = chunk.seq
-        if seq.finished:  # aborted while its prefill was in flight
+    def update(self, outcomes: Iterable[StepOutcome]) -> list[EngineOutput]:
+        """What a plan's calls came to, in the order they ran -> what each request they touched
+        has new (its tokens, its end)."""
+        touched: dict[str, Sequence] = {}
+        for outcome in outcomes:
+            for seq in self._take(outcome):
+                touched[seq.request_id] = seq
+        return self._reports(touched.values())
+
+    def _take(self, outcome: StepOutcome) -> list[Sequence]:
+        """One call's outcome into the sequences and the groups -> the sequences it touched."""
+        lost, step = outcome.group_failure, outcome.part
+        if lost is not None:
+            failed = self._group_failed(outcome.group, f"agent {outcome.agent} failed: {lost}")
+            if isinstance(step, PlannedStep) and step.send_to is not None:
+                failed += self._transfer_failed(step.chunks[0].seq, str(lost))
+            return failed
+        if isinstance(step, Release):
+            return []
+        if outcome.failure is Failure.REFUSED:
+            return self._refused(step, str(outcome.error))
+        if outcome.failure is Failure.INTERNAL:
+            error = f"internal error: {type(outcome.error).__name__}: {outcome.error}"
+            if step.send_to is not None:
+                return self._transfer_failed(step.chunks[0].seq, error)
+            return self._fail([*step.decodes, *(c.seq for c in step.chunks)], error)
+        reply = outcome.reply
+        assert reply is not None, "a call either answered or failed"
+        self._learn(outcome, step)
+        self._timed(step, outcome.call)
+        if reply.tier is not None:  # the index holds only what the tier does
+            self.blocks[step.group].tier_evicted(reply.tier.evicted_keys)
+        if reply.restore_failed:
+            self._tier_restore_failed(step.group, list(reply.restore_failed), step.request.restore)
+        if step.send_to is not None:
+            return self._transferred(step.chunks[0], reply)
+        return self._decoded(step, reply) + self._prefilled(step, reply)
+
+    def _refused(self, step: PlannedStep, error: str) -> list[Sequence]:
+        """The agent refused the call as a bad request (nothing of it ran; the group is fine): a
+        mixed call's parts run alone next, so that only the bad one fails; a chunk alone fails its
+        sequence. Its tier moves go with the group's next call."""
+        if step.send_to is not None:
+            return self._transfer_failed(step.chunks[0].seq, error)
+        blocks = self.blocks[step.group]
+        blocks.spills[:0], blocks.restores[:0] = step.request.spill, step.request.restore
+        if step.mixed:
+            self._split.add(step.group)
+            self._drop_drafts(list(step.decodes), step.drafts)
+            return []
+        return self._fail([c.seq for c in step.chunks], error)
+
+    def _learn(self, outcome: StepOutcome, step: PlannedStep) -> None:
+        """A decode's cost into the group's step costs; a decode alone (plain or verifying
+        proposals) into what proposals cost."""
+        if not step.decodes:
             return
-        seq.computed = chunk.end
-        self.blocks[seq.placement[0]].computed(seq.request_id, seq.tokens(chunk.end), chunk.end)
-        if chunk.sample:
-            assert token is not None, "a prompt's last chunk samples a token"
-            self._append(seq, token)
+        decodes, costs = len(step.decodes), self.step_costs[step.group]
+        if step.mixed:
+            costs.mixed(decodes, step.attending, [(c.start, c.end) for c in step.chunks], outcome.compute_s)
+        else:
+            costs.decoded(decodes, step.attending, outcome.compute_s)
+        if not step.chunks and outcome.call is not None:
+            # Timed as the scheduler waits for it: a step's tokens cost the whole round trip
+            # (ZeroMQ, (de)serialising: ~0.7 ms of the default model's 7.3 ms step), and with the
+            # agent's compute alone the proposal lengths undervalued each step's extra tokens
+            # (copy-heavy work at 1 stream, 1.35x against 1.49x for 4 proposals every step).
+            proposed = sum(proposal_size(p) for p in step.drafts.values())
+            round_trip = outcome.call.end - outcome.call.start
+            self.verify_costs[step.group].sampled(decodes, proposed, round_trip)
 
-    def transferred(self, seq: Sequence, token: Sampled) -> None:
-        """Its prefill group sent the KV and the decode group took it: it decodes from now on."""
-        self.placement.free_prefill_slot(seq, computed=True)
-        seq.transferring = False
-        if not seq.finished:  # aborted meanwhile: its decode slot is already being released
-            seq.computed = len(seq.prompt)
-            self._append(seq, token)
+    @staticmethod
+    def _timed(step: PlannedStep, call: AgentCall | None) -> None:
+        """The call on the timelines of the sequences it decoded and of those whose prompt chunks
+        it computed (tracing)."""
+        if call is None:
+            return
+        for seq in step.decodes:
+            if seq.timeline is not None:
+                seq.timeline.called(call)
+        for chunk in step.chunks:
+            if chunk.seq.timeline is not None:
+                chunk.seq.timeline.called(replace(call, chunk=(chunk.start, chunk.end)))
 
-    def transfer_failed(self, seq: Sequence, error: str) -> None:
-        self.placement.free_prefill_slot(seq, computed=False)
-        if not seq.finished:
-            seq.error = error
-            self._finish(seq, FinishReason.ERROR)
-
-    def decoded(
-        self, seqs: list[Sequence], tokens: list[list[Sampled]], drafts: dict[str, Proposal] | None = None
-    ) -> None:
-        """Each sequence's tokens of a decode step: one, or with proposals (`drafts`) the ones
-        its agent kept and one more. The KV of its pending token and of the proposals kept is
-        written; the blocks taken for the proposals not kept go back."""
-        drafts = drafts or {}
-        for seq, sampled in zip(seqs, tokens):
-            if seq.finished:  # aborted while its step was in flight
+    def _decoded(self, step: PlannedStep, reply: StepReply) -> list[Sequence]:
+        """Each decoding sequence's tokens: one, or with proposals the ones its agent kept and one
+        more. The KV of its pending token and of the proposals kept is written; the blocks taken
+        for the proposals not kept go back."""
+        blocks = self.blocks[step.group]
+        touched = []
+        for seq, sampled in zip(step.decodes, reply.decoded):
+            # aborted while its step was in flight; preempted by a failed tier restore
+            if seq.finished or seq.request_id not in blocks:
                 continue
-            proposed = proposal_size(drafts.get(seq.request_id, []))
-            blocks = self.blocks[seq.placement[0]]
+            touched.append(seq)
+            proposed = proposal_size(step.drafts.get(seq.request_id, []))
             before = seq.computed
             seq.computed += len(sampled)  # the pending token's KV and the kept proposals'
             if seq.computed // blocks.block_size > before // blocks.block_size:  # blocks filled: cached
@@ -426,21 +585,70 @@ class BatchScheduler:
                     break
             if proposed and not seq.finished:
                 blocks.truncate(seq.request_id, seq.computed + 1)
+        return touched
 
-    def drop_drafts(self, seqs: list[Sequence], drafts: dict[str, Proposal]) -> None:
+    def _prefilled(self, step: PlannedStep, reply: StepReply) -> list[Sequence]:
+        """The chunks ran: their positions hold KV (full blocks join the prefix cache), their
+        prompt scores are kept; a prompt's last chunk brings its first token."""
+        touched = []
+        scored = reply.prompts or [None] * len(step.chunks)
+        for chunk, token, prompt_scores in zip(step.chunks, reply.firsts, scored):
+            seq = chunk.seq
+            # aborted while its prefill was in flight; preempted by a failed tier restore (this
+            # chunk read blocks never written)
+            if seq.finished or seq.request_id not in self.blocks[seq.placement[0]]:
+                continue
+            if prompt_scores is not None:  # positions start + 1.. (StepChunk.prompt_logprobs)
+                seq.prompt_logprobs[chunk.start :] = prompt_scores
+            seq.computed = chunk.end
+            self.blocks[seq.placement[0]].computed(seq.request_id, seq.tokens(chunk.end), chunk.end)
+            if chunk.sample:
+                assert token is not None, "a prompt's last chunk samples a token"
+                self._append(seq, token)
+                touched.append(seq)
+        return touched
+
+    def _transferred(self, chunk: Chunk, reply: StepReply) -> list[Sequence]:
+        """Its prefill group sent the KV and the decode group took it: it decodes from now on."""
+        seq, token = chunk.seq, reply.firsts[0]
+        assert token is not None  # StepReply.from_wire: the whole prompt samples
+        self.placement.free_prefill_slot(seq, computed=True)
+        seq.transferring = False
+        if seq.finished:  # aborted meanwhile: its decode slot is already being released
+            return []
+        if reply.prompts and reply.prompts[0] is not None:
+            seq.prompt_logprobs[chunk.start :] = reply.prompts[0]
+        seq.computed = len(seq.prompt)
+        self._append(seq, token)
+        return [seq]
+
+    def _transfer_failed(self, seq: Sequence, error: str) -> list[Sequence]:
+        self.placement.free_prefill_slot(seq, computed=False)
+        if seq.finished:
+            return []
+        seq.error = error
+        self._finish(seq, FinishReason.ERROR)
+        return [seq]
+
+    def _drop_drafts(self, seqs: list[Sequence], drafts: Mapping[str, Proposal]) -> None:
         """The sequences decode without their proposals: the blocks taken for them go back."""
         for seq in seqs:
             if seq.request_id in drafts and not seq.finished:
                 self.blocks[seq.placement[0]].truncate(seq.request_id, seq.computed + 1)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Finish from outside the token rules (a stop string found in the text)."""
-        if not seq.finished:
-            self._finish(seq, reason)
+    def _fail(self, seqs: list[Sequence], error: str) -> list[Sequence]:
+        """End these sequences with an error (theirs, not their group's)."""
+        failed = [seq for seq in seqs if not seq.finished]
+        for seq in failed:
+            seq.error = error
+            self._finish(seq, FinishReason.ERROR)
+        return failed
 
-    def group_failed(self, group: int, error: str) -> list[Sequence]:
-        """The group is unusable: fail its sequences; its slots and blocks are forgotten until it
-        returns."""
+    def _group_failed(self, group: int, error: str) -> list[Sequence]:
+        """The group is unusable: fail its sequences (and the waiting ones, where no group is left
+        to run them); its slots and blocks are forgotten until it returns."""
+        if not self.healthy[group]:  # already lost (another call of the same plan said so)
+            return []
         self.healthy[group] = False
         failed = [s for s in self.running.values() if s.group == group]
         for seq in failed:
@@ -453,28 +661,43 @@ class BatchScheduler:
             failed.append(seq)
         self.pending_releases = [r for r in self.pending_releases if r.group != group]
         self.placement.failed(group)
+        if not self.can_serve:  # nothing is left to run the waiting ones
+            waiting = list(self.waiting)
+            self.waiting.clear()
+            for seq in waiting:
+                seq.error = f"no agent is available: {error}"
+                self._finish(seq, FinishReason.ERROR, release=False)
+            failed += waiting
         return failed
 
-    def fail_waiting(self, error: str) -> list[Sequence]:
-        """Fail every waiting sequence (no group is left to run them)."""
-        failed = list(self.waiting)
-        self.waiting.clear()
-        for seq in failed:
-            seq.error = error
-            self._finish(seq, FinishReason.ERROR, release=False)
-        return failed
-
-    def abort_all(self, error: str) -> list[Sequence]:
-        """Abort every waiting and running sequence, saying why (the engine stops)."""
+    def abort_all(self, error: str) -> list[EngineOutput]:
+        """Abort every waiting and running sequence, saying why (the engine stops): their final
+        outputs."""
         aborted = [*self.waiting, *self.running.values()]
         self.waiting.clear()
         for seq in aborted:
             seq.error = error
             self._finish(seq, FinishReason.ABORT)
-        return aborted
+        return self._reports(aborted)
 
     def group_recovered(self, group: int, capacity: GroupCapacity) -> None:
         self.placement.recovered(group, capacity)
+
+    @staticmethod
+    def _reports(seqs: Iterable[Sequence]) -> list[EngineOutput]:
+        """What the front end has not seen of these sequences (Sequence.report), their timelines
+        stamped with a first token and an end."""
+        now, outputs = time.monotonic(), []
+        for seq in seqs:
+            if seq.timeline is not None:
+                if seq.timeline.first_token is None and seq.output:
+                    seq.timeline.first_token = now
+                if seq.finished and seq.timeline.finished is None:
+                    seq.timeline.finished = now
+            output = seq.report()
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def _append(self, seq: Sequence, sampled: Sampled) -> None:
         if sampled.fault is not None:  # this sequence's own error: it ends, the step went on

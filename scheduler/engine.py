@@ -1,20 +1,22 @@
 """Engine: the loop that drives the agent groups (a background asyncio task), as vLLM's EngineCore.
 
-    engine = Engine(config, vocab_size, eos_ids, on_update)
+    engine = Engine(config, vocab_size, eos_ids, process_outputs)
     await engine.start()                        # connects to every group and checks `info`
     engine.add_request(EngineRequest(request_id=rid, prompt=ids, sampling=s, max_new_tokens=64))
                                                 # or AdmissionError
-    ... on_update(EngineOutput) after each of its new tokens, and at its end (it may return a finish) ...
+    ... process_outputs([EngineOutput, ...]) after each step: every touched request's new tokens
+        and ends; it returns the ids whose text ended (a stop string), which the engine finishes ...
     engine.stats()                              # EngineStats: running, waiting, each group's slots and blocks
     engine.refuse_new_requests(); await engine.stop()
 
-The loop never blocks the event loop: agent calls are awaited ZeroMQ round trips. Each iteration
-asks the BatchScheduler for a plan over the groups with no step in flight and starts one step task
-per group it touches (scheduler/step_executor.py: that group's releases, one decode step, then its
-prompt chunks), so a slow or stuck group holds only its own requests. A prefill on a prefill group
-(PD disaggregation) runs as a task of its own beside the loop, so decode steps never wait for it.
-The engine knows token ids only: text, stop strings and the answer streams are the server's
-(server/output.py).
+The step loop is schedule, execute, update (_run and _step below): the BatchScheduler makes a plan
+over the groups with no step in flight, final to the last agent call; each group's part runs as a
+task of its own (scheduler/step_executor.py), so a slow or stuck group holds only its own
+requests, and a prefill on a prefill group (PD disaggregation) too, so decode steps never wait for
+it; what the calls came to goes back through the scheduler's update, the one way results enter it,
+and what that changed of each request goes to the front end. The loop never blocks the event loop:
+agent calls are awaited ZeroMQ round trips. The engine knows token ids only: text, stop strings
+and the answer streams are the server's (server/output.py).
 
 With tracing on (server.otlp_endpoint) each sequence gets a Timeline (scheduler/timeline.py): its
 admission, the agent calls it took part in, its first token and its end; the server turns it into
@@ -31,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from functools import partial
 
 from config.schema import ServingConfig
@@ -39,13 +41,13 @@ from scheduler.agent_client import AgentTakenOver
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.client_share import ClientShares
 from scheduler.engine_io import AdmissionError, EngineOutput, EngineRequest, FinishReason, Refusal
-from scheduler.engine_stats import EngineStats, GroupStats
+from scheduler.engine_stats import EngineCounts, EngineStats, GroupStats
 from scheduler.group_links import GroupLinks
-from scheduler.metrics import ServingMetrics
-from scheduler.plan import GroupCapacity
+from scheduler.metrics import EngineMetrics
+from scheduler.plan import GroupCapacity, PlannedStep, PlanPart, StepOutcome
 from scheduler.sequence import Sequence
 from scheduler.speculation.speculator import Speculator
-from scheduler.step_executor import StepExecutor, StepHooks
+from scheduler.step_executor import StepExecutor
 from scheduler.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -57,18 +59,18 @@ class Engine:
         config: ServingConfig,
         vocab_size: int,
         eos_ids: Iterable[int],
-        on_update: Callable[[EngineOutput], FinishReason | None],
-        metrics: ServingMetrics | None = None,
+        process_outputs: Callable[[list[EngineOutput]], Iterable[str]],
+        metrics: EngineMetrics | None = None,
     ):
         self.config = config
-        # called with each request's new tokens and once with its end; it may decide the request
-        # ends (a stop string in its text): the engine finishes it
-        self.on_update = on_update
-        self.metrics = metrics or ServingMetrics()
+        # called with what each step changed of each request (its new tokens, once its end); it
+        # returns the ids of those whose text ended (a stop string): the engine finishes them
+        self.process_outputs = process_outputs
+        self.metrics = metrics or EngineMetrics()
         self.links = GroupLinks(config, vocab_size)
         self.clients = self.links.clients
         self.scheduler: BatchScheduler  # built by start(), over the capacities the groups report
-        self.executor: StepExecutor  # built by start(): runs each group's part of a plan
+        self.executor = StepExecutor(self.clients, self.metrics)  # runs a plan's calls, decides nothing
         self.stop_ids: frozenset[int] = frozenset(eos_ids)  # the groups' EOS ids join at connection
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -149,10 +151,6 @@ class Engine:
             ClientShares(s.client_share, s.max_running_per_client, s.scheduling_policy == "priority"),
             Speculator(self.config.runtime.speculation),
         )
-        hooks = StepHooks(self._report, self._group_failed, self._die, self._wake.set)
-        self.executor = StepExecutor(
-            self.scheduler, self.clients, self.metrics, hooks, self._transfers, self.timed
-        )
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         self._task.add_done_callback(self._loop_ended)
 
@@ -185,7 +183,8 @@ class Engine:
             return self.failure
         if self._draining or self._stopping:
             return "shutting down"
-        answering = await self.links.answering(self.scheduler.healthy, ping_timeout_s)
+        healthy = [group.healthy for group in self.stats().groups]
+        answering = await self.links.answering(healthy, ping_timeout_s)
         down = []
         for group, (client, up) in enumerate(zip(self.clients, answering)):
             self.metrics.agent_up.labels(client.address).set(int(up))
@@ -202,7 +201,7 @@ class Engine:
         pool = tier = 0
         skipped = []
         for group, client in enumerate(self.clients):
-            if not self.scheduler.healthy[group]:
+            if not self.stats().groups[group].healthy:
                 skipped.append(group)
                 continue
             # no step is planned for the group meanwhile, and the one in flight ends first: the
@@ -212,9 +211,9 @@ class Engine:
                 step = self._steps.get(group)
                 if step is not None:
                     await asyncio.wait([step])
-                blocks = self.scheduler.blocks[group]
-                pool += blocks.drop_cache()
-                if blocks.tiered:
+                dropped, tiered = self.scheduler.drop_cache(group)
+                pool += dropped
+                if tiered:
                     dropped, report = await client.drop_cache()
                     tier += dropped
                     if report is not None:
@@ -229,7 +228,7 @@ class Engine:
 
     def add_request(self, request: EngineRequest) -> None:
         """Queues the request's sequence at once, or raises AdmissionError if it is refused. Its
-        outputs come through on_update (scheduler/engine_io.py)."""
+        outputs come through process_outputs (scheduler/engine_io.py)."""
         if not self.started:
             raise AdmissionError("the server is not ready", Refusal.NOT_READY)
         if self.failure is not None:
@@ -240,50 +239,31 @@ class Engine:
             raise AdmissionError(self.links.taken_over_reason(), Refusal.NO_GROUP)
         timeline = Timeline(time.monotonic(), context=request.trace) if self.timed else None
         seq = Sequence.from_request(request, request.stop_ids(self.stop_ids), timeline)
-        try:
-            self.scheduler.add(seq)
-        except AdmissionError:
-            self.metrics.requests.labels("rejected").inc()
-            raise
+        self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(seq.prompt))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
-        """The client is gone: the sequence ends (its finished output reported) and its slot is freed."""
-        seq = self.scheduler.abort(request_id)
-        if seq is not None:
-            self._report(seq)
+        """The client is gone: the request ends at once (its final output processed), its slot is
+        released by the next plan."""
+        self._finish([request_id], FinishReason.ABORT)
         self._wake.set()
-
-    def _report(self, seq: Sequence) -> None:
-        """Hand what is new of the sequence to the front end; a finish it decides (a stop string)
-        is applied, and reported as the sequence's end."""
-        if seq.end_reported:
-            return
-        if seq.timeline is not None:
-            now = time.monotonic()
-            if seq.timeline.first_token is None and seq.output:
-                seq.timeline.first_token = now
-            if seq.finished:
-                seq.timeline.finished = now
-        output = seq.report()
-        reason = self.on_update(output) if output is not None else None
-        if reason is not None and not seq.finished:
-            self.scheduler.finish(seq, reason)
-            if seq.timeline is not None:
-                seq.timeline.finished = time.monotonic()
-            self._report(seq)
 
     # ---------------------------------------------------------------------------- the loop
 
     async def _run(self) -> None:
+        """The step loop: a plan over the groups with no step in flight, each group's part of it
+        (and each transfer) a task of its own that executes it and updates the scheduler."""
         while not self._stopping and self.failure is None:
             plan = self.scheduler.schedule(busy=self._steps.keys() | self._held)
-            self._count_cache_and_preemptions()
-            for group, part in plan.by_group().items():
-                task = self.executor.start(group, part)
-                self._steps[group] = task
-                task.add_done_callback(partial(self._step_ended, group))
+            self._count(self.stats().counts)
+            for group, part in plan.parts.items():
+                self.executor.planned(part)
+                ended = partial(self._step_ended, group)
+                self._steps[group] = self._start(self._step(part), f"step-group-{group}", ended)
+            for step in plan.transfers:
+                name = f"prefill-group-{step.group}"
+                self._transfers.add(self._start(self._transfer(step), name, self._transfer_ended))
             self._wake.clear()  # set again by a new request, an abort, a finished step or transfer
             await self._wake.wait()
         for task in self._steps.values():  # stop(): the drain is over; a step in flight is moot
@@ -291,17 +271,49 @@ class Engine:
         await asyncio.gather(*self._steps.values(), return_exceptions=True)
         self._end_all(self._ending)
 
-    def _count_cache_and_preemptions(self) -> None:
-        """The scheduler's cumulative counts into the metrics' counters."""
-        m, s = self.metrics, self.scheduler
+    async def _step(self, part: PlanPart) -> None:
+        """One group's step: execute its part of the plan, then update."""
+        self._update(await self.executor.execute(part))
+
+    async def _transfer(self, step: PlannedStep) -> None:
+        """A prompt computed on its prefill group and its KV sent to its decode group, then update."""
+        self._update([await self.executor.transfer(step)])
+
+    def _update(self, outcomes: list[StepOutcome]) -> None:
+        """What the calls came to into the scheduler, what that changed of each request to the
+        front end; a lost group is probed until it answers again."""
+        for outcome in outcomes:
+            if outcome.group_failure is not None:
+                self._group_lost(outcome.group, outcome.group_failure)
+        outputs = self.scheduler.update(outcomes)
+        self._process(outputs)
+
+    def _process(self, outputs: list[EngineOutput]) -> None:
+        """The outputs to the front end; the requests whose text it found ended (a stop string)
+        end here too, and their ends go out."""
+        stopped = list(self.process_outputs(outputs)) if outputs else []
+        if stopped:
+            self.process_outputs(self.scheduler.finish_requests(stopped, FinishReason.STOP))
+
+    def _finish(self, request_ids: list[str], reason: FinishReason) -> None:
+        self._process(self.scheduler.finish_requests(request_ids, reason))
+
+    def _start(self, work: Coroutine, name: str, ended: Callable[[asyncio.Task], None]) -> asyncio.Task:
+        task = asyncio.create_task(work, name=name)
+        task.add_done_callback(ended)
+        return task
+
+    def _count(self, counts: EngineCounts) -> None:
+        """The scheduler's totals into the metrics' counters."""
+        m = self.metrics
         for counter, total in (
-            (m.prefix_cache_queries, s.placement.prefix_query_tokens),
-            (m.prefix_cache_hits, s.placement.prefix_hit_tokens),
-            (m.prefix_cache_tier_hits, s.placement.prefix_tier_hit_tokens),
-            (m.preemptions, s.preemptions),
-            (m.proposed_tokens, s.drafts.proposed_tokens),
-            (m.accepted_tokens, s.drafts.accepted_tokens),
-            (m.speculative_steps, s.drafts.speculative_steps),
+            (m.prefix_cache_queries, counts.prefix_query_tokens),
+            (m.prefix_cache_hits, counts.prefix_hit_tokens),
+            (m.prefix_cache_tier_hits, counts.prefix_tier_hit_tokens),
+            (m.preemptions, counts.preemptions),
+            (m.proposed_tokens, counts.proposed_tokens),
+            (m.accepted_tokens, counts.accepted_tokens),
+            (m.speculative_steps, counts.speculative_steps),
         ):
             counter.inc(total - self._counted.get(counter, 0))
             self._counted[counter] = total
@@ -319,11 +331,20 @@ class Engine:
 
     def _step_ended(self, group: int, task: asyncio.Task) -> None:
         self._steps.pop(group, None)
+        self._ended(task, f"step of group {group}")
+
+    def _transfer_ended(self, task: asyncio.Task) -> None:
+        self._transfers.discard(task)
+        self._ended(task, "a KV transfer")
+
+    def _ended(self, task: asyncio.Task, what: str) -> None:
+        """A step or transfer task is over; its outcomes are in. One that failed here is a bug:
+        the engine cannot go on."""
         self._wake.set()
-        if not task.cancelled() and task.exception() is not None:  # its own failure handler failed
+        if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            log.error("step of group %d failed while handling a failure", group, exc_info=exc)
-            self._die(f"a scheduler step failed: {type(exc).__name__}: {exc}")
+            log.error("%s failed", what, exc_info=exc)
+            self._die(f"{what} failed: {type(exc).__name__}: {exc}")
 
     def _die(self, reason: str) -> None:
         """The engine cannot go on: say why, end every open request with an error, refuse the rest."""
@@ -338,21 +359,23 @@ class Engine:
         self._wake.set()  # the loop, if it still runs, ends
 
     def _end_all(self, error: str) -> None:
-        """End every open sequence, each reported on its own (one failing report ends no other)."""
+        """End every open request, each end processed on its own (one failing ends no other)."""
         try:
             ended = self.scheduler.abort_all(error)
         except Exception:
             log.exception("ending the open requests failed")
             return
-        for seq in ended:
+        for output in ended:
             try:
-                self._report(seq)
+                self.process_outputs([output])
             except Exception:
-                log.exception("reporting the end of request %s failed", seq.request_id)
+                log.exception("processing the end of request %s failed", output.request_id)
 
-    def _group_failed(self, group: int, exc: BaseException) -> None:
-        if not self.scheduler.healthy[group]:
-            return
+    def _group_lost(self, group: int, exc: BaseException) -> None:
+        """The group's agent failed (the scheduler fails its requests): say so, and probe it
+        until it answers again, unless another server took it over."""
+        if group in self._recoveries or not self.stats().groups[group].healthy:
+            return  # lost already (another call of the same plan said so)
         address = self.clients[group].address
         if isinstance(exc, AgentTakenOver):
             self.links.taken_over.add(group)
@@ -360,11 +383,6 @@ class Engine:
         else:
             log.error("agent %s failed: %s", address, exc)
         self.metrics.agent_up.labels(address).set(0)
-        failed = self.scheduler.group_failed(group, f"agent {address} failed: {exc}")
-        if not self.scheduler.can_serve:
-            failed += self.scheduler.fail_waiting(f"no agent is available: {address} failed: {exc}")
-        for seq in failed:
-            self._report(seq)
         if not self._stopping and group not in self.links.taken_over:  # the newer server keeps it
             self._recoveries[group] = asyncio.create_task(self._recover(group), name=f"recover-group-{group}")
 

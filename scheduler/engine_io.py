@@ -1,10 +1,10 @@
 """The engine's boundary, as vLLM's EngineCoreRequest and EngineCoreOutput: a front end hands the
 engine a frozen EngineRequest (Engine.add_request) and reads frozen EngineOutputs (the engine's
-on_update), never the scheduler's mutable Sequence.
+process_outputs), never the scheduler's mutable Sequence.
 
     engine.add_request(EngineRequest(request_id="r1", prompt=prompt, sampling=sampling, max_new_tokens=64))
-    ... on_update(EngineOutput("r1", new_token_ids=(42,), ...)) after each step that touched it ...
-    ... and exactly one finished output (finish_reason set) at its end, whatever ended it ...
+    ... process_outputs([EngineOutput("r1", new_token_ids=(42,), ...), ...]) after each step ...
+    ... and exactly one finished output (finish_reason set) per request, whatever ended it ...
 
 A request refused at once raises AdmissionError with its Refusal. A fault is named by its kind
 (FaultKind); what a refusal or a kind means to an HTTP client (its status) is the server's to say

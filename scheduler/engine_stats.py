@@ -34,7 +34,7 @@ class GroupStats:
     agents: tuple[str, ...]
     role: str
     healthy: bool = False
-    seats: int = 0
+    usable_slots: int = 0  # the slots the scheduler fills (GroupCapacity.usable_slots)
     max_prompt_len: int = 0
     max_seq_len: int = 0
     running: int = 0
@@ -48,7 +48,22 @@ class GroupStats:
     @property
     def slots(self) -> int:
         """KV slots while the group is healthy, else 0."""
-        return self.seats if self.healthy else 0
+        return self.usable_slots if self.healthy else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineCounts:
+    """Totals since the engine started (the metrics' counters): sequences preempted; prompt tokens
+    looked up in the prefix cache and found there (in the pool, or in its second tier); tokens
+    proposed (speculative decoding), kept, and the decode steps that verified proposals."""
+
+    preemptions: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_tier_hit_tokens: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    speculative_steps: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,11 +73,12 @@ class EngineStats:
     waiting: int = 0
     tokens_in_flight: int = 0  # prompt + answer tokens of every admitted request
     groups: tuple[GroupStats, ...] = ()
+    counts: EngineCounts = EngineCounts()
 
     @property
-    def seats(self) -> int:
+    def usable_slots(self) -> int:
         """Decode slots of every group, healthy or not."""
-        return sum(g.seats for g in self.groups if g.decodes)
+        return sum(g.usable_slots for g in self.groups if g.decodes)
 
     @property
     def slots(self) -> int:

@@ -1,25 +1,20 @@
-"""Prometheus metrics of one served model (its own registry, so several apps and models can live in
-one process): the engine's (batch, slots, agent calls) and the answer streams' (tokens, latencies,
-outcomes); MetricsByModel shows every model's with a `model` label. Every name starts with
-`llm_serving_`."""
+"""Prometheus metrics of one model's engine: its batch, slots and KV blocks, its agent calls, the
+prefix cache and its tier, preemption and speculative decoding. They live in the model's registry
+beside its answer streams' (server/metrics.py), so several apps and models share one process. Every
+name starts with `llm_serving_`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
 
 from agent.contract.step_reply import TierReport
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
-OUTCOMES = ("ok", "aborted", "rejected", "error")
 
 
-class ServingMetrics:
-    def __init__(self):
-        self.registry = CollectorRegistry()
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         p = "llm_serving_"
         self.running = Gauge(p + "running_sequences", "Sequences in the running batch", registry=r)
@@ -33,30 +28,12 @@ class ServingMetrics:
         self.group_slots = Gauge(
             p + "group_slots", "KV-cache slots of a group while it is healthy", ["group"], registry=r
         )
-        self.open_streams = Gauge(
-            p + "open_streams",
-            "Answer streams their clients have not yet finished reading or closed",
-            registry=r,
-        )
         self.tokens_in_flight = Gauge(
             p + "tokens_in_flight",
             "Prompt + max_new_tokens of every admitted request (bounded by scheduler.max_tokens_in_flight)",
             registry=r,
         )
-        self.requests = Counter(p + "requests", "Finished requests by outcome", ["outcome"], registry=r)
-        for outcome in OUTCOMES:
-            self.requests.labels(outcome)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.generated_tokens = Counter(p + "generated_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds", "Admission to first token", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.inter_token = Histogram(
-            p + "inter_token_latency_seconds", "Between a stream's tokens", buckets=STEP_BUCKETS, registry=r
-        )
-        self.e2e = Histogram(
-            p + "request_duration_seconds", "Admission to the last token", buckets=LATENCY_BUCKETS, registry=r
-        )
         self._agent_metrics(r, p)
         self._cache_metrics(r, p)
         self._tier_metrics(r, p)
@@ -183,23 +160,3 @@ class ServingMetrics:
         self.kv_tier_bytes.labels("disk", str(group)).set(report.disk_bytes)
         if counts["host_hits"] + counts["disk_hits"] + counts["misses"]:
             self.kv_tier_restore.observe(report.restore_s)
-
-
-class MetricsByModel:
-    """Every served model's metrics (each model's ServingMetrics) in one exposition, each sample
-    labelled with its model: `registry` is what /metrics writes. An unloaded model's go with it."""
-
-    def __init__(self):
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.models: dict[str, ServingMetrics] = {}
-        self.registry.register(self)  # a collector: collect() below
-
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for model, metrics in list(self.models.items()):
-            for family in metrics.registry.collect():
-                merged = families.setdefault(
-                    family.name, Metric(family.name, family.documentation, family.type, family.unit)
-                )
-                merged.samples += [s._replace(labels={**s.labels, "model": model}) for s in family.samples]
-        return iter(families.values())

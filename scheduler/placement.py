@@ -1,7 +1,8 @@
-"""Placement: the groups' seats and KV block pools, their health, and where a new sequence goes.
+"""Placement: the groups' slots and KV block pools, their health, and where a new sequence goes.
 Pure bookkeeping for the BatchScheduler (scheduler/batch_scheduler.py), which owns one.
 
-A group holds a sequence in a slot (its seat: sampling state on the agent, at most `seats`) and its
+A group holds a sequence in a slot (a batch row: its sampling state on the agent; at most
+`usable_slots` of them) and its
 KV in blocks (scheduler/block_manager.py: the tables are the scheduler's, sent with each call).
 
 PD disaggregation: a sequence placed on a `decode` group also gets a slot and blocks of a `prefill`
@@ -19,7 +20,7 @@ class Placement:
     def __init__(self, groups: list[GroupCapacity], enable_prefix_caching: bool = True):
         self.groups = groups
         self.enable_prefix_caching = enable_prefix_caching
-        self.free_slots = [list(range(g.seats)) for g in groups]
+        self.free_slots = [list(range(g.usable_slots)) for g in groups]
         self.blocks = [self._block_manager(g) for g in groups]
         self.healthy = [True] * len(groups)
         self.prefix_query_tokens = 0  # cumulative: prompt tokens looked up in a prefix cache
@@ -73,7 +74,7 @@ class Placement:
         """The most positions a sequence holds on a usable decode-capable group."""
         return max(g.max_seq_len for i, g in enumerate(self.groups) if g.decodes and self.usable(i))
 
-    def free_seats(self) -> int:
+    def free_slot_count(self) -> int:
         """Free slots of the usable decode-capable groups."""
         return sum(len(self.free_slots[i]) for i, g in enumerate(self.groups) if g.decodes and self.usable(i))
 
@@ -150,6 +151,6 @@ class Placement:
 
     def recovered(self, group: int, capacity: GroupCapacity) -> None:
         self.groups[group] = capacity
-        self.free_slots[group] = list(range(capacity.seats))
+        self.free_slots[group] = list(range(capacity.usable_slots))
         self.blocks[group] = self._block_manager(capacity)
         self.healthy[group] = True

@@ -1,14 +1,21 @@
-"""The step plan and what it is made of: each group's capacity (from its `info` reply), the prompt
-chunks, slot releases and decodes one plan runs. The BatchScheduler (scheduler/batch_scheduler.py)
-makes plans; the engine (scheduler/step_executor.py) runs them on the groups."""
+"""The step plan, what it is made of and what running it came to: each group's capacity (from its
+`info` reply); the slot releases, decodes and prompt chunks one plan runs; the agent steps they
+become (PlannedStep, one agent call each); and each call's outcome (StepOutcome). The
+BatchScheduler (scheduler/batch_scheduler.py) makes plans, final to the last call, and takes the
+outcomes back (update); the StepExecutor (scheduler/step_executor.py) runs them and decides
+nothing."""
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from agent.contract.step import Proposal, StepLimits, proposal_size
+from agent.contract.step import Proposal, StepLimits, StepRequest, proposal_size
+from agent.contract.step_reply import StepReply
 from scheduler.sequence import Sequence
+from scheduler.timeline import AgentCall
 
 
 @dataclass
@@ -25,7 +32,7 @@ class GroupCapacity:
     chunked_prefill: bool = True
     mixed_rows: int = 0  # rows of one call that runs a decode and prompt chunks together (0: none)
     max_batch: int = 1  # the most sequences one decode (or mixed step) call takes
-    # whether a prompt may reuse another's blocks (not with sliding-window layers' per-seat rings)
+    # whether a prompt may reuse another's blocks (not with sliding-window layers' per-slot rings)
     prefix_caching: bool = True
     # the prefix cache's second tier (runtime.kv_tiers): None where the group keeps none, else the
     # digests its agent reported holding when connected (the block manager's tier index starts there)
@@ -55,7 +62,7 @@ class GroupCapacity:
             )
 
     @property
-    def seats(self) -> int:
+    def usable_slots(self) -> int:
         """Slots the scheduler fills. A group that cannot recompute a preempted sequence in chunks
         (no chunked prefill; a decode group, which gets whole prompts from elsewhere) gets no more
         sequences than its pool holds at their longest, so it never needs to preempt."""
@@ -81,6 +88,9 @@ class Release(NamedTuple):
     group: int
     slot: int
     ticket: int | None = None  # a KV transfer into the slot that will never be used
+    # the slot's sequence keeps it: only the agent's state of it goes (a failed tier restore left
+    # it computed from garbage; the sequence is recomputed into it)
+    keep: bool = False
 
 
 class Chunk(NamedTuple):
@@ -94,6 +104,52 @@ class Chunk(NamedTuple):
     sample: bool
 
 
+class KVDestination(NamedTuple):
+    """Where a transfer's KV goes: the decode group's slot and blocks, under the transfer's ticket
+    (the executor adds the agent's address and this server's session there: agent/contract/step.py
+    KVTransfer)."""
+
+    group: int
+    slot: int
+    ticket: int
+    table: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedStep:
+    """One agent call of a plan: the request its group's agent takes, and the part of the plan it
+    carries (the sequences it decodes, with the tokens proposed after them, and the prompt chunks it
+    computes). A transfer (`send_to` set) is a whole prompt computed on its prefill group (`group`),
+    its KV sent to its decode group."""
+
+    group: int
+    request: StepRequest
+    send_to: KVDestination | None = None
+    decodes: tuple[Sequence, ...] = ()
+    chunks: tuple[Chunk, ...] = ()
+    drafts: Mapping[str, Proposal] = field(default_factory=dict)  # by request id
+    attending: int = 0  # positions the decode rows attend to in all (the step costs' measure)
+
+    @property
+    def plain_decode(self) -> bool:
+        """A decode of its rows and nothing else: refused, its group cannot decode at all."""
+        return bool(self.decodes) and not (self.chunks or self.drafts)
+
+    @property
+    def mixed(self) -> bool:
+        """Decode rows with prompt chunks or proposals in one call: refused, its parts run alone."""
+        return bool(self.decodes) and not self.plain_decode
+
+
+@dataclass
+class PlanPart:
+    """What one group runs of a plan, in this order: its slot releases, then its agent steps."""
+
+    group: int
+    releases: list[Release] = field(default_factory=list)
+    steps: list[PlannedStep] = field(default_factory=list)
+
+
 @dataclass
 class StepPlan:
     releases: list[Release] = field(default_factory=list)
@@ -102,6 +158,10 @@ class StepPlan:
     # request id -> the tokens proposed after its pending token (speculative decoding): verified
     # in its decode's step, and the blocks of their positions taken
     drafts: dict[str, Proposal] = field(default_factory=dict)
+    # the agent calls the plan is made of (the scheduler's last word on it): each group's part,
+    # and the transfers (PD disaggregation), each a task of its own (decode steps never wait for it)
+    parts: dict[int, PlanPart] = field(default_factory=dict)
+    transfers: list[PlannedStep] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -111,21 +171,42 @@ class StepPlan:
         """Tokens proposed for these sequences."""
         return sum(proposal_size(self.drafts.get(s.request_id, [])) for s in seqs)
 
-    def by_group(self) -> dict[int, StepPlan]:
-        """The plan split into one plan per group it touches (a prefill belongs to the group that
-        decodes it), in the same order within each group."""
-        parts: dict[int, StepPlan] = {}
-        for release in self.releases:
-            parts.setdefault(release.group, StepPlan()).releases.append(release)
-        for chunk in self.prefills:
-            parts.setdefault(chunk.seq.placement[0], StepPlan()).prefills.append(chunk)
-        for group, seqs in self.decodes.items():
-            part = parts.setdefault(group, StepPlan())
-            part.decodes[group] = seqs
-            part.drafts = {
-                s.request_id: self.drafts[s.request_id] for s in seqs if s.request_id in self.drafts
-            }
-        return parts
+    def part(self, group: int) -> PlanPart:
+        return self.parts.setdefault(group, PlanPart(group))
+
+
+class Failure(enum.Enum):
+    """Why an agent call gave no reply."""
+
+    REFUSED = "refused"  # the agent refused it as a bad request: nothing of it ran
+    AGENT = "agent"  # the agent failed, or is unreachable: its group is lost
+    INTERNAL = "internal"  # running it failed here (a bug): its sequences end, the group is fine
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOutcome:
+    """What one call of a plan came to: the agent's reply, or why there is none (the exception, and
+    its kind); the call as timed (its round trip: call.end - call.start) and the agent's own compute
+    time for it."""
+
+    group: int
+    agent: str  # the group's address
+    part: PlannedStep | Release
+    reply: StepReply | None = None
+    error: BaseException | None = None
+    failure: Failure | None = None
+    call: AgentCall | None = None
+    compute_s: float = 0.0
+
+    @property
+    def group_failure(self) -> BaseException | None:
+        """The error that loses the group: its agent failed, or refused what every step needs (a
+        slot release, a decode alone)."""
+        if self.failure is Failure.AGENT:
+            return self.error
+        part = self.part
+        lost = isinstance(part, Release) or part.plain_decode
+        return self.error if self.failure is Failure.REFUSED and lost else None
 
 
 def attended(decodes: list[Sequence]) -> int:

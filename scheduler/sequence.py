@@ -129,9 +129,10 @@ class Sequence:
 
     def report(self) -> EngineOutput | None:
         """What the front end has not seen yet: the tokens since the last report and, once it is
-        over, how it ended (its timeline with it); None once its end was reported (a request
-        aborted while its step was in flight is reported again after the step)."""
-        if self.end_reported:
+        over, how it ended (its timeline with it); None when there is nothing new (a chunk that
+        samples nothing), and once its end was reported (a request aborted while its step was in
+        flight is touched again by the step)."""
+        if self.end_reported or (len(self.output) == self.reported and not self.finished):
             return None
         first, self.reported, self.end_reported = self.reported, len(self.output), self.finished
         asked = self.sampling.prompt_logprobs is not None and first == 0 and self.reported > 0

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 MAX_DECODE_CALLS = 256  # decode calls kept per sequence (a long answer's later ones are counted only)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AgentCall:
-    op: str  # the wire op: decode, step (decode rows and prompt chunks in one call), prefill ...
+    op: str  # what the step ran (StepRequest.kind: decode, prefill, mixed) or prefill_and_send (PD)
     agent: str  # the agent's address (a group's first)
     start: float  # time.monotonic()
     end: float

@@ -10,7 +10,7 @@ engine and the output processor themselves, nor work out which token ids end an 
 from __future__ import annotations
 
 from scheduler.engine import Engine
-from scheduler.engine_io import EngineRequest
+from scheduler.engine_io import AdmissionError, EngineRequest
 from server.output import AnswerStream, OutputProcessor
 
 
@@ -29,7 +29,11 @@ class EngineClient:
         """Queue `request` (AdmissionError if refused) and open its stream: `stop` strings end its
         text, `shown` special tokens are written as text (a tool format's markers); the ids that end
         it are the request's stop ids beside the model's, never text."""
-        self.engine.add_request(request)
+        try:
+            self.engine.add_request(request)
+        except AdmissionError:
+            self.outputs.metrics.requests.labels("rejected").inc()
+            raise
         hidden = request.stop_ids(self.engine.stop_ids)
         return self.outputs.open(request.request_id, hidden, stop, self.abort, shown)
 

@@ -29,12 +29,12 @@ from agent.model.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
 from config.schema import ServingConfig
 from scheduler.agent_client import AgentError
 from scheduler.engine import Engine
-from scheduler.metrics import MetricsByModel, ServingMetrics
 from server import reasoning
 from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.launcher_client import LauncherClient, LauncherError
 from server.logprob_format import LogprobFormatter
+from server.metrics import MetricsByModel, ModelMetrics
 from server.output import OutputProcessor
 from server.prompt_encoder import PromptEncoder
 from server.structured_output import Grammars
@@ -207,9 +207,11 @@ class ModelRepository:
         self.dead.set()
 
     def _assemble(self, model: ServedModel, tokenizer: TextTokenizer) -> None:
-        metrics = ServingMetrics()
-        outputs = OutputProcessor(tokenizer, metrics, self.tracing.answer_ended if self.tracing else None)
-        engine = Engine(model.config, tokenizer.vocab_size, tokenizer.eos_ids, outputs.update, metrics)
+        metrics = ModelMetrics()
+        traced = self.tracing.answer_ended if self.tracing else None
+        outputs = OutputProcessor(tokenizer, metrics.streams, traced)
+        vocab_size, eos_ids = tokenizer.vocab_size, tokenizer.eos_ids
+        engine = Engine(model.config, vocab_size, eos_ids, outputs.process, metrics.engine)
         model.loaded = LoadedModel(
             model.name,
             model.config,

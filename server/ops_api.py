@@ -48,7 +48,7 @@ def model_info(model: ServedModel) -> dict:
         "reason": model.reason,
         "max_input_length": min((g.max_prompt_len for g in connected), default=None),
         "max_total_tokens": min((g.max_seq_len for g in connected), default=None),
-        "slots": stats.seats if stats is not None else 0,
+        "slots": stats.usable_slots if stats is not None else 0,
         "agents": [a for g in stats.groups for a in g.agents] if stats is not None else [],
         "groups": [
             {

@@ -1,12 +1,12 @@
 """OutputProcessor: the server's side of the engine, one async stream of text per request.
 
     outputs = OutputProcessor(tokenizer, metrics)
-    engine = Engine(config, tokenizer.vocab_size, tokenizer.eos_ids, outputs.update, metrics)
+    engine = Engine(config, tokenizer.vocab_size, tokenizer.eos_ids, outputs.process, metrics)
     stream = EngineClient(engine, outputs).generate(request, stop)   # server/engine_client.py
     async for out in stream:
         out.text ...                            # pieces join to the full answer; last one: finished
 
-The engine reports each request's new tokens and its end as EngineOutputs (update); here they become text:
+The engine hands over each step's EngineOutputs (process): each request's new tokens and its end become text:
 incremental UTF-8-safe detokenization, stop strings (with the text that could start one held
 back), and the per-request metrics (time to first token, inter-token latency, outcome).
 """
@@ -24,9 +24,9 @@ from agent.contract.sampling import TokenLogprob
 from agent.model.detokenizer import IncrementalDetokenizer
 from agent.model.tokenizer import TextTokenizer
 from scheduler.engine_io import EngineOutput, FinishReason
-from scheduler.metrics import ServingMetrics
 from scheduler.timeline import Timeline
 from server.errors import fault_status
+from server.metrics import StreamMetrics
 
 log = logging.getLogger(__name__)
 
@@ -113,18 +113,18 @@ class AnswerStream:
 
 class OutputProcessor:
     """The answer streams of one model's requests: what the engine reports of each request (its
-    EngineOutputs: update, the engine's on_update) becomes text on that request's stream; a stop
-    string found in the text is the processor's finish decision, which update returns for the
+    EngineOutputs: process, the engine's process_outputs) becomes text on that request's stream; a
+    stop string found in the text is the processor's finish decision, which process returns for the
     engine to apply."""
 
     def __init__(
         self,
         tokenizer: TextTokenizer,
-        metrics: ServingMetrics | None = None,
+        metrics: StreamMetrics | None = None,
         on_end: Callable[[Timeline, int, str], None] | None = None,
     ):
         self.tokenizer = tokenizer
-        self.metrics = metrics or ServingMetrics()
+        self.metrics = metrics or StreamMetrics()
         # called once per answer the engine timed (tracing) when it is over: its timeline, its
         # token count and how it ended
         self.on_end = on_end
@@ -159,16 +159,20 @@ class OutputProcessor:
     def _close(self, stream: _Stream) -> None:
         """The reader is done with the stream: an unfinished request is aborted, its slot freed."""
         if not stream.ended and not stream.stop_string:
-            stream.abort(stream.request_id)  # the engine reports its end (update) before it returns
+            stream.abort(stream.request_id)  # the engine reports its end (process) before it returns
             self._count(stream, FinishReason.ABORT)
         self.streams.pop(stream.request_id, None)
 
-    def update(self, output: EngineOutput) -> FinishReason | None:
-        """Hand the request's new tokens (as text) and/or its end to its stream; STOP when a stop
-        string ended its text (the engine then finishes it, and reports that end)."""
+    def process(self, outputs: list[EngineOutput]) -> list[str]:
+        """Each request's new tokens (as text) and/or its end to its stream -> the ids of the
+        requests a stop string ended (the engine then finishes them, and reports those ends)."""
+        return [output.request_id for output in outputs if self._update(output)]
+
+    def _update(self, output: EngineOutput) -> bool:
+        """One request's output to its stream; whether a stop string ended it just now."""
         stream = self.streams.get(output.request_id)
         if stream is None:
-            return None
+            return False
         if not stream.finished:  # else a stop string ended it: only the engine's end is left
             self._show(stream, output)
         if output.finished:
@@ -179,7 +183,7 @@ class OutputProcessor:
                     self.on_end(output.timeline, stream.consumed, (reason or FinishReason.ABORT).value)
                 except Exception:  # tracing must never fail an answer
                     log.exception("tracing request %s failed", stream.request_id)
-        return FinishReason.STOP if stream.stop_string and not output.finished else None
+        return stream.stop_string and not output.finished
 
     def _show(self, stream: _Stream, output: EngineOutput) -> None:
         new_tokens = output.new_token_ids

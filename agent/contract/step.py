@@ -202,10 +202,10 @@ class StepRequest:
     @property
     def kind(self) -> str:
         """What the step runs: "decode" (decode slots alone), "prefill" (prompt chunks alone) or
-        "step" (both in one call, or proposals to verify)."""
+        "mixed" (both in one call, or proposals to verify): the metrics' `op` label."""
         if self.chunks and not self.slots:
             return "prefill"
-        return "step" if self.chunks or self.drafts else "decode"
+        return "mixed" if self.chunks or self.drafts else "decode"
 
     def to_wire(self) -> tuple[dict[str, Any], list[np.ndarray]]:
         """The request's header fields and arrays: decode slots, their block tables, each chunk's

@@ -15,7 +15,7 @@ from server.output import AnswerStream, OutputProcessor
 class EngineAndStreams:
     def __init__(self, config: ServingConfig, tokenizer: TextTokenizer):
         self.outputs = OutputProcessor(tokenizer)
-        self.engine = Engine(config, tokenizer.vocab_size, tokenizer.eos_ids, self.outputs.update)
+        self.engine = Engine(config, tokenizer.vocab_size, tokenizer.eos_ids, self.outputs.process)
         self.client = EngineClient(self.engine, self.outputs)
 
     def generate_answer(

@@ -42,7 +42,7 @@ def test_a_mixed_step_request_round_trips():
         (c.slot, c.tokens, c.table, c.start, c.sampling) for c in chunks
     ]
     assert list(got.masks) == [0] and got.masks[0].tolist() == MASK.tolist()
-    assert got.kind == "step"
+    assert got.kind == "mixed"
 
 
 def test_a_decode_alone_and_a_prefill_with_its_kv_transfer_round_trip():

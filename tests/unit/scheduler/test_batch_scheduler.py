@@ -9,11 +9,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.contract.sampling import Sampled, SamplingParams
+from agent.contract.step import StepRequest
+from agent.contract.step_reply import StepReply
 from config.schema import SpeculationSection
+from scheduler.agent_client import AgentRequestError, AgentUnavailable
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.client_share import ClientShares
-from scheduler.engine_io import AdmissionError, FaultKind, Refusal
-from scheduler.plan import GroupCapacity
+from scheduler.engine_io import AdmissionError, EngineOutput, FaultKind, Refusal
+from scheduler.plan import Failure, GroupCapacity, PlannedStep, Release, StepOutcome
 from scheduler.sequence import FinishReason, Sequence
 from scheduler.speculation.speculator import Speculator
 
@@ -109,22 +112,57 @@ def seq(rid, prompt=(1, 2, 3), max_new=5, stop_ids=frozenset({EOS})):
     return Sequence(rid, list(prompt), SamplingParams(), max_new, stop_ids)
 
 
+def run_on(agent: FakeAgent, request: StepRequest) -> StepReply:
+    """The request as the group's agent answers it: its decode rows, then its chunks."""
+    decoded = (
+        agent.decode(list(request.slots), list(request.tables), dict(request.drafts)) if request.slots else []
+    )
+    firsts = []
+    for c in request.chunks:
+        token = agent.prefill(c.slot, list(c.tokens), c.table, c.start, len(c.tokens), c.sampling is not None)
+        firsts.append(None if token is None else Sampled(token))
+    return StepReply([sampled(t) for t in decoded], firsts)
+
+
+def answered(planned: PlannedStep, reply: StepReply) -> StepOutcome:
+    return StepOutcome(group=planned.group, agent="fake", part=planned, reply=reply)
+
+
+def agent_lost(group: int, error: str) -> StepOutcome:
+    """The group's agent failed (here, answering a release)."""
+    return StepOutcome(
+        group=group,
+        agent="fake",
+        part=Release(group, 0),
+        error=AgentUnavailable(error),
+        failure=Failure.AGENT,
+    )
+
+
+def refused(planned: PlannedStep, error: str) -> StepOutcome:
+    return StepOutcome(
+        group=planned.group,
+        agent="fake",
+        part=planned,
+        error=AgentRequestError(error, "request"),
+        failure=Failure.REFUSED,
+    )
+
+
+def ids(outputs: list[EngineOutput]) -> list[str]:
+    return [o.request_id for o in outputs]
+
+
 def step(scheduler, agents, busy=()):
+    """One plan, its calls run on the fake agents in the plan's order, their outcomes updated."""
     plan = scheduler.schedule(busy)
-    for group, slot, _ticket in plan.releases:
-        agents[group].release(slot)
-    for group, seqs in plan.decodes.items():
-        tables = [scheduler.blocks[group].table(s.request_id) for s in seqs]
-        drafts = {s.slot: plan.drafts[s.request_id] for s in seqs if s.request_id in plan.drafts}
-        tokens = agents[group].decode([s.slot for s in seqs], tables, drafts)
-        scheduler.decoded(seqs, [sampled(t) for t in tokens], plan.drafts)
-    for chunk in plan.prefills:
-        s = chunk.seq
-        table = scheduler.blocks[s.group].table(s.request_id)
-        token = agents[s.group].prefill(
-            s.slot, s.tokens(chunk.end), table, chunk.start, chunk.end, chunk.sample
-        )
-        scheduler.prefilled(chunk, None if token is None else Sampled(token))
+    outcomes = []
+    for part in plan.parts.values():
+        for release in part.releases:
+            agents[release.group].release(release.slot)
+        for planned in part.steps:
+            outcomes.append(answered(planned, run_on(agents[planned.group], planned.request)))
+    scheduler.update(outcomes)
     return plan
 
 
@@ -177,7 +215,7 @@ def test_fifo_admission_and_continuous_batching():
         step(scheduler, agents)
     assert a.finished and a.finish_reason is FinishReason.LENGTH and a.output == [4, 5, 6]
     plan = step(scheduler, agents)  # a's slot is released, then c is admitted into it
-    assert plan.releases == [(0, a.slot, None)] and prefilled(plan) == [c] and c.slot == a.slot
+    assert plan.releases == [Release(0, a.slot)] and prefilled(plan) == [c] and c.slot == a.slot
     assert agents[0].calls.index(f"release {a.slot}") < len(agents[0].calls) - 2
     while scheduler.num_running:
         step(scheduler, agents)
@@ -240,8 +278,9 @@ def one_running_one_waiting():
 
 def test_no_healthy_group_refuses_new_requests_and_fails_the_waiting():
     scheduler, _, running, waiting = one_running_one_waiting()
-    assert scheduler.group_failed(0, "gone") == [running]
-    assert scheduler.fail_waiting("no agent") == [waiting] and waiting.error == "no agent"
+    assert ids(scheduler.update([agent_lost(0, "gone")])) == ["run", "wait"]
+    assert running.error == "agent fake failed: gone"
+    assert waiting.error == "no agent is available: agent fake failed: gone"
     with pytest.raises(AdmissionError, match="no agent is available") as e:
         scheduler.add(seq("new"))
     assert e.value.reason is Refusal.NO_GROUP
@@ -250,23 +289,22 @@ def test_no_healthy_group_refuses_new_requests_and_fails_the_waiting():
 
 def test_abort_all_ends_waiting_and_running_and_releases_the_slots():
     scheduler, _, run, wait = one_running_one_waiting()
-    assert scheduler.abort_all("shutting down") == [wait, run]
+    assert ids(scheduler.abort_all("shutting down")) == ["wait", "run"]
     assert all(s.finish_reason is FinishReason.ABORT and s.error == "shutting down" for s in (run, wait))
     assert (scheduler.num_running, scheduler.num_waiting, scheduler.tokens_in_flight) == (0, 0, 0)
-    assert scheduler.schedule().releases == [(0, run.slot, None)]
+    assert scheduler.schedule().releases == [Release(0, run.slot)]
 
 
 def test_abort_waiting_running_and_in_flight():
     scheduler, agents, run, wait = one_running_one_waiting()
-    assert scheduler.abort("wait") is wait and wait.finish_reason is FinishReason.ABORT
-    assert scheduler.num_waiting == 0
-    plan = scheduler.schedule()
-    table = scheduler.blocks[0].table("run")
-    scheduler.abort("run")  # while its decode is "in flight"
-    scheduler.decoded(plan.decodes[0], [sampled(t) for t in agents[0].decode([run.slot], [table])])
+    assert ids(scheduler.finish_requests(["wait"], FinishReason.ABORT)) == ["wait"]
+    assert wait.finish_reason is FinishReason.ABORT and scheduler.num_waiting == 0
+    (planned,) = scheduler.schedule().parts[0].steps
+    scheduler.finish_requests(["run"], FinishReason.ABORT)  # while its decode is "in flight"
+    assert scheduler.update([answered(planned, run_on(agents[0], planned.request))]) == []
     assert run.finish_reason is FinishReason.ABORT and len(run.output) == 1
-    assert scheduler.schedule().releases == [(0, run.slot, None)]
-    assert scheduler.abort("unknown") is None
+    assert scheduler.schedule().releases == [Release(0, run.slot)]
+    assert scheduler.finish_requests(["unknown"], FinishReason.ABORT) == []
 
 
 @pytest.mark.parametrize("max_new, first_token", [(1, 4), (5, EOS)])
@@ -276,9 +314,9 @@ def test_abort_during_a_prefill_whose_token_ends_the_sequence_counts_it_once(max
     scheduler, _ = make(max_tokens_in_flight=100)
     request = seq("a", max_new=max_new)
     scheduler.add(request)
-    plan = scheduler.schedule()
-    scheduler.abort("a")
-    scheduler.prefilled(plan.prefills[0], Sampled(first_token))
+    (planned,) = scheduler.schedule().parts[0].steps
+    scheduler.finish_requests(["a"], FinishReason.ABORT)
+    scheduler.update([answered(planned, StepReply([], [Sampled(first_token)]))])
     assert scheduler.tokens_in_flight == 0 and request.finish_reason is FinishReason.ABORT
     assert request.output == []
 
@@ -290,9 +328,9 @@ def test_requests_spread_over_groups_and_a_failed_group_fails_only_its_own():
         scheduler.add(s)
     step(scheduler, agents)
     assert sorted(s.group for s in seqs) == [0, 0, 1, 1]
-    failed = scheduler.group_failed(1, "agent 1 timed out")
-    assert {s.request_id for s in failed} == {s.request_id for s in seqs if s.group == 1}
-    assert all(s.finish_reason is FinishReason.ERROR and "timed out" in s.error for s in failed)
+    failed = ids(scheduler.update([agent_lost(1, "agent 1 timed out")]))
+    assert set(failed) == {s.request_id for s in seqs if s.group == 1}
+    assert all(s.finish_reason is FinishReason.ERROR and "timed out" in s.error for s in seqs if s.group == 1)
     newcomer = seq("new")
     scheduler.add(newcomer)
     plan = step(scheduler, agents)
@@ -308,8 +346,48 @@ def test_external_finish_releases_the_slot():
     s = seq("s", max_new=50)
     scheduler.add(s)
     step(scheduler, agents)
-    scheduler.finish(s, FinishReason.STOP)
-    assert scheduler.num_running == 0 and scheduler.schedule().releases == [(0, s.slot, None)]
+    assert ids(scheduler.finish_requests(["s"], FinishReason.STOP)) == ["s"]
+    assert scheduler.num_running == 0 and scheduler.schedule().releases == [Release(0, s.slot)]
+
+
+def test_a_refused_mixed_step_runs_its_parts_alone_next_and_only_the_bad_one_fails():
+    """The agent refused a decode and a prompt chunk in one call as a bad request (nothing ran):
+    the scheduler plans the next step of that group part by part, so that only the bad request
+    fails; the step after that mixes again."""
+    scheduler, agents = make(slots=(2,), mixed_rows=32)
+    a, b = seq("a", max_new=20), seq("b", prompt=(5, 6, 7))
+    scheduler.add(a)
+    step(scheduler, agents)
+    scheduler.add(b)
+    (mixed,) = scheduler.schedule().parts[0].steps
+    assert mixed.mixed and mixed.decodes == (a,) and [c.seq for c in mixed.chunks] == [b]
+    assert scheduler.update([refused(mixed, "a bad step")]) == []  # nothing ran: nothing is lost
+    decode, prefill = scheduler.schedule().parts[0].steps
+    assert decode.plain_decode and decode.decodes == (a,) and [c.seq for c in prefill.chunks] == [b]
+    outputs = scheduler.update(
+        [answered(decode, run_on(agents[0], decode.request)), refused(prefill, "b is bad")]
+    )
+    assert ids(outputs) == ["a", "b"] and a.output == [4, 5] and not a.finished
+    assert b.finish_reason is FinishReason.ERROR and b.error == "b is bad"
+    c = seq("c", prompt=(8, 9))
+    scheduler.add(c)
+    plan = scheduler.schedule()
+    (mixed,) = plan.parts[0].steps
+    assert plan.parts[0].releases == [Release(0, b.slot)] and mixed.mixed and mixed.chunks[0].seq is c
+
+
+def test_a_call_that_fails_here_ends_its_sequences_and_not_their_group():
+    scheduler, agents = make(slots=(2,))
+    a, b = seq("a", max_new=20), seq("b", max_new=20)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler, agents)
+    (decode,) = scheduler.schedule().parts[0].steps
+    bug = StepOutcome(
+        group=0, agent="fake", part=decode, error=RuntimeError("boom"), failure=Failure.INTERNAL
+    )
+    assert bug.group_failure is None and ids(scheduler.update([bug])) == ["a", "b"]
+    assert all(s.error == "internal error: RuntimeError: boom" for s in (a, b)) and scheduler.healthy[0]
 
 
 def disaggregated(decode_slots=(2,), prefill_slots=1):
@@ -327,8 +405,10 @@ def test_prefill_group_slots_bound_transfers_and_transferring_sequences_are_not_
     # One prefill slot: one transfer at a time; the decode group with the most free slots.
     assert prefilled(plan) == [a] and (a.prefill_group, a.prefill_slot) == (0, 0)
     assert a.group in (1, 2) and a.transferring and a.ticket is not None and not plan.decodes
+    (transfer,) = plan.transfers
+    assert transfer.group == 0 and transfer.send_to == (a.group, a.slot, a.ticket, (0,))
     assert scheduler.schedule().prefills == []  # b waits for the prefill slot
-    scheduler.transferred(a, Sampled(7))
+    scheduler.update([answered(transfer, StepReply([], [Sampled(7)]))])
     plan = scheduler.schedule()
     assert prefilled(plan) == [b] and plan.decodes == {a.group: [a]} and a.output == [7]
     assert b.group != a.group  # now the other decode group has more free slots
@@ -338,11 +418,11 @@ def test_failed_transfer_releases_the_decode_slot_with_its_ticket():
     scheduler = disaggregated()
     a = seq("a")
     scheduler.add(a)
-    scheduler.schedule()
-    scheduler.transfer_failed(a, "the decode agent did not acknowledge the KV")
+    (transfer,) = scheduler.schedule().transfers
+    scheduler.update([refused(transfer, "the decode agent did not acknowledge the KV")])
     assert a.finish_reason is FinishReason.ERROR and "acknowledge" in a.error
     plan = scheduler.schedule()
-    assert plan.releases == [(1, a.slot, a.ticket)]
+    assert plan.releases == [Release(1, a.slot, a.ticket)]
     assert scheduler.free_slots[0] == [0]  # the prefill group freed its own slot
 
 
@@ -350,10 +430,10 @@ def test_aborted_during_transfer_cancels_the_ticket_and_ignores_the_late_token()
     scheduler = disaggregated()
     a = seq("a")
     scheduler.add(a)
-    scheduler.schedule()
-    scheduler.abort("a")
-    assert scheduler.schedule().releases == [(1, a.slot, a.ticket)]
-    scheduler.transferred(a, Sampled(5))
+    (transfer,) = scheduler.schedule().transfers
+    scheduler.finish_requests(["a"], FinishReason.ABORT)
+    assert scheduler.schedule().releases == [Release(1, a.slot, a.ticket)]
+    assert scheduler.update([answered(transfer, StepReply([], [Sampled(5)]))]) == []
     assert a.output == [] and scheduler.free_slots[0] == [0]
 
 
@@ -362,9 +442,9 @@ def test_prefill_group_failure_fails_its_transfers_and_leaves_no_path():
     a = seq("a")
     scheduler.add(a)
     scheduler.schedule()
-    failed = scheduler.group_failed(0, "prefill agent died")
-    assert failed == [a] and a.finish_reason is FinishReason.ERROR
-    assert scheduler.schedule().releases == [(1, a.slot, a.ticket)]
+    assert ids(scheduler.update([agent_lost(0, "prefill agent died")])) == ["a"]
+    assert a.finish_reason is FinishReason.ERROR
+    assert scheduler.schedule().releases == [Release(1, a.slot, a.ticket)]
     assert not scheduler.can_serve
     with pytest.raises(AdmissionError, match="no agent is available"):
         scheduler.add(seq("b"))
@@ -379,18 +459,22 @@ def test_a_busy_group_is_left_out_of_the_plan_until_its_step_is_over():
     scheduler.add(b)
     step(scheduler, agents)
     assert (a.group, b.group) == (0, 1)
-    scheduler.abort("b")
+    scheduler.finish_requests(["b"], FinishReason.ABORT)
     c = seq("c")
     scheduler.add(c)
     plan = scheduler.schedule(busy={1})
     assert plan.releases == [] and plan.prefills == [] and list(plan.decodes) == [0]
-    assert [s.request_id for s in plan.decodes[0]] == ["a"]
+    assert [s.request_id for s in plan.decodes[0]] == ["a"] and list(plan.parts) == [0]
     plan = scheduler.schedule()
-    assert plan.releases == [(1, 0, None)] and prefilled(plan) == [c] and c.group == 1
-    parts = plan.by_group()
+    assert plan.releases == [Release(1, 0)] and prefilled(plan) == [c] and c.group == 1
+    parts = plan.parts
     assert sorted(parts) == [0, 1]
-    assert parts[1].releases == plan.releases and prefilled(parts[1]) == [c] and parts[1].decodes == {}
-    assert parts[0].decodes == {0: [a]} and not parts[0].releases and not parts[0].prefills
+    (prefill,) = parts[1].steps
+    assert (
+        parts[1].releases == plan.releases and prefill.chunks == (plan.prefills[0],) and not prefill.decodes
+    )
+    (decode,) = parts[0].steps
+    assert decode.decodes == (a,) and not decode.chunks and not parts[0].releases
 
 
 def alone(request: Sequence, **make_kw) -> list[int]:
@@ -583,7 +667,7 @@ def test_random_workloads_keep_the_budget_lose_nothing_and_leak_no_block(
             if arrives == tick:
                 scheduler.add(s)
             if aborted == tick:
-                scheduler.abort(s.request_id)
+                scheduler.finish_requests([s.request_id], FinishReason.ABORT)
         if tick > 31 and not (scheduler.num_running or scheduler.num_waiting):
             break
         if rng.random() < 0.2:  # the group's step is "in flight": nothing of it is planned
@@ -700,8 +784,10 @@ def test_a_sampling_fault_ends_only_its_sequence():
     scheduler.add(a)
     scheduler.add(b)
     step(scheduler, agents)
+    (planned,) = scheduler.schedule().parts[0].steps
+    assert planned.decodes == (a, b)
     fault = SequenceFault("request", "no token can follow")
-    scheduler.decoded([a, b], [[Sampled(NO_TOKEN, None, fault)], [Sampled(5)]])
+    scheduler.update([answered(planned, StepReply([[Sampled(NO_TOKEN, None, fault)], [Sampled(5)]], []))])
     assert a.finish_reason is FinishReason.ERROR and (a.error, a.fault) == (
         "no token can follow",
         FaultKind.REQUEST,

@@ -99,7 +99,7 @@ class FakeAgent:
 
 
 class Answers:
-    """What the engine reported of each request through on_update, as a front end sees it;
+    """What the engine reported of each request through process_outputs, as a front end sees it;
     `decide(answers, output)` plays the output layer's finish decision (a stop string)."""
 
     def __init__(self, decide=None):
@@ -107,12 +107,16 @@ class Answers:
         self.ends: dict[str, EngineOutput] = {}
         self.decide = decide
 
-    def update(self, output: EngineOutput) -> FinishReason | None:
-        assert output.request_id not in self.ends, "a request ends once"
-        self.tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-        if output.finished:
-            self.ends[output.request_id] = output
-        return self.decide(self, output) if self.decide else None
+    def process(self, outputs: list[EngineOutput]) -> list[str]:
+        stopped = []
+        for output in outputs:
+            assert output.request_id not in self.ends, "a request ends once"
+            self.tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.finished:
+                self.ends[output.request_id] = output
+            if self.decide and self.decide(self, output) is FinishReason.STOP:
+                stopped.append(output.request_id)
+        return stopped
 
     def finished(self, *request_ids: str) -> bool:
         return all(r in self.ends for r in request_ids)
@@ -120,7 +124,7 @@ class Answers:
 
 def engine_over(agent: FakeAgent, answers: Answers) -> Engine:
     config = ServingConfig.model_validate({"agents": {"ports": [1]}, "server": {"agent_wait_s": 1}})
-    engine = Engine(config, VOCAB, [EOS], answers.update)
+    engine = Engine(config, VOCAB, [EOS], answers.process)
     engine.links.clients[0] = agent  # the engine's list: the fake stands in for the agent client
     return engine
 
@@ -220,7 +224,7 @@ def test_a_dead_group_fails_its_sequences_and_serves_again_once_it_answers():
         await wait_until_async(lambda: answers.finished("before"), 5, "before finished")
         agent.down = False
         # the engine probes a failed group every second
-        await wait_until_async(lambda: engine.scheduler.healthy[0], 5, "the group healthy again")
+        await wait_until_async(lambda: engine.stats().groups[0].healthy, 5, "the group healthy again")
         submit(engine, "after", [20], SamplingParams(), 3)
         await wait_until_async(lambda: answers.finished("after"), 5, "after finished")
         await engine.stop()
@@ -233,7 +237,7 @@ def test_a_dead_group_fails_its_sequences_and_serves_again_once_it_answers():
 
 
 def test_a_finish_the_output_layer_decides_is_applied():
-    """on_update returns STOP once the text holds a stop string (server/output.py): here, at the
+    """process_outputs returns the request once the text holds a stop string (server/output.py): here, at the
     answer's third token; the engine ends the request there, reports that end once, and frees
     its slot."""
     agent = FakeAgent()
@@ -296,7 +300,7 @@ def test_dropping_the_prefix_cache_under_load_waits_for_a_step_not_for_the_load(
         dropped = await asyncio.wait_for(engine.drop_prefix_cache(), 2)
         assert not answers.finished("long")
         assert dropped["pool_blocks"] >= 2 and dropped["tier_blocks"] == 0 and dropped["skipped_groups"] == []
-        assert engine.scheduler.blocks[0].num_cached == 0
+        assert engine.stats().groups[0].kv_blocks.cached == 0
         await wait_until_async(lambda: answers.finished("long"), 5, "long finished")
         await engine.stop()
 

@@ -28,10 +28,17 @@ def test_stats_follow_the_scheduler_group_by_group():
     assert [g.releases_pending for g in stats.groups] == [0, 2]  # sent to group 1's agent, unanswered
     assert stats.tokens_in_flight == scheduler.tokens_in_flight > 0
     used = sum(blocks.num_used for blocks in scheduler.blocks)
-    assert stats.kv_blocks("used") == used > 0 and stats.slots == stats.seats == 2 * capacity().seats
+    assert (
+        stats.kv_blocks("used") == used > 0
+        and stats.slots == stats.usable_slots == 2 * capacity().usable_slots
+    )
     scheduler.healthy[1] = False  # a group down: its slots and blocks leave the totals
     down = scheduler.stats(agents, {})
-    assert down.groups[1].slots == 0 and down.slots == capacity().seats and down.seats == 2 * capacity().seats
+    assert (
+        down.groups[1].slots == 0
+        and down.slots == capacity().usable_slots
+        and down.usable_slots == 2 * capacity().usable_slots
+    )
     assert down.kv_blocks("used") == scheduler.blocks[0].num_used
 
 

@@ -34,7 +34,7 @@ def test_a_sequence_scores_its_prompt_until_complete_and_reports_once():
     assert asked.scoring_prompt
     asked.prompt_logprobs[:] = [PromptLogprob(-1.0, 1)] * 3  # positions 1..3
     assert not asked.scoring_prompt
-    assert asked.report().prompt_logprobs is None  # nothing generated yet: nothing reported
+    assert asked.report() is None  # nothing generated yet: nothing reported
     asked.output.append(7)
     assert asked.report().prompt_logprobs == (PromptLogprob(-1.0, 1),) * 3
     asked.output.append(8)

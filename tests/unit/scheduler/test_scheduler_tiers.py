@@ -1,15 +1,17 @@
 """The BatchScheduler with the prefix cache's second tier (GroupCapacity.tier_keys): driven against a
 fake agent that keeps a pool and a tier as the real one does, each position's "KV" the token prefix
 it was computed from. A step's spills run before its restores, both before its chunks (as
-agent/service.py does); a restore the tier lacks leaves its block unwritten (garbage), and the
-scheduler (tier_restore_failed) must recompute that sequence from the failed block on, its slot
-released, none of the garbage ever read or hit."""
+agent/service.py does); a restore the tier lacks leaves its block unwritten (garbage), which the
+step's chunks reading it compute from; told so by the reply (restore_failed), the scheduler must
+recompute that sequence from the failed block on, its slot released first, none of the garbage ever
+read or hit."""
 
 import random
 
 from agent.contract.sampling import Sampled, SamplingParams
+from agent.contract.step_reply import StepReply
 from scheduler.batch_scheduler import BatchScheduler
-from scheduler.plan import GroupCapacity
+from scheduler.plan import GroupCapacity, PlannedStep, StepOutcome
 from scheduler.sequence import Sequence
 
 SIZE = 4
@@ -46,9 +48,12 @@ class TieredAgent:
             at = (table[p // self.block_size], p % self.block_size)
             assert self.kv.get(at) == tuple(tokens[: p + 1]), f"position {p}: wrong or missing KV"
 
-    def prefill(self, slot, tokens, table, start, end, sample, garbage=False):
+    def prefill(self, slot, tokens, table, start, end, sample):
+        """A chunk; one that reads a block a failed restore left is computed from the garbage."""
         assert start <= self.held.get(slot, start)
         assert not (sample and slot in self.sampled), f"slot {slot} has sampled already"
+        at = [(table[p // self.block_size], p % self.block_size) for p in range(start)]
+        garbage = any(self.kv.get(a) == GARBAGE for a in at)
         if not garbage:
             self._check(table, tokens, start)
         for p in range(start, end):
@@ -79,32 +84,30 @@ def make(num_blocks: int, slots: int = 1) -> tuple[BatchScheduler, TieredAgent]:
 
 
 def step(scheduler: BatchScheduler, agent: TieredAgent) -> None:
-    """One plan, as StepExecutor runs it: the tier's moves with the group's first call, a failed
-    restore's sequences preempted and their slots released, their chunks' results dropped."""
+    """One plan, its calls run on the agent in order and their outcomes updated."""
     plan = scheduler.schedule()
-    for _, slot, _ in plan.releases:
-        agent.release(slot)
-    blocks = scheduler.blocks[0]
-    restores = blocks.take_restores()
-    tables = {c.seq.request_id: blocks.table(c.seq.request_id) for c in plan.prefills}
-    failed = agent.move(blocks.take_spills(), restores)
-    preempted = scheduler.tier_restore_failed(0, failed, restores) if failed else []
-    for seq in plan.decodes.get(0, []):
-        assert seq not in preempted  # a decoding sequence holds no block being restored
-        token = agent.decode(seq.slot, seq.tokens(seq.positions_used + 1), blocks.table(seq.request_id))
-        scheduler.decoded([seq], [[Sampled(token)]])
-    for chunk in plan.prefills:
-        seq = chunk.seq
-        if seq in preempted:  # the agent ran it on garbage; then its slot was released
-            agent.prefill(
-                seq.slot, seq.tokens(chunk.end), tables[seq.request_id], chunk.start, chunk.end, False, True
-            )
-            continue
-        table = blocks.table(seq.request_id)
-        token = agent.prefill(seq.slot, seq.tokens(chunk.end), table, chunk.start, chunk.end, chunk.sample)
-        scheduler.prefilled(chunk, None if token is None else Sampled(token))
-    for seq in preempted:
-        agent.release(seq.slot)
+    outcomes = []
+    for part in plan.parts.values():
+        for release in part.releases:
+            agent.release(release.slot)
+        for planned in part.steps:
+            reply = run(agent, planned)
+            outcomes.append(StepOutcome(group=0, agent="tiered", part=planned, reply=reply))
+    scheduler.update(outcomes)
+
+
+def run(agent: TieredAgent, planned: PlannedStep) -> StepReply:
+    """The call as agent/service.py runs it: the tier's moves, then the decode rows, then the chunks."""
+    request = planned.request
+    failed = agent.move(request.spill, request.restore)
+    decoded = []
+    for seq, slot, table in zip(planned.decodes, request.slots, request.tables):
+        decoded.append([Sampled(agent.decode(slot, seq.tokens(seq.positions_used + 1), table))])
+    firsts = []
+    for c in request.chunks:
+        token = agent.prefill(c.slot, list(c.tokens), c.table, c.start, len(c.tokens), c.sampling is not None)
+        firsts.append(None if token is None else Sampled(token))
+    return StepReply(decoded, firsts, restore_failed=failed)
 
 
 def answer(scheduler: BatchScheduler, agent: TieredAgent, rid: str, prompt: list[int], new: int = 3):
