@@ -20,8 +20,10 @@ from pathlib import Path
 
 import zmq
 
+from agent import kernels
 from agent.bootstrap import Placement, build_drafter, build_runner, init_device
 from agent.contract.transport import ClientKeys, is_peer, secure_agent_socket
+from agent.kernels import host_cpu
 from agent.kv_tier_moves import open_tier_store
 from agent.kv_transfer import KVSender
 from agent.memory_plan import refuse_what_cannot_fit
@@ -115,6 +117,9 @@ def _start(config: ServingConfig, rank: int, port: int, log: logging.Logger):
         place.device_id,
         config.model.path,
     )
+    if config.runtime.device_target == "CPU":  # every performance figure says which machine made it
+        kernel_target = kernels.target()
+        log.info("CPU: %s", host_cpu.describe(kernel_target, kernels.target_macros(kernel_target)))
     if config.runtime.speculation.method == "draft" and place.cache_user is not None:
         # the compile cache is keyed by one model's weights and shapes (agent/compile_cache.py):
         # two models' graphs in one process would share a folder, so neither is cached

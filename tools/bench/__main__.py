@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from agent.contract.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from agent.kernels import host_cpu, target, target_macros
 from tools.bench import report
 from tools.bench.load import (
     HostileRequest,
@@ -251,6 +252,13 @@ def warm_up(target: Target, args, prompts: list[str], model: str | None, tag: st
     return next((r.error for r in records if r.error), None)
 
 
+def machine() -> str:
+    """This host's CPU and its kernel target (this shell's MS_LLM_KERNEL_TARGET: start the servers
+    from the same shell, or the table names another target than theirs)."""
+    kernel_target = target()
+    return host_cpu.describe(kernel_target, target_macros(kernel_target))
+
+
 def print_tables(results: list[dict[str, Any]], args) -> None:
     """The summary table, then those the run's options call for."""
     print(report.markdown_table(results))
@@ -274,6 +282,7 @@ def main(argv=None) -> int:
     secret = ("targets", "api_key", "hostile_api_key")  # no keys in the results
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in secret}
     settings["targets"] = [{k: v for k, v in vars(t).items() if k != "headers"} for t in args.targets]
+    settings["machine"] = machine()
 
     background = background_prompt(prompts, args.background_words) if args.background_words else None
     invocation = secrets.token_hex(3)  # prompts differ from those of earlier invocations too
@@ -333,6 +342,7 @@ def main(argv=None) -> int:
             )
     results.sort(key=lambda r: (r["level"], [t.label for t in args.targets].index(r["target"])))
     paths = report.write(results, settings, args.out, args.name)
+    print(f"Machine: {settings['machine']}\n")
     print_tables(results, args)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 1 if any(r["summary"]["errors"] for r in results) else 0

@@ -183,7 +183,8 @@ def write(results: list[dict], settings: dict, out_dir: Path, stem: str) -> dict
     background, hostile = background_table(results), hostile_table(results)
     speculated = speculation_table(results)
     paths["md"].write_text(
-        markdown_table(results)
+        f"Machine: {settings['machine']}\n\n"
+        + markdown_table(results)
         + (f"\nSpeculative decoding:\n\n{speculated}" if speculated else "")
         + (f"\nLong prompts beside the runs:\n\n{background}" if background else "")
         + (f"\nHostile requests beside the runs:\n\n{hostile}" if hostile else "")

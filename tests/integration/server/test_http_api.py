@@ -207,7 +207,9 @@ def test_benchmark_tool_runs_against_the_server(stack, tmp_path):
         ]
     )
     assert code == 0
-    results = json.loads((tmp_path / "run.json").read_text())["results"]
+    written = json.loads((tmp_path / "run.json").read_text())
+    assert "; kernels: " in written["settings"]["machine"]  # the CPU and the kernel target
+    results = written["results"]
     assert [(r["target"], r["level"]) for r in results] == [("tiny", 1), ("tiny", 2)]
     for r in results:
         s = r["summary"]

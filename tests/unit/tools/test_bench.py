@@ -175,9 +175,12 @@ def test_report_files(tmp_path):
         for t in ("a", "b")
         for n in (1, 2)
     ]
-    paths = report.write(results, {"seed": 0}, tmp_path / "bench", "run")
+    machine = "AMD EPYC (x86_64; AVX2); kernels: avx2 (AVX2)"
+    paths = report.write(results, {"seed": 0, "machine": machine}, tmp_path / "bench", "run")
     assert json.loads(paths["json"].read_text())["results"][0]["summary"]["output_tokens"] == 2
-    table = paths["md"].read_text().splitlines()
+    lines = paths["md"].read_text().splitlines()
+    assert lines[:2] == [f"Machine: {machine}", ""]  # every table says which CPU made it
+    table = lines[2:]
     assert len(table) == 2 + 4 and table[2].startswith("| a | 1 | 500 |")
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
