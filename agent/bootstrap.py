@@ -112,7 +112,7 @@ def build_runner(
         )
     progress(
         f"KV cache: {runner.num_blocks} blocks of {runner.runtime.block_size} positions shared by "
-        f"{runner.num_slots} seats (max_seq_len {runner.max_len}), {runner.graphs.cache_bytes() / 1e6:.0f} MB"
+        f"{runner.num_slots} slots (max_seq_len {runner.max_len}), {runner.graphs.cache_bytes() / 1e6:.0f} MB"
     )
     try:
         seconds = warm_up(runner, progress, place.role, known)

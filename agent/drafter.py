@@ -1,6 +1,6 @@
 """The draft model of speculative decoding (runtime.speculation method draft): a second, smaller
 model in the agent's process whose greedy tokens are proposed after a decoding sequence's pending
-token, for the model to verify in its step (ModelRunner.step's drafts).
+token, for the model to verify in its step (StepRequest.drafts, ModelRunner.execute).
 
     drafter = Drafter(draft_runner, target)        # check_vocabularies() first
     proposed = drafter.propose({slot: k}, tables)  # slot -> k greedy tokens of the draft
@@ -9,7 +9,7 @@ The draft keeps its own KV cache with the target's pool layout and reads and wri
 target's block tables: a block holds the same positions of the same tokens in both caches, so a
 block the target shares (a prefix-cache hit) holds the draft's KV of those tokens or is written
 with exactly that. Per slot the draft knows which tokens its positions hold, and for which of the
-target's sequences (the target's slot state: a slot seated anew, after a release, is another
+target's sequences (the target's slot state: a slot taken anew, after a release, is another
 sequence); before proposing it computes the target's tokens past the longest prefix they share
 (those kept since its last proposal, or all of them for a sequence new to it), which gives its
 first proposal, then decodes the rest of them greedily, the slots of one step in one batch. A
@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.contract.sampling import SamplingParams
+from agent.contract.step import StepChunk, StepRequest
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import BlockTable, ModelRunner, SlotState
 
@@ -65,7 +66,7 @@ class Drafter:
     def __init__(self, runner: ModelRunner, target: ModelRunner):
         """`runner`: the draft model's, beside `target`'s; both keep their slots' token ids."""
         self.runner, self.target = runner, target
-        runner.track_tokens = target.track_tokens = True
+        runner.slot_table.track_tokens = target.slot_table.track_tokens = True
         self.sequences: dict[int, SlotState] = {}  # slot -> the target's sequence its KV is of
 
     def propose(self, counts: Mapping[int, int], tables: Mapping[int, BlockTable]) -> dict[int, list[int]]:
@@ -74,7 +75,7 @@ class Drafter:
         holds no tokens of, or without room for them, gets none."""
         proposed: dict[int, list[int]] = {}
         for slot, k in counts.items():
-            known = self.target.known_tokens(slot)
+            known = self.target.slot_table.known_tokens(slot)
             if known is None or k < 1 or len(known) + k > self.runner.max_len:
                 continue
             same = self.sequences.get(slot) is self.target.slots[slot] and slot in self.runner.slots
@@ -84,11 +85,15 @@ class Drafter:
             start = 0
             if self.runner.chunked_prefill:
                 start = min(shared_prefix(held or [], known), len(known) - 1)
-            self.runner.release(slot)  # seated anew: what it holds past `start` is written over
-            proposed[slot] = [self.runner.prefill(slot, known, GREEDY, tables[slot], start)]
+            self.runner.release(slot)  # taken anew: what it holds past `start` is written over
+            prompt = StepChunk(slot, known, tables[slot], start, GREEDY)
+            (first,) = self.runner.execute(StepRequest(chunks=[prompt])).firsts
+            assert first is not None  # a chunk with sampling parameters samples
+            proposed[slot] = [first.token]
         while True:
             slots = [s for s, tokens in proposed.items() if len(tokens) < counts[s]]
             if not slots:
                 return proposed
-            for slot, token in zip(slots, self.runner.decode(slots, [tables[s] for s in slots])):
-                proposed[slot].append(token)
+            reply = self.runner.execute(StepRequest(slots=slots, tables=[tables[s] for s in slots]))
+            for slot, (sampled,) in zip(slots, reply.decoded):
+                proposed[slot].append(sampled.token)

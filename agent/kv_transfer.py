@@ -125,7 +125,7 @@ def import_kv(
 ) -> None:
     """Another agent's export_kv into a free slot and the blocks of `table`, which then
     decodes as if prefilled here."""
-    runner.check_slot(slot)
+    runner.slot_table.check_slot(slot)
     if slot in runner.slots:
         raise RunnerError(f"slot {slot} is in use; release it first")
     length, next_token = state.get("length"), state.get("next_token")

@@ -9,7 +9,7 @@ words for the log.
               global layers only where sliding-window layers keep rings of their own)
     pool      num_blocks (what the budget leaves, or num_slots x ceil(max_seq_len / block_size)
               without one) + the scratch blocks that padding writes to
-    rings     sliding-window layers (Gemma 3's local layers): (num_slots + 1) seats' rings of
+    rings     sliding-window layers (Gemma 3's local layers): (num_slots + 1) slots' rings of
               ceil((window - 1 + the largest prefill bucket) / block_size) blocks each, whatever
               the sequences' lengths (agent/graphs/interface.py)
     working   prefill attention scores of every layer at the largest prefill bucket (fp32),
@@ -36,8 +36,8 @@ words for the log.
 
 After warm-up, check_peak holds MindSpore's peak allocation to the plan (on Ascend and GPU).
 
-Seats (num_slots: sequences placed at once) cost no KV: their sequences take blocks as they grow,
-so a pool smaller than every seat's whole length serves many short sequences and a few long ones.
+Slots (num_slots: sequences placed at once) cost no KV: their sequences take blocks as they grow,
+so a pool smaller than every slot's whole length serves many short sequences and a few long ones.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class MemoryPlan:
     scratch_blocks: int
     block_size: int
     budget_mb: int | None
-    rings_mb: float = 0.0  # the sliding-window layers' rings, every seat's
+    rings_mb: float = 0.0  # the sliding-window layers' rings, every slot's
     kv_format: str = "float32"  # the cache's rows (agent/graphs/cache_format.py)
     reserves: tuple[Reserve, ...] = ()  # Ascend and GPU only
     working_basis: str = ""  # what the working line holds, said where there are reserves
@@ -137,7 +137,7 @@ class MemoryPlan:
             + (f" ({self.kv_format})" if self.kv_format == "q8_0" else "")
             + f": {self.num_blocks} blocks of {self.block_size} positions ({positions} positions, "
             f"{positions / self.max_seq_len:.1f} sequences of max_seq_len {self.max_seq_len}) "
-            f"shared by {self.num_slots} seats"
+            f"shared by {self.num_slots} slots"
             + (
                 f" (global layers; sliding-window layers' rings {self.rings_mb:.0f} MB)"
                 if self.rings_mb
@@ -344,7 +344,7 @@ def planned_length(spec: ModelSpec, runtime: RuntimeSection, room: int | None) -
 
 
 def pool_blocks(runtime: RuntimeSection, slots: int, max_len: int, room: int | None) -> int:
-    """num_blocks as set, else all the budget's `room`, else (no budget) each seat its whole length."""
+    """num_blocks as set, else all the budget's `room`, else (no budget) each slot its whole length."""
     if runtime.num_blocks != "auto":
         return runtime.num_blocks
     if room is not None:
@@ -362,7 +362,7 @@ def plan_memory(
     weights = weights_bytes(spec, runtime) if weights is None else weights
     working = working_bytes(spec, runtime)
     slots = runtime.decode_batch_buckets[-1] if runtime.num_slots == "auto" else runtime.num_slots
-    # Sliding-window layers keep per-seat rings (unless a ring would hold a whole sequence)
+    # Sliding-window layers keep per-slot rings (unless a ring would hold a whole sequence)
     longest = spec.max_context if runtime.max_seq_len == "auto" else runtime.max_seq_len
     ring = local_ring_blocks(runtime, spec, longest)
     pool_layers = spec.global_layers if ring else spec.num_layers

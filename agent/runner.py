@@ -3,16 +3,21 @@
     runner = ModelRunner.from_checkpoint(checkpoint, runtime)  # weights and KV cache on the device
     runner = ModelRunner.from_mindir(files, runtime)  # or runs graphs exported by tools.export
     runner = ModelRunner(graphs, runtime)       # or over any graph set (agent/graphs/interface.py)
-    first = runner.prefill(slot, prompt_ids, sampling, table)          # the whole prompt
-    runner.prefill_chunk(slot, ids[:end], table, start)  # or a chunk before the prompt's last
-    nexts = runner.decode([slot, ...], [table, ...])  # one token for each slot, in order
-    nexts, firsts = runner.step([slot, ...], [table, ...], [StepChunk(...), ...])  # both, one call
-    nexts, firsts = runner.run(slots, tables, chunks, masks, drafts)  # any of them: an agent step
+    reply = runner.execute(StepRequest(chunks=[StepChunk(slot, ids, table, 0, sampling)]))  # a prompt
+    reply = runner.execute(StepRequest(slots=[slot, ...], tables=[table, ...]))  # a decode step
+    reply.decoded[i][0].token, reply.firsts[0].token  # each slot's tokens, each chunk's first
     runner.release(slot)
+
+One entry point, one step (agent/contract/step.py StepRequest, the wire's `step`) in, its StepReply
+out: the tokens with their logprobs and faults, and the prompt logprobs a chunk asked for. Inside,
+a step runs the graph it needs: the decode graphs for decode slots alone (_decode), the prefill
+graphs for one prompt chunk alone (_prefill), the mixed graph for both, or proposals (_mixed).
+The runner holds its slots (SlotTable, agent/slots.py), the checks of each call (StepChecks,
+agent/step_checks.py) and the token choice (TokenChooser, agent/token_chooser.py).
 
 PD disaggregation moves a prefilled slot to another agent's runner (agent/kv_transfer.py).
 
-A slot is a seat: the runner keeps its length, its table, its sampler and its sampled-but-not-yet-
+A slot is a batch row: the runner keeps its length, its table, its sampler and its sampled-but-not-yet-
 written token. The KV cache is a pool of blocks (agent/graphs/interface.py) that the server hands out:
 every call names the blocks of each sequence (its block table), and a table may grow between calls.
 Without a table, a slot uses its fixed one (GraphInputs.slot_table: tools and tests). Shapes are
@@ -32,10 +37,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from agent.checked_slots import CheckedSlots
 from agent.contract.prompt_logprobs import PromptLogprob, score_rows
-from agent.contract.sampling import SamplingParams
-from agent.contract.step import BlockTable, StepChunk
+from agent.contract.step import BlockTable, StepChunk, StepLimits, StepRequest
+from agent.contract.step_reply import StepReply
 from agent.graphs.cache_format import CacheFormat
 from agent.graphs.interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket
 from agent.graphs.layers import WHOLE_MODEL, TensorSplit
@@ -43,12 +47,12 @@ from agent.graphs.mindir import MindIRGraphs
 from agent.graphs.step_graphs import StepGraphs
 from agent.launcher.preflight import require_device
 from agent.model.checkpoint import Checkpoint
-from agent.slots import RunnerError, SlotState
+from agent.slots import RunnerError, SlotState, SlotTable
+from agent.step_checks import StepChecks
+from agent.token_chooser import TokenChooser
 from config.schema import ModelSection, RuntimeSection
 
 log = logging.getLogger(__name__)
-
-Score = tuple[int, int | None]  # prompt logprobs asked of a chunk: (k, lookahead token id or None)
 
 
 def memory_size(mb: int) -> str:
@@ -77,14 +81,17 @@ def configure_mindspore(runtime: RuntimeSection, device_id: int = 0) -> None:
         threads_num(runtime.cpu_threads)
 
 
-class ModelRunner(CheckedSlots):
+class ModelRunner:
     def __init__(self, graphs: ModelGraphs, runtime: RuntimeSection):
         """A runner over a graph set built for `runtime` (agent.graphs.mindir.GraphExporter: every warm-up
         call exports its graph)."""
-        super().__init__(graphs, runtime)
+        self.graphs = graphs
+        self.spec = graphs.spec
+        self.runtime = runtime
         self.topk_buckets = graphs.topk_buckets
-        # the prompt logprobs the last run()'s one chunk asked for (StepChunk.prompt_logprobs)
-        self.prompt_scores: list[PromptLogprob] | None = None
+        self.slot_table = SlotTable(runtime.planned_num_slots)
+        self.chooser = TokenChooser(graphs)  # the host side of each call's token choice
+        self.checks = StepChecks(graphs, runtime, self.slot_table, self.chooser)
 
     @classmethod
     def from_checkpoint(
@@ -99,88 +106,169 @@ class ModelRunner(CheckedSlots):
         """Run the graphs of MindIR files (the model section's *_model files) written by tools.export."""
         return cls(MindIRGraphs(files, runtime), runtime)
 
-    # -------------------------------------------------------------------------------- requests
+    # -------------------------------------------------------------------------------- slots and limits
 
-    def prefill(
+    @property
+    def num_slots(self) -> int:
+        return self.slot_table.num_slots
+
+    @property
+    def slots(self) -> dict[int, SlotState]:
+        """The occupied slots' states (a slot not here is free)."""
+        return self.slot_table.slots
+
+    def active(self, slot: int) -> SlotState:
+        """The state of an occupied slot (RunnerError for a free one)."""
+        return self.slot_table.active(slot)
+
+    def release(self, slot: int) -> None:
+        self.slot_table.release(slot)
+
+    @property
+    def max_len(self) -> int:
+        return self.checks.max_len
+
+    @property
+    def mixed_rows(self) -> int:
+        """Rows of one mixed step, 0 where these graphs run none."""
+        return self.checks.mixed_rows
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.checks.max_prompt_len
+
+    @property
+    def max_chunk(self) -> int:
+        return self.checks.max_chunk
+
+    @property
+    def num_blocks(self) -> int:
+        return self.checks.num_blocks
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.checks.chunked_prefill
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.checks.prefix_caching
+
+    @property
+    def limits(self) -> StepLimits:
+        return self.checks.limits
+
+    def padded_table(self, slot: int, table: BlockTable | None, positions: int) -> np.ndarray:
+        return self.checks.padded_table(slot, table, positions)
+
+    # -------------------------------------------------------------------------------- the step
+
+    def execute(self, request: StepRequest) -> StepReply:
+        """One agent step (agent/contract/step.py StepRequest) through the graph it needs: a decode
+        of its slots alone, one prompt chunk alone (the prefill graphs), or both and proposals in
+        one mixed call. The reply holds each decode slot's tokens and each chunk's first token (None
+        unless it samples), each with its logprobs and its sequence's fault (Sampled), and the
+        prompt logprobs a chunk asked for (a chunk that asks runs alone). Its `drafts` are token
+        lists (the agent's drafter turns a count into its tokens first); its transfer and tier moves
+        are the agent service's (agent/service.py). Tools and tests may leave out the block tables:
+        a request without `tables` decodes each slot in its table of its last call, a chunk whose
+        table is None is computed in the slot's fixed one (GraphInputs.slot_table)."""
+        drafts: dict[int, Sequence[int]] = {}
+        for slot, proposal in request.drafts.items():
+            if isinstance(proposal, int):
+                raise RunnerError(
+                    f"slot {slot} asks for {proposal} proposals: the agent's drafter makes them"
+                )
+            drafts[slot] = proposal
+        slots, chunks = list(request.slots), list(request.chunks)
+        tables = list(request.tables) if request.tables or not slots else None
+        decoded, firsts, scores = self._run(slots, tables, chunks, request.masks, drafts)
+        sampled = self.slot_table.sampled
+        return StepReply(
+            [sampled(slot, tokens) for slot, tokens in zip(slots, decoded)],
+            [None if t is None else sampled(c.slot, [t])[0] for c, t in zip(chunks, firsts)],
+            prompts=[None if c.prompt_logprobs is None else scores for c in chunks],
+        )
+
+    def _run(
         self,
-        slot: int,
-        tokens: Sequence[int],
-        params: SamplingParams,
-        table: BlockTable | None = None,
-        start: int = 0,
-        mask: np.ndarray | None = None,
-        score: Score | None = None,
-    ) -> int:
-        """A prompt's last (or only) chunk: positions start..len(tokens)-1 (`tokens`: the ids from
-        position 0; positions before `start` are in the blocks of `table` already: earlier chunks,
-        a prefix-cache hit). Seats a free slot; returns the first generated token (`mask`: the
-        tokens it may be, as SlotSampler.constrain takes them; `score`: its prompt logprobs, into
-        `prompt_scores`)."""
-        sampler = self.sampling.sampler(params, tokens)  # a bad parameter is refused before anything runs
-        if mask is not None:
-            self.sampling.check_masks({slot: mask}, [slot])
-            sampler.constrain(mask)
-        state, logits = self._compute(slot, tokens, table, start, sample=True, score=score)
+        slots: list[int],
+        tables: list[BlockTable] | None,
+        chunks: list[StepChunk],
+        masks: Mapping[int, np.ndarray],
+        drafts: Mapping[int, Sequence[int]],
+    ) -> tuple[list[list[int]], list[int | None], list[PromptLogprob] | None]:
+        """The step through the graph it needs: each decode slot's tokens, each chunk's first token
+        (None unless it samples), and the prompt logprobs of a chunk that asked (it runs alone)."""
+        if len(chunks) == 1 and not slots and not drafts:
+            first, scores = self._prefill(chunks[0], masks)
+            return [], [first], scores
+        if any(c.prompt_logprobs is not None for c in chunks):
+            raise RunnerError("a chunk that scores its prompt positions runs alone (a prefill step)")
+        if chunks or drafts:
+            return *self._mixed(slots, tables, chunks, masks, drafts), None
+        return [[t] for t in self._decode(slots, tables, masks)], [], None
+
+    def _prefill(
+        self, chunk: StepChunk, masks: Mapping[int, np.ndarray]
+    ) -> tuple[int | None, list[PromptLogprob] | None]:
+        """One chunk alone through the prefill graphs: positions chunk.start..len(chunk.tokens)-1
+        (taking a free slot). The prompt's last chunk samples its first token (`masks`: the
+        tokens it may be); a chunk before it, or the recompute of a preempted sequence (which keeps
+        its sampler and pending token), samples nothing. Its first token (None where it samples
+        none) and its prompt logprobs (None where it asked none)."""
+        if masks:
+            self.chooser.check_masks(masks, [chunk.slot] if chunk.sample else [])
+        sampler = None
+        if chunk.sampling is not None:
+            sampler = self.chooser.sampler(chunk.sampling, chunk.tokens)  # refused before anything runs
+            if chunk.slot in masks:
+                sampler.constrain(masks[chunk.slot])
+        state, logits, scores = self._compute(chunk)
+        if sampler is None:
+            return None, scores
         state.sampler = sampler
-        state.next_token = self.sampling.sample(logits, [sampler])[0]
-        return state.next_token
+        state.next_token = self.chooser.sample(logits, [sampler])[0]
+        return state.next_token, scores
 
-    def prefill_chunk(
-        self, slot: int, tokens: Sequence[int], table: BlockTable, start: int = 0, score: Score | None = None
-    ) -> None:
-        """Positions start..len(tokens)-1 without sampling: a prompt's chunk before its last, or
-        the recompute of a preempted sequence (which keeps its sampler and pending token)."""
-        self._compute(slot, tokens, table, start, sample=False, score=score)
-
-    def _compute(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        table: BlockTable | None,
-        start: int,
-        sample: bool,
-        score: Score | None = None,
-    ) -> tuple[SlotState, Tensor]:
-        """Checks, then the positions start.. through the prefill graphs in pieces of at most the
-        largest bucket (a free slot is seated): the slot's state and the last piece's logits.
-        `score` (k, lookahead): every row's logits too, each row scored at the token after it
-        (the last row at `lookahead`, if any), into `prompt_scores` (StepChunk.scores)."""
-        ids, padded = self._check_chunk(slot, tokens, table, start, sample)
-        if score is not None and score[1] is not None:
-            self._check_tokens([score[1]])
-        end = len(ids)
-        after = np.append(ids[1:], -1 if score is None or score[1] is None else score[1])
+    def _compute(self, chunk: StepChunk) -> tuple[SlotState, Tensor, list[PromptLogprob] | None]:
+        """Checks, then the chunk's positions through the prefill graphs in pieces of at most the
+        largest bucket (a free slot is taken): the slot's state, the last piece's logits and, where
+        the chunk asks for prompt logprobs (k, lookahead), every row's logits scored at the token
+        after it (the last row at `lookahead`, if any: StepChunk.scores)."""
+        slot, start, k = chunk.slot, chunk.start, chunk.prompt_logprobs
+        ids, padded = self.checks.chunk(slot, chunk.tokens, chunk.table, start, chunk.sample)
+        if k is not None and chunk.lookahead is not None:
+            self.checks.tokens([chunk.lookahead])
+        after = np.append(ids[1:], -1 if k is None or chunk.lookahead is None else chunk.lookahead)
         scores: list[PromptLogprob] = []
-        pieces = range(start, end, self.max_chunk)
-        for piece_start in pieces:
+        for piece_start in range(start, len(ids), self.max_chunk):
             piece = ids[piece_start : piece_start + self.max_chunk]
             length = bucket(self.runtime.prefill_buckets, len(piece))
             logits = self.graphs.prefill(
-                padded, piece, length, start=piece_start, slot=slot, every_row=score is not None
+                padded, piece, length, start=piece_start, slot=slot, every_row=k is not None
             )
-            if score is not None:
+            if k is not None:
                 rows = logits.asnumpy()[: len(piece)]
                 targets = after[piece_start : piece_start + len(piece)]
                 scored = int(np.count_nonzero(targets >= 0))  # only the last row may have none
-                scores += score_rows(rows[:scored], targets[:scored], score[0])
+                scores += score_rows(rows[:scored], targets[:scored], k)
                 logits = Tensor(rows[-1:])
-        if score is not None:
-            self.prompt_scores = scores
-        return self._computed(slot, ids, padded), logits
+        return self.slot_table.computed(slot, ids, padded), logits, None if k is None else scores
 
-    def decode(
+    def _decode(
         self,
         slots: Sequence[int],
-        tables: Sequence[BlockTable] | None = None,
-        masks: Mapping[int, np.ndarray] | None = None,
+        tables: Sequence[BlockTable] | None,
+        masks: Mapping[int, np.ndarray],
     ) -> list[int]:
-        """One step for each slot: write its pending token, return its next token (same order).
-        `tables`: each slot's block table, covering its next position (none: as last time);
-        `masks`: slot -> the tokens its next token may be (structured output)."""
+        """One step for each slot through the decode graphs: write its pending token, return its
+        next token (same order). `tables`: each slot's block table, covering its next position
+        (None: as last time); `masks`: slot -> the tokens its next token may be (structured
+        output)."""
         if not slots:
             raise RunnerError("decode needs at least one slot")
-        states, padded = self._check_decode(slots, tables)
-        self.sampling.constrain(masks or {}, dict(zip(slots, states)))
+        states, padded = self.checks.decode(slots, tables)
+        self.chooser.constrain(masks, dict(zip(slots, states)))
         positions = np.array([s.length for s in states], np.int64)
         rows = bucket(self.runtime.decode_batch_buckets, len(slots))
         logits, greedy = self.graphs.decode(
@@ -191,60 +279,27 @@ class ModelRunner(CheckedSlots):
             self.graphs.inputs.attend(positions),
             slots=list(slots),
         )
-        tokens = self.sampling.sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
-        self._decoded(states, padded, [[t] for t in tokens])
+        tokens = self.chooser.sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
+        self.slot_table.decoded(states, padded, [[t] for t in tokens])
         return tokens
 
-    def run(
+    def _mixed(
         self,
         slots: Sequence[int],
-        tables: Sequence[BlockTable],
+        tables: Sequence[BlockTable] | None,
         chunks: Sequence[StepChunk],
-        masks: Mapping[int, np.ndarray] | None = None,
-        drafts: Mapping[int, Sequence[int]] | None = None,
+        masks: Mapping[int, np.ndarray],
+        drafts: Mapping[int, Sequence[int]],
     ) -> tuple[list[list[int]], list[int | None]]:
-        """An agent step (agent/contract/step.py StepRequest) through the graph it needs: a decode
-        of `slots` alone, one prompt chunk alone (the prefill graphs), or both and proposals in one
-        mixed call (step). Each decode slot's tokens and each chunk's first token (None unless it
-        samples)."""
-        self.prompt_scores = None
-        if len(chunks) != 1 or slots or drafts:
-            if any(c.prompt_logprobs is not None for c in chunks):
-                raise RunnerError("a chunk that scores its prompt positions runs alone (a prefill step)")
-            if chunks or drafts:
-                return self.step(slots, tables, chunks, masks, drafts)
-            return [[t] for t in self.decode(slots, tables, masks)], []
-        (chunk,) = chunks
-        masks = masks or {}
-        if masks:
-            self.sampling.check_masks(masks, [chunk.slot] if chunk.sampling is not None else [])
-        score = None if chunk.prompt_logprobs is None else (chunk.prompt_logprobs, chunk.lookahead)
-        if chunk.sampling is None:
-            self.prefill_chunk(chunk.slot, chunk.tokens, chunk.table, chunk.start, score)
-            return [], [None]
-        mask = masks.get(chunk.slot)
-        return [], [
-            self.prefill(chunk.slot, chunk.tokens, chunk.sampling, chunk.table, chunk.start, mask, score)
-        ]
-
-    def step(
-        self,
-        slots: Sequence[int],
-        tables: Sequence[BlockTable],
-        chunks: Sequence[StepChunk],
-        masks: Mapping[int, np.ndarray] | None = None,
-        drafts: Mapping[int, Sequence[int]] | None = None,
-    ) -> tuple[list[list[int]], list[int | None]]:
-        """A decode step of `slots` and the prompt `chunks` in one graph call, which reads the
-        weights once (decode and prefill called back to back read them twice): each decode slot's
-        tokens and each chunk's first token (None unless it samples). `drafts`: slot -> the tokens
-        proposed after its pending token (speculative decoding): that slot's rows are its pending
-        token and the proposals, each verified by its sampler (SlotSampler.verify), and its tokens
-        are the proposals kept and one more; another slot's are its one next token. The KV of the
-        proposals not kept is left behind its length, to be written over. Everything is checked
+        """A decode step of `slots` and the prompt `chunks` in one call of the mixed graph, which
+        reads the weights once (decode and prefill called back to back read them twice): each decode
+        slot's tokens and each chunk's first token (None unless it samples). `drafts`: slot -> the
+        tokens proposed after its pending token (speculative decoding): that slot's rows are its
+        pending token and the proposals, each verified by its sampler (SlotSampler.verify), and its
+        tokens are the proposals kept and one more; another slot's are its one next token. The KV of
+        the proposals not kept is left behind its length, to be written over. Everything is checked
         before anything runs: a refused step changes nothing."""
-        drafts = dict(drafts or {})
-        states, padded, checked = self._check_step(slots, tables, chunks, masks or {}, drafts)
+        states, padded, checked = self.checks.mixed(slots, tables, chunks, masks, drafts)
         plain = [i for i, slot in enumerate(slots) if slot not in drafts]
         scored = []
         for i, slot in enumerate(slots):
@@ -255,16 +310,16 @@ class ModelRunner(CheckedSlots):
                 )
         # the sampling chunks' last rows' logits follow the decode and the scored rows'
         new = {
-            i: self.sampling.sampler(c.sampling, c.tokens)
+            i: self.chooser.sampler(c.sampling, c.tokens)
             for i, c in enumerate(chunks)
             if c.sampling is not None
         }
         sampling = list(new)
         if masks:
-            self.sampling.constrain(
+            self.chooser.constrain(
                 masks, {**dict(zip(slots, states)), **{chunks[i].slot: new[i] for i in sampling}}
             )
-        graphs = cast(MixedStepGraphs, self.graphs)  # _check_step: mixed_rows says so
+        graphs = cast(MixedStepGraphs, self.graphs)  # StepChecks.mixed: mixed_rows says so
         logits, greedy = graphs.mixed(
             np.stack([padded[i] for i in plain]) if plain else np.zeros((0, 0), np.int32),
             np.array([states[i].next_token for i in plain], np.int64),
@@ -282,18 +337,18 @@ class ModelRunner(CheckedSlots):
         samplers = [s for i in plain if (s := states[i].sampler) is not None] + [new[i] for i in sampling]
         if scored:
             by_slot = {slot: states[i].sampler for i, slot in enumerate(slots)}
-            tokens, verified = self.sampling.verify(logits, greedy, samplers, len(plain), scored, by_slot)
+            tokens, verified = self.chooser.verify(logits, greedy, samplers, len(plain), scored, by_slot)
         else:
-            tokens, verified = self.sampling.sample(logits, samplers, greedy), {}
+            tokens, verified = self.chooser.sample(logits, samplers, greedy), {}
         decoded = [verified[slot] if slot in drafts else [] for slot in slots]
         for row, i in enumerate(plain):
             decoded[i] = [tokens[row]]
-        self._decoded(states, padded, decoded)
+        self.slot_table.decoded(states, padded, decoded)
         firsts: list[int | None] = [None] * len(chunks)
         for i, token in zip(sampling, tokens[len(plain) :]):
             firsts[i] = token
         for i, (chunk, (ids, table)) in enumerate(zip(chunks, checked)):
-            state = self._computed(chunk.slot, ids, table)
+            state = self.slot_table.computed(chunk.slot, ids, table)
             if chunk.sample:
                 state.sampler, state.next_token = new[i], firsts[i]
         return decoded, firsts

@@ -1,4 +1,4 @@
-"""AgentService: turns decoded wire requests into ModelRunner calls and builds the replies.
+"""AgentService: turns decoded wire requests into ModelRunner calls and their replies into frames.
 
 No sockets here; agent/process.py moves the frames. Every failure becomes an error reply: a bad
 request never stops the agent.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -17,8 +16,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from agent.contract import protocol
-from agent.contract.sampling import Sampled, SequenceFault, TokenLogprob
-from agent.contract.step import MAX_DRAFT_TOKENS, BlockTable, KVTransfer, Proposal, StepRequest
+from agent.contract.step import MAX_DRAFT_TOKENS, KVTransfer, Proposal, StepRequest
 from agent.contract.step_reply import StepReply, TierReport
 from agent.drafter import Drafter
 from agent.kv_tier_moves import export_blocks, import_blocks
@@ -204,19 +202,8 @@ class AgentService:
         if request.transfer is not None and self.sender is None:
             raise ValueError("this agent sends no KV (its role is not prefill)")
         restore_failed, tier = self._move_tiers(request)
-        slots, tables = list(request.slots), list(request.tables)
-        drafts = self._proposals(request.drafts, slots, tables)
-        decoded, firsts = self.runner.run(slots, tables, request.chunks, request.masks, drafts)
-        reply = StepReply(
-            [self._tokens(slot, tokens) for slot, tokens in zip(slots, decoded)],
-            [None if t is None else self._tokens(c.slot, [t])[0] for c, t in zip(request.chunks, firsts)],
-            # a chunk that asked runs alone (runner.run): its scores are the run's
-            prompts=[
-                None if c.prompt_logprobs is None else self.runner.prompt_scores for c in request.chunks
-            ],
-            restore_failed=restore_failed,
-            tier=tier,
-        )
+        request = replace(request, drafts=self._proposals(request))
+        reply = replace(self.runner.execute(request), restore_failed=restore_failed, tier=tier)
         if request.transfer is not None:
             reply = self._send_kv(request.chunks[0].slot, request.transfer, reply)
         return reply.to_wire()
@@ -263,7 +250,8 @@ class AgentService:
         """A prefill agent's prompt: its KV sent to the decode agent's slot, this slot free again
         whatever happens to the transfer (nothing is sent for a sequence that ended here)."""
         assert self.sender is not None  # checked before the step ran
-        if self.runner.fault(slot) is not None:
+        first = reply.firsts[0]
+        if first is None or first.fault is not None:
             self.runner.release(slot)
             return reply
         try:
@@ -282,48 +270,23 @@ class AgentService:
         )
         return replace(reply, kv_bytes=blocks.nbytes, transfer_ms=transfer_ms)
 
-    def _proposals(
-        self, asked: Mapping[int, Proposal], slots: list[int], tables: list[BlockTable]
-    ) -> dict[int, list[int]]:
-        """The step's proposals: the server's tokens, and the draft model's for the slots that
-        ask it for a number of them (a slot it cannot follow gets none)."""
+    def _proposals(self, request: StepRequest) -> dict[int, Proposal]:
+        """The step's proposals as token lists: the server's tokens, and the draft model's for the
+        slots that ask it for a number of them (a slot it cannot follow gets none)."""
+        asked = request.drafts
         counts = {slot: v for slot, v in asked.items() if isinstance(v, int)}
-        drafts = {slot: v for slot, v in asked.items() if isinstance(v, list)}
+        drafts: dict[int, Proposal] = {slot: v for slot, v in asked.items() if isinstance(v, list)}
         if not counts:
             return drafts
         if self.drafter is None:
             raise ValueError("this agent has no draft model (runtime.speculation method draft)")
+        slots = list(request.slots)
         if not set(counts) <= set(slots) or any(not 1 <= k <= MAX_DRAFT_TOKENS for k in counts.values()):
             raise ValueError(f"draft counts are 1..{MAX_DRAFT_TOKENS} tokens for slots this step decodes")
         for slot in counts:
             self.runner.active(slot)  # a slot that holds nothing is refused before the draft runs
-        by_slot = dict(zip(slots, tables))
-        return drafts | self.drafter.propose(counts, {s: by_slot[s] for s in counts})
-
-    def _tokens(self, slot: int, tokens: list[int]) -> list[Sampled]:
-        """The slot's tokens of this step with their logprobs (where its request asked for them)
-        and its fault (where its choice failed): one entry each, whatever the request asked, so the
-        server pairs them with the tokens."""
-        paired, fault = self._token_logprobs(slot, len(tokens)), self.runner.fault(slot)
-        if paired is None:  # a bug of this slot's: its sequence's error, not the whole reply's
-            paired = [None] * len(tokens)
-            fault = SequenceFault("internal", "its tokens' logprobs were lost (see the agent's log)")
-        return [Sampled(token, logprob, fault) for token, logprob in zip(tokens, paired)]
-
-    def _token_logprobs(self, slot: int, count: int) -> list[TokenLogprob | None] | None:
-        """The logprobs of the slot's `count` tokens of this step (nulls where its request asked
-        none), or None, logged, where they do not pair with its tokens."""
-        if count == 1:
-            return [self.runner.logprobs(slot)]
-        recent = self.runner.recent_logprobs(slot)
-        if not recent:  # its request asked for no logprobs
-            return [None] * count
-        if len(recent) != count:
-            log.error(
-                "slot %d: %d logprobs for %d verified tokens; its sequence fails", slot, len(recent), count
-            )
-            return None
-        return recent
+        by_slot = dict(zip(slots, request.tables))
+        return {**drafts, **self.drafter.propose(counts, {s: by_slot[s] for s in counts})}
 
     def _op_release(self, header: dict, arrays: list) -> tuple[dict, list]:
         if "ticket" in header:

@@ -159,7 +159,7 @@ class RuntimeSection(Section):
     )
     num_slots: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         16,
-        description="most sequences placed at once (each a seat with its sampling state; their "
+        description="most sequences placed at once (each a slot with its sampling state; their "
         "KV comes from the block pool, so free blocks bound them too); auto: the largest decode "
         "batch bucket",
     )
@@ -172,7 +172,7 @@ class RuntimeSection(Section):
         "auto",
         description="KV-cache blocks shared by every sequence; auto: what memory_budget_mb leaves "
         "after weights and working memory, or without a budget num_slots x ceil(max_seq_len / "
-        "block_size) (each seat its whole length)",
+        "block_size) (each slot its whole length)",
     )
     memory_budget_mb: int | None = Field(
         None,
@@ -252,7 +252,7 @@ class RuntimeSection(Section):
             return self.num_blocks
         if self.memory_budget_mb is not None or self.num_slots == "auto" or self.max_seq_len == "auto":
             raise ValueError(_UNPLANNED.format(field="num_blocks"))
-        return self.num_slots * -(-self.max_seq_len // self.block_size)  # each seat its whole length
+        return self.num_slots * -(-self.max_seq_len // self.block_size)  # each slot its whole length
 
     @property
     def planned_num_slots(self) -> int:

@@ -107,7 +107,7 @@ class ServingConfig(SharedSections):
         if self.scheduler.max_num_batched_tokens <= rows:
             raise ValueError(
                 f"scheduler.max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must exceed the "
-                f"largest decode batch ({rows}): a step whose every seat decodes would leave no "
+                f"largest decode batch ({rows}): a step whose every slot decodes would leave no "
                 f"positions for prompts, which would wait until a stream ends"
             )
         return self

@@ -28,6 +28,7 @@ set_process_defaults()  # before MindSpore loads
 from agent.activations import exact  # noqa: E402
 from agent.bootstrap import Placement, build_runner, init_device  # noqa: E402
 from agent.contract.sampling import SamplingParams  # noqa: E402
+from agent.contract.step import StepChunk, StepRequest  # noqa: E402
 from agent.model.formats import load_checkpoint  # noqa: E402
 from agent.model.tokenizer import load_tokenizer  # noqa: E402
 from config import PROJECT_ROOT, ServingConfig, load_config  # noqa: E402
@@ -50,13 +51,16 @@ def answers(config: ServingConfig, prompts: list[list[int]], tokens: int, batch:
         group = prompts[first : first + batch]
         slots = list(range(len(group)))
         tables = [list(range(slot * blocks, (slot + 1) * blocks)) for slot in slots]
-        got = [
-            [runner.prefill(slot, prompt, SamplingParams(), table)]
-            for slot, prompt, table in zip(slots, group, tables)
-        ]
+        got = []
+        for slot, prompt, table in zip(slots, group, tables):
+            prompt_chunk = StepChunk(slot, prompt, table, 0, SamplingParams())
+            (opening,) = runner.execute(StepRequest(chunks=[prompt_chunk])).firsts
+            assert opening is not None  # a chunk with sampling parameters samples
+            got.append([opening.token])
         for _ in range(tokens - 1):
-            for answer, token in zip(got, runner.decode(slots, tables)):
-                answer.append(token)
+            reply = runner.execute(StepRequest(slots=slots, tables=tables))
+            for answer, (sampled,) in zip(got, reply.decoded):
+                answer.append(sampled.token)
         for slot in slots:
             runner.release(slot)
         out += got

@@ -14,6 +14,7 @@ from agent.process_env import set_process_defaults
 set_process_defaults()  # before MindSpore loads
 from agent.bootstrap import Placement, build_runner, init_device  # noqa: E402
 from agent.contract.sampling import SamplingParams, add_sampling_options, sampling_options  # noqa: E402
+from agent.contract.step import StepChunk, StepRequest  # noqa: E402
 from agent.known_answer import KnownAnswerError  # noqa: E402
 from agent.memory_plan import MemoryPlanError  # noqa: E402
 from agent.model.checkpoint import CheckpointError  # noqa: E402
@@ -49,16 +50,24 @@ def main() -> int:
     stop_ids = set(tokenizer.eos_ids) | set(checkpoint.spec.eos_ids)
     detok = IncrementalDetokenizer(tokenizer)
     start = time.perf_counter()
-    token = runner.prefill(0, prompt, sampling)
+    table = runner.graphs.inputs.slot_table(0)
+    sampled = runner.execute(StepRequest(chunks=[StepChunk(0, prompt, table, 0, sampling)])).firsts[0]
     first = time.perf_counter() - start
     generated = 0
-    while token not in stop_ids and generated < args.max_new_tokens:
-        print(detok.add(token), end="", flush=True)
+    while (
+        sampled is not None
+        and sampled.fault is None
+        and sampled.token not in stop_ids
+        and generated < args.max_new_tokens
+    ):
+        print(detok.add(sampled.token), end="", flush=True)
         generated += 1
-        if generated == args.max_new_tokens or runner.slot_length(0) >= runner.max_len:
+        if generated == args.max_new_tokens or runner.active(0).length >= runner.max_len:
             break
-        token = runner.decode([0])[0]
+        sampled = runner.execute(StepRequest(slots=[0], tables=[table])).decoded[0][0]
     print(detok.flush())
+    if sampled is not None and sampled.fault is not None:
+        print(f"error: {sampled.fault.message}", file=sys.stderr)
     total = time.perf_counter() - start
     print(
         f"[{len(prompt)} prompt tokens, {generated} generated, first token {first:.2f}s, total {total:.2f}s]",

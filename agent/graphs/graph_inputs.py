@@ -42,8 +42,8 @@ class GraphInputs:
         """kv_heads: this rank's; fused_layers: each layer is one kernel (or the paged backend),
         which takes write rows and lengths in place of the prefill mask (paging), and reads earlier
         positions from the cache (a prompt chunk may start after position 0); ring_blocks: each
-        seat's ring in the sliding-window layers (local_ring_blocks), whose write rows and tables
-        then follow each call's inputs (`slots`: each sequence's seat)."""
+        slot's ring in the sliding-window layers (local_ring_blocks), whose write rows and tables
+        then follow each call's inputs (`slots`: each sequence's slot)."""
         self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
         self.max_seqs = runtime.decode_batch_buckets[-1]  # sequences of one mixed step
         self.block_size = runtime.block_size
@@ -60,35 +60,35 @@ class GraphInputs:
         scratch = self.pool + np.minimum(np.arange(self.blocks_per_seq), scratch_blocks(runtime) - 1)
         self.scratch_table = scratch.astype(np.int32)
         self.ring = ring_blocks
-        # each seat's ring table (the scratch ring last): fixed by the seat, built once
+        # each slot's ring table (the scratch ring last): fixed by the slot, built once
         self._ring_tables = None
         if ring_blocks:
-            seats, blocks = np.arange(self.num_slots + 1)[:, None], np.arange(self.blocks_per_seq)
-            self._ring_tables = (seats * ring_blocks + blocks % ring_blocks).astype(np.int32)
+            ring_slots, blocks = np.arange(self.num_slots + 1)[:, None], np.arange(self.blocks_per_seq)
+            self._ring_tables = (ring_slots * ring_blocks + blocks % ring_blocks).astype(np.int32)
 
     @property
     def local_cache_rows(self) -> int:
-        """Rows of each sliding-window layer's K (and V) cache: every seat's ring and the scratch one."""
+        """Rows of each sliding-window layer's K (and V) cache: every slot's ring and the scratch one."""
         return (self.num_slots + 1) * self.ring * self.kv_heads * self.block_size
 
     def ring_table(self, slot: int | None) -> np.ndarray:
-        """The sliding-window layers' table [MB] of a seat (None: the scratch ring)."""
-        seat = self.num_slots if slot is None else int(slot)
-        if not 0 <= seat <= self.num_slots:
+        """The sliding-window layers' table [MB] of a slot (None: the scratch ring)."""
+        slot = self.num_slots if slot is None else int(slot)
+        if not 0 <= slot <= self.num_slots:
             raise ValueError(f"slot {slot} is out of range 0..{self.num_slots - 1}")
         assert self._ring_tables is not None, "no sliding-window rings"
-        return self._ring_tables[seat].copy()
+        return self._ring_tables[slot].copy()
 
     def _local(self, slots: Sequence[int | None], row_table: np.ndarray, positions: np.ndarray) -> tuple:
         """The sliding-window layers' write rows [rows * KV] (row-major) and tables [len(slots), MB]:
-        table row t is seat slots[t]'s ring (None: the scratch ring), row i at positions[i] writes
+        table row t is slot slots[t]'s ring (None: the scratch ring), row i at positions[i] writes
         through table row row_table[i]; () without rings."""
         if self._ring_tables is None:
             return ()
-        seats = np.array([self.num_slots if s is None else int(s) for s in slots], np.int64)
-        if seats.size and not 0 <= seats.min() <= seats.max() <= self.num_slots:
-            raise ValueError(f"slots {list(slots)} are out of range 0..{self.num_slots - 1}")
-        tables = self._ring_tables[seats]
+        rings = np.array([self.num_slots if s is None else int(s) for s in slots], np.int64)
+        if rings.size and not 0 <= rings.min() <= rings.max() <= self.num_slots:
+            raise ValueError(f"slots {list(rings)} are out of range 0..{self.num_slots - 1}")
+        tables = self._ring_tables[rings]
         write = self.rows(tables[row_table], np.asarray(positions, np.int64)[:, None])[:, 0]
         return write.reshape(-1).astype(np.int32), tables
 
@@ -98,12 +98,12 @@ class GraphInputs:
         return self.num_blocks * self.kv_heads * self.block_size
 
     def slot_table(self, slot: int) -> np.ndarray:
-        """The fixed block table [MB] int32 of `slot`, where the pool holds every seat's whole
+        """The fixed block table [MB] int32 of `slot`, where the pool holds every slot's whole
         length (tools and tests; a server sends tables)."""
         mb = self.blocks_per_seq
         if not 0 <= slot < self.num_slots or (slot + 1) * mb > self.pool:
             raise ValueError(
-                f"slot {slot} has no fixed block table (seats 0..{self.num_slots - 1}, "
+                f"slot {slot} has no fixed block table (slots 0..{self.num_slots - 1}, "
                 f"{self.pool // mb} whole sequences in the pool of {self.pool} blocks): send a table"
             )
         return np.arange(slot * mb, (slot + 1) * mb, dtype=np.int32)
@@ -251,7 +251,7 @@ class GraphInputs:
         """Prompt `tokens` padded to `length`, at positions start..start+n-1 of the sequence with block
         `table`; positions 0..start-1 must already be in the cache (chunked prefill, prefix hits).
         Padding rows write to the scratch slot (the mask path) or nowhere (fused layers). `slot`:
-        the sequence's seat (its ring in sliding-window layers; None: the scratch ring)."""
+        the sequence's slot (its ring in sliding-window layers; None: the scratch ring)."""
         n = len(tokens)
         tables = self.check_tables(table)
         if tables.shape[0] != 1:
@@ -377,7 +377,7 @@ class GraphInputs:
             self.rows(self.scratch_table[None, :], np.zeros((1, 1), np.int64))[0, 0][None, :],
         )  # [rows, KV]; padding rows write nothing (the kernel skips them)
         lengths = np.where(real, positions_all + 1, 0)
-        seats = [*(decode_slots if decode_slots is not None else [None] * d), *(c.slot for c in chunks)]
+        row_slots = [*(decode_slots if decode_slots is not None else [None] * d), *(c.slot for c in chunks)]
         return (
             np.concatenate([*tokens, np.zeros(pad, np.int64)]).astype(np.int32),
             positions_all.astype(np.int32),
@@ -385,7 +385,7 @@ class GraphInputs:
             np.array(last + [0] * (logit_rows - len(last)), np.int32),
             all_tables,
             row_table,
-            *self._local(seats + [None] * (len(all_tables) - len(seats)), row_table, positions_all),
+            *self._local(row_slots + [None] * (len(all_tables) - len(row_slots)), row_table, positions_all),
         )
 
     def decode(
@@ -399,7 +399,7 @@ class GraphInputs:
     ) -> tuple[np.ndarray, ...]:
         """Tokens at `positions` of the sequences with block `tables` [n, MB], padded to `rows`
         (padding rows write to the scratch slot and attend nothing); `attend`: the gather path's
-        bucket, ignored by the kernel; `slots`: the sequences' seats (their rings in sliding-window
+        bucket, ignored by the kernel; `slots`: the sequences' slots (their rings in sliding-window
         layers; None: the scratch ring)."""
         tables = self.check_tables(tables)
         positions = np.asarray(positions, np.int64)
@@ -422,7 +422,7 @@ class GraphInputs:
         write = self.rows(tables, positions[:, None])[:, 0]  # [rows, KV]
         row_table = np.arange(rows, dtype=np.int32)
         if self.decode_attends == [0]:  # each row's own length; the fused layer skips padding rows
-            seats = [*(slots if slots is not None else [None] * (rows - pad)), *[None] * pad]
+            row_slots = [*(slots if slots is not None else [None] * (rows - pad)), *[None] * pad]
             write_rows, row_lengths = self.paging(write, lengths)
             return (
                 tokens,
@@ -431,7 +431,7 @@ class GraphInputs:
                 tables,
                 row_lengths,
                 row_table,
-                *self._local(seats, row_table, positions),
+                *self._local(row_slots, row_table, positions),
             )
         if attend > self.max_len:
             raise ValueError(f"attend bucket {attend} exceeds max_seq_len {self.max_len}")

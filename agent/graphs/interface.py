@@ -16,7 +16,7 @@ T at row (T[p // B] * kv_heads + h) * B + p % B (a block holds B consecutive pos
 one head after the other). A table lists MB = ceil(max_seq_len / B) blocks. The pool holds
 runtime.num_blocks blocks that the server hands out, then the scratch blocks that padded batch rows
 and prompt padding write to (scratch_table: as many as the largest prefill bucket needs, its last
-one repeated). Where the pool holds every seat's whole length, slot s has a fixed table, blocks
+one repeated). Where the pool holds every slot's whole length, slot s has a fixed table, blocks
 s * MB .. s * MB + MB - 1 (slot_table: tools and tests). The graphs take block tables, not slots:
 the host computes write rows (and, for the gather path, read rows) from them and checks every
 index, since the kernels check none of what they are given beyond refusing a call. The paged
@@ -24,15 +24,15 @@ backend (agent/graphs/paged_attention.py) keeps the same blocks as [blocks, B, k
 and takes, from the same tables and positions, slot T[p // B] * B + p % B and a length per row.
 
 Sliding-window layers (Gemma 3's local layers, which attend the last `window` positions) do not take
-blocks of the pool: each seat has a ring of RB = ceil((window - 1 + the largest prefill bucket) / B)
+blocks of the pool: each slot has a ring of RB = ceil((window - 1 + the largest prefill bucket) / B)
 blocks of its own in those layers' caches (local_ring_blocks), and position p of its sequence lives
 in ring block (p // B) % RB, so a block is written over once the window has left it behind. Their
-table of seat s is s * RB + (j % RB) for j = 0..MB-1, a table like any other (the kernels read a
-sequence's positions through it the same way); the ring after the last seat's is the scratch one
+table of slot s is s * RB + (j % RB) for j = 0..MB-1, a table like any other (the kernels read a
+sequence's positions through it the same way); the ring after the last slot's is the scratch one
 (padding, warm-up). A call writes at most the largest bucket's positions of a sequence, and its
 rows read at most window - 1 positions before the first of them, so no position a row reads has been
 written over. The pool then holds only the global layers' K and V, and a sequence's local layers
-hold RB blocks whatever its length. (A prefix-cache hit cannot give a seat's ring the window before
+hold RB blocks whatever its length. (A prefix-cache hit cannot give a slot's ring the window before
 it: sliding-window models run without prefix caching.)
 """
 
@@ -96,7 +96,7 @@ class ModelGraphs(Protocol):
     ) -> Tensor:
         """Prompt `tokens` padded to bucket `length`, at positions start.. of the sequence with block
         `table` [MB] -> logits [1, vocab] of its last token. Positions 0..start-1 are read from the
-        cache (GraphInputs.prefill: fused layers only). `slot`: its seat (sliding-window rings).
+        cache (GraphInputs.prefill: fused layers only). `slot`: its slot (sliding-window rings).
         `every_row` (prompt logprobs): logits [length, vocab] of every row instead, padding's last."""
 
     def decode(
@@ -110,7 +110,7 @@ class ModelGraphs(Protocol):
     ) -> tuple[Tensor, Tensor]:
         """Tokens at `positions` of the sequences with block `tables` [n, MB], padded to `rows` ->
         logits [rows, V] and their argmax [rows]. Each row attends to its positions 0..position;
-        `attend`: the gather path's bucket; `slots`: their seats (sliding-window rings)."""
+        `attend`: the gather path's bucket; `slots`: their slots (sliding-window rings)."""
 
     def argmax(self, logits: Tensor) -> Tensor:
         """Logits [B, V] -> token ids [B]."""

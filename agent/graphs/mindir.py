@@ -39,7 +39,7 @@ MANIFEST = "manifest.json"
 # graphs of fused layers take write rows and lengths (manifest "fused_layers"); 3 = the export holds
 # its known answer (agent/known_answer.py) and the MindSpore version and kernel build it was made with;
 # 4 = a paged KV cache (runtime.block_size): prefill and decode graphs take block tables; 5 = a pool
-# of runtime.num_blocks blocks shared by the seats, then the scratch blocks.
+# of runtime.num_blocks blocks shared by the slots, then the scratch blocks.
 EXPORT_FORMAT = 5
 
 
@@ -99,7 +99,7 @@ class GraphExporter:
         self.code = StepGraphs(checkpoint, runtime)
         if self.code.inputs.ring:
             raise MindIRError(
-                "a model with sliding-window layers (their per-seat rings) is not exported: serve it "
+                "a model with sliding-window layers (their per-slot rings) is not exported: serve it "
                 "from its checkpoint"
             )
         self.spec, self.topk_buckets, self.inputs = self.code.spec, self.code.topk_buckets, self.code.inputs

@@ -46,7 +46,7 @@ class DecoderModel(nn.Cell):
     ):
         """num_blocks of block_size positions in the KV cache (agent/graphs/interface.py); max_len:
         the positions of the RoPE tables; local_blocks: the blocks of the sliding-window layers' own
-        caches (every seat's ring, interface.local_ring_blocks), 0: they take the pool's; paged: the
+        caches (every slot's ring, interface.local_ring_blocks), 0: they take the pool's; paged: the
         layers' paged attention backend (DecoderLayer); cache: the KV cache's rows (None: in dtype);
         device_target: where MindSpore's ops run the layers (their int8 products', experts' kernels)."""
         super().__init__()

@@ -53,7 +53,7 @@ def scratch_blocks(runtime: RuntimeSection) -> int:
 
 
 def local_ring_blocks(runtime: RuntimeSection, spec: ModelSpec, max_len: int | None = None) -> int:
-    """Blocks of each seat's ring in the sliding-window layers' caches (module docstring); 0 where the
+    """Blocks of each slot's ring in the sliding-window layers' caches (module docstring); 0 where the
     model has no such layers, or where a ring would be no shorter than a whole sequence of max_len
     (default: the runtime's planned one; those layers then take the pool's blocks like the others)."""
     if not (spec.sliding_window and spec.local_layers):

@@ -381,7 +381,7 @@ class StepGraphs:
     def _check_transfers(self) -> None:
         if self.inputs.ring:
             raise ValueError(
-                "a model with sliding-window layers keeps their KV in per-seat rings that a transfer "
+                "a model with sliding-window layers keeps their KV in per-slot rings that a transfer "
                 "does not move: serve it with mixed groups (no prefill/decode disaggregation)"
             )
 

@@ -5,6 +5,7 @@ runtime's compile cache, warm it up with the known-answer check, print its greed
 import json
 import sys
 
+import runner_calls as calls
 from agent.bootstrap import Placement, build_runner, init_device
 from agent.contract.sampling import SamplingParams
 from config.schema import ModelSection, RuntimeSection, ServingConfig
@@ -18,7 +19,7 @@ model, runtime, prompt, steps = (
 config = ServingConfig(model=ModelSection(path=model), runtime=runtime)
 init_device(config, Placement("test"))
 runner, _ = build_runner(config, Placement("test"), lambda line: None)
-tokens = [runner.prefill(0, prompt, SamplingParams())]
+tokens = [calls.prefill(runner, 0, prompt, SamplingParams())]
 while len(tokens) < steps:
-    tokens += runner.decode([0])
+    tokens += calls.decode(runner, [0])
 print(json.dumps(tokens))

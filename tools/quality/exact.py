@@ -36,7 +36,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def build(model: Path, mode: str, ctx: int, config_dir: Path):
-    """A runner of `model` in activation `mode`, one seat of ctx positions, checked by its warm-up."""
+    """A runner of `model` in activation `mode`, one slot of ctx positions, checked by its warm-up."""
     from agent.bootstrap import Placement, build_runner, init_device
     from config import load_config
 

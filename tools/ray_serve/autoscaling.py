@@ -4,7 +4,7 @@ Ray Serve holds at the proxy because every replica is full, divided by ray.targe
 
 Why not Ray Serve's built-in target_ongoing_requests: it counts a request from the moment a replica
 takes it until the last byte left, tokenizing and streaming out included, and it cannot tell a
-replica whose batch is full (waiting requests) from one with free seats. The engine's own figures
+replica whose batch is full (waiting requests) from one with free slots. The engine's own figures
 are the ones operators watch and alert on; the autoscaler follows the same. Ray's wrapper around a
 custom policy still applies min/max_replicas and the upscale/downscale delays.
 """

@@ -13,6 +13,7 @@ from conftest import TINY_RUNTIME
 from mindspore import ops
 
 import reference_numpy as ref
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import StepChunk
 from agent.graphs.decoder import DecoderLayer
@@ -251,9 +252,9 @@ def test_float16_paged_graphs_follow_the_reference(tiny_llama_dir):
     runner = ModelRunner.from_checkpoint(load_checkpoint(tiny_llama_dir), runtime)
     prompt = load_tokenizer(tiny_llama_dir).encode("The capital of France is Paris.")
     table = runner.graphs.inputs.slot_table(1)
-    runner.prefill_chunk(1, prompt[:5], table)
-    tokens = [runner.prefill(1, prompt, SamplingParams(), table, start=5)]
-    tokens += [runner.decode([1])[0] for _ in range(8)]
+    calls.prefill_chunk(runner, 1, prompt[:5], table)
+    tokens = [calls.prefill(runner, 1, prompt, SamplingParams(), table, start=5)]
+    tokens += [calls.decode(runner, [1])[0] for _ in range(8)]
     assert tokens == ref.greedy(ref.load_hf_reference(tiny_llama_dir), prompt, 9)
 
 

@@ -12,6 +12,7 @@ from conftest import TINY_RUNTIME
 from test_paged_kv import PREFILL_BUCKETS, TOLERANCE, graphs_of, prompt_ids, shuffled_tables
 
 import reference_numpy as ref
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import StepChunk
 from agent.graphs.interface import bucket
@@ -20,7 +21,7 @@ from agent.runner import ModelRunner
 from tiny_models import GEMMA_WINDOW as WINDOW
 
 # max_seq_len 64: a ring (15 + 64 positions: 5 blocks of 16) would be longer than a sequence, so the
-# local layers take the pool's blocks; 128: each seat's ring of 5 blocks (interface.local_ring_blocks)
+# local layers take the pool's blocks; 128: each slot's ring of 5 blocks (interface.local_ring_blocks)
 KV_LAYOUTS = {"pool": {"max_seq_len": 64}, "rings": {"max_seq_len": 128, "attend_buckets": [32, 128]}}
 
 
@@ -57,7 +58,7 @@ def test_chunks_across_the_window_and_decode_steps_match_the_reference(
 ):
     """A 45-token prompt in chunks (each chunk's rows attend their own windows, reading the positions
     before the chunk from the cache), then decode steps of three sequences at once, their local
-    layers' KV in the pool's blocks or in each seat's ring."""
+    layers' KV in the pool's blocks or in each slot's ring."""
     graphs = graphs_of(tiny_gemma_path, **KV_LAYOUTS[layout])
     assert graphs.model.stack is not None and graphs.model.local_rope
     assert graphs.inputs.ring == (5 if layout == "rings" else 0)
@@ -95,19 +96,19 @@ def test_a_mixed_step_matches_the_reference(tiny_gemma_path, layout):
     vocab = runner.spec.vocab_size
     greedy = SamplingParams()
     first, cache = prompt_ids(20, 30, vocab), ref.RefCache()
-    token = runner.prefill(0, first, greedy)
+    token = calls.prefill(runner, 0, first, greedy)
     assert token == int(np.argmax(ref.forward(reference, first, cache)[-1]))
     second = prompt_ids(30, 31, vocab)
-    runner.prefill_chunk(1, second[:16], runner.graphs.inputs.slot_table(1))
+    calls.prefill_chunk(runner, 1, second[:16], runner.graphs.inputs.slot_table(1))
     chunk = StepChunk(1, second, runner.graphs.inputs.slot_table(1), 16, greedy)
-    nexts, firsts = runner.step([0], [runner.graphs.inputs.slot_table(0)], [chunk])
+    nexts, firsts = calls.step(runner, [0], [runner.graphs.inputs.slot_table(0)], [chunk])
     assert nexts == [[int(np.argmax(ref.forward(reference, [token], cache)[-1]))]]  # a slot's tokens kept
     assert firsts == [int(np.argmax(ref.forward(reference, second, ref.RefCache())[-1]))]
 
 
 def test_greedy_answers_of_8_prompts_equal_the_reference(tiny_gemma_path, kernel_target):
     """32 greedy tokens of each of 8 prompts of 3 to 60 tokens (5 longer than the window of 16; the
-    longest spans four windows), one at a time through the runner (each seat's ring), equal the
+    longest spans four windows), one at a time through the runner (each slot's ring), equal the
     reference's."""
     runtime = TINY_RUNTIME.model_copy(update=KV_LAYOUTS["rings"])
     runner = ModelRunner.from_checkpoint(load_checkpoint(tiny_gemma_path), runtime)
@@ -118,15 +119,15 @@ def test_greedy_answers_of_8_prompts_equal_the_reference(tiny_gemma_path, kernel
         prompt = prompt_ids(n, 40 + i, vocab)
         want = ref.greedy(reference, prompt, 32)
         slot = i % runner.num_slots
-        got = [runner.prefill(slot, prompt, SamplingParams())]
+        got = [calls.prefill(runner, slot, prompt, SamplingParams())]
         while len(got) < 32:
-            got += runner.decode([slot])
+            got += calls.decode(runner, [slot])
         runner.release(slot)
         assert got == want, n
 
 
 def test_speculative_steps_in_the_rings_give_the_greedy_answer(tiny_gemma_path):
-    """Proposals verified in one step each (4 rows of a seat written into its ring at once), right
+    """Proposals verified in one step each (4 rows of a slot written into its ring at once), right
     ones kept and a wrong one's position written over by the next step, across the window: the
     tokens are the reference's greedy answer."""
     runtime = TINY_RUNTIME.model_copy(update=KV_LAYOUTS["rings"])
@@ -135,12 +136,12 @@ def test_speculative_steps_in_the_rings_give_the_greedy_answer(tiny_gemma_path):
     prompt = prompt_ids(20, 60, runner.spec.vocab_size)
     want = ref.greedy(reference, prompt, 40)
     table = runner.graphs.inputs.slot_table(0)
-    got = [runner.prefill(0, prompt, SamplingParams(), table)]
+    got = [calls.prefill(runner, 0, prompt, SamplingParams(), table)]
     gave = []
     while len(got) < 32:
         right = want[len(got) : len(got) + 3]
         proposals = right if len(gave) % 2 == 0 else [right[0], (right[1] + 1) % runner.spec.vocab_size]
-        decoded, _ = runner.step([0], [table], [], drafts={0: proposals})
+        decoded, _ = calls.step(runner, [0], [table], [], drafts={0: proposals})
         got += decoded[0]
         gave.append(len(decoded[0]))
     assert got == want[: len(got)] and gave[0] == 4 and gave[1] == 2

@@ -10,6 +10,7 @@ import pytest
 from conftest import TINY_RUNTIME
 
 import reference_numpy as ref
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
@@ -35,7 +36,7 @@ PROMPTS = [
 RUNTIME = TINY_RUNTIME.model_copy(
     update={
         "num_slots": 2,
-        "max_seq_len": 2048,  # each seat's ring (64 blocks) is shorter than a sequence: rings on
+        "max_seq_len": 2048,  # each slot's ring (64 blocks) is shorter than a sequence: rings on
         "prefill_buckets": [32, 128, 512],
         "decode_batch_buckets": [1, 2],
         "attend_buckets": [2048],
@@ -64,9 +65,9 @@ def test_the_real_files_greedy_answers_equal_the_reference(gemma_runner, gemma_r
         prompt = tokenizer.encode(text)
         assert (len(prompt) > 512) == (text is LONG_PROMPT)
         want = ref.greedy(gemma_reference, prompt, 32)
-        got = [gemma_runner.prefill(i % 2, prompt, SamplingParams())]
+        got = [calls.prefill(gemma_runner, i % 2, prompt, SamplingParams())]
         while len(got) < 32:
-            got += gemma_runner.decode([i % 2])
+            got += calls.decode(gemma_runner, [i % 2])
         gemma_runner.release(i % 2)
         answers.append(tokenizer.decode(got))
         assert got == want, (text[:40], tokenizer.decode(got), tokenizer.decode(want))

@@ -8,6 +8,7 @@ chunking or a prefix hit changed 1 of the 8 answers."""
 
 import pytest
 
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import StepChunk
 from agent.model.formats import load_checkpoint
@@ -49,13 +50,13 @@ def runner_and_prompts(path, activations: str = "int8") -> tuple[ModelRunner, li
 
 
 def decode(runner: ModelRunner, slots: list[int], out: dict[int, list[int]]) -> None:
-    for slot, token in zip(slots, runner.decode(slots, [TABLES[s] for s in slots])):
+    for slot, token in zip(slots, calls.decode(runner, slots, [TABLES[s] for s in slots])):
         out[slot].append(token)
 
 
 def alone(runner: ModelRunner, prompt: list[int], slot: int) -> list[int]:
     """The answer of one sequence alone."""
-    out = {slot: [runner.prefill(slot, prompt, GREEDY, TABLES[slot])]}
+    out = {slot: [calls.prefill(runner, slot, prompt, GREEDY, TABLES[slot])]}
     while len(out[slot]) < ANSWER:
         decode(runner, [slot], out)
     runner.release(slot)
@@ -64,7 +65,7 @@ def alone(runner: ModelRunner, prompt: list[int], slot: int) -> list[int]:
 
 def batched(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
     """Each prompt alone, then all their answers decoded together."""
-    out = {s: [runner.prefill(s, p, GREEDY, TABLES[s])] for s, p in enumerate(prompts)}
+    out = {s: [calls.prefill(runner, s, p, GREEDY, TABLES[s])] for s, p in enumerate(prompts)}
     while len(out[0]) < ANSWER:
         decode(runner, list(out), out)
     for slot in out:
@@ -88,7 +89,7 @@ def staggered(runner: ModelRunner, prompts: list[list[int]], proposals: list[lis
         drafts = {}
         if 0 in slots and len(known) + 3 <= ANSWER:
             drafts[0] = [proposals[0][len(known)], proposals[0][len(known) + 1] + 1]
-        decoded, (first,) = runner.step(slots, [TABLES[s] for s in slots], [chunk], drafts=drafts)
+        decoded, (first,) = calls.step(runner, slots, [TABLES[s] for s in slots], [chunk], drafts=drafts)
         for s, tokens in zip(slots, decoded):
             out[s] += tokens[: ANSWER - len(out[s])]
         assert first is not None
@@ -114,7 +115,7 @@ def test_int8_answers_alone_equal_those_in_batches_and_mixed_steps(default_model
 
 
 def finish(runner: ModelRunner, slot: int, first: int) -> list[int]:
-    """A seated slot's answer from its first token, decoded alone."""
+    """An occupied slot's answer from its first token, decoded alone."""
     out = {slot: [first]}
     while len(out[slot]) < ANSWER:
         decode(runner, [slot], out)
@@ -126,20 +127,22 @@ def chunked(runner: ModelRunner, prompt: list[int], slot: int, size: int) -> lis
     """The prompt's positions `size` at a time, each chunk its own call."""
     ends = list(range(size, len(prompt), size))
     for start, end in zip([0, *ends], ends):
-        runner.prefill_chunk(slot, prompt[:end], TABLES[slot], start)
-    return finish(runner, slot, runner.prefill(slot, prompt, GREEDY, TABLES[slot], ends[-1] if ends else 0))
+        calls.prefill_chunk(runner, slot, prompt[:end], TABLES[slot], start)
+    return finish(
+        runner, slot, calls.prefill(runner, slot, prompt, GREEDY, TABLES[slot], ends[-1] if ends else 0)
+    )
 
 
 def after_prefix_hit(runner: ModelRunner, prompt: list[int], slot: int, cached: int) -> list[int]:
     """The prompt again from position `cached`: its positions before it are in its blocks from
     the earlier call that computed the whole prompt (a prefix-cache hit's reuse)."""
-    return finish(runner, slot, runner.prefill(slot, prompt, GREEDY, TABLES[slot], cached))
+    return finish(runner, slot, calls.prefill(runner, slot, prompt, GREEDY, TABLES[slot], cached))
 
 
 def chunked_beside_decodes(runner: ModelRunner, prompts: list[list[int]], size: int) -> list[list[int]]:
     """Slot 0 decodes alone; each later prompt arrives in chunks of `size` inside mixed steps beside
     the decode rows of those already answering."""
-    out = {0: [runner.prefill(0, prompts[0], GREEDY, TABLES[0])]}
+    out = {0: [calls.prefill(runner, 0, prompts[0], GREEDY, TABLES[0])]}
     for slot in range(1, len(prompts)):
         prompt, start = prompts[slot], 0
         while True:
@@ -147,7 +150,7 @@ def chunked_beside_decodes(runner: ModelRunner, prompts: list[list[int]], size: 
             last = end == len(prompt)
             chunk = StepChunk(slot, prompt[:end], TABLES[slot], start, GREEDY if last else None)
             slots = [s for s, answer in out.items() if len(answer) < ANSWER]
-            decoded, (first,) = runner.step(slots, [TABLES[s] for s in slots], [chunk])
+            decoded, (first,) = calls.step(runner, slots, [TABLES[s] for s in slots], [chunk])
             for s, tokens in zip(slots, decoded):
                 out[s] += tokens[: ANSWER - len(out[s])]
             if last:

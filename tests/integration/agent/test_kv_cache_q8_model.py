@@ -9,6 +9,7 @@ import pytest
 from conftest import DEFAULT_RUNTIME
 
 import reference_numpy as ref
+import runner_calls as calls
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
 from agent.graphs.cache_format import dequantize_rows, quantize_rows
@@ -39,9 +40,9 @@ def q8_runner(default_model_path) -> ModelRunner:
 
 
 def greedy(runner: ModelRunner, slot: int, prompt: list[int], n: int) -> list[int]:
-    got = [runner.prefill(slot, prompt, GREEDY)]
+    got = [calls.prefill(runner, slot, prompt, GREEDY)]
     while len(got) < n:
-        got += runner.decode([slot])
+        got += calls.decode(runner, [slot])
     return got
 
 
@@ -125,10 +126,10 @@ def test_a_prompts_q8_0_blocks_moved_out_and_back_answer_alike(q8_runner, defaul
     table = q8_runner.graphs.inputs.slot_table(1)
     import_blocks(q8_runner, [int(b) for b in table[: len(kvs)]], kvs)
     cached = len(kvs) * 16
-    first = q8_runner.prefill(1, prompt, GREEDY, table, start=cached)
+    first = calls.prefill(q8_runner, 1, prompt, GREEDY, table, start=cached)
     got = [first]
     while len(got) < 8:
-        got += q8_runner.decode([1])
+        got += calls.decode(q8_runner, [1])
     assert got == want
 
 
@@ -141,10 +142,10 @@ def test_pd_transfer_moves_the_q8_0_rows_and_the_receiver_decodes_alike(
     release_all(q8_runner)
     tokenizer = load_tokenizer(default_model_path)
     prompt = tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
-    q8_runner.prefill(0, prompt, GREEDY)
+    calls.prefill(q8_runner, 0, prompt, GREEDY)
     blocks, state = export_kv(q8_runner, 0)
     assert blocks.dtype == np.uint8 and blocks.shape[-1] == q8_runner.cache_row_width()
-    at_home = [q8_runner.decode([0])[0] for _ in range(8)]
+    at_home = [calls.decode(q8_runner, [0])[0] for _ in range(8)]
     q8_runner.release(0)
     service = AgentService(q8_runner, model_name="default", rank=0, port=0, role="decode")
     service.handle(protocol.encode({"op": "reset", "id": 0, "session": 7}))
@@ -157,7 +158,7 @@ def test_pd_transfer_moves_the_q8_0_rows_and_the_receiver_decodes_alike(
     refused = receive(dequantize_rows(blocks))
     assert not refused["ok"] and "do not fit" in refused["error"]
     assert receive(blocks)["ok"]
-    assert [q8_runner.decode([2])[0] for _ in range(8)] == at_home
+    assert [calls.decode(q8_runner, [2])[0] for _ in range(8)] == at_home
 
 
 def test_speculation_verifies_over_a_q8_0_cache_as_decoding_does(q8_runner, default_model_path, release_all):
@@ -170,16 +171,16 @@ def test_speculation_verifies_over_a_q8_0_cache_as_decoding_does(q8_runner, defa
     table = q8_runner.graphs.inputs.slot_table(1)
     want = greedy(q8_runner, 1, prompt, 24)
     q8_runner.release(1)
-    got, index, kept = [q8_runner.prefill(1, prompt, GREEDY, table)], NgramIndex(2, 4), 0
+    got, index, kept = [calls.prefill(q8_runner, 1, prompt, GREEDY, table)], NgramIndex(2, 4), 0
     while len(got) < 24:
         index.update(prompt + got)
         proposed = index.propose(prompt + got, 3)
         if proposed:
-            decoded, _ = q8_runner.step([1], [table], [], drafts={1: proposed})
+            decoded, _ = calls.step(q8_runner, [1], [table], [], drafts={1: proposed})
             kept += len(decoded[0]) - 1
             got += decoded[0]
         else:
-            got += q8_runner.decode([1], [table])
+            got += calls.decode(q8_runner, [1], [table])
     assert got[:24] == want and kept > 0
 
 

@@ -8,6 +8,7 @@ the block, a restore before the chunk reads it, and a restore the tier lacks is 
 import numpy as np
 import pytest
 
+import runner_calls as calls
 from agent.compile_cache import weights_fingerprint
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
@@ -49,9 +50,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def greedy(runner: ModelRunner, tokens, table, start: int = 0, steps: int = 8) -> list[int]:
-    out = [runner.prefill(0, tokens, GREEDY, table=table, start=start)]
+    out = [calls.prefill(runner, 0, tokens, GREEDY, table=table, start=start)]
     for _ in range(steps):
-        out += runner.decode([0])
+        out += calls.decode(runner, [0])
     runner.release(0)
     return out
 
@@ -137,7 +138,7 @@ def test_a_step_spills_before_it_overwrites_and_restores_before_it_computes(runn
     assert reply.firsts[0] is not None and reply.firsts[0].token == recomputed[0]
     out = [reply.firsts[0].token]
     for _ in range(8):
-        out += runner.decode([0])
+        out += calls.decode(runner, [0])
     runner.release(0)
     assert out == recomputed
     assert store.counts["disk_hits"] == 3 and store.counts["misses"] == 1

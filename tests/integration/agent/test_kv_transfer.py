@@ -8,6 +8,7 @@ import pytest
 import zmq
 from conftest import TINY_RUNTIME
 
+import runner_calls as calls
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
 from agent.contract.transport import ClientKeys, secure_client_socket
@@ -34,7 +35,7 @@ def receiver(tiny_llama_dir) -> ModelRunner:
 def continue_decoding(runner, slot, n):
     tokens = []
     for _ in range(n):
-        tokens += runner.decode([slot])
+        tokens += calls.decode(runner, [slot])
     return tokens
 
 
@@ -46,7 +47,7 @@ def test_moved_slot_decodes_as_it_would_have_at_home(
     release_all(receiver)
     tok = load_tokenizer(tiny_llama_dir)
     prompt = tok.encode("The quick brown fox jumps over the lazy dog, twice")
-    first = tiny_llama_runner.prefill(1, prompt, params)
+    first = calls.prefill(tiny_llama_runner, 1, prompt, params)
     blocks, state = export_kv(tiny_llama_runner, 1)
     spec = tiny_llama_runner.spec
     assert blocks.shape == (2 * spec.num_layers, spec.num_kv_heads, len(prompt), spec.head_dim)
@@ -55,11 +56,11 @@ def test_moved_slot_decodes_as_it_would_have_at_home(
 
     # Another sequence already decoding on the receiver shares its batch with the moved one.
     other = tok.encode("你好，世界")
-    other_alone = [receiver.prefill(0, other, SamplingParams())] + continue_decoding(receiver, 0, 12)
+    other_alone = [calls.prefill(receiver, 0, other, SamplingParams())] + continue_decoding(receiver, 0, 12)
     receiver.release(0)
-    receiver.prefill(0, other, SamplingParams())
+    calls.prefill(receiver, 0, other, SamplingParams())
     import_kv(receiver, 3, blocks, state)
-    together = [receiver.decode([0, 3]) for _ in range(12)]
+    together = [calls.decode(receiver, [0, 3]) for _ in range(12)]
     assert [step[1] for step in together] == at_home
     assert [step[0] for step in together] == other_alone[1:]
 
@@ -77,9 +78,9 @@ def test_sampler_state_round_trip_continues_the_same_draws():
 def test_import_refuses_busy_slot_wrong_shape_and_bad_state(tiny_llama_runner, receiver, release_all):
     release_all(tiny_llama_runner)
     release_all(receiver)
-    tiny_llama_runner.prefill(0, [3, 4, 5, 6], SamplingParams())
+    calls.prefill(tiny_llama_runner, 0, [3, 4, 5, 6], SamplingParams())
     blocks, state = export_kv(tiny_llama_runner, 0)
-    receiver.prefill(2, [1, 2], SamplingParams())
+    calls.prefill(receiver, 2, [1, 2], SamplingParams())
     with pytest.raises(RunnerError, match="slot 2 is in use"):
         import_kv(receiver, 2, blocks, state)
     with pytest.raises(RunnerError, match="do not fit"):
@@ -105,7 +106,7 @@ def test_service_refuses_a_cancelled_or_stale_transfer(tiny_llama_runner, receiv
     release_all(receiver)
     service = AgentService(receiver, model_name="tiny", rank=0, port=0, role="decode")
     service.handle(protocol.encode({"op": "reset", "id": 0, "session": 7}))
-    tiny_llama_runner.prefill(0, [3, 4, 5, 6], SamplingParams())
+    calls.prefill(tiny_llama_runner, 0, [3, 4, 5, 6], SamplingParams())
     blocks, state = export_kv(tiny_llama_runner, 0)
 
     header, _ = protocol.decode(service.handle(receive_frames(6, 1, 100, blocks, state)))
@@ -118,7 +119,7 @@ def test_service_refuses_a_cancelled_or_stale_transfer(tiny_llama_runner, receiv
     assert 1 not in receiver.slots
 
     header, _ = protocol.decode(service.handle(receive_frames(7, 1, 102, blocks, state)))
-    assert header["ok"] and receiver.slot_length(1) == 4
+    assert header["ok"] and receiver.slot_table.slot_length(1) == 4
 
 
 def test_an_older_server_cannot_take_the_agent_back(receiver, release_all):

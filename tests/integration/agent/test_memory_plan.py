@@ -6,6 +6,7 @@ import pytest
 from conftest import TINY_RUNTIME
 
 import reference_numpy as ref
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.memory_plan import MB, MemoryPlanError, check_peak, plan_memory, rank_spec
 from agent.model.formats import load_checkpoint
@@ -25,7 +26,7 @@ def test_plan_sizes_come_from_the_spec(default_model_path):
     spec = load_checkpoint(default_model_path).spec
     runtime = RuntimeSection(num_slots=8, max_seq_len=2048, **BUDGETED)
     resolved, plan = plan_memory(spec, runtime)
-    # without a budget, each seat gets its whole length: 8 x 2048 / 16 blocks
+    # without a budget, each slot gets its whole length: 8 x 2048 / 16 blocks
     assert (resolved.num_slots, resolved.max_seq_len, resolved.num_blocks, plan.budget_mb) == (
         8,
         2048,
@@ -39,7 +40,7 @@ def test_plan_sizes_come_from_the_spec(default_model_path):
     assert plan.weights_mb == pytest.approx(spec.parameter_count() * 4 / MB)
     assert (
         "memory plan: weights 513 MB, KV cache 723 MB: 1024 blocks of 16 positions (16384 positions, "
-        "8.0 sequences of max_seq_len 2048) shared by 8 seats"
+        "8.0 sequences of max_seq_len 2048) shared by 8 slots"
     ) in plan.describe()
 
 
@@ -50,7 +51,7 @@ def test_a_budget_fills_the_pool_and_auto_seats_are_the_largest_batch(default_mo
     assert resolved.num_slots == plan.num_slots == 16  # a decode step never runs more rows
     assert resolved.num_blocks == plan.num_blocks and plan.num_blocks * 16 > 2048
     assert plan.total_mb <= 1500 < plan.total_mb + plan.block_mb
-    # fewer blocks than the seats' whole lengths: they share the pool
+    # fewer blocks than the slots' whole lengths: they share the pool
     assert plan.num_blocks < 16 * 2048 // 16
     given = plan_memory(spec, runtime.model_copy(update={"num_blocks": 300}))[1]
     assert given.num_blocks == 300 and given.total_mb < plan.total_mb
@@ -153,7 +154,9 @@ def test_float16_runner_follows_the_reference(tiny_llama_dir):
     want = ref.forward(reference, prompt, ref.RefCache())[-1]
     assert got.dtype == np.float32
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
-    tokens = [half.prefill(1, prompt, SamplingParams())] + [half.decode([1])[0] for _ in range(8)]
+    tokens = [calls.prefill(half, 1, prompt, SamplingParams())] + [
+        calls.decode(half, [1])[0] for _ in range(8)
+    ]
     assert tokens == ref.greedy(reference, prompt, 9)
 
 
@@ -201,7 +204,7 @@ def test_shipped_ascend_example_plans_llama2_7b_into_a_64gb_910b():
     # read the blocks in place (the gather path adds every layer's prefill scores, 32 x 32 heads x
     # 512^2 x 4 bytes, and one layer's K and V for 32 rows over 2048 positions: 1024 MB each)
     assert plan.working_mb == pytest.approx(64 + 2, abs=1)
-    # 32 seats (the largest decode batch), blocks for about 41.6 sequences of 2048 positions after the
+    # 32 slots (the largest decode batch), blocks for about 41.6 sequences of 2048 positions after the
     # reserves (test_ascend_reserves_are_lines_of_the_plan_and_the_pool_gets_what_they_leave)
     assert resolved.num_slots == 32 and resolved.num_blocks == 5322 and plan.total_mb <= 58000
     gather = ascend_example_runtime().model_copy(update={"decode_attention": "gather"})
@@ -313,7 +316,7 @@ def test_a_tensor_parallel_rank_plans_its_share_llama2_70b_on_eight_910b():
 
 def test_gemma_plans_its_pool_for_the_global_layers_and_a_ring_a_seat(gemma_model_path):
     """Gemma 3 270M (config/model_repository.yaml's runtime): 15 of its 18 layers attend a window of
-    512, so they keep each seat's ring of ceil((511 + 512) / 16) = 64 blocks and the pool's blocks
+    512, so they keep each slot's ring of ceil((511 + 512) / 16) = 64 blocks and the pool's blocks
     hold the 3 global layers' K and V only: 3 x 2 x 256 x 4 bytes = 6 KB a position instead of 36."""
     from agent.model.formats import gguf_file
 
@@ -330,7 +333,7 @@ def test_gemma_plans_its_pool_for_the_global_layers_and_a_ring_a_seat(gemma_mode
     resolved, plan = plan_memory(spec, runtime, weights)
     position = 2 * 256 * 4
     assert plan.block_mb == pytest.approx(3 * position * 16 / MB)
-    assert plan.rings_mb == pytest.approx(17 * 64 * 16 * 15 * position / MB)  # 16 seats + scratch
+    assert plan.rings_mb == pytest.approx(17 * 64 * 16 * 15 * position / MB)  # 16 slots + scratch
     assert resolved.max_seq_len == 32768 and plan.total_mb <= 2048
     assert plan.num_blocks * 16 >= 4 * 32768  # the budget holds four whole contexts' global layers
     assert "sliding-window layers' rings 510 MB" in plan.describe()

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from conftest import TINY_RUNTIME
 
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.graphs.mindir import EXPORT_FORMAT, GraphExporter, MindIRError, read_known_answer
 from agent.known_answer import KnownAnswerError
@@ -74,12 +75,12 @@ def test_a_q8_0_cache_is_not_exported(tmp_path, tiny_llama_dir):
 
 def run(runner: ModelRunner) -> list:
     """Greedy and seeded-sampling sequences decoded together, one slot released and reused."""
-    runner.prefill(0, PROMPTS[0], SamplingParams())
-    runner.prefill(1, PROMPTS[1], SamplingParams(do_sample=True, top_k=20, temperature=0.8, seed=3))
-    steps = [runner.decode([0, 1]) for _ in range(6)]
+    calls.prefill(runner, 0, PROMPTS[0], SamplingParams())
+    calls.prefill(runner, 1, PROMPTS[1], SamplingParams(do_sample=True, top_k=20, temperature=0.8, seed=3))
+    steps = [calls.decode(runner, [0, 1]) for _ in range(6)]
     runner.release(1)
-    runner.prefill(1, PROMPTS[2], SamplingParams())
-    steps += [runner.decode([1, 0]) for _ in range(6)]
+    calls.prefill(runner, 1, PROMPTS[2], SamplingParams())
+    steps += [calls.decode(runner, [1, 0]) for _ in range(6)]
     for slot in (0, 1):
         runner.release(slot)
     return steps
@@ -112,7 +113,9 @@ def test_agents_serve_from_mindir_files(exported, tmp_path, tiny_llama_dir):
     runner = ModelRunner.from_checkpoint(load_checkpoint(tiny_llama_dir), TINY_RUNTIME)
     tokenizer = load_tokenizer(tiny_llama_dir)
     prompt = tokenizer.encode("The capital of France is")
-    expected = [runner.prefill(0, prompt, SamplingParams())] + [runner.decode([0])[0] for _ in range(9)]
+    expected = [calls.prefill(runner, 0, prompt, SamplingParams())] + [
+        calls.decode(runner, [0])[0] for _ in range(9)
+    ]
     with serving_stack(path) as (agents, _server):
         assert "MindIR graphs loaded" in (tmp_path / "logs" / "agent_0.log").read_text()
         answer = post(

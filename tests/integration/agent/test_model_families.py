@@ -7,6 +7,7 @@ from conftest import TINY_RUNTIME
 from test_model_reference import compare_logits
 
 import reference_numpy as ref
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.model.checkpoint import CheckpointError
 from agent.model.formats import load_checkpoint, ms_ckpt
@@ -42,8 +43,8 @@ FAMILIES = {
 
 def greedy_tokens(checkpoint_path, prompt_ids: list[int], n: int = 12) -> list[int]:
     runner = ModelRunner.from_checkpoint(load_checkpoint(checkpoint_path), TINY_RUNTIME)
-    tokens = [runner.prefill(0, prompt_ids, SamplingParams())]
-    tokens += [runner.decode([0])[0] for _ in range(n - 1)]
+    tokens = [calls.prefill(runner, 0, prompt_ids, SamplingParams())]
+    tokens += [calls.decode(runner, [0])[0] for _ in range(n - 1)]
     return tokens
 
 

@@ -7,6 +7,7 @@ import pytest
 from conftest import DEFAULT_RUNTIME, TINY_RUNTIME
 
 import reference_numpy as ref
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.known_answer import KnownAnswer
 from agent.model.formats import load_checkpoint
@@ -111,9 +112,9 @@ def test_default_model_greedy_matches_reference_and_says_paris(
     for i, question in enumerate(CHAT_PROMPTS):
         prompt = tokenizer.encode_chat([{"role": "user", "content": question}])
         want = ref.greedy(reference, prompt, 32)
-        got = [default_runner.prefill(i, prompt, GREEDY)]
+        got = [calls.prefill(default_runner, i, prompt, GREEDY)]
         while len(got) < 32:
-            got += default_runner.decode([i])
+            got += calls.decode(default_runner, [i])
         assert got == want, (question, tokenizer.decode(got), tokenizer.decode(want))
         if i == 0:
             assert "Paris" in tokenizer.decode(got)
@@ -155,9 +156,9 @@ def test_default_model_with_int8_activations_warms_up_and_answers_within_the_q8_
 def runner_answer(runner: ModelRunner, slot: int, prompt: list[int], length: int) -> list[int]:
     """The runner's own greedy answer: the sampling graphs pick what the logits above chose."""
     runner.release(slot)
-    answer = [runner.prefill(slot, prompt, GREEDY)]
+    answer = [calls.prefill(runner, slot, prompt, GREEDY)]
     while len(answer) < length:
-        answer += runner.decode([slot])
+        answer += calls.decode(runner, [slot])
     runner.release(slot)
     return answer
 
@@ -189,20 +190,20 @@ def test_default_model_greedy_answers_with_ngram_speculation_equal_those_without
     for name, prompts in sets.items():
         for question in prompts:
             prompt = tokenizer.encode_chat([{"role": "user", "content": question}])
-            want = [runner.prefill(0, prompt, GREEDY, table)]
+            want = [calls.prefill(runner, 0, prompt, GREEDY, table)]
             while len(want) < 32:
-                want += runner.decode([0], [table])
+                want += calls.decode(runner, [0], [table])
             runner.release(0)
-            got, index = [runner.prefill(0, prompt, GREEDY, table)], NgramIndex(2, 4)
+            got, index = [calls.prefill(runner, 0, prompt, GREEDY, table)], NgramIndex(2, 4)
             while len(got) < 32:
                 index.update(prompt + got)
                 proposed = index.propose(prompt + got, 4)
                 if proposed:
-                    decoded, _ = runner.step([0], [table], [], drafts={0: proposed})
+                    decoded, _ = calls.step(runner, [0], [table], [], drafts={0: proposed})
                     kept[name] += len(decoded[0]) - 1
                     got += decoded[0]
                 else:
-                    got += runner.decode([0], [table])
+                    got += calls.decode(runner, [0], [table])
             runner.release(0)
             assert got[:32] == want, (question, tokenizer.decode(got), tokenizer.decode(want))
     assert kept["copy_prompts"] >= 32, kept

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
-from agent.contract.step import StepChunk
+from agent.contract.step import StepChunk, StepRequest
 from agent.kv_transfer import export_kv, import_kv
 from agent.model.formats import load_checkpoint
 from agent.runner import ModelRunner, RunnerError
@@ -61,40 +62,43 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def decode_n(runner: ModelRunner, slot: int, table: list[int], n: int) -> list[int]:
-    return [runner.decode([slot], [table])[0] for _ in range(n)]
+    return [calls.decode(runner, [slot], [table])[0] for _ in range(n)]
 
 
 def test_a_prompt_five_buckets_long_matches_the_reference(runner, reference):
     ids = prompt(150)
     (table,) = shuffled(1, seed=1)
-    first = runner.prefill(0, ids, GREEDY, table)  # positions in pieces of 32, the last of 22
+    first = calls.prefill(runner, 0, ids, GREEDY, table)  # positions in pieces of 32, the last of 22
     assert [first, *decode_n(runner, 0, table, 8)] == ref.greedy(reference, ids, 9)
-    assert runner.slot_length(0) == 158
+    assert runner.slot_table.slot_length(0) == 158
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_chunks_a_prefix_hit_and_a_recompute_give_the_tokens_of_one_call(runner, params):
     ids = prompt(90, seed=2)
     whole_table, chunked_table, shared_table, recompute_table = shuffled(4, seed=3)
-    whole = [runner.prefill(0, ids, params, whole_table), *decode_n(runner, 0, whole_table, 6)]
+    whole = [calls.prefill(runner, 0, ids, params, whole_table), *decode_n(runner, 0, whole_table, 6)]
 
-    runner.prefill_chunk(1, ids[:37], chunked_table, 0)
-    runner.prefill_chunk(1, ids[:61], chunked_table, 37)
-    chunked = [runner.prefill(1, ids, params, chunked_table, 61), *decode_n(runner, 1, chunked_table, 6)]
+    calls.prefill_chunk(runner, 1, ids[:37], chunked_table, 0)
+    calls.prefill_chunk(runner, 1, ids[:61], chunked_table, 37)
+    chunked = [
+        calls.prefill(runner, 1, ids, params, chunked_table, 61),
+        *decode_n(runner, 1, chunked_table, 6),
+    ]
     assert chunked == whole
 
     # The first 4 blocks (64 positions) read from the chunked sequence's blocks: a prefix-cache hit.
     shared_table[:4] = chunked_table[:4]
-    hit = [runner.prefill(2, ids, params, shared_table, 64), *decode_n(runner, 2, shared_table, 6)]
+    hit = [calls.prefill(runner, 2, ids, params, shared_table, 64), *decode_n(runner, 2, shared_table, 6)]
     assert hit == whole
 
     # A preempted sequence: its blocks lost, recomputed elsewhere (prompt and output but the pending
     # token), it goes on with its own sampler as if nothing happened.
-    runner.prefill(3, ids, params, recompute_table)
+    calls.prefill(runner, 3, ids, params, recompute_table)
     before = decode_n(runner, 3, recompute_table, 3)
     computed = ids + [whole[0], *before[:-1]]
     fresh = shuffled(1, seed=9)[0]
-    runner.prefill_chunk(3, computed, fresh, 0)
+    calls.prefill_chunk(runner, 3, computed, fresh, 0)
     assert [whole[0], *before, *decode_n(runner, 3, fresh, 3)] == whole
 
 
@@ -103,7 +107,7 @@ def test_kv_of_many_pieces_moves_to_other_blocks_and_decodes_the_same(runners, r
     sender, receiver = runners
     ids = prompt(120, seed=4)
     home_table, moved_table = shuffled(2, seed=5)
-    first = sender.prefill(0, ids, params, home_table)
+    first = calls.prefill(sender, 0, ids, params, home_table)
     blocks, state = export_kv(sender, 0)
     assert blocks.shape[2] == 120 and state["length"] == 120
     at_home = decode_n(sender, 0, home_table, 8)
@@ -114,24 +118,24 @@ def test_kv_of_many_pieces_moves_to_other_blocks_and_decodes_the_same(runners, r
 def test_tables_that_do_not_fit_are_refused(runner):
     ids = prompt(40)
     with pytest.raises(RunnerError, match="does not cover 40 positions"):
-        runner.prefill(0, ids, GREEDY, [1, 2])
+        calls.prefill(runner, 0, ids, GREEDY, [1, 2])
     with pytest.raises(RunnerError, match=r"entries lie in 0..39"):
-        runner.prefill(0, ids, GREEDY, [1, 2, 40])
+        calls.prefill(runner, 0, ids, GREEDY, [1, 2, 40])
     with pytest.raises(RunnerError, match="at most 10 integer blocks"):
-        runner.prefill(0, ids, GREEDY, list(range(11)))
+        calls.prefill(runner, 0, ids, GREEDY, list(range(11)))
     assert runner.slots == {}
-    runner.prefill_chunk(1, ids[:20], [4, 5])
+    calls.prefill_chunk(runner, 1, ids[:20], [4, 5])
     with pytest.raises(RunnerError, match="start..39 after the 20 the slot holds, not from 30"):
-        runner.prefill(1, ids, GREEDY, [4, 5, 6], start=30)  # positions 20..29 would be missing
+        calls.prefill(runner, 1, ids, GREEDY, [4, 5, 6], start=30)  # positions 20..29 would be missing
     with pytest.raises(RunnerError, match="has not finished its prompt"):
-        runner.decode([1], [[4, 5]])
-    runner.prefill(0, ids, GREEDY, [1, 2, 3])
+        calls.decode(runner, [1], [[4, 5]])
+    calls.prefill(runner, 0, ids, GREEDY, [1, 2, 3])
     with pytest.raises(RunnerError, match=r"entries lie in 0..39"):
-        runner.decode([0], [[1, -1, 3]])  # -1 pads only past the held blocks
+        calls.decode(runner, [0], [[1, -1, 3]])  # -1 pads only past the held blocks
     with pytest.raises(RunnerError, match="does not cover 49 positions"):
         for _ in range(10):  # position 48 needs a fourth block
-            runner.decode([0], [[1, 2, 3]])
-    assert runner.slot_length(0) == 48
+            calls.decode(runner, [0], [[1, 2, 3]])
+    assert runner.slot_table.slot_length(0) == 48
 
 
 def mixed_run(runner: ModelRunner, ids: list[list[int]], tables: list[list[int]], params, mixed: bool):
@@ -139,7 +143,7 @@ def mixed_run(runner: ModelRunner, ids: list[list[int]], tables: list[list[int]]
     mixed steps, or the same calls one by one -> each slot's tokens. The first step's chunk samples
     nothing (its logit rows are the decode rows' 2, its tables 3), the second's samples after one
     that does not."""
-    out: list[list[int]] = [[runner.prefill(s, ids[s], params, tables[s])] for s in (0, 1)]
+    out: list[list[int]] = [[calls.prefill(runner, s, ids[s], params, tables[s])] for s in (0, 1)]
     out += [[], []]
     steps = [
         ([0, 1], [StepChunk(2, ids[2][:4], tables[2], 0, None)]),
@@ -154,14 +158,14 @@ def mixed_run(runner: ModelRunner, ids: list[list[int]], tables: list[list[int]]
     ]
     for slots, chunks in steps:
         if mixed:
-            decoded, firsts = runner.step(slots, [tables[s] for s in slots], chunks)
+            decoded, firsts = calls.step(runner, slots, [tables[s] for s in slots], chunks)
             tokens = [only for (only,) in decoded]
         else:
-            tokens = runner.decode(slots, [tables[s] for s in slots])
+            tokens = calls.decode(runner, slots, [tables[s] for s in slots])
             firsts = [
-                runner.prefill(c.slot, c.tokens, c.sampling, c.table, c.start)
+                calls.prefill(runner, c.slot, c.tokens, c.sampling, c.table, c.start)
                 if c.sampling is not None
-                else runner.prefill_chunk(c.slot, c.tokens, c.table, c.start)
+                else calls.prefill_chunk(runner, c.slot, c.tokens, c.table, c.start)
                 for c in chunks
             ]
         for slot, token in zip(slots, tokens):
@@ -171,7 +175,7 @@ def mixed_run(runner: ModelRunner, ids: list[list[int]], tables: list[list[int]]
             if first is not None:
                 out[chunk.slot].append(first)
     for _ in range(4):
-        for slot, token in enumerate(runner.decode([0, 1, 2, 3], tables)):
+        for slot, token in enumerate(calls.decode(runner, [0, 1, 2, 3], tables)):
             out[slot].append(token)
     return out
 
@@ -192,16 +196,16 @@ def test_mixed_steps_give_the_tokens_of_separate_calls(runners, runner, referenc
 
 def test_a_mixed_step_that_does_not_fit_changes_nothing(runner, reference):
     ids, tables = [prompt(20, seed=20), prompt(30, seed=21)], shuffled(2, seed=8)
-    first = runner.prefill(0, ids[0], GREEDY, tables[0])
+    first = calls.prefill(runner, 0, ids[0], GREEDY, tables[0])
     too_long = StepChunk(1, ids[1], tables[1], 0, GREEDY)  # 1 + 30 rows > 16
     with pytest.raises(RunnerError, match="exceeds 16 rows"):
-        runner.step([0], [tables[0]], [too_long])
+        calls.step(runner, [0], [tables[0]], [too_long])
     bad_table = StepChunk(1, ids[1][:10], [999], 0, GREEDY)
     with pytest.raises(RunnerError):
-        runner.step([0], [tables[0]], [bad_table])
-    assert runner.slot_length(0) == 20 and 1 not in runner.slots
+        calls.step(runner, [0], [tables[0]], [bad_table])
+    assert runner.slot_table.slot_length(0) == 20 and 1 not in runner.slots
     with pytest.raises(RunnerError, match="names a slot twice"):
-        runner.step([0], [tables[0]], [StepChunk(0, ids[0], tables[0], 0, None)])
+        calls.step(runner, [0], [tables[0]], [StepChunk(0, ids[0], tables[0], 0, None)])
     assert [first, *decode_n(runner, 0, tables[0], 2)] == ref.greedy(reference, ids[0], 3)
 
 
@@ -211,12 +215,14 @@ def test_a_mixed_step_that_does_not_fit_changes_nothing(runner, reference):
 def speculated(runner: ModelRunner, ids: list[int], table: list[int], params, proposals, steps: int):
     """A sequence decoded in steps whose proposals come from `proposals(tokens so far)` (verified in
     one step each, the table covering them) -> its tokens and the number of tokens each step gave."""
-    tokens = [runner.prefill(0, ids, params, table)]
+    tokens = [calls.prefill(runner, 0, ids, params, table)]
     gave = []
     for _ in range(steps):
         drafts = {0: proposals(ids + tokens)} if proposals(ids + tokens) else {}
         decoded, _ = (
-            runner.step([0], [table], [], drafts=drafts) if drafts else ([runner.decode([0], [table])], [])
+            calls.step(runner, [0], [table], [], drafts=drafts)
+            if drafts
+            else ([calls.decode(runner, [0], [table])], [])
         )
         tokens += decoded[0]
         gave.append(len(decoded[0]))
@@ -252,17 +258,17 @@ def test_verified_steps_beside_prompt_chunks_and_plain_rows(runners, runner, ref
     ids = [prompt(20, seed=40), prompt(25, seed=41), prompt(9, seed=42)]
     tables = shuffled(3, seed=10)
     want = [ref.greedy(reference, p, 8) for p in ids]
-    first = [runner.prefill(s, ids[s], GREEDY, tables[s]) for s in (0, 1)]
-    decoded, firsts = runner.step(
-        [0, 1], tables[:2], [StepChunk(2, ids[2][:5], tables[2], 0, None)], drafts={0: want[0][1:3]}
+    first = [calls.prefill(runner, s, ids[s], GREEDY, tables[s]) for s in (0, 1)]
+    decoded, firsts = calls.step(
+        runner, [0, 1], tables[:2], [StepChunk(2, ids[2][:5], tables[2], 0, None)], drafts={0: want[0][1:3]}
     )
     assert [first[0], *decoded[0]] == want[0][:4] and [first[1], *decoded[1]] == want[1][:2]
-    assert firsts == [None] and runner.prefill(2, ids[2], GREEDY, tables[2], start=5) == want[2][0]
+    assert firsts == [None] and calls.prefill(runner, 2, ids[2], GREEDY, tables[2], start=5) == want[2][0]
     with pytest.raises(RunnerError, match="proposals for slot 3"):
-        runner.step([0, 1], tables[:2], [], drafts={3: [5]})
+        calls.step(runner, [0, 1], tables[:2], [], drafts={3: [5]})
     with pytest.raises(RunnerError, match="1..16 tokens"):
-        runner.step([0, 1], tables[:2], [], drafts={0: list(range(5, 22))})
-    assert runner.slot_length(0) == 20 + 3  # a refused step changes nothing
+        calls.step(runner, [0, 1], tables[:2], [], drafts={0: list(range(5, 22))})
+    assert runner.slot_table.slot_length(0) == 20 + 3  # a refused step changes nothing
 
 
 def test_sampled_verification_keeps_the_targets_distribution():
@@ -299,8 +305,8 @@ def test_a_bug_in_one_rows_choice_is_that_sequences_fault(runner, reference, mon
 
     ids, tables = [prompt(12, seed=50), prompt(14, seed=51)], shuffled(2, seed=11)
     sampled = SamplingParams(do_sample=True, seed=3, logprobs=1)  # the host path: choose_from_logits
-    runner.prefill(0, ids[0], sampled, tables[0])
-    first = runner.prefill(1, ids[1], GREEDY, tables[1])
+    calls.prefill(runner, 0, ids[0], sampled, tables[0])
+    first = calls.prefill(runner, 1, ids[1], GREEDY, tables[1])
     broken = runner.slots[0].sampler
 
     def choose(self, *args, **kwargs):
@@ -310,13 +316,14 @@ def test_a_bug_in_one_rows_choice_is_that_sequences_fault(runner, reference, mon
 
     original = SlotSampler.choose_from_logits
     monkeypatch.setattr(SlotSampler, "choose_from_logits", choose)
-    tokens = runner.decode([0, 1], tables)
+    (broken_token,), (token,) = runner.execute(StepRequest(slots=[0, 1], tables=tables)).decoded
     assert (
-        tokens[0] == NO_TOKEN
-        and runner.fault(0).kind == "internal"
-        and "IndexError: a bug" in runner.fault(0).message
+        broken_token.token == NO_TOKEN
+        and broken_token.fault.kind == "internal"
+        and "IndexError: a bug" in broken_token.fault.message
     )
-    assert tokens[1] == ref.greedy(reference, ids[1], 2)[1] and first == ref.greedy(reference, ids[1], 1)[0]
+    assert token.fault is None
+    assert token.token == ref.greedy(reference, ids[1], 2)[1] and first == ref.greedy(reference, ids[1], 1)[0]
 
 
 def drafted(
@@ -324,10 +331,10 @@ def drafted(
 ):
     """A sequence decoded in steps whose proposals are the draft model's (k a step) -> its tokens
     and the tokens each step gave."""
-    tokens, gave = [target.prefill(slot, ids, params, table)], []
+    tokens, gave = [calls.prefill(target, slot, ids, params, table)], []
     for _ in range(steps):
         drafts = drafter.propose({slot: k}, {slot: table})
-        decoded, _ = target.step([slot], [table], [], drafts=drafts)
+        decoded, _ = calls.step(target, [slot], [table], [], drafts=drafts)
         tokens += decoded[0]
         gave.append(len(decoded[0]))
     return tokens, gave
@@ -335,7 +342,7 @@ def drafted(
 
 def test_the_model_as_its_own_draft_has_every_proposal_kept(runners, runner, reference, release_all):
     """The draft model is the model itself (its own runner and cache): each step keeps the k
-    proposals and gives one more, and the tokens are the reference's; a slot seated anew with
+    proposals and gives one more, and the tokens are the reference's; a slot taken anew with
     another sequence is followed from its first position, not from the last one's KV."""
     from agent.drafter import Drafter
 

@@ -6,6 +6,7 @@ the wire carries them (StepReply's chunk_prompt_logprobs); a mixed step refuses 
 import numpy as np
 import pytest
 
+import runner_calls as calls
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import StepChunk, StepRequest
@@ -24,19 +25,18 @@ def table(slot: int) -> list[int]:
 
 def greedy(runner, n: int) -> tuple[list[int], list]:
     """The prompt's first n greedy tokens with their logprobs (slot 0, released after)."""
-    tokens = [runner.prefill(0, PROMPT, GREEDY, table(0))]
-    logprobs = [runner.logprobs(0)]
+    (first,) = runner.execute(StepRequest(chunks=[StepChunk(0, PROMPT, table(0), 0, GREEDY)])).firsts
+    sampled = [first]
     for _ in range(n - 1):
-        tokens += runner.decode([0], [table(0)])
-        logprobs.append(runner.logprobs(0))
+        sampled += runner.execute(StepRequest(slots=[0], tables=[table(0)])).decoded[0]
     runner.release(0)
-    return tokens, logprobs
+    return [s.token for s in sampled], [s.logprob for s in sampled]
 
 
 def scored(runner, tokens: list[int], k: int, slot: int = 1) -> list:
     """The prompt logprobs of `tokens` computed as one chunk."""
-    runner.run([], [], [StepChunk(slot, tokens, table(slot), 0, GREEDY, prompt_logprobs=k)])
-    scores = runner.prompt_scores
+    chunk = StepChunk(slot, tokens, table(slot), 0, GREEDY, prompt_logprobs=k)
+    (scores,) = runner.execute(StepRequest(chunks=[chunk])).prompts
     runner.release(slot)
     return scores
 
@@ -70,10 +70,9 @@ def test_chunked_prompt_scores_as_whole(tiny_llama_runner, release_all):
     for start, end in ((0, 13), (13, 29)):
         chunk = StepChunk(1, prompt[:end], table(1), start, prompt_logprobs=2, lookahead=prompt[end])
         assert chunk.scores == end - start
-        runner.run([], [], [chunk])
-        pieces += runner.prompt_scores
-    runner.run([], [], [StepChunk(1, prompt, table(1), 29, GREEDY, prompt_logprobs=2)])
-    pieces += runner.prompt_scores
+        pieces += runner.execute(StepRequest(chunks=[chunk])).prompts[0]
+    last = StepChunk(1, prompt, table(1), 29, GREEDY, prompt_logprobs=2)
+    pieces += runner.execute(StepRequest(chunks=[last])).prompts[0]
     runner.release(1)
     assert len(pieces) == len(whole) == len(prompt) - 1
     for a, b in zip(pieces, whole):
@@ -108,7 +107,7 @@ def test_mixed_step_refuses_scoring_chunk(tiny_llama_runner, release_all):
     runner = tiny_llama_runner
     if not runner.mixed_rows:
         pytest.skip("these graphs run no mixed steps")
-    runner.prefill(0, PROMPT, GREEDY, table(0))
+    calls.prefill(runner, 0, PROMPT, GREEDY, table(0))
     with pytest.raises(RunnerError, match="runs alone"):
-        runner.run([0], [table(0)], [StepChunk(1, PROMPT, table(1), 0, GREEDY, prompt_logprobs=1)])
+        calls.step(runner, [0], [table(0)], [StepChunk(1, PROMPT, table(1), 0, GREEDY, prompt_logprobs=1)])
     runner.release(0)

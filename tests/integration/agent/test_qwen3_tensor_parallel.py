@@ -14,6 +14,7 @@ from test_transformers_reference import NEAR_TIE, NEW_TOKENS, prompts
 
 import hf_moe_reference as hf_moe
 import hf_reference as hf
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.graphs.interface import bucket
 from agent.graphs.moe import MindSporeExperts
@@ -75,8 +76,8 @@ def test_op_by_op_layers_answer_as_transformers(family, settings):
                 isinstance(layer.moe, MindSporeExperts) == mindspore for layer in runner.graphs.model.layers
             )
         for prompt, want in family["cases"]:
-            got = [runner.prefill(0, prompt, SamplingParams())]
-            got += [runner.decode([0])[0] for _ in range(NEW_TOKENS - 1)]
+            got = [calls.prefill(runner, 0, prompt, SamplingParams())]
+            got += [calls.decode(runner, [0])[0] for _ in range(NEW_TOKENS - 1)]
             runner.release(0)
             assert got == want, (path.name, len(prompt))
         # the long prompt's last logits, not only their argmax

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.known_answer import KnownAnswer
 from agent.model.formats import load_checkpoint
@@ -51,14 +52,16 @@ def int8_answers(moe_gguf, prompts) -> list[list[int]]:
     warm_up(runner, known=KnownAnswer.of_checkpoint(checkpoint, runner.runtime))
     answers = []
     for prompt in prompts:
-        got = [runner.prefill(0, prompt, SamplingParams())]
-        got += [runner.decode([0])[0] for _ in range(NEW_TOKENS - 1)]
+        got = [calls.prefill(runner, 0, prompt, SamplingParams())]
+        got += [calls.decode(runner, [0])[0] for _ in range(NEW_TOKENS - 1)]
         runner.release(0)
         answers.append(got)
     # decoded together, the rows' experts grouped in one op call each step: each its answer alone
-    together = [[runner.prefill(seat, prompt, SamplingParams())] for seat, prompt in enumerate(prompts)]
+    together = [
+        [calls.prefill(runner, slot, prompt, SamplingParams())] for slot, prompt in enumerate(prompts)
+    ]
     for _ in range(NEW_TOKENS - 1):
-        for answer, token in zip(together, runner.decode(list(range(len(prompts))))):
+        for answer, token in zip(together, calls.decode(runner, list(range(len(prompts))))):
             answer.append(token)
     assert together == answers
     return answers

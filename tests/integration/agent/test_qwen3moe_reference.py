@@ -15,6 +15,7 @@ from conftest import DEFAULT_RUNTIME
 
 import hf_moe_reference as moe
 import hf_reference as hf
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.known_answer import KnownAnswer
 from agent.model.formats import load_checkpoint
@@ -58,8 +59,8 @@ def served_answers(path: Path, cases: list[list[int]], runtime=DEFAULT_RUNTIME) 
     assert runner.graphs.model.stack is None  # MoE layers: attention fused, then the experts' op
     answers = []
     for prompt in cases:
-        got = [runner.prefill(0, prompt, SamplingParams())]
-        got += [runner.decode([0])[0] for _ in range(NEW_TOKENS - 1)]
+        got = [calls.prefill(runner, 0, prompt, SamplingParams())]
+        got += [calls.decode(runner, [0])[0] for _ in range(NEW_TOKENS - 1)]
         runner.release(0)
         answers.append(got)
     return answers
@@ -93,22 +94,22 @@ def test_both_files_hold_every_expert_and_route_to_several(tiny):
 
 
 def test_chunks_and_a_prefix_cache_hit_give_the_same_answer(tiny):
-    """The 150-token prompt in two chunks (64, then the rest), and a second seat starting from the
+    """The 150-token prompt in two chunks (64, then the rest), and a second slot starting from the
     first's 128 cached positions: transformers' greedy answer each time."""
     model, paths = tiny
     prompt = prompts()[1]
     want, _ = hf.greedy(model, prompt, NEW_TOKENS)
     runner = ModelRunner.from_checkpoint(load_checkpoint(paths[1]), DEFAULT_RUNTIME)
     first = runner.graphs.inputs.slot_table(0)
-    runner.prefill_chunk(0, prompt[:64], first)
-    got = [runner.prefill(0, prompt, SamplingParams(), first, start=64)]
-    got += [runner.decode([0], [first])[0] for _ in range(NEW_TOKENS - 1)]
+    calls.prefill_chunk(runner, 0, prompt[:64], first)
+    got = [calls.prefill(runner, 0, prompt, SamplingParams(), first, start=64)]
+    got += [calls.decode(runner, [0], [first])[0] for _ in range(NEW_TOKENS - 1)]
     assert got == want
     second = runner.graphs.inputs.slot_table(1)
     shared = 128 // DEFAULT_RUNTIME.block_size
     second[:shared] = first[:shared]
-    got = [runner.prefill(1, prompt, SamplingParams(), second, start=128)]
-    got += [runner.decode([1], [second])[0] for _ in range(NEW_TOKENS - 1)]
+    got = [calls.prefill(runner, 1, prompt, SamplingParams(), second, start=128)]
+    got += [calls.decode(runner, [1], [second])[0] for _ in range(NEW_TOKENS - 1)]
     assert got == want
 
 
@@ -121,11 +122,11 @@ def test_speculative_steps_keep_transformers_answer(tiny):
     want, _ = hf.greedy(model, prompt, NEW_TOKENS)
     runner = ModelRunner.from_checkpoint(load_checkpoint(paths[0]), DEFAULT_RUNTIME)
     table = runner.graphs.inputs.slot_table(0)
-    got, gave = [runner.prefill(0, prompt, SamplingParams(), table)], []
+    got, gave = [calls.prefill(runner, 0, prompt, SamplingParams(), table)], []
     while len(got) < NEW_TOKENS - 3:
         right = want[len(got) : len(got) + 3]
         proposals = right if len(gave) % 2 == 0 else [right[0], (right[1] + 1) % runner.spec.vocab_size]
-        decoded, _ = runner.step([0], [table], [], drafts={0: proposals})
+        decoded, _ = calls.step(runner, [0], [table], [], drafts={0: proposals})
         got += decoded[0]
         gave.append(len(decoded[0]))
     assert got == want[: len(got)] and gave[:2] == [4, 2], gave
@@ -138,9 +139,9 @@ def test_a_batch_of_sequences_decodes_each_ones_answer(tiny):
     cases = prompts()[:4]
     want = reference_answers(model, cases)
     runner = ModelRunner.from_checkpoint(load_checkpoint(paths[0]), DEFAULT_RUNTIME)
-    got = [[runner.prefill(seat, prompt, SamplingParams())] for seat, prompt in enumerate(cases)]
+    got = [[calls.prefill(runner, slot, prompt, SamplingParams())] for slot, prompt in enumerate(cases)]
     for _ in range(NEW_TOKENS - 1):
-        for answer, token in zip(got, runner.decode(list(range(len(cases))))):
+        for answer, token in zip(got, calls.decode(runner, list(range(len(cases))))):
             answer.append(token)
     assert got == want
 

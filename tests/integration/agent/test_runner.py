@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from agent.contract.sampling import SamplingParams
+import runner_calls as calls
+from agent.contract.sampling import NO_TOKEN, SamplingParams
+from agent.contract.step import StepChunk, StepRequest
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import RunnerError
 from agent.warm_up import graph_shapes, warm_up
@@ -12,18 +14,18 @@ GREEDY = SamplingParams()
 
 
 def generate_alone(runner, prompt, n, slot=0, params=GREEDY):
-    tokens = [runner.prefill(slot, prompt, params)]
+    tokens = [calls.prefill(runner, slot, prompt, params)]
     while len(tokens) < n:
-        tokens += runner.decode([slot])
+        tokens += calls.decode(runner, [slot])
     runner.release(slot)
     return tokens
 
 
 def generate_together(runner, prompts, n, params=GREEDY):
     slots = list(range(len(prompts)))
-    out = [[runner.prefill(s, p, params)] for s, p in zip(slots, prompts)]
+    out = [[calls.prefill(runner, s, p, params)] for s, p in zip(slots, prompts)]
     for _ in range(n - 1):
-        for seq, token in zip(out, runner.decode(slots)):
+        for seq, token in zip(out, calls.decode(runner, slots)):
             seq.append(token)
     for s in slots:
         runner.release(s)
@@ -71,10 +73,13 @@ def test_greedy_rows_stay_greedy_beside_sampled_rows(tiny_llama_runner, tiny_lla
     prompt = tok.encode("The capital of France")
     greedy = generate_alone(tiny_llama_runner, prompt, 10)
     hot = SamplingParams(do_sample=True, temperature=1.5, top_k=0, seed=3)
-    first = [tiny_llama_runner.prefill(0, prompt, GREEDY), tiny_llama_runner.prefill(1, prompt, hot)]
+    first = [
+        calls.prefill(tiny_llama_runner, 0, prompt, GREEDY),
+        calls.prefill(tiny_llama_runner, 1, prompt, hot),
+    ]
     seqs = [[first[0]], [first[1]]]
     for _ in range(9):
-        for seq, token in zip(seqs, tiny_llama_runner.decode([0, 1])):
+        for seq, token in zip(seqs, calls.decode(tiny_llama_runner, [0, 1])):
             seq.append(token)
     assert seqs[0] == greedy
     assert seqs[1] != greedy  # a hot sampler over a ~400-token vocabulary does not copy greedy
@@ -121,15 +126,15 @@ def test_repetition_penalty_matches_full_vocabulary_computation(
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda r: r.prefill(9, [1, 2], GREEDY), "slot 9 is out of range"),
-        (lambda r: r.prefill(0, [], GREEDY), "non-empty"),
-        (lambda r: r.prefill(0, [1, 10_000], GREEDY), "token ids must lie in"),
+        (lambda r: calls.prefill(r, 9, [1, 2], GREEDY), "slot 9 is out of range"),
+        (lambda r: calls.prefill(r, 0, [], GREEDY), "non-empty"),
+        (lambda r: calls.prefill(r, 0, [1, 10_000], GREEDY), "token ids must lie in"),
         (
-            lambda r: r.prefill(0, [1] * 64, GREEDY),
+            lambda r: calls.prefill(r, 0, [1] * 64, GREEDY),
             "prompt of 64 tokens exceeds the longest prompt this agent accepts \\(63 tokens\\)",
         ),
-        (lambda r: r.decode([2]), "slot 2 holds no sequence"),
-        (lambda r: r.decode([]), "at least one slot"),
+        (lambda r: calls.decode(r, [2]), "slot 2 holds no sequence"),
+        (lambda r: calls.decode(r, []), "at least one slot"),
         (lambda r: r.release(-1), "out of range"),
     ],
 )
@@ -142,15 +147,15 @@ def test_bad_requests_raise_clear_errors(tiny_llama_runner, call, message, relea
 def test_busy_slot_repeated_slot_and_full_slot(tiny_llama_runner, release_all):
     release_all(tiny_llama_runner)
     runner = tiny_llama_runner
-    runner.prefill(0, [5] * 63, GREEDY)
+    calls.prefill(runner, 0, [5] * 63, GREEDY)
     with pytest.raises(RunnerError, match="slot 0 has sampled already"):
-        runner.prefill(0, [5], GREEDY)
+        calls.prefill(runner, 0, [5], GREEDY)
     with pytest.raises(RunnerError, match="repeat"):
-        runner.decode([0, 0])
-    runner.decode([0])  # writes position 63, the last one
+        calls.decode(runner, [0, 0])
+    calls.decode(runner, [0])  # writes position 63, the last one
     with pytest.raises(RunnerError, match="slot 0 is full"):
-        runner.decode([0])
-    assert runner.slot_length(0) == 64 and runner.free_slots == [1, 2, 3]
+        calls.decode(runner, [0])
+    assert runner.slot_table.slot_length(0) == 64 and runner.slot_table.free_slots == [1, 2, 3]
 
 
 def test_warm_up_compiles_every_bucket(tiny_llama_runner):
@@ -186,10 +191,13 @@ def test_whole_vocabulary_rows_skip_the_whole_vocabulary_top_k(
     try:
         alone = generate_alone(tiny_llama_runner, prompt, 12, params=hot)
         topk_row = SamplingParams(do_sample=True, top_k=5, seed=1)
-        batch = [tiny_llama_runner.prefill(0, prompt, hot), tiny_llama_runner.prefill(1, prompt, topk_row)]
+        batch = [
+            calls.prefill(tiny_llama_runner, 0, prompt, hot),
+            calls.prefill(tiny_llama_runner, 1, prompt, topk_row),
+        ]
         seqs = [[batch[0]], [batch[1]]]
         for _ in range(11):
-            for seq, token in zip(seqs, tiny_llama_runner.decode([0, 1])):
+            for seq, token in zip(seqs, calls.decode(tiny_llama_runner, [0, 1])):
                 seq.append(token)
         release_all(tiny_llama_runner)
     finally:
@@ -232,10 +240,10 @@ def test_min_p_and_typical_p_rows_draw_alike_alone_and_in_any_batch(
         [(0, prompt, params), (1, tok.encode(texts[0]), logprobs)],
     ]
     for batch in batches:
-        seqs = [[runner.prefill(slot, ids, p)] for slot, ids, p in batch]
+        seqs = [[calls.prefill(runner, slot, ids, p)] for slot, ids, p in batch]
         slots = [slot for slot, _, _ in batch]
         for _ in range(11):
-            for seq, token in zip(seqs, runner.decode(slots)):
+            for seq, token in zip(seqs, calls.decode(runner, slots)):
                 seq.append(token)
         for slot in slots:
             runner.release(slot)
@@ -260,20 +268,59 @@ def test_token_masks_choose_within_them_and_leave_other_rows_alone(
     alone = generate_alone(runner, prompt, 6)
     allowed = [5, 17, 99]
     hot = SamplingParams(do_sample=True, temperature=1.5, seed=3, logprobs=2)
-    assert runner.prefill(0, prompt, GREEDY, mask=bitmask(vocab, [alone[0] + 1])) == alone[0] + 1
+    assert calls.prefill(runner, 0, prompt, GREEDY, mask=bitmask(vocab, [alone[0] + 1])) == alone[0] + 1
     seqs = [
-        [runner.prefill(1, prompt, GREEDY)],
-        [runner.prefill(2, prompt, hot, mask=bitmask(vocab, allowed))],
+        [calls.prefill(runner, 1, prompt, GREEDY)],
+        [calls.prefill(runner, 2, prompt, hot, mask=bitmask(vocab, allowed))],
     ]
     for _ in range(5):
         masks = {0: bitmask(vocab, allowed), 2: bitmask(vocab, allowed)}
-        got = runner.decode([0, 1, 2], masks=masks)
-        assert got[0] in allowed and runner.logprobs(2).top[0][0] in allowed
+        decoded = runner.execute(StepRequest(slots=[0, 1, 2], masks=masks)).decoded
+        got = [sampled.token for (sampled,) in decoded]
+        assert got[0] in allowed and decoded[2][0].logprob.top[0][0] in allowed
         for seq, token in zip(seqs, got[1:]):
             seq.append(token)
     assert seqs[0] == alone and all(t in allowed for t in seqs[1])
     short = bitmask(vocab, [3])[:1]  # one word: the tokens past it are not allowed
-    assert runner.decode([1], masks={1: short}) == [3]
+    assert calls.decode(runner, [1], masks={1: short}) == [3]
+
+
+def test_execute_replies_with_logprobs_prompt_scores_and_each_sequences_fault(
+    tiny_llama_runner, tiny_llama_dir, release_all
+):
+    """What the agent service sends back is all in execute's StepReply: a chunk's first token with
+    its logprobs and the prompt logprobs it asked for, a decode slot's token with its logprobs, and
+    a sequence whose choice failed (its mask allows only EOS, which min_tokens keeps out) with its
+    own fault and no token, beside the others."""
+    release_all(tiny_llama_runner)
+    runner, vocab = tiny_llama_runner, tiny_llama_runner.spec.vocab_size
+    prompt = load_tokenizer(tiny_llama_dir).encode("The capital of France")
+    asks = SamplingParams(logprobs=2)
+    reply = runner.execute(StepRequest(chunks=[StepChunk(0, prompt, None, 0, asks, prompt_logprobs=2)]))
+    (first,) = reply.firsts
+    assert (
+        first is not None
+        and first.fault is None
+        and first.token == generate_alone(runner, prompt, 1, slot=2)[0]
+    )
+    assert (
+        first.logprob is not None and len(first.logprob.top) == 2 and first.logprob.top[0][0] == first.token
+    )
+    (scores,) = reply.prompts
+    assert scores is not None and len(scores) == len(prompt) - 1 and all(len(e.top) == 2 for e in scores)
+
+    eos = runner.spec.eos_ids[0]
+    stuck = StepChunk(1, prompt, None, 0, SamplingParams(min_tokens=3))
+    (failed,) = runner.execute(StepRequest(chunks=[stuck], masks={1: bitmask(vocab, [eos])})).firsts
+    assert failed is not None and failed.token == NO_TOKEN and failed.logprob is None
+    assert (
+        failed.fault is not None and failed.fault.kind == "request" and "min_tokens" in failed.fault.message
+    )
+
+    ((token,),) = runner.execute(StepRequest(slots=[0])).decoded
+    assert token.fault is None and token.logprob is not None and token.logprob.top[0][0] == token.token
+    with pytest.raises(RunnerError, match="ended with an error"):
+        runner.execute(StepRequest(slots=[1]))  # a faulted sequence decodes no more
 
 
 @pytest.mark.parametrize(
@@ -290,7 +337,7 @@ def test_bad_token_masks_are_refused_before_anything_runs(
 ):
     release_all(tiny_llama_runner)
     prompt = load_tokenizer(tiny_llama_dir).encode("The capital")
-    tiny_llama_runner.prefill(0, prompt, GREEDY)
+    calls.prefill(tiny_llama_runner, 0, prompt, GREEDY)
     with pytest.raises(RunnerError, match=message):
-        tiny_llama_runner.decode([0], masks=masks)
-    assert tiny_llama_runner.slot_length(0) == len(prompt)  # nothing ran
+        calls.decode(tiny_llama_runner, [0], masks=masks)
+    assert tiny_llama_runner.slot_table.slot_length(0) == len(prompt)  # nothing ran

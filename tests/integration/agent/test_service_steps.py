@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import pytest
 
+import runner_calls as calls
 from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
 from agent.service import AgentService
@@ -49,16 +50,17 @@ def service(tiny_llama_runner, release_all) -> AgentService:
 
 
 def answers(runner, n: int) -> list[list[int]]:
-    """Each slot's first n greedy tokens, decoded one a step; the slots are then seated afresh."""
+    """Each slot's first n greedy tokens, decoded one a step; the slots are then taken afresh."""
     tokens = [
-        [runner.prefill(s, PROMPTS[s], params, table(s))] for s, params in enumerate((PLAIN, WITH_LOGPROBS))
+        [calls.prefill(runner, s, PROMPTS[s], params, table(s))]
+        for s, params in enumerate((PLAIN, WITH_LOGPROBS))
     ]
     for _ in range(n - 1):
-        for s, token in enumerate(runner.decode([0, 1], [table(0), table(1)])):
+        for s, token in enumerate(calls.decode(runner, [0, 1], [table(0), table(1)])):
             tokens[s].append(token)
     for s, params in enumerate((PLAIN, WITH_LOGPROBS)):
         runner.release(s)
-        assert runner.prefill(s, PROMPTS[s], params, table(s)) == tokens[s][0]
+        assert calls.prefill(runner, s, PROMPTS[s], params, table(s)) == tokens[s][0]
     return tokens
 
 
@@ -83,9 +85,9 @@ def test_logprobs_that_do_not_pair_with_a_slots_tokens_end_that_sequence_alone(
     tokens come with an internal error, slot 0's token with none, every list of the reply has an
     entry per token, and the agent's log says what happened."""
     want = answers(tiny_llama_runner, 4)
-    recent = tiny_llama_runner.recent_logprobs
-    monkeypatch.setattr(tiny_llama_runner, "recent_logprobs", lambda slot: recent(slot)[:-1])
-    with caplog.at_level(logging.ERROR, logger="agent.service"):
+    recent = tiny_llama_runner.slot_table.recent_logprobs
+    monkeypatch.setattr(tiny_llama_runner.slot_table, "recent_logprobs", lambda slot: recent(slot)[:-1])
+    with caplog.at_level(logging.ERROR, logger="agent.slots"):
         header, tokens = step(service, {1: want[1][1:3]})
     assert header["counts"] == [1, 3] and tokens[0] == want[0][1]
     assert "logprobs" not in header  # slot 1's were lost, slot 0 asked none

@@ -12,6 +12,7 @@ import pytest
 from conftest import DEFAULT_RUNTIME
 
 import hf_reference as hf
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
@@ -55,8 +56,8 @@ def test_greedy_answers_equal_transformers(family_files):
         runner = ModelRunner.from_checkpoint(load_checkpoint(path), DEFAULT_RUNTIME)
         assert runner.graphs.model.stack is not None  # every layer one fused kernel
         for prompt, want in zip(cases, answers):
-            got = [runner.prefill(0, prompt, SamplingParams())]
-            got += [runner.decode([0])[0] for _ in range(NEW_TOKENS - 1)]
+            got = [calls.prefill(runner, 0, prompt, SamplingParams())]
+            got += [calls.decode(runner, [0])[0] for _ in range(NEW_TOKENS - 1)]
             runner.release(0)
             assert got == want, (family, path.name, len(prompt))
 
@@ -64,8 +65,8 @@ def test_greedy_answers_equal_transformers(family_files):
 def test_chunks_a_prefix_cache_hit_and_speculation_give_the_same_answer(family_files):
     """The prompt past 128 tokens in two chunks, then decoded by speculative steps (proposals of
     transformers' own answer, every other one with a wrong second token: right ones kept, the wrong
-    one's position written over); and a second seat starting from the first's 128 cached positions
-    (a prefix-cache hit; not where sliding-window layers keep each seat's ring): transformers'
+    one's position written over); and a second slot starting from the first's 128 cached positions
+    (a prefix-cache hit; not where sliding-window layers keep each slot's ring): transformers'
     greedy answer each time."""
     family, model, paths = family_files
     prompt = prompts(family)[1]
@@ -73,12 +74,12 @@ def test_chunks_a_prefix_cache_hit_and_speculation_give_the_same_answer(family_f
     for path in paths:
         runner = ModelRunner.from_checkpoint(load_checkpoint(path), DEFAULT_RUNTIME)
         first = runner.graphs.inputs.slot_table(0)
-        runner.prefill_chunk(0, prompt[:64], first)
-        got, gave = [runner.prefill(0, prompt, SamplingParams(), first, start=64)], []
+        calls.prefill_chunk(runner, 0, prompt[:64], first)
+        got, gave = [calls.prefill(runner, 0, prompt, SamplingParams(), first, start=64)], []
         while len(got) < NEW_TOKENS - 3:
             right = want[len(got) : len(got) + 3]
             proposals = right if len(gave) % 2 == 0 else [right[0], (right[1] + 1) % runner.spec.vocab_size]
-            decoded, _ = runner.step([0], [first], [], drafts={0: proposals})
+            decoded, _ = calls.step(runner, [0], [first], [], drafts={0: proposals})
             got += decoded[0]
             gave.append(len(decoded[0]))
         assert got == want[: len(got)] and gave[:2] == [4, 2], (family, path.name, gave)
@@ -88,6 +89,6 @@ def test_chunks_a_prefix_cache_hit_and_speculation_give_the_same_answer(family_f
         second = runner.graphs.inputs.slot_table(1)
         shared = 128 // DEFAULT_RUNTIME.block_size
         second[:shared] = first[:shared]
-        got = [runner.prefill(1, prompt, SamplingParams(), second, start=128)]
-        got += [runner.decode([1], [second])[0] for _ in range(NEW_TOKENS - 1)]
+        got = [calls.prefill(runner, 1, prompt, SamplingParams(), second, start=128)]
+        got += [calls.decode(runner, [1], [second])[0] for _ in range(NEW_TOKENS - 1)]
         assert got == want, (family, path.name)

@@ -51,10 +51,12 @@ def test_calls_match_the_in_process_runner(agent, tiny_llama_runner, tiny_llama_
     runner = tiny_llama_runner
     want = []
     for slot, prompt in enumerate(prompts):
-        want.append([Sampled(runner.prefill(slot, prompt, params[slot]), runner.logprobs(slot))])
+        want.append(
+            runner.execute(StepRequest(chunks=[StepChunk(slot, prompt, None, 0, params[slot])])).firsts
+        )
     for _ in range(5):
-        for slot, (seq, token) in enumerate(zip(want, runner.decode([0, 1]))):
-            seq.append(Sampled(token, runner.logprobs(slot)))
+        for seq, (sampled,) in zip(want, runner.execute(StepRequest(slots=[0, 1])).decoded):
+            seq.append(sampled)
 
     async def run():
         client = AgentClient(address, timeout_s=30)

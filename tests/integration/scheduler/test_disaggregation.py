@@ -207,9 +207,9 @@ def test_decode_agent_killed_during_a_transfer_fails_that_request_only(disaggreg
     try:
         with ThreadPoolExecutor(1) as pool:
             doomed = pool.submit(generate, base, TEXTS[1])
-            # seated on the stopped group: its KV is on its way there, and the ack never comes
+            # placed on the stopped group: its KV is on its way there, and the ack never comes
             wait_until(
-                lambda: group_stats(base)[1]["running"] == 1, 30, "the request seated on the stopped group"
+                lambda: group_stats(base)[1]["running"] == 1, 30, "the request placed on the stopped group"
             )
             os.kill(pid, signal.SIGKILL)
             response = doomed.result(timeout=60)

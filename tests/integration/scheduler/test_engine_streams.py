@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.model.tokenizer import load_tokenizer
 from agent_harness import LauncherProcess, free_ports, write_config
@@ -64,9 +65,9 @@ async def collect(stream):
 
 def alone(runner, prompt, n, stop_ids):
     """Reference answer: the in-process runner, stopping at EOS like the server."""
-    tokens = [runner.prefill(0, prompt, GREEDY)]
+    tokens = [calls.prefill(runner, 0, prompt, GREEDY)]
     while tokens[-1] not in stop_ids and len(tokens) < n:
-        tokens += runner.decode([0])
+        tokens += calls.decode(runner, [0])
     runner.release(0)
     return [t for t in tokens if t not in stop_ids]
 

@@ -1,5 +1,5 @@
 """The paged engine end to end: the engine and its answer streams (OutputProcessor) over a real
-agent process whose KV pool is far smaller than its seats' whole lengths. A prompt many chunks long gives
+agent process whose KV pool is far smaller than its slots' whole lengths. A prompt many chunks long gives
 the greedy tokens of the independent numpy reference; a prefix-cache hit gives the tokens of a cold
 prefill; 16 concurrent streams in a pool that holds a third of them are preempted and resumed, and
 every answer equals its answer alone."""

@@ -6,6 +6,7 @@ numpy reference that rounds each product's input to Q8_1, llama.cpp's arithmetic
 import pytest
 import yaml
 
+import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.kernels import has_int8_products
 from agent.model.formats import load_checkpoint
@@ -21,9 +22,9 @@ NEW_TOKENS = 8
 
 
 def int8_answer(runner: ModelRunner, prompt: list[int]) -> list[int]:
-    answer = [runner.prefill(0, prompt, SamplingParams())]
+    answer = [calls.prefill(runner, 0, prompt, SamplingParams())]
     while len(answer) < NEW_TOKENS:
-        answer += runner.decode([0])
+        answer += calls.decode(runner, [0])
     runner.release(0)
     return answer
 

@@ -30,7 +30,7 @@ def row(table, position: int, head: int, block: int = 16) -> int:
 
 
 def test_the_pool_then_the_scratch_blocks_and_fixed_tables_where_the_seats_fit():
-    # no budget: each of the 3 seats its whole length (3 blocks), then 2 scratch blocks (32 positions)
+    # no budget: each of the 3 slots its whole length (3 blocks), then 2 scratch blocks (32 positions)
     assert FUSED.blocks_per_seq == 3 and FUSED.pool == 9 and FUSED.num_blocks == pool_blocks(RUNTIME) == 11
     assert FUSED.cache_rows == 11 * KV * 16
     tables = [FUSED.slot_table(s) for s in range(3)]
@@ -131,9 +131,9 @@ def test_block_size_larger_than_a_sequence_and_block_size_one():
 
 def test_sliding_window_layers_write_each_seat_s_ring_as_the_window_moves():
     """The ring's size (local_ring_blocks: the window and the largest bucket's positions, when shorter
-    than a sequence), then rings of 2 blocks given by hand: seat s's table is blocks 2s, 2s + 1, 2s
-    again..., so position 40 of seat 1 is written in block 2 over position 8's; padding rows take the
-    scratch ring after the seats'."""
+    than a sequence), then rings of 2 blocks given by hand: slot s's table is blocks 2s, 2s + 1, 2s
+    again..., so position 40 of slot 1 is written in block 2 over position 8's; padding rows take the
+    scratch ring after the slots'."""
     from agent.graphs.interface import local_ring_blocks
     from agent.model.spec import ModelSpec
 
@@ -148,7 +148,7 @@ def test_sliding_window_layers_write_each_seat_s_ring_as_the_window_moves():
     assert local_ring_blocks(RUNTIME, spec) == 0  # 3 blocks: no shorter than a sequence of 40
     assert local_ring_blocks(long, spec.model_copy(update={"sliding_window": 0})) == 0
     rings = GraphInputs(long, KV, GROUP, fused_layers=True, ring_blocks=2)
-    assert rings.local_cache_rows == (3 + 1) * 2 * KV * 16  # every seat's ring and the scratch one
+    assert rings.local_cache_rows == (3 + 1) * 2 * KV * 16  # every slot's ring and the scratch one
     assert rings.ring_table(1).tolist() == [2, 3, 2, 3, 2, 3, 2, 3]
     assert rings.ring_table(None).tolist() == [6, 7] * 4
     table = FUSED.slot_table(2)

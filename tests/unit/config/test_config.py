@@ -14,7 +14,7 @@ def test_default_config_serves_the_embedded_model_on_cpu():
     config = load_config()
     assert config.model.path == PROJECT_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert config.runtime.device_target == "CPU"
-    # planned at start from the budget: the model's context, and a block pool shared by 64 seats
+    # planned at start from the budget: the model's context, and a block pool shared by 64 slots
     assert (config.runtime.max_seq_len, config.runtime.num_blocks) == ("auto", "auto")
     assert config.runtime.num_slots == config.runtime.decode_batch_buckets[-1] == 64
     # Security default: nothing listens beyond this machine unless configured.

@@ -53,7 +53,7 @@ class FakeAgent:
 
     def prefill(self, slot, tokens, table, start, end, sample):
         assert len(table) * self.block_size >= end and 0 <= start < end <= len(tokens)
-        # the runner's rule: a free slot may start anywhere (a prefix-cache hit), a seated one not
+        # the runner's rule: a free slot may start anywhere (a prefix-cache hit), an occupied one not
         # past the positions it holds
         assert start <= self.held.get(slot, start), f"slot {slot} holds {self.held[slot]}, not {start}"
         self.held[slot] = end
@@ -601,7 +601,7 @@ def test_without_blocks_the_newest_sequence_is_preempted_and_every_answer_is_its
 def test_a_sequence_preempted_mid_recompute_restarts_within_what_its_slot_holds():
     """Preempted twice: the first recompute (no cache left) stops after one chunk, so its slot holds
     4 positions; meanwhile another sequence caches the same tokens. The second restore must not
-    start past those 4 (the runner refuses a seated slot's chunk past its length) nor write over the
+    start past those 4 (the runner refuses an occupied slot's chunk past its length) nor write over the
     other's cached blocks; the answer is still its answer alone."""
     scheduler, agents = make(slots=(2,), num_blocks=16, max_chunk=4)
     blocks = scheduler.blocks[0]

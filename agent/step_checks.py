@@ -1,6 +1,6 @@
-"""CheckedSlots: a runner's seats with its limits (what one call may hold, from the runtime and the
-graphs) and the checks of each call, which change nothing; ModelRunner (agent/runner.py) runs only
-what they let through, so a refused call leaves every slot as it was."""
+"""StepChecks: a runner's limits (what one call may hold, from the runtime and the graphs) and the
+checks of each call against them and its slots, which change nothing; ModelRunner (agent/runner.py)
+holds one and runs only what they let through, so a refused call leaves every slot as it was."""
 
 from __future__ import annotations
 
@@ -10,18 +10,21 @@ import numpy as np
 
 from agent.contract.step import MAX_DRAFT_TOKENS, BlockTable, StepChunk, StepLimits
 from agent.graphs.interface import MixedStepGraphs, ModelGraphs, mixed_rows
-from agent.slots import RunnerError, SlotSampling, SlotState, SlotTable
+from agent.slots import RunnerError, SlotState, SlotTable
+from agent.token_chooser import TokenChooser
 from config.schema import RuntimeSection
 
 
-class CheckedSlots(SlotTable):
-    def __init__(self, graphs: ModelGraphs, runtime: RuntimeSection):
+class StepChecks:
+    def __init__(self, graphs: ModelGraphs, runtime: RuntimeSection, slots: SlotTable, chooser: TokenChooser):
+        """The checks of calls over `graphs` built for `runtime`, of the slots of `slots`; `chooser`
+        checks the token masks."""
         self.graphs = graphs
         self.spec = graphs.spec
         self.runtime = runtime
-        super().__init__(runtime.planned_num_slots)
+        self.slot_table = slots
+        self.chooser = chooser
         self.max_len = runtime.planned_max_seq_len
-        self.sampling = SlotSampling(graphs)  # the host side of each call's token choice
         # Rows of one mixed step (decode rows and prompt chunks in one graph call), 0 where these
         # graphs run none: fixed by the graphs, and read several times a step (an isinstance of a
         # Protocol walks its members: 0.2 ms a step).
@@ -46,7 +49,7 @@ class CheckedSlots(SlotTable):
     @property
     def prefix_caching(self) -> bool:
         """Whether a prompt may start from another sequence's blocks (a prefix-cache hit): not where
-        sliding-window layers keep their KV in each seat's ring (agent/graphs/interface.py)."""
+        sliding-window layers keep their KV in each slot's ring (agent/graphs/interface.py)."""
         return self.chunked_prefill and not self.graphs.inputs.ring
 
     @property
@@ -54,12 +57,12 @@ class CheckedSlots(SlotTable):
         """The longest prompt: one position stays for an answer; without chunks, one graph call."""
         return self.max_len - 1 if self.chunked_prefill else min(self.max_len - 1, self.max_chunk)
 
-    def _check_chunk(
+    def chunk(
         self, slot: int, tokens: Sequence[int], table: BlockTable | None, start: int, sample: bool
     ) -> tuple[np.ndarray, np.ndarray]:
         """A chunk's checks (nothing changes): its token ids and its table padded to MB blocks."""
-        self.check_slot(slot)
-        ids = self._check_tokens(tokens)
+        self.slot_table.check_slot(slot)
+        ids = self.tokens(tokens)
         end = len(ids)
         if end > self.max_prompt_len and (sample or not self.chunked_prefill):
             raise RunnerError(
@@ -68,10 +71,10 @@ class CheckedSlots(SlotTable):
             )
         if end >= self.max_len:
             raise RunnerError(f"{end} positions do not fit max_seq_len {self.max_len}")
-        state = self.slots.get(slot)
+        state = self.slot_table.slots.get(slot)
         if state is not None and sample and state.sampler is not None:
             raise RunnerError(f"slot {slot} has sampled already; release it first")
-        # A free slot may start anywhere (a prefix-cache hit); a seated one not past what it holds.
+        # A free slot may start anywhere (a prefix-cache hit); an occupied one not past what it holds.
         if not 0 <= start < end or (state is not None and start > state.length):
             raise RunnerError(
                 f"a prefill computes positions start..{end - 1} after the "
@@ -79,7 +82,7 @@ class CheckedSlots(SlotTable):
             )
         return ids, self.padded_table(slot, table, end)
 
-    def _check_decode(
+    def decode(
         self,
         slots: Sequence[int],
         tables: Sequence[BlockTable] | None,
@@ -92,7 +95,7 @@ class CheckedSlots(SlotTable):
             raise RunnerError(f"decode slots repeat: {list(slots)}")
         if tables is not None and len(tables) != len(slots):
             raise RunnerError(f"decode of {len(slots)} slots got {len(tables)} block tables")
-        states = [self.active(s) for s in slots]
+        states = [self.slot_table.active(s) for s in slots]
         for slot, state in zip(slots, states):
             if state.length + len(drafts.get(slot, ())) >= self.max_len:
                 raise RunnerError(f"slot {slot} is full ({self.max_len} positions)")
@@ -114,10 +117,10 @@ class CheckedSlots(SlotTable):
         """What one mixed step holds (the scheduler plans by the same rule)."""
         return StepLimits(self.mixed_rows, self.runtime.decode_batch_buckets[-1])
 
-    def _check_step(
+    def mixed(
         self,
         slots: Sequence[int],
-        tables: Sequence[BlockTable],
+        tables: Sequence[BlockTable] | None,
         chunks: Sequence[StepChunk],
         masks: Mapping[int, np.ndarray],
         drafts: Mapping[int, Sequence[int]],
@@ -131,11 +134,11 @@ class CheckedSlots(SlotTable):
         chunk_slots = [c.slot for c in chunks]
         if len(set(chunk_slots)) != len(chunk_slots) or set(chunk_slots) & set(slots):
             raise RunnerError(f"a mixed step names a slot twice: decode {list(slots)}, chunks {chunk_slots}")
-        self._check_drafts(drafts, slots, masks)
-        states, padded = self._check_decode(slots, tables, drafts)
-        checked = [self._check_chunk(c.slot, c.tokens, c.table, c.start, c.sample) for c in chunks]
+        self._drafts(drafts, slots, masks)
+        states, padded = self.decode(slots, tables, drafts)
+        checked = [self.chunk(c.slot, c.tokens, c.table, c.start, c.sample) for c in chunks]
         if masks:
-            self.sampling.check_masks(masks, [*slots, *(c.slot for c in chunks if c.sample)])
+            self.chooser.check_masks(masks, [*slots, *(c.slot for c in chunks if c.sample)])
         proposed = sum(len(p) for p in drafts.values())
         chunk_rows = [len(ids) - c.start for c, (ids, _) in zip(chunks, checked)]
         refusal = self.limits.refusal(len(slots), proposed, chunk_rows, sum(c.sample for c in chunks))
@@ -143,7 +146,7 @@ class CheckedSlots(SlotTable):
             raise RunnerError(refusal)
         return states, padded, checked
 
-    def _check_drafts(
+    def _drafts(
         self, drafts: Mapping[int, Sequence[int]], slots: Sequence[int], masks: Mapping[int, np.ndarray]
     ) -> None:
         """Proposals for decode slots of this call, at most MAX_DRAFT_TOKENS token ids each, and
@@ -155,7 +158,7 @@ class CheckedSlots(SlotTable):
                 raise RunnerError(f"slot {slot} has a token mask: its next token cannot be proposed")
             if not 1 <= len(proposed) <= MAX_DRAFT_TOKENS:
                 raise RunnerError(f"a slot's proposals are 1..{MAX_DRAFT_TOKENS} tokens, got {len(proposed)}")
-            self._check_tokens(proposed)
+            self.tokens(proposed)
 
     def padded_table(self, slot: int, table: BlockTable | None, positions: int) -> np.ndarray:
         """The server's `table` for `positions` (GraphInputs.table checks and pads it); none: the
@@ -169,7 +172,7 @@ class CheckedSlots(SlotTable):
         except ValueError as exc:
             raise RunnerError(str(exc)) from exc
 
-    def _check_tokens(self, prompt: Sequence[int]) -> np.ndarray:
+    def tokens(self, prompt: Sequence[int]) -> np.ndarray:
         tokens = np.asarray(prompt, dtype=np.int64)
         if tokens.ndim != 1 or tokens.size == 0:
             raise RunnerError("the prompt must be a non-empty list of token ids")
