@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup setup-dev lint unit test test-long serve browser clean-venv
+.PHONY: setup setup-dev lint unit test test-long serve browser arm-tools clean-venv
 
 setup: $(STAMP)
 	@$(PY) -m tools.fetch_model
@@ -46,7 +46,7 @@ unit: setup-dev
 # The whole suite: the unit tests as `make unit` runs them (so that loop cannot break unseen: its
 # guard against MindSpore fires only in a unit-only run), then the integration tests on two workers,
 # a test file each at a time (its module fixtures, a served stack among them, start once).
-test: lint unit browser
+test: lint arm-tools unit browser
 	@$(PY) -m pytest -n 2 --dist loadfile tests/integration
 
 # The long fault suite: 200 disconnecting clients and a soak (SOAK_S seconds, default 600).
@@ -62,6 +62,17 @@ browser:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
 			|| echo "==> could not install Chromium; the dashboard browser test will skip"; \
 	else echo "==> Chromium not installed and not root: the dashboard browser test will skip"; fi
+
+# The AArch64 cross compiler and qemu's user-mode emulator (Debian packages), where this machine allows
+# installing them: tests/unit/agent/test_arm_kernels.py builds the kernels for three Arm targets and
+# runs them under qemu; elsewhere it skips and says why.
+arm-tools:
+	@if command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "==> installing g++-aarch64-linux-gnu and qemu-user (apt) for the Arm kernel test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null) \
+			|| echo "==> could not install them; the Arm kernel test will skip"; \
+	else echo "==> no AArch64 cross compiler or qemu-aarch64 and not root: the Arm kernel test will skip"; fi
 
 serve: setup
 	@$(PY) -m tools.serve

@@ -1,7 +1,8 @@
 """What `runtime.activations: auto` (the default) becomes for one model on this machine.
 
 int8 where the fused CPU layer kernel multiplies a quantized GGUF's layer matrices on a CPU with
-integer dot products (kernels built for AVX2, AVX-VNNI or AVX512-VNNI): llama.cpp's own arithmetic
+integer dot products (kernels built for AVX2, AVX-VNNI or AVX512-VNNI, or for Arm's NEON, SDOT or
+SMMLA): llama.cpp's own arithmetic
 for such files, about twice as fast in prompts (README "int8 activations"; its quality against
 float32 is measured by tools.quality). float32 everywhere else, each time saying why: float weights
 gain nothing, tensor-parallel ranks and Ascend/GPU run MindSpore's ops, and a CPU without those
@@ -46,7 +47,7 @@ def auto_activations(checkpoint: Checkpoint, runtime: RuntimeSection, split: Ten
     if not has_int8_products():
         return "float32", (
             f"the kernels ({TARGET_ENV}={kernel_target()}) have no integer dot products (AVX2, "
-            "AVX-VNNI or AVX512-VNNI)"
+            "AVX-VNNI or AVX512-VNNI on x86; NEON on Arm)"
         )
     return "int8", (
         f"{'/'.join(sorted(formats))} layer matrices on kernels with integer dot products "

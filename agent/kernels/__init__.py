@@ -10,10 +10,10 @@ hold across copies, checkouts with preserved times, compiler upgrades or another
 The target (environment variable MS_LLM_KERNEL_TARGET) is the instruction-set level the kernels are
 compiled for: `native` (the default: this CPU's own), `avx2` (x86-64-v3: AVX2 and FMA, no AVX-512,
 what most users' x86 machines have) or `portable` (no vector instruction set named: the kernels'
-vector-extension fallback, as an Arm host or an old x86 CPU compiles it). A lower target runs
-slower; the tests run the kernels at every target this machine can execute, so the code paths other
-machines take are built and checked here too.
-"""
+vector-extension fallback as an old x86 CPU compiles it; on an Arm host, plain NEON, armv8-a). A
+lower target runs slower; the tests run the kernels at every target this machine can execute, so the
+code paths other machines take are built and checked here too; the Arm builds are cross-compiled and
+run under qemu (tests/unit/agent/test_arm_kernels.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import platform
 import shutil
 import subprocess
 from pathlib import Path
+
+from agent.kernels import host_cpu
 
 SOURCE_DIR = Path(__file__).parent
 BUILD_ROOT = SOURCE_DIR / "build"
@@ -51,6 +53,9 @@ KERNEL_MACROS = (
     "__AVX512BW__",
     "__AVX512VNNI__",
     "__ARM_NEON",
+    "__aarch64__",
+    "__ARM_FEATURE_DOTPROD",
+    "__ARM_FEATURE_MATMUL_INT8",
 )
 
 
@@ -70,17 +75,6 @@ def _compiler() -> str:
             "or set runtime.decode_attention: gather and runtime.matmul: mindspore"
         )
     return compiler
-
-
-def _cpu_flags() -> str:
-    """The instruction sets -march=native chooses from (x86 'flags', Arm 'Features')."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def target() -> str:
@@ -110,7 +104,7 @@ def target_flags(name: str) -> list[str]:
 def can_run(name: str) -> bool:
     """This CPU executes the target's code."""
     if name == "avx2":
-        flags = set(_cpu_flags().split())
+        flags = host_cpu.flags()
         return platform.machine() in ("x86_64", "AMD64") and all(flag in flags for flag in AVX2_LEVEL)
     return True
 
@@ -151,7 +145,7 @@ def build_id(name: str | None = None) -> str:
     )
     digest = hashlib.sha256()
     # Only -march=native depends on this CPU's instruction sets; a lower target's code does not.
-    cpu = _cpu_flags() if name == "native" else ""
+    cpu = " ".join(sorted(host_cpu.flags())) if name == "native" else ""
     for part in (" ".join(FLAGS + target_flags(name)), version, platform.machine(), cpu):
         digest.update(part.encode() + b"\0")
     for path in (*(source(kernel) for kernel in KERNELS), *HEADERS):
@@ -204,10 +198,15 @@ def build(name: str | None = None) -> Path:
 
 def has_int8_products(name: str | None = None) -> bool:
     """The kernels of a target (default: this process's) hold the opt-in int8 products
-    (int8_products.h): built with AVX512-VNNI and AVX512BW, or with AVX2. Without them (the portable
-    target) the library's int8 ops refuse every call."""
+    (int8_products.h): built with AVX512-VNNI and AVX512BW, or with AVX2, or for AArch64 (SDOT with
+    the dot-product extension, else plain NEON). Without them (the portable x86 target) the library's
+    int8 ops refuse every call."""
     macros = target_macros(name or target())
-    return {"__AVX512VNNI__", "__AVX512BW__"} <= macros or "__AVX2__" in macros
+    return (
+        {"__AVX512VNNI__", "__AVX512BW__"} <= macros
+        or "__AVX2__" in macros
+        or {"__aarch64__", "__ARM_NEON"} <= macros
+    )
 
 
 def op_path(function: str) -> str:

@@ -4,9 +4,12 @@
 // column (VPDPBUSD's layout): up to DIRECT_ROWS rows straight from the blocks (formats/format.h
 // quads), above that from a copy of the tile unpacked once a call. Per sub-block, sum_k x[k] w[k][t]
 // ~ scale[t] * dx * sum_k qx[k] q[k][t] + offset[t] * sx (sx = dx * the sub-block's sum of qx), the
-// integer sums by AVX512-VNNI's VPDPBUSD (64 byte products an instruction against a float FMA's 16) or
-// AVX2's VPMADDUBSW + VPMADDWD (32 in two). The weights stay exactly the file's; only the activations
-// are rounded, so answers may differ from the float32 products' and this is never the default.
+// integer sums by AVX512-VNNI's VPDPBUSD (64 byte products an instruction against a float FMA's 16),
+// AVX2's VPMADDUBSW + VPMADDWD (32 in two), or on AArch64 SDOT (16 in one, __ARM_FEATURE_DOTPROD;
+// SMMLA's 32 for the unpacked tile's pairs of rows where __ARM_FEATURE_MATMUL_INT8) or else SMULL +
+// SADALP (16 in four, plain NEON). The weights stay exactly the file's; only the activations are
+// rounded, so answers may differ from the float32 products'. The Arm paths are tested under qemu
+// (tests/unit/agent/test_arm_kernels.py), never measured on Arm hardware.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +19,9 @@
 #include <vector>
 
 #include "product.h"
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 namespace int8 {
 
@@ -99,7 +105,7 @@ inline void quantize_row(const Rows &x, const float *in, int64_t row) {
 }
 
 // A tile unpacked: bytes [K / 4][TILE][4] (byte (t, kk) of group g = quant k = 4 g + kk of column
-// t, plus the format's bias), each sub-block's scale and offset [K / SUB][TILE], and the order in
+// t, plus the format's bias where the dot products take unsigned bytes: BIASED), each sub-block's scale and offset [K / SUB][TILE], and the order in
 // which the format visits a block's sub-blocks (formats/*.h subs: Q2_K, Q3_K and Q6_K's 0, 2, 4, 6,
 // 1, 3, ...), the order the rows sum them in, as straight from the blocks: a row's float sums are then
 // the same at every row count (batch invariance).
@@ -113,17 +119,26 @@ struct Unpacked {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool AVAILABLE = true;
 constexpr bool SIGNED_DOT = false;  // VPDPBUSD sums byte products exactly: quants biased to bytes
+constexpr bool BIASED = true;
 #elif defined(__AVX2__)
 constexpr bool AVAILABLE = true;
 // VPMADDUBSW saturates a pair's sum at 2^15: a biased Q8_0 byte (up to 255) times 127 twice does not
 // fit, so a biased format multiplies its signed quants (|q| * sign(x, q), llama.cpp's way) instead.
 constexpr bool SIGNED_DOT = true;
+constexpr bool BIASED = true;  // the unpacked tile's bytes, which pairs4 unbiases
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+constexpr bool AVAILABLE = true;
+// SDOT, SMMLA and SMULL multiply signed bytes, and every format's quants are int8 as they are (Q8_0's
+// own, the others' 0..63): nothing is biased, Q8_0 has no offset term.
+constexpr bool SIGNED_DOT = true;
+constexpr bool BIASED = false;
 #else
 constexpr bool AVAILABLE = false;  // the ops refuse int8 calls (agent/graphs/step_graphs.py checks first)
 constexpr bool SIGNED_DOT = false;
+constexpr bool BIASED = false;
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) || defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) || defined(__AVX2__) || defined(__aarch64__) && defined(__ARM_NEON)
 
 // The offset term's weight: a biased format's byte sums hold bias * sum q more (unless SIGNED_DOT).
 template <class F>
@@ -169,7 +184,7 @@ inline void unpack(const uint8_t *tile, int64_t k_dim, Unpacked &u) {
 #pragma GCC unroll 4
           for (int n = 0; n < N; ++n) {
             const int64_t k = b * F::BLOCK + group.s[n] * F::SUB + 4 * g;
-            const vi bytes = BIAS != 0 ? q[n] ^ static_cast<int32_t>(0x80808080u) : q[n];
+            const vi bytes = BIAS != 0 && BIASED ? q[n] ^ static_cast<int32_t>(0x80808080u) : q[n];
             quads[k / 4 * packed::VECTORS + c] = bytes;
           }
         });
@@ -265,7 +280,7 @@ inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, cons
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) packed::store(out, residual, (row0 + r) * n_dim + col0 + 16 * h, (packed::vf)acc[r][h]);
 }
-#else
+#elif defined(__AVX2__)
 constexpr int ROWS = 3;  // a half tile at a time: 2 R pair sums + 2 R accumulators of AVX2's 16 registers
 
 // Four byte products a column as 16-bit sums of two: w's bytes (unsigned; signed where the format is
@@ -348,6 +363,128 @@ inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, cons
         packed::store(out, residual, (row0 + r) * n_dim + col0 + 16 * half + 8 * h, (packed::vf)acc[r][h]);
   }
 }
+#else
+// AArch64 (packed::LANES 4: a vi is one NEON register). Not measured on Arm hardware.
+constexpr int ROWS = 6;  // a vector of 4 columns at a time: R sums + R accumulators of NEON's 32 registers
+
+// sums + the byte products of four k a column: lane t of q holds column t's four quants (packed::quad's
+// layout, int8), times x's four int8 `four`. SDOT sums each lane's four products in one instruction;
+// plain NEON multiplies into 16-bit products (SMULL), adds them in pairs (ADDP: at most 2 x 128 x 127,
+// no overflow) and the pairs into the 32-bit sums (SADALP).
+inline packed::vi dot4_neon(packed::vi sums, packed::vi q, int32_t four) {
+  const int8x16_t w = vreinterpretq_s8_s32((int32x4_t)q), xv = vreinterpretq_s8_s32(vdupq_n_s32(four));
+#ifdef __ARM_FEATURE_DOTPROD
+  return (packed::vi)vdotq_s32((int32x4_t)sums, w, xv);
+#else
+  const int16x8_t low = vmull_s8(vget_low_s8(w), vget_low_s8(xv)), high = vmull_high_s8(w, xv);
+  return (packed::vi)vpadalq_s16((int32x4_t)sums, vpaddq_s16(low, high));
+#endif
+}
+
+// A sub-block's integer sums scaled into a row's accumulator, as direct_rows scales them (the same
+// expression: a row's float sums alike at every row count).
+template <class F>
+inline void scale_into(packed::vf &acc, packed::vi sums, const Rows &x, const Unpacked &u, int64_t row,
+                       int64_t s, int c) {
+  packed::vf scale, offset;
+  std::memcpy(&scale, u.scale.data() + s * packed::TILE + c * packed::LANES, sizeof scale);
+  acc += packed::to_float(sums) * (scale * x_scale(x, row, s * F::SUB));
+  if constexpr (HAS_OFFSET<F>) {
+    std::memcpy(&offset, u.offset.data() + s * packed::TILE + c * packed::LANES, sizeof offset);
+    acc += offset * x_sum<F>(x, row, s * F::SUB);
+  }
+}
+
+#ifdef __ARM_FEATURE_MATMUL_INT8
+// Rows in pairs by SMMLA: a 2 x 8 block of two rows' int8 (eight k each) times 8 x 2 of two columns'
+// quants into the 2 x 2 sums, 32 byte products an instruction. The unpacked tile's four k a column of
+// groups g and g + 1 interleaved (ZIP1, ZIP2) are two columns' eight k; an odd block's last row is
+// paired with itself. Straight from the blocks (1 to 4 rows) stays SDOT: the formats give their quants
+// a group of four k at a time (formats/format.h quads), and a decode row has no pair.
+template <class F, int R>
+inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, const float *residual, float *out,
+                      int64_t n_dim, int64_t row0, int64_t col0) {
+  using packed::LANES;
+  using packed::TILE;
+  constexpr int PAIRS = (R + 1) / 2;
+  const int64_t subs = x.k_dim / F::SUB, lines = ahead.lines(packed::VECTORS * subs);
+  for (int c = 0; c < packed::VECTORS; ++c) {
+    packed::vf acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = packed::vf{};
+    for (int64_t i = 0; i < subs; ++i) {
+      ahead.fetch(c * subs + i, lines);
+      const int64_t s = summed<F>(u, i);
+      const uint8_t *wb = u.at(s * F::SUB * TILE + 4 * LANES * c);
+      const int8_t *xb = x.q + row0 * x.k_dim + s * F::SUB;
+      int32x4_t sums[PAIRS][2];  // per pair: [r t, r t+1, r+1 t, r+1 t+1] of columns (0, 1), (2, 3)
+#pragma GCC unroll 8
+      for (int p = 0; p < PAIRS; ++p) sums[p][0] = sums[p][1] = vdupq_n_s32(0);
+#pragma GCC unroll 8
+      for (int g = 0; g < F::SUB / 4; g += 2) {
+        const int32x4_t w0 = vld1q_s32(reinterpret_cast<const int32_t *>(wb + g * 4 * TILE));
+        const int32x4_t w1 = vld1q_s32(reinterpret_cast<const int32_t *>(wb + (g + 1) * 4 * TILE));
+        const int8x16_t columns01 = vreinterpretq_s8_s32(vzip1q_s32(w0, w1));
+        const int8x16_t columns23 = vreinterpretq_s8_s32(vzip2q_s32(w0, w1));
+#pragma GCC unroll 8
+        for (int p = 0; p < PAIRS; ++p) {
+          const int second = 2 * p + 1 < R ? 2 * p + 1 : 2 * p;
+          const int8x16_t rows = vcombine_s8(vld1_s8(xb + 2 * p * x.k_dim + 4 * g), vld1_s8(xb + second * x.k_dim + 4 * g));
+          sums[p][0] = vmmlaq_s32(sums[p][0], rows, columns01);
+          sums[p][1] = vmmlaq_s32(sums[p][1], rows, columns23);
+        }
+      }
+#pragma GCC unroll 8
+      for (int p = 0; p < PAIRS; ++p) {
+        const int64x2_t a = vreinterpretq_s64_s32(sums[p][0]), b = vreinterpretq_s64_s32(sums[p][1]);
+        scale_into<F>(acc[2 * p], (packed::vi)vreinterpretq_s32_s64(vzip1q_s64(a, b)), x, u, row0 + 2 * p, s, c);
+        if (2 * p + 1 < R)
+          scale_into<F>(acc[2 * p + 1], (packed::vi)vreinterpretq_s32_s64(vzip2q_s64(a, b)), x, u, row0 + 2 * p + 1, s, c);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) packed::store(out, residual, (row0 + r) * n_dim + col0 + c * LANES, acc[r]);
+  }
+}
+#else
+// A vector of columns at a time, the rows' sums by dot4_neon (SDOT, or plain NEON).
+template <class F, int R>
+inline void tile_rows(const Rows &x, const Unpacked &u, const Ahead &ahead, const float *residual, float *out,
+                      int64_t n_dim, int64_t row0, int64_t col0) {
+  using packed::LANES;
+  using packed::TILE;
+  const int64_t subs = x.k_dim / F::SUB, lines = ahead.lines(packed::VECTORS * subs);
+  for (int c = 0; c < packed::VECTORS; ++c) {
+    packed::vf acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = packed::vf{};
+    for (int64_t i = 0; i < subs; ++i) {
+      ahead.fetch(c * subs + i, lines);
+      const int64_t s = summed<F>(u, i);
+      const uint8_t *wb = u.at(s * F::SUB * TILE + 4 * LANES * c);
+      const int8_t *xb = x.q + row0 * x.k_dim + s * F::SUB;
+      packed::vi sums[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) sums[r] = packed::vi{};
+#pragma GCC unroll 8
+      for (int g = 0; g < F::SUB / 4; ++g) {
+        packed::vi q;
+        std::memcpy(&q, wb + g * 4 * TILE, sizeof q);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, xb + r * x.k_dim + 4 * g, sizeof four);
+          sums[r] = dot4_neon(sums[r], q, four);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) scale_into<F>(acc[r], sums[r], x, u, row0 + r, s, c);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) packed::store(out, residual, (row0 + r) * n_dim + col0 + c * LANES, acc[r]);
+  }
+}
+#endif
 #endif
 
 // Calls of up to DIRECT_ROWS rows read the blocks directly, four k of a column at a time
@@ -370,8 +507,10 @@ constexpr int group_subs(int32_t id) {
 template <class F>
 constexpr int DIRECT_BLOCK = group_subs(F::ID) <= 2 ? 5 : 4;
 #else
+// AVX2's 16 registers: a group's sums (up to 4 sub-blocks) a row; NEON's 32 registers of 4 lanes: a
+// row's 8 accumulators and a group's sums
 template <class F>
-constexpr int DIRECT_BLOCK = 2;  // AVX2's 16 registers: a group's sums (up to 4 sub-blocks) a row
+constexpr int DIRECT_BLOCK = 2;
 #endif
 template <class F>
 constexpr int64_t DIRECT_ROWS = std::max(4, DIRECT_BLOCK<F>);
@@ -383,10 +522,12 @@ inline packed::vi dot4(packed::vi sums, packed::vi q, int32_t four) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if constexpr (Traits<F>::BIAS != 0) q ^= static_cast<int32_t>(0x80808080u);  // Q8_0's int8 + 128
   return (packed::vi)_mm512_dpbusd_epi32((__m512i)sums, (__m512i)q, _mm512_set1_epi32(four));
-#else
+#elif defined(__AVX2__)
   if constexpr (Traits<F>::BIAS != 0) q ^= static_cast<int32_t>(0x80808080u);  // pairs4 takes biased bytes
   const __m256i pairs = pairs4<F>((__m256i)q, _mm256_set1_epi32(four));
   return sums + (packed::vi)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#else
+  return dot4_neon(sums, q, four);  // Q8_0's int8 quants as they are
 #endif
 }
 

@@ -1,6 +1,7 @@
 // The vector of the packed products (packed_matmul.h) and the weight formats (formats/): LANES float32
-// lanes of one register (AVX-512: 16, else 8 through GCC's vector extension: AVX2 registers, or two
-// SSE/NEON registers on the portable target), and the loads that fill it from a tile's bytes.
+// lanes of one register (AVX-512: 16; AArch64: 4, one NEON register; else 8 through GCC's vector
+// extension: AVX2 registers, or two SSE registers on the portable x86 target), and the loads that
+// fill it from a tile's bytes.
 // A tile is TILE output columns; one of its rows is VECTORS vectors of LANES columns.
 #pragma once
 
@@ -15,6 +16,11 @@ constexpr int TILE = 32;
 
 #ifdef __AVX512F__
 constexpr int LANES = 16;
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+// GCC has no 32-byte vector mode on AArch64: 8 lanes are kept in memory, each operation loading and
+// storing its halves (the products' accumulators on the stack); 4 are a NEON register. Not measured
+// on Arm hardware: the assembly is what says so.
+constexpr int LANES = 4;
 #else
 constexpr int LANES = 8;
 #endif
@@ -32,6 +38,10 @@ inline vf broadcast(float value) { return vf{} + value; }
 inline vi widen(const uint8_t *p) {
 #ifdef __AVX512F__
   return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+  uint32_t four;
+  std::memcpy(&four, p, sizeof four);
+  return (vi)vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(four))))));
 #else
   return vec8::widen(p);
 #endif
@@ -40,6 +50,10 @@ inline vi widen(const uint8_t *p) {
 inline vi widen_signed(const uint8_t *p) {
 #ifdef __AVX512F__
   return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+  uint32_t four;
+  std::memcpy(&four, p, sizeof four);
+  return (vi)vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(four)))));
 #else
   return vec8::widen_signed(p);
 #endif
@@ -71,6 +85,12 @@ inline vi quad(const uint8_t *p) {
   auto row = [&](int e) { return _mm_loadl_epi64(reinterpret_cast<const __m128i *>(p + e * TILE)); };
   const __m128i a = _mm_unpacklo_epi8(row(0), row(1)), c = _mm_unpacklo_epi8(row(2), row(3));
   return (vi)_mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+  // The four elements' 4 bytes side by side, transposed by one table lookup.
+  uint32_t rows[4];
+  for (int e = 0; e < 4; ++e) std::memcpy(&rows[e], p + e * TILE, sizeof rows[e]);
+  static constexpr uint8_t order[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+  return (vi)vreinterpretq_s32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(vld1q_u32(rows)), vld1q_u8(order)));
 #else
   return widen(p) | widen(p + TILE) << 8 | widen(p + 2 * TILE) << 16 | widen(p + 3 * TILE) << 24;
 #endif
@@ -100,6 +120,11 @@ inline vf load_half(const uint8_t *p) {
   return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
 #elif defined(__F16C__)
   return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+  // FCVTL converts half denormals exactly (the kernels' threads flush nothing on Arm: thread_team.h).
+  uint16_t bits[4];
+  std::memcpy(bits, p, sizeof bits);
+  return (vf)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(bits)));
 #else
   const vi h = widen_u16(p);
   const vi magnitude = h & 0x7fff, sign = (h & 0x8000) << 16;

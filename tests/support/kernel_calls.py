@@ -1,6 +1,7 @@
 """Calls a custom CPU kernel (agent/kernels) straight through its C entry point with ctypes, the way
 MindSpore's AOT custom op does: parameter pointers, their ranks and shapes, the output last; and the
-float32 matrices' packing the kernels read."""
+float32 matrices' packing the kernels read. An entry point of the kernels built for Arm and run under
+qemu (arm_kernels.py) is called with the arrays themselves."""
 
 import ctypes
 
@@ -8,6 +9,8 @@ import numpy as np
 
 
 def call(function, arrays: list[np.ndarray], out: np.ndarray) -> int:
+    if hasattr(function, "call_arrays"):  # arm_kernels.ArmEntry: in a process under qemu
+        return function.call_arrays(arrays, out)
     params = (ctypes.c_void_p * (len(arrays) + 1))(*[a.ctypes.data for a in arrays], out.ctypes.data)
     ndims = (ctypes.c_int * (len(arrays) + 1))(*[a.ndim for a in arrays], out.ndim)
     shapes = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in [*arrays, out]]

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from agent.kernels import SOURCE_DIR, _compiler, _cpu_flags
+from agent.kernels import SOURCE_DIR, _compiler, host_cpu
 
 CHECK = r"""
 #include "lanes.h"
@@ -42,7 +42,7 @@ VARIANTS = [
 
 @pytest.mark.parametrize("flags,needs", VARIANTS, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_every_implementation_of_quad_reads_the_same_bytes(tmp_path, flags, needs):
-    cpu = set(_cpu_flags().split())
+    cpu = host_cpu.flags()
     if not all(flag in cpu for flag in needs):
         pytest.skip(f"this CPU cannot run {' '.join(flags)}")
     source, program = tmp_path / "check.cc", tmp_path / "check"
