@@ -143,5 +143,5 @@ def mixed_steps(server: EngineAndStreams) -> float:
         sample.value
         for metric in server.engine.metrics.registry.collect()
         for sample in metric.samples
-        if sample.name.endswith("agent_step_seconds_count") and sample.labels.get("op") == "step"
+        if sample.name.endswith("agent_step_seconds_count") and sample.labels.get("op") == "mixed"
     )

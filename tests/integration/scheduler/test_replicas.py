@@ -55,7 +55,7 @@ def prefill_counts(base: str, ports: list[int]) -> list[float]:
     for port in ports:
         matches = re.findall(
             rf'llm_serving_agent_step_seconds_count\{{agent="tcp://127\.0\.0\.1:{port}",'
-            rf'model="tiny",op="(?:prefill|step)"\}} (\S+)',
+            rf'model="tiny",op="(?:prefill|mixed)"\}} (\S+)',
             text,
         )
         counts.append(sum(float(m) for m in matches))
