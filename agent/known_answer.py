@@ -212,9 +212,10 @@ def numpy_forward(
 
     n = len(tokens)
     ropes = {}
-    for local in {spec.is_local(i) for i in range(spec.num_layers)}:
-        angles = np.concatenate([np.outer(np.arange(n), spec.rope_inv_freq(local))] * 2, 1)
-        ropes[local] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    for kind in {spec.rope(i) for i in range(spec.num_layers)}:
+        inv_freq = np.zeros(spec.head_dim // 2) if kind == "none" else spec.rope_inv_freq(kind == "local")
+        angles = np.concatenate([np.outer(np.arange(n), inv_freq)] * 2, 1)
+        ropes[kind] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     distance = np.arange(n)[:, None] - np.arange(n)[None, :]  # query position - key position
     embed = checkpoint.kept("embed") if kernels else None
     if embed is not None:
@@ -234,7 +235,7 @@ def numpy_forward(
         h = _rms_norm(x, t[p + "attn_norm"], spec.rms_eps)
         hidden = (distance < 0) | (local & (distance >= spec.sliding_window))
         mask = np.where(hidden, -np.inf, 0).astype(np.float32)
-        attended, k, v = _attention(h, p, checkpoint, product, ropes[local], mask, quantized_kv)
+        attended, k, v = _attention(h, p, checkpoint, product, ropes[spec.rope(i)], mask, quantized_kv)
         caches += [k, v]
         x = residual(x, product(attended, p + "wo"), p + "post_attn_norm")
         h = _rms_norm(x, t[p + "ffn_norm"], spec.rms_eps)

@@ -1,4 +1,4 @@
-"""Llama-, Qwen3-, Phi-3- or Gemma-3-architecture GGUF files of a chosen shape and weight format,
+"""Llama-, Qwen3-, Phi-3-, SmolLM3- or Gemma-3-architecture GGUF files of a chosen shape and weight format,
 with random weights and the default model's tokenizer (or another GGUF's, cut to its first tokens):
 for benchmarks and tests of how cost grows with a model's size, and tiny models of each
 architecture for the tests.
@@ -16,7 +16,8 @@ RoPE base; format `gemma`: the real 270M file's mix (Q5_0 Q, K, gate and up, Q8_
 Q4_K output, Q6_K down).
 
 Qwen3 (`arch="qwen3"`): Llama's layers with QK-norm; Phi-3 (`arch="phi3"`): Q, K and V packed in
-attn_qkv, gate and up in ffn_up, as llama.cpp writes them.
+attn_qkv, gate and up in ffn_up, as llama.cpp writes them; SmolLM3 (`arch="smollm3"`, `--shape
+smollm3-3b`): Llama's tensors, every fourth layer without RoPE (the architecture says so, no key).
 
 Qwen3-MoE (`arch="qwen3moe"`, `--shape qwen3-30b-a3b` or `moe-7b-a1b`): Qwen3's attention and, in
 place of each layer's FFN, a router (ffn_gate_inp [experts, hidden], F32 as llama.cpp keeps it) and
@@ -54,7 +55,8 @@ T = GGMLQuantizationType
 DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-DENSE_ARCHES = ("llama", "qwen3", "phi3")  # --arch: a dense preset's layers in one of these families' forms
+# --arch: a dense preset's layers in one of these families' forms
+DENSE_ARCHES = ("llama", "qwen3", "phi3", "smollm3")
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ SHAPES = {
     "gemma3-270m": Shape(
         640, 18, 2048, 4, 1, arch="gemma3", head_dim=256, window=512, context=32768, rope_base=1e6
     ),
+    # SmolLM3-3B: Llama's layers, every fourth without RoPE (NoPE: the loader knows, no key says)
+    "smollm3-3b": Shape(2048, 36, 11008, 16, 4, arch="smollm3", head_dim=128, context=65536, rope_base=5e6),
     "qwen3-8b": Shape(
         4096, 36, 12288, 32, 8, tied=False, arch="qwen3", head_dim=128, context=40960, rope_base=1e6
     ),

@@ -114,6 +114,7 @@ class DecoderLayer(nn.Cell):
                 "a hidden size that is a multiple of 32 and no tensor parallelism"
             )
         self.local = spec.is_local(index)
+        self.nope = index in spec.nope_layers  # its Q and K unrotated: the stack's second tables
         self.attn_norm = param(checkpoint.tensors[p + "attn_norm"], p + "attn_norm")
         self.ffn_norm = param(checkpoint.tensors[p + "ffn_norm"], p + "ffn_norm")
         self.has_bias, self.qk_norm = spec.qkv_bias, spec.qk_norm
@@ -206,7 +207,7 @@ class DecoderLayer(nn.Cell):
             setattr(self, name, param(checkpoint.tensors.get(p + name, none), p + name))
         options = [
             spec.sliding_window if self.local else 0,
-            int(self.local),
+            int(self.local or self.nope),
             int(spec.activation == "gelu_tanh"),
             int(spec.qk_norm),
             int(spec.post_norms),
@@ -345,7 +346,7 @@ class DecoderLayer(nn.Cell):
         """The whole layer in one kernel (agent/kernels/fused_layer.cc FusedStack with one layer): x
         [N, D]; write_idx and lengths [N*KV] (row-major): each (row, KV head)'s cache row and
         positions attended, 0 for padding rows; tables [T, MB] block tables, row_table [N] each row's
-        table. (A model with local layers runs as a stack: DecoderModel.run_stack.)"""
+        table. (A model with local or NoPE layers runs as a stack: DecoderModel.run_stack.)"""
         return self.kernel_layer(
             x,
             cos,

@@ -41,18 +41,21 @@ def fused_only_features(spec: ModelSpec) -> list[str]:
         "GeGLU": spec.activation != "silu",
         "sliding-window layers": bool(spec.local_layers and spec.sliding_window),
         "scaled embeddings": spec.embed_scale != 1.0,
+        "NoPE layers": bool(spec.nope_layers),
     }
     return [name for name, present in features.items() if present]
 
 
 def rope_tables(
-    spec: ModelSpec, max_len: int, local: bool = False
+    spec: ModelSpec, max_len: int, kind: str = "global"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """cos and signed sin tables [max_len, head_dim] and the rotate-half matrix R, so that
     rope(x) = x * cos + (x @ R) * sin, with x @ R = concat(x2, x1) and the sign folded into sin;
-    `local`: the sliding-window layers' frequencies."""
+    `kind` (ModelSpec.rope): the model's frequencies, the sliding-window layers', or none (NoPE
+    layers: cos 1, sin 0, x as it is)."""
     hd = spec.head_dim
-    angles = np.outer(np.arange(max_len, dtype=np.float64), spec.rope_inv_freq(local))  # [max_len, hd/2]
+    inv_freq = np.zeros(hd // 2) if kind == "none" else spec.rope_inv_freq(kind == "local")
+    angles = np.outer(np.arange(max_len, dtype=np.float64), inv_freq)  # [max_len, hd/2]
     cos = np.concatenate([np.cos(angles)] * 2, axis=1)
     sin = np.concatenate([-np.sin(angles), np.sin(angles)], axis=1)
     half = hd // 2

@@ -68,6 +68,8 @@ class DecoderModel(nn.Cell):
         # inputs in a row) instead of one op a layer.
         fused = all(layer.kernel_layer is not None and layer.moe is None for layer in self.layers)
         self.stack: Any = kernels.stack if fused else None
+        if self.stack is None and spec.nope_layers:  # only the stack gives a layer tables of its own
+            raise ValueError(f"{spec.architecture}: NoPE layers run in the fused CPU kernel's stack only")
         self.stack_inputs = tuple(
             getattr(layer, name)
             for layer in (self.layers if self.stack is not None else ())
@@ -131,14 +133,18 @@ class DecoderModel(nn.Cell):
             self.lm_head = self.embed if tied else param(checkpoint.matrix("lm_head"), "lm_head", dtype)
 
     def _rope(self, spec: ModelSpec, max_len: int, dtype) -> None:
-        """The RoPE tables, and the sliding-window layers' where they have a base of their own
-        (Gemma 3's 10,000 beside 1,000,000)."""
+        """The RoPE tables, and the second tables some layers take in their place (the fused stack's
+        `local` inputs): the sliding-window layers' where they have a base of their own (Gemma 3's
+        10,000 beside 1,000,000), or the NoPE layers' rotation by nothing (SmolLM3's)."""
         cos, sin, rot = rope_tables(spec, max_len)
         self.cos, self.sin = param(cos, "rope_cos", dtype), param(sin, "rope_sin", dtype)
         self.rot = param(rot, "rope_rot", dtype)
-        self.local_rope = bool(spec.local_layers and spec.rope_local_theta is not None)
+        kinds = {spec.rope(i) for i in range(spec.num_layers)} - {"global"}
+        if len(kinds) > 1:
+            raise ValueError(f"{spec.architecture}: layers with both their own RoPE base and none")
+        self.local_rope = bool(kinds)
         if self.local_rope:
-            cos, sin, _ = rope_tables(spec, max_len, local=True)
+            cos, sin, _ = rope_tables(spec, max_len, kinds.pop())
             self.cos_local, self.sin_local = param(cos, "rope_cos_local"), param(sin, "rope_sin_local")
 
     def run_stack(self, x, cos, sin, write_idx, lengths, tables, row_table, positions, local):

@@ -73,6 +73,8 @@ class ModelSpec(BaseModel):
     sliding_window: int = 0  # positions a local layer attends, its own included (0: no local layers)
     local_layers: tuple[int, ...] = ()  # the layers that attend within the sliding window
     rope_local_theta: float | None = None  # the local layers' RoPE base (unscaled); None: rope_theta
+    # SmolLM3's: the layers whose attention rotates nothing (NoPE: no positions in Q and K)
+    nope_layers: tuple[int, ...] = ()
     # Qwen3-MoE's sparse FFN: a router picks experts_per_token of num_experts SwiGLU experts a token
     num_experts: int = 0  # 0: every layer's FFN is dense
     experts_per_token: int = 0
@@ -92,6 +94,12 @@ class ModelSpec(BaseModel):
     def is_local(self, layer: int) -> bool:
         """Whether the layer attends within the sliding window (else to every earlier position)."""
         return self.sliding_window > 0 and layer in self.local_layers
+
+    def rope(self, layer: int) -> Literal["global", "local", "none"]:
+        """The layer's rotation of Q and K: the model's RoPE, the local layers' own base, or none."""
+        if layer in self.nope_layers:
+            return "none"
+        return "local" if self.is_local(layer) and self.rope_local_theta is not None else "global"
 
     def is_moe(self, layer: int) -> bool:
         """Whether the layer's FFN is the routed experts (else dense)."""

@@ -66,6 +66,10 @@ FAMILIES = {
     "mistral": TinyFamily("MistralConfig", "llama-spm", "", {"sliding_window": 48}),
     "qwen3": TinyFamily("Qwen3Config", "qwen2", "qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
     "phi3": TinyFamily("Phi3Config", "phi-3", "phi3", {"pad_token_id": None}),
+    # four layers: the last one rotates nothing (NoPE, every fourth)
+    "smollm3": TinyFamily(
+        "SmolLM3Config", "llama-bpe", "smollm3", {"num_hidden_layers": 4, "tie_word_embeddings": True}
+    ),
 }
 
 
@@ -100,10 +104,11 @@ def add_vocabulary(writer: gguf.GGUFWriter, fields: dict) -> None:
 
 
 def build(family: str, directory: Path, seed: int):
-    """The family's tiny model (2 layers, hidden 64, 4 query heads, 2 KV heads, FFN 128) with random
-    weights spread so logits are far apart (transformers' init of 0.02 gives near-ties everywhere):
-    matrices N(0, 1/in), embedding N(0, 1), an untied LM head 4x, norms 1 + N(0, 0.1). Saved as
-    safetensors with its config to `directory`; returns the model (float32, eval)."""
+    """The family's tiny model (2 layers unless its config says, hidden 64, 4 query heads, 2 KV heads,
+    FFN 128) with random weights spread so logits are far apart (transformers' init of 0.02 gives
+    near-ties everywhere): matrices N(0, 1/in), embedding N(0, 1), an untied LM head 4x, norms
+    1 + N(0, 0.1). Saved as safetensors with its config to `directory`; returns the model (float32,
+    eval)."""
     import torch
     import transformers
 
@@ -111,18 +116,18 @@ def build(family: str, directory: Path, seed: int):
     fields = vocabulary_fields(family)
     tokens = len(fields["tokenizer.ggml.tokens"])
     special = {k: fields[f"tokenizer.ggml.{k}"] for k in ("bos_token_id", "eos_token_id")}
-    config = getattr(transformers, tiny.config_class)(
-        vocab_size=tokens,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        **special,
-        **{"tie_word_embeddings": False, **tiny.config},
-    )
+    shape = {
+        "vocab_size": tokens,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    }
+    config = getattr(transformers, tiny.config_class)(**{**shape, **special, **tiny.config})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -192,7 +197,7 @@ def write_gguf(hf_dir: Path, path: Path, family: str) -> Path:
         else:
             index, rest = hf_name[len("model.layers.") :].split(".", 1)
             name = f"blk.{index}.{GGUF_NAMES[rest]}"
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch in ("llama", "smollm3") and name.endswith(("attn_q.weight", "attn_k.weight")):
             array = _permute(array, heads if "attn_q" in name else kv_heads)
         writer.add_tensor(name, np.ascontiguousarray(array, np.float32))
     writer.write_header_to_file()

@@ -23,6 +23,7 @@ MODULES = (
     "gemma3",
     "internlm2",
     "mistral",
+    "smollm3",
 )  # the order the errors list them in
 
 FAMILIES: tuple[Family, ...] = tuple(import_module(f"{__name__}.{name}").FAMILY for name in MODULES)

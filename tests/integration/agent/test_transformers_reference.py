@@ -1,10 +1,11 @@
 """The dense families against Hugging Face `transformers`, their reference implementation (the
 `reference` extra): a tiny model of each built by transformers with random float32 weights and the
-family's real vocabulary (Llama 3's llama-bpe, Mistral's llama-spm, Qwen3's qwen2, Phi-3's phi-3), served
-from its Hugging Face directory and from the GGUF llama.cpp's converter would write: greedy answers
-equal transformers' `generate` for every prompt, one past 128 tokens and others from the vocabulary's
-own test texts. The seed is fixed and its answers are no near-ties: transformers' best two logits
-differ by more than NEAR_TIE at every step, far above float32's differences between the two (1e-5)."""
+family's real vocabulary (Llama 3's llama-bpe, Mistral's llama-spm, Qwen3's qwen2, Phi-3's phi-3;
+SmolLM3's four layers, the last rotating nothing, on llama-bpe), served from its Hugging Face
+directory and from the GGUF llama.cpp's converter would write: greedy answers equal transformers'
+`generate` for every prompt, one past 128 tokens and others from the vocabulary's own test texts.
+The seed is fixed and its answers are no near-ties: transformers' best two logits differ by more
+than NEAR_TIE at every step, far above float32's differences between the two (1e-5)."""
 
 from pathlib import Path
 

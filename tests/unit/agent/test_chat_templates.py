@@ -24,6 +24,7 @@ QWEN25 = "Qwen-Qwen2.5-7B-Instruct.jinja"
 QWEN3 = "Qwen-Qwen3-0.6B.jinja"
 PHI35 = "microsoft-Phi-3.5-mini-instruct.jinja"
 R1 = "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
+SMOLLM3 = "HuggingFaceTB-SmolLM3-3B.jinja"
 SPECIALS = {
     LLAMA31: ("<|begin_of_text|>", "<|eot_id|>"),
     LLAMA32: ("<|begin_of_text|>", "<|eot_id|>"),
@@ -31,6 +32,7 @@ SPECIALS = {
     QWEN3: ("", "<|im_end|>"),
     PHI35: ("<s>", "<|endoftext|>"),
     R1: ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    SMOLLM3: ("", "<|im_end|>"),
 }
 WEATHER = {
     "type": "function",
@@ -105,6 +107,25 @@ def test_qwen3_enable_thinking_reaches_the_template():
     off, reference_off = both(QWEN3, CHAT, enable_thinking=False)
     assert (on, off) == (reference_on, reference_off)
     assert off == on + "<think>\n\n</think>\n\n"  # thinking off: an empty think block is the answer's start
+
+
+def test_smollm3_thinks_unless_enable_thinking_or_its_system_prompt_says_no():
+    """SmolLM3's switch: thinking by default (the model opens <think> itself), off by
+    chat_template_kwargs' enable_thinking false or a system prompt's /no_think (an empty think block
+    starts the answer); the server reads its answers for think blocks, the answer outside one."""
+    from server.reasoning import THINK, opens_inside, tags_of
+
+    on, reference_on = both(SMOLLM3, CHAT)
+    off, reference_off = both(SMOLLM3, CHAT, enable_thinking=False)
+    flagged, reference_flagged = both(
+        SMOLLM3, [{"role": "system", "content": "You are terse. /no_think"}, *CHAT[1:]]
+    )
+    assert (on, off, flagged) == (reference_on, reference_off, reference_flagged)
+    assert on.endswith("<|im_start|>assistant\n") and "/think" in on
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n") and "/no_think" in off
+    assert flagged.endswith("<think>\n\n</think>\n") and "You are terse." in flagged
+    assert tags_of((TEMPLATES / SMOLLM3).read_text(encoding="utf-8"), "auto") is THINK
+    assert not opens_inside(on[-40:]) and not opens_inside(off[-40:])
 
 
 def test_the_r1_distill_prompt_opens_the_think_block():

@@ -65,3 +65,27 @@ def test_arch_writes_a_dense_preset_in_another_familys_form(tmp_path, monkeypatc
     with pytest.raises(SystemExit):
         make_gguf.main()
     assert "not a dense" in capsys.readouterr().err
+
+
+def test_the_smollm3_preset_holds_its_weights_and_every_fourth_layer_rotates_nothing(
+    tmp_path, default_model_path
+):
+    """smollm3-3b: SmolLM3-3B's 3.08B weights (tied, its vocabulary of 128,256); a smollm3 file says
+    nothing of NoPE, and the loader leaves layer i unrotated where (i + 1) % 4 == 0, as llama.cpp does."""
+    from agent.model.formats import load_checkpoint
+    from tools.make_gguf import SHAPES, tensor_shapes
+
+    total = sum(
+        int(np.prod([128256 if d == -1 else d for d in dims]))
+        for _, dims in tensor_shapes(SHAPES["smollm3-3b"])
+    )
+    assert abs(total / 1e9 - 3.08) < 0.02, total
+    path = write_random_gguf(
+        tmp_path / "smollm3.gguf",
+        Shape(64, 8, 128, 4, 2, arch="smollm3"),
+        mix("F32"),
+        tokenizer=default_model_path,
+    )
+    spec = load_checkpoint(path).spec
+    assert spec.architecture == "smollm3" and spec.nope_layers == (3, 7)
+    assert [spec.rope(i) for i in range(4)] == ["global", "global", "global", "none"]
