@@ -20,7 +20,9 @@ from agent.model.families.base import GgufLayout, HfLayout, packed_parts
 from agent.model.spec import ModelSpec
 from agent.model.tokenizer import TEMPLATES
 
-GGUF_ARCHITECTURES = {name: name for name in ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3")}
+GGUF_ARCHITECTURES = {
+    name: name for name in ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3", "smollm3")
+}
 HF_MODEL_TYPES = {
     "llama": "llama",
     "qwen2": "qwen2",
@@ -29,6 +31,7 @@ HF_MODEL_TYPES = {
     "phi3": "phi3",
     "internlm2": "internlm2",
     "mistral": "mistral",
+    "smollm3": "smollm3",
 }
 GLOBAL_TENSORS = {"embed", "final_norm", "lm_head"}
 
@@ -75,13 +78,13 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(name):
         families.gguf_layout(name, Path("m.gguf"))
     assert (
         str(gguf_refusal.value) == f"m.gguf: unsupported architecture {name!r} "
-        "(supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3)"
+        "(supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3, smollm3)"
     )
     with pytest.raises(CheckpointError) as hf_refusal:
         families.hf_layout(name, Path("m"))
     assert (
         str(hf_refusal.value) == f"m: unsupported architecture {name!r} "
-        "(supported: llama, qwen2, qwen3, qwen3_moe, phi3, internlm2, mistral)"
+        "(supported: llama, qwen2, qwen3, qwen3_moe, phi3, internlm2, mistral, smollm3)"
     )
 
 
