@@ -217,15 +217,19 @@ class BatchScheduler:
             waiting=self.num_waiting,
             tokens_in_flight=self.tokens_in_flight,
             groups=groups,
-            counts=EngineCounts(
-                preemptions=self.preemptions,
-                prefix_query_tokens=self.placement.prefix_query_tokens,
-                prefix_hit_tokens=self.placement.prefix_hit_tokens,
-                prefix_tier_hit_tokens=self.placement.prefix_tier_hit_tokens,
-                proposed_tokens=self.drafts.proposed_tokens,
-                accepted_tokens=self.drafts.accepted_tokens,
-                speculative_steps=self.drafts.speculative_steps,
-            ),
+            counts=self.counts(),
+        )
+
+    def counts(self) -> EngineCounts:
+        """The totals since the start (the metrics' counters), without the rest of stats()."""
+        return EngineCounts(
+            preemptions=self.preemptions,
+            prefix_query_tokens=self.placement.prefix_query_tokens,
+            prefix_hit_tokens=self.placement.prefix_hit_tokens,
+            prefix_tier_hit_tokens=self.placement.prefix_tier_hit_tokens,
+            proposed_tokens=self.drafts.proposed_tokens,
+            accepted_tokens=self.drafts.accepted_tokens,
+            speculative_steps=self.drafts.speculative_steps,
         )
 
     def drop_cache(self, group: int) -> tuple[int, bool]:

@@ -256,7 +256,7 @@ class Engine:
         (and each transfer) a task of its own that executes it and updates the scheduler."""
         while not self._stopping and self.failure is None:
             plan = self.scheduler.schedule(busy=self._steps.keys() | self._held)
-            self._count(self.stats().counts)
+            self._count(self.scheduler.counts())  # each loop: the counters, not the whole stats
             for group, part in plan.parts.items():
                 self.executor.planned(part)
                 ended = partial(self._step_ended, group)

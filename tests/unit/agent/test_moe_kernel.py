@@ -196,25 +196,14 @@ def int8_reference(
     return out, ties
 
 
-@pytest.mark.parametrize("case", INT8_CASES)
-def test_int8_experts_match_the_block_rounded_reference(library, kernel_target, case):
-    """Rows of 1 to 40 (with padding) against the numpy MoE whose experts' inputs are rounded per
-    block of 32 (tie-free rows to float32's reach; rows meeting a tie within a few roundings' move),
-    and far from the float reference (the int8 products ran). The portable target refuses the call."""
-    rng = np.random.default_rng(5)
-    matrices = block_experts(rng, case)
-    d = INT8_CASES[case][1][0]
-    router = rng.standard_normal((E, d)).astype(np.float32)
-    norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
-    if not has_int8_products(kernel_target):
-        x = rng.standard_normal((2, d)).astype(np.float32)
-        assert run(library.MoeFfnI8, x, np.ones(2, np.int32), norm, router, matrices, 2, True)[0] == 1
-        return
+def int8_rows_match_the_reference(op, rng, d: int, norm, router, matrices) -> np.ndarray:
+    """MoeFfnI8 (`op`, of any build) on 1 to 40 rows with padding, against int8_reference (tie-free
+    rows to float32's reach, far from the float reference) and reference; the last call's input."""
     exact = 0
     for rows, live in ((1, 1), (4, 4), (7, 5), (40, 37)):
         x = (rng.standard_normal((rows, d)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
         lengths = np.repeat(np.where(np.arange(rows) < live, 7, 0), 2).astype(np.int32)
-        status, out = run(library.MoeFfnI8, x, lengths, norm, router, matrices, 2, True)
+        status, out = run(op, x, lengths, norm, router, matrices, 2, True)
         assert status == 0
         assert np.array_equal(out[live:], x[live:])  # padding rows pass through
         want, ties = int8_reference(x, norm, router, matrices, 2, True, live)
@@ -230,6 +219,24 @@ def test_int8_experts_match_the_block_rounded_reference(library, kernel_target, 
             else:
                 assert off < 1e-2 * scale, (rows, row, off / scale)
     assert exact >= 20
+    return x
+
+
+@pytest.mark.parametrize("case", INT8_CASES)
+def test_int8_experts_match_the_block_rounded_reference(library, kernel_target, case):
+    """Rows of 1 to 40 (with padding) against the numpy MoE whose experts' inputs are rounded per
+    block of 32 (tie-free rows to float32's reach; rows meeting a tie within a few roundings' move),
+    and far from the float reference (the int8 products ran). The portable target refuses the call."""
+    rng = np.random.default_rng(5)
+    matrices = block_experts(rng, case)
+    d = INT8_CASES[case][1][0]
+    router = rng.standard_normal((E, d)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    if not has_int8_products(kernel_target):
+        x = rng.standard_normal((2, d)).astype(np.float32)
+        assert run(library.MoeFfnI8, x, np.ones(2, np.int32), norm, router, matrices, 2, True)[0] == 1
+        return
+    int8_rows_match_the_reference(library.MoeFfnI8, rng, d, norm, router, matrices)
 
 
 def test_int8_float_experts_stay_float32_products(library, kernel_target):
