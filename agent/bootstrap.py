@@ -162,6 +162,12 @@ def build_drafter(
         f"draft model {speculation.draft_model.name} loaded in {time.perf_counter() - start:.1f}s "
         f"({checkpoint.format}, {checkpoint.spec.parameter_count() / 1e6:.1f}M parameters)"
     )
+    if checkpoint.spec.linear_attention is not None:  # its rejected proposals would stay in its state
+        raise DraftMismatch(
+            f"runtime.speculation.draft_model {speculation.draft_model}: a draft model with Gated DeltaNet "
+            "layers is not supported (its state cannot take back the proposals the model rejects); use a "
+            "draft model with attention only, or method ngram"
+        )
     if checkpoint.spec.vocab_size != runner.spec.vocab_size:
         raise DraftMismatch(
             f"runtime.speculation.draft_model {speculation.draft_model}: {checkpoint.spec.vocab_size} "
@@ -213,6 +219,7 @@ def _checkpoint_runner(
     config: ServingConfig, place: Placement, progress: Progress, checkpoint: Checkpoint | None
 ) -> tuple[ModelRunner, KnownAnswer, MemoryPlan, Path | None]:
     checkpoint, runtime, plan, cache = prepare_checkpoint(config, place, progress, checkpoint)
+    refuse_unsupported_state(checkpoint.spec, runtime, place.role)
     if place.split.size > 1:
         _describe_share(place.split, checkpoint.spec, progress)
     runner = ModelRunner.from_checkpoint(checkpoint, runtime, place.split)
@@ -220,6 +227,26 @@ def _checkpoint_runner(
     known = KnownAnswer.of_checkpoint(checkpoint, runtime)
     progress(f"known answer for the warm-up check computed in {time.perf_counter() - start:.2f}s")
     return runner, known, plan, cache
+
+
+def refuse_unsupported_state(spec: ModelSpec, runtime: RuntimeSection, role: str) -> None:
+    """A model with Gated DeltaNet layers (Qwen3.5's) keeps a state per sequence beside its KV,
+    which a KV transfer (disaggregation) and the prefix cache's second tier do not move yet: such a
+    group runs mixed, without the tier."""
+    if spec.linear_attention is None:
+        return
+    if role != "mixed":
+        raise ValueError(
+            f"{spec.architecture}: a {role} agent sends or receives K/V alone, and this model's Gated "
+            "DeltaNet layers keep a state per sequence that no transfer moves yet: serve it with mixed "
+            "agent groups"
+        )
+    if runtime.kv_tiers.enabled:
+        raise ValueError(
+            f"{spec.architecture}: runtime.kv_tiers keeps K/V blocks alone, and this model's Gated "
+            "DeltaNet layers keep a state per sequence the tier does not hold yet: turn the tier off "
+            "(host_mb: 0, disk_mb: 0)"
+        )
 
 
 def _mindir_runner(

@@ -123,10 +123,46 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate-half RoPE (the checkpoint's canonical Q/K row order); x [heads, S, hd]."""
-    half = x.shape[-1] // 2
+    """Rotate-half RoPE (the checkpoint's canonical Q/K row order) of the first cos.shape[-1] dims
+    of each head (all of them but with partial RoPE); x [heads, S, hd]."""
+    dims = cos.shape[-1]
+    x, rest = x[..., :dims], x[..., dims:]
+    half = dims // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    return np.concatenate([x * cos + rotated * sin, rest], axis=-1)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.exp(-x))
+
+
+def _gated_delta(h: np.ndarray, p: str, checkpoint: Checkpoint, product) -> np.ndarray:
+    """A Gated DeltaNet layer's mixer over its normed rows h [S, hidden] from a zero state ->
+    [S, value_heads * value_dim] (before delta_out), token by token (agent/kernels/gated_delta.h)."""
+    shape, t = checkpoint.spec.linear_attention, checkpoint.tensors
+    assert shape is not None
+    n, kernel, channels = len(h), shape.conv_kernel, shape.channels
+    hk, hv, dk, dv = shape.key_heads, shape.value_heads, shape.key_dim, shape.value_dim
+    inputs = np.concatenate([np.zeros((kernel - 1, channels), np.float32), product(h, p + "delta_qkv")])
+    conv = t[p + "delta_conv"].reshape(channels, kernel)
+    y = _silu(sum(inputs[j : j + n] * conv[:, j] for j in range(kernel)))
+    q, k = y[:, : hk * dk].reshape(n, hk, dk), y[:, hk * dk : 2 * hk * dk].reshape(n, hk, dk)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / np.float32(np.sqrt(dk))
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    heads = np.arange(hv) % hk  # value head h reads key head h % key_heads
+    q, k, v = q[:, heads], k[:, heads], y[:, 2 * hk * dk :].reshape(n, hv, dv)
+    beta = 1 / (1 + np.exp(-(h @ checkpoint.matrix(p + "delta_beta").T)))
+    a = h @ checkpoint.matrix(p + "delta_alpha").T + t[p + "delta_dt_bias"]
+    decay = np.exp(t[p + "delta_a"] * np.logaddexp(0, a))  # A * softplus(a + dt_bias)
+    state = np.zeros((hv, dk, dv), np.float32)
+    out = np.zeros((n, hv, dv), np.float32)
+    for i in range(n):
+        state *= decay[i][:, None, None]
+        delta = (v[i] - np.einsum("hkv,hk->hv", state, k[i])) * beta[i][:, None]
+        state += k[i][:, :, None] * delta[:, None, :]
+        out[i] = np.einsum("hkv,hk->hv", state, q[i])
+    z = product(h, p + "delta_z").reshape(n, hv, dv)
+    return (_rms_norm(out, t[p + "delta_norm"], checkpoint.spec.rms_eps) * _silu(z)).reshape(n, -1)
 
 
 def _experts(h: np.ndarray, p: str, checkpoint: Checkpoint, product) -> np.ndarray:
@@ -165,6 +201,9 @@ def _attention(
     q, k, v = (
         product(h, p + name) + t.get(p + bias, 0) for name, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
     )
+    gate = None
+    if spec.output_gate:  # each head's query, then its gate (Qwen3.5's)
+        q, gate = q.reshape(n, -1, 2, hd)[:, :, 0], q.reshape(n, -1, 2, hd)[:, :, 1].reshape(n, -1)
     q, k = q.reshape(n, -1, hd).transpose(1, 0, 2), k.reshape(n, kv_heads, hd).transpose(1, 0, 2)
     if spec.qk_norm:
         q, k = _rms_norm(q, t[p + "q_norm"], spec.rms_eps), _rms_norm(k, t[p + "k_norm"], spec.rms_eps)
@@ -176,6 +215,8 @@ def _attention(
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     attended = (probs @ np.repeat(v, group, axis=0)).transpose(1, 0, 2).reshape(n, -1)
+    if gate is not None:
+        attended = attended / (1 + np.exp(-gate))
     return attended, k, v
 
 
@@ -192,8 +233,8 @@ def _gated_ffn(h: np.ndarray, p: str, activation: str, product) -> np.ndarray:
 def numpy_forward(
     checkpoint: Checkpoint, tokens: np.ndarray, kernels: bool = False, quantized_kv: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Causal forward of `tokens` from position 0 -> logits [S, V] and K/V of every layer
-    [2 * layers, KV heads, S, head_dim] (K after RoPE), as the cache holds them. Float32, the
+    """Causal forward of `tokens` from position 0 -> logits [S, V] and K/V of every layer with a KV
+    cache [2 * layers, KV heads, S, head_dim] (K after RoPE), as the cache holds them. Float32, the
     checkpoint's own dtype: float64 would copy every weight and agrees to ~1e-5 anyway. `kernels`:
     the matrices the checkpoint keeps in their format are multiplied by the CPU kernels' products
     (agent/kernels/calls.py), called directly rather than through a graph: what the check catches,
@@ -213,7 +254,7 @@ def numpy_forward(
     n = len(tokens)
     ropes = {}
     for kind in {spec.rope(i) for i in range(spec.num_layers)}:
-        inv_freq = np.zeros(spec.head_dim // 2) if kind == "none" else spec.rope_inv_freq(kind == "local")
+        inv_freq = np.zeros(spec.rope_dims // 2) if kind == "none" else spec.rope_inv_freq(kind == "local")
         angles = np.concatenate([np.outer(np.arange(n), inv_freq)] * 2, 1)
         ropes[kind] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     distance = np.arange(n)[:, None] - np.arange(n)[None, :]  # query position - key position
@@ -233,6 +274,10 @@ def numpy_forward(
     for i in range(spec.num_layers):
         p, local = f"layers.{i}.", spec.is_local(i)
         h = _rms_norm(x, t[p + "attn_norm"], spec.rms_eps)
+        if spec.is_linear(i):  # no K/V: a state of its own
+            x = x + product(_gated_delta(h, p, checkpoint, product), p + "delta_out")
+            x = x + _gated_ffn(_rms_norm(x, t[p + "ffn_norm"], spec.rms_eps), p, spec.activation, product)
+            continue
         hidden = (distance < 0) | (local & (distance >= spec.sliding_window))
         mask = np.where(hidden, -np.inf, 0).astype(np.float32)
         attended, k, v = _attention(h, p, checkpoint, product, ropes[spec.rope(i)], mask, quantized_kv)

@@ -53,6 +53,7 @@ from agent.contract.sampling import SamplingParams
 from agent.contract.step import StepChunk
 from agent.graphs.cache_format import VALUE_BYTES, CacheFormat
 from agent.graphs.interface import GraphInputs, local_ring_blocks, mixed_rows, scratch_blocks
+from agent.graphs.shapes import held_rows
 from agent.launcher.memory_budget import available_mb
 from agent.model.checkpoint import Checkpoint
 from agent.model.formats import gguf_file
@@ -104,6 +105,8 @@ class MemoryPlan:
     block_size: int
     budget_mb: int | None
     rings_mb: float = 0.0  # the sliding-window layers' rings, every slot's
+    states_mb: float = 0.0  # the Gated DeltaNet layers' states: every slot's, the scratch one's, snapshots
+    state_snapshots: int = 0
     kv_format: str = "float32"  # the cache's rows (agent/graphs/cache_format.py)
     reserves: tuple[Reserve, ...] = ()  # Ascend and GPU only
     working_basis: str = ""  # what the working line holds, said where there are reserves
@@ -118,7 +121,7 @@ class MemoryPlan:
 
     @property
     def total_mb(self) -> float:
-        return self.weights_mb + self.kv_mb + self.working_mb + self.reserves_mb
+        return self.weights_mb + self.kv_mb + self.states_mb + self.working_mb + self.reserves_mb
 
     @property
     def pooled_mb(self) -> float:
@@ -141,6 +144,12 @@ class MemoryPlan:
             + (
                 f" (global layers; sliding-window layers' rings {self.rings_mb:.0f} MB)"
                 if self.rings_mb
+                else ""
+            )
+            + (
+                f", Gated DeltaNet states {self.states_mb:.0f} MB ({self.num_slots} slots, a scratch one and "
+                f"{self.state_snapshots} snapshots)"
+                if self.states_mb
                 else ""
             )
             + f", working {self.working_mb:.0f} MB{reserves}: "
@@ -365,7 +374,15 @@ def plan_memory(
     # Sliding-window layers keep per-slot rings (unless a ring would hold a whole sequence)
     longest = spec.max_context if runtime.max_seq_len == "auto" else runtime.max_seq_len
     ring = local_ring_blocks(runtime, spec, longest)
-    pool_layers = spec.global_layers if ring else spec.num_layers
+    # Gated DeltaNet layers hold no KV: a fixed state per slot instead
+    linear = spec.linear_attention
+    pool_layers = (spec.global_layers if ring else spec.num_layers) - (len(linear.layers) if linear else 0)
+    # each slot's (and the scratch one's) state and held rows, and the snapshots
+    states = (
+        (slots + 1) * linear.slot_bytes(held_rows(runtime)) + runtime.state_snapshots * linear.state_bytes
+        if linear
+        else 0
+    )
     position_bytes = 2 * spec.num_kv_heads * CacheFormat.of(runtime).row_bytes(spec.head_dim)
     per_block = pool_layers * position_bytes * runtime.block_size
     rings = (slots + 1) * ring * (spec.num_layers - pool_layers) * position_bytes * runtime.block_size
@@ -389,12 +406,17 @@ def plan_memory(
         else ""
     )
     # blocks the budget leaves for the pool (None: no budget)
-    room = None if budget is None else (budget - weights - working - rings - reserved) // per_block - scratch
+    room = (
+        None
+        if budget is None
+        else (budget - weights - working - rings - states - reserved) // per_block - scratch
+    )
     if room is not None and room <= 0:
         raise MemoryPlanError(
             f"memory_budget_mb {runtime.memory_budget_mb} does not hold the weights "
             f"({weights / MB:.0f} MB), {beside}"
             + (f", the sliding-window layers' rings ({rings / MB:.0f} MB)" if rings else "")
+            + (f", the Gated DeltaNet layers' states ({states / MB:.0f} MB)" if states else "")
             + " and a KV cache"
         )
 
@@ -427,7 +449,7 @@ def plan_memory(
     except ValueError as exc:
         raise MemoryPlanError(f"the planned runtime ({update}) is not valid: {exc}") from exc
     if device and budget is None:  # the margin's share is of what the plan puts in the pool
-        served = weights + working + rings + (blocks + scratch) * per_block + reserved
+        served = weights + working + rings + states + (blocks + scratch) * per_block + reserved
         reserves.insert(0, kernel_workspace_reserve(served, of_budget=False))
     plan = MemoryPlan(
         weights / MB,
@@ -440,6 +462,8 @@ def plan_memory(
         runtime.block_size,
         runtime.memory_budget_mb,
         rings / MB,
+        states / MB,
+        runtime.state_snapshots if linear else 0,
         CacheFormat.of(runtime).name,
         tuple(reserves),
         working_basis(spec, runtime) if device else "",

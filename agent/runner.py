@@ -41,7 +41,7 @@ from agent.contract.prompt_logprobs import PromptLogprob, score_rows
 from agent.contract.step import BlockTable, StepChunk, StepLimits, StepRequest
 from agent.contract.step_reply import StepReply
 from agent.graphs.cache_format import CacheFormat
-from agent.graphs.interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, bucket
+from agent.graphs.interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, StateMove, bucket
 from agent.graphs.layers import WHOLE_MODEL, TensorSplit
 from agent.graphs.mindir import MindIRGraphs
 from agent.graphs.step_graphs import StepGraphs
@@ -154,6 +154,10 @@ class ModelRunner:
         return self.checks.prefix_caching
 
     @property
+    def speculation(self) -> bool:
+        return self.checks.speculation
+
+    @property
     def limits(self) -> StepLimits:
         return self.checks.limits
 
@@ -236,7 +240,7 @@ class ModelRunner:
         the chunk asks for prompt logprobs (k, lookahead), every row's logits scored at the token
         after it (the last row at `lookahead`, if any: StepChunk.scores)."""
         slot, start, k = chunk.slot, chunk.start, chunk.prompt_logprobs
-        ids, padded = self.checks.chunk(slot, chunk.tokens, chunk.table, start, chunk.sample)
+        ids, padded = self.checks.chunk(chunk)
         if k is not None and chunk.lookahead is not None:
             self.checks.tokens([chunk.lookahead])
         after = np.append(ids[1:], -1 if k is None or chunk.lookahead is None else chunk.lookahead)
@@ -244,8 +248,16 @@ class ModelRunner:
         for piece_start in range(start, len(ids), self.max_chunk):
             piece = ids[piece_start : piece_start + self.max_chunk]
             length = bucket(self.runtime.prefill_buckets, len(piece))
+            # a snapshot restored before the first piece, saved after the last
+            move = self._state_move(chunk, piece_start == start, piece_start + len(piece) == len(ids))
             logits = self.graphs.prefill(
-                padded, piece, length, start=piece_start, slot=slot, every_row=k is not None
+                padded,
+                piece,
+                length,
+                start=piece_start,
+                slot=slot,
+                every_row=k is not None,
+                moves={slot: move} if move else None,
             )
             if k is not None:
                 rows = logits.asnumpy()[: len(piece)]
@@ -278,7 +290,10 @@ class ModelRunner:
             rows,
             self.graphs.inputs.attend(positions),
             slots=list(slots),
+            moves={slot: StateMove(replay=s.replay) for slot, s in zip(slots, states) if s.replay},
         )
+        for state in states:
+            state.replay = 0
         tokens = self.chooser.sample(logits, [s.sampler for s in states if s.sampler is not None], greedy)
         self.slot_table.decoded(states, padded, [[t] for t in tokens])
         return tokens
@@ -320,6 +335,13 @@ class ModelRunner:
                 masks, {**dict(zip(slots, states)), **{chunks[i].slot: new[i] for i in sampling}}
             )
         graphs = cast(MixedStepGraphs, self.graphs)  # StepChecks.mixed: mixed_rows says so
+        # the verified slots' Gated DeltaNet states are held: the next step replays the rows kept
+        moves = {
+            slot: StateMove(replay=s.replay, hold=slot in drafts)
+            for slot, s in zip(slots, states)
+            if s.replay or slot in drafts
+        }
+        moves |= {c.slot: move for c in chunks if (move := self._state_move(c, True, True))}
         logits, greedy = graphs.mixed(
             np.stack([padded[i] for i in plain]) if plain else np.zeros((0, 0), np.int32),
             np.array([states[i].next_token for i in plain], np.int64),
@@ -333,6 +355,7 @@ class ModelRunner:
                 self.runtime.decode_batch_buckets, len(plain) + sum(len(c.tokens) for c in scored) + len(new)
             ),
             decode_slots=[slots[i] for i in plain],
+            moves=moves,
         )
         samplers = [s for i in plain if (s := states[i].sampler) is not None] + [new[i] for i in sampling]
         if scored:
@@ -344,6 +367,8 @@ class ModelRunner:
         for row, i in enumerate(plain):
             decoded[i] = [tokens[row]]
         self.slot_table.decoded(states, padded, decoded)
+        for slot, state, kept in zip(slots, states, decoded):
+            state.replay = len(kept) if slot in drafts else 0  # its pending token and the proposals kept
         firsts: list[int | None] = [None] * len(chunks)
         for i, token in zip(sampling, tokens[len(plain) :]):
             firsts[i] = token
@@ -354,6 +379,23 @@ class ModelRunner:
         return decoded, firsts
 
     # -------------------------------------------------------------------------------- internals
+
+    def _state_move(self, chunk: StepChunk, first: bool, last: bool) -> StateMove | None:
+        """A chunk's snapshot restore (before its first piece) and save (after its last), as state
+        slots: the snapshots follow the live ones (GraphInputs: the slots and a scratch one); a
+        chunk that goes on from its slot's state replays the rows that state still holds first."""
+        live = self.graphs.inputs.num_slots + 1
+        restore = chunk.restore if first else None
+        save = chunk.save if last else None
+        held = self.slot_table.slots.get(chunk.slot)
+        replay = held.replay if first and restore is None and chunk.start > 0 and held is not None else 0
+        if restore is None and save is None and not replay:
+            return None
+        return StateMove(
+            replay=replay,
+            restore=-1 if restore is None else live + restore,
+            save=-1 if save is None else live + save,
+        )
 
     def kv_graphs(self) -> KVTransferGraphs:
         if not isinstance(self.graphs, KVTransferGraphs):

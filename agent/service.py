@@ -78,6 +78,8 @@ class AgentService:
             "max_chunk": runner.max_chunk,
             "chunked_prefill": runner.chunked_prefill,
             "prefix_caching": runner.prefix_caching,
+            "speculation": runner.speculation,
+            "state_snapshots": runner.runtime.state_snapshots if runner.spec.linear_attention else 0,
             "mixed_rows": runner.mixed_rows if role == "mixed" else 0,
             "prefill_buckets": runner.runtime.prefill_buckets,
             "decode_batch_buckets": runner.runtime.decode_batch_buckets,

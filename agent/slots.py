@@ -29,6 +29,9 @@ class SlotState:
     # the ids of the positions written (a draft model catches up from them); None where the KV
     # came from elsewhere (a KV import) or the runner keeps none (no draft model)
     tokens: list[int] | None = None
+    # rows of its last step whose Gated DeltaNet state was held (proposals being verified) and which
+    # it kept: its next step replays them onto the state first (agent/kernels/gated_delta.h)
+    replay: int = 0
 
 
 class SlotTable:
@@ -120,6 +123,7 @@ class SlotTable:
             state = self.slots[slot] = SlotState(length=end, table=table)
         state.length, state.table = end, table
         state.tokens = ids.tolist() if self.track_tokens else None
+        state.replay = 0  # a chunk rebuilt its state (from position 0 or a snapshot): nothing held applies
         return state
 
     @staticmethod

@@ -10,6 +10,7 @@ import numpy as np
 
 from agent.contract.step import MAX_DRAFT_TOKENS, BlockTable, StepChunk, StepLimits
 from agent.graphs.interface import MixedStepGraphs, ModelGraphs, mixed_rows
+from agent.graphs.shapes import held_rows
 from agent.slots import RunnerError, SlotState, SlotTable
 from agent.token_chooser import TokenChooser
 from config.schema import RuntimeSection
@@ -49,18 +50,29 @@ class StepChecks:
     @property
     def prefix_caching(self) -> bool:
         """Whether a prompt may start from another sequence's blocks (a prefix-cache hit): not where
-        sliding-window layers keep their KV in each slot's ring (agent/graphs/interface.py)."""
-        return self.chunked_prefill and not self.graphs.inputs.ring
+        sliding-window layers keep their KV in each slot's ring (agent/graphs/interface.py), nor
+        where Gated DeltaNet layers keep no snapshots of their states (a hit resumes from one)."""
+        hybrid = self.spec.linear_attention is not None
+        return (
+            self.chunked_prefill
+            and not self.graphs.inputs.ring
+            and (not hybrid or self.runtime.state_snapshots > 0)
+        )
+
+    @property
+    def speculation(self) -> bool:
+        """Whether a step may verify proposals (a mixed step; with Gated DeltaNet layers, their
+        states' held rows: runtime.speculation)."""
+        return self.mixed_rows > 0 and (self.spec.linear_attention is None or held_rows(self.runtime) > 0)
 
     @property
     def max_prompt_len(self) -> int:
         """The longest prompt: one position stays for an answer; without chunks, one graph call."""
         return self.max_len - 1 if self.chunked_prefill else min(self.max_len - 1, self.max_chunk)
 
-    def chunk(
-        self, slot: int, tokens: Sequence[int], table: BlockTable | None, start: int, sample: bool
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def chunk(self, chunk: StepChunk) -> tuple[np.ndarray, np.ndarray]:
         """A chunk's checks (nothing changes): its token ids and its table padded to MB blocks."""
+        slot, tokens, table, start, sample = chunk.slot, chunk.tokens, chunk.table, chunk.start, chunk.sample
         self.slot_table.check_slot(slot)
         ids = self.tokens(tokens)
         end = len(ids)
@@ -80,7 +92,29 @@ class StepChecks:
                 f"a prefill computes positions start..{end - 1} after the "
                 f"{0 if state is None else state.length} the slot holds, not from {start}"
             )
+        self._state_moves(chunk, state)
         return ids, self.padded_table(slot, table, end)
+
+    def _state_moves(self, chunk: StepChunk, state: SlotState | None) -> None:
+        """A chunk's Gated DeltaNet state moves: snapshots in range; a chunk after position 0 goes
+        on from the state its slot holds, or from the snapshot it restores (a prefix-cache hit's)."""
+        restore, save = chunk.restore, chunk.save
+        if self.spec.linear_attention is None:
+            if restore is not None or save is not None:
+                raise RunnerError("this model has no Gated DeltaNet states to restore or save")
+            return
+        snapshots = self.runtime.state_snapshots
+        for name, value in (("restore", restore), ("save", save)):
+            if value is not None and not 0 <= value < snapshots:
+                raise RunnerError(f"a chunk's {name} snapshot {value} is outside 0..{snapshots - 1}")
+        held = 0 if state is None else state.length
+        if restore is not None and chunk.start == 0:
+            raise RunnerError("a chunk from position 0 restores no state")
+        if restore is None and 0 < chunk.start != held:
+            raise RunnerError(
+                f"slot {chunk.slot}'s state holds {held} positions: a chunk from position {chunk.start} "
+                "restores a snapshot's"
+            )
 
     def decode(
         self,
@@ -136,7 +170,7 @@ class StepChecks:
             raise RunnerError(f"a mixed step names a slot twice: decode {list(slots)}, chunks {chunk_slots}")
         self._drafts(drafts, slots, masks)
         states, padded = self.decode(slots, tables, drafts)
-        checked = [self.chunk(c.slot, c.tokens, c.table, c.start, c.sample) for c in chunks]
+        checked = [self.chunk(c) for c in chunks]
         if masks:
             self.chooser.check_masks(masks, [*slots, *(c.slot for c in chunks if c.sample)])
         proposed = sum(len(p) for p in drafts.values())
@@ -151,13 +185,15 @@ class StepChecks:
     ) -> None:
         """Proposals for decode slots of this call, at most MAX_DRAFT_TOKENS token ids each, and
         none for a slot whose next token is masked (a grammar's mask holds for one token only)."""
+        # a Gated DeltaNet state holds the rows of the pending token and its proposals for their replay
+        most = held_rows(self.runtime) - 1 if self.spec.linear_attention is not None else MAX_DRAFT_TOKENS
         for slot, proposed in drafts.items():
             if slot not in slots:
                 raise RunnerError(f"proposals for slot {slot}, which this step does not decode")
             if slot in masks:
                 raise RunnerError(f"slot {slot} has a token mask: its next token cannot be proposed")
-            if not 1 <= len(proposed) <= MAX_DRAFT_TOKENS:
-                raise RunnerError(f"a slot's proposals are 1..{MAX_DRAFT_TOKENS} tokens, got {len(proposed)}")
+            if not 1 <= len(proposed) <= most:
+                raise RunnerError(f"a slot's proposals are 1..{most} tokens, got {len(proposed)}")
             self.tokens(proposed)
 
     def padded_table(self, slot: int, table: BlockTable | None, positions: int) -> np.ndarray:

@@ -19,7 +19,7 @@ from mindspore import Tensor
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import StepChunk
 from agent.graphs.cache_format import dequantize_rows, quantize_rows
-from agent.graphs.interface import MixedStepGraphs
+from agent.graphs.interface import MixedStepGraphs, StateMove, StateMoves
 from agent.known_answer import (
     KnownAnswer,
     KnownAnswerError,
@@ -141,16 +141,36 @@ def _run_decode_probe(
 ) -> None:
     """`rows` copies of the probe's decode step, each row's logits and argmax checked."""
     scratch, n = runner.graphs.inputs.scratch_table, len(probe.prompt)
+    slots, moves = _probe_states(runner, rows)
+    real = len(slots) if slots is not None else rows
     logits, greedy = runner.graphs.decode(
-        np.tile(scratch, (rows, 1)), np.full(rows, probe.decode_token), np.full(rows, n), rows, length
+        np.tile(scratch, (real, 1)),
+        np.full(real, probe.decode_token),
+        np.full(real, n),
+        rows,
+        length,
+        slots=slots,
+        moves=moves,
     )
     if check:
-        got = logits.asnumpy()
+        got = logits.asnumpy()[:real]
         for row in got:
             compare(check, row, probe.decode_logits, held_to)
         # int8 products may reorder near-equal logits: the graph's argmax is of its own
-        chosen_from = got if held_to == "int8" else np.tile(probe.decode_logits, (rows, 1))
-        check_post_process(check, chosen_from, greedy.asnumpy())
+        chosen_from = got if held_to == "int8" else np.tile(probe.decode_logits, (real, 1))
+        check_post_process(check, chosen_from, greedy.asnumpy()[:real])
+
+
+def _probe_states(runner: ModelRunner, rows: int, first: int = 0) -> tuple[list[int] | None, StateMoves]:
+    """Where a model has Gated DeltaNet layers, the probe's decode rows need a state each, the one
+    the prompt left in the scratch slot (which must stay as it is for the next probe): slots from
+    `first` on (free at warm-up), each restored from it, as many rows as there are slots. (None, {})
+    elsewhere."""
+    inputs = runner.graphs.inputs
+    if not inputs.state_slots:
+        return None, {}
+    slots = list(range(first, min(first + rows, inputs.num_slots)))
+    return slots, {slot: StateMove(restore=inputs.num_slots) for slot in slots}
 
 
 def _run_mixed_probe(
@@ -159,7 +179,8 @@ def _run_mixed_probe(
     """The probe's prompt as a chunk and rows - 1 decode rows after it, each row's logits checked."""
     assert isinstance(runner.graphs, MixedStepGraphs)
     scratch, n = runner.graphs.inputs.scratch_table, len(probe.prompt)
-    decodes = rows - 1
+    slots, moves = _probe_states(runner, rows - 1, first=1)  # slot 0: the chunk's
+    decodes = len(slots) if slots is not None else rows - 1
     logits, greedy = runner.graphs.mixed(
         np.tile(scratch, (decodes, 1)),
         np.full(decodes, probe.decode_token),
@@ -167,6 +188,8 @@ def _run_mixed_probe(
         [StepChunk(0, list(probe.prompt), scratch, 0, SamplingParams())],
         length,
         rows,
+        decode_slots=slots,
+        moves=moves,
     )
     if check:
         got = logits.asnumpy()

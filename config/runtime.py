@@ -221,6 +221,14 @@ class RuntimeSection(Section):
     )
     speculation: SpeculationSection = Field(default_factory=SpeculationSection)
     kv_tiers: KVTiersSection = Field(default_factory=KVTiersSection)
+    state_snapshots: int = Field(
+        8,
+        ge=0,
+        le=4096,
+        description="models with Gated DeltaNet layers (Qwen3.5): prompts' states kept for prefix-cache "
+        "hits (each a whole state beside the KV blocks; a hit resumes from the longest prefix whose state "
+        "is kept); 0: no prefix caching for them; other models: unused",
+    )
 
     @field_validator("prefill_buckets", "decode_batch_buckets", "attend_buckets")
     @classmethod

@@ -380,6 +380,7 @@ class BatchScheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Its blocks go to others; it keeps its slot, tokens and sampling state and is recomputed."""
+        self.placement.drop_states(seq)
         self.blocks[seq.placement[0]].free(seq.request_id)
         seq.slot_holds, seq.computed = seq.computed, 0
         seq.preemptions += 1
@@ -450,8 +451,15 @@ class BatchScheduler:
         if size <= 0:
             return 0
         end = seq.computed + size
+        restore, save = seq.state_restore, None
+        snapshots = self.placement.snapshots[seq.placement[0]]
+        saves = [p for p in seq.state_saves if seq.computed < p <= end]
+        if saves and snapshots is not None:  # the chunk ends where its state is saved
+            save = snapshots.take()
+            end = saves[0] if save is not None else end
+            size = end - seq.computed
         plan.prefills.append(
-            Chunk(seq, seq.computed, end, sample=end == seq.positions_used and not seq.output)
+            Chunk(seq, seq.computed, end, end == seq.positions_used and not seq.output, restore, save)
         )
         return size
 
@@ -490,7 +498,17 @@ class BatchScheduler:
         return self._reports(touched.values())
 
     def _take(self, outcome: StepOutcome) -> list[Sequence]:
-        """One call's outcome into the sequences and the groups -> the sequences it touched."""
+        """One call's outcome into the sequences and the groups -> the sequences it touched; the
+        state snapshots its chunks were to save that did not run go back."""
+        touched = self._take_outcome(outcome)
+        snapshots = self.placement.snapshots[outcome.group]
+        if snapshots is not None and isinstance(outcome.part, PlannedStep):
+            for chunk in outcome.part.chunks:
+                if chunk.save is not None:
+                    snapshots.release(chunk.save)  # no-op where it was saved
+        return touched
+
+    def _take_outcome(self, outcome: StepOutcome) -> list[Sequence]:
         lost, step = outcome.group_failure, outcome.part
         if lost is not None:
             failed = self._group_failed(outcome.group, f"agent {outcome.agent} failed: {lost}")
@@ -605,12 +623,30 @@ class BatchScheduler:
             if prompt_scores is not None:  # positions start + 1.. (StepChunk.prompt_logprobs)
                 seq.prompt_logprobs[chunk.start :] = prompt_scores
             seq.computed = chunk.end
-            self.blocks[seq.placement[0]].computed(seq.request_id, seq.tokens(chunk.end), chunk.end)
+            blocks = self.blocks[seq.placement[0]]
+            blocks.computed(seq.request_id, seq.tokens(chunk.end), chunk.end)
+            self._states_moved(chunk, blocks)
             if chunk.sample:
                 assert token is not None, "a prompt's last chunk samples a token"
                 self._append(seq, token)
                 touched.append(seq)
         return touched
+
+    def _states_moved(self, chunk: Chunk, blocks: BlockManager) -> None:
+        """A hybrid model's chunk ran: the snapshot it restored is no longer needed, and the one it
+        saved is found by the prefix it ends (scheduler/state_snapshots.py)."""
+        seq, snapshots = chunk.seq, self.placement.snapshots[chunk.seq.placement[0]]
+        if snapshots is None:
+            return
+        if chunk.restore is not None:
+            self.placement.restored(seq)
+        seq.state_saves = [p for p in seq.state_saves if p > chunk.end]
+        if chunk.save is not None:
+            serial = blocks.serial_of(seq.request_id, chunk.end // blocks.block_size - 1)
+            if serial is None:  # its block is not registered (no prefix caching): nothing to find
+                snapshots.release(chunk.save)
+            else:
+                snapshots.saved(chunk.save, serial)
 
     def _transferred(self, chunk: Chunk, reply: StepReply) -> list[Sequence]:
         """Its prefill group sent the KV and the decode group took it: it decodes from now on."""
@@ -735,6 +771,7 @@ class BatchScheduler:
         self.clients.finished(seq, was_running=seq.status is SequenceStatus.RUNNING)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self.tokens_in_flight -= seq.token_budget
+        self.placement.drop_states(seq)
         if self.running.pop(seq.request_id, None) is not None and release:
             group, slot = seq.placement  # it ran, so it was placed
             self.blocks[group].free(seq.request_id)

@@ -145,14 +145,31 @@ class BlockManager:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._tables
 
-    def blocks_needed(self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True) -> int:
-        """Free blocks `allocate(key, tokens, salt, reuse)` would take now (hits on blocks in use
-        cost none)."""
-        hits, _ = self._lookup(tokens, salt) if reuse else ([], [])
+    def blocks_needed(
+        self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True, max_hit: int | None = None
+    ) -> int:
+        """Free blocks `allocate(key, tokens, salt, reuse, max_hit)` would take now (hits on blocks
+        in use cost none)."""
+        hits, _ = self._lookup(tokens, salt, max_hit) if reuse else ([], [])
         return self.blocks_for(len(tokens)) - sum(1 for _, block in hits if self._refs[block])
 
-    def can_allocate(self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True) -> bool:
-        return self.blocks_needed(tokens, salt, reuse) <= self.num_free
+    def can_allocate(
+        self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True, max_hit: int | None = None
+    ) -> bool:
+        return self.blocks_needed(tokens, salt, reuse, max_hit) <= self.num_free
+
+    def cached_serials(self, tokens: Sequence[int], salt: str | None = None) -> list[int]:
+        """The content serials of the pool's cached run of full blocks matching tokens' prefix (as
+        allocate would hit it, the tier aside): what names a state snapshot at each block's end
+        (scheduler/state_snapshots.py)."""
+        hits, _ = self._lookup(tokens, salt)
+        return [content.serial for content, _ in hits]
+
+    def serial_of(self, key: Hashable, block: int) -> int | None:
+        """The content serial of `key`'s block `block` (its index in the table), None while it is
+        not registered."""
+        content = self._content_of.get(self._tables[key][block])
+        return None if content is None else content.serial
 
     # --- changes ---
 

@@ -107,6 +107,7 @@ class GroupLinks:
                 tier_keys,
                 tier_keys is not None and info.get("kv_tier_write_through") is True,
                 self._tier_capacity(info) if tier_keys is not None else None,
+                self._state_snapshots(info),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentIncompatible(f"agent {client.address} reported an unusable KV cache: {exc}") from exc
@@ -147,6 +148,14 @@ class GroupLinks:
             raise AgentIncompatible(f"agent {self.clients[group].address} reported unusable KV tier keys")
         log.info("agent %d: KV tier on, %d blocks held", group, len(keys))
         return tuple(keys)
+
+    @staticmethod
+    def _state_snapshots(info: dict) -> int:
+        """The snapshot slots of the agent's Gated DeltaNet states (0: none)."""
+        slots = info.get("state_snapshots", 0)
+        if type(slots) is not int or not 0 <= slots < 2**31:
+            raise ValueError(f"state_snapshots is {slots!r:.40}, not a number of slots")
+        return slots
 
     @staticmethod
     def _tier_capacity(info: dict) -> int:

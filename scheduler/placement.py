@@ -14,6 +14,7 @@ from __future__ import annotations
 from scheduler.block_manager import BlockManager
 from scheduler.plan import GroupCapacity
 from scheduler.sequence import Sequence
+from scheduler.state_snapshots import StateSnapshots
 
 
 class Placement:
@@ -22,6 +23,7 @@ class Placement:
         self.enable_prefix_caching = enable_prefix_caching
         self.free_slots = [list(range(g.usable_slots)) for g in groups]
         self.blocks = [self._block_manager(g) for g in groups]
+        self.snapshots = [self._snapshots(g) for g in groups]
         self.healthy = [True] * len(groups)
         self.prefix_query_tokens = 0  # cumulative: prompt tokens looked up in a prefix cache
         self.prefix_hit_tokens = 0  # of those, found computed
@@ -45,6 +47,12 @@ class Placement:
         )
         blocks.seed_tier(capacity.tier_keys or ())
         return blocks
+
+    def _snapshots(self, capacity: GroupCapacity) -> StateSnapshots | None:
+        """A hybrid model's state snapshots, where its group keeps some and caches prefixes."""
+        if not capacity.state_snapshots or not self.enable_prefix_caching or not capacity.prefix_caching:
+            return None
+        return StateSnapshots(capacity.state_snapshots)
 
     def usable(self, group: int) -> bool:
         """Healthy, and a decode-capable group has a way to get prompts (itself or a prefill group)."""
@@ -94,7 +102,9 @@ class Placement:
             return (
                 bool(self.free_slots[i])
                 and len(seq.prompt) <= capacity.max_prompt_len
-                and self.blocks[i].can_allocate(seq.prompt, seq.cache_salt, not seq.scoring_prompt)
+                and self.blocks[i].can_allocate(
+                    seq.prompt, seq.cache_salt, not seq.scoring_prompt, self._state_hit(i, seq, seq.prompt)[0]
+                )
             )
 
         prefill = max(
@@ -120,12 +130,63 @@ class Placement:
         blocks = self.blocks[group]
         reuse = not seq.scoring_prompt
         from_tier = blocks.tier_hit_tokens
+        max_hit, restore, cached = self._state_hit(group, seq, tokens, max_hit)
         hit = blocks.allocate(seq.request_id, tokens, seq.cache_salt, reuse=reuse, max_hit=max_hit)
+        snapshots = self.snapshots[group]
+        if hit is not None and snapshots is not None:
+            self._plan_states(seq, snapshots, hit, restore, cached, len(tokens), blocks.block_size)
         if hit is not None and blocks.enable_prefix_caching:
             self.prefix_query_tokens += len(tokens)
             self.prefix_hit_tokens += hit
             self.prefix_tier_hit_tokens += blocks.tier_hit_tokens - from_tier
         return hit
+
+    def _state_hit(
+        self, group: int, seq: Sequence, tokens: list[int], max_hit: int | None = None
+    ) -> tuple[int | None, int | None, int]:
+        """A hybrid model's hit ends where a state snapshot does: the most positions it may hit
+        (within `max_hit`), the snapshot it then restores, and where the cached run of blocks ends
+        (max_hit, None, 0 for other models)."""
+        snapshots, blocks = self.snapshots[group], self.blocks[group]
+        if snapshots is None or seq.scoring_prompt:
+            return max_hit, None, 0
+        size = blocks.block_size
+        serials = blocks.cached_serials(tokens, seq.cache_salt)
+        within = serials if max_hit is None else serials[: max_hit // size]
+        usable, restore = snapshots.usable_hit(within)
+        return usable * size, restore, len(serials) * size
+
+    @staticmethod
+    def _plan_states(
+        seq: Sequence,
+        snapshots: StateSnapshots,
+        hit: int,
+        restore: int | None,
+        cached: int,
+        length: int,
+        size: int,
+    ) -> None:
+        """A hybrid model's sequence: the snapshot its hit restores (pinned until read), and where
+        its chunks save its state: where its cached prefix ends (a prompt sharing it starts there
+        next), and its last block boundary (the same prompt, or the conversation's next turn)."""
+        seq.state_restore = restore if hit else None
+        if seq.state_restore is not None:
+            snapshots.pin(seq.state_restore)
+        last = (length - 1) // size * size
+        seq.state_saves = sorted({p for p in (cached, last) if hit < p <= last})
+
+    def restored(self, seq: Sequence) -> None:
+        """The sequence no longer needs the snapshot its hit restores (its chunk ran, or it ended
+        or was preempted)."""
+        group, restore = seq.group, seq.state_restore
+        seq.state_restore = None
+        if restore is not None and group is not None and self.snapshots[group] is not None:
+            self.snapshots[group].unpin(restore)
+
+    def drop_states(self, seq: Sequence) -> None:
+        """The sequence ended or was preempted: no restore, no save (a recompute plans its own)."""
+        self.restored(seq)
+        seq.state_saves = []
 
     def free_prefill_slot(self, seq: Sequence, computed: bool) -> None:
         """The prefill group frees its slot itself once the transfer is over, either way; its
@@ -148,9 +209,12 @@ class Placement:
         self.healthy[group] = False
         self.free_slots[group] = []
         self.blocks[group].reset()
+        if self.snapshots[group] is not None:
+            self.snapshots[group].reset()
 
     def recovered(self, group: int, capacity: GroupCapacity) -> None:
         self.groups[group] = capacity
         self.free_slots[group] = list(range(capacity.usable_slots))
         self.blocks[group] = self._block_manager(capacity)
+        self.snapshots[group] = self._snapshots(capacity)
         self.healthy[group] = True

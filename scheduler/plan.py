@@ -40,6 +40,9 @@ class GroupCapacity:
     # its tier outlives the agent (a disk tier): blocks are saved as they are computed (write-through)
     tier_write_through: bool = False
     tier_capacity: int | None = None  # the most blocks its tier holds (bounds the tier index)
+    # Gated DeltaNet layers (Qwen3.5's): the snapshot slots of their states a prefix-cache hit needs
+    # (scheduler/state_snapshots.py); 0: the model has none, or keeps no snapshots
+    state_snapshots: int = 0
 
     def mixes(self, decodes: int, chunks: list[Chunk], proposed: int = 0) -> bool:
         """Whether a step of `decodes` decode rows (with `proposed` tokens proposed after them)
@@ -102,6 +105,8 @@ class Chunk(NamedTuple):
     start: int
     end: int
     sample: bool
+    restore: int | None = None  # the state snapshot it starts from (scheduler/state_snapshots.py)
+    save: int | None = None  # the state snapshot it saves at its end
 
 
 class KVDestination(NamedTuple):

@@ -51,6 +51,10 @@ class Sequence:
     # At its last preemption, the positions its agent slot holds: its recompute starts no later
     # (the slot refuses a chunk past them)
     slot_holds: int = 0
+    # Gated DeltaNet layers: the state snapshot its prefix-cache hit starts from (until the chunk
+    # that restores it ran), and the positions whose state its chunks save (scheduler/state_snapshots.py)
+    state_restore: int | None = None
+    state_saves: list[int] = field(default_factory=list)
     constraint: TokenConstraint | None = None  # structured output: the grammar it follows
     cache_salt: str | None = None  # its prefix-cache blocks are shared only with this salt's
     client: str = ""  # who asked (an API key's digest, or an address): fairness between clients

@@ -72,6 +72,8 @@ def _step_chunk(blocks: BlockManager, chunk: Chunk) -> StepChunk:
         seq.sampling if chunk.sample else None,
         prompt_logprobs=seq.sampling.prompt_logprobs if scored else None,
         lookahead=seq.prompt[chunk.end] if scored and chunk.end < len(seq.prompt) else None,
+        restore=chunk.restore,
+        save=chunk.save,
     )
 
 

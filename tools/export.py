@@ -42,6 +42,11 @@ def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
     # no compile cache: the export traces every graph afresh
     init_device(config, Placement(cache_user=None))
     checkpoint, runtime, _, _ = prepare_checkpoint(config, Placement(cache_user=None), progress)
+    if checkpoint.spec.linear_attention is not None:  # the exported graphs take no state slots
+        raise ConfigError(
+            f"{checkpoint.spec.architecture}: models with Gated DeltaNet layers are not exported to MindIR; "
+            "serve them from their file"
+        )
     output.mkdir(parents=True, exist_ok=True)
     exporter = GraphExporter(checkpoint, runtime, output)
     warm_up(ModelRunner(exporter, runtime), progress)  # the warm-up calls every graph shape once

@@ -1,7 +1,7 @@
-"""Llama-, Qwen3-, Phi-3-, SmolLM3- or Gemma-3-architecture GGUF files of a chosen shape and weight format,
-with random weights and the default model's tokenizer (or another GGUF's, cut to its first tokens):
-for benchmarks and tests of how cost grows with a model's size, and tiny models of each
-architecture for the tests.
+"""Llama-, Qwen3-, Qwen3.5-, Phi-3-, SmolLM3- or Gemma-3-architecture GGUF files of a chosen shape
+and weight format, with random weights and the default model's tokenizer (or another GGUF's, cut
+to its first tokens): for benchmarks and tests of how cost grows with a model's size, and tiny
+models of each architecture for the tests.
 
     python -m tools.make_gguf --shape 1b --format Q4_K_M --out models/random-1b-Q4_K_M.gguf
     python -m tools.make_gguf --shape 1b --arch qwen3 --format Q4_K_M --out models/random-qwen3-1b.gguf
@@ -18,6 +18,14 @@ Q4_K output, Q6_K down).
 Qwen3 (`arch="qwen3"`): Llama's layers with QK-norm; Phi-3 (`arch="phi3"`): Q, K and V packed in
 attn_qkv, gate and up in ffn_up, as llama.cpp writes them; SmolLM3 (`arch="smollm3"`, `--shape
 smollm3-3b`): Llama's tensors, every fourth layer without RoPE (the architecture says so, no key).
+
+Qwen3.5 (`arch="qwen35"`, `--shape qwen35-2b`): three Gated DeltaNet layers of every four (attn_qkv,
+attn_gate, ssm_beta and ssm_alpha (F32), ssm_conv1d (F32), ssm_dt.bias, ssm_a (A < 0: decays of
+about 0.9 a token), ssm_norm, ssm_out) and a gated attention layer (attn_q holding each head's gate,
+QK-norm, RoPE on rope.dimension_count dims), every layer's FFN pre-norm named post_attention_norm,
+as llama.cpp's converter writes them:
+
+    python -m tools.make_gguf --shape qwen35-2b --format Q4_K_M --out models/random-qwen35-2b.gguf
 
 Qwen3-MoE (`arch="qwen3moe"`, `--shape qwen3-30b-a3b` or `moe-7b-a1b`): Qwen3's attention and, in
 place of each layer's FFN, a router (ffn_gate_inp [experts, hidden], F32 as llama.cpp keeps it) and
@@ -75,6 +83,15 @@ class Shape:
     experts: int = 0  # qwen3moe: experts a layer, of which experts_used a token, each expert_ffn wide
     experts_used: int = 0
     expert_ffn: int = 0
+    # qwen35: the Gated DeltaNet layers' key and value heads (each linear_dim wide), conv, the
+    # attention layers' rotated dims; layer i attends where (i + 1) % 4 == 0
+    linear_heads: tuple[int, int] = (0, 0)
+    linear_dim: int = 128
+    conv_kernel: int = 4
+    rotary: int = 0
+
+    def is_linear(self, layer: int) -> bool:
+        return self.arch == "qwen35" and (layer + 1) % 4 != 0
 
     @property
     def hd(self) -> int:
@@ -113,6 +130,21 @@ SHAPES = {
         experts=128,
         experts_used=8,
         expert_ffn=768,
+    ),
+    # Qwen3.5-2B: 24 layers, 18 of them Gated DeltaNet (16 key and 16 value heads of 128), gated
+    # attention of 8 heads of 256 (2 KV), RoPE on 64 of each head's dims
+    "qwen35-2b": Shape(
+        2048,
+        24,
+        6144,
+        8,
+        2,
+        arch="qwen35",
+        head_dim=256,
+        context=262144,
+        rope_base=1e7,
+        linear_heads=(16, 16),
+        rotary=64,
     ),
     # ~6.7B weights, ~1.1B a token (8 of 64 experts of 1024) with the default tokenizer's vocabulary
     "moe-7b-a1b": Shape(
@@ -237,6 +269,9 @@ def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
                 (b + "ffn_down.weight", (shape.hidden, shape.ffn)),
             ]
             continue
+        if shape.arch == "qwen35":
+            out += qwen35_layer(shape, i)
+            continue
         if shape.arch == "qwen3moe":  # the experts in place of the FFN, 3-D [experts, out, in]
             e, fe = shape.experts, shape.expert_ffn
             out += [
@@ -267,6 +302,42 @@ def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     if not shape.tied:
         out.append(("output.weight", (-1, shape.hidden)))
     return out
+
+
+def qwen35_layer(shape: Shape, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A Qwen3.5 layer's tensors: a Gated DeltaNet's or gated attention's, then the FFN."""
+    b, d, hd = f"blk.{i}.", shape.hidden, shape.hd
+    out: list[tuple[str, tuple[int, ...]]] = [(b + "attn_norm.weight", (d,))]
+    if shape.is_linear(i):
+        key_heads, value_heads = shape.linear_heads
+        width = value_heads * shape.linear_dim
+        channels = 2 * key_heads * shape.linear_dim + width
+        out += [
+            (b + "attn_qkv.weight", (channels, d)),
+            (b + "attn_gate.weight", (width, d)),
+            (b + "ssm_beta.weight", (value_heads, d)),
+            (b + "ssm_alpha.weight", (value_heads, d)),
+            (b + "ssm_conv1d.weight", (channels, shape.conv_kernel)),
+            (b + "ssm_dt.bias", (value_heads,)),
+            (b + "ssm_a", (value_heads,)),
+            (b + "ssm_norm.weight", (shape.linear_dim,)),
+            (b + "ssm_out.weight", (d, width)),
+        ]
+    else:
+        out += [
+            (b + "attn_q.weight", (2 * shape.heads * hd, d)),
+            (b + "attn_k.weight", (shape.kv_heads * hd, d)),
+            (b + "attn_v.weight", (shape.kv_heads * hd, d)),
+            (b + "attn_output.weight", (d, shape.heads * hd)),
+            (b + "attn_q_norm.weight", (hd,)),
+            (b + "attn_k_norm.weight", (hd,)),
+        ]
+    return out + [
+        (b + "post_attention_norm.weight", (d,)),
+        (b + "ffn_gate.weight", (shape.ffn, d)),
+        (b + "ffn_up.weight", (shape.ffn, d)),
+        (b + "ffn_down.weight", (d, shape.ffn)),
+    ]
 
 
 def fitting(qtype: GGMLQuantizationType, cols: int) -> GGMLQuantizationType:
@@ -305,6 +376,17 @@ def add_shape(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
     writer.add_vocab_size(vocab)
     if shape.window:
         writer.add_sliding_window(shape.window)
+    if shape.arch == "qwen35":
+        key_heads, value_heads = shape.linear_heads
+        arch = shape.arch
+        writer.add_uint32(f"{arch}.ssm.conv_kernel", shape.conv_kernel)
+        writer.add_uint32(f"{arch}.ssm.state_size", shape.linear_dim)
+        writer.add_uint32(f"{arch}.ssm.group_count", key_heads)
+        writer.add_uint32(f"{arch}.ssm.time_step_rank", value_heads)
+        writer.add_uint32(f"{arch}.ssm.inner_size", value_heads * shape.linear_dim)
+        writer.add_uint32(f"{arch}.full_attention_interval", 4)
+        writer.add_uint32(f"{arch}.rope.dimension_count", shape.rotary)
+        writer.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
@@ -323,8 +405,9 @@ def tensor_plan(
         *experts, rows, cols = dims
         rows = vocab if rows == -1 else rows
         asked = "token_embd.weight (tied)" if tensor == "token_embd.weight" and shape.tied else tensor
-        # llama.cpp keeps a router in F32
-        qtype = T.F32 if tensor.endswith("ffn_gate_inp.weight") else fitting(types(asked, shape.layers), cols)
+        # llama.cpp keeps a router in F32, as a Gated DeltaNet's conv and its b and a
+        kept_f32 = ("ffn_gate_inp.weight", "ssm_conv1d.weight", "ssm_beta.weight", "ssm_alpha.weight")
+        qtype = T.F32 if tensor.endswith(kept_f32) else fitting(types(asked, shape.layers), cols)
         plan.append((tensor, (*experts, rows, cols), qtype))
     return plan
 
@@ -379,8 +462,12 @@ def write_random_gguf(
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for tensor, extent, qtype in plan:
-        if len(extent) == 1:
+        if tensor.endswith(("ssm_a", "ssm_dt.bias")):  # decays of about 0.9 a token
+            writer.write_tensor_data(random_decay(tensor, extent, rng))
+        elif len(extent) == 1:
             writer.write_tensor_data((1 + 0.1 * rng.standard_normal(extent)).astype(np.float32))
+        elif tensor.endswith("ssm_conv1d.weight"):
+            writer.write_tensor_data((rng.standard_normal(extent) / np.sqrt(extent[1])).astype(np.float32))
         else:
             scale = embed_scale if extent[0] == vocab else 0.02
             if shape.arch != "gemma3" and tensor.endswith(RESIDUAL_OUTPUTS):
@@ -389,6 +476,13 @@ def write_random_gguf(
             writer.write_tensor_data(random_blocks(qtype, rows, extent[-1], rng, scale))
     writer.close()
     return path
+
+
+def random_decay(tensor: str, extent: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A Gated DeltaNet's A (-exp(A_log) < 0) or dt bias: exp(A softplus(a + dt)) about 0.9."""
+    if tensor.endswith("ssm_a"):
+        return -rng.uniform(0.05, 0.2, extent).astype(np.float32)
+    return rng.normal(0.5, 0.2, extent).astype(np.float32)
 
 
 def main() -> int:

@@ -98,6 +98,10 @@ class StepChunk:
     scored: bool = False  # a decoding slot's pending token and its proposals (see above)
     prompt_logprobs: int | None = None  # k: score its prompt positions (see above)
     lookahead: int | None = None  # with prompt_logprobs: the prompt's token after the chunk
+    # Gated DeltaNet layers (Qwen3.5's): the snapshot its state starts from (a prefix-cache hit's
+    # end) and the snapshot its state is saved into after it (scheduler/state_snapshots.py)
+    restore: int | None = None
+    save: int | None = None
 
     @property
     def scores(self) -> int:
@@ -123,6 +127,10 @@ class StepChunk:
             fields["sampling"] = self.sampling.model_dump()
         if self.prompt_logprobs is not None:
             fields["prompt_logprobs"] = [self.prompt_logprobs, self.lookahead]
+        if self.restore is not None:
+            fields["restore"] = self.restore
+        if self.save is not None:
+            fields["save"] = self.save
         return fields
 
     @classmethod
@@ -140,7 +148,21 @@ class StepChunk:
         # the agent takes no peer's word for it (a hostile or buggy peer).
         sampling = SamplingParams.model_validate(spec["sampling"]) if spec["sample"] else None
         k, lookahead = _prompt_logprobs(spec.get("prompt_logprobs"))
-        return cls(slot, tokens.tolist(), table, start, sampling, prompt_logprobs=k, lookahead=lookahead)
+        restore, save = spec.get("restore"), spec.get("save")
+        for name, value in (("restore", restore), ("save", save)):
+            if value is not None and (type(value) is not int or not 0 <= value < 2**31):
+                raise ValueError(f"a chunk's {name} is a snapshot slot (an integer >= 0), got {value!r}")
+        return cls(
+            slot,
+            tokens.tolist(),
+            table,
+            start,
+            sampling,
+            prompt_logprobs=k,
+            lookahead=lookahead,
+            restore=restore,
+            save=save,
+        )
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,9 @@ from agent.graphs.layers import (
 from agent.graphs.moe import ExpertsFfn, mindspore_experts, zero_ffn
 from agent.graphs.paged_attention import PagedBackend
 from agent.graphs.quant_matmul import Int8Matmul, int8_matmul_cell
+from agent.graphs.shapes import NO_STATES, StateSlots
 from agent.model.checkpoint import Checkpoint
+from agent.model.quantized import BlockMatrix
 from agent.model.spec import ModelSpec
 
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -66,6 +68,28 @@ FUSED_LAYER_INPUTS = (
     "post_ffn_norm",
     "options",
 )
+# A Gated DeltaNet layer's, in the same places (fused_layer.cc: the kind 1 layer's inputs)
+DELTA_LAYER_INPUTS = (
+    "attn_norm",
+    "held",
+    "conv_state",
+    "recurrent_state",
+    "ffn_norm",
+    "formats",
+    "delta_qkv",
+    "delta_z",
+    "delta_ba",
+    "delta_out",
+    "w_gate",
+    "w_up",
+    "w_down",
+    "delta_norm",
+    "delta_conv",
+    "delta_dt_bias",
+    "delta_a",
+    "options",
+)
+DELTA_MATRICES = ("delta_qkv", "delta_z", "delta_ba", "delta_out", "w_gate", "w_up", "w_down")
 
 
 class DecoderLayer(nn.Cell):
@@ -83,11 +107,12 @@ class DecoderLayer(nn.Cell):
         paged: PagedBackend | None = None,
         cache: CacheFormat | None = None,
         device_target: str = "CPU",
+        states: StateSlots = NO_STATES,
     ):
         """paged: the paged attention backend's factory (paged_attention.paged_backend), None: the
         CPU kernels or gather; cache: the KV cache's rows (None: in dtype); device_target: where
         MindSpore's ops run the layer, its int8 products and routed experts run that device's kernels
-        (their reference elsewhere)."""
+        (their reference elsewhere); states: the state slots a Gated DeltaNet layer holds."""
         super().__init__()
         spec, p = checkpoint.spec, f"layers.{index}."
         # a rank's checkpoint holds its share already (its loader read only those rows and columns)
@@ -115,6 +140,8 @@ class DecoderLayer(nn.Cell):
             )
         self.local = spec.is_local(index)
         self.nope = index in spec.nope_layers  # its Q and K unrotated: the stack's second tables
+        self.delta = spec.is_linear(index)  # a Gated DeltaNet layer: a state per slot, no KV cache
+        self.fused_inputs = DELTA_LAYER_INPUTS if self.delta else FUSED_LAYER_INPUTS
         self.attn_norm = param(checkpoint.tensors[p + "attn_norm"], p + "attn_norm")
         self.ffn_norm = param(checkpoint.tensors[p + "ffn_norm"], p + "ffn_norm")
         self.has_bias, self.qk_norm = spec.qkv_bias, spec.qk_norm
@@ -127,6 +154,9 @@ class DecoderLayer(nn.Cell):
             self.moe = ExpertsFfn(checkpoint, index, self.eps_tensor, kernels.int8_activations)
         elif spec.is_moe(index):
             self.moe = mindspore_experts(device_target)(checkpoint, index, spec.rms_eps, dtype)
+        if self.delta:
+            self._load_delta(checkpoint, p, states)
+            return
         if fused:
             self._load_fused(checkpoint, p, share)
             self._fused_options(checkpoint, p)
@@ -164,6 +194,7 @@ class DecoderLayer(nn.Cell):
         scales = [spec.rms_eps] + ([spec.attention_scale] if spec.attention_scale is not None else [])
         self.eps_tensor = Tensor(np.array(scales, np.float32))
         self.block_size = Tensor(np.array([block_size], np.int32))  # for the attention kernels
+        self.no_state_slots = Tensor(np.zeros(1, np.int32))  # the fused kernel's, unread without states
 
     def _set_shape(self, spec: ModelSpec, share: LayerShare, split: TensorSplit) -> None:
         """This rank's heads and FFN columns, and the AllReduce that sums a split layer's products."""
@@ -198,9 +229,37 @@ class DecoderLayer(nn.Cell):
         self.formats = Parameter(Tensor(np.array(ids, np.int32)), name=p + "formats", requires_grad=False)
         self.bqkv = param(self._qkv_bias(checkpoint, p, share), p + "bqkv")
 
+    def _load_delta(self, checkpoint: Checkpoint, p: str, states: StateSlots) -> None:
+        """A Gated DeltaNet layer's inputs to the fused kernel (DELTA_LAYER_INPUTS): its products in
+        their formats (b and a as one float32 matrix, two small rows a value head), its conv, gate
+        and norm weights, and its state: each slot's conv inputs and recurrent matrices (live slots,
+        then snapshots), and each live slot's held rows, all written in place by the kernel."""
+        shape = checkpoint.spec.linear_attention
+        assert shape is not None
+        for name in ("delta_qkv", "delta_z", "delta_out", "w_gate", "w_up", "w_down"):
+            setattr(self, name, kept_param(checkpoint, p + name, p + name)[0])
+        ba = np.concatenate([checkpoint.matrix(p + "delta_beta"), checkpoint.matrix(p + "delta_alpha")])
+        self.delta_ba = Parameter(
+            Tensor(BlockMatrix.from_float(ba).packed), name=p + "delta_ba", requires_grad=False
+        )
+        ids = [
+            int(checkpoint.blocks[p + n].qtype) if p + n in checkpoint.blocks else 0 for n in DELTA_MATRICES
+        ]
+        self.formats = Parameter(Tensor(np.array(ids, np.int32)), name=p + "formats", requires_grad=False)
+        width = shape.channels + 2 * shape.value_heads  # a held row: its conv inputs, b and a
+        self.held = zeros((states.live, max(states.held_rows * width, 1)), p + "held", ms.float32)
+        self.delta_conv = param(checkpoint.tensors[p + "delta_conv"].reshape(-1), p + "delta_conv")
+        for name in ("delta_norm", "delta_dt_bias", "delta_a"):
+            setattr(self, name, param(checkpoint.tensors[p + name].reshape(-1), p + name))
+        self.conv_state = zeros((states.total, shape.conv_state), p + "conv_state", ms.float32)
+        self.recurrent_state = zeros((states.total, shape.recurrent_state), p + "recurrent_state", ms.float32)
+        options = [0, 0, 0, 0, 0, 0, 0, 1]  # kind 1: a Gated DeltaNet layer
+        self.options = Parameter(Tensor(np.array(options, np.int32)), name=p + "options", requires_grad=False)
+
     def _fused_options(self, checkpoint: Checkpoint, p: str) -> None:
-        """The fused kernel's options of this layer (window, local, GeGLU, QK-norm, post-norms) and
-        their weights: QK-norm and post-norm weights ([1], unread, where the layer has none)."""
+        """The fused kernel's options of this layer (window, local, GeGLU, QK-norm, post-norms, head
+        size, output gate, kind) and their weights: QK-norm and post-norm weights ([1], unread, where
+        the layer has none)."""
         spec = checkpoint.spec
         none = np.ones(1, np.float32)
         for name in ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"):
@@ -211,6 +270,9 @@ class DecoderLayer(nn.Cell):
             int(spec.activation == "gelu_tanh"),
             int(spec.qk_norm),
             int(spec.post_norms),
+            spec.head_dim if spec.rope_dims != spec.head_dim else 0,  # partial RoPE: the head's size
+            int(spec.output_gate),
+            0,  # kind: attention
         ]
         self.options = Parameter(Tensor(np.array(options, np.int32)), name=p + "options", requires_grad=False)
 
@@ -361,6 +423,7 @@ class DecoderLayer(nn.Cell):
             sin,
             write_idx,
             tables,
+            self.no_state_slots,
             self.attn_norm,
             self.bqkv,
             k_cache,

@@ -3,7 +3,8 @@ and mixed-step inputs, every index checked (the cache layout: agent/graphs/inter
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,6 +17,22 @@ from config.schema import RuntimeSection
 # holds 1 where float16's holds it)
 MASK_VALUE = -10000.0
 PROMPT_MASK_SIZE = 128  # the compressed causal mask FlashAttentionScore's internal kernel tiles
+
+
+class StateMove(NamedTuple):
+    """What a call does with a sequence's Gated DeltaNet state besides running its rows
+    (agent/kernels/gated_delta.h): replay the rows of its last held run that were kept, hold this
+    run's rows (run them on a copy, kept for a replay: proposals being verified), restore the state
+    from a snapshot slot first, save it into one after (-1: neither)."""
+
+    replay: int = 0
+    hold: bool = False
+    restore: int = -1
+    save: int = -1
+
+
+NO_MOVE = StateMove()
+StateMoves = Mapping[int, StateMove]  # by slot
 
 
 def prompt_mask(dtype: str) -> np.ndarray:
@@ -37,13 +54,21 @@ class GraphInputs:
     or the rope tables is a ValueError."""
 
     def __init__(
-        self, runtime: RuntimeSection, kv_heads: int, group: int, fused_layers: bool, ring_blocks: int = 0
+        self,
+        runtime: RuntimeSection,
+        kv_heads: int,
+        group: int,
+        fused_layers: bool,
+        ring_blocks: int = 0,
+        state_slots: bool = False,
     ):
         """kv_heads: this rank's; fused_layers: each layer is one kernel (or the paged backend),
         which takes write rows and lengths in place of the prefill mask (paging), and reads earlier
         positions from the cache (a prompt chunk may start after position 0); ring_blocks: each
         slot's ring in the sliding-window layers (local_ring_blocks), whose write rows and tables
-        then follow each call's inputs (`slots`: each sequence's slot)."""
+        then follow each call's inputs (`slots`: each sequence's slot); state_slots: the model has
+        Gated DeltaNet layers, whose state slot of each table follows them (a sequence's slot, the
+        scratch one num_slots for padding)."""
         self.num_slots, self.max_len = runtime.planned_num_slots, runtime.planned_max_seq_len
         self.max_seqs = runtime.decode_batch_buckets[-1]  # sequences of one mixed step
         self.block_size = runtime.block_size
@@ -60,6 +85,7 @@ class GraphInputs:
         scratch = self.pool + np.minimum(np.arange(self.blocks_per_seq), scratch_blocks(runtime) - 1)
         self.scratch_table = scratch.astype(np.int32)
         self.ring = ring_blocks
+        self.state_slots = state_slots
         # each slot's ring table (the scratch ring last): fixed by the slot, built once
         self._ring_tables = None
         if ring_blocks:
@@ -91,6 +117,31 @@ class GraphInputs:
         tables = self._ring_tables[rings]
         write = self.rows(tables[row_table], np.asarray(positions, np.int64)[:, None])[:, 0]
         return write.reshape(-1).astype(np.int32), tables
+
+    def _states(self, slots: Sequence[int | None], moves: StateMoves) -> tuple:
+        """Each table's state slot and StateMove [len(slots), 5] (fused_layer.cc input 13; None: the
+        scratch slot num_slots, which moves nothing), () without Gated DeltaNet layers."""
+        if not self.state_slots:
+            return ()
+        rows = [
+            (self.num_slots, *NO_MOVE) if s is None else (int(s), *moves.get(int(s), NO_MOVE)) for s in slots
+        ]
+        states = np.array(rows, np.int32).reshape(len(rows), 5)
+        if states.size and not 0 <= states[:, 0].min() <= states[:, 0].max() <= self.num_slots:
+            raise ValueError(f"slots {list(states[:, 0])} are out of range 0..{self.num_slots - 1}")
+        return (states,)
+
+    def extra(
+        self,
+        slots: Sequence[int | None],
+        row_table: np.ndarray,
+        positions: np.ndarray,
+        moves: StateMoves | None = None,
+    ) -> tuple:
+        """What follows a fused call's inputs (the stack's `extra`): the sliding-window layers' write
+        rows and tables, then the tables' state slots and moves (by slot), each where the model has
+        them."""
+        return (*self._local(slots, row_table, positions), *self._states(slots, moves or {}))
 
     @property
     def cache_rows(self) -> int:
@@ -247,11 +298,13 @@ class GraphInputs:
         start: int = 0,
         slot: int | None = None,
         every_row: bool = False,
+        moves: StateMoves | None = None,
     ) -> tuple[np.ndarray, ...]:
         """Prompt `tokens` padded to `length`, at positions start..start+n-1 of the sequence with block
         `table`; positions 0..start-1 must already be in the cache (chunked prefill, prefix hits).
         Padding rows write to the scratch slot (the mask path) or nowhere (fused layers). `slot`:
-        the sequence's slot (its ring in sliding-window layers; None: the scratch ring)."""
+        the sequence's slot (its ring in sliding-window layers; None: the scratch ring); `moves`:
+        its StateMove (Gated DeltaNet layers)."""
         n = len(tokens)
         tables = self.check_tables(table)
         if tables.shape[0] != 1:
@@ -292,7 +345,7 @@ class GraphInputs:
                 *self.paging(write, lengths),
                 last,
                 *paging,
-                *self._local([slot], paging[1], positions),
+                *self.extra([slot], paging[1], positions, moves),
             )
         causal = np.where(index[None, :] > index[:, None], -np.inf, 0.0).astype(np.float32)
         mask = np.tile(causal, (self.group, 1))  # [G*S, S], query rows grouped per head
@@ -307,6 +360,7 @@ class GraphInputs:
         rows: int,
         logit_rows: int,
         decode_slots: Sequence[int] | None = None,
+        moves: StateMoves | None = None,
     ) -> tuple[np.ndarray, ...]:
         """A mixed step as the prefill graph's inputs (fused layers only): the decode rows (one token at
         `decode_positions` of each of the sequences with `decode_tables` [d, MB]), then each chunk's
@@ -315,7 +369,7 @@ class GraphInputs:
         each row's table row, and the logit rows: each decode row, then every row of a scored chunk
         and the last row of each chunk that samples, then row 0 to `logit_rows` (a chunk that does
         not end its prompt needs none: 16 streams beside one such chunk take the 16-row LM head,
-        not the 32-row one)."""
+        not the 32-row one). `moves`: the slots' StateMoves (Gated DeltaNet layers)."""
         if not self.fused_layers:
             raise ValueError("a mixed step needs the fused layers")
         decode_tables = self.check_tables(decode_tables) if len(decode_tables) else np.zeros((0, 0), np.int32)
@@ -385,7 +439,9 @@ class GraphInputs:
             np.array(last + [0] * (logit_rows - len(last)), np.int32),
             all_tables,
             row_table,
-            *self._local(row_slots + [None] * (len(all_tables) - len(row_slots)), row_table, positions_all),
+            *self.extra(
+                row_slots + [None] * (len(all_tables) - len(row_slots)), row_table, positions_all, moves
+            ),
         )
 
     def decode(
@@ -396,11 +452,12 @@ class GraphInputs:
         rows: int,
         attend: int,
         slots: Sequence[int] | None = None,
+        moves: StateMoves | None = None,
     ) -> tuple[np.ndarray, ...]:
         """Tokens at `positions` of the sequences with block `tables` [n, MB], padded to `rows`
         (padding rows write to the scratch slot and attend nothing); `attend`: the gather path's
         bucket, ignored by the kernel; `slots`: the sequences' slots (their rings in sliding-window
-        layers; None: the scratch ring)."""
+        layers; None: the scratch ring); `moves`: their StateMoves (Gated DeltaNet layers)."""
         tables = self.check_tables(tables)
         positions = np.asarray(positions, np.int64)
         if not len(tables) == len(tokens) == len(positions) <= rows:
@@ -431,7 +488,7 @@ class GraphInputs:
                 tables,
                 row_lengths,
                 row_table,
-                *self._local(row_slots, row_table, positions),
+                *self.extra(row_slots, row_table, positions, moves),
             )
         if attend > self.max_len:
             raise ValueError(f"attend bucket {attend} exceeds max_seq_len {self.max_len}")

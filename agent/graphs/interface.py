@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 
 from agent.contract.step import StepChunk
-from agent.graphs.graph_inputs import GraphInputs
+from agent.graphs.graph_inputs import GraphInputs, StateMove, StateMoves
 from agent.graphs.shapes import (
     SHAPE_FIELDS,
     bucket,
@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 __all__ = [  # the shapes and inputs, importable from here as before the split
     "SHAPE_FIELDS",
     "GraphInputs",
+    "StateMove",
+    "StateMoves",
     "KVTransferGraphs",
     "MixedStepGraphs",
     "ModelGraphs",
@@ -93,11 +95,13 @@ class ModelGraphs(Protocol):
         start: int = 0,
         slot: int | None = None,
         every_row: bool = False,
+        moves: StateMoves | None = None,
     ) -> Tensor:
         """Prompt `tokens` padded to bucket `length`, at positions start.. of the sequence with block
         `table` [MB] -> logits [1, vocab] of its last token. Positions 0..start-1 are read from the
-        cache (GraphInputs.prefill: fused layers only). `slot`: its slot (sliding-window rings).
-        `every_row` (prompt logprobs): logits [length, vocab] of every row instead, padding's last."""
+        cache (GraphInputs.prefill: fused layers only). `slot`: its slot (sliding-window rings,
+        Gated DeltaNet states). `every_row` (prompt logprobs): logits [length, vocab] of every row
+        instead, padding's last. `moves`: its StateMove (Gated DeltaNet layers)."""
 
     def decode(
         self,
@@ -107,10 +111,12 @@ class ModelGraphs(Protocol):
         rows: int,
         attend: int = 0,
         slots: Sequence[int] | None = None,
+        moves: StateMoves | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Tokens at `positions` of the sequences with block `tables` [n, MB], padded to `rows` ->
         logits [rows, V] and their argmax [rows]. Each row attends to its positions 0..position;
-        `attend`: the gather path's bucket; `slots`: their slots (sliding-window rings)."""
+        `attend`: the gather path's bucket; `slots`: their slots (sliding-window rings, Gated
+        DeltaNet states); `moves`: their StateMoves by slot."""
 
     def argmax(self, logits: Tensor) -> Tensor:
         """Logits [B, V] -> token ids [B]."""
@@ -136,6 +142,7 @@ class MixedStepGraphs(ModelGraphs, Protocol):
         rows: int,
         logit_rows: int,
         decode_slots: Sequence[int] | None = None,
+        moves: StateMoves | None = None,
     ) -> tuple[Tensor, Tensor]:
         """GraphInputs.mixed's step -> logits [logit_rows, V] (each decode row's, then the last row's
         of each chunk that samples, then padding) and their argmax [logit_rows]."""

@@ -42,6 +42,9 @@ def fused_only_features(spec: ModelSpec) -> list[str]:
         "sliding-window layers": bool(spec.local_layers and spec.sliding_window),
         "scaled embeddings": spec.embed_scale != 1.0,
         "NoPE layers": bool(spec.nope_layers),
+        "Gated DeltaNet layers": spec.linear_attention is not None,
+        "gated attention": spec.output_gate,
+        "partial RoPE": spec.rope_dims != spec.head_dim,
     }
     return [name for name, present in features.items() if present]
 
@@ -49,11 +52,12 @@ def fused_only_features(spec: ModelSpec) -> list[str]:
 def rope_tables(
     spec: ModelSpec, max_len: int, kind: str = "global"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """cos and signed sin tables [max_len, head_dim] and the rotate-half matrix R, so that
+    """cos and signed sin tables [max_len, rope_dims] and the rotate-half matrix R, so that
     rope(x) = x * cos + (x @ R) * sin, with x @ R = concat(x2, x1) and the sign folded into sin;
     `kind` (ModelSpec.rope): the model's frequencies, the sliding-window layers', or none (NoPE
-    layers: cos 1, sin 0, x as it is)."""
-    hd = spec.head_dim
+    layers: cos 1, sin 0, x as it is). With partial RoPE (Qwen3.5's) the tables cover the rotated
+    dims only: the fused kernel leaves the rest of each head as it is."""
+    hd = spec.rope_dims
     inv_freq = np.zeros(hd // 2) if kind == "none" else spec.rope_inv_freq(kind == "local")
     angles = np.outer(np.arange(max_len, dtype=np.float64), inv_freq)  # [max_len, hd/2]
     cos = np.concatenate([np.cos(angles)] * 2, axis=1)

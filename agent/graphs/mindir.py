@@ -21,7 +21,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from agent.graphs.interface import GraphInputs, shape_settings, uses_kernels
+from agent.graphs.interface import GraphInputs, StateMoves, shape_settings, uses_kernels
 from agent.graphs.layers import release_freed_memory
 from agent.graphs.model import DecoderModel
 from agent.graphs.step_graphs import StepGraphs, as_tensors, logits_and_argmax, topk_buckets
@@ -129,6 +129,7 @@ class GraphExporter:
         start: int = 0,
         slot: int | None = None,
         every_row: bool = False,
+        moves: StateMoves | None = None,
     ) -> Tensor:
         if every_row:  # exported with the last row's logits only
             raise ValueError("MindIR graphs compute no prompt logprobs (every row's logits)")
@@ -146,6 +147,7 @@ class GraphExporter:
         rows: int,
         attend: int = 0,
         slots: Sequence[int] | None = None,
+        moves: StateMoves | None = None,
     ) -> tuple[Tensor, Tensor]:
         inputs = as_tensors(self.inputs.decode(tables, tokens, positions, rows, attend))
         name = f"decode_b{rows}" + (f"_a{attend}" if attend else "")
@@ -315,6 +317,7 @@ class MindIRGraphs:
         start: int = 0,
         slot: int | None = None,
         every_row: bool = False,
+        moves: StateMoves | None = None,
     ) -> Tensor:
         if every_row:  # exported with the last row's logits only
             raise ValueError("MindIR graphs compute no prompt logprobs (every row's logits)")
@@ -329,6 +332,7 @@ class MindIRGraphs:
         rows: int,
         attend: int = 0,
         slots: Sequence[int] | None = None,
+        moves: StateMoves | None = None,
     ) -> tuple[Tensor, Tensor]:
         inputs = as_tensors(self.inputs.decode(tables, tokens, positions, rows, attend))
         return self.decode_cells[(rows, attend)](*inputs, *self.caches)

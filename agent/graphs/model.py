@@ -11,7 +11,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from agent.graphs.cache_format import CacheFormat
-from agent.graphs.decoder import FUSED_LAYER_INPUTS, DecoderLayer
+from agent.graphs.decoder import DecoderLayer
 from agent.graphs.layers import (
     MATMUL_TILE,
     WHOLE_MODEL,
@@ -23,6 +23,7 @@ from agent.graphs.layers import (
     rope_tables,
 )
 from agent.graphs.paged_attention import PagedBackend
+from agent.graphs.shapes import NO_STATES, StateSlots
 from agent.model.checkpoint import Checkpoint
 from agent.model.spec import ModelSpec
 
@@ -43,12 +44,14 @@ class DecoderModel(nn.Cell):
         paged: PagedBackend | None = None,
         cache: CacheFormat | None = None,
         device_target: str = "CPU",
+        states: StateSlots = NO_STATES,
     ):
         """num_blocks of block_size positions in the KV cache (agent/graphs/interface.py); max_len:
         the positions of the RoPE tables; local_blocks: the blocks of the sliding-window layers' own
         caches (every slot's ring, interface.local_ring_blocks), 0: they take the pool's; paged: the
         layers' paged attention backend (DecoderLayer); cache: the KV cache's rows (None: in dtype);
-        device_target: where MindSpore's ops run the layers (their int8 products', experts' kernels)."""
+        device_target: where MindSpore's ops run the layers (their int8 products', experts' kernels);
+        states: the state slots each Gated DeltaNet layer holds."""
         super().__init__()
         spec = checkpoint.spec
         self.spec = spec
@@ -59,9 +62,19 @@ class DecoderModel(nn.Cell):
         self.cache_format = cache or CacheFormat(str(dtype).lower())
         self.layers = nn.CellList(
             self._layers(
-                checkpoint, num_blocks, block_size, kernels, dtype, split, local_blocks, paged, device_target
+                checkpoint,
+                num_blocks,
+                block_size,
+                kernels,
+                dtype,
+                split,
+                local_blocks,
+                paged,
+                device_target,
+                states,
             )
         )
+        self.cache_layers = [layer for layer in self.layers if not layer.delta]  # the layers with a KV cache
         self.dtype, self.half = dtype, dtype != ms.float32
         self.paged = paged is not None  # caches [blocks, block_size, KV heads, head_dim]
         # Every layer fused: the whole stack is one op a step (FusedStack, which takes each layer's
@@ -70,11 +83,18 @@ class DecoderModel(nn.Cell):
         self.stack: Any = kernels.stack if fused else None
         if self.stack is None and spec.nope_layers:  # only the stack gives a layer tables of its own
             raise ValueError(f"{spec.architecture}: NoPE layers run in the fused CPU kernel's stack only")
+        if self.stack is None and spec.linear_attention is not None:  # only the stack takes state slots
+            raise ValueError(
+                f"{spec.architecture}: Gated DeltaNet layers run in the fused CPU kernel's stack only"
+            )
         self.stack_inputs = tuple(
             getattr(layer, name)
             for layer in (self.layers if self.stack is not None else ())
-            for name in FUSED_LAYER_INPUTS
+            for name in layer.fused_inputs
         )
+        # the stack's state_slots input where no layer reads it (fused_layer.cc input 13)
+        self.recurrent = spec.linear_attention is not None
+        self.no_state_slots = Tensor(np.zeros(1, np.int32))
         self._load_embeddings(checkpoint, kernels, dtype)
         self.final_norm = param(checkpoint.tensors["final_norm"], "final_norm")
         self._rope(spec, max_len, dtype)
@@ -93,6 +113,7 @@ class DecoderModel(nn.Cell):
         local_blocks: int,
         paged: PagedBackend | None,
         device_target: str,
+        states: StateSlots,
     ) -> list[DecoderLayer]:
         """The layers, a sliding-window layer with a cache of local_blocks where it has its own."""
         spec = checkpoint.spec
@@ -110,6 +131,7 @@ class DecoderModel(nn.Cell):
                 paged,
                 self.cache_format,
                 device_target,
+                states,
             )
             for i in range(spec.num_layers)
         ]
@@ -147,10 +169,13 @@ class DecoderModel(nn.Cell):
             cos, sin, _ = rope_tables(spec, max_len, kinds.pop())
             self.cos_local, self.sin_local = param(cos, "rope_cos_local"), param(sin, "rope_sin_local")
 
-    def run_stack(self, x, cos, sin, write_idx, lengths, tables, row_table, positions, local):
+    def run_stack(self, x, cos, sin, write_idx, lengths, tables, row_table, positions, extra):
         """Every layer in one op (self.stack); arguments as DecoderLayer.fused's, then the rows'
-        positions (the local layers' RoPE) and `local`: the local layers' write rows and block tables
-        where they have a cache of their own (GraphInputs._local), else empty."""
+        positions (the local layers' RoPE) and `extra` (GraphInputs.extra): the local layers' write
+        rows and block tables where they have a cache of their own, then each table's state slot
+        where the model has Gated DeltaNet layers."""
+        local = extra[:2] if len(extra) > 1 or not self.recurrent else ()
+        state_slots = extra[-1] if self.recurrent else self.no_state_slots
         if self.local_rope:
             cos_local = ops.expand_dims(ops.gather(self.cos_local, positions, 0), 1)
             sin_local = ops.expand_dims(ops.gather(self.sin_local, positions, 0), 1)
@@ -170,6 +195,7 @@ class DecoderModel(nn.Cell):
             sin_local,
             write_local,
             tables_local,
+            state_slots,
             *self.stack_inputs,
         )
 
@@ -196,5 +222,5 @@ class DecoderModel(nn.Cell):
         return logits if vocab % MATMUL_TILE == 0 else logits[:, :vocab]
 
     def cache_bytes(self) -> int:
-        rows = sum(layer.k_cache.size // layer.k_cache.shape[-1] for layer in self.layers)
+        rows = sum(layer.k_cache.size // layer.k_cache.shape[-1] for layer in self.cache_layers)
         return 2 * rows * self.cache_format.row_bytes(self.spec.head_dim)

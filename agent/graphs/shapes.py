@@ -1,11 +1,13 @@
 """The shapes and sizes a runtime configuration gives the graphs: buckets, the attended lengths of
 the decode graphs, the KV pool's and scratch blocks, sliding-window rings, the mixed step's rows
-(the cache layout they size: agent/graphs/interface.py). NumPy only."""
+(the cache layout they size: agent/graphs/interface.py), the Gated DeltaNet layers' state slots.
+NumPy only."""
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from agent.model.spec import ModelSpec
 from config.schema import RuntimeSection
@@ -79,3 +81,32 @@ def mixed_rows(runtime: RuntimeSection) -> int:
 def uses_kernels(runtime: RuntimeSection) -> bool:
     """Whether the graphs call the custom CPU kernels (agent/kernels)."""
     return runtime.attention_kernel or runtime.matmul_kernel
+
+
+@dataclass(frozen=True)
+class StateSlots:
+    """The Gated DeltaNet layers' state slots (agent/kernels/gated_delta.h): the `live` ones (each
+    agent slot's, then a scratch one's), then `snapshots` of prompts' states; and the rows a held run
+    keeps for its replay (a verified step's pending token and proposals)."""
+
+    live: int = 0
+    snapshots: int = 0
+    held_rows: int = 0
+
+    @classmethod
+    def of(cls, runtime: RuntimeSection) -> StateSlots:
+        return cls(runtime.planned_num_slots + 1, runtime.state_snapshots, held_rows(runtime))
+
+    @property
+    def total(self) -> int:
+        return self.live + self.snapshots
+
+
+NO_STATES = StateSlots()
+
+
+def held_rows(runtime: RuntimeSection) -> int:
+    """The rows of a verified step a slot's held run keeps: its pending token and the most
+    proposals (0 without speculation)."""
+    speculation = runtime.speculation
+    return 0 if speculation.method == "none" else speculation.num_tokens + 1

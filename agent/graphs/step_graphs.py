@@ -16,10 +16,11 @@ from agent.activations import FLOAT_FORMATS
 from agent.contract.step import StepChunk
 from agent.graphs.cache_format import CacheFormat
 from agent.graphs.decoder import DecoderLayer
-from agent.graphs.interface import GraphInputs, local_ring_blocks, pool_blocks
+from agent.graphs.interface import GraphInputs, StateMoves, local_ring_blocks, pool_blocks
 from agent.graphs.layers import WHOLE_MODEL, CpuKernels, TensorSplit, release_freed_memory
 from agent.graphs.model import DecoderModel
 from agent.graphs.paged_attention import paged_backend
+from agent.graphs.shapes import NO_STATES, StateSlots
 from agent.kernels import TARGET_ENV, has_int8_products
 from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
@@ -81,10 +82,10 @@ class PrefillGraph(TopGraph):
         self.model = model
         self.layers = nn.CellList([PrefillLayer(layer) for layer in model.layers])
 
-    def construct(self, tokens, positions, write_idx, mask, last_index, tables, row_table, *local):
+    def construct(self, tokens, positions, write_idx, mask, last_index, tables, row_table, *extra):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         if self.model.stack is not None:
-            x = self.model.run_stack(x, cos, sin, write_idx, mask, tables, row_table, positions, local)
+            x = self.model.run_stack(x, cos, sin, write_idx, mask, tables, row_table, positions, extra)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, self.model.rot, write_idx, mask, tables, row_table)
@@ -99,9 +100,9 @@ class MixedStepGraph(TopGraph):
         super().__init__()
         self.prefill = prefill
 
-    def construct(self, tokens, positions, write_idx, lengths, logit_rows, tables, row_table, *local):
+    def construct(self, tokens, positions, write_idx, lengths, logit_rows, tables, row_table, *extra):
         return logits_and_argmax(
-            self.prefill(tokens, positions, write_idx, lengths, logit_rows, tables, row_table, *local)
+            self.prefill(tokens, positions, write_idx, lengths, logit_rows, tables, row_table, *extra)
         )
 
 
@@ -119,10 +120,10 @@ class DecodeGraph(TopGraph):
         self.model = model
         self.layers = nn.CellList([DecodeLayer(layer) for layer in model.layers])
 
-    def construct(self, tokens, positions, write_idx, where, extent, row_table, *local):
+    def construct(self, tokens, positions, write_idx, where, extent, row_table, *extra):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         if self.model.stack is not None:
-            x = self.model.run_stack(x, cos, sin, write_idx, extent, where, row_table, positions, local)
+            x = self.model.run_stack(x, cos, sin, write_idx, extent, where, row_table, positions, extra)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, self.model.rot, write_idx, where, extent, row_table)
@@ -198,7 +199,7 @@ class KVExportGraph(nn.Cell):
     def construct(self, rows):
         """rows: GraphInputs.kv_rows (the paged cache's [N, 2] (block, offset): [2 * layers, N, KV, w])."""
         blocks = []
-        for layer in self.model.layers:
+        for layer in self.model.cache_layers:
             for cache in (layer.k_cache, layer.v_cache):
                 blocks.append(ops.gather_nd(cache, rows) if self.model.paged else ops.gather(cache, rows, 0))
         return ops.stack(blocks)
@@ -213,7 +214,7 @@ class KVImportGraph(nn.Cell):
 
     def construct(self, rows, blocks):
         """rows and blocks as KVExportGraph's."""
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.cache_layers):
             if self.model.paged:
                 ops.scatter_nd_update(layer.k_cache, rows, blocks[2 * i])
                 ops.scatter_nd_update(layer.v_cache, rows, blocks[2 * i + 1])
@@ -260,6 +261,7 @@ class StepGraphs:
             getattr(ms, runtime.dtype),
             split,
             local_blocks=(runtime.planned_num_slots + 1) * ring,
+            states=StateSlots.of(runtime) if self.spec.linear_attention else NO_STATES,
             paged=paged_backend(runtime),
             cache=CacheFormat.of(runtime),
             device_target=runtime.device_target,
@@ -280,6 +282,7 @@ class StepGraphs:
             self.spec.group_size,
             fused_layers=self.model.layers[0].kernel_layer is not None or runtime.paged_attention,
             ring_blocks=ring,
+            state_slots=self.model.recurrent,
         )
         if self.model.paged:  # one graph a phase: prompts, and every other step
             self.prefill_graph: nn.Cell = PagedStepGraph(self.model, prompt=True)
@@ -309,9 +312,10 @@ class StepGraphs:
         start: int = 0,
         slot: int | None = None,
         every_row: bool = False,
+        moves: StateMoves | None = None,
     ) -> Tensor:
         """One cell for every bucket `length`: MindSpore compiles a graph per input shape."""
-        inputs = self.inputs.prefill(table, tokens, length, start, slot, every_row)
+        inputs = self.inputs.prefill(table, tokens, length, start, slot, every_row, moves)
         if self.model.paged:
             graph = self.prefill_graph if start == 0 else self.decode_graph
             return graph(*self.paged_tensors(inputs))[0]
@@ -325,8 +329,9 @@ class StepGraphs:
         rows: int,
         attend: int = 0,
         slots: Sequence[int] | None = None,
+        moves: StateMoves | None = None,
     ) -> tuple[Tensor, Tensor]:
-        inputs = self.inputs.decode(tables, tokens, positions, rows, attend, slots)
+        inputs = self.inputs.decode(tables, tokens, positions, rows, attend, slots, moves)
         return self.decode_graph(*(self.paged_tensors(inputs) if self.model.paged else as_tensors(inputs)))
 
     def mixed(
@@ -338,10 +343,11 @@ class StepGraphs:
         rows: int,
         logit_rows: int,
         decode_slots: Sequence[int] | None = None,
+        moves: StateMoves | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The prefill graph with the step's tables and `logit_rows`: one graph per (rows, logit_rows)."""
         inputs = self.inputs.mixed(
-            decode_tables, decode_tokens, decode_positions, chunks, rows, logit_rows, decode_slots
+            decode_tables, decode_tokens, decode_positions, chunks, rows, logit_rows, decode_slots, moves
         )
         return self.mixed_graph(*(self.paged_tensors(inputs) if self.model.paged else as_tensors(inputs)))
 

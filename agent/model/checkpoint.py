@@ -151,6 +151,10 @@ BIAS_TENSORS = ("bq", "bk", "bv")
 QK_NORM_TENSORS = ("q_norm", "k_norm")
 POST_NORM_TENSORS = ("post_attn_norm", "post_ffn_norm")
 DENSE_FFN_TENSORS = ("w_gate", "w_up", "w_down")  # a MoE layer's experts hold its FFN instead
+DELTA_TENSORS = (  # a Gated DeltaNet layer's (Qwen3.5's), in place of the attention's
+    *("delta_qkv", "delta_z", "delta_beta", "delta_alpha", "delta_out"),
+    *("delta_conv", "delta_dt_bias", "delta_a", "delta_norm"),
+)
 
 
 def no_progress(items: Iterable[T]) -> Iterable[T]:
@@ -182,11 +186,30 @@ def expected_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
         "post_attn_norm": (d,),
         "post_ffn_norm": (d,),
     }
+    if spec.output_gate:  # each head's query, then its gate
+        shapes["wq"] = (2 * q, d)
     names = LAYER_TENSORS + (BIAS_TENSORS if spec.qkv_bias else ())
     names += (QK_NORM_TENSORS if spec.qk_norm else ()) + (POST_NORM_TENSORS if spec.post_norms else ())
+    linear = spec.linear_attention
+    if linear is not None:  # a Gated DeltaNet layer's in place of the attention's
+        width, c = linear.value_heads * linear.value_dim, linear.channels
+        shapes |= {
+            "delta_qkv": (c, d),
+            "delta_z": (width, d),
+            "delta_beta": (linear.value_heads, d),
+            "delta_alpha": (linear.value_heads, d),
+            "delta_out": (d, width),
+            "delta_conv": (c, linear.conv_kernel),
+            "delta_dt_bias": (linear.value_heads,),
+            "delta_a": (linear.value_heads,),
+            "delta_norm": (linear.value_dim,),
+        }
     for i in range(spec.num_layers):
         moe = spec.is_moe(i)
-        for name in names:
+        layer_names = names
+        if spec.is_linear(i):
+            layer_names = ("attn_norm", "ffn_norm", *DENSE_FFN_TENSORS, *DELTA_TENSORS)
+        for name in layer_names:
             if not (moe and name in DENSE_FFN_TENSORS):
                 yield f"layers.{i}.{name}", shapes[name]
         if moe:

@@ -44,6 +44,56 @@ class RopeScaling(BaseModel):
         )
 
 
+class LinearAttention(BaseModel):
+    """Qwen3.5's Gated DeltaNet layers (agent/kernels/gated_delta.h): which layers they are and their
+    shape. Each holds, per sequence, a fixed-size state in place of a KV cache: the conv's last
+    conv_kernel - 1 inputs and a [key_dim, value_dim] matrix per value head (float32)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    layers: tuple[int, ...]
+    conv_kernel: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def channels(self) -> int:
+        """The conv's channels: q and k (key_heads x key_dim each), v (value_heads x value_dim)."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def conv_state(self) -> int:
+        """Floats of a sequence's conv state in one layer."""
+        return (self.conv_kernel - 1) * self.channels
+
+    @property
+    def recurrent_state(self) -> int:
+        """Floats of a sequence's recurrent state in one layer."""
+        return self.value_heads * self.key_dim * self.value_dim
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's state over every such layer."""
+        return 4 * (self.conv_state + self.recurrent_state) * len(self.layers)
+
+    def slot_bytes(self, held_rows: int) -> int:
+        """Bytes a live slot holds over every such layer: its state, and the conv inputs, b and a
+        of the rows a verified step holds for its replay."""
+        held = held_rows * (self.channels + 2 * self.value_heads)
+        return self.state_bytes + 4 * held * len(self.layers)
+
+    def parameter_count(self, hidden: int) -> int:
+        """One layer's weights beside its norms and FFN."""
+        width = self.value_heads * self.value_dim
+        return (
+            hidden * (self.channels + width + 2 * self.value_heads)
+            + width * hidden
+            + (self.channels * self.conv_kernel + 2 * self.value_heads + self.value_dim)
+        )
+
+
 class ModelSpec(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -81,6 +131,11 @@ class ModelSpec(BaseModel):
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
     dense_layers: tuple[int, ...] = ()  # a MoE model's layers with a dense FFN (intermediate_size)
+    # Qwen3.5's: Gated DeltaNet layers in place of attention in some layers (None: every layer attends),
+    # the attention layers' output gate (wq's rows hold each head's gate after it) and partial RoPE
+    linear_attention: LinearAttention | None = None
+    output_gate: bool = False
+    rotary_dim: int = 0  # the dims of each head RoPE rotates (0: all of head_dim)
 
     @property
     def group_size(self) -> int:
@@ -101,6 +156,20 @@ class ModelSpec(BaseModel):
             return "none"
         return "local" if self.is_local(layer) and self.rope_local_theta is not None else "global"
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether the layer is a Gated DeltaNet layer (a state per sequence, no KV cache)."""
+        return self.linear_attention is not None and layer in self.linear_attention.layers
+
+    @property
+    def attention_layers(self) -> int:
+        """The layers that hold a KV cache."""
+        return self.num_layers - (len(self.linear_attention.layers) if self.linear_attention else 0)
+
+    @property
+    def rope_dims(self) -> int:
+        """The dims of each head RoPE rotates."""
+        return self.rotary_dim or self.head_dim
+
     def is_moe(self, layer: int) -> bool:
         """Whether the layer's FFN is the routed experts (else dense)."""
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -110,9 +179,9 @@ class ModelSpec(BaseModel):
         return self.num_layers - sum(1 for i in range(self.num_layers) if self.is_local(i))
 
     def rope_inv_freq(self, local: bool = False) -> np.ndarray:
-        """[head_dim / 2] rotation frequencies, float64, after any scaling; `local`: the local
+        """[rope_dims / 2] rotation frequencies, float64, after any scaling; `local`: the local
         layers' (their own base where the model has one, never scaled)."""
-        hd = self.head_dim
+        hd = self.rope_dims
         theta = self.rope_local_theta if local and self.rope_local_theta is not None else self.rope_theta
         inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
         if local and self.rope_local_theta is not None:
@@ -122,7 +191,9 @@ class ModelSpec(BaseModel):
     def parameter_count(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        gate = q if self.output_gate else 0
+        attention = d * (q + gate + 2 * kv) + q * d
+        per_layer = attention + 3 * d * f + 2 * d
         if self.qkv_bias:
             per_layer += q + 2 * kv
         if self.qk_norm:
@@ -133,4 +204,7 @@ class ModelSpec(BaseModel):
         moe_layers = sum(1 for i in range(self.num_layers) if self.is_moe(i))
         # a MoE layer's router and experts in place of the dense FFN
         moe = self.num_experts * (d + 3 * d * self.expert_intermediate_size) - 3 * d * f
-        return v * d + head + d + self.num_layers * per_layer + moe_layers * moe
+        linear = self.linear_attention
+        # a Gated DeltaNet layer's weights in place of the attention's
+        delta = 0 if linear is None else len(linear.layers) * (linear.parameter_count(d) - attention)
+        return v * d + head + d + self.num_layers * per_layer + moe_layers * moe + delta

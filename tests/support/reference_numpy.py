@@ -19,6 +19,24 @@ window of 512), a global one 0 .. i; output product -> RMSNorm (post_attention_n
 RMSNorm -> down(gelu_tanh(gate) * up) -> RMSNorm (post_ffw_norm) -> + residual; final RMSNorm; the
 tied embedding as the LM head. Gemma's RMSNorm multiplies by (1 + w): a GGUF holds 1 + w already
 (llama.cpp's converter adds the 1), so the file's norm weights multiply as they are.
+
+Qwen3.5 (`general.architecture: qwen35`), as transformers' Qwen3_5ForCausalLM has it, from llama.cpp's
+file: a hybrid whose layers flagged in `attention.recurrent_layers` are Gated DeltaNet layers and the
+others gated full attention; every norm but the DeltaNet's own holds 1 + w (as Gemma's). Attention:
+attn_q's rows hold, per head, its query [hd] then its gate [hd]; each query and key head RMS-normed
+(attn_q_norm, attn_k_norm) -> RoPE in the rotate-half order on the first `rope.dimension_count` dims
+of the head only (the rest as they are) -> attention scaled 1 / sqrt(hd) -> times sigmoid(gate) ->
+attn_output. Gated DeltaNet: attn_qkv's product (q, k of `ssm.group_count` key heads of
+`ssm.state_size`, v of `ssm.time_step_rank` value heads) through the causal depthwise conv
+(ssm_conv1d, `ssm.conv_kernel` taps) and silu; q and k L2-normed per head (FLA's eps 1e-6), q scaled by
+1 / sqrt(key_dim); value head h reads key head h % key_heads (the converter's tiled order of the value
+heads); beta = sigmoid(ssm_beta x), g = ssm_a * softplus(ssm_alpha x + ssm_dt.bias) (ssm_a is
+-exp(A_log) already); the gated delta rule computed in its CHUNKED form (chunk_gated_delta, transformers'
+torch_chunk_gated_delta_rule in numpy: chunks of 64 solved as triangular systems, then a scan over
+chunks), a formulation apart from the kernel's token-by-token recurrence; its output RMS-normed by
+ssm_norm (w as is) times silu(attn_gate x) -> ssm_out. The cache carries the attention layers' K and V
+and each DeltaNet layer's state (the conv's last K - 1 inputs, each value head's [key_dim, value_dim]
+matrix), so a forward goes on from where the last one stopped.
 """
 
 from __future__ import annotations
@@ -46,6 +64,7 @@ class RefModel:
     interleaved_rope: bool
     rope_scaling: dict | None = None  # config.json's rope_scaling, or {"type": "linear", ...} from GGUF
     gemma: GemmaTraits | None = None
+    qwen35: Qwen35Traits | None = None
     head_integer: bool = False  # the LM head's weights are in an integer GGUF format (int8 applies)
     freq_factors: np.ndarray | None = None  # a GGUF's rope_freqs: each frequency divided by its own
     window: int = 0  # Mistral's (and Phi-3's) sliding window, on every layer (0: none)
@@ -62,6 +81,19 @@ class GemmaTraits:
 
 
 @dataclass
+class Qwen35Traits:
+    """Qwen3.5's hybrid (module docstring): its Gated DeltaNet layers and their shape, its partial RoPE."""
+
+    recurrent: set[int]
+    rotary_dims: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+
+@dataclass
 class RefCache:
     keys: list[list[np.ndarray]] = field(default_factory=list)
     values: list[list[np.ndarray]] = field(default_factory=list)
@@ -70,10 +102,14 @@ class RefCache:
     # cache's rows, dequantized), so that a rounding which flips with the last float bit upstream
     # is compared as the server made it.
     read: list[tuple[np.ndarray, np.ndarray]] | None = None
+    # Qwen3.5's Gated DeltaNet layers, by layer: the conv's last K - 1 inputs [K - 1, channels] and
+    # each value head's state [value_heads, key_dim, value_dim] (none yet: zeros)
+    conv: dict[int, np.ndarray] = field(default_factory=dict)
+    recurrent: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
-        return len(self.keys[0]) if self.keys else 0
+        return max(map(len, self.keys), default=0)  # a DeltaNet layer keeps no K: its list is empty
 
 
 # The layer's matrices: the reference's short names, the GGUF's tensor names.
@@ -93,6 +129,8 @@ def load_gguf_reference(path: str | Path) -> RefModel:
     arch = reader.fields["general.architecture"].contents()
     meta = lambda k: reader.fields[f"{arch}.{k}"].contents()  # noqa: E731
     raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64) for t in reader.tensors}
+    if arch == "qwen35":
+        return _qwen35_reference(reader, raw)
     floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     integer = {t.name for t in reader.tensors if t.tensor_type not in floats}  # int8 activations apply
     n_layers = meta("block_count")
@@ -146,6 +184,55 @@ def load_gguf_reference(path: str | Path) -> RefModel:
         interleaved_rope=(arch == "llama"),
         rope_scaling=_gguf_rope_scaling(reader, arch),
         gemma=gemma,
+    )
+
+
+def _qwen35_reference(reader, raw: dict[str, np.ndarray]) -> RefModel:
+    """A qwen35 GGUF's model (module docstring), float weights only."""
+    meta = lambda k: reader.fields[f"qwen35.{k}"].contents()  # noqa: E731
+    n_layers, heads = int(meta("block_count")), int(meta("attention.head_count"))
+    flags = _field(reader, "qwen35.attention.recurrent_layers")
+    if flags is None:  # a file without the flags: every full_attention_interval-th layer attends
+        flags = [(i + 1) % int(meta("full_attention_interval")) != 0 for i in range(n_layers)]
+    value_heads = int(meta("ssm.time_step_rank"))
+    traits = Qwen35Traits(
+        recurrent={i for i in range(n_layers) if flags[i]},
+        rotary_dims=int(meta("rope.dimension_count")),
+        key_heads=int(meta("ssm.group_count")),
+        value_heads=value_heads,
+        key_dim=int(meta("ssm.state_size")),
+        value_dim=int(meta("ssm.inner_size")) // value_heads,
+        conv_kernel=int(meta("ssm.conv_kernel")),
+    )
+    layers = []
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        names = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out", "ssm_conv1d", "ssm_norm")
+        if i not in traits.recurrent:
+            names = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm")
+        layer = {name: raw[f"{p}{name}.weight"] for name in names}
+        if i in traits.recurrent:
+            layer |= {"ssm_a": raw[p + "ssm_a"], "ssm_dt": raw[p + "ssm_dt.bias"]}
+        layer |= {
+            "attn_norm": raw[p + "attn_norm.weight"],
+            "ffn_norm": raw[p + "post_attention_norm.weight"],  # llama.cpp's name for Qwen3.5's
+            "gate": raw[p + "ffn_gate.weight"],
+            "up": raw[p + "ffn_up.weight"],
+            "down": raw[p + "ffn_down.weight"],
+        }
+        layers.append(layer)
+    return RefModel(
+        layers=layers,
+        embed=raw["token_embd.weight"],
+        norm=raw["output_norm.weight"],
+        head=raw.get("output.weight", raw["token_embd.weight"]),
+        n_heads=heads,
+        n_kv=int(meta("attention.head_count_kv")),
+        head_dim=int(meta("attention.key_length")),
+        theta=float(meta("rope.freq_base")),
+        eps=float(meta("attention.layer_norm_rms_epsilon")),
+        interleaved_rope=False,
+        qwen35=traits,
     )
 
 
@@ -359,6 +446,10 @@ def _q8_0_rounded(rows: np.ndarray) -> np.ndarray:
     )
 
 
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
@@ -385,6 +476,9 @@ def forward(
     kept as gguf's Q8_0 of its float32 value (runtime.kv_cache_dtype: q8_0, llama.cpp's -ctk/-ctv
     q8_0) and attended as gguf dequantizes it. ulp_jitter (with int8): every rounded input, the LM
     head's too, first moved one float32 ulp at random (q8_1's jitter)."""
+    if model.qwen35 is not None:  # float weights, float products only
+        assert not (int8 or q8_0_cache or activations is not None or cache.read is not None)
+        return _qwen35_forward(model, tokens, cache)
 
     def product(a: np.ndarray, layer: dict, name: str) -> np.ndarray:
         if activations is not None:
@@ -496,6 +590,129 @@ def _lm_head(
     if head_slack is not None:
         head_slack.append(tie_steps @ np.abs(model.head).T)
     return h @ model.head.T
+
+
+# ------------------------------------------------------------------------------------------ Qwen3.5
+
+CHUNK = 64  # transformers' (and FLA's) chunk of the gated delta rule
+
+
+def _qwen35_forward(model: RefModel, tokens: list[int], cache: RefCache) -> np.ndarray:
+    """Qwen3.5's forward of `tokens` after what `cache` holds (module docstring) -> logits [T, vocab]."""
+    traits = model.qwen35
+    assert traits is not None
+    positions = np.arange(cache.length, cache.length + len(tokens), dtype=np.float64)
+    freqs = model.theta ** (-np.arange(0, traits.rotary_dims, 2) / traits.rotary_dims)
+    if not cache.keys:
+        cache.keys = [[] for _ in model.layers]
+        cache.values = [[] for _ in model.layers]
+    x = model.embed[np.asarray(tokens)]
+    for li, layer in enumerate(model.layers):
+        h = _rms(x, layer["attn_norm"], model.eps)
+        if li in traits.recurrent:
+            x = x + _gated_delta_net(model, li, h, cache)
+        else:
+            x = x + _gated_attention(model, li, h, positions, freqs, cache)
+        h = _rms(x, layer["ffn_norm"], model.eps)
+        x = x + (_silu(h @ layer["gate"].T) * (h @ layer["up"].T)) @ layer["down"].T
+    return _rms(x, model.norm, model.eps) @ model.head.T
+
+
+def _gated_attention(
+    model: RefModel, li: int, h: np.ndarray, positions: np.ndarray, freqs: np.ndarray, cache: RefCache
+) -> np.ndarray:
+    """Layer li's gated attention of the normed rows h over the cache's K and V and their own (appended),
+    through attn_output: [T, hidden]."""
+    layer, hd, n, rot = model.layers[li], model.head_dim, len(h), model.qwen35.rotary_dims
+    query_gate = (h @ layer["attn_q"].T).reshape(n, model.n_heads, 2, hd)  # per head: query, then gate
+    q, gate = query_gate[:, :, 0], query_gate[:, :, 1]
+    k = (h @ layer["attn_k"].T).reshape(n, model.n_kv, hd)
+    v = (h @ layer["attn_v"].T).reshape(n, model.n_kv, hd)
+    q, k = _rms(q, layer["attn_q_norm"], model.eps), _rms(k, layer["attn_k_norm"], model.eps)
+    q = np.concatenate([_rope(q[..., :rot], positions, freqs, False), q[..., rot:]], axis=-1)
+    k = np.concatenate([_rope(k[..., :rot], positions, freqs, False), k[..., rot:]], axis=-1)
+    cache.keys[li].extend(k)
+    cache.values[li].extend(v)
+    keys, values = np.stack(cache.keys[li]), np.stack(cache.values[li])
+    hidden = np.arange(len(keys))[None, :] > positions[:, None]  # causal
+    group = model.n_heads // model.n_kv
+    out = np.empty((n, model.n_heads, hd))
+    for head in range(model.n_heads):
+        scores = q[:, head] @ keys[:, head // group].T / np.sqrt(hd)
+        scores = np.exp(np.where(hidden, -np.inf, scores) - scores.max(axis=-1, keepdims=True))
+        out[:, head] = scores / scores.sum(axis=-1, keepdims=True) @ values[:, head // group]
+    out = out / (1.0 + np.exp(-gate))  # times sigmoid(gate)
+    return out.reshape(n, -1) @ layer["attn_output"].T
+
+
+def _gated_delta_net(model: RefModel, li: int, h: np.ndarray, cache: RefCache) -> np.ndarray:
+    """Layer li's Gated DeltaNet of the normed rows h from the cache's state (left there), through
+    ssm_out: [T, hidden]."""
+    t, layer, n = model.qwen35, model.layers[li], len(h)
+    hk, hv, dk, dv, taps = t.key_heads, t.value_heads, t.key_dim, t.value_dim, t.conv_kernel
+    mixed = h @ layer["attn_qkv"].T  # [T, channels]
+    held = cache.conv.get(li, np.zeros((taps - 1, mixed.shape[1])))
+    inputs = np.concatenate([held, mixed])
+    cache.conv[li] = inputs[len(inputs) - (taps - 1) :]
+    windows = np.lib.stride_tricks.sliding_window_view(inputs, taps, axis=0)  # [T, channels, taps]
+    y = _silu((windows * layer["ssm_conv1d"]).sum(axis=-1))
+    q = y[:, : hk * dk].reshape(n, hk, dk)
+    k = y[:, hk * dk : 2 * hk * dk].reshape(n, hk, dk)
+    v = y[:, 2 * hk * dk :].reshape(n, hv, dv)
+    q = q / np.sqrt((q * q).sum(axis=-1, keepdims=True) + 1e-6) / np.sqrt(dk)
+    k = k / np.sqrt((k * k).sum(axis=-1, keepdims=True) + 1e-6)
+    reads = np.arange(hv) % hk  # value head h's key head, the file's tiled order
+    beta = 1.0 / (1.0 + np.exp(-(h @ layer["ssm_beta"].T)))
+    g = layer["ssm_a"] * np.logaddexp(0.0, h @ layer["ssm_alpha"].T + layer["ssm_dt"])  # log decay
+    out, state = chunk_gated_delta(q[:, reads], k[:, reads], v, g, beta, cache.recurrent.get(li))
+    cache.recurrent[li] = state
+    z = (h @ layer["attn_gate"].T).reshape(n, hv, dv)
+    return (_rms(out, layer["ssm_norm"], model.eps) * _silu(z)).reshape(n, -1) @ layer["ssm_out"].T
+
+
+def chunk_gated_delta(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    state: np.ndarray | None = None,
+    chunk: int = CHUNK,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule S_t = e^g_t S_{t-1} + k_t (beta_t (v_t - e^g_t S_{t-1}^T k_t))^T, o_t = S_t^T q_t
+    of each head (q, k [T, H, dk], v [T, H, dv], g, beta [T, H]; q as it is, no scale) from `state`
+    [H, dk, dv] (None: zeros), in transformers' chunked form (torch_chunk_gated_delta_rule): the
+    sequence zero-padded to chunks; within a chunk the delta rule's updates are solved at once as a
+    unit lower-triangular system (the UT transform), then the chunks are scanned, each reading the
+    state the ones before left. -> o [T, H, dv] and the final state [H, dk, dv]."""
+    steps, heads, dk = k.shape
+    dv = v.shape[-1]
+    pad = -steps % chunk
+
+    def chunked(a: np.ndarray) -> np.ndarray:  # [T, H, ...] -> [H, chunks, chunk, ...]
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]))])
+        return np.moveaxis(a, 0, 1).reshape(heads, -1, chunk, *a.shape[2:])
+
+    q, k, v, g, beta = (chunked(a) for a in (q, k, v, g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = np.cumsum(g, axis=-1)  # [H, N, C]: log of the decay from the chunk's start to each position
+    lower = np.tril(np.ones((chunk, chunk), dtype=bool))  # j <= i
+    pairwise = cum[..., :, None] - cum[..., None, :]  # [H, N, C, C]: log decay from j to i
+    decay = np.where(lower, np.exp(np.where(lower, pairwise, 0.0)), 0.0)
+    kt = np.swapaxes(k, -1, -2)
+    system = np.tril(k_beta @ kt * decay, -1) + np.eye(chunk)  # unit lower triangular
+    new_values = np.linalg.solve(system, v_beta)  # [H, N, C, dv]
+    k_cumdecay = np.linalg.solve(system, k_beta * np.exp(cum)[..., None])  # [H, N, C, dk]
+    within = q @ kt * decay  # [H, N, C, C]: attention inside the chunk, diagonal included
+    q_decayed = q * np.exp(cum)[..., None]
+    k_decayed = k * np.exp(cum[..., -1:] - cum)[..., None]
+    state = np.zeros((heads, dk, dv)) if state is None else np.array(state, dtype=np.float64)
+    out = np.empty_like(new_values)
+    for i in range(new_values.shape[1]):
+        fresh = new_values[:, i] - k_cumdecay[:, i] @ state  # what the state does not predict
+        out[:, i] = q_decayed[:, i] @ state + within[:, i] @ fresh
+        state = state * np.exp(cum[:, i, -1])[:, None, None] + np.swapaxes(k_decayed[:, i], -1, -2) @ fresh
+    return np.moveaxis(out.reshape(heads, -1, dv)[:, :steps], 0, 1), state
 
 
 def greedy(

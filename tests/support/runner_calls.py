@@ -29,11 +29,16 @@ def chunk(
     table: BlockTable | None = None,
     start: int = 0,
     score: Score | None = None,
+    restore: int | None = None,
+    save: int | None = None,
 ) -> StepChunk:
     """Positions start..len(tokens)-1 of the slot's sequence; `params`: the prompt's last chunk
-    samples its first token with them (None: it samples nothing); `score`: its prompt logprobs."""
+    samples its first token with them (None: it samples nothing); `score`: its prompt logprobs;
+    `restore`, `save`: the state snapshots it starts from and saves into (Gated DeltaNet layers)."""
     k, lookahead = score if score is not None else (None, None)
-    return StepChunk(slot, tokens, table, start, params, prompt_logprobs=k, lookahead=lookahead)
+    return StepChunk(
+        slot, tokens, table, start, params, prompt_logprobs=k, lookahead=lookahead, restore=restore, save=save
+    )
 
 
 def prefill(
@@ -45,11 +50,12 @@ def prefill(
     start: int = 0,
     mask: np.ndarray | None = None,
     score: Score | None = None,
+    restore: int | None = None,
 ) -> int:
     """A prompt's last (or only) chunk alone: its first token (`mask`: the tokens it may be)."""
     masks = {} if mask is None else {slot: mask}
     reply = runner.execute(
-        StepRequest(chunks=[chunk(slot, tokens, params, table, start, score)], masks=masks)
+        StepRequest(chunks=[chunk(slot, tokens, params, table, start, score, restore)], masks=masks)
     )
     return reply.firsts[0].token
 
@@ -61,9 +67,11 @@ def prefill_chunk(
     table: BlockTable | None,
     start: int = 0,
     score: Score | None = None,
+    restore: int | None = None,
+    save: int | None = None,
 ) -> None:
     """A chunk before the prompt's last (or a preempted sequence's recompute) alone: samples nothing."""
-    runner.execute(StepRequest(chunks=[chunk(slot, tokens, None, table, start, score)]))
+    runner.execute(StepRequest(chunks=[chunk(slot, tokens, None, table, start, score, restore, save)]))
 
 
 def decode(

@@ -24,6 +24,7 @@ MODULES = (
     "internlm2",
     "mistral",
     "smollm3",
+    "qwen35",
 )  # the order the errors list them in
 
 FAMILIES: tuple[Family, ...] = tuple(import_module(f"{__name__}.{name}").FAMILY for name in MODULES)

@@ -47,7 +47,10 @@ END_OF_GENERATION = (
     "<｜end▁of▁sentence｜>",
 )
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3.1 scaling)
-MATRICES = (".wq", ".wk", ".wv", ".wo", ".w_gate", ".w_up", ".w_down", "embed", "lm_head")
+MATRICES = (
+    *(".wq", ".wk", ".wv", ".wo", ".w_gate", ".w_up", ".w_down", "embed", "lm_head"),
+    *(".delta_qkv", ".delta_z", ".delta_out"),  # a Gated DeltaNet layer's (Qwen3.5's)
+)
 MB = 1 << 20
 R = TypeVar("R")
 
@@ -110,10 +113,12 @@ def _spec(path: Path, reader: GgufFile) -> tuple[ModelSpec, GgufLayout]:
     kv_heads = meta("attention.head_count_kv", heads)
     head_dim = meta("attention.key_length", hidden // heads, required=False) or hidden // heads
     by_name = {t.name: t for t in reader.tensors}
+    # the last nextn_predict_layers blocks are multi-token prediction layers (Qwen3.5's), not the model's
+    layers = meta("block_count") - int(meta("nextn_predict_layers", 0, required=False) or 0)
     spec = ModelSpec(
         architecture=layout.architecture,
         name=gguf_field(reader, "general.name", path.stem),
-        num_layers=meta("block_count"),
+        num_layers=layers,
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -128,11 +133,7 @@ def _spec(path: Path, reader: GgufFile) -> tuple[ModelSpec, GgufLayout]:
         max_context=meta("context_length"),
         bos_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_ids=gguf_eos_ids(reader),
-        **(
-            layout.spec_fields(path, meta, hidden, head_dim, meta("block_count"))
-            if layout.spec_fields
-            else {}
-        ),
+        **(layout.spec_fields(path, meta, hidden, head_dim, layers) if layout.spec_fields else {}),
     )
     return spec, layout
 
@@ -172,6 +173,8 @@ def _parts(
     attn_qkv, ffn_up: families.base.PACKED) once for each of its parts."""
     for t in reader.tensors:
         name = layout.canonical_name(t.name)
+        if name is not None and name.startswith("layers.") and int(name.split(".")[1]) >= spec.num_layers:
+            name = None  # an MTP layer's
         if name is not None and len(t.shape) == 3:  # a MoE layer's experts: each its own matrix
             yield from _experts(t, name)
             continue

@@ -1,7 +1,8 @@
 """The dense families against Hugging Face `transformers`, their reference implementation (the
 `reference` extra): a tiny model of each built by transformers with random float32 weights and the
 family's real vocabulary (Llama 3's llama-bpe, Mistral's llama-spm, Qwen3's qwen2, Phi-3's phi-3;
-SmolLM3's four layers, the last rotating nothing, on llama-bpe), served from its Hugging Face
+SmolLM3's four layers, the last rotating nothing, on llama-bpe; Qwen3.5's three Gated DeltaNet
+layers and a gated attention layer on qwen35, more value heads than key heads), served from its Hugging Face
 directory and from the GGUF llama.cpp's converter would write: greedy answers equal transformers'
 `generate` for every prompt, one past 128 tokens and others from the vocabulary's own test texts.
 The seed is fixed and its answers are no near-ties: transformers' best two logits differ by more
@@ -24,7 +25,11 @@ NEAR_TIE = 1e-3
 SUITE_TEXTS = (5, 20, 33)  # of each vocabulary's .inp file (non-blank ones)
 
 
-@pytest.fixture(scope="module", params=hf.FAMILIES)
+# every family the tiny models cover but Qwen3.5's MoE (its shared expert: #74, next)
+SERVED = [family for family in hf.FAMILIES if family != "qwen35moe"]
+
+
+@pytest.fixture(scope="module", params=SERVED)
 def family_files(request, tmp_path_factory) -> tuple[str, object, list[Path]]:
     """The family's transformers model, and its files: the Hugging Face directory, the GGUF."""
     family = request.param
@@ -64,19 +69,22 @@ def test_greedy_answers_equal_transformers(family_files):
 
 
 def test_chunks_a_prefix_cache_hit_and_speculation_give_the_same_answer(family_files):
-    """The prompt past 128 tokens in two chunks, then decoded by speculative steps (proposals of
+    """The prompt past 128 tokens in three chunks, then decoded by speculative steps (proposals of
     transformers' own answer, every other one with a wrong second token: right ones kept, the wrong
-    one's position written over); and a second slot starting from the first's 128 cached positions
-    (a prefix-cache hit; not where sliding-window layers keep each slot's ring): transformers'
-    greedy answer each time."""
+    one's position written over, a Gated DeltaNet state held and replayed); and a second slot
+    starting from the first's 128 cached positions (a prefix-cache hit, from the state the second
+    chunk saved where the model has Gated DeltaNet layers; not where sliding-window layers keep each
+    slot's ring): transformers' greedy answer each time."""
     family, model, paths = family_files
     prompt = prompts(family)[1]
     want, _ = hf.greedy(model, prompt, NEW_TOKENS)
     for path in paths:
         runner = ModelRunner.from_checkpoint(load_checkpoint(path), DEFAULT_RUNTIME)
+        hybrid = runner.spec.linear_attention is not None
         first = runner.graphs.inputs.slot_table(0)
         calls.prefill_chunk(runner, 0, prompt[:64], first)
-        got, gave = [calls.prefill(runner, 0, prompt, SamplingParams(), first, start=64)], []
+        calls.prefill_chunk(runner, 0, prompt[:128], first, start=64, save=0 if hybrid else None)
+        got, gave = [calls.prefill(runner, 0, prompt, SamplingParams(), first, start=128)], []
         while len(got) < NEW_TOKENS - 3:
             right = want[len(got) : len(got) + 3]
             proposals = right if len(gave) % 2 == 0 else [right[0], (right[1] + 1) % runner.spec.vocab_size]
@@ -90,6 +98,10 @@ def test_chunks_a_prefix_cache_hit_and_speculation_give_the_same_answer(family_f
         second = runner.graphs.inputs.slot_table(1)
         shared = 128 // DEFAULT_RUNTIME.block_size
         second[:shared] = first[:shared]
-        got = [calls.prefill(runner, 1, prompt, SamplingParams(), second, start=128)]
+        got = [
+            calls.prefill(
+                runner, 1, prompt, SamplingParams(), second, start=128, restore=0 if hybrid else None
+            )
+        ]
         got += [calls.decode(runner, [1], [second])[0] for _ in range(NEW_TOKENS - 1)]
         assert got == want, (family, path.name)

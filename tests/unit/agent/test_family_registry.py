@@ -9,19 +9,13 @@ import numpy as np
 import pytest
 
 from agent.model import families
-from agent.model.checkpoint import (
-    BIAS_TENSORS,
-    LAYER_TENSORS,
-    POST_NORM_TENSORS,
-    QK_NORM_TENSORS,
-    CheckpointError,
-)
+from agent.model.checkpoint import CheckpointError, expected_shapes
 from agent.model.families.base import GgufLayout, HfLayout, packed_parts
 from agent.model.spec import ModelSpec
 from agent.model.tokenizer import TEMPLATES
 
 GGUF_ARCHITECTURES = {
-    name: name for name in ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3", "smollm3")
+    name: name for name in ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3", "smollm3", "qwen35")
 }
 HF_MODEL_TYPES = {
     "llama": "llama",
@@ -32,6 +26,7 @@ HF_MODEL_TYPES = {
     "internlm2": "internlm2",
     "mistral": "mistral",
     "smollm3": "smollm3",
+    "qwen3_5_text": "qwen35",
 }
 GLOBAL_TENSORS = {"embed", "final_norm", "lm_head"}
 
@@ -78,13 +73,13 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(name):
         families.gguf_layout(name, Path("m.gguf"))
     assert (
         str(gguf_refusal.value) == f"m.gguf: unsupported architecture {name!r} "
-        "(supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3, smollm3)"
+        "(supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3, smollm3, qwen35)"
     )
     with pytest.raises(CheckpointError) as hf_refusal:
         families.hf_layout(name, Path("m"))
     assert (
         str(hf_refusal.value) == f"m: unsupported architecture {name!r} "
-        "(supported: llama, qwen2, qwen3, qwen3_moe, phi3, internlm2, mistral, smollm3)"
+        "(supported: llama, qwen2, qwen3, qwen3_moe, phi3, internlm2, mistral, smollm3, qwen3_5_text)"
     )
 
 
@@ -99,19 +94,30 @@ def test_every_family_module_is_registered_under_its_name():
 
 
 def layer_tensors(spec: ModelSpec) -> set[str]:
-    """What the shared layers read of layer 1 (agent/model/checkpoint.py expected_shapes)."""
-    names = LAYER_TENSORS + (BIAS_TENSORS if spec.qkv_bias else ())
-    names += (QK_NORM_TENSORS if spec.qk_norm else ()) + (POST_NORM_TENSORS if spec.post_norms else ())
-    return {f"layers.1.{name}" for name in names}
+    """What the shared layers read of layer 1 (agent/model/checkpoint.py expected_shapes: a
+    Gated DeltaNet layer's in place of the attention's), each expert's left out (a MoE layout names
+    their stacked tensors: test_qwen3moe_names_its_router_and_every_experts_matrices)."""
+    return {
+        name for name, _ in expected_shapes(spec) if name.startswith("layers.1.") and ".experts." not in name
+    }
 
 
-# What a MoE family requires of its files (Qwen3-MoE's); the dense families read none of it
-MOE_METADATA = {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 16}
-MOE_CONFIG = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+# What a MoE family requires of its files (Qwen3-MoE's), and a hybrid one (Qwen3.5's Gated DeltaNet
+# layers); the dense families read none of it
+METADATA = {
+    **{"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 16},
+    **{"ssm.conv_kernel": 4, "ssm.state_size": 8, "ssm.group_count": 2, "ssm.time_step_rank": 4},
+    "ssm.inner_size": 32,
+}
+CONFIG = {
+    **{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    **{"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8},
+    "linear_value_head_dim": 8,
+}
 
 
 def no_metadata(key, default=None, required=True):
-    return MOE_METADATA.get(key, default)
+    return METADATA.get(key, default)
 
 
 @pytest.mark.parametrize("layout", families.GGUF.values(), ids=families.GGUF.keys())
@@ -131,15 +137,21 @@ def test_each_gguf_layout_maps_every_tensor_its_layers_read(layout: GgufLayout):
 
 @pytest.mark.parametrize("layout", families.HF.values(), ids=families.HF.keys())
 def test_each_hf_layout_maps_every_tensor_its_layers_read(layout: HfLayout):
-    fields = layout.spec_fields({"num_hidden_layers": 2, **MOE_CONFIG}) if layout.spec_fields else {}
+    config = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, **CONFIG}
+    fields = layout.spec_fields(config) if layout.spec_fields else {}
     biases = any(name.endswith(".bias") for name in layout.layer_names)  # Phi-3 has none
     spec = tiny_spec(layout.model_type, qkv_bias=biases, **fields)
     # every tensor the layout names, bias included, as it lies in the files: packed Q/K/V rows are
     # (kv heads x (group + 2) x head size), the size a family's transform splits; a packed gate and
     # up (Phi-3's) twice the FFN's
     rows = spec.num_kv_heads * (spec.group_size + 2) * spec.head_dim
+    shapes = dict(expected_shapes(spec))  # a Gated DeltaNet layer's tensors, which its transform reorders
     tensors = {
-        name: np.zeros((2 * spec.intermediate_size if name.endswith("w_gate_up") else rows, 4))
+        name: np.zeros(
+            shapes[name]
+            if ".delta_" in name
+            else (2 * spec.intermediate_size if name.endswith("w_gate_up") else rows, 4)
+        )
         for name in (layout.canonical_name(f"model.layers.1.{n}") for n in layout.layer_names)
     }
     tensors |= {layout.canonical_name(name): np.zeros(1) for name in layout.global_names}
@@ -158,5 +170,5 @@ def test_qwen3moe_names_its_router_and_every_experts_matrices():
     assert hf.canonical_name("model.layers.3.mlp.experts.127.up_proj.weight") == "layers.3.experts.127.w_up"
     assert hf.canonical_name("model.layers.3.mlp.experts.x.up_proj.weight") is None
     assert hf.spec_fields is not None
-    config = {"num_hidden_layers": 6, **MOE_CONFIG, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    config = {"num_hidden_layers": 6, **CONFIG, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
     assert hf.spec_fields(config)["dense_layers"] == (0, 2, 3, 4)

@@ -95,7 +95,7 @@ def one_layer(library, k_cache, v_cache, bias, wkv_scale, lengths, tables, ident
         tables.astype(np.int32),
     ]
     common += [np.arange(rows, dtype=np.int32), np.array([block], np.int32)]
-    common += [common[1], common[2], common[3], common[6]]
+    common += [common[1], common[2], common[3], common[6], np.zeros(1, np.int32)]  # no state slots
     layer = [
         np.ones(dim, np.float32),
         bias.astype(np.float32),
@@ -111,7 +111,7 @@ def one_layer(library, k_cache, v_cache, bias, wkv_scale, lengths, tables, ident
         packed(normal(dim, ffn)),
         packed(normal(ffn, dim)),
     ]
-    layer += [np.ones(1, np.float32)] * 4 + [np.zeros(5, np.int32)]
+    layer += [np.ones(1, np.float32)] * 4 + [np.zeros(8, np.int32)]
     out = np.full((rows, dim), np.nan, np.float32)
     return out, call(library.FusedStack, common + layer, out), write
 

@@ -54,6 +54,7 @@ def fused_layer(
         np.array([block], np.int32),
     ]
     common += [common[1], common[2], common[3], common[6]]  # no sliding-window layer's own
+    common.append(np.zeros(1, np.int32))  # no Gated DeltaNet layer's state slots
     layer = [
         np.ones(dim, np.float32),
         normal(qkv_width, scale=0.1),
@@ -71,7 +72,7 @@ def fused_layer(
     ]
     gemma = int(window > 0)
     layer += [1 + normal(hd), 1 + normal(hd), 1 + normal(dim), 1 + normal(dim)]  # read by a Gemma layer
-    layer.append(np.array([window, 0, gemma, gemma, gemma], np.int32))
+    layer.append(np.array([window, 0, gemma, gemma, gemma, 0, 0, 0], np.int32))
     arrays = common + layer
     out = np.full((rows, dim), np.nan, np.float32)
     return out, call(library.FusedStack, arrays, out)
