@@ -54,7 +54,7 @@ from agent.contract.step_reply import StepReply
 from scheduler.block_manager import BlockManager
 from scheduler.client_share import ClientShares
 from scheduler.engine_io import AdmissionError, EngineOutput, FaultKind, Refusal
-from scheduler.engine_stats import EngineCounts, EngineStats, GroupStats, KvBlockStats
+from scheduler.engine_stats import EngineCounts, EngineStats, GroupStats, KvBlockStats, StateStats
 from scheduler.placement import Placement
 from scheduler.plan import (
     Chunk,
@@ -208,8 +208,13 @@ class BatchScheduler:
                     cached=blocks.num_cached,
                     prefix_caching=blocks.enable_prefix_caching,
                 ),
+                states=None
+                if snapshots is None
+                else StateStats(snapshots=snapshots.slots, held=snapshots.held),
             )
-            for g, (capacity, blocks) in enumerate(zip(self.groups, self.blocks))
+            for g, (capacity, blocks, snapshots) in enumerate(
+                zip(self.groups, self.blocks, self.placement.snapshots)
+            )
         )
         return EngineStats(
             started=True,
@@ -227,6 +232,7 @@ class BatchScheduler:
             prefix_query_tokens=self.placement.prefix_query_tokens,
             prefix_hit_tokens=self.placement.prefix_hit_tokens,
             prefix_tier_hit_tokens=self.placement.prefix_tier_hit_tokens,
+            state_restores=sum(s.restored for s in self.placement.snapshots if s is not None),
             proposed_tokens=self.drafts.proposed_tokens,
             accepted_tokens=self.drafts.accepted_tokens,
             speculative_steps=self.drafts.speculative_steps,

@@ -100,6 +100,10 @@ class Engine:
             m.group_slots.labels(str(group)).set_function(partial(self._group_stat, group, "slots"))
         for state in ("used", "free", "cached"):
             m.kv_blocks.labels(state).set_function(partial(lambda s: self.stats().kv_blocks(s), state))
+        for state in ("held", "free"):
+            m.state_snapshots.labels(state).set_function(
+                partial(lambda s: self.stats().state_snapshots(s == "held"), state)
+            )
 
     def _group_stat(self, group: int, name: str) -> int:
         return getattr(self.stats().groups[group], name)
@@ -310,6 +314,7 @@ class Engine:
             (m.prefix_cache_queries, counts.prefix_query_tokens),
             (m.prefix_cache_hits, counts.prefix_hit_tokens),
             (m.prefix_cache_tier_hits, counts.prefix_tier_hit_tokens),
+            (m.state_restores, counts.state_restores),
             (m.preemptions, counts.preemptions),
             (m.proposed_tokens, counts.proposed_tokens),
             (m.accepted_tokens, counts.accepted_tokens),

@@ -25,6 +25,15 @@ class KvBlockStats:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StateStats:
+    """A hybrid model's group (Gated DeltaNet layers): each running sequence holds a state in its
+    slot; snapshots of prompts' states are kept for prefix-cache hits (scheduler/state_snapshots.py)."""
+
+    snapshots: int  # slots for them
+    held: int  # registered (hit-able)
+
+
+@dataclass(frozen=True, kw_only=True)
 class GroupStats:
     """One agent group: its agents, role and limits (zero before it connects), its health, the
     sequences it runs, the slot releases its agent has not answered yet (planned or not yet
@@ -40,6 +49,7 @@ class GroupStats:
     running: int = 0
     releases_pending: int = 0
     kv_blocks: KvBlockStats | None = None
+    states: StateStats | None = None  # a hybrid model's group that keeps state snapshots
 
     @property
     def decodes(self) -> bool:
@@ -61,6 +71,7 @@ class EngineCounts:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_tier_hit_tokens: int = 0
+    state_restores: int = 0  # prefix-cache hits resumed from a state snapshot (hybrid models)
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     speculative_steps: int = 0
@@ -84,6 +95,14 @@ class EngineStats:
     def slots(self) -> int:
         """Decode slots of the healthy groups."""
         return sum(g.slots for g in self.groups if g.decodes)
+
+    def state_snapshots(self, held: bool) -> int:
+        """State snapshots of the healthy groups: held (hit-able), else free."""
+        return sum(
+            g.states.held if held else g.states.snapshots - g.states.held
+            for g in self.groups
+            if g.healthy and g.states
+        )
 
     def kv_blocks(self, state: BlockState) -> int:
         """KV blocks in `state` of the healthy groups."""

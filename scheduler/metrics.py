@@ -83,6 +83,17 @@ class EngineMetrics:
             "Prompt tokens found in the prefix cache (not computed again)",
             registry=r,
         )
+        self.state_snapshots = Gauge(
+            p + "state_snapshots",
+            "Hybrid models' state snapshots of healthy groups (prefix-cache hits resume from them)",
+            ["state"],
+            registry=r,
+        )
+        self.state_restores = Counter(
+            p + "state_restores",
+            "Prefix-cache hits resumed from a state snapshot (hybrid models)",
+            registry=r,
+        )
         self.preemptions = Counter(
             p + "preemptions",
             "Sequences whose KV blocks were taken for others (recomputed later, nothing lost)",

@@ -60,6 +60,7 @@ def model_info(model: ServedModel) -> dict:
                 # slot releases the group's agent has not answered yet (0: every freed slot is free there)
                 "releases_pending": g.releases_pending,
                 "kv_blocks": None if g.kv_blocks is None else asdict(g.kv_blocks),
+                "state_snapshots": None if g.states is None else asdict(g.states),
             }
             for g in (stats.groups if stats is not None else ())
         ],
