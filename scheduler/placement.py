@@ -180,8 +180,9 @@ class Placement:
         or was preempted)."""
         group, restore = seq.group, seq.state_restore
         seq.state_restore = None
-        if restore is not None and group is not None and self.snapshots[group] is not None:
-            self.snapshots[group].unpin(restore)
+        snapshots = None if group is None else self.snapshots[group]
+        if restore is not None and snapshots is not None:
+            snapshots.unpin(restore)
 
     def drop_states(self, seq: Sequence) -> None:
         """The sequence ended or was preempted: no restore, no save (a recompute plans its own)."""
@@ -209,8 +210,9 @@ class Placement:
         self.healthy[group] = False
         self.free_slots[group] = []
         self.blocks[group].reset()
-        if self.snapshots[group] is not None:
-            self.snapshots[group].reset()
+        snapshots = self.snapshots[group]
+        if snapshots is not None:
+            snapshots.reset()
 
     def recovered(self, group: int, capacity: GroupCapacity) -> None:
         self.groups[group] = capacity

@@ -70,9 +70,10 @@ class StateSnapshots:
         if self._free:
             slot = self._free.pop()
         else:
-            slot = next((s for s in self._registered if s not in self._pins), None)
-            if slot is None:
+            oldest = next((s for s in self._registered if s not in self._pins), None)
+            if oldest is None:
                 return None
+            slot = oldest
             del self._by_serial[self._registered.pop(slot)]
         self._reserved.add(slot)
         return slot

@@ -72,7 +72,10 @@ def run_grid(runner: ModelRunner, args) -> dict:
             positions = np.full(batch, context)
             ms = median_ms(
                 lambda tables=tables, tokens=tokens, positions=positions, batch=batch, attend=attend: (
-                    runner.graphs.decode(tables, tokens, positions, batch, attend)[1].asnumpy()
+                    # each row in its own slot (a Gated DeltaNet layer's state is the slot's)
+                    runner.graphs.decode(tables, tokens, positions, batch, attend, slots=list(range(batch)))[
+                        1
+                    ].asnumpy()
                 ),
                 args.repeats,
             )

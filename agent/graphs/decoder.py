@@ -248,7 +248,9 @@ class DecoderLayer(nn.Cell):
         self.formats = Parameter(Tensor(np.array(ids, np.int32)), name=p + "formats", requires_grad=False)
         width = shape.channels + 2 * shape.value_heads  # a held row: its conv inputs, b and a
         self.held = zeros((states.live, max(states.held_rows * width, 1)), p + "held", ms.float32)
-        self.delta_conv = param(checkpoint.tensors[p + "delta_conv"].reshape(-1), p + "delta_conv")
+        # tap-major [K, C]: the kernel convolves eight channels at a time
+        conv = checkpoint.tensors[p + "delta_conv"].reshape(shape.channels, shape.conv_kernel)
+        self.delta_conv = param(conv.T.reshape(-1), p + "delta_conv")
         for name in ("delta_norm", "delta_dt_bias", "delta_a"):
             setattr(self, name, param(checkpoint.tensors[p + name].reshape(-1), p + name))
         self.conv_state = zeros((states.total, shape.conv_state), p + "conv_state", ms.float32)

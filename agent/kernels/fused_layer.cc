@@ -50,7 +50,7 @@
 //   ffn_norm, formats, wq: the QKV product
 //   (C = 2 key_heads key_dim + value_heads value_dim columns), wk: z [value_heads value_dim], wv:
 //   b then a [2 value_heads], wo: the output product, w_gate, w_up, w_down, norm [value_dim],
-//   conv [C * K], dt_bias [value_heads], A [value_heads] (-exp(A_log)), options; its shape is
+//   conv [K * C] (tap-major), dt_bias [value_heads], A [value_heads] (-exp(A_log)), options; its shape is
 //   read from theirs);
 //   output [N, D] last.
 // Matrices of one layer may differ in format (a Q4_K_M file's attn_v and ffn_down are Q6_K in half

@@ -26,8 +26,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "row_ops.h"
+#include "vec8.h"
 
 namespace gated_delta {
 
@@ -46,27 +48,42 @@ inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // torch's threshold
 
 // Channels [c0, c1) of `rows` consecutive inputs x (row r at in + r * in_stride) through the causal
-// conv (weight [channels, K]) and silu into out (row r at out + r * out_stride); `state` [K - 1,
-// channels] holds the inputs before the first row (oldest first; zeros where `fresh`) and, where
-// `keep`, is left holding the last K - 1 inputs.
+// conv (weight [K, channels]: tap j of every channel, then tap j + 1; tap K - 1 takes the current
+// input) and silu into out (row r at out + r * out_stride); `state` [K - 1, channels] holds the
+// inputs before the first row (oldest first; zeros where `fresh`) and, where `keep`, is left holding
+// the last K - 1 inputs. Eight channels at a time (exp8's silu): channels are independent.
 inline void convolve(const Shape &shape, const float *weight, float *state, bool fresh, bool keep, const float *in,
                      int64_t in_stride, int64_t rows, float *out, int64_t out_stride, int64_t c0, int64_t c1) {
   const int64_t kernel = shape.conv_kernel, channels = shape.channels(), held = kernel - 1;
-  constexpr int64_t MAX_KERNEL = 8;
-  for (int64_t c = c0; c < c1; ++c) {
-    float window[MAX_KERNEL];  // the last `held` inputs then the current one
-    for (int64_t j = 0; j < held; ++j) window[j] = fresh ? 0.f : state[j * channels + c];
-    const float *w = weight + c * kernel;
-    for (int64_t r = 0; r < rows; ++r) {
-      window[held] = in[r * in_stride + c];
-      float sum = 0.f;
-      for (int64_t j = 0; j < kernel; ++j) sum += w[j] * window[j];
-      out[r * out_stride + c] = silu(sum);
-      for (int64_t j = 0; j < held; ++j) window[j] = window[j + 1];
-    }
-    if (keep)
-      for (int64_t j = 0; j < held; ++j) state[j * channels + c] = window[j];
+  thread_local std::vector<float> zeros;
+  const float *before = state;  // the inputs before the run's first
+  if (fresh) {
+    zeros.assign(held * channels, 0.f);
+    before = zeros.data();
   }
+  // input t of the run (t < 0: the earlier inputs' row held + t), at channel c
+  auto input = [&](int64_t t, int64_t c) -> const float * {
+    return t >= 0 ? in + t * in_stride + c : before + (held + t) * channels + c;
+  };
+  int64_t c = c0;
+  for (; c + 8 <= c1; c += 8)
+    for (int64_t r = 0; r < rows; ++r) {
+      vec8::v8f sum = vec8::load(weight + c) * vec8::load(input(r - held, c));
+      for (int64_t j = 1; j < kernel; ++j)
+        sum += vec8::load(weight + j * channels + c) * vec8::load(input(r - held + j, c));
+      const vec8::v8f y = sum / (1.f + rowwise::exp8(-sum));
+      std::memcpy(out + r * out_stride + c, &y, sizeof y);
+    }
+  for (; c < c1; ++c)
+    for (int64_t r = 0; r < rows; ++r) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < kernel; ++j) sum += weight[j * channels + c] * *input(r - held + j, c);
+      out[r * out_stride + c] = silu(sum);
+    }
+  if (!keep) return;
+  // the last `held` inputs; row i reads input rows - held + i, an earlier state row not yet written
+  for (int64_t i = 0; i < held; ++i)
+    std::memmove(state + i * channels + c0, input(rows - held + i, c0), sizeof(float) * (c1 - c0));
 }
 
 // x / sqrt(sum(x^2) + 1e-6), FLA's (and transformers') L2 norm of q and k.
