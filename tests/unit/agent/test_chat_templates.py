@@ -25,6 +25,7 @@ QWEN3 = "Qwen-Qwen3-0.6B.jinja"
 PHI35 = "microsoft-Phi-3.5-mini-instruct.jinja"
 R1 = "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
 SMOLLM3 = "HuggingFaceTB-SmolLM3-3B.jinja"
+QWEN35 = "Qwen-Qwen3.5-4B.jinja"
 SPECIALS = {
     LLAMA31: ("<|begin_of_text|>", "<|eot_id|>"),
     LLAMA32: ("<|begin_of_text|>", "<|eot_id|>"),
@@ -33,6 +34,7 @@ SPECIALS = {
     PHI35: ("<s>", "<|endoftext|>"),
     R1: ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
     SMOLLM3: ("", "<|im_end|>"),
+    QWEN35: ("", "<|im_end|>"),
 }
 WEATHER = {
     "type": "function",
@@ -107,6 +109,24 @@ def test_qwen3_enable_thinking_reaches_the_template():
     off, reference_off = both(QWEN3, CHAT, enable_thinking=False)
     assert (on, off) == (reference_on, reference_off)
     assert off == on + "<think>\n\n</think>\n\n"  # thinking off: an empty think block is the answer's start
+
+
+def test_qwen35_opens_the_think_block_unless_enable_thinking_is_false():
+    """Qwen3.5's generation prompt opens <think> (the answer starts inside it: the server reads
+    reasoning up to </think>), or with enable_thinking false writes an empty one; its history's tool
+    calls are XML (<function=...><parameter=...>)."""
+    from server.reasoning import THINK, opens_inside, tags_of
+
+    on, reference_on = both(QWEN35, CHAT)
+    off, reference_off = both(QWEN35, CHAT, enable_thinking=False)
+    assert (on, off) == (reference_on, reference_off)
+    assert on.endswith("<|im_start|>assistant\n<think>\n") and off.endswith("<think>\n\n</think>\n\n")
+    assert tags_of((TEMPLATES / QWEN35).read_text(encoding="utf-8"), "auto") is THINK
+    assert opens_inside(on[-40:]) and not opens_inside(off[-40:])
+    calls, reference_calls = both(QWEN35, CALLS, tools=[WEATHER])
+    assert calls == reference_calls
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>" in calls
+    assert "ville <b>&</b> 'quoted'" in calls
 
 
 def test_smollm3_thinks_unless_enable_thinking_or_its_system_prompt_says_no():
