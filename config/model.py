@@ -21,10 +21,11 @@ class ModelSection(Section):
     argmax_model: Path | None = None
     topk_model: list[Path] = Field(default_factory=list, description="one MindIR file per top-k bucket")
     # How answers are read (server/tool_calls.py, server/reasoning.py); auto: from the chat template.
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "qwen3_xml"] = Field(
         "auto",
-        description="tool calls as `<tool_call>` JSON (hermes), a whole-answer JSON call (llama3_json) "
-        "or after `[TOOL_CALLS]` (mistral)",
+        description="tool calls as `<tool_call>` JSON (hermes), a whole-answer JSON call (llama3_json), "
+        "or after `[TOOL_CALLS]` (mistral), or `<tool_call>` around `<function=NAME>` and "
+        "`<parameter=P>` blocks (qwen3_xml: Qwen3.5, Qwen3-Coder)",
     )
     reasoning_parser: Literal["auto", "think", "mistral", "none"] = Field(
         "auto",

@@ -11,8 +11,10 @@ asks for this format, Hermes's:
 Answers are read in the model's own format (`call_format`: model.tool_call_parser, auto from the
 chat template): `hermes` (Qwen, Hermes: the tags above; a whole answer that is one JSON call is one
 too), `llama3_json` (Llama 3.1-3.3: the whole answer is JSON calls, `{"name": ..., "parameters":
-{...}}`, separated by `;`, after an optional `<|python_tag|>`) or `mistral` (text, then
-`[TOOL_CALLS]` and the calls: server/tool_call_mistral.py).
+{...}}`, separated by `;`, after an optional `<|python_tag|>`), `mistral` (text, then
+`[TOOL_CALLS]` and the calls: server/tool_call_mistral.py) or `qwen3_xml` (Qwen3.5, Qwen3-Coder:
+`<tool_call>` around `<function=NAME>` and a `<parameter=P>` block per argument:
+server/tool_call_qwen_xml.py).
 
 `tool_choice` "required" or a named function constrains the answer to one such call by a grammar
 (the arguments follow the function's JSON Schema); "auto" answers are parsed for calls; "none"
@@ -31,7 +33,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from agent.model.tokenizer import TextTokenizer
-from server import tool_call_mistral
+from server import tool_call_mistral, tool_call_qwen_xml
 from server.errors import ApiError
 from server.openai_schema import ChatCompletionRequest, ChatMessage, Tool
 from server.request_body import MAX_JSON_DEPTH, TooDeep, json_value
@@ -40,7 +42,7 @@ from server.structured_output import JSON_OPTIONS, GrammarSpec
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")  # the ids Mistral's templates take
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: a call (or code) follows
-HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
+HERMES, LLAMA3_JSON, MISTRAL, QWEN3_XML = "hermes", "llama3_json", "mistral", "qwen3_xml"
 SYSTEM_PROMPT = (
     "You can call functions. To call one, answer with exactly:\n"
     f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}\n'
@@ -50,13 +52,16 @@ SYSTEM_PROMPT = (
 
 def call_format(template: str | None, setting: str) -> str:
     """The format answers are read in: model.tool_call_parser, or (auto) the one the template
-    teaches: Mistral's where it writes [TOOL_CALLS], Hermes tags where it writes them, Llama 3's
+    teaches: Mistral's where it writes [TOOL_CALLS], Qwen3.5's XML where it writes `<function=` and
+    `<parameter=` (within Hermes's tags, so before them), Hermes tags where it writes them, Llama 3's
     JSON where it asks for "parameters"."""
     if setting != "auto":
         return setting
     text = template or ""
     if tool_call_mistral.MARKER in text:
         return MISTRAL
+    if tool_call_qwen_xml.FUNCTION in text and tool_call_qwen_xml.PARAMETER in text:
+        return QWEN3_XML
     if OPEN not in text and (PYTHON_TAG in text or '"parameters"' in text):
         return LLAMA3_JSON
     return HERMES
@@ -135,6 +140,8 @@ def call_grammar(req: ChatCompletionRequest, fmt: str = HERMES) -> GrammarSpec |
     if not req.tools or req.tool_choice in (None, "auto", "none"):
         return None
     named = None if isinstance(req.tool_choice, str) else req.tool_choice.function.name
+    if fmt == QWEN3_XML:
+        return _qwen_xml_grammar([t for t in req.tools if named is None or t.function.name == named])
     arguments = "parameters" if fmt == LLAMA3_JSON else "arguments"
     calls = [
         {
@@ -155,6 +162,43 @@ def call_grammar(req: ChatCompletionRequest, fmt: str = HERMES) -> GrammarSpec |
     return GrammarSpec("lark", f"{start}\ncall: %json {json.dumps(schema)}")
 
 
+# A string parameter's value and its end: text up to the first </parameter>, as the reader takes it
+# (one lexeme: a value lexeme then the end tag would stop short of the tag's last character).
+QWEN_TEXT = r"/(.|\n)*\n<\/parameter>\n/ & ~/(.|\n)*<\/parameter>(.|\n)*<\/parameter>(.|\n)*/"
+
+
+def _qwen_xml_grammar(tools: list[Tool]) -> GrammarSpec:
+    """One Qwen3.5 XML call of one of `tools`, with its function's required parameters in their
+    order: a string's value as text (without </parameter>), any other's as JSON of its schema."""
+    rules, calls = [], []
+    for i, tool in enumerate(tools):
+        schema: dict = tool.function.parameters if isinstance(tool.function.parameters, dict) else {}
+        given = schema.get("properties")
+        properties: dict = given if isinstance(given, dict) else {}
+        required = [p for p in schema.get("required") or [] if isinstance(p, str)]
+        parts = [json.dumps(f"{tool.function.name}>\n")]
+        for j, name in enumerate(required):
+            prop = properties.get(name)
+            prop = prop if isinstance(prop, dict) else {}
+            kind = prop.get("type")
+            kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+            opened = json.dumps(f"{tool_call_qwen_xml.PARAMETER}{name}>\n")
+            closed = json.dumps(f"\n{tool_call_qwen_xml.PARAMETER_END}\n")
+            if not kinds or "string" in kinds:  # read as text
+                rules.append(f"p{i}_{j}: {opened} QWEN_TEXT")
+            else:
+                json_schema = {"x-guidance": dict(JSON_OPTIONS), **prop}
+                rules.append(f"p{i}_{j}: {opened} v{i}_{j} {closed}")
+                rules.append(f"v{i}_{j}: %json {json.dumps(json_schema)}")
+            parts.append(f"p{i}_{j}")
+        rules.append(f"c{i}: " + " ".join(parts))
+        calls.append(f"c{i}")
+    begin = json.dumps(f"{OPEN}\n{tool_call_qwen_xml.FUNCTION}")
+    end = json.dumps(f"{tool_call_qwen_xml.FUNCTION_END}\n{CLOSE}")
+    lines = [f"start: {begin} call {end}", "call: " + " | ".join(calls), *rules, f"QWEN_TEXT: {QWEN_TEXT}"]
+    return GrammarSpec("lark", "\n".join(lines))
+
+
 def parse_calls(
     text: str, tools: list[Tool], parallel: bool = True, fmt: str = HERMES
 ) -> tuple[str | None, list[dict]]:
@@ -168,15 +212,20 @@ def parse_calls(
         return None, found if parallel else found[:1]
     if fmt == MISTRAL:
         return _mistral_calls(text, names, parallel)
+    schemas = {t.function.name: t.function.parameters or {} for t in tools}
     calls, kept, end = [], [], 0
     for start, stop, inside in _blocks(text):
-        call = _call(inside, names)
+        if fmt == QWEN3_XML:
+            read = tool_call_qwen_xml.read(inside, schemas)
+            call = None if read is None else _value_call(read, names)
+        else:
+            call = _call(inside, names)
         if call is not None:
             kept.append(text[end:start])
             end = stop
             calls.append(call)
     kept.append(text[end:])
-    if not calls:
+    if not calls and fmt != QWEN3_XML:
         whole = _call(text.strip(), names)  # Llama 3 style: the answer is one JSON call
         if whole is not None:
             return None, [whole]
@@ -316,7 +365,7 @@ class CallWatcher:
         if self.holding:
             return ""
         text = self.unsent + piece  # short: at most a partial tag was held back
-        if self.sent == 0 and text.lstrip().startswith(("{", PYTHON_TAG)):
+        if self.fmt != QWEN3_XML and self.sent == 0 and text.lstrip().startswith(("{", PYTHON_TAG)):
             self.holding = True  # maybe one JSON call as the whole answer (Llama 3 style)
             return ""
         if self.fmt == MISTRAL and self.sent == 0 and len(text) < 64 and text.isspace():
