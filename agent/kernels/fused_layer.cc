@@ -442,13 +442,13 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8_ac
       // them; then its state saved into a snapshot.
       const int64_t conv_held = shape.conv_state(), head_state = shape.head_state(), width = layer.held_width();
       const int64_t slot_state = shape.value_heads * head_state;
-      region.for_dynamic(n_runs, 1, [&](int64_t i) {
-        const Run &run = runs[i];
-        if (run.restore < 0) return;
-        std::memcpy(layer.conv_state + run.slot * conv_held, layer.conv_state + run.restore * conv_held,
-                    sizeof(float) * conv_held);
-        std::memcpy(layer.recurrent_state + run.slot * slot_state, layer.recurrent_state + run.restore * slot_state,
+      auto copy_state = [&](int64_t to, int64_t from) {  // a slot's whole state into another slot
+        std::memcpy(layer.conv_state + to * conv_held, layer.conv_state + from * conv_held, sizeof(float) * conv_held);
+        std::memcpy(layer.recurrent_state + to * slot_state, layer.recurrent_state + from * slot_state,
                     sizeof(float) * slot_state);
+      };
+      region.for_dynamic(n_runs, 1, [&](int64_t i) {
+        if (runs[i].restore >= 0) copy_state(runs[i].slot, runs[i].restore);
       });
       region.for_dynamic(n_runs * conv_chunks, 1, [&](int64_t i) {
         const Run &run = runs[i / conv_chunks];
@@ -503,12 +503,7 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8_ac
         gated_delta::recur(shape, in, head, state, run.fresh, run.rows, attn + run.first * q_width, q_width);
       });
       region.for_dynamic(n_runs, 1, [&](int64_t i) {
-        const Run &run = runs[i];
-        if (run.save < 0) return;
-        std::memcpy(layer.conv_state + run.save * conv_held, layer.conv_state + run.slot * conv_held,
-                    sizeof(float) * conv_held);
-        std::memcpy(layer.recurrent_state + run.save * slot_state, layer.recurrent_state + run.slot * slot_state,
-                    sizeof(float) * slot_state);
+        if (runs[i].save >= 0) copy_state(runs[i].save, runs[i].slot);
       });
     } else {
       // Per (row, KV head): bias, RoPE of its query heads (scaled) and key, K/V into the cache; then,

@@ -263,17 +263,23 @@ def wrong(token: int) -> int:
     return (token + 1) % 151_936
 
 
+def prefilled_with_proposals(runner, model):
+    """A 30-token prompt in slot 0 and in the reference: (its tokens, the reference's cache, the
+    slot's pending token, the reference's next 3 greedy tokens after it: right proposals)."""
+    tokens, cache = prompt(30, seed=40), ref.RefCache()
+    ref.forward(model, tokens, cache)
+    calls.prefill(runner, 0, tokens, GREEDY)
+    pending = runner.active(0).next_token
+    return tokens, cache, pending, greedy_after(model, cache, pending, 3)
+
+
 def test_a_rejected_proposal_leaves_the_state_of_the_rows_kept(served, release_all):
     """Proposals [right, wrong, right]: the slot keeps its pending token and the first proposal, and
     the next decode steps (the first replays those 2 held rows onto the slot's state) equal the
     reference's over the tokens kept; the state of all 4 rows (the wrong one's) would be far off."""
     runner, model = served
     release_all(runner)
-    tokens, cache = prompt(30, seed=40), ref.RefCache()
-    ref.forward(model, tokens, cache)
-    calls.prefill(runner, 0, tokens, GREEDY)
-    pending = runner.active(0).next_token
-    right = greedy_after(model, cache, pending, 3)
+    tokens, cache, pending, right = prefilled_with_proposals(runner, model)
     proposals = [right[0], wrong(right[1]), right[2]]
     stale = copy.deepcopy(cache)
     assert verify(runner, model, 0, proposals, cache) == right[:2]
@@ -377,11 +383,7 @@ def test_a_recompute_after_a_verify_step_replays_nothing(served, release_all):
     replays nothing and equals the reference's."""
     runner, model = served
     release_all(runner)
-    tokens, cache = prompt(30, seed=40), ref.RefCache()
-    ref.forward(model, tokens, cache)
-    calls.prefill(runner, 0, tokens, GREEDY)
-    pending = runner.active(0).next_token
-    right = greedy_after(model, cache, pending, 3)
+    tokens, cache, pending, right = prefilled_with_proposals(runner, model)
     kept = verify(runner, model, 0, [right[0], wrong(right[1]), right[2]], cache)
     written = [*tokens, pending, *kept[:-1]]
     got = logits_of(calls.prefill_chunk, runner, 0, written, None, 0, SCORED)
