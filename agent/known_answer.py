@@ -166,7 +166,8 @@ def _gated_delta(h: np.ndarray, p: str, checkpoint: Checkpoint, product) -> np.n
 
 
 def _experts(h: np.ndarray, p: str, checkpoint: Checkpoint, product) -> np.ndarray:
-    """A MoE layer's FFN (Qwen3-MoE's): each row's top-k experts by the router's softmax, weighted."""
+    """A MoE layer's FFN (Qwen3-MoE's): each row's top-k experts by the router's softmax, weighted;
+    and its shared expert's output (Qwen3.5-MoE's), weighted by sigmoid(h . shared_expert_gate)."""
     spec = checkpoint.spec
     logits = h @ checkpoint.matrix(p + "router").T
     probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -181,6 +182,11 @@ def _experts(h: np.ndarray, p: str, checkpoint: Checkpoint, product) -> np.ndarr
         gate = product(h[rows], f"{p}experts.{e}.w_gate")
         act = gate / (1 + np.exp(-gate)) * product(h[rows], f"{p}experts.{e}.w_up")
         out[rows] += weights[rows, slot][:, None] * product(act, f"{p}experts.{e}.w_down")
+    if spec.shared_expert_intermediate_size:
+        gate = product(h, f"{p}shared_expert.w_gate")
+        act = gate / (1 + np.exp(-gate)) * product(h, f"{p}shared_expert.w_up")
+        weight = 1 / (1 + np.exp(-product(h, f"{p}shared_expert_gate")))
+        out += weight * product(act, f"{p}shared_expert.w_down")
     return out
 
 
@@ -276,7 +282,11 @@ def numpy_forward(
         h = _rms_norm(x, t[p + "attn_norm"], spec.rms_eps)
         if spec.is_linear(i):  # no K/V: a state of its own
             x = x + product(_gated_delta(h, p, checkpoint, product), p + "delta_out")
-            x = x + _gated_ffn(_rms_norm(x, t[p + "ffn_norm"], spec.rms_eps), p, spec.activation, product)
+            h = _rms_norm(x, t[p + "ffn_norm"], spec.rms_eps)
+            moe = spec.is_moe(i)
+            x = x + (
+                _experts(h, p, checkpoint, product) if moe else _gated_ffn(h, p, spec.activation, product)
+            )
             continue
         hidden = (distance < 0) | (local & (distance >= spec.sliding_window))
         mask = np.where(hidden, -np.inf, 0).astype(np.float32)

@@ -217,11 +217,12 @@ def prompt_activation_bytes(spec: ModelSpec, runtime: RuntimeSection) -> int:
     """One layer's activations for the largest prefill bucket's rows (a mixed step has no more):
     the residual stream, its norm, the attention's and the FFN's outputs (4 x hidden), Q and the
     attention's heads (2 x heads x head_dim), K and V, and the gated FFN's gate, up and product
-    (3 x its width: a MoE row's chosen experts' together). A layer's are dead once its output is
-    written, so one layer's count."""
+    (3 x its width: a MoE row's chosen experts' and shared expert's together). A layer's are dead
+    once its output is written, so one layer's count."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     dense = spec.intermediate_size if spec.num_experts == 0 or spec.dense_layers else 0
-    ffn = max(dense, spec.experts_per_token * spec.expert_intermediate_size)
+    routed = spec.experts_per_token * spec.expert_intermediate_size + spec.shared_expert_intermediate_size
+    ffn = max(dense, routed)
     width = 4 * spec.hidden_size + 2 * q + 2 * kv + 3 * ffn
     return runtime.prefill_buckets[-1] * width * VALUE_BYTES[runtime.dtype]
 

@@ -1,5 +1,5 @@
-"""Llama-, Qwen3-, Qwen3.5-, Phi-3-, SmolLM3- or Gemma-3-architecture GGUF files of a chosen shape
-and weight format, with random weights and the default model's tokenizer (or another GGUF's, cut
+"""Llama-, Qwen3-, Qwen3.5-, Qwen3.5-MoE-, Phi-3-, SmolLM3- or Gemma-3-architecture GGUF files of a
+chosen shape and weight format, with random weights and the default model's tokenizer (or another GGUF's, cut
 to its first tokens): for benchmarks and tests of how cost grows with a model's size, and tiny
 models of each architecture for the tests.
 
@@ -26,6 +26,12 @@ QK-norm, RoPE on rope.dimension_count dims), every layer's FFN pre-norm named po
 as llama.cpp's converter writes them:
 
     python -m tools.make_gguf --shape qwen35-2b --format Q4_K_M --out models/random-qwen35-2b.gguf
+
+Qwen3.5-MoE (`arch="qwen35moe"`, `--shape qwen35moe-a3b`): Qwen3.5's layers, each FFN Qwen3-MoE's
+experts (below) and a shared expert (ffn_gate_inp_shexp, F32, and ffn_gate_shexp, ffn_up_shexp,
+ffn_down_shexp):
+
+    python -m tools.make_gguf --shape qwen35moe-a3b --format Q4_K_M --out models/random-qwen35moe-a3b.gguf
 
 Qwen3-MoE (`arch="qwen3moe"`, `--shape qwen3-30b-a3b` or `moe-7b-a1b`): Qwen3's attention and, in
 place of each layer's FFN, a router (ffn_gate_inp [experts, hidden], F32 as llama.cpp keeps it) and
@@ -90,8 +96,10 @@ class Shape:
     conv_kernel: int = 4
     rotary: int = 0
 
+    shared_ffn: int = 0  # qwen35moe: the shared expert's width (0: none)
+
     def is_linear(self, layer: int) -> bool:
-        return self.arch == "qwen35" and (layer + 1) % 4 != 0
+        return self.arch in ("qwen35", "qwen35moe") and (layer + 1) % 4 != 0
 
     @property
     def hd(self) -> int:
@@ -146,6 +154,28 @@ SHAPES = {
         linear_heads=(16, 16),
         rotary=64,
     ),
+    # Qwen3.5-35B-A3B's layers (40: 30 Gated DeltaNet of 16 key and 32 value heads, 10 gated
+    # attention of 16 heads of 256 over 2 KV), 8 routed experts of 512 and the shared one a token,
+    # with 64 experts a layer instead of 256 so that it fits a 24 GB machine: ~9.6B weights, the
+    # real model's ~3B a token
+    "qwen35moe-a3b": Shape(
+        2048,
+        40,
+        512,
+        16,
+        2,
+        tied=False,
+        arch="qwen35moe",
+        head_dim=256,
+        context=262144,
+        rope_base=1e7,
+        linear_heads=(16, 32),
+        rotary=64,
+        experts=64,
+        experts_used=8,
+        expert_ffn=512,
+        shared_ffn=512,
+    ),
     # ~6.7B weights, ~1.1B a token (8 of 64 experts of 1024) with the default tokenizer's vocabulary
     "moe-7b-a1b": Shape(
         2048,
@@ -183,7 +213,12 @@ TYPICAL = {T.Q4_0: 4, T.Q4_1: 8, T.Q5_0: 8, T.Q5_1: 16, T.Q8_0: 64, T.Q2_K: 12, 
 TYPICAL.update({T.Q4_K: 240, T.Q5_K: 480, T.Q6_K: 1000, T.IQ4_NL: 64})
 CENTRE = {T.Q4_1: -7.5, T.Q5_1: -15.5, T.Q2_K: 1.5, T.Q4_K: 7.5, T.Q5_K: 15.5}
 # the matrices that write into the residual stream (Gemma's post-norms rescale them anyway)
-RESIDUAL_OUTPUTS = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight")
+RESIDUAL_OUTPUTS = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+# llama.cpp keeps a router (and a shared expert's gate) in F32, as a Gated DeltaNet's conv and its b and a
+KEPT_F32 = (
+    *("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"),
+    *("ssm_conv1d.weight", "ssm_beta.weight", "ssm_alpha.weight"),
+)
 # llama.cpp's type for a matrix whose rows are no whole number of the K-quants' 256-weight blocks
 FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
@@ -235,7 +270,9 @@ def mix(name: str) -> Callable[[str, int], GGMLQuantizationType]:
         def mixed(tensor: str, layers: int) -> GGMLQuantizationType:
             if tensor in ("output.weight", "token_embd.weight (tied)"):
                 return T.Q6_K
-            if tensor.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
+            if tensor.endswith(
+                ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+            ):
                 i = int(tensor.split(".")[1])
                 more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
                 return T.Q6_K if more_bits else base
@@ -269,7 +306,7 @@ def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
                 (b + "ffn_down.weight", (shape.hidden, shape.ffn)),
             ]
             continue
-        if shape.arch == "qwen35":
+        if shape.arch in ("qwen35", "qwen35moe"):
             out += qwen35_layer(shape, i)
             continue
         if shape.arch == "qwen3moe":  # the experts in place of the FFN, 3-D [experts, out, in]
@@ -332,8 +369,20 @@ def qwen35_layer(shape: Shape, i: int) -> list[tuple[str, tuple[int, ...]]]:
             (b + "attn_q_norm.weight", (hd,)),
             (b + "attn_k_norm.weight", (hd,)),
         ]
+    out.append((b + "post_attention_norm.weight", (d,)))
+    if shape.arch == "qwen35moe":  # the routed experts 3-D, and the shared one with its gate
+        e, fe, fs = shape.experts, shape.expert_ffn, shape.shared_ffn
+        return out + [
+            (b + "ffn_gate_inp.weight", (e, d)),
+            (b + "ffn_gate_exps.weight", (e, fe, d)),
+            (b + "ffn_up_exps.weight", (e, fe, d)),
+            (b + "ffn_down_exps.weight", (e, d, fe)),
+            (b + "ffn_gate_inp_shexp.weight", (1, d)),
+            (b + "ffn_gate_shexp.weight", (fs, d)),
+            (b + "ffn_up_shexp.weight", (fs, d)),
+            (b + "ffn_down_shexp.weight", (d, fs)),
+        ]
     return out + [
-        (b + "post_attention_norm.weight", (d,)),
         (b + "ffn_gate.weight", (shape.ffn, d)),
         (b + "ffn_up.weight", (shape.ffn, d)),
         (b + "ffn_down.weight", (d, shape.ffn)),
@@ -376,7 +425,7 @@ def add_shape(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
     writer.add_vocab_size(vocab)
     if shape.window:
         writer.add_sliding_window(shape.window)
-    if shape.arch == "qwen35":
+    if shape.arch in ("qwen35", "qwen35moe"):
         key_heads, value_heads = shape.linear_heads
         arch = shape.arch
         writer.add_uint32(f"{arch}.ssm.conv_kernel", shape.conv_kernel)
@@ -391,6 +440,8 @@ def add_shape(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.expert_ffn)
+    if shape.shared_ffn:
+        writer.add_expert_shared_feed_forward_length(shape.shared_ffn)
 
 
 def tensor_plan(
@@ -405,9 +456,7 @@ def tensor_plan(
         *experts, rows, cols = dims
         rows = vocab if rows == -1 else rows
         asked = "token_embd.weight (tied)" if tensor == "token_embd.weight" and shape.tied else tensor
-        # llama.cpp keeps a router in F32, as a Gated DeltaNet's conv and its b and a
-        kept_f32 = ("ffn_gate_inp.weight", "ssm_conv1d.weight", "ssm_beta.weight", "ssm_alpha.weight")
-        qtype = T.F32 if tensor.endswith(kept_f32) else fitting(types(asked, shape.layers), cols)
+        qtype = T.F32 if tensor.endswith(KEPT_F32) else fitting(types(asked, shape.layers), cols)
         plan.append((tensor, (*experts, rows, cols), qtype))
     return plan
 

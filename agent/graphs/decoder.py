@@ -194,7 +194,6 @@ class DecoderLayer(nn.Cell):
         scales = [spec.rms_eps] + ([spec.attention_scale] if spec.attention_scale is not None else [])
         self.eps_tensor = Tensor(np.array(scales, np.float32))
         self.block_size = Tensor(np.array([block_size], np.int32))  # for the attention kernels
-        self.no_state_slots = Tensor(np.zeros(1, np.int32))  # the fused kernel's, unread without states
 
     def _set_shape(self, spec: ModelSpec, share: LayerShare, split: TensorSplit) -> None:
         """This rank's heads and FFN columns, and the AllReduce that sums a split layer's products."""
@@ -236,8 +235,11 @@ class DecoderLayer(nn.Cell):
         then snapshots), and each live slot's held rows, all written in place by the kernel."""
         shape = checkpoint.spec.linear_attention
         assert shape is not None
-        for name in ("delta_qkv", "delta_z", "delta_out", "w_gate", "w_up", "w_down"):
+        for name in ("delta_qkv", "delta_z", "delta_out"):
             setattr(self, name, kept_param(checkpoint, p + name, p + name)[0])
+        zero = zero_ffn(self.hidden, p) if self.moe is not None else {}
+        for name in ("w_gate", "w_up", "w_down"):
+            setattr(self, name, zero[name] if name in zero else kept_param(checkpoint, p + name, p + name)[0])
         ba = np.concatenate([checkpoint.matrix(p + "delta_beta"), checkpoint.matrix(p + "delta_alpha")])
         self.delta_ba = Parameter(
             Tensor(BlockMatrix.from_float(ba).packed), name=p + "delta_ba", requires_grad=False
@@ -257,6 +259,8 @@ class DecoderLayer(nn.Cell):
         self.recurrent_state = zeros((states.total, shape.recurrent_state), p + "recurrent_state", ms.float32)
         options = [0, 0, 0, 0, 0, 0, 0, 1]  # kind 1: a Gated DeltaNet layer
         self.options = Parameter(Tensor(np.array(options, np.int32)), name=p + "options", requires_grad=False)
+        self.delta_inputs = tuple(getattr(self, name) for name in DELTA_LAYER_INPUTS)  # fused()'s
+        self.k_cache = self.v_cache = None  # its state is in delta_inputs
 
     def _fused_options(self, checkpoint: Checkpoint, p: str) -> None:
         """The fused kernel's options of this layer (window, local, GeGLU, QK-norm, post-norms, head
@@ -406,26 +410,23 @@ class DecoderLayer(nn.Cell):
         # the op adds its experts' sum to x itself: each rank's part is its output less x
         return x + self.all_reduce(out - x) if self.parallel else out
 
-    def fused(self, x, cos, sin, write_idx, lengths, tables, row_table, k_cache, v_cache):
+    def fused(self, x, cos, sin, write_idx, lengths, tables, row_table, k_cache, v_cache, states):
         """The whole layer in one kernel (agent/kernels/fused_layer.cc FusedStack with one layer): x
         [N, D]; write_idx and lengths [N*KV] (row-major): each (row, KV head)'s cache row and
         positions attended, 0 for padding rows; tables [T, MB] block tables, row_table [N] each row's
-        table. (A model with local or NoPE layers runs as a stack: DecoderModel.run_stack.)"""
+        table; states: each table's state slot and moves (DecoderModel.state_moves), read by a
+        Gated DeltaNet layer, whose state takes the caches' places. (A model with local or NoPE
+        layers runs as a stack: DecoderModel.run_stack.)"""
+        step = (x, cos, sin, write_idx, lengths, self.eps_tensor, tables, row_table, self.block_size)
+        if self.delta:
+            return self.kernel_layer(*step, cos, sin, write_idx, tables, states, *self.delta_inputs)
         return self.kernel_layer(
-            x,
-            cos,
-            sin,
-            write_idx,
-            lengths,
-            self.eps_tensor,
-            tables,
-            row_table,
-            self.block_size,
+            *step,
             cos,
             sin,
             write_idx,
             tables,
-            self.no_state_slots,
+            states,
             self.attn_norm,
             self.bqkv,
             k_cache,
@@ -463,15 +464,15 @@ class DecoderLayer(nn.Cell):
             )
         return self.feed_forward(self.add_projected(x, out, self.wo, self.hidden), slot_mapping)
 
-    def prefill(self, x, cos, sin, rot, write_idx, mask, tables, row_table, k_cache, v_cache):
+    def prefill(self, x, cos, sin, rot, write_idx, mask, tables, row_table, k_cache, v_cache, states):
         """x: [S, D] one prompt; write_idx: [KV*S] cache rows (head-major); mask: [G*S, S]: the
         prompt attends to itself (it starts at position 0). Fused: write_idx and mask are the
         kernel's row-major write rows and lengths [S*KV], and the rows attend through the block
         table (tables [1, MB], row_table [S] zeros), so a prompt chunk sees the positions cached
         before it. The caches are this layer's own Parameters, or graph inputs in an exported
-        MindIR graph."""
+        MindIR graph; states: the fused kernel's state slots and moves (DecoderModel.state_moves)."""
         if self.kernel_layer is not None:
-            x = self.fused(x, cos, sin, write_idx, mask, tables, row_table, k_cache, v_cache)
+            x = self.fused(x, cos, sin, write_idx, mask, tables, row_table, k_cache, v_cache, states)
             return x if self.moe is None else self.moe(x, mask)
         q, k, v = self.qkv(x, cos, sin, rot)
         k = ops.transpose(k, (1, 0, 2))  # [KV, S, hd]
@@ -485,12 +486,13 @@ class DecoderLayer(nn.Cell):
         out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (-1, self.q_size))
         return self.feed_forward(self.add_projected(x, out, self.wo, self.hidden), write_idx)
 
-    def decode(self, x, cos, sin, rot, write_idx, where, extent, row_table, k_cache, v_cache):
+    def decode(self, x, cos, sin, rot, write_idx, where, extent, row_table, k_cache, v_cache, states):
         """x: [B, D]; write_idx: [B*KV]. With the attention kernel: where = block tables [B, MB],
         extent = positions to attend [B*KV], row_table [B] = 0..B-1. Without: where = rows to
-        attend [B*KV, L], extent = mask [B*KV, 1, L] over an attend bucket (row_table unused)."""
+        attend [B*KV, L], extent = mask [B*KV, 1, L] over an attend bucket (row_table unused);
+        states as prefill's."""
         if self.kernel_layer is not None:
-            x = self.fused(x, cos, sin, write_idx, extent, where, row_table, k_cache, v_cache)
+            x = self.fused(x, cos, sin, write_idx, extent, where, row_table, k_cache, v_cache, states)
             return x if self.moe is None else self.moe(x, extent)
         q, k, v = self.qkv(x, cos, sin, rot)
         ops.scatter_update(k_cache, write_idx, ops.reshape(k, (-1, self.head_dim)))

@@ -60,10 +60,11 @@ class ExportPrefillGraph(nn.Cell):
 
     def construct(self, tokens, positions, write_idx, mask, last_index, tables, row_table, *caches):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
+        states = self.model.no_state_slots  # an exported model has no Gated DeltaNet layers (refused)
         for i in range(self.num_layers):
             k_cache, v_cache = caches[2 * i], caches[2 * i + 1]
             x = self.model.layers[i].prefill(
-                x, cos, sin, self.model.rot, write_idx, mask, tables, row_table, k_cache, v_cache
+                x, cos, sin, self.model.rot, write_idx, mask, tables, row_table, k_cache, v_cache, states
             )
         return self.model.logits(ms.ops.gather(x, last_index, 0))
 
@@ -78,10 +79,11 @@ class ExportDecodeGraph(nn.Cell):
 
     def construct(self, tokens, positions, write_idx, where, extent, row_table, *caches):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
+        states = self.model.no_state_slots  # an exported model has no Gated DeltaNet layers (refused)
         for i in range(self.num_layers):
             k_cache, v_cache = caches[2 * i], caches[2 * i + 1]
             x = self.model.layers[i].decode(
-                x, cos, sin, self.model.rot, write_idx, where, extent, row_table, k_cache, v_cache
+                x, cos, sin, self.model.rot, write_idx, where, extent, row_table, k_cache, v_cache, states
             )
         return logits_and_argmax(self.model.logits(x))
 

@@ -83,16 +83,15 @@ class DecoderModel(nn.Cell):
         self.stack: Any = kernels.stack if fused else None
         if self.stack is None and spec.nope_layers:  # only the stack gives a layer tables of its own
             raise ValueError(f"{spec.architecture}: NoPE layers run in the fused CPU kernel's stack only")
-        if self.stack is None and spec.linear_attention is not None:  # only the stack takes state slots
-            raise ValueError(
-                f"{spec.architecture}: Gated DeltaNet layers run in the fused CPU kernel's stack only"
-            )
         self.stack_inputs = tuple(
             getattr(layer, name)
             for layer in (self.layers if self.stack is not None else ())
             for name in layer.fused_inputs
         )
-        # the stack's state_slots input where no layer reads it (fused_layer.cc input 13)
+        # The graphs' `extra` inputs (GraphInputs.extra): the sliding-window layers' write rows and
+        # tables where they have caches of their own, then the state slots and moves where the model
+        # has Gated DeltaNet layers; the fused kernel's state input where none reads it (input 13).
+        self.ring_inputs = local_blocks > 0
         self.recurrent = spec.linear_attention is not None
         self.no_state_slots = Tensor(np.zeros(1, np.int32))
         self._load_embeddings(checkpoint, kernels, dtype)
@@ -169,13 +168,15 @@ class DecoderModel(nn.Cell):
             cos, sin, _ = rope_tables(spec, max_len, kinds.pop())
             self.cos_local, self.sin_local = param(cos, "rope_cos_local"), param(sin, "rope_sin_local")
 
+    def state_moves(self, extra):
+        """The fused kernel's state input from the graph's `extra`: each table's state slot and
+        moves [T, 5] where the model has Gated DeltaNet layers, else a [1] no layer reads."""
+        return extra[-1] if self.recurrent else self.no_state_slots
+
     def run_stack(self, x, cos, sin, write_idx, lengths, tables, row_table, positions, extra):
         """Every layer in one op (self.stack); arguments as DecoderLayer.fused's, then the rows'
-        positions (the local layers' RoPE) and `extra` (GraphInputs.extra): the local layers' write
-        rows and block tables where they have a cache of their own, then each table's state slot
-        where the model has Gated DeltaNet layers."""
-        local = extra[:2] if len(extra) > 1 or not self.recurrent else ()
-        state_slots = extra[-1] if self.recurrent else self.no_state_slots
+        positions (the local layers' RoPE) and `extra` (GraphInputs.extra)."""
+        local = extra[:2] if self.ring_inputs else ()
         if self.local_rope:
             cos_local = ops.expand_dims(ops.gather(self.cos_local, positions, 0), 1)
             sin_local = ops.expand_dims(ops.gather(self.sin_local, positions, 0), 1)
@@ -195,7 +196,7 @@ class DecoderModel(nn.Cell):
             sin_local,
             write_local,
             tables_local,
-            state_slots,
+            self.state_moves(extra),
             *self.stack_inputs,
         )
 

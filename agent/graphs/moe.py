@@ -1,4 +1,5 @@
-"""A layer's mixture-of-experts FFN (Qwen3-MoE's: agent/model/families/qwen3moe.py) in the graphs:
+"""A layer's mixture-of-experts FFN (Qwen3-MoE's: agent/model/families/qwen3moe.py; Qwen3.5-MoE's with
+its shared expert: qwen35moe.py) in the graphs:
 its router and experts as Parameters and one op, MoeFfn (agent/kernels/moe.cc), that norms, routes
 and runs only the experts each row chooses, rows grouped by expert (one product per used expert);
 MoeFfnI8 where the layers run int8 activations (runtime.activations int8: CpuKernels.int8_activations),
@@ -28,7 +29,7 @@ from mindspore.ops.auto_generate import (
     MoeTokenUnpermute,
 )
 
-from agent.graphs.layers import MATMUL_TILE, param, rms_norm
+from agent.graphs.layers import MATMUL_TILE, kept_param, param, rms_norm
 from agent.kernels import op_path
 from agent.model.checkpoint import Checkpoint
 from agent.model.quantized import F32, BlockMatrix
@@ -85,6 +86,23 @@ class ExpertsFfn(nn.Cell):
                 kept = checkpoint.blocks.get(f"{p}experts.{e}.{name}")
                 if kept is not None and kept.qtype == qtype:
                     checkpoint.blocks[f"{p}experts.{e}.{name}"] = dataclasses.replace(kept, packed=held[e])
+        # the shared expert (Qwen3.5-MoE's) in its own formats, its gate a float32 vector
+        self.shared = spec.shared_expert_intermediate_size > 0
+        if self.shared:
+            if spec.shared_expert_intermediate_size != spec.expert_intermediate_size:
+                raise ValueError(
+                    f"{spec.architecture}: a shared expert of {spec.shared_expert_intermediate_size} FFN "
+                    f"columns beside routed experts of {spec.expert_intermediate_size}: MoeFfn runs it as "
+                    "one more expert of theirs, so the two sizes must be equal"
+                )
+            gate = checkpoint.matrix(p + "shared_expert_gate").reshape(-1)
+            self.shared_gate = param(gate, p + "shared_expert_gate")
+            for name in EXPERT_MATRICES:
+                weights, format_id = kept_param(
+                    checkpoint, f"{p}shared_expert.{name}", f"{p}shared_expert.{name}"
+                )
+                setattr(self, f"shared_{name}", weights)
+                ids.append(int(format_id.asnumpy()[0]))
         self.formats = Parameter(Tensor(np.array(ids, np.int32)), name=p + "moe_formats", requires_grad=False)
         options = [spec.experts_per_token, int(spec.norm_topk_prob)]
         self.options = Parameter(
@@ -99,18 +117,11 @@ class ExpertsFfn(nn.Cell):
 
     def construct(self, x, lengths):
         """x [N, D] after attention; lengths [N * KV] the fused layer's (0: a padding row, left as it is)."""
-        return self.op(
-            x,
-            lengths,
-            self.eps_tensor,
-            self.ffn_norm,
-            self.router,
-            self.w_gate,
-            self.w_up,
-            self.w_down,
-            self.formats,
-            self.options,
-        )
+        routed = (self.eps_tensor, self.ffn_norm, self.router, self.w_gate, self.w_up, self.w_down)
+        if self.shared:
+            shared = (self.shared_gate, self.shared_w_gate, self.shared_w_up, self.shared_w_down)
+            return self.op(x, lengths, *routed, self.formats, self.options, *shared)
+        return self.op(x, lengths, *routed, self.formats, self.options)
 
 
 class MindSporeExperts(nn.Cell):
@@ -124,6 +135,11 @@ class MindSporeExperts(nn.Cell):
     def __init__(self, checkpoint: Checkpoint, index: int, eps: float, dtype):
         super().__init__()
         spec, p = checkpoint.spec, f"layers.{index}."
+        if spec.shared_expert_intermediate_size:
+            raise ValueError(
+                f"{spec.architecture}: a shared expert runs in the CPU kernels' MoeFfn only "
+                "(runtime.matmul: kernel, float32)"
+            )
         self.experts, self.top_k, self.renormalize = (
             spec.num_experts,
             spec.experts_per_token,

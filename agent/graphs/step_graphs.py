@@ -29,16 +29,20 @@ from config.schema import RuntimeSection
 
 class PrefillLayer(nn.Cell):
     """Calls one layer's prefill body. lazy_inline compiles the body once for all layers (a ~3x
-    shorter compile on CPU with the same step time, measured), instead of unrolling 30 copies."""
+    shorter compile on CPU with the same step time, measured), instead of unrolling 30 copies. It
+    shares one body among the cells of equal init arguments (their text): `delta` tells a Gated
+    DeltaNet layer's body from an attention layer's where their sub-cells alike (a MoE model's
+    experts) would not."""
 
     @ms.lazy_inline(policy="front")
-    def __init__(self, layer: DecoderLayer):
+    def __init__(self, layer: DecoderLayer, delta: bool):
         super().__init__()
         self.layer = layer
 
-    def construct(self, x, cos, sin, rot, write_idx, mask, tables, row_table):
-        return self.layer.prefill(
-            x, cos, sin, rot, write_idx, mask, tables, row_table, self.layer.k_cache, self.layer.v_cache
+    def construct(self, x, cos, sin, rot, write_idx, mask, tables, row_table, states):
+        layer = self.layer
+        return layer.prefill(
+            x, cos, sin, rot, write_idx, mask, tables, row_table, layer.k_cache, layer.v_cache, states
         )
 
 
@@ -46,13 +50,14 @@ class DecodeLayer(nn.Cell):
     """Calls one layer's decode body; lazy_inline as in PrefillLayer."""
 
     @ms.lazy_inline(policy="front")
-    def __init__(self, layer: DecoderLayer):
+    def __init__(self, layer: DecoderLayer, delta: bool):
         super().__init__()
         self.layer = layer
 
-    def construct(self, x, cos, sin, rot, write_idx, where, extent, row_table):
-        return self.layer.decode(
-            x, cos, sin, rot, write_idx, where, extent, row_table, self.layer.k_cache, self.layer.v_cache
+    def construct(self, x, cos, sin, rot, write_idx, where, extent, row_table, states):
+        layer = self.layer
+        return layer.decode(
+            x, cos, sin, rot, write_idx, where, extent, row_table, layer.k_cache, layer.v_cache, states
         )
 
 
@@ -80,15 +85,16 @@ class PrefillGraph(TopGraph):
     def __init__(self, model: DecoderModel):
         super().__init__()
         self.model = model
-        self.layers = nn.CellList([PrefillLayer(layer) for layer in model.layers])
+        self.layers = nn.CellList([PrefillLayer(layer, layer.delta) for layer in model.layers])
 
     def construct(self, tokens, positions, write_idx, mask, last_index, tables, row_table, *extra):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         if self.model.stack is not None:
             x = self.model.run_stack(x, cos, sin, write_idx, mask, tables, row_table, positions, extra)
         else:
+            states = self.model.state_moves(extra)
             for layer in self.layers:
-                x = layer(x, cos, sin, self.model.rot, write_idx, mask, tables, row_table)
+                x = layer(x, cos, sin, self.model.rot, write_idx, mask, tables, row_table, states)
         return self.model.logits(ops.gather(x, last_index, 0))
 
 
@@ -118,15 +124,16 @@ class DecodeGraph(TopGraph):
     def __init__(self, model: DecoderModel):
         super().__init__()
         self.model = model
-        self.layers = nn.CellList([DecodeLayer(layer) for layer in model.layers])
+        self.layers = nn.CellList([DecodeLayer(layer, layer.delta) for layer in model.layers])
 
     def construct(self, tokens, positions, write_idx, where, extent, row_table, *extra):
         x, cos, sin = self.model.embed_tokens(tokens, positions)
         if self.model.stack is not None:
             x = self.model.run_stack(x, cos, sin, write_idx, extent, where, row_table, positions, extra)
         else:
+            states = self.model.state_moves(extra)
             for layer in self.layers:
-                x = layer(x, cos, sin, self.model.rot, write_idx, where, extent, row_table)
+                x = layer(x, cos, sin, self.model.rot, write_idx, where, extent, row_table, states)
         return logits_and_argmax(self.model.logits(x))
 
 

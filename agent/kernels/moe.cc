@@ -1,4 +1,4 @@
-// A mixture-of-experts FFN (Qwen3-MoE's) as one op, reading only the experts its rows choose:
+// A mixture-of-experts FFN (Qwen3-MoE's, Qwen3.5-MoE's) as one op, reading only the experts its rows choose:
 // RMSNorm, the router's product, softmax over the experts, the top k (ties: the lower index), their
 // weights renormalised to sum to 1 where asked; then rows grouped by expert, one product per used
 // expert over its rows (gate, up, SwiGLU, down, in the experts' own weight format: product.h), and
@@ -14,6 +14,11 @@
 //     shape behind the expert axis), 7 down: [E, D columns as tiles, ...] likewise
 //   8 formats [4] int32: the format of the router, gate, up and down (every expert's the same)
 //   9 options [2] int32: k (experts a row uses, 1..E), normalise (1: the k weights sum to 1)
+//   with a shared expert (Qwen3.5-MoE's, which every row runs beside its k, weighted by
+//   sigmoid(norm(x) . shared_gate)), four inputs more and formats [7] (then the shared gate's, up's
+//   and down's):
+//   10 shared_gate [D]   11 gate, 12 up [Fe columns as tiles, ...], 13 down: the shared expert's
+//     packed matrices, of the routed experts' FFN size (its rows are one more expert's in every stage)
 //   output [N, D] last.
 // MoeFfnI8 (runtime.activations int8, as FusedStackI8): the experts' products in an integer format
 // take their inputs quantized per block of 32 (int8_products.h, each slot's row quantized alone, so
@@ -39,8 +44,8 @@ namespace {
 
 using packed::TILE;
 
-constexpr int INPUTS = 10;
-enum { ROUTER, GATE, UP, DOWN };
+constexpr int INPUTS = 10, SHARED_INPUTS = 4;
+enum { ROUTER, GATE, UP, DOWN, SHARED_GATE_UP = 4, SHARED_DOWN = 6 };
 
 // Expert `e`'s matrix of a stacked input [E, ...]: its 3-D shape behind the expert axis.
 bool read_expert(void *w, int32_t format, int ndim, const int64_t *shape, int64_t e, product::Matrix &m) {
@@ -58,9 +63,10 @@ bool takes_int8(int32_t format) {
 }
 
 int run_moe(int nparam, void **params, int *ndims, int64_t **shapes, bool int8_activations) {
-  if (nparam != INPUTS + 1 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 1 || ndims[8] != 1 ||
-      ndims[9] != 1 || shapes[8][0] != 4 || shapes[9][0] != 2 || shapes[0][0] <= 0 ||
-      shapes[1][0] % shapes[0][0] != 0 || shapes[1][0] == 0)
+  const bool shared = nparam == INPUTS + SHARED_INPUTS + 1;
+  if ((nparam != INPUTS + 1 && !shared) || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 1 ||
+      ndims[8] != 1 || ndims[9] != 1 || shapes[8][0] != (shared ? 7 : 4) || shapes[9][0] != 2 ||
+      shapes[0][0] <= 0 || shapes[1][0] % shapes[0][0] != 0 || shapes[1][0] == 0)
     return 1;
   const int64_t batch = shapes[0][0], dim = shapes[0][1], kv = shapes[1][0] / batch;
   const int32_t *formats = static_cast<const int32_t *>(params[8]);
@@ -79,31 +85,45 @@ int run_moe(int nparam, void **params, int *ndims, int64_t **shapes, bool int8_a
   if (router.k_dim != dim || router.n_dim() < experts || gate0.k_dim != dim || up0.k_dim != dim ||
       up0.n_dim() != ffn_stride || ffn_stride != (ffn + TILE - 1) / TILE * TILE || down0.n_dim() != dim)
     return 1;
+  product::Matrix shared_gate, shared_up, shared_down;  // the shared expert's, where it has one
+  if (shared && (ndims[10] != 1 || shapes[10][0] != dim ||
+                 !product::read_matrix(params[11], formats[SHARED_GATE_UP], ndims[11], shapes[11], shared_gate) ||
+                 !product::read_matrix(params[12], formats[SHARED_GATE_UP + 1], ndims[12], shapes[12], shared_up) ||
+                 !product::read_matrix(params[13], formats[SHARED_DOWN], ndims[13], shapes[13], shared_down) ||
+                 shared_gate.k_dim != dim || shared_up.k_dim != dim || shared_gate.n_dim() != ffn_stride ||
+                 shared_up.n_dim() != ffn_stride || shared_down.k_dim != ffn || shared_down.n_dim() != dim))
+    return 1;
   if (int8_activations && !int8::AVAILABLE) return 1;
   // Which products' inputs are quantized: an integer format's k_dim is whole blocks of 32 or 256.
-  const bool int8_in = int8_activations && (takes_int8(formats[GATE]) || takes_int8(formats[UP]));
-  const bool int8_act = int8_activations && takes_int8(formats[DOWN]);
+  const bool int8_in = int8_activations && (takes_int8(formats[GATE]) || takes_int8(formats[UP]) ||
+                                            (shared && (takes_int8(formats[SHARED_GATE_UP]) ||
+                                                        takes_int8(formats[SHARED_GATE_UP + 1]))));
+  const bool int8_act =
+      int8_activations && (takes_int8(formats[DOWN]) || (shared && takes_int8(formats[SHARED_DOWN])));
   if ((int8_in && dim % int8::XBLOCK != 0) || (int8_act && ffn % int8::XBLOCK != 0)) return 1;
 
   const float *x = static_cast<const float *>(params[0]);
   const int32_t *len = static_cast<const int32_t *>(params[1]);
   const float eps = *static_cast<const float *>(params[2]);
   const float *norm = static_cast<const float *>(params[3]);
-  float *out = static_cast<float *>(params[INPUTS]);
+  const float *shared_weights = shared ? static_cast<const float *>(params[10]) : nullptr;
+  float *out = static_cast<float *>(params[nparam - 1]);
   int64_t live = 0;  // rows before the padding
   while (live < batch && len[live * kv] > 0) ++live;
   std::memcpy(out + live * dim, x + live * dim, sizeof(float) * (batch - live) * dim);
   if (live == 0) return 0;
 
   // Routing: each row's k experts and weights.
-  thread_local std::vector<float> h_buf, logits_buf, weight_buf;
+  thread_local std::vector<float> h_buf, logits_buf, weight_buf, shared_buf;
   thread_local std::vector<int32_t> chosen_buf;
   const int64_t router_stride = router.n_dim();
   h_buf.resize(live * dim);
   logits_buf.resize(live * router_stride);
   weight_buf.resize(live * top_k);
   chosen_buf.resize(live * top_k);
+  shared_buf.resize(live);
   float *h = h_buf.data(), *logits = logits_buf.data(), *weights = weight_buf.data();
+  float *shared_weight = shared_buf.data();  // each row's sigmoid(h . shared_gate)
   int32_t *chosen = chosen_buf.data();
   team::Team::instance().run([&](team::Region &region) {
     region.for_static(live, [&](int64_t b) { rowwise::rms_norm(x + b * dim, norm, eps, dim, h + b * dim); });
@@ -127,19 +147,25 @@ int run_moe(int nparam, void **params, int *ndims, int64_t **shapes, bool int8_a
       }
       if (normalise)
         for (int64_t i = 0; i < top_k; ++i) weights[b * top_k + i] /= kept;
+      if (shared) {
+        float gate = 0.f;
+        for (int64_t d = 0; d < dim; ++d) gate += h[b * dim + d] * shared_weights[d];
+        shared_weight[b] = 1.f / (1.f + std::exp(-gate));
+      }
     });
   });
 
   // Rows grouped by expert, in row order within each: slot s of the grouped order holds row
-  // rows[s] for its expert; slots[b * k + i] are row b's slots in expert order.
-  const int64_t n_slots = live * top_k;
-  std::vector<int64_t> starts(experts + 1, 0), rows(n_slots), slots(n_slots);
+  // rows[s] for its expert; slots[b * k + i] are row b's slots in expert order. The shared expert's
+  // slots follow the routed ones': routed + b is row b's.
+  const int64_t routed = live * top_k, n_slots = routed + (shared ? live : 0);
+  std::vector<int64_t> starts(experts + 1, 0), rows(n_slots), slots(routed);
   std::vector<float> slot_weights(n_slots);
-  for (int64_t i = 0; i < n_slots; ++i) ++starts[chosen[i] + 1];
+  for (int64_t i = 0; i < routed; ++i) ++starts[chosen[i] + 1];
   for (int64_t e = 0; e < experts; ++e) starts[e + 1] += starts[e];
   std::vector<int64_t> at(starts.begin(), starts.end() - 1), filled(live, 0);
   for (int64_t e = 0; e < experts; ++e)  // in expert order, so each row's slots come out sorted
-    for (int64_t i = 0; i < n_slots; ++i)
+    for (int64_t i = 0; i < routed; ++i)
       if (chosen[i] == e) {
         const int64_t slot = at[e]++, b = i / top_k;
         rows[slot] = b, slot_weights[slot] = weights[i];
@@ -156,6 +182,10 @@ int run_moe(int nparam, void **params, int *ndims, int64_t **shapes, bool int8_a
     read_expert(params[6], formats[UP], ndims[6], shapes[6], e, u.up);
     read_expert(params[7], formats[DOWN], ndims[7], shapes[7], e, u.down);
     used.push_back(u);
+  }
+  if (shared) {
+    for (int64_t b = 0; b < live; ++b) rows[routed + b] = b, slot_weights[routed + b] = shared_weight[b];
+    used.push_back({routed, live, shared_gate, shared_up, shared_down});
   }
   struct Job { int64_t used, tile; bool up; };
   std::vector<Job> gate_up_jobs, down_jobs;
@@ -221,15 +251,17 @@ int run_moe(int nparam, void **params, int *ndims, int64_t **shapes, bool int8_a
       const Used &e = used[down_jobs[i].used];
       expert_tile(e.down, e, int8_act, aq, act + e.first * ffn, y + e.first * dim, dim, down_jobs[i].tile);
     });
-    // each row: its experts' outputs summed in expert order, weighted, then onto the residual
+    // each row: its experts' outputs summed in expert order, weighted, then the shared expert's,
+    // then onto the residual
     region.for_static(live, [&](int64_t b) {
       float *to = out + b * dim;
       for (int64_t d = 0; d < dim; ++d) to[d] = 0.f;
-      for (int64_t i = 0; i < top_k; ++i) {
-        const int64_t slot = slots[b * top_k + i];
+      auto add = [&](int64_t slot) {
         const float w = slot_weights[slot];
         for (int64_t d = 0; d < dim; ++d) to[d] += w * y[slot * dim + d];
-      }
+      };
+      for (int64_t i = 0; i < top_k; ++i) add(slots[b * top_k + i]);
+      if (shared) add(routed + b);
       for (int64_t d = 0; d < dim; ++d) to[d] += x[b * dim + d];
     });
   });

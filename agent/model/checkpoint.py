@@ -9,7 +9,9 @@ matrices kept in their file's format (`blocks`, agent/model/quantized.py; `matri
     wo [D, H*hd], ffn_norm [D], w_gate [F, D], w_up [F, D], w_down [D, F],
     (q_norm, k_norm [hd] with QK-norm; post_attn_norm, post_ffn_norm [D] with post-norms: Gemma 3's)
     a MoE layer (Qwen3-MoE) instead of w_gate, w_up, w_down: router [E, D], and each expert e's
-    experts.{e}.w_gate [Fe, D], experts.{e}.w_up [Fe, D], experts.{e}.w_down [D, Fe]
+    experts.{e}.w_gate [Fe, D], experts.{e}.w_up [Fe, D], experts.{e}.w_down [D, Fe]; with a shared
+    expert (Qwen3.5-MoE) also shared_expert_gate [1, D] and shared_expert.w_gate [Fs, D],
+    shared_expert.w_up [Fs, D], shared_expert.w_down [D, Fs]
 
 Norm weights multiply as they are: a Gemma checkpoint's (1 + w) is formed at load (llama.cpp's
 converter has already added the 1 in a GGUF file).
@@ -217,12 +219,18 @@ def expected_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 
 def expert_shapes(spec: ModelSpec, layer: int) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """A MoE layer's router [E, D] and each expert's SwiGLU matrices (in place of the dense FFN's)."""
+    """A MoE layer's router [E, D] and each expert's SwiGLU matrices (in place of the dense FFN's),
+    and its shared expert's where the model has one."""
     d, f = spec.hidden_size, spec.expert_intermediate_size
     yield f"layers.{layer}.router", (spec.num_experts, d)
     for e in range(spec.num_experts):
         for name, shape in (("w_gate", (f, d)), ("w_up", (f, d)), ("w_down", (d, f))):
             yield f"layers.{layer}.experts.{e}.{name}", shape
+    fs = spec.shared_expert_intermediate_size
+    if fs:
+        yield f"layers.{layer}.shared_expert_gate", (1, d)
+        for name, shape in (("w_gate", (fs, d)), ("w_up", (fs, d)), ("w_down", (d, fs))):
+            yield f"layers.{layer}.shared_expert.{name}", shape
 
 
 def validate(ckpt: Checkpoint) -> None:

@@ -131,6 +131,9 @@ class ModelSpec(BaseModel):
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
     dense_layers: tuple[int, ...] = ()  # a MoE model's layers with a dense FFN (intermediate_size)
+    # Qwen3.5-MoE's: a shared expert every token runs beside its routed ones, weighted by
+    # sigmoid(norm(x) . shared_expert_gate) (0: none)
+    shared_expert_intermediate_size: int = 0
     # Qwen3.5's: Gated DeltaNet layers in place of attention in some layers (None: every layer attends),
     # the attention layers' output gate (wq's rows hold each head's gate after it) and partial RoPE
     linear_attention: LinearAttention | None = None
@@ -193,17 +196,19 @@ class ModelSpec(BaseModel):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         gate = q if self.output_gate else 0
         attention = d * (q + gate + 2 * kv) + q * d
+        if self.qk_norm:
+            attention += 2 * self.head_dim
         per_layer = attention + 3 * d * f + 2 * d
         if self.qkv_bias:
             per_layer += q + 2 * kv
-        if self.qk_norm:
-            per_layer += 2 * self.head_dim
         if self.post_norms:
             per_layer += 2 * d
         head = 0 if self.tied_embeddings else v * d
         moe_layers = sum(1 for i in range(self.num_layers) if self.is_moe(i))
         # a MoE layer's router and experts in place of the dense FFN
         moe = self.num_experts * (d + 3 * d * self.expert_intermediate_size) - 3 * d * f
+        if self.shared_expert_intermediate_size:
+            moe += d + 3 * d * self.shared_expert_intermediate_size
         linear = self.linear_attention
         # a Gated DeltaNet layer's weights in place of the attention's
         delta = 0 if linear is None else len(linear.layers) * (linear.parameter_count(d) - attention)

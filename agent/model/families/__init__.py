@@ -25,6 +25,7 @@ MODULES = (
     "mistral",
     "smollm3",
     "qwen35",
+    "qwen35moe",
 )  # the order the errors list them in
 
 FAMILIES: tuple[Family, ...] = tuple(import_module(f"{__name__}.{name}").FAMILY for name in MODULES)

@@ -2,7 +2,8 @@
 `reference` extra): a tiny model of each built by transformers with random float32 weights and the
 family's real vocabulary (Llama 3's llama-bpe, Mistral's llama-spm, Qwen3's qwen2, Phi-3's phi-3;
 SmolLM3's four layers, the last rotating nothing, on llama-bpe; Qwen3.5's three Gated DeltaNet
-layers and a gated attention layer on qwen35, more value heads than key heads), served from its Hugging Face
+layers and a gated attention layer on qwen35, more value heads than key heads, dense and with
+Qwen3.5-MoE's routed and shared experts in every layer), served from its Hugging Face
 directory and from the GGUF llama.cpp's converter would write: greedy answers equal transformers'
 `generate` for every prompt, one past 128 tokens and others from the vocabulary's own test texts.
 The seed is fixed and its answers are no near-ties: transformers' best two logits differ by more
@@ -25,11 +26,7 @@ NEAR_TIE = 1e-3
 SUITE_TEXTS = (5, 20, 33)  # of each vocabulary's .inp file (non-blank ones)
 
 
-# every family the tiny models cover but Qwen3.5's MoE (its shared expert: #74, next)
-SERVED = [family for family in hf.FAMILIES if family != "qwen35moe"]
-
-
-@pytest.fixture(scope="module", params=SERVED)
+@pytest.fixture(scope="module", params=list(hf.FAMILIES))
 def family_files(request, tmp_path_factory) -> tuple[str, object, list[Path]]:
     """The family's transformers model, and its files: the Hugging Face directory, the GGUF."""
     family = request.param
@@ -60,7 +57,8 @@ def test_greedy_answers_equal_transformers(family_files):
         answers.append(answer)
     for path in paths:
         runner = ModelRunner.from_checkpoint(load_checkpoint(path), DEFAULT_RUNTIME)
-        assert runner.graphs.model.stack is not None  # every layer one fused kernel
+        # every layer one fused kernel (a MoE model's: its attention or DeltaNet, then its experts)
+        assert all(layer.kernel_layer is not None for layer in runner.graphs.model.layers)
         for prompt, want in zip(cases, answers):
             got = [calls.prefill(runner, 0, prompt, SamplingParams())]
             got += [calls.decode(runner, [0])[0] for _ in range(NEW_TOKENS - 1)]

@@ -15,7 +15,8 @@ from agent.model.spec import ModelSpec
 from agent.model.tokenizer import TEMPLATES
 
 GGUF_ARCHITECTURES = {
-    name: name for name in ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3", "smollm3", "qwen35")
+    name: name
+    for name in ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3", "smollm3", "qwen35", "qwen35moe")
 }
 HF_MODEL_TYPES = {
     "llama": "llama",
@@ -27,6 +28,7 @@ HF_MODEL_TYPES = {
     "mistral": "mistral",
     "smollm3": "smollm3",
     "qwen3_5_text": "qwen35",
+    "qwen3_5_moe_text": "qwen35moe",
 }
 GLOBAL_TENSORS = {"embed", "final_norm", "lm_head"}
 
@@ -73,13 +75,14 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(name):
         families.gguf_layout(name, Path("m.gguf"))
     assert (
         str(gguf_refusal.value) == f"m.gguf: unsupported architecture {name!r} "
-        "(supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3, smollm3, qwen35)"
+        "(supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3, smollm3, qwen35, qwen35moe)"
     )
     with pytest.raises(CheckpointError) as hf_refusal:
         families.hf_layout(name, Path("m"))
     assert (
         str(hf_refusal.value) == f"m: unsupported architecture {name!r} "
-        "(supported: llama, qwen2, qwen3, qwen3_moe, phi3, internlm2, mistral, smollm3, qwen3_5_text)"
+        "(supported: llama, qwen2, qwen3, qwen3_moe, phi3, internlm2, mistral, smollm3, qwen3_5_text, "
+        "qwen3_5_moe_text)"
     )
 
 
@@ -172,3 +175,28 @@ def test_qwen3moe_names_its_router_and_every_experts_matrices():
     assert hf.spec_fields is not None
     config = {"num_hidden_layers": 6, **CONFIG, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
     assert hf.spec_fields(config)["dense_layers"] == (0, 2, 3, 4)
+
+
+def test_qwen35moe_names_its_shared_expert_and_always_renormalises():
+    """Qwen3.5-MoE: Qwen3.5's hybrid layers, Qwen3-MoE's experts, and the shared expert with its
+    sigmoid gate, in both formats; the routed weights renormalised whatever a file says (transformers'
+    router and llama.cpp's graph both do)."""
+    gguf, hf = families.GGUF["qwen35moe"], families.HF["qwen3_5_moe_text"]
+    assert gguf.canonical_name("blk.2.ffn_gate_inp_shexp.weight") == "layers.2.shared_expert_gate"
+    assert gguf.canonical_name("blk.2.ffn_down_shexp.weight") == "layers.2.shared_expert.w_down"
+    assert gguf.canonical_name("blk.2.ssm_out.weight") == "layers.2.delta_out"
+    assert (
+        hf.canonical_name("model.layers.2.mlp.shared_expert.up_proj.weight") == "layers.2.shared_expert.w_up"
+    )
+    assert (
+        hf.canonical_name("model.layers.2.mlp.experts.255.gate_proj.weight") == "layers.2.experts.255.w_gate"
+    )
+    assert gguf.spec_fields is not None and hf.spec_fields is not None
+    meta = {**METADATA, "expert_weights_norm": False, "expert_shared_feed_forward_length": 16}
+    fields = gguf.spec_fields(
+        Path("m.gguf"), lambda key, default=None, required=True: meta.get(key, default), 32, 8, 4
+    )
+    assert fields["norm_topk_prob"] and fields["shared_expert_intermediate_size"] == 16
+    assert fields["linear_attention"].layers == (0, 1, 2)
+    config = {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, **CONFIG}
+    assert hf.spec_fields(config)["shared_expert_intermediate_size"] == 16  # the experts' where unsaid

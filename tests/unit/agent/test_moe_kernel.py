@@ -43,7 +43,16 @@ def experts(rng: np.random.Generator, qtype) -> dict[str, list[BlockMatrix]]:
     return out
 
 
-def reference(x, norm, router, matrices, top_k, normalise, live, eps=1e-6) -> np.ndarray:
+def swiglu_expert(matrices: dict[str, BlockMatrix], h: np.ndarray) -> np.ndarray:
+    """One SwiGLU expert's output for a normed row h, in float64."""
+    gate, up, down = (matrices[n].dequantize().astype(np.float64) for n in ("w_gate", "w_up", "w_down"))
+    g = gate @ h
+    return down @ (g / (1 + np.exp(-g)) * (up @ h))
+
+
+def reference(x, norm, router, matrices, top_k, normalise, live, eps=1e-6, shared=None) -> np.ndarray:
+    """shared: a shared expert's matrices and its "gate" vector (Qwen3.5-MoE's), which every row
+    runs beside its k, weighted by sigmoid(h . gate)."""
     x = x.astype(np.float64)
     h = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + eps) * norm
     logits = h @ router.T
@@ -54,17 +63,21 @@ def reference(x, norm, router, matrices, top_k, normalise, live, eps=1e-6) -> np
         chosen = np.argsort(-probs[row], kind="stable")[:top_k]
         weights = probs[row, chosen] / (probs[row, chosen].sum() if normalise else 1)
         for e, w in zip(chosen, weights):
-            gate, up, down = (
-                matrices[n][e].dequantize().astype(np.float64) for n in ("w_gate", "w_up", "w_down")
-            )
-            g = gate @ h[row]
-            out[row] += w * down @ (g / (1 + np.exp(-g)) * (up @ h[row]))
+            out[row] += w * swiglu_expert({n: m[e] for n, m in matrices.items()}, h[row])
+        if shared is not None:
+            weight = 1 / (1 + np.exp(-h[row] @ shared["gate"]))
+            out[row] += weight * swiglu_expert(shared, h[row])
     return out
 
 
-def run(moe_ffn, x, lengths, norm, router, matrices, top_k, normalise) -> tuple[int, np.ndarray]:
-    formats = np.array([F32] + [matrices[n][0].qtype for n in ("w_gate", "w_up", "w_down")], np.int32)
-    stacks = [np.stack([m.packed for m in matrices[n]]) for n in ("w_gate", "w_up", "w_down")]
+def run(moe_ffn, x, lengths, norm, router, matrices, top_k, normalise, shared=None) -> tuple[int, np.ndarray]:
+    names = ("w_gate", "w_up", "w_down")
+    formats = [F32] + [matrices[n][0].qtype for n in names]
+    stacks = [np.stack([m.packed for m in matrices[n]]) for n in names]
+    extra = []
+    if shared is not None:
+        formats += [shared[n].qtype for n in names]
+        extra = [shared["gate"].astype(np.float32), *(shared[n].packed for n in names)]
     out = np.full_like(x, np.nan)
     inputs = [
         x,
@@ -73,8 +86,9 @@ def run(moe_ffn, x, lengths, norm, router, matrices, top_k, normalise) -> tuple[
         norm,
         BlockMatrix.from_float(router).packed,
         *stacks,
-        formats,
+        np.array(formats, np.int32),
         np.array([top_k, int(normalise)], np.int32),
+        *extra,
     ]
     return call(moe_ffn, inputs, out), out
 
@@ -115,6 +129,63 @@ def test_experts_no_row_chooses_are_never_read(moe_ffn_native):
     status, out = run(moe_ffn_native, x, lengths, norm, router, matrices, 2, True)
     assert status == 0 and np.isfinite(out).all()
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def shared_expert(rng: np.random.Generator, qtype, ffn: int = FE) -> dict:
+    """A shared expert's gate vector and SwiGLU matrices in `qtype`."""
+    shapes = {"w_gate": (ffn, D), "w_up": (ffn, D), "w_down": (D, ffn)}
+    out: dict = {"gate": rng.standard_normal(D) * D**-0.5}
+    for name, (rows, cols) in shapes.items():
+        values = (rng.standard_normal((rows, cols)) * cols**-0.5).astype(np.float32)
+        out[name] = (
+            BlockMatrix.from_float(values)
+            if qtype == F32
+            else BlockMatrix.from_gguf(qtype, gguf.quants.quantize(values, qtype), cols)
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    "routed, shared", [(F32, F32), (Q8_0, F32), (F32, Q8_0)], ids=["F32", "Q8_0+F32", "F32+Q8_0"]
+)
+def test_a_shared_expert_adds_its_sigmoid_weighted_output(moe_ffn, routed, shared):
+    """Qwen3.5-MoE's shared expert: every row runs it beside its k routed experts, weighted by
+    sigmoid(norm(x) . gate); its format may differ from the routed experts'. Without its gate's
+    weighting (or without it at all) the output differs from the reference."""
+    rng = np.random.default_rng(11)
+    matrices = experts(rng, routed)
+    extra = shared_expert(rng, shared)
+    router = rng.standard_normal((E, D)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    for rows, live in ((1, 1), (6, 4), (40, 37)):
+        x = rng.standard_normal((rows, D)).astype(np.float32)
+        lengths = np.where(np.arange(rows) < live, 5, 0).astype(np.int32)
+        status, out = run(moe_ffn, x, lengths, norm, router, matrices, 2, True, extra)
+        assert status == 0
+        expected = reference(x, norm, router, matrices, 2, True, live, shared=extra)
+        np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+        assert np.array_equal(out[live:], x[live:])
+        routed_only = reference(x, norm, router, matrices, 2, True, live)
+        assert np.abs(routed_only[:live] - expected[:live]).max() > 1e-2
+
+
+def test_a_shared_expert_of_another_size_is_refused(moe_ffn_native):
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, D)).astype(np.float32)
+    router = rng.standard_normal((E, D)).astype(np.float32)
+    extra = shared_expert(rng, F32, ffn=2 * FE)
+    status, _ = run(
+        moe_ffn_native,
+        x,
+        np.ones(2, np.int32),
+        np.ones(D, np.float32),
+        router,
+        experts(rng, F32),
+        2,
+        True,
+        extra,
+    )
+    assert status == 1
 
 
 @pytest.mark.parametrize("top_k", [0, E + 1])
@@ -289,3 +360,24 @@ def test_int8_row_is_bit_identical_alone_and_in_every_batch(library, kernel_targ
             status, out = run(library.MoeFfnI8, x, np.ones(rows, np.int32), norm, router, matrices, 2, True)
             assert status == 0
             assert out[at].tobytes() == alone[0].tobytes(), (case, rows, at)
+
+
+def test_int8_shared_expert_rows_are_batch_invariant(library, kernel_target):
+    """MoeFfnI8 with a Q8_0 shared expert: near the float reference (its inputs rounded per block of
+    32), and a row's output the same bits alone and among other rows."""
+    if not has_int8_products(kernel_target):
+        pytest.skip("the portable target has no int8 products")
+    rng = np.random.default_rng(13)
+    matrices, extra = experts(rng, Q8_0), shared_expert(rng, Q8_0)
+    router = rng.standard_normal((E, D)).astype(np.float32)
+    norm = np.ones(D, np.float32)
+    x = rng.standard_normal((9, D)).astype(np.float32)
+    status, out = run(library.MoeFfnI8, x, np.ones(9, np.int32), norm, router, matrices, 2, True, extra)
+    assert status == 0
+    expected = reference(x, norm, router, matrices, 2, True, 9, shared=extra)
+    scale = np.abs(expected - x).max()
+    assert 0 < np.abs(out - expected).max() < 2e-2 * scale
+    status, alone = run(
+        library.MoeFfnI8, x[4:5], np.ones(1, np.int32), norm, router, matrices, 2, True, extra
+    )
+    assert status == 0 and alone[0].tobytes() == out[4].tobytes()

@@ -1,5 +1,7 @@
 """tools.make_gguf's random models: what their weights hold."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -28,11 +30,11 @@ def test_a_llamas_output_projections_are_scaled_by_its_depth(tmp_path, default_m
 
 def test_the_moe_shapes_hold_their_models_total_and_active_weights():
     """qwen3-30b-a3b: Qwen3-30B-A3B's 30.5B weights, 3.3B a token (its vocabulary of 151,936);
-    moe-7b-a1b: about 7B, 1B a token with the default tokenizer's 49,152."""
+    moe-7b-a1b: about 7B, 1B a token with the default tokenizer's 49,152; qwen35moe-a3b below."""
     from tools.make_gguf import SHAPES, tensor_shapes
 
-    def counts(name: str, vocab: int) -> tuple[float, float]:
-        shape = SHAPES[name]
+    def counts(name: str, vocab: int, **changes) -> tuple[float, float]:
+        shape = dataclasses.replace(SHAPES[name], **changes)
         total = active = 0
         for tensor, dims in tensor_shapes(shape):
             size = int(np.prod([vocab if d == -1 else d for d in dims]))
@@ -44,6 +46,12 @@ def test_the_moe_shapes_hold_their_models_total_and_active_weights():
     assert abs(total - 30.5) < 0.1 and abs(active - 3.3) < 0.1, (total, active)
     total, active = counts("moe-7b-a1b", 49152)
     assert 6.5 < total < 7.5 and 0.9 < active < 1.3, (total, active)
+    # qwen35moe-a3b: Qwen3.5-35B-A3B's layers (with its 256 experts and 248,320 tokens: 35B weights,
+    # 3.5B a token with the embedding and LM head) with 64 experts and the default tokenizer
+    total, active = counts("qwen35moe-a3b", 248320, experts=256)
+    assert abs(total - 34.7) < 0.1 and abs(active - 3.45) < 0.05, (total, active)
+    total, active = counts("qwen35moe-a3b", 49152)
+    assert abs(total - 9.7) < 0.1 and abs(active - 2.6) < 0.05, (total, active)
 
 
 def test_arch_writes_a_dense_preset_in_another_familys_form(tmp_path, monkeypatch, capsys):
