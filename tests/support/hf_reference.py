@@ -97,6 +97,7 @@ class TinyFamily:
     gguf_arch: str
     config: dict = field(default_factory=dict)
     zero_centered_norms: bool = False  # RMSNorm by (1 + w), the converter adding the 1
+    multimodal: str = ""  # the model_type of the published checkpoints holding it as their language model
 
 
 FAMILIES = {
@@ -111,7 +112,9 @@ FAMILIES = {
     "smollm3": TinyFamily(
         "SmolLM3Config", "llama-bpe", "smollm3", {"num_hidden_layers": 4, "tie_word_embeddings": True}
     ),
-    "qwen35": TinyFamily("Qwen3_5TextConfig", "qwen35", "qwen35", QWEN35, zero_centered_norms=True),
+    "qwen35": TinyFamily(
+        "Qwen3_5TextConfig", "qwen35", "qwen35", QWEN35, zero_centered_norms=True, multimodal="qwen3_5"
+    ),
     "qwen35moe": TinyFamily(
         "Qwen3_5MoeTextConfig",
         "qwen35",
@@ -124,6 +127,7 @@ FAMILIES = {
             "shared_expert_intermediate_size": 32,
         },
         zero_centered_norms=True,
+        multimodal="qwen3_5_moe",
     ),
 }
 
@@ -202,6 +206,34 @@ def build(family: str, directory: Path, seed: int):
     model.eval()
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+def write_multimodal(hf_dir: Path, directory: Path, family: str) -> Path:
+    """The directory's model as the language model of a multimodal checkpoint, as Qwen3.5's are
+    published (Qwen3_5ForConditionalGeneration): the config's text_config, the tensors under
+    "model.language_model." but the LM head, beside a vision tower's and MTP tensors (random: a
+    reader must leave them)."""
+    from safetensors.numpy import load_file, save_file
+
+    text = json.loads((hf_dir / "config.json").read_text())
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": FAMILIES[family].multimodal,
+        "text_config": text,
+        "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 16},
+        "tie_word_embeddings": text["tie_word_embeddings"],
+    }
+    tensors = {
+        name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name: array
+        for name, array in load_file(str(hf_dir / "model.safetensors")).items()
+    }
+    rng = np.random.default_rng(0)
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = rng.standard_normal((48, 16)).astype(np.float32)
+    tensors["mtp.layers.0.input_layernorm.weight"] = np.ones(text["hidden_size"], np.float32)
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
 
 
 def greedy(model, prompt: list[int], n: int) -> tuple[list[int], float]:

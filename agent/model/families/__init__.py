@@ -31,6 +31,7 @@ MODULES = (
 FAMILIES: tuple[Family, ...] = tuple(import_module(f"{__name__}.{name}").FAMILY for name in MODULES)
 GGUF: dict[str, GgufLayout] = {f.gguf.architecture: f.gguf for f in FAMILIES if f.gguf is not None}
 HF: dict[str, HfLayout] = {f.hf.model_type: f.hf for f in FAMILIES if f.hf is not None}
+HF |= {f.hf.multimodal: f.hf.language_model() for f in FAMILIES if f.hf is not None and f.hf.multimodal}
 Layout = TypeVar("Layout", GgufLayout, HfLayout)
 
 

@@ -11,6 +11,7 @@ window, embedding scale) that its module sets, each computed once by the shared 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,9 +106,30 @@ class HfLayout:
     qkv_bias: bool = False  # the default when config.json does not say
     transform: Transform | None = None
     spec_fields: HfSpecFields | None = None
+    # the model_type of the multimodal checkpoints whose language model this family is (Qwen3.5's are
+    # published so): read as language_model() says
+    multimodal: str | None = None
+    language_model_only: bool = False  # this layout reads a multimodal checkpoint's language model
 
     def canonical_name(self, name: str) -> str | None:
+        if self.language_model_only:
+            if not name.startswith(LANGUAGE_MODEL):
+                # the vision tower's ("model.visual.") and other parts' ("mtp."), but the LM head
+                return self.global_names.get(name) if not name.startswith("model.") else None
+            name = "model." + name[len(LANGUAGE_MODEL) :]
         return canonical_name(name, "model.layers.", self.layer_names, self.global_names)
+
+    def language_model(self) -> HfLayout:
+        """The layout of this family's multimodal checkpoints (`multimodal`): the config's
+        text_config holds the model's (hf_dir reads it over the outer config), the tensors lie under
+        "model.language_model." (the LM head where this layout's are), and the rest is not read."""
+        assert self.multimodal is not None
+        return dataclasses.replace(
+            self, model_type=self.multimodal, multimodal=None, language_model_only=True
+        )
+
+
+LANGUAGE_MODEL = "model.language_model."
 
 
 @dataclass(frozen=True)

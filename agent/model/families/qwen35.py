@@ -8,7 +8,9 @@ head's query then its gate; the head's output is multiplied by sigmoid(gate)).
 In llama.cpp's files (its converter's Qwen3NextModel and Qwen3_5TextModel classes) the
 norms hold Qwen3.5's 1 + w already, but not the linear attention's own gated norm; A is stored as
 -exp(A_log); and where value heads outnumber key heads the value heads are in tiled order (value
-head h reads key head h % key_heads). A Hugging Face directory is brought to the same form at load.
+head h reads key head h % key_heads). A Hugging Face directory is brought to the same form at load:
+a Qwen3_5ForCausalLM's (qwen3_5_text), or the published multimodal checkpoints' language model
+(qwen3_5: the text_config, the tensors under model.language_model.; the vision tower not read).
 A file's MTP layers (nextn_predict_layers, after the model's own) are not read."""
 
 from __future__ import annotations
@@ -158,5 +160,6 @@ FAMILY = Family(
         llama.HF_GLOBAL_NAMES,
         transform=hf_transform,
         spec_fields=hf_spec_fields,
+        multimodal="qwen3_5",
     ),
 )

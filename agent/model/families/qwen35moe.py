@@ -64,5 +64,6 @@ FAMILY = Family(
         llama.HF_GLOBAL_NAMES,
         transform=qwen35.hf_transform,
         spec_fields=hf_spec_fields,
+        multimodal="qwen3_5_moe",
     ),
 )

@@ -94,6 +94,11 @@ def _spec(directory: Path) -> tuple[ModelSpec, HfLayout]:
     config_path = directory / "config.json"
     config = read_json(config_path)
     layout = hf_layout(config.get("model_type"), directory)
+    if layout.language_model_only:  # a multimodal checkpoint: its language model's config
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise CheckpointError(f"{config_path}: a {layout.model_type} config without a text_config")
+        config = {**config, **text}
     try:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         spec = ModelSpec(

@@ -62,11 +62,35 @@ def test_each_gguf_architecture_resolves_to_its_family(architecture, family):
     assert layout.architecture == architecture
 
 
+# the multimodal checkpoints whose language model a family reads
+HF_LANGUAGE_MODELS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
+
+
 @pytest.mark.parametrize(("model_type", "family"), HF_MODEL_TYPES.items())
 def test_each_hf_model_type_resolves_to_its_family(model_type, family):
     layout = families.hf_layout(model_type, Path("m"))
     assert layout is import_module(f"agent.model.families.{family}").FAMILY.hf
     assert layout.model_type == model_type
+
+
+@pytest.mark.parametrize(("model_type", "family"), HF_LANGUAGE_MODELS.items())
+def test_a_multimodal_checkpoint_resolves_to_its_language_models_family(model_type, family):
+    """Qwen3.5's published checkpoints: the language model's tensors under model.language_model.,
+    the LM head where it is, the vision tower and MTP layers not read."""
+    text = import_module(f"agent.model.families.{family}").FAMILY.hf
+    layout = families.hf_layout(model_type, Path("m"))
+    assert layout.language_model_only and layout.model_type == model_type
+    assert layout.layer_names is text.layer_names and layout.spec_fields is text.spec_fields
+    names = {
+        "model.language_model.layers.3.self_attn.q_proj.weight": "layers.3.wq",
+        "model.language_model.embed_tokens.weight": "embed",
+        "model.language_model.norm.weight": "final_norm",
+        "lm_head.weight": "lm_head",
+        "model.layers.3.self_attn.q_proj.weight": None,
+        "model.visual.blocks.0.attn.qkv.weight": None,
+        "mtp.layers.0.self_attn.q_proj.weight": None,
+    }
+    assert {name: layout.canonical_name(name) for name in names} == names
 
 
 @pytest.mark.parametrize("name", ["deepseek2", "mamba", None, 3])
@@ -82,7 +106,7 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(name):
     assert (
         str(hf_refusal.value) == f"m: unsupported architecture {name!r} "
         "(supported: llama, qwen2, qwen3, qwen3_moe, phi3, internlm2, mistral, smollm3, qwen3_5_text, "
-        "qwen3_5_moe_text)"
+        "qwen3_5_moe_text, qwen3_5, qwen3_5_moe)"
     )
 
 
@@ -138,7 +162,11 @@ def test_each_gguf_layout_maps_every_tensor_its_layers_read(layout: GgufLayout):
     assert layout.chat_template is None or (TEMPLATES / layout.chat_template).is_file()
 
 
-@pytest.mark.parametrize("layout", families.HF.values(), ids=families.HF.keys())
+# each family's own layout (a multimodal checkpoint's reads the same names: the test above)
+TEXT_LAYOUTS = {name: layout for name, layout in families.HF.items() if not layout.language_model_only}
+
+
+@pytest.mark.parametrize("layout", TEXT_LAYOUTS.values(), ids=TEXT_LAYOUTS.keys())
 def test_each_hf_layout_maps_every_tensor_its_layers_read(layout: HfLayout):
     config = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, **CONFIG}
     fields = layout.spec_fields(config) if layout.spec_fields else {}
