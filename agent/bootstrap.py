@@ -219,7 +219,7 @@ def _checkpoint_runner(
     config: ServingConfig, place: Placement, progress: Progress, checkpoint: Checkpoint | None
 ) -> tuple[ModelRunner, KnownAnswer, MemoryPlan, Path | None]:
     checkpoint, runtime, plan, cache = prepare_checkpoint(config, place, progress, checkpoint)
-    refuse_unsupported_state(checkpoint.spec, runtime, place.role)
+    refuse_unsupported_state(checkpoint.spec, runtime)
     if place.split.size > 1:
         _describe_share(place.split, checkpoint.spec, progress)
     runner = ModelRunner.from_checkpoint(checkpoint, runtime, place.split)
@@ -229,18 +229,12 @@ def _checkpoint_runner(
     return runner, known, plan, cache
 
 
-def refuse_unsupported_state(spec: ModelSpec, runtime: RuntimeSection, role: str) -> None:
+def refuse_unsupported_state(spec: ModelSpec, runtime: RuntimeSection) -> None:
     """A model with Gated DeltaNet layers (Qwen3.5's) keeps a state per sequence beside its KV,
-    which a KV transfer (disaggregation) and the prefix cache's second tier do not move yet: such a
-    group runs mixed, without the tier."""
+    which a KV transfer (disaggregation) moves with it but the prefix cache's second tier does not
+    hold yet: such a model runs without the tier."""
     if spec.linear_attention is None:
         return
-    if role != "mixed":
-        raise ValueError(
-            f"{spec.architecture}: a {role} agent sends or receives K/V alone, and this model's Gated "
-            "DeltaNet layers keep a state per sequence that no transfer moves yet: serve it with mixed "
-            "agent groups"
-        )
     if runtime.kv_tiers.enabled:
         raise ValueError(
             f"{spec.architecture}: runtime.kv_tiers keeps K/V blocks alone, and this model's Gated "

@@ -50,6 +50,8 @@ class KnownAnswer:
     prefill_logits: np.ndarray  # [V] after the prompt
     decode_logits: np.ndarray  # [V] after the decode token
     kv: np.ndarray | None = None  # [2 * layers, KV heads, n, head_dim] the prompt's K and V (float32)
+    # the Gated DeltaNet layers' states after the prompt (numpy_forward's), () without such layers
+    states: tuple[np.ndarray, ...] = ()
 
     @property
     def prompt(self) -> np.ndarray:
@@ -64,10 +66,14 @@ class KnownAnswer:
         checkpoint = checkpoint.whole()  # a rank's share: the group computes the whole model's logits
         tokens = probe_tokens(checkpoint.spec.vocab_size, probe_length(runtime))
         quantized_kv = runtime.kv_cache_dtype == "q8_0"
-        logits, kv = numpy_forward(
-            checkpoint, tokens, kernels=runtime.matmul_kernel, quantized_kv=quantized_kv
+        logits, kv, states = numpy_forward(
+            checkpoint,
+            tokens,
+            kernels=runtime.matmul_kernel,
+            quantized_kv=quantized_kv,
+            states_at=len(tokens) - 1,
         )
-        return cls(tokens, logits[-2], logits[-1], kv[:, :, :-1])
+        return cls(tokens, logits[-2], logits[-1], kv[:, :, :-1], tuple(states))
 
     def save(self, directory: Path) -> Path:
         path = directory / FILE_NAME
@@ -136,9 +142,13 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1 + np.exp(-x))
 
 
-def _gated_delta(h: np.ndarray, p: str, checkpoint: Checkpoint, product) -> np.ndarray:
+def _gated_delta(
+    h: np.ndarray, p: str, checkpoint: Checkpoint, product, kept: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Gated DeltaNet layer's mixer over its normed rows h [S, hidden] from a zero state ->
-    [S, value_heads * value_dim] (before delta_out), token by token (agent/kernels/gated_delta.h)."""
+    [S, value_heads * value_dim] (before delta_out), token by token (agent/kernels/gated_delta.h),
+    and its state after the first `kept` rows as a slot holds it: the last K - 1 conv inputs [K - 1,
+    channels] (oldest first) and each value head's recurrent matrix [value_heads, key_dim, value_dim]."""
     shape, t = checkpoint.spec.linear_attention, checkpoint.tensors
     assert shape is not None
     n, kernel, channels = len(h), shape.conv_kernel, shape.channels
@@ -156,13 +166,17 @@ def _gated_delta(h: np.ndarray, p: str, checkpoint: Checkpoint, product) -> np.n
     decay = np.exp(t[p + "delta_a"] * np.logaddexp(0, a))  # A * softplus(a + dt_bias)
     state = np.zeros((hv, dk, dv), np.float32)
     out = np.zeros((n, hv, dv), np.float32)
+    held = state.copy()
     for i in range(n):
         state *= decay[i][:, None, None]
         delta = (v[i] - np.einsum("hkv,hk->hv", state, k[i])) * beta[i][:, None]
         state += k[i][:, :, None] * delta[:, None, :]
         out[i] = np.einsum("hkv,hk->hv", state, q[i])
+        if i == kept - 1:
+            held = state.copy()
     z = product(h, p + "delta_z").reshape(n, hv, dv)
-    return (_rms_norm(out, t[p + "delta_norm"], checkpoint.spec.rms_eps) * _silu(z)).reshape(n, -1)
+    mixed = (_rms_norm(out, t[p + "delta_norm"], checkpoint.spec.rms_eps) * _silu(z)).reshape(n, -1)
+    return mixed, inputs[kept : kept + kernel - 1], held
 
 
 def _experts(h: np.ndarray, p: str, checkpoint: Checkpoint, product) -> np.ndarray:
@@ -237,10 +251,17 @@ def _gated_ffn(h: np.ndarray, p: str, activation: str, product) -> np.ndarray:
 
 
 def numpy_forward(
-    checkpoint: Checkpoint, tokens: np.ndarray, kernels: bool = False, quantized_kv: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-    """Causal forward of `tokens` from position 0 -> logits [S, V] and K/V of every layer with a KV
-    cache [2 * layers, KV heads, S, head_dim] (K after RoPE), as the cache holds them. Float32, the
+    checkpoint: Checkpoint,
+    tokens: np.ndarray,
+    kernels: bool = False,
+    quantized_kv: bool = False,
+    states_at: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Causal forward of `tokens` from position 0 -> logits [S, V], K/V of every layer with a KV
+    cache [2 * layers, KV heads, S, head_dim] (K after RoPE), as the cache holds them, and the
+    Gated DeltaNet layers' states after the first `states_at` tokens (default: all), as a slot
+    holds them and a KV transfer moves them: conv inputs [layers, (K - 1) * channels] and recurrent
+    matrices [layers, value_heads * key_dim * value_dim] ([] for a model without such layers). Float32, the
     checkpoint's own dtype: float64 would copy every weight and agrees to ~1e-5 anyway. `kernels`:
     the matrices the checkpoint keeps in their format are multiplied by the CPU kernels' products
     (agent/kernels/calls.py), called directly rather than through a graph: what the check catches,
@@ -276,12 +297,17 @@ def numpy_forward(
     def residual(x: np.ndarray, out: np.ndarray, norm: str) -> np.ndarray:  # post-norms: Gemma's
         return x + (_rms_norm(out, t[norm], spec.rms_eps) if spec.post_norms else out)
 
-    caches = []
+    caches, convs, recurrents = [], [], []
     for i in range(spec.num_layers):
         p, local = f"layers.{i}.", spec.is_local(i)
         h = _rms_norm(x, t[p + "attn_norm"], spec.rms_eps)
         if spec.is_linear(i):  # no K/V: a state of its own
-            x = x + product(_gated_delta(h, p, checkpoint, product), p + "delta_out")
+            mixed, conv, recurrent = _gated_delta(
+                h, p, checkpoint, product, n if states_at is None else states_at
+            )
+            convs.append(conv.reshape(-1))
+            recurrents.append(recurrent.reshape(-1))
+            x = x + product(mixed, p + "delta_out")
             h = _rms_norm(x, t[p + "ffn_norm"], spec.rms_eps)
             moe = spec.is_moe(i)
             x = x + (
@@ -300,4 +326,5 @@ def numpy_forward(
         x = residual(x, _gated_ffn(h, p, spec.activation, product), p + "post_ffn_norm")
     head = "embed" if spec.tied_embeddings else "lm_head"
     logits = product(_rms_norm(x, t["final_norm"], spec.rms_eps), head)
-    return logits, np.stack(caches)
+    states = [np.stack(convs), np.stack(recurrents)] if convs else []
+    return logits, np.stack(caches), states

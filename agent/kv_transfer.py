@@ -1,8 +1,9 @@
-"""KV transfer between agents (PD disaggregation): a prefilled slot's K/V and sampling state out of
-one runner and into another's slot and blocks, and the prefill agent's sender.
+"""KV transfer between agents (PD disaggregation): a prefilled slot's K/V, its Gated DeltaNet states
+(a hybrid model's: Qwen3.5's) and sampling state out of one runner and into another's slot and
+blocks, and the prefill agent's sender.
 
-    blocks, state = export_kv(runner, slot)     # prefill agent: K/V [2 * layers, KV, n, hd] + state
-    import_kv(other, slot2, blocks, state, table)  # decode agent: written into its cache in the graph
+    blocks, states, state = export_kv(runner, slot)  # prefill agent: K/V [2 * layers, KV, n, hd], states
+    import_kv(other, slot2, blocks, state, table, states)  # decode agent: written in the graphs
 
 KVSender is a prefill agent's side of it. It sends a slot's K/V straight to a
 decode agent (a DEALER per decode agent, kept open; the K/V go as one raw frame, no pickle, no copy
@@ -103,9 +104,10 @@ class KVSender:
             self._drop(address)
 
 
-def export_kv(runner: ModelRunner, slot: int) -> tuple[np.ndarray, dict]:
-    """A just-prefilled slot's K/V [2 * layers, KV heads, length, row width] (K then V of each
-    layer) and the state that goes with it (length, pending token, sampler)."""
+def export_kv(runner: ModelRunner, slot: int) -> tuple[np.ndarray, list[np.ndarray], dict]:
+    """A just-prefilled slot's K/V [2 * layers with a KV cache, KV heads, length, row width] (K then
+    V of each), its Gated DeltaNet states (KVTransferGraphs.state_export: none without such layers),
+    and the state that goes with them (length, pending token, sampler)."""
     state = runner.active(slot)
     if state.sampler is None or state.next_token is None:
         raise RunnerError(f"slot {slot} has not finished its prompt")
@@ -116,12 +118,18 @@ def export_kv(runner: ModelRunner, slot: int) -> tuple[np.ndarray, dict]:
     ]
     return (
         np.ascontiguousarray(np.concatenate(pieces, axis=2)),
+        runner.kv_graphs().state_export(slot),
         {"length": state.length, "next_token": state.next_token, "sampler": state.sampler.state()},
     )
 
 
 def import_kv(
-    runner: ModelRunner, slot: int, blocks: np.ndarray, state: dict, table: BlockTable | None = None
+    runner: ModelRunner,
+    slot: int,
+    blocks: np.ndarray,
+    state: dict,
+    table: BlockTable | None = None,
+    states: list[np.ndarray] | None = None,
 ) -> None:
     """Another agent's export_kv into a free slot and the blocks of `table`, which then
     decodes as if prefilled here."""
@@ -132,7 +140,12 @@ def import_kv(
     if type(length) is not int or type(next_token) is not int:  # not a bool, nor a float
         raise RunnerError("the KV state needs integer length and next_token")
     _check_transfer(runner, length)
-    shape = (2 * runner.spec.num_layers, runner.graphs.inputs.kv_heads, length, runner.cache_row_width())
+    shape = (
+        2 * runner.spec.attention_layers,
+        runner.graphs.inputs.kv_heads,
+        length,
+        runner.cache_row_width(),
+    )
     if blocks.shape != shape or blocks.dtype != runner.cache_dtype():
         raise RunnerError(
             f"KV blocks of {blocks.dtype}{list(blocks.shape)} do not fit this "
@@ -147,6 +160,13 @@ def import_kv(
         sampler = SlotSampler.from_state(sampler_state, runner.spec.vocab_size, runner.spec.eos_ids)
     except ValueError as exc:
         raise RunnerError(f"the KV state's sampler is refused: {exc}") from exc
+    states = states or []
+    expected = state_shapes(runner)
+    if [s.shape for s in states] != expected or any(s.dtype != np.float32 for s in states):
+        raise RunnerError(
+            f"Gated DeltaNet states {[f'{s.dtype}{list(s.shape)}' for s in states]} do not fit this "
+            f"model's ({[f'float32{list(e)}' for e in expected]})"
+        )
     padded_table = runner.padded_table(slot, table, length + 1)
     done = 0
     for sub_table, n, size in _transfer_pieces(runner, padded_table, length):
@@ -154,13 +174,25 @@ def import_kv(
         padded[:, :, :n] = blocks[:, :, done : done + n]
         runner.kv_graphs().kv_import(sub_table, padded)
         done += n
+    runner.kv_graphs().state_import(slot, states)
     runner.slots[slot] = SlotState(length, padded_table, next_token, sampler)
 
 
+def state_shapes(runner: ModelRunner) -> list[tuple[int, ...]]:
+    """The shapes of a transfer's Gated DeltaNet states: conv inputs and recurrent matrices of
+    each such layer ([] without them)."""
+    shape = runner.spec.linear_attention
+    if shape is None:
+        return []
+    layers = len(shape.layers)
+    return [(layers, shape.conv_state), (layers, shape.recurrent_state)]
+
+
 def largest_kv_transfer_bytes(runner: ModelRunner) -> int:
-    """The K/V frame of the longest transfer (a whole sequence)."""
+    """The K/V frame of the longest transfer (a whole sequence), or its states' where larger."""
     row_bytes = runner.cache_row_width() * np.dtype(runner.cache_dtype()).itemsize
-    return 2 * runner.spec.num_layers * runner.graphs.inputs.kv_heads * runner.max_len * row_bytes
+    kv = 2 * runner.spec.attention_layers * runner.graphs.inputs.kv_heads * runner.max_len * row_bytes
+    return max([kv] + [4 * int(np.prod(shape)) for shape in state_shapes(runner)])
 
 
 def _check_transfer(runner: ModelRunner, length: int) -> None:

@@ -154,8 +154,8 @@ class ModelRunner:
         return self.checks.prefix_caching
 
     @property
-    def speculation(self) -> bool:
-        return self.checks.speculation
+    def max_proposals(self) -> int:
+        return self.checks.max_proposals
 
     @property
     def limits(self) -> StepLimits:

@@ -21,7 +21,14 @@ from agent.contract.step_reply import StepReply, TierReport
 from agent.drafter import Drafter
 from agent.kv_tier_moves import export_blocks, import_blocks
 from agent.kv_tiers import KVTierStore
-from agent.kv_transfer import KVSender, TransferError, export_kv, import_kv, largest_kv_transfer_bytes
+from agent.kv_transfer import (
+    KVSender,
+    TransferError,
+    export_kv,
+    import_kv,
+    largest_kv_transfer_bytes,
+    state_shapes,
+)
 from agent.runner import ModelRunner, RunnerError
 
 log = logging.getLogger(__name__)
@@ -78,7 +85,7 @@ class AgentService:
             "max_chunk": runner.max_chunk,
             "chunked_prefill": runner.chunked_prefill,
             "prefix_caching": runner.prefix_caching,
-            "speculation": runner.speculation,
+            "max_proposals": runner.max_proposals if role == "mixed" else 0,
             "state_snapshots": runner.runtime.state_snapshots if runner.spec.linear_attention else 0,
             "mixed_rows": runner.mixed_rows if role == "mixed" else 0,
             "prefill_buckets": runner.runtime.prefill_buckets,
@@ -191,12 +198,16 @@ class AgentService:
         ticket = _int_field(header, "ticket")
         if ticket in self.cancelled_tickets:
             raise ValueError(f"transfer {ticket} was cancelled by the scheduler (it came too late)")
-        if len(arrays) != 2 or not isinstance(header.get("state"), dict):
-            raise ValueError("kv_receive takes a K/V array, a block table and a state map")
-        blocks, table = arrays
+        states = len(state_shapes(self.runner))
+        if len(arrays) != 2 + states or not isinstance(header.get("state"), dict):
+            raise ValueError(
+                f"kv_receive takes a K/V array, a block table, {states} Gated DeltaNet state arrays "
+                "and a state map"
+            )
+        blocks, table, *held = arrays
         if table.ndim != 1 or table.dtype.kind != "i":
             raise ValueError("kv_receive's second array is the block table: 1-D integers")
-        import_kv(self.runner, _int_field(header, "slot"), blocks, header["state"], table)
+        import_kv(self.runner, _int_field(header, "slot"), blocks, header["state"], table, held)
         return {}, []
 
     def _op_step(self, header: dict, arrays: list) -> tuple[dict, list]:
@@ -257,20 +268,22 @@ class AgentService:
             self.runner.release(slot)
             return reply
         try:
-            blocks, state = export_kv(self.runner, slot)
+            blocks, states, state = export_kv(self.runner, slot)
         finally:
             self.runner.release(slot)
         table = np.asarray(transfer.table, np.int32)
-        transfer_ms = self.sender.send(transfer.address, transfer.receive_fields(state), [blocks, table])
+        arrays = [blocks, table, *states]
+        transfer_ms = self.sender.send(transfer.address, transfer.receive_fields(state), arrays)
+        sent = blocks.nbytes + sum(s.nbytes for s in states)
         log.info(
             "KV of %d tokens (%d bytes) sent to %s slot %d in %.1f ms",
             state["length"],
-            blocks.nbytes,
+            sent,
             transfer.address,
             transfer.slot,
             transfer_ms,
         )
-        return replace(reply, kv_bytes=blocks.nbytes, transfer_ms=transfer_ms)
+        return replace(reply, kv_bytes=sent, transfer_ms=transfer_ms)
 
     def _proposals(self, request: StepRequest) -> dict[int, Proposal]:
         """The step's proposals as token lists: the server's tokens, and the draft model's for the

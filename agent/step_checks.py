@@ -60,10 +60,13 @@ class StepChecks:
         )
 
     @property
-    def speculation(self) -> bool:
-        """Whether a step may verify proposals (a mixed step; with Gated DeltaNet layers, their
-        states' held rows: runtime.speculation)."""
-        return self.mixed_rows > 0 and (self.spec.linear_attention is None or held_rows(self.runtime) > 0)
+    def max_proposals(self) -> int:
+        """The most tokens proposed for one slot a step verifies (0: none): a mixed step's; with Gated
+        DeltaNet layers, as many as their states hold rows for beside the pending token
+        (runtime.speculation's num_tokens)."""
+        if not self.mixed_rows:
+            return 0
+        return held_rows(self.runtime) - 1 if self.spec.linear_attention is not None else MAX_DRAFT_TOKENS
 
     @property
     def max_prompt_len(self) -> int:
@@ -183,10 +186,9 @@ class StepChecks:
     def _drafts(
         self, drafts: Mapping[int, Sequence[int]], slots: Sequence[int], masks: Mapping[int, np.ndarray]
     ) -> None:
-        """Proposals for decode slots of this call, at most MAX_DRAFT_TOKENS token ids each, and
-        none for a slot whose next token is masked (a grammar's mask holds for one token only)."""
-        # a Gated DeltaNet state holds the rows of the pending token and its proposals for their replay
-        most = held_rows(self.runtime) - 1 if self.spec.linear_attention is not None else MAX_DRAFT_TOKENS
+        """Proposals for decode slots of this call, at most max_proposals token ids each, and none
+        for a slot whose next token is masked (a grammar's mask holds for one token only)."""
+        most = self.max_proposals
         for slot, proposed in drafts.items():
             if slot not in slots:
                 raise RunnerError(f"proposals for slot {slot}, which this step does not decode")

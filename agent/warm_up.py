@@ -100,7 +100,7 @@ def _run_probe(
 ) -> None:
     """One graph on the probe (the prompt at positions 0..n-1 of the scratch slot, the decode token
     at n); `check`: the graph's label, to compare its output with `probe`."""
-    scratch, n, dtype = runner.graphs.inputs.scratch_table, len(probe.prompt), runner.runtime.dtype
+    scratch, dtype = runner.graphs.inputs.scratch_table, runner.runtime.dtype
     expected = np.stack([probe.prefill_logits, probe.decode_logits])
     # the tolerance the layers' outputs are held to (int8 activations round every product's input)
     quantized_kv = runner.runtime.kv_cache_dtype == "q8_0"
@@ -114,18 +114,8 @@ def _run_probe(
         _run_decode_probe(runner, rows, length, probe, check, held_to)
     elif kind == "mixed":  # the probe's prompt as a chunk and rows - 1 decode rows after it
         _run_mixed_probe(runner, rows, length, probe, check, held_to)
-    elif kind == "kv_export":
-        blocks = runner.kv_graphs().kv_export(scratch, length)[:, :, :n]
-        if check and probe.kv is not None:
-            compare(check, dequantize_rows(blocks) if quantized_kv else blocks, probe.kv, held_to)
-    elif kind == "kv_import":
-        blocks = np.zeros(
-            (2 * runner.spec.num_layers, runner.graphs.inputs.kv_heads, length, runner.cache_row_width()),
-            runner.cache_dtype(),
-        )
-        if probe.kv is not None:  # the decode graphs then read it: a wrong import fails their check
-            blocks[:, :, :n] = quantize_rows(probe.kv) if quantized_kv else probe.kv
-        runner.kv_graphs().kv_import(scratch, blocks)
+    elif kind in ("kv_export", "kv_import"):
+        _run_transfer_probe(runner, kind, length, probe, check, held_to)
     elif kind == "argmax":
         ids = runner.graphs.argmax(Tensor(expected)).asnumpy()
         if check:
@@ -134,6 +124,31 @@ def _run_probe(
         values, ids = (t.asnumpy() for t in runner.graphs.topk(length, Tensor(expected)))
         if check:
             check_post_process(check, expected, ids, values)
+
+
+def _run_transfer_probe(
+    runner: ModelRunner, kind: str, length: int, probe: KnownAnswer, check: str | None, held_to: str
+) -> None:
+    """A KV export of the probe's prompt from the scratch slot (with its Gated DeltaNet states,
+    each checked), or the probe's K/V and states imported into it (then read by the decode probes)."""
+    scratch, n = runner.graphs.inputs.scratch_table, len(probe.prompt)
+    quantized_kv = runner.runtime.kv_cache_dtype == "q8_0"
+    if kind == "kv_export":
+        blocks = runner.kv_graphs().kv_export(scratch, length)[:, :, :n]
+        if check and probe.kv is not None:
+            compare(check, dequantize_rows(blocks) if quantized_kv else blocks, probe.kv, held_to)
+        states = runner.kv_graphs().state_export(runner.graphs.inputs.num_slots)  # the scratch slot's
+        if check and probe.states:
+            for got, expected in zip(states, probe.states):
+                compare(f"{check} (Gated DeltaNet states)", got, expected, held_to)
+    else:
+        layers, heads = runner.spec.attention_layers, runner.graphs.inputs.kv_heads
+        blocks = np.zeros((2 * layers, heads, length, runner.cache_row_width()), runner.cache_dtype())
+        if probe.kv is not None:  # the decode graphs then read it: a wrong import fails their check
+            blocks[:, :, :n] = quantize_rows(probe.kv) if quantized_kv else probe.kv
+        runner.kv_graphs().kv_import(scratch, blocks)
+        if probe.states:  # the decode probes restore their slots' states from the scratch slot's
+            runner.kv_graphs().state_import(runner.graphs.inputs.num_slots, list(probe.states))
 
 
 def _run_decode_probe(

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from agent.contract.step import MAX_DRAFT_TOKENS
 from agent.contract.transport import ClientKeys
 from config.schema import ServingConfig
 from scheduler.agent_client import (
@@ -108,6 +109,7 @@ class GroupLinks:
                 tier_keys is not None and info.get("kv_tier_write_through") is True,
                 self._tier_capacity(info) if tier_keys is not None else None,
                 self._state_snapshots(info),
+                self._max_proposals(info),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentIncompatible(f"agent {client.address} reported an unusable KV cache: {exc}") from exc
@@ -156,6 +158,14 @@ class GroupLinks:
         if type(slots) is not int or not 0 <= slots < 2**31:
             raise ValueError(f"state_snapshots is {slots!r:.40}, not a number of slots")
         return slots
+
+    @staticmethod
+    def _max_proposals(info: dict) -> int:
+        """The most tokens proposed for one sequence the agent's steps verify (0: none)."""
+        most = info.get("max_proposals", 0)
+        if type(most) is not int or not 0 <= most <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"max_proposals is {most!r:.40}, not 0..{MAX_DRAFT_TOKENS} tokens")
+        return most
 
     @staticmethod
     def _tier_capacity(info: dict) -> int:

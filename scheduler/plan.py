@@ -43,6 +43,9 @@ class GroupCapacity:
     # Gated DeltaNet layers (Qwen3.5's): the snapshot slots of their states a prefix-cache hit needs
     # (scheduler/state_snapshots.py); 0: the model has none, or keeps no snapshots
     state_snapshots: int = 0
+    # the most tokens proposed for one sequence a step of the agent verifies (0: none; a hybrid
+    # model's states hold rows for as many as its runtime.speculation num_tokens)
+    max_proposals: int = 0
 
     def mixes(self, decodes: int, chunks: list[Chunk], proposed: int = 0) -> bool:
         """Whether a step of `decodes` decode rows (with `proposed` tokens proposed after them)

@@ -160,3 +160,10 @@ class KVTransferGraphs(ModelGraphs, Protocol):
     def kv_import(self, table: np.ndarray, blocks: np.ndarray) -> None:
         """K/V [2 * layers, KV heads, length, row width] written into positions 0..length-1 of the
         sequence with block `table`."""
+
+    def state_export(self, slot: int) -> list[np.ndarray]:
+        """A live slot's Gated DeltaNet states: conv inputs [layers, conv_state] and recurrent
+        matrices [layers, recurrent_state] (float32); [] for a model without such layers."""
+
+    def state_import(self, slot: int, states: list[np.ndarray]) -> None:
+        """state_export's arrays written into a live slot's states."""

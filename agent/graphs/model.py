@@ -75,6 +75,7 @@ class DecoderModel(nn.Cell):
             )
         )
         self.cache_layers = [layer for layer in self.layers if not layer.delta]  # the layers with a KV cache
+        self.state_layers = [layer for layer in self.layers if layer.delta]  # with a state per slot
         self.dtype, self.half = dtype, dtype != ms.float32
         self.paged = paged is not None  # caches [blocks, block_size, KV heads, head_dim]
         # Every layer fused: the whole stack is one op a step (FusedStack, which takes each layer's

@@ -129,8 +129,8 @@ def step_graph_ops(
         chunk = StepChunk(slot=1, tokens=[1, 1], table=table, start=0)
         calls["mixed"] = (graphs.mixed_graph, inputs.mixed(table[None], one, one, [chunk], rows, 1))
     if not inputs.ring:  # a disaggregated group's K/V transfers (none for sliding-window models)
-        moved, cache = inputs.kv_rows(table, 1), graphs.model.layers[0].k_cache
-        blocks = np.zeros((2 * len(graphs.model.layers), len(moved), *cache.shape[moved.ndim :]))
+        moved, cache = inputs.kv_rows(table, 1), graphs.model.cache_layers[0].k_cache
+        blocks = np.zeros((2 * len(graphs.model.cache_layers), len(moved), *cache.shape[moved.ndim :]))
         calls["kv_export"] = (graphs.kv_export_graph, (moved,))
         calls["kv_import"] = (graphs.kv_import_graph, (moved, blocks.astype(ms.dtype_to_nptype(cache.dtype))))
     found = {}

@@ -231,6 +231,35 @@ class KVImportGraph(nn.Cell):
         return rows
 
 
+class StateExportGraph(nn.Cell):
+    """PD disaggregation, sending side: a slot's Gated DeltaNet states -> its conv inputs [layers,
+    conv_state] and recurrent matrices [layers, recurrent_state] (each layer's row of the slot)."""
+
+    def __init__(self, model: DecoderModel):
+        super().__init__()
+        self.model = model
+
+    def construct(self, slot):
+        """slot: int32 [1]."""
+        conv = [ops.gather(layer.conv_state, slot, 0) for layer in self.model.state_layers]
+        recurrent = [ops.gather(layer.recurrent_state, slot, 0) for layer in self.model.state_layers]
+        return ops.concat(conv), ops.concat(recurrent)
+
+
+class StateImportGraph(nn.Cell):
+    """PD disaggregation, receiving side: StateExportGraph's arrays written into a slot's states."""
+
+    def __init__(self, model: DecoderModel):
+        super().__init__()
+        self.model = model
+
+    def construct(self, slot, conv, recurrent):
+        for i, layer in enumerate(self.model.state_layers):
+            ops.scatter_update(layer.conv_state, slot, conv[i : i + 1])
+            ops.scatter_update(layer.recurrent_state, slot, recurrent[i : i + 1])
+        return slot
+
+
 def topk_buckets(vocab: int) -> list[int]:
     """The k of each top-k graph: a request needing k candidates runs the smallest k' >= k."""
     return sorted({k for k in (8, 64, 512, 4096) if k < vocab} | {vocab})
@@ -302,6 +331,8 @@ class StepGraphs:
         self.argmax_graph = ArgmaxGraph()
         self.kv_export_graph = KVExportGraph(self.model)
         self.kv_import_graph = KVImportGraph(self.model)
+        self.state_export_graph = StateExportGraph(self.model)
+        self.state_import_graph = StateImportGraph(self.model)
         self.topk_buckets = topk_buckets(self.spec.vocab_size)
         self.topk_graphs = {k: TopKGraph(k) for k in self.topk_buckets}
         dynamic_rows = Tensor(
@@ -385,6 +416,17 @@ class StepGraphs:
         else:
             rows_of = blocks.reshape(len(blocks), -1, self.row_width)
         self.kv_import_graph(rows, Tensor(rows_of)).asnumpy()
+
+    def state_export(self, slot: int) -> list[np.ndarray]:
+        if not self.model.state_layers:
+            return []
+        conv, recurrent = self.state_export_graph(Tensor(np.array([slot], np.int32)))
+        return [conv.asnumpy(), recurrent.asnumpy()]
+
+    def state_import(self, slot: int, states: list[np.ndarray]) -> None:
+        if self.model.state_layers:
+            slots = Tensor(np.array([slot], np.int32))
+            self.state_import_graph(slots, *(Tensor(state) for state in states)).asnumpy()
 
     @property
     def row_width(self) -> int:

@@ -37,7 +37,7 @@ class Drafts:
         holds for one token: none; a thinking budget: those before it is spent), and one whose
         request opted out nothing."""
         speculator = self.speculator
-        if speculator is None or not speculator.enabled or not capacity.mixed_rows:
+        if speculator is None or not speculator.enabled or not capacity.max_proposals:
             return
         if len(decodes) > speculator.max_batch:
             return
@@ -51,6 +51,7 @@ class Drafts:
                 continue
             limit = min(
                 speculator.settings.num_tokens,
+                capacity.max_proposals,
                 room,
                 seq.max_new_tokens - len(seq.output) - 1,  # the step's last token is always its own
                 capacity.max_seq_len - 1 - seq.computed,

@@ -143,7 +143,7 @@ def test_pd_transfer_moves_the_q8_0_rows_and_the_receiver_decodes_alike(
     tokenizer = load_tokenizer(default_model_path)
     prompt = tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
     calls.prefill(q8_runner, 0, prompt, GREEDY)
-    blocks, state = export_kv(q8_runner, 0)
+    blocks, _, state = export_kv(q8_runner, 0)
     assert blocks.dtype == np.uint8 and blocks.shape[-1] == q8_runner.cache_row_width()
     at_home = [calls.decode(q8_runner, [0])[0] for _ in range(8)]
     q8_runner.release(0)

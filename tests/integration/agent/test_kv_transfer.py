@@ -48,7 +48,7 @@ def test_moved_slot_decodes_as_it_would_have_at_home(
     tok = load_tokenizer(tiny_llama_dir)
     prompt = tok.encode("The quick brown fox jumps over the lazy dog, twice")
     first = calls.prefill(tiny_llama_runner, 1, prompt, params)
-    blocks, state = export_kv(tiny_llama_runner, 1)
+    blocks, _, state = export_kv(tiny_llama_runner, 1)
     spec = tiny_llama_runner.spec
     assert blocks.shape == (2 * spec.num_layers, spec.num_kv_heads, len(prompt), spec.head_dim)
     assert state["next_token"] == first
@@ -79,7 +79,7 @@ def test_import_refuses_busy_slot_wrong_shape_and_bad_state(tiny_llama_runner, r
     release_all(tiny_llama_runner)
     release_all(receiver)
     calls.prefill(tiny_llama_runner, 0, [3, 4, 5, 6], SamplingParams())
-    blocks, state = export_kv(tiny_llama_runner, 0)
+    blocks, _, state = export_kv(tiny_llama_runner, 0)
     calls.prefill(receiver, 2, [1, 2], SamplingParams())
     with pytest.raises(RunnerError, match="slot 2 is in use"):
         import_kv(receiver, 2, blocks, state)
@@ -107,7 +107,7 @@ def test_service_refuses_a_cancelled_or_stale_transfer(tiny_llama_runner, receiv
     service = AgentService(receiver, model_name="tiny", rank=0, port=0, role="decode")
     service.handle(protocol.encode({"op": "reset", "id": 0, "session": 7}))
     calls.prefill(tiny_llama_runner, 0, [3, 4, 5, 6], SamplingParams())
-    blocks, state = export_kv(tiny_llama_runner, 0)
+    blocks, _, state = export_kv(tiny_llama_runner, 0)
 
     header, _ = protocol.decode(service.handle(receive_frames(6, 1, 100, blocks, state)))
     assert not header["ok"] and header["kind"] == "stale_session"

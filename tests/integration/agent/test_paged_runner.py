@@ -108,7 +108,7 @@ def test_kv_of_many_pieces_moves_to_other_blocks_and_decodes_the_same(runners, r
     ids = prompt(120, seed=4)
     home_table, moved_table = shuffled(2, seed=5)
     first = calls.prefill(sender, 0, ids, params, home_table)
-    blocks, state = export_kv(sender, 0)
+    blocks, _, state = export_kv(sender, 0)
     assert blocks.shape[2] == 120 and state["length"] == 120
     at_home = decode_n(sender, 0, home_table, 8)
     import_kv(receiver, 2, blocks, state, moved_table[:8])  # 8 blocks: the prompt and the next 7

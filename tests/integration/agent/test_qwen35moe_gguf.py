@@ -58,8 +58,8 @@ def test_experts_and_the_shared_expert_stay_in_their_formats(checkpoint):
     assert kept["layers.0.experts.3.w_gate"] == "Q4_K" and kept["layers.0.shared_expert.w_up"] == "Q4_K"
     assert kept["layers.3.shared_expert.w_down"] == "Q6_K"
     tokens = probe_tokens(spec.vocab_size, 12)
-    dequantized, _ = numpy_forward(checkpoint, tokens)
-    products, _ = numpy_forward(checkpoint, tokens, kernels=True)
+    dequantized, _, _ = numpy_forward(checkpoint, tokens)
+    products, _, _ = numpy_forward(checkpoint, tokens, kernels=True)
     np.testing.assert_allclose(products, dequantized, rtol=0, atol=2e-4 * np.abs(dequantized).max())
 
 

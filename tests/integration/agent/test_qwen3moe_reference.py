@@ -211,8 +211,8 @@ def test_make_gguf_writes_a_qwen3moe_the_graphs_run_as_its_dequantized_values(tm
     assert kept["layers.0.experts.3.w_down"] == "Q4_K" and kept["layers.1.experts.3.w_down"] == "Q6_K"
     assert kept["layers.1.experts.0.w_up"] == "Q4_K"
     tokens = probe_tokens(checkpoint.spec.vocab_size, 12)
-    dequantized, _ = numpy_forward(checkpoint, tokens)
-    products, _ = numpy_forward(checkpoint, tokens, kernels=True)
+    dequantized, _, _ = numpy_forward(checkpoint, tokens)
+    products, _, _ = numpy_forward(checkpoint, tokens, kernels=True)
     np.testing.assert_allclose(products, dequantized, rtol=0, atol=2e-4 * np.abs(dequantized).max())
     runner = ModelRunner.from_checkpoint(checkpoint, DEFAULT_RUNTIME)
     warm_up(runner, known=KnownAnswer.of_checkpoint(checkpoint, runner.runtime))

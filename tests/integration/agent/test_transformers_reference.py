@@ -4,22 +4,25 @@ family's real vocabulary (Llama 3's llama-bpe, Mistral's llama-spm, Qwen3's qwen
 SmolLM3's four layers, the last rotating nothing, on llama-bpe; Qwen3.5's three Gated DeltaNet
 layers and a gated attention layer on qwen35, more value heads than key heads, dense and with
 Qwen3.5-MoE's routed and shared experts in every layer), served from its Hugging Face
-directory and from the GGUF llama.cpp's converter would write: greedy answers equal transformers'
+directory, from the GGUF llama.cpp's converter would write, and (Qwen3.5's) as the language model of
+a multimodal checkpoint, as Qwen3.5 is published: greedy answers equal transformers'
 `generate` for every prompt, one past 128 tokens and others from the vocabulary's own test texts.
 The seed is fixed and its answers are no near-ties: transformers' best two logits differ by more
 than NEAR_TIE at every step, far above float32's differences between the two (1e-5)."""
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import DEFAULT_RUNTIME
 
 import hf_reference as hf
 import runner_calls as calls
 from agent.contract.sampling import SamplingParams
+from agent.kv_transfer import export_kv, import_kv, state_shapes
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
-from agent.runner import ModelRunner
+from agent.runner import ModelRunner, RunnerError
 
 NEW_TOKENS = 12
 NEAR_TIE = 1e-3
@@ -35,6 +38,8 @@ def family_files(request, tmp_path_factory) -> tuple[str, object, list[Path]]:
     paths = [directory]
     if hf.FAMILIES[family].gguf_arch:
         paths.append(hf.write_gguf(directory, directory / f"{family}.gguf", family))
+    if hf.FAMILIES[family].multimodal:
+        paths.append(hf.write_multimodal(directory, directory / "multimodal", family))
     return family, model, paths
 
 
@@ -103,3 +108,27 @@ def test_chunks_a_prefix_cache_hit_and_speculation_give_the_same_answer(family_f
         ]
         got += [calls.decode(runner, [1], [second])[0] for _ in range(NEW_TOKENS - 1)]
         assert got == want, (family, path.name)
+
+
+def test_a_hybrid_prompt_moved_to_another_runner_decodes_transformers_answer(family_files):
+    """PD disaggregation of a model with Gated DeltaNet layers: the prompt prefilled on one runner,
+    its K/V and its states moved to another runner's slot (as a decode agent receives them), which
+    then decodes transformers' answer; the same K/V with the states left out does not."""
+    family, model, paths = family_files
+    if hf.FAMILIES[family].config.get("layer_types") is None:
+        pytest.skip("a model without Gated DeltaNet layers moves K/V alone (test_kv_transfer.py)")
+    prompt = prompts(family)[1]
+    want, _ = hf.greedy(model, prompt, NEW_TOKENS)
+    sender = ModelRunner.from_checkpoint(load_checkpoint(paths[-1]), DEFAULT_RUNTIME)
+    receiver = ModelRunner.from_checkpoint(load_checkpoint(paths[-1]), DEFAULT_RUNTIME)
+    first = calls.prefill(sender, 0, prompt, SamplingParams())
+    blocks, states, state = export_kv(sender, 0)
+    assert [s.shape for s in states] == state_shapes(receiver) and all(np.abs(s).max() > 0 for s in states)
+    for slot, moved in ((2, states), (3, [np.zeros_like(s) for s in states])):
+        table = receiver.graphs.inputs.slot_table(slot)
+        import_kv(receiver, slot, blocks, state, table, moved)
+        got = [first] + [calls.decode(receiver, [slot], [table])[0] for _ in range(NEW_TOKENS - 1)]
+        receiver.release(slot)
+        assert (got == want) == (slot == 2), (family, got, want)
+    with pytest.raises(RunnerError, match="Gated DeltaNet states"):
+        import_kv(receiver, 1, blocks, state, receiver.graphs.inputs.slot_table(1), states[:1])

@@ -4,7 +4,9 @@ through the whole stack. A prompt asked again resumes from the state snapshot it
 (a prefix-cache hit the agent restores) and answers exactly as the cold run did; a conversation's
 next turn resumes from the first turn's snapshot; n-gram speculation verifies proposals on held
 states and every answer equals the same request's with speculation opted out; a small KV pool
-preempts, recomputing from snapshots, and loses nothing. /info and /metrics show the snapshots."""
+preempts, recomputing from snapshots, and loses nothing. /info and /metrics show the snapshots.
+Disaggregated (a prefill agent and a decode agent), each prompt's states go with its K/V and the
+answers are the mixed agent's."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +20,17 @@ from agent_harness import free_ports, serving_stack, write_config
 # repeats itself: what prompt lookup proposes from; 90+ tokens: several blocks of 16
 PROMPT = "one two three four five six seven eight nine ten, " * 9
 SPECULATION = {"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3, "adaptive": False}
+RUNTIME = {
+    "num_slots": 4,
+    "max_seq_len": 256,
+    "num_blocks": 28,  # one sequence of 256, and some: 4 long answers at once preempt
+    "block_size": 16,
+    "prefill_buckets": [16, 64],
+    "decode_batch_buckets": [1, 2, 4],
+    "attend_buckets": [64, 256],
+    "speculation": SPECULATION,
+    "state_snapshots": 4,
+}
 
 
 def echoing_model(directory):
@@ -37,24 +50,36 @@ def echoing_model(directory):
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen35")
-    gguf = echoing_model(directory)
+def model(tmp_path_factory):
+    return echoing_model(tmp_path_factory.mktemp("qwen35"))
+
+
+@pytest.fixture(scope="module")
+def base(model):
+    directory, gguf = model.parent, model
     agent_port, http_port = free_ports(2)
-    runtime = {
-        "num_slots": 4,
-        "max_seq_len": 256,
-        "num_blocks": 28,  # one sequence of 256, and some: 4 long answers at once preempt
-        "block_size": 16,
-        "prefill_buckets": [16, 64],
-        "decode_batch_buckets": [1, 2, 4],
-        "attend_buckets": [64, 256],
-        "speculation": SPECULATION,
-        "state_snapshots": 4,
-    }
-    path = write_config(directory, gguf, [agent_port], runtime=runtime, server={"port": http_port})
+    path = write_config(directory, gguf, [agent_port], runtime=RUNTIME, server={"port": http_port})
     with serving_stack(path):
         yield f"http://127.0.0.1:{http_port}"
+
+
+@pytest.fixture(scope="module")
+def disaggregated(model, tmp_path_factory):
+    """A prefill agent and a decode agent: each prompt's K/V and Gated DeltaNet states go from one
+    to the other."""
+    ports = free_ports(3)
+    groups = [{"role": "prefill", "ports": [ports[0]]}, {"role": "decode", "ports": [ports[1]]}]
+    runtime = {**RUNTIME, "num_blocks": 64}
+    path = write_config(
+        tmp_path_factory.mktemp("pd"),
+        model,
+        ports[:2],
+        runtime=runtime,
+        agents={"groups": groups},
+        server={"port": ports[2]},
+    )
+    with serving_stack(path):
+        yield f"http://127.0.0.1:{ports[2]}"
 
 
 def metric(base: str, name: str, **labels) -> float:
@@ -112,3 +137,17 @@ def test_preemption_on_a_small_pool_loses_nothing(base):
         together = list(pool.map(lambda p: complete(base, p, max_tokens=120, speculate=False), prompts))
     assert together == alone
     assert metric(base, "llm_serving_preemptions_total") > preempted
+
+
+def test_disaggregated_answers_equal_the_mixed_agents(base, disaggregated):
+    """Prompts prefilled on one agent and decoded on another (their states moved with their K/V)
+    answer as the mixed agent does, whether they ask for speculation or not (a decode agent runs
+    no mixed steps, so it verifies none), a prompt asked again too (the prefill agent computes a
+    whole prompt in one call: it saves no snapshot, so it finds no hit)."""
+    prompts = [PROMPT, "alpha beta gamma alpha beta gamma alpha beta", "zq8 #x! 4@m"]
+    sent = metric(disaggregated, "llm_serving_kv_transfer_bytes_total")
+    for prompt in prompts:
+        want = complete(base, prompt, speculate=False, max_tokens=30)
+        assert complete(disaggregated, prompt, speculate=False, max_tokens=30) == want
+        assert complete(disaggregated, prompt, max_tokens=30) == want
+    assert metric(disaggregated, "llm_serving_kv_transfer_bytes_total") > sent

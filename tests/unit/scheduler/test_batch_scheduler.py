@@ -1,6 +1,7 @@
 """BatchScheduler as pure logic, driven against fake agents (one per group) that enforce the runner's
 slot rules."""
 
+import dataclasses
 import itertools
 import random
 
@@ -9,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.contract.sampling import Sampled, SamplingParams
-from agent.contract.step import StepRequest
+from agent.contract.step import MAX_DRAFT_TOKENS, StepRequest
 from agent.contract.step_reply import StepReply
 from config.schema import SpeculationSection
 from scheduler.agent_client import AgentRequestError, AgentUnavailable
@@ -170,10 +171,19 @@ def capacity(
     num_slots=2, max_seq_len=64, num_blocks=None, block_size=4, max_chunk=32, role="mixed", mixed_rows=0
 ):
     """A group's capacity; with `mixed_rows`, steps that mix decodes with prompt chunks or
-    proposals, of at most 8 rows of logits."""
+    proposals (MAX_DRAFT_TOKENS a sequence), of at most 8 rows of logits."""
     blocks = num_blocks if num_blocks is not None else num_slots * max_seq_len // block_size
+    proposals = MAX_DRAFT_TOKENS if mixed_rows else 0
     return GroupCapacity(
-        num_slots, max_seq_len, blocks, block_size, max_chunk, role, mixed_rows=mixed_rows, max_batch=8
+        num_slots,
+        max_seq_len,
+        blocks,
+        block_size,
+        max_chunk,
+        role,
+        mixed_rows=mixed_rows,
+        max_batch=8,
+        max_proposals=proposals,
     )
 
 
@@ -845,6 +855,21 @@ def test_a_stop_among_the_kept_proposals_ends_the_answer_there():
     assert request.output == [3, 4, 5, 6] and request.finish_reason is FinishReason.STOP
     step(scheduler, agents)
     assert scheduler.blocks[0].num_used == 0 and scheduler.tokens_in_flight == 0
+
+
+@pytest.mark.parametrize("most", [0, 2])
+def test_proposals_stay_within_what_the_groups_agent_verifies(most):
+    """An agent that verifies at most `most` proposals a sequence (a hybrid model's held state rows;
+    0: none, its states hold no rows for them) gets no more, whatever the speculator's num_tokens."""
+    proposer = speculator()
+    group = dataclasses.replace(capacity(mixed_rows=32), max_proposals=most)
+    scheduler, agents = BatchScheduler([group], 8, speculator=proposer), [FakeAgent(2, 4, 7)]
+    request = Sequence("r", [1, 2, 3, 4, 5, 6, 0, 1, 2], SamplingParams(), 20, frozenset())
+    proposer.state(request).kept_weight = 50  # known to copy: all 4 would pay
+    scheduler.add(request)
+    step(scheduler, agents)  # the prompt: its first token 3
+    plan = step(scheduler, agents)
+    assert plan.drafts == ({"r": [4, 5]} if most else {})
 
 
 def test_rejected_proposals_give_back_their_blocks_and_failing_sequences_back_off():

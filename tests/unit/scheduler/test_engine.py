@@ -37,6 +37,7 @@ class FakeAgent:
             "max_chunk": 32,
             "chunked_prefill": True,
             "mixed_rows": 32,
+            "max_proposals": 16,
             "decode_batch_buckets": [slots],
         }
         self.last: dict[int, int] = {}  # slot -> its last token
