@@ -169,40 +169,17 @@ def test_a_shared_expert_adds_its_sigmoid_weighted_output(moe_ffn, routed, share
         assert np.abs(routed_only[:live] - expected[:live]).max() > 1e-2
 
 
-def test_a_shared_expert_of_another_size_is_refused(moe_ffn_native):
-    rng = np.random.default_rng(12)
-    x = rng.standard_normal((2, D)).astype(np.float32)
-    router = rng.standard_normal((E, D)).astype(np.float32)
-    extra = shared_expert(rng, F32, ffn=2 * FE)
-    status, _ = run(
-        moe_ffn_native,
-        x,
-        np.ones(2, np.int32),
-        np.ones(D, np.float32),
-        router,
-        experts(rng, F32),
-        2,
-        True,
-        extra,
-    )
-    assert status == 1
-
-
-@pytest.mark.parametrize("top_k", [0, E + 1])
-def test_a_top_k_outside_the_experts_is_refused(moe_ffn_native, top_k):
+@pytest.mark.parametrize(
+    "top_k, shared_ffn", [(0, None), (E + 1, None), (2, 2 * FE)], ids=["k=0", "k>E", "shared of another size"]
+)
+def test_what_does_not_fit_is_refused(moe_ffn_native, top_k, shared_ffn):
+    """A top k outside the experts, or a shared expert whose FFN is not the routed experts' size."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, D)).astype(np.float32)
     router = rng.standard_normal((E, D)).astype(np.float32)
-    status, _ = run(
-        moe_ffn_native,
-        x,
-        np.ones(2, np.int32),
-        np.ones(D, np.float32),
-        router,
-        experts(rng, F32),
-        top_k,
-        True,
-    )
+    extra = None if shared_ffn is None else shared_expert(rng, F32, ffn=shared_ffn)
+    lengths, norm = np.ones(2, np.int32), np.ones(D, np.float32)
+    status, _ = run(moe_ffn_native, x, lengths, norm, router, experts(rng, F32), top_k, True, extra)
     assert status == 1
 
 
