@@ -18,11 +18,13 @@ from conftest import DEFAULT_RUNTIME
 
 import hf_reference as hf
 import runner_calls as calls
+from agent.contract import protocol
 from agent.contract.sampling import SamplingParams
 from agent.kv_transfer import export_kv, import_kv, state_shapes
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
 from agent.runner import ModelRunner, RunnerError
+from agent.service import AgentService
 
 NEW_TOKENS = 12
 NEAR_TIE = 1e-3
@@ -132,3 +134,18 @@ def test_a_hybrid_prompt_moved_to_another_runner_decodes_transformers_answer(fam
         assert (got == want) == (slot == 2), (family, got, want)
     with pytest.raises(RunnerError, match="Gated DeltaNet states"):
         import_kv(receiver, 1, blocks, state, receiver.graphs.inputs.slot_table(1), states[:1])
+    # over a decode agent's port: the states after the table, each checked before the slot is taken
+    service = AgentService(receiver, model_name="tiny", rank=0, port=0, role="decode")
+    service.handle(protocol.encode({"op": "reset", "id": 0, "session": 7}))
+    table = receiver.graphs.inputs.slot_table(1)
+    fields = {"op": "kv_receive", "id": 1, "session": 7, "slot": 1, "state": state}
+    wrong = [states[0], states[1][:, :-1]]
+    for ticket, arrays, error in ((1, [], "2 Gated DeltaNet state arrays"), (2, wrong, "do not fit")):
+        header, _ = protocol.decode(
+            service.handle(protocol.encode({**fields, "ticket": ticket}, [blocks, table, *arrays]))
+        )
+        assert not header["ok"] and error in header["error"] and 1 not in receiver.slots
+    header, _ = protocol.decode(
+        service.handle(protocol.encode({**fields, "ticket": 3}, [blocks, table, *states]))
+    )
+    assert header["ok"] and receiver.slot_table.slot_length(1) == len(prompt)
