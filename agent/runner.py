@@ -41,7 +41,14 @@ from agent.contract.prompt_logprobs import PromptLogprob, score_rows
 from agent.contract.step import BlockTable, StepChunk, StepLimits, StepRequest
 from agent.contract.step_reply import StepReply
 from agent.graphs.cache_format import CacheFormat
-from agent.graphs.interface import KVTransferGraphs, MixedStepGraphs, ModelGraphs, StateMove, bucket
+from agent.graphs.interface import (
+    KVTransferGraphs,
+    MixedStepGraphs,
+    ModelGraphs,
+    PoolingGraphs,
+    StateMove,
+    bucket,
+)
 from agent.graphs.layers import WHOLE_MODEL, TensorSplit
 from agent.graphs.mindir import MindIRGraphs
 from agent.graphs.step_graphs import StepGraphs
@@ -92,6 +99,10 @@ class ModelRunner:
         self.slot_table = SlotTable(runtime.planned_num_slots)
         self.chooser = TokenChooser(graphs)  # the host side of each call's token choice
         self.checks = StepChecks(graphs, runtime, self.slot_table, self.chooser)
+        # the step's pooled vectors by chunk (SamplingParams.pool), and the row of a lone chunk's
+        # hidden state in its last prefill call
+        self.pooled: list[np.ndarray | None] = []
+        self.last_row = 0
 
     @classmethod
     def from_checkpoint(
@@ -185,12 +196,19 @@ class ModelRunner:
             drafts[slot] = proposal
         slots, chunks = list(request.slots), list(request.chunks)
         tables = list(request.tables) if request.tables or not slots else None
+        if any(_pool(c) == "hidden" for c in chunks) and not isinstance(self.graphs, PoolingGraphs):
+            raise RunnerError(
+                "these graphs keep no hidden states (MindIR exports compute logits only): serve "
+                "embeddings from the model's weights (model.path)"
+            )
+        self.pooled = [None] * len(chunks)
         decoded, firsts, scores = self._run(slots, tables, chunks, request.masks, drafts)
         sampled = self.slot_table.sampled
         return StepReply(
             [sampled(slot, tokens) for slot, tokens in zip(slots, decoded)],
             [None if t is None else sampled(c.slot, [t])[0] for c, t in zip(chunks, firsts)],
             prompts=[None if c.prompt_logprobs is None else scores for c in chunks],
+            pooled=self.pooled if any(p is not None for p in self.pooled) else (),
         )
 
     def _run(
@@ -230,6 +248,7 @@ class ModelRunner:
         state, logits, scores = self._compute(chunk)
         if sampler is None:
             return None, scores
+        self.pooled[0] = self._pooled(chunk, logits, 0, self.last_row)
         state.sampler = sampler
         state.next_token = self.chooser.sample(logits, [sampler])[0]
         return state.next_token, scores
@@ -245,6 +264,7 @@ class ModelRunner:
             self.checks.tokens([chunk.lookahead])
         after = np.append(ids[1:], -1 if k is None or chunk.lookahead is None else chunk.lookahead)
         scores: list[PromptLogprob] = []
+        self.last_row = 0  # the last piece's last real row in the graphs' hidden states
         for piece_start in range(start, len(ids), self.max_chunk):
             piece = ids[piece_start : piece_start + self.max_chunk]
             length = bucket(self.runtime.prefill_buckets, len(piece))
@@ -265,6 +285,7 @@ class ModelRunner:
                 scored = int(np.count_nonzero(targets >= 0))  # only the last row may have none
                 scores += score_rows(rows[:scored], targets[:scored], k)
                 logits = Tensor(rows[-1:])
+                self.last_row = len(piece) - 1
         return self.slot_table.computed(slot, ids, padded), logits, None if k is None else scores
 
     def _decode(
@@ -370,8 +391,11 @@ class ModelRunner:
         for slot, state, kept in zip(slots, states, decoded):
             state.replay = len(kept) if slot in drafts else 0  # its pending token and the proposals kept
         firsts: list[int | None] = [None] * len(chunks)
-        for i, token in zip(sampling, tokens[len(plain) :]):
+        proposed = sum(len(c.tokens) for c in scored)
+        for at, (i, token) in enumerate(zip(sampling, tokens[len(plain) :])):
             firsts[i] = token
+            row = len(plain) + proposed + at
+            self.pooled[i] = self._pooled(chunks[i], logits, row, row)
         for i, (chunk, (ids, table)) in enumerate(zip(chunks, checked)):
             state = self.slot_table.computed(chunk.slot, ids, table)
             if chunk.sample:
@@ -379,6 +403,19 @@ class ModelRunner:
         return decoded, firsts
 
     # -------------------------------------------------------------------------------- internals
+
+    def _pooled(self, chunk: StepChunk, logits: Tensor, row: int, hidden_row: int) -> np.ndarray | None:
+        """A pooling chunk's vector (SamplingParams.pool), float32: its last row's final hidden state
+        (row `hidden_row` of the graphs' last call), or its logits (row `row`) of the pool's token
+        ids. None where the chunk asked none."""
+        pool = _pool(chunk)
+        if pool is None:
+            return None
+        if pool == "hidden":
+            hidden = cast(PoolingGraphs, self.graphs).hidden  # execute checked the graphs keep them
+            assert hidden is not None
+            return np.ascontiguousarray(hidden.asnumpy()[hidden_row], np.float32)
+        return np.ascontiguousarray(logits.asnumpy()[row, list(pool)], np.float32)
 
     def _state_move(self, chunk: StepChunk, first: bool, last: bool) -> StateMove | None:
         """A chunk's snapshot restore (before its first piece) and save (after its last), as state
@@ -409,3 +446,7 @@ class ModelRunner:
         """The last dimension of the K/V that PD transfer and the tiers move: the head dim, or a q8_0
         row's bytes."""
         return CacheFormat.of(self.runtime).row_width(self.spec.head_dim)
+
+
+def _pool(chunk: StepChunk):
+    return None if chunk.sampling is None else chunk.sampling.pool

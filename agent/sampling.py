@@ -64,7 +64,7 @@ class SlotSampler:
     ):
         if params.largest_token_id() >= vocab_size:
             raise ValueError(
-                f"token id {params.largest_token_id()} (logit_bias or stop_token_ids) is outside the "
+                f"token id {params.largest_token_id()} (logit_bias, stop_token_ids or pool) is outside the "
                 f"vocabulary 0..{vocab_size - 1}"
             )
         self.params = params

@@ -33,6 +33,20 @@ class ModelSection(Section):
         "or `[THINK]...[/THINK]` (mistral: Magistral)",
     )
 
+    # Pooling (server/pooling.py): what /v1/embeddings, /score and /rerank return for this model.
+    pooling: Literal["auto", "none", "last", "rank"] = Field(
+        "auto",
+        description="embeddings from the last token's final hidden state (last: Qwen3-Embedding), "
+        "relevance from the last token's label logits (rank: Qwen3-Reranker), or none; auto: the "
+        "file's (a GGUF's pooling_type, sentence-transformers' modules.json), else none",
+    )
+    pooling_normalize: bool = Field(True, description="embeddings scaled to length 1")
+    matryoshka_dimensions: list[int] | None = Field(
+        None,
+        description="the `dimensions` an embedding may be truncated to (Matryoshka); None: the "
+        "file's (Hugging Face config matryoshka_dimensions), else none",
+    )
+
     @field_validator("path", "argmax_model")
     @classmethod
     def _absolute(cls, path: Path | None) -> Path | None:

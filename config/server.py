@@ -52,6 +52,17 @@ class ServerSection(Section):
         "streamed or not, + for a non-streamed reply answer tokens (max_tokens, else the context) "
         "x (1 + top_logprobs)); beyond it: 400 (stream it, or ask for fewer)",
     )
+    max_pooling_inputs: int = Field(
+        2048,
+        ge=1,
+        description="inputs of one embeddings, rerank or score request (OpenAI's bound); more: 400",
+    )
+    max_pooling_tokens: int = Field(
+        300_000,
+        ge=1,
+        description="tokens of one embeddings, rerank or score request, all inputs together (OpenAI's "
+        "bound); more: 400",
+    )
     max_grammar_bytes: int = Field(
         32768,
         ge=64,

@@ -620,7 +620,8 @@ class BatchScheduler:
         prompt scores are kept; a prompt's last chunk brings its first token."""
         touched = []
         scored = reply.prompts or [None] * len(step.chunks)
-        for chunk, token, prompt_scores in zip(step.chunks, reply.firsts, scored):
+        pooled = reply.pooled or [None] * len(step.chunks)
+        for chunk, token, prompt_scores, vector in zip(step.chunks, reply.firsts, scored, pooled):
             seq = chunk.seq
             # aborted while its prefill was in flight; preempted by a failed tier restore (this
             # chunk read blocks never written)
@@ -634,6 +635,7 @@ class BatchScheduler:
             self._states_moved(chunk, blocks)
             if chunk.sample:
                 assert token is not None, "a prompt's last chunk samples a token"
+                seq.pooled = vector
                 self._append(seq, token)
                 touched.append(seq)
         return touched
@@ -664,6 +666,8 @@ class BatchScheduler:
             return []
         if reply.prompts and reply.prompts[0] is not None:
             seq.prompt_logprobs[chunk.start :] = reply.prompts[0]
+        if reply.pooled:
+            seq.pooled = reply.pooled[0]
         seq.computed = len(seq.prompt)
         self._append(seq, token)
         return [seq]

@@ -139,6 +139,7 @@ class EngineOutput:
     fault: FaultKind | None = None
     timeline: Timeline | None = None
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    pooled: np.ndarray | None = None  # a pooling request's vector (its sampling's pool), when finished
 
     @property
     def finished(self) -> bool:

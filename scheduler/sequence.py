@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from agent.contract.prompt_logprobs import PromptLogprob
 from agent.contract.sampling import SamplingParams, TokenLogprob
 from scheduler.engine_io import EngineOutput, EngineRequest, FaultKind, FinishReason, TokenConstraint
@@ -56,6 +58,7 @@ class Sequence:
     state_restore: int | None = None
     state_saves: list[int] = field(default_factory=list)
     constraint: TokenConstraint | None = None  # structured output: the grammar it follows
+    pooled: np.ndarray | None = None  # a pooling request's vector (its sampling's pool), once computed
     cache_salt: str | None = None  # its prefix-cache blocks are shared only with this salt's
     client: str = ""  # who asked (an API key's digest, or an address): fairness between clients
     priority: int = 0  # lower first, with scheduling_policy priority (vLLM's)
@@ -149,4 +152,5 @@ class Sequence:
             self.fault if self.error is not None else None,
             self.timeline if self.finished else None,
             tuple(self.prompt_logprobs) if asked else None,
+            self.pooled if self.finished else None,
         )

@@ -275,6 +275,14 @@ async def prompt_tokens(encoder: PromptEncoder, prompt: Prompt) -> list[int]:
 async def admit_answers(model: LoadedModel, style: ApiStyle, admission: Admission) -> Admitted:
     """The request's answers admitted on the model, all or none (ApiError in `style` otherwise)."""
     a = admission
+    if not model.pooling.generates and a.sampling_fields.get("pool") is None:
+        raise ApiError(
+            400,
+            f"model {model.name!r} is a pooling model (its file declares {model.pooling.kind} pooling): it "
+            f"serves {', '.join(model.pooling.tasks)} (/v1/embeddings, /score, /rerank), not text",
+            param="model",
+            code="model_not_supported",
+        )
     prompt = await prompt_tokens(model.encoder, a.prompt)
     if a.prompt.ids is not None:
         check_vocabulary(prompt, model.tokenizer.vocab_size, a.prompt.param or "prompt")

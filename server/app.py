@@ -23,6 +23,7 @@ from server.model_repository import ModelRepository
 from server.native_api import native_router
 from server.openai_api import openai_router
 from server.ops_api import ops_router
+from server.pooling_api import pooling_router
 from server.repository_api import repository_router
 from server.responses_api import responses_router
 from server.responses_store import ResponseStore, StoreBounds
@@ -68,6 +69,7 @@ def create_app(config: ServingConfig, repository: ModelRepository) -> FastAPI:
     app.include_router(ops_router(config, repository))
     app.include_router(native_router(repository))
     app.include_router(tokenize_router(repository))
+    app.include_router(pooling_router(repository))
     app.include_router(triton_router(repository))
     app.include_router(repository_router(repository))
     app.add_middleware(StalledClientMiddleware, timeout_s=config.server.stream_write_timeout_s)

@@ -36,6 +36,7 @@ from server.launcher_client import LauncherClient, LauncherError
 from server.logprob_format import LogprobFormatter
 from server.metrics import MetricsByModel, ModelMetrics
 from server.output import OutputProcessor
+from server.pooling import Pooling, PoolingError, model_pooling
 from server.prompt_encoder import PromptEncoder
 from server.structured_output import Grammars
 from server.tracing import Tracing
@@ -62,6 +63,7 @@ class LoadedModel:
     encoder: PromptEncoder
     grammars: Grammars
     formatter: LogprobFormatter
+    pooling: Pooling  # what its embeddings and scores are (server/pooling.py)
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -225,6 +227,7 @@ class ModelRepository:
                 model.config.server.grammar_compile_timeout_s,
             ),
             LogprobFormatter(tokenizer),
+            model_pooling(model.config.model, tokenizer),
         )
         self.metrics.models[model.name] = metrics
 
@@ -259,7 +262,7 @@ class ModelRepository:
             log.info("loading model %s", model.name)
             try:
                 await self._load(model, launcher)
-            except (LoadFailed, LauncherError, TokenizerError, AgentError) as exc:
+            except (LoadFailed, LauncherError, TokenizerError, AgentError, PoolingError) as exc:
                 model.state, model.reason = UNAVAILABLE, str(exc)
                 log.error("model %s failed to load: %s", model.name, exc)
                 raise ApiError(400, f"failed to load model {model.name!r}: {exc}", param="model") from exc

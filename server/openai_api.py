@@ -272,6 +272,7 @@ def model_list(repository: ModelRepository) -> dict:
                 "owned_by": "ms-llm-serving",
                 "root": model.name,
                 "state": model.state,
+                **({"tasks": model.loaded.pooling.tasks} if model.loaded else {}),
                 **({"reason": model.reason} if model.reason else {}),
             }
             for model in repository.models.values()

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from agent.contract.prompt_logprobs import PromptLogprob
 from agent.contract.sampling import TokenLogprob
 from agent.model.detokenizer import IncrementalDetokenizer
@@ -51,6 +53,7 @@ class GenerationOutput:
     stop_sequence: str | None = None  # which one (Anthropic's `stop_sequence`)
     # prompt positions 1.. scored (sampling's prompt_logprobs), on the output of its first token
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    pooled: np.ndarray | None = None  # a pooling request's vector (its sampling's pool), on its last output
 
 
 @dataclass
@@ -216,6 +219,7 @@ class OutputProcessor:
                 stop_string=stream.stop_string,
                 stop_sequence=stream.matched,
                 prompt_logprobs=output.prompt_logprobs,
+                pooled=output.pooled,
             )
         )
 

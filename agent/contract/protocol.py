@@ -22,7 +22,9 @@ Requests (op: fields -> reply fields):
               table int32]   (agent/contract/step.py StepRequest)
               -> arrays [decode tokens int32], counts [tokens per decode slot], chunk_tokens
               [token or null per chunk], [logprobs, errors: an entry or null per decode token],
-              [chunk_logprobs, chunk_errors: per chunk]   (agent/contract/step_reply.py StepReply)
+              [chunk_logprobs, chunk_errors: per chunk], [chunk_pooled: per chunk whether its
+              pooled vector (sampling's pool) follows, float32 arrays after the tokens]
+              (agent/contract/step_reply.py StepReply)
               One agent step: a decode of the slots (each slot's pending token written, its next
               one sampled), prompt chunks (positions start..end-1 computed into the table's blocks;
               0..start-1 are there already: an earlier chunk, a prefix-cache hit; sample: the

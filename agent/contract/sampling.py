@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Collection, Mapping
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -41,6 +41,16 @@ MAX_CACHE_SALT_CHARS = 256
 # always text that hashes as UTF-8 (scheduler/block_manager.py).
 CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 MAX_PRIORITY = 2**31 - 1  # a request's priority (lower first) lies within +-this
+# A pooling request's logits (a reranker's label tokens, SamplingParams.pool): a few, as each is
+# a float on the wire per request
+MAX_POOLED_LOGITS = 16
+# What a prompt's last row gives back beside its token (SamplingParams.pool): "hidden", its final
+# hidden state (after the final norm: an embedding), or the logits of these token ids (a reranker's
+# labels)
+Pool = (
+    Literal["hidden"]
+    | Annotated[tuple[Annotated[int, Field(ge=0)], ...], Field(min_length=1, max_length=MAX_POOLED_LOGITS)]
+)
 
 
 def check_stop_strings(stop: list[str]) -> list[str]:
@@ -185,6 +195,9 @@ class SamplingParams(BaseModel):
     logit_bias: LogitBias = ()  # (id, bias)
     min_tokens: int = Field(0, ge=0)  # the stop ids below and EOS cannot be sampled before
     stop_token_ids: StopTokenIds = ()  # end it, like EOS
+    # A pooling request (embeddings, scores): what its prompt's last row returns (Pool); None for
+    # generation
+    pool: Pool | None = None
 
     @property
     def greedy(self) -> bool:
@@ -192,7 +205,8 @@ class SamplingParams(BaseModel):
 
     def largest_token_id(self) -> int:
         """The largest token id the parameters name (-1 if none): the caller checks its vocabulary."""
-        return max([t for t, _ in self.logit_bias] + list(self.stop_token_ids), default=-1)
+        pooled = list(self.pool) if isinstance(self.pool, tuple) else []
+        return max([t for t, _ in self.logit_bias] + list(self.stop_token_ids) + pooled, default=-1)
 
 
 class TokenLogprob(NamedTuple):

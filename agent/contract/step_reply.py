@@ -5,7 +5,9 @@ On the wire (protocol.py `step`): one int32 array of the decode slots' tokens, s
 `chunk_tokens` (each chunk's first token, null unless it samples), and where any entry is not null
 `logprobs` and `errors` (one per decode token), `chunk_logprobs` and `chunk_errors` (one per chunk);
 a step that sent its KV adds kv_bytes and transfer_ms; where a chunk scores its prompt positions,
-`chunk_prompt_logprobs` holds per chunk its entries (StepChunk.scores of them) or null;
+`chunk_prompt_logprobs` holds per chunk its entries (StepChunk.scores of them) or null; where a
+pooling chunk (its sampling's `pool`) returns its vector, `chunk_pooled` says per chunk whether one
+follows the tokens array as an array of its own (float32);
 `restore_failed` lists the digests of the request's `restore` that the tier no longer had (their
 blocks hold no valid KV: the scheduler recomputes from there); a step that moved tier blocks adds
 `tier` (TierReport: what the agent's store counted since its last report, its bytes, the restore time,
@@ -34,6 +36,7 @@ _LARGEST_COUNT = 1 << 48
 # for its next report
 MAX_REPORTED_EVICTIONS = 1 << 12
 _LONGEST_KEY = 128
+MAX_HIDDEN_SIZE = 1 << 16  # a pooled hidden state's elements, at most
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,8 @@ class StepReply:
     prompts: Sequence[Sequence[PromptLogprob] | None] = ()
     restore_failed: Sequence[str] = ()
     tier: TierReport | None = None  # a step that spilled or restored tier blocks
+    # each chunk's pooled vector (its sampling's pool), None where it asked none; empty: none did
+    pooled: Sequence[np.ndarray | None] = ()
 
     def to_wire(self) -> tuple[dict[str, Any], list[np.ndarray]]:
         tokens = [s for slot in self.decoded for s in slot]
@@ -118,7 +123,10 @@ class StepReply:
             fields["restore_failed"] = list(self.restore_failed)
         if self.tier is not None:
             fields["tier"] = self.tier.to_wire()
-        return fields, [np.asarray([s.token for s in tokens], np.int32)]
+        if self.pooled:
+            fields["chunk_pooled"] = [p is not None for p in self.pooled]
+        vectors = [np.asarray(p, np.float32) for p in self.pooled if p is not None]
+        return fields, [np.asarray([s.token for s in tokens], np.int32), *vectors]
 
     @classmethod
     def from_wire(
@@ -132,7 +140,7 @@ class StepReply:
         """The reply to `request`. ValueError where it does not fit the request (the agent does not
         follow the protocol); a bad value for one token (not a token id of the vocabulary, a logprob
         that is not one) is that sequence's fault instead: it ends, the others go on."""
-        if len(arrays) != 1 or arrays[0].ndim != 1:
+        if not arrays or arrays[0].ndim != 1:
             raise ValueError("step reply without its tokens array")
         tokens = arrays[0].tolist()
         counts, firsts = header.get("counts"), header.get("chunk_tokens")
@@ -171,13 +179,56 @@ class StepReply:
             raise ValueError("step reply's restore_failed names digests its request did not restore")
         failed = tuple(failed)
         tier = None if header.get("tier") is None else TierReport.from_wire(header["tier"])
+        pooled = _pooled(header.get("chunk_pooled"), arrays[1:], request, chunk_firsts)
         sent = request.transfer is not None and chunk_firsts[0] is not None and chunk_firsts[0].fault is None
         if not sent:
-            return cls(decoded, chunk_firsts, prompts=prompts, restore_failed=failed, tier=tier)
+            return cls(
+                decoded, chunk_firsts, prompts=prompts, restore_failed=failed, tier=tier, pooled=pooled
+            )
         kv_bytes, transfer_ms = header.get("kv_bytes"), header.get("transfer_ms")
         if type(kv_bytes) is not int or not isinstance(transfer_ms, (int, float)):
             raise ValueError("step reply without the size and time of its KV transfer")
-        return cls(decoded, chunk_firsts, kv_bytes, float(transfer_ms), prompts, failed, tier)
+        return cls(decoded, chunk_firsts, kv_bytes, float(transfer_ms), prompts, failed, tier, pooled)
+
+
+def _pooled(
+    flags: Any, vectors: list[np.ndarray], request: StepRequest, firsts: Sequence[Sampled | None]
+) -> Sequence[np.ndarray | None]:
+    """Each chunk's pooled vector: one where it asked (its sampling's pool) and sampled, finite
+    float32 of the pool's size (a hidden state: at most MAX_HIDDEN_SIZE); ValueError where the reply
+    does not fit the request."""
+    pools = [None if c.sampling is None else c.sampling.pool for c in request.chunks]
+    if flags is None:
+        if vectors or any(p is not None and s is not None and s.fault is None for p, s in zip(pools, firsts)):
+            raise ValueError("step reply without the pooled vectors its chunks asked for")
+        return ()
+    if (
+        not isinstance(flags, list)
+        or len(flags) != len(request.chunks)
+        or sum(f is True for f in flags) != len(vectors)
+    ):
+        raise ValueError("step reply's chunk_pooled do not fit its chunks and arrays")
+    out: list[np.ndarray | None] = []
+    given = iter(vectors)
+    for pool, flag, first in zip(pools, flags, firsts):
+        if flag is not True:
+            if pool is not None and first is not None and first.fault is None:
+                raise ValueError("step reply without a pooling chunk's vector")
+            out.append(None)
+            continue
+        vector = next(given)
+        size = len(pool) if isinstance(pool, tuple) else None
+        if (
+            pool is None
+            or vector.dtype != np.float32
+            or vector.ndim != 1
+            or not 1 <= len(vector) <= MAX_HIDDEN_SIZE
+            or (size is not None and len(vector) != size)
+            or not np.isfinite(vector).all()
+        ):
+            raise ValueError("step reply's pooled vector is not the float32 vector its chunk asked for")
+        out.append(vector)
+    return out
 
 
 def _prompt_logprobs(

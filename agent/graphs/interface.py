@@ -69,6 +69,7 @@ __all__ = [  # the shapes and inputs, importable from here as before the split
     "KVTransferGraphs",
     "MixedStepGraphs",
     "ModelGraphs",
+    "PoolingGraphs",
     "bucket",
     "decode_attends",
     "local_ring_blocks",
@@ -146,6 +147,14 @@ class MixedStepGraphs(ModelGraphs, Protocol):
     ) -> tuple[Tensor, Tensor]:
         """GraphInputs.mixed's step -> logits [logit_rows, V] (each decode row's, then the last row's
         of each chunk that samples, then padding) and their argmax [logit_rows]."""
+
+
+@runtime_checkable
+class PoolingGraphs(ModelGraphs, Protocol):
+    """Graphs that also keep their rows' final hidden states (after the final norm, float32): what a
+    pooling request's prompt returns (an embedding); MindIR exports compute logits only."""
+
+    hidden: Tensor | None  # [rows, hidden] of the last prefill or mixed call: the rows of its logits
 
 
 @runtime_checkable

@@ -214,14 +214,19 @@ class DecoderModel(nn.Cell):
 
     def logits(self, x):
         """Float32 logits whatever the model's dtype: the post-process graphs and the host expect them."""
+        return self.head(x)[0]
+
+    def head(self, x):
+        """The rows' float32 logits and their final hidden states (after the final norm, float32:
+        what a pooling request's prompt returns, SamplingParams.pool)."""
         x = rms_norm(x, self.final_norm, self.eps, self.dtype, self.half, self.kernel_norm, self.eps_tensor)
         if self.half:
-            return ops.cast(self.matmul_t(x, self.lm_head), ms.float32)
+            return ops.cast(self.matmul_t(x, self.lm_head), ms.float32), ops.cast(x, ms.float32)
         if not self.kept:
-            return self.matmul_t(x, self.lm_head)
+            return self.matmul_t(x, self.lm_head), x
         logits = self.kernel_matmul_format(x, self.lm_head, self.lm_head_format)
         vocab = self.spec.vocab_size
-        return logits if vocab % MATMUL_TILE == 0 else logits[:, :vocab]
+        return (logits if vocab % MATMUL_TILE == 0 else logits[:, :vocab]), x
 
     def cache_bytes(self) -> int:
         rows = sum(layer.k_cache.size // layer.k_cache.shape[-1] for layer in self.cache_layers)

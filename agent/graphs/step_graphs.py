@@ -80,7 +80,7 @@ class TopGraph(nn.Cell):
 
 class PrefillGraph(TopGraph):
     """One prompt (or chunk) padded to a bucket -> its K/V written through its block table, the last
-    real token's logits."""
+    real token's logits and final hidden state (DecoderModel.head)."""
 
     def __init__(self, model: DecoderModel):
         super().__init__()
@@ -95,21 +95,24 @@ class PrefillGraph(TopGraph):
             states = self.model.state_moves(extra)
             for layer in self.layers:
                 x = layer(x, cos, sin, self.model.rot, write_idx, mask, tables, row_table, states)
-        return self.model.logits(ops.gather(x, last_index, 0))
+        return self.model.head(ops.gather(x, last_index, 0))
 
 
 class MixedStepGraph(TopGraph):
     """Decode rows and prompt chunks in one prefill graph call -> the logit rows' logits and argmax
-    (as decode's: the argmax graph, its shape dynamic, cost ~1.6 ms a step at 16 rows)."""
+    (as decode's: the argmax graph, its shape dynamic, cost ~1.6 ms a step at 16 rows), and their
+    final hidden states."""
 
     def __init__(self, prefill: PrefillGraph):
         super().__init__()
         self.prefill = prefill
 
     def construct(self, tokens, positions, write_idx, lengths, logit_rows, tables, row_table, *extra):
-        return logits_and_argmax(
-            self.prefill(tokens, positions, write_idx, lengths, logit_rows, tables, row_table, *extra)
+        logits, hidden = self.prefill(
+            tokens, positions, write_idx, lengths, logit_rows, tables, row_table, *extra
         )
+        logits, greedy = logits_and_argmax(logits)
+        return logits, greedy, hidden
 
 
 def logits_and_argmax(logits):
@@ -142,8 +145,9 @@ class PagedStepGraph(TopGraph):
     K/V written, the logits of `logit_rows` and their argmax. Its inputs carry the names the Ascend
     kernels read them by (batch_valid_length, q_seq_lens), and it runs in MindSpore's predict phase:
     `prefill` (prompt: every sequence from position 0, FlashAttentionScore) or `increment` (decode
-    rows, chunks, mixed steps: PagedAttention). A predict-phase cell keeps one compiled graph per
-    phase and runs it for any call, so its inputs are dynamic (set_inputs), as vllm-mindspore's."""
+    rows, chunks, mixed steps: PagedAttention); it also returns those rows' final hidden states. A
+    predict-phase cell keeps one compiled graph per phase and runs it for any call, so its inputs
+    are dynamic (set_inputs), as vllm-mindspore's."""
 
     def __init__(self, model: DecoderModel, prompt: bool):
         super().__init__()
@@ -173,7 +177,9 @@ class PagedStepGraph(TopGraph):
         paging = (slot_mapping, batch_valid_length, q_seq_lens, block_tables, attn_mask)
         for layer in self.model.layers:
             x = layer.paged(x, cos, sin, self.model.rot, paging, layer.k_cache, layer.v_cache, self.prompt)
-        return logits_and_argmax(self.model.logits(ops.gather(x, logit_rows, 0)))
+        logits, hidden = self.model.head(ops.gather(x, logit_rows, 0))
+        logits, greedy = logits_and_argmax(logits)
+        return logits, greedy, hidden
 
 
 class ArgmaxGraph(nn.Cell):
@@ -334,6 +340,8 @@ class StepGraphs:
         self.state_export_graph = StateExportGraph(self.model)
         self.state_import_graph = StateImportGraph(self.model)
         self.topk_buckets = topk_buckets(self.spec.vocab_size)
+        # the final hidden states of the last prefill or mixed call's rows of logits (PoolingGraphs)
+        self.hidden: Tensor | None = None
         self.topk_graphs = {k: TopKGraph(k) for k in self.topk_buckets}
         dynamic_rows = Tensor(
             shape=[None, self.spec.vocab_size], dtype=ms.float32
@@ -356,8 +364,10 @@ class StepGraphs:
         inputs = self.inputs.prefill(table, tokens, length, start, slot, every_row, moves)
         if self.model.paged:
             graph = self.prefill_graph if start == 0 else self.decode_graph
-            return graph(*self.paged_tensors(inputs))[0]
-        return self.prefill_graph(*as_tensors(inputs))
+            logits, _, self.hidden = graph(*self.paged_tensors(inputs))
+        else:
+            logits, self.hidden = self.prefill_graph(*as_tensors(inputs))
+        return logits
 
     def decode(
         self,
@@ -370,7 +380,10 @@ class StepGraphs:
         moves: StateMoves | None = None,
     ) -> tuple[Tensor, Tensor]:
         inputs = self.inputs.decode(tables, tokens, positions, rows, attend, slots, moves)
-        return self.decode_graph(*(self.paged_tensors(inputs) if self.model.paged else as_tensors(inputs)))
+        if self.model.paged:
+            logits, greedy, _ = self.decode_graph(*self.paged_tensors(inputs))
+            return logits, greedy
+        return self.decode_graph(*as_tensors(inputs))
 
     def mixed(
         self,
@@ -387,7 +400,9 @@ class StepGraphs:
         inputs = self.inputs.mixed(
             decode_tables, decode_tokens, decode_positions, chunks, rows, logit_rows, decode_slots, moves
         )
-        return self.mixed_graph(*(self.paged_tensors(inputs) if self.model.paged else as_tensors(inputs)))
+        tensors = self.paged_tensors(inputs) if self.model.paged else as_tensors(inputs)
+        logits, greedy, self.hidden = self.mixed_graph(*tensors)
+        return logits, greedy
 
     def paged_tensors(self, inputs: tuple[np.ndarray, ...]) -> tuple[Tensor, ...]:
         """GraphInputs.paged_step's arrays as PagedStepGraph's inputs: the mask in the model's dtype."""

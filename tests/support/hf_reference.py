@@ -256,11 +256,12 @@ def greedy(model, prompt: list[int], n: int) -> tuple[list[int], float]:
     return out.sequences[0, len(prompt) :].tolist(), min(gaps)
 
 
-def write_gguf(hf_dir: Path, path: Path, family: str) -> Path:
+def write_gguf(hf_dir: Path, path: Path, family: str, extra: dict | None = None) -> Path:
     """The directory's model as llama.cpp's converter writes it (F32): its architecture's tensor
     names, a Llama's Q/K rows permuted to the interleaved RoPE order, Llama 3 scaling as the
     rope_freqs tensor, Qwen3.5's hybrid as add_qwen35_hparams and qwen35_tensors say, and the
-    family's vocabulary (the suite file's tokenizer fields)."""
+    family's vocabulary (the suite file's tokenizer fields); `extra`: more keys (an embedding
+    model's pooling_type, a reranker's labels), each int, bool, str or list of str."""
     from safetensors.numpy import load_file
 
     arch = FAMILIES[family].gguf_arch
@@ -284,7 +285,17 @@ def write_gguf(hf_dir: Path, path: Path, family: str) -> Path:
     qwen35 = arch in ("qwen35", "qwen35moe")
     if qwen35:
         add_qwen35_hparams(writer, arch, config, head_dim)
-    add_vocabulary(writer, vocabulary_fields(family))
+    extra = extra or {}
+    add_vocabulary(writer, {k: v for k, v in vocabulary_fields(family).items() if k not in extra})
+    for key, value in extra.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, list(value))
     tensors = load_file(str(hf_dir / "model.safetensors"))
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_factors(rope, head_dim))
