@@ -55,8 +55,8 @@ async def input_ids(model: LoadedModel, req: PoolingRequest, given: str | list[i
         ids = await model.encoder.encode(given, bounded=cut is None, param=param)
     else:
         ids = list(given)
-    if cut is not None:
-        keep = model.engine.max_seq_len - 1 if cut == -1 else cut
+    if cut is not None:  # -1: what fits beside the one token a pooled prompt samples (and its EOS)
+        keep = model.engine.max_seq_len - 1 - (model.pooling.eos is not None) if cut == -1 else cut
         ids = ids[-keep:] if keep else []
     ids = model.pooling.ended(ids)
     if not ids:
@@ -77,6 +77,15 @@ async def pooled(
             f"({settings.max_pooling_inputs})",
             param=param,
         )
+    context = model.engine.max_seq_len
+    for i, ids in enumerate(inputs):
+        if len(ids) + 1 > context:  # the one token a pooled prompt samples
+            raise ApiError(
+                400,
+                f"{param}: input {i} of {len(ids)} tokens exceeds the context of {context} tokens (one "
+                f"kept for the pooled token): send truncate_prompt_tokens to cut it",
+                param=param,
+            )
     tokens = sum(len(ids) for ids in inputs)
     if tokens > settings.max_pooling_tokens:
         raise ApiError(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import BaseModel, Field, StringConstraints, field_validator
 
 from agent.contract.sampling import MAX_PRIORITY, CacheSalt
 
@@ -34,6 +34,13 @@ class EmbeddingRequest(PoolingRequest):
     input: Text | list[Text] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
+
+    @field_validator("input")
+    @classmethod
+    def _some(cls, given):
+        if isinstance(given, list) and not given:
+            raise ValueError("input holds at least one text or list of token ids")
+        return given
 
     def inputs(self) -> list[str | list[int]]:
         given = self.input

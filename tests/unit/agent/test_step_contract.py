@@ -190,3 +190,66 @@ def test_the_step_limits_are_one_rule_for_rows_sequences_and_logits():
     assert not limits.fits(2, 0, [1, 1, 1], 0)  # 5 sequences
     assert not limits.fits(2, 2, [3], 1)  # 5 rows of logits
     assert limits.proposal_room(2) == 1 and limits.prompt_rows(2, 1) == 13
+
+
+POOLING = [
+    StepChunk(2, [1, 2], [2], 0, SamplingParams(pool="hidden")),
+    StepChunk(3, [1], [3], 0, SamplingParams(pool=(4, 9))),
+    StepChunk(4, [1], [4], 0, SamplingParams()),
+]
+
+
+def pooled_reply(*vectors) -> StepReply:
+    return StepReply([], [Sampled(1), Sampled(2), Sampled(3)], pooled=list(vectors))
+
+
+def test_pooled_vectors_round_trip_with_their_chunks():
+    request = over_wire(StepRequest(chunks=POOLING))
+    assert [c.sampling.pool for c in request.chunks] == ["hidden", (4, 9), None]
+    hidden, labels = np.linspace(-1, 1, 6, dtype=np.float32), np.array([1.5, -2.0], np.float32)
+    got = reply_over_wire(pooled_reply(hidden, labels, None), request)
+    assert got.firsts == [Sampled(1), Sampled(2), Sampled(3)] and got.pooled[2] is None
+    np.testing.assert_array_equal(got.pooled[0], hidden)
+    np.testing.assert_array_equal(got.pooled[1], labels)
+    # a pooling chunk whose token failed has no vector to send
+    failed = StepReply([], [Sampled(NO_TOKEN, None, SequenceFault("internal", "x")), Sampled(2), None])
+    request = StepRequest(chunks=[*POOLING[:2], StepChunk(4, [1], [4], 0)])
+    failed = StepReply(failed.decoded, failed.firsts, pooled=[None, labels, None])
+    assert reply_over_wire(failed, request).pooled[0] is None
+
+
+@pytest.mark.parametrize(
+    "vectors, message",
+    [
+        ((None, np.zeros(2, np.float32), None), "without a pooling chunk's vector"),
+        ((np.zeros(6, np.float32), np.zeros(3, np.float32), None), "not the float32 vector"),
+        ((np.full(6, np.nan, np.float32), np.zeros(2, np.float32), None), "not the float32 vector"),
+        (
+            (np.zeros(6, np.float32), np.zeros(2, np.float32), np.zeros(2, np.float32)),
+            "not the float32 vector",
+        ),
+        ((np.zeros((2, 3), np.float32), np.zeros(2, np.float32), None), "not the float32 vector"),
+    ],
+)
+def test_a_reply_without_its_pooled_vectors_or_with_bad_ones_is_refused(vectors, message):
+    fields, arrays = pooled_reply(*vectors).to_wire()
+    header, out = protocol.decode(protocol.encode({"op": "step", "id": 1, "ok": True, **fields}, arrays))
+    with pytest.raises(ValueError, match=message):
+        StepReply.from_wire(header, out, StepRequest(chunks=POOLING), VOCAB)
+
+
+def test_a_reply_with_vectors_its_header_does_not_name_or_of_another_type_is_refused():
+    fields, arrays = pooled_reply(np.zeros(6, np.float32), np.zeros(2, np.float32), None).to_wire()
+    with pytest.raises(ValueError, match="not the float32 vector"):
+        StepReply.from_wire(
+            fields, [arrays[0], arrays[1].astype(np.float64), arrays[2]], StepRequest(chunks=POOLING), VOCAB
+        )
+    del fields["chunk_pooled"]
+    with pytest.raises(ValueError, match="without the pooled vectors"):
+        StepReply.from_wire(fields, arrays, StepRequest(chunks=POOLING), VOCAB)
+
+
+@pytest.mark.parametrize("pool", ["mean", (), (-1,), tuple(range(17)), [1.5]])
+def test_a_pool_that_is_not_hidden_or_a_few_token_ids_is_refused(pool):
+    with pytest.raises(ValidationError):
+        SamplingParams(pool=pool)
