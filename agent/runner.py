@@ -99,10 +99,6 @@ class ModelRunner:
         self.slot_table = SlotTable(runtime.planned_num_slots)
         self.chooser = TokenChooser(graphs)  # the host side of each call's token choice
         self.checks = StepChecks(graphs, runtime, self.slot_table, self.chooser)
-        # the step's pooled vectors by chunk (SamplingParams.pool), and the row of a lone chunk's
-        # hidden state in its last prefill call
-        self.pooled: list[np.ndarray | None] = []
-        self.last_row = 0
 
     @classmethod
     def from_checkpoint(
@@ -201,14 +197,13 @@ class ModelRunner:
                 "these graphs keep no hidden states (MindIR exports compute logits only): serve "
                 "embeddings from the model's weights (model.path)"
             )
-        self.pooled = [None] * len(chunks)
-        decoded, firsts, scores = self._run(slots, tables, chunks, request.masks, drafts)
+        decoded, firsts, scores, pooled = self._run(slots, tables, chunks, request.masks, drafts)
         sampled = self.slot_table.sampled
         return StepReply(
             [sampled(slot, tokens) for slot, tokens in zip(slots, decoded)],
             [None if t is None else sampled(c.slot, [t])[0] for c, t in zip(chunks, firsts)],
             prompts=[None if c.prompt_logprobs is None else scores for c in chunks],
-            pooled=self.pooled if any(p is not None for p in self.pooled) else (),
+            pooled=pooled if any(p is not None for p in pooled) else (),
         )
 
     def _run(
@@ -218,26 +213,28 @@ class ModelRunner:
         chunks: list[StepChunk],
         masks: Mapping[int, np.ndarray],
         drafts: Mapping[int, Sequence[int]],
-    ) -> tuple[list[list[int]], list[int | None], list[PromptLogprob] | None]:
+    ) -> tuple[list[list[int]], list[int | None], list[PromptLogprob] | None, list[np.ndarray | None]]:
         """The step through the graph it needs: each decode slot's tokens, each chunk's first token
-        (None unless it samples), and the prompt logprobs of a chunk that asked (it runs alone)."""
+        (None unless it samples), the prompt logprobs of a chunk that asked (it runs alone), and each
+        chunk's pooled vector (None unless it asked: SamplingParams.pool)."""
         if len(chunks) == 1 and not slots and not drafts:
-            first, scores = self._prefill(chunks[0], masks)
-            return [], [first], scores
+            first, scores, pooled = self._prefill(chunks[0], masks)
+            return [], [first], scores, pooled
         if any(c.prompt_logprobs is not None for c in chunks):
             raise RunnerError("a chunk that scores its prompt positions runs alone (a prefill step)")
         if chunks or drafts:
-            return *self._mixed(slots, tables, chunks, masks, drafts), None
-        return [[t] for t in self._decode(slots, tables, masks)], [], None
+            decoded, firsts, pooled = self._mixed(slots, tables, chunks, masks, drafts)
+            return decoded, firsts, None, pooled
+        return [[t] for t in self._decode(slots, tables, masks)], [], None, []
 
     def _prefill(
         self, chunk: StepChunk, masks: Mapping[int, np.ndarray]
-    ) -> tuple[int | None, list[PromptLogprob] | None]:
+    ) -> tuple[int | None, list[PromptLogprob] | None, list[np.ndarray | None]]:
         """One chunk alone through the prefill graphs: positions chunk.start..len(chunk.tokens)-1
         (taking a free slot). The prompt's last chunk samples its first token (`masks`: the
         tokens it may be); a chunk before it, or the recompute of a preempted sequence (which keeps
         its sampler and pending token), samples nothing. Its first token (None where it samples
-        none) and its prompt logprobs (None where it asked none)."""
+        none), its prompt logprobs (None where it asked none) and its pooled vector (in a list)."""
         if masks:
             self.chooser.check_masks(masks, [chunk.slot] if chunk.sample else [])
         sampler = None
@@ -245,26 +242,27 @@ class ModelRunner:
             sampler = self.chooser.sampler(chunk.sampling, chunk.tokens)  # refused before anything runs
             if chunk.slot in masks:
                 sampler.constrain(masks[chunk.slot])
-        state, logits, scores = self._compute(chunk)
+        state, logits, scores, last_row = self._compute(chunk)
         if sampler is None:
-            return None, scores
-        self.pooled[0] = self._pooled(chunk, logits, 0, self.last_row)
+            return None, scores, [None]
+        pooled = self._pooled([chunk], {0: (0, last_row)}, logits)
         state.sampler = sampler
         state.next_token = self.chooser.sample(logits, [sampler])[0]
-        return state.next_token, scores
+        return state.next_token, scores, pooled
 
-    def _compute(self, chunk: StepChunk) -> tuple[SlotState, Tensor, list[PromptLogprob] | None]:
+    def _compute(self, chunk: StepChunk) -> tuple[SlotState, Tensor, list[PromptLogprob] | None, int]:
         """Checks, then the chunk's positions through the prefill graphs in pieces of at most the
-        largest bucket (a free slot is taken): the slot's state, the last piece's logits and, where
-        the chunk asks for prompt logprobs (k, lookahead), every row's logits scored at the token
-        after it (the last row at `lookahead`, if any: StepChunk.scores)."""
+        largest bucket (a free slot is taken): the slot's state, the last piece's logits, where the
+        chunk asks for prompt logprobs (k, lookahead) every row's logits scored at the token after it
+        (the last row at `lookahead`, if any: StepChunk.scores), and the last row's place in the last
+        call's hidden states (every row's under prompt logprobs)."""
         slot, start, k = chunk.slot, chunk.start, chunk.prompt_logprobs
         ids, padded = self.checks.chunk(chunk)
         if k is not None and chunk.lookahead is not None:
             self.checks.tokens([chunk.lookahead])
         after = np.append(ids[1:], -1 if k is None or chunk.lookahead is None else chunk.lookahead)
         scores: list[PromptLogprob] = []
-        self.last_row = 0  # the last piece's last real row in the graphs' hidden states
+        last_row = 0
         for piece_start in range(start, len(ids), self.max_chunk):
             piece = ids[piece_start : piece_start + self.max_chunk]
             length = bucket(self.runtime.prefill_buckets, len(piece))
@@ -285,8 +283,8 @@ class ModelRunner:
                 scored = int(np.count_nonzero(targets >= 0))  # only the last row may have none
                 scores += score_rows(rows[:scored], targets[:scored], k)
                 logits = Tensor(rows[-1:])
-                self.last_row = len(piece) - 1
-        return self.slot_table.computed(slot, ids, padded), logits, None if k is None else scores
+                last_row = len(piece) - 1
+        return self.slot_table.computed(slot, ids, padded), logits, None if k is None else scores, last_row
 
     def _decode(
         self,
@@ -326,7 +324,7 @@ class ModelRunner:
         chunks: Sequence[StepChunk],
         masks: Mapping[int, np.ndarray],
         drafts: Mapping[int, Sequence[int]],
-    ) -> tuple[list[list[int]], list[int | None]]:
+    ) -> tuple[list[list[int]], list[int | None], list[np.ndarray | None]]:
         """A decode step of `slots` and the prompt `chunks` in one call of the mixed graph, which
         reads the weights once (decode and prefill called back to back read them twice): each decode
         slot's tokens and each chunk's first token (None unless it samples). `drafts`: slot -> the
@@ -391,31 +389,38 @@ class ModelRunner:
         for slot, state, kept in zip(slots, states, decoded):
             state.replay = len(kept) if slot in drafts else 0  # its pending token and the proposals kept
         firsts: list[int | None] = [None] * len(chunks)
-        proposed = sum(len(c.tokens) for c in scored)
-        for at, (i, token) in enumerate(zip(sampling, tokens[len(plain) :])):
+        for i, token in zip(sampling, tokens[len(plain) :]):
             firsts[i] = token
-            row = len(plain) + proposed + at
-            self.pooled[i] = self._pooled(chunks[i], logits, row, row)
+        first_row = len(plain) + sum(len(c.tokens) for c in scored)  # the sampling chunks' rows follow
+        rows = {i: (first_row + at, first_row + at) for at, i in enumerate(sampling)}
+        pooled = self._pooled(chunks, rows, logits)
         for i, (chunk, (ids, table)) in enumerate(zip(chunks, checked)):
             state = self.slot_table.computed(chunk.slot, ids, table)
             if chunk.sample:
                 state.sampler, state.next_token = new[i], firsts[i]
-        return decoded, firsts
+        return decoded, firsts, pooled
 
     # -------------------------------------------------------------------------------- internals
 
-    def _pooled(self, chunk: StepChunk, logits: Tensor, row: int, hidden_row: int) -> np.ndarray | None:
-        """A pooling chunk's vector (SamplingParams.pool), float32: its last row's final hidden state
-        (row `hidden_row` of the graphs' last call), or its logits (row `row`) of the pool's token
-        ids. None where the chunk asked none."""
-        pool = _pool(chunk)
-        if pool is None:
-            return None
-        if pool == "hidden":
-            hidden = cast(PoolingGraphs, self.graphs).hidden  # execute checked the graphs keep them
-            assert hidden is not None
-            return np.ascontiguousarray(hidden.asnumpy()[hidden_row], np.float32)
-        return np.ascontiguousarray(logits.asnumpy()[row, list(pool)], np.float32)
+    def _pooled(
+        self, chunks: Sequence[StepChunk], rows: Mapping[int, tuple[int, int]], logits: Tensor
+    ) -> list[np.ndarray | None]:
+        """Each sampling chunk's pooled vector (SamplingParams.pool), float32, None where it asked
+        none: chunk i's last row is row rows[i][0] of the call's `logits` (the pool's token ids'
+        logits) and row rows[i][1] of its final hidden states. Each output leaves the device once a
+        step, and only where a chunk asks for it."""
+        pools = {i: pool for i in rows if (pool := _pool(chunks[i])) is not None}
+        out: list[np.ndarray | None] = [None] * len(chunks)
+        if not pools:
+            return out
+        hidden = cast(PoolingGraphs, self.graphs).hidden  # execute checked the graphs keep them
+        states = hidden.asnumpy() if hidden is not None and "hidden" in pools.values() else np.zeros(0)
+        host = logits.asnumpy() if any(p != "hidden" for p in pools.values()) else np.zeros(0)
+        for i, pool in pools.items():
+            row, hidden_row = rows[i]
+            vector = states[hidden_row] if pool == "hidden" else host[row, list(pool)]
+            out[i] = np.ascontiguousarray(vector, np.float32)
+        return out
 
     def _state_move(self, chunk: StepChunk, first: bool, last: bool) -> StateMove | None:
         """A chunk's snapshot restore (before its first piece) and save (after its last), as state

@@ -350,12 +350,15 @@ class BatchScheduler:
         budget = self.max_batched_tokens - len(decodes) - proposed
         if capacity.mixed_rows:
             budget = min(budget, max(capacity.limits.prompt_rows(len(decodes), proposed), costs.floor))
-        # Prompts without a first token: the group's placed ones and the queue not yet placed.
+        # Prompts without a first token: the group's placed ones and the queue not yet placed. Only
+        # a stream's weighs (a pooling request's prompt is batch work that never decodes: an
+        # embedding job's thousand inputs must not stall the streams decoding beside it).
         pending = [s for s in self._group_seqs(group) if s.needs_prefill and not s.transferring]
+        streams = sum(s.sampling.pool is None for s in (*self.waiting, *pending))
         allowed = costs.prompt_positions(
             len(decodes),
             attended(decodes),
-            waiting=len(self.waiting) + len(pending),
+            waiting=streams,
             start=max((s.computed for s in pending), default=0),  # the costliest chunk's, to be safe
         )
         return budget if allowed is None else min(budget, allowed)
@@ -429,9 +432,11 @@ class BatchScheduler:
 
     def _plan_prompts(self, group: int, budget: int, plan: StepPlan) -> None:
         """Chunks of the group's placed sequences whose KV is incomplete, within `budget` positions:
-        recomputes of preempted sequences first (their streams are paused), then the prompts with
-        the fewest positions left (a short prompt's first token does not wait for the whole of a long
-        one), the oldest prompt always keeping a few positions of the step so that none starves."""
+        recomputes of preempted sequences first (their streams are paused), then the prompts of
+        streams before pooling requests' (batch work: an embedding job's inputs do not delay a
+        chat's first token), each kind with the fewest positions left first (a short prompt's first
+        token does not wait for the whole of a long one), the oldest prompt always keeping a few
+        positions of the step so that none starves."""
         blocks = self.blocks[group]
         pending = [
             s
@@ -442,7 +447,9 @@ class BatchScheduler:
         prompts = [s for s in pending if not s.output]
         oldest = prompts[0] if prompts else None
         reserve = min(self.step_costs[group].floor, oldest.positions_left) if oldest else 0
-        for seq in recomputes + sorted(prompts, key=lambda s: s.positions_left):
+        for seq in recomputes + sorted(
+            prompts, key=lambda s: (s.sampling.pool is not None, s.positions_left)
+        ):
             if seq is oldest:
                 reserve = 0
             budget -= self._plan_chunk(seq, budget - reserve, plan)

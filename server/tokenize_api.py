@@ -5,7 +5,8 @@ harness's `tokenizer_backend=remote` among them):
                           -> {"tokens": [...], "count", "max_model_len"}
     POST /detokenize      {["model",] "tokens"} -> {"prompt"}
     GET  /tokenizer_info  [?model=] -> {"bos_token", "eos_token", "pad_token", "chat_template",
-                          "model_max_length", "tokenizer_class"}
+                          "model_max_length", "tokenizer_class", "tasks" (generate, embed,
+                          score: server/pooling.py)}
 
 Without a model, the first configured one answers (as vLLM's one model does). Text is bounded as
 prompts are (413 past the longest prompt); token lists by the context.
@@ -84,6 +85,7 @@ def tokenize_router(repository: ModelRepository) -> APIRouter:
             "pad_token": None,
             "chat_template": tokenizer.chat_template,
             "model_max_length": loaded.engine.max_seq_len,
+            "tasks": loaded.pooling.tasks,
         }
 
     return router

@@ -61,9 +61,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, PoolingType
+from gguf.quants import dequantize
 
 from agent.model.formats.gguf_header import GgufFile
+from server.pooling import RERANK_TEMPLATE
 
 T = GGMLQuantizationType
 DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -97,6 +99,9 @@ class Shape:
     rotary: int = 0
 
     shared_ffn: int = 0  # qwen35moe: the shared expert's width (0: none)
+    # an embedding model's or reranker's llama.cpp pooling_type (3 last, 4 rank; 0: a generating
+    # model), written as llama.cpp's converter writes Qwen3-Embedding and Qwen3-Reranker
+    pooling: int = 0
 
     def is_linear(self, layer: int) -> bool:
         return self.arch in ("qwen35", "qwen35moe") and (layer + 1) % 4 != 0
@@ -117,6 +122,13 @@ SHAPES = {
     ),
     # SmolLM3-3B: Llama's layers, every fourth without RoPE (NoPE: the loader knows, no key says)
     "smollm3-3b": Shape(2048, 36, 11008, 16, 4, arch="smollm3", head_dim=128, context=65536, rope_base=5e6),
+    # Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B (with --tokenizer models/llama-vocab/ggml-vocab-qwen2.gguf)
+    "qwen3-embedding-0.6b": Shape(
+        1024, 28, 3072, 16, 8, arch="qwen3", head_dim=128, context=32768, rope_base=1e6, pooling=3
+    ),
+    "qwen3-reranker-0.6b": Shape(
+        1024, 28, 3072, 16, 8, arch="qwen3", head_dim=128, context=32768, rope_base=1e6, pooling=4
+    ),
     "qwen3-8b": Shape(
         4096, 36, 12288, 32, 8, tied=False, arch="qwen3", head_dim=128, context=40960, rope_base=1e6
     ),
@@ -216,6 +228,7 @@ CENTRE = {T.Q4_1: -7.5, T.Q5_1: -15.5, T.Q2_K: 1.5, T.Q4_K: 7.5, T.Q5_K: 15.5}
 RESIDUAL_OUTPUTS = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
 # llama.cpp keeps a router (and a shared expert's gate) in F32, as a Gated DeltaNet's conv and its b and a
 KEPT_F32 = (
+    "cls.output.weight",
     *("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"),
     *("ssm_conv1d.weight", "ssm_beta.weight", "ssm_alpha.weight"),
 )
@@ -338,6 +351,8 @@ def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     out.append(("output_norm.weight", (shape.hidden,)))
     if not shape.tied:
         out.append(("output.weight", (-1, shape.hidden)))
+    if shape.pooling == PoolingType.RANK:  # the LM head's rows of the labels, as the converter writes them
+        out.append(("cls.output.weight", (2, shape.hidden)))
     return out
 
 
@@ -442,6 +457,11 @@ def add_shape(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_expert_feed_forward_length(shape.expert_ffn)
     if shape.shared_ffn:
         writer.add_expert_shared_feed_forward_length(shape.shared_ffn)
+    if shape.pooling:
+        writer.add_pooling_type(PoolingType(shape.pooling))
+    if shape.pooling == PoolingType.RANK:
+        writer.add_classifier_output_labels(["yes", "no"])
+        writer.add_string("tokenizer.chat_template.rerank", RERANK_TEMPLATE)
 
 
 def tensor_plan(
@@ -461,6 +481,22 @@ def tensor_plan(
     return plan
 
 
+def tokenizer_fields(
+    tokenizer: Path, shape: Shape, vocab_limit: int | None
+) -> tuple[dict[str, GGUFValueType], dict]:
+    """The tokenizer.* keys of the GGUF `tokenizer` (their kinds and values), its vocabulary cut to
+    `vocab_limit`; an embedding model's inputs end with EOS (add_eos_token), as Qwen3-Embedding's."""
+    source = GgufFile(tokenizer)  # the gguf package's reader takes seconds over a vocabulary
+    kinds = {key: GGUFValueType(source.kinds[key]) for key in source.values if key.startswith("tokenizer.")}
+    values = {key: source.values[key] for key in kinds}
+    if vocab_limit is not None:
+        values = cut_vocabulary(values, vocab_limit)
+    if shape.pooling == PoolingType.LAST:
+        kinds["tokenizer.ggml.add_eos_token"] = GGUFValueType.BOOL
+        values["tokenizer.ggml.add_eos_token"] = True
+    return kinds, values
+
+
 def write_random_gguf(
     path: Path,
     shape: Shape,
@@ -477,20 +513,12 @@ def write_random_gguf(
     (cut_vocabulary: SentencePiece vocabularies). `embed_scale`: the embedding's weights' size (a
     tied one is the LM head: larger spreads tiny models' logits). Tensors are written one at a time
     (a 7B file is not held in memory)."""
-    source = GgufFile(tokenizer)  # the gguf package's reader takes seconds over a vocabulary
-    fields = {
-        key: (value, GGUFValueType(source.kinds[key]))
-        for key, value in source.values.items()
-        if key.startswith("tokenizer.")
-    }
-    values = {key: value for key, (value, _) in fields.items()}
-    if vocab_limit is not None:
-        values = cut_vocabulary(values, vocab_limit)
+    fields, values = tokenizer_fields(tokenizer, shape, vocab_limit)
     vocab = len(values["tokenizer.ggml.tokens"])
     writer = GGUFWriter(str(path), shape.arch)
     writer.add_name(name)
     add_shape(writer, shape, vocab)
-    for key, (_, kind) in fields.items():
+    for key, kind in fields.items():
         if kind == GGUFValueType.ARRAY:
             writer.add_array(key, values[key])
         else:
@@ -510,21 +538,43 @@ def write_random_gguf(
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    head_name = "token_embd.weight" if shape.tied else "output.weight"
+    head: tuple[np.ndarray, GGMLQuantizationType] = (np.zeros(0), T.F32)  # written before cls.output
     for tensor, extent, qtype in plan:
-        if tensor.endswith(("ssm_a", "ssm_dt.bias")):  # decays of about 0.9 a token
-            writer.write_tensor_data(random_decay(tensor, extent, rng))
-        elif len(extent) == 1:
-            writer.write_tensor_data((1 + 0.1 * rng.standard_normal(extent)).astype(np.float32))
-        elif tensor.endswith("ssm_conv1d.weight"):
-            writer.write_tensor_data((rng.standard_normal(extent) / np.sqrt(extent[1])).astype(np.float32))
+        if tensor == "cls.output.weight":  # the LM head's rows of the labels yes and no
+            labels = [values["tokenizer.ggml.tokens"].index(label) for label in ("yes", "no")]
+            data = dequantize(head[0][labels], head[1]).astype(np.float32).reshape(2, -1)
         else:
-            scale = embed_scale if extent[0] == vocab else 0.02
-            if shape.arch != "gemma3" and tensor.endswith(RESIDUAL_OUTPUTS):
-                scale /= np.sqrt(2 * shape.layers)
-            rows = int(np.prod(extent[:-1]))  # an expert tensor's experts one above the other
-            writer.write_tensor_data(random_blocks(qtype, rows, extent[-1], rng, scale))
+            data = random_tensor(tensor, extent, qtype, shape, vocab, rng, embed_scale)
+        if tensor == head_name:
+            head = (data, qtype)
+        writer.write_tensor_data(data)
     writer.close()
     return path
+
+
+def random_tensor(
+    tensor: str,
+    extent: tuple[int, ...],
+    qtype: GGMLQuantizationType,
+    shape: Shape,
+    vocab: int,
+    rng: np.random.Generator,
+    embed_scale: float,
+) -> np.ndarray:
+    """A tensor's random data as the file holds it: norms near 1, decays, conv taps, matrices of
+    `qtype` (write_random_gguf says their sizes)."""
+    if tensor.endswith(("ssm_a", "ssm_dt.bias")):  # decays of about 0.9 a token
+        return random_decay(tensor, extent, rng)
+    if len(extent) == 1:
+        return (1 + 0.1 * rng.standard_normal(extent)).astype(np.float32)
+    if tensor.endswith("ssm_conv1d.weight"):
+        return (rng.standard_normal(extent) / np.sqrt(extent[1])).astype(np.float32)
+    scale = embed_scale if extent[0] == vocab else 0.02
+    if shape.arch != "gemma3" and tensor.endswith(RESIDUAL_OUTPUTS):
+        scale /= np.sqrt(2 * shape.layers)
+    rows = int(np.prod(extent[:-1]))  # an expert tensor's experts one above the other
+    return random_blocks(qtype, rows, extent[-1], rng, scale)
 
 
 def random_decay(tensor: str, extent: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:

@@ -112,6 +112,8 @@ def test_models_say_what_each_does(base):
         "embedder": ["embed", "score"],
         "reranker": ["score"],
     }
+    for name, tasks in listed.items():
+        assert httpx.get(f"{base}/tokenizer_info", params={"model": name}).json()["tasks"] == tasks
 
 
 def test_embeddings_equal_sentence_transformers(base, reference):

@@ -559,6 +559,30 @@ def test_a_burst_of_prompts_beside_few_streams_gets_a_larger_share_of_the_step()
     assert all(s.output == alone(s, max_seq_len=256) for s in streams + burst)
 
 
+def test_pooling_prompts_beside_streams_weigh_as_no_stream():
+    """An embedding job's inputs (pooling requests: prompts that never decode) are batch work: eight
+    of them waiting beside two streams leave a step what one waiting prompt would, where eight
+    streams' prompts would take five times as much (the test above)."""
+    scheduler, agents = make(slots=(12,), max_seq_len=256, max_batched_tokens=200, decode_stall_ratio=1.5)
+    streams = start_streams(scheduler, agents, 2, max_new=80)
+    costs = scheduler.step_costs[0]
+    costs.decoded(2, 40, 0.020)
+    costs.mixed(2, 40, [(0, 10)], 0.040)  # 2 ms a position
+    pooling = SamplingParams(pool="hidden")
+    inputs = [
+        Sequence(f"e{i}", list(range(10 * i + 1, 10 * i + 11)), pooling, 1, frozenset({EOS}))
+        for i in range(8)
+    ]
+    for s in inputs:
+        scheduler.add(s)
+    plan = step(scheduler, agents)
+    assert all(s in plan.decodes[0] for s in streams)
+    assert sum(c.end - c.start for c in plan.prefills) == pytest.approx(0.5 * 0.020 / 0.002, abs=1)  # 5
+    run_all(scheduler, agents)
+    assert all(len(s.output) == 1 and s.finished for s in inputs)
+    assert all(s.output == alone(s, max_seq_len=256) for s in streams)
+
+
 def test_a_short_prompt_gets_its_first_token_before_a_long_one_ends_which_still_advances():
     scheduler, agents = make(slots=(3,), max_seq_len=256, block_size=4, max_batched_tokens=12)
     [stream] = start_streams(scheduler, agents, 1, max_new=100)

@@ -57,7 +57,10 @@ def test_every_api_admits_through_admit_answers():
         "native_api.py:start",  # native
         "triton_api.py:start_answer",  # Triton HTTP, and gRPC below
         "openai_api.py:admit_choices",  # completions and chat, and below
+        "pooling_api.py:pooled",  # embeddings, rerank, score: each input one answer
     }
+    assert "pooled" in calls("pooling_api.py")["embeddings"]
+    assert "pooled" in calls("pooling_api.py")["pair_scores"]
     assert "start_answer" in calls("grpc_server.py")["ModelInfer"]
     assert "start_answer" in calls("grpc_server.py")["_answer_on_stream"]
     assert "admit_chat" in calls("responses_api.py")["create"]
