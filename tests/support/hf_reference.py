@@ -150,7 +150,8 @@ def suite_texts(family: str) -> list[str]:
 
 
 def add_vocabulary(writer: gguf.GGUFWriter, fields: dict) -> None:
-    """The vocabulary's tokenizer.* keys (vocabulary_fields) into a GGUF being written."""
+    """The vocabulary's tokenizer.* keys (vocabulary_fields), and any more of these types (a list,
+    bool, int or str each), into a GGUF being written."""
     for key, value in fields.items():
         if isinstance(value, list):
             writer.add_array(key, value)
@@ -285,17 +286,7 @@ def write_gguf(hf_dir: Path, path: Path, family: str, extra: dict | None = None)
     qwen35 = arch in ("qwen35", "qwen35moe")
     if qwen35:
         add_qwen35_hparams(writer, arch, config, head_dim)
-    extra = extra or {}
-    add_vocabulary(writer, {k: v for k, v in vocabulary_fields(family).items() if k not in extra})
-    for key, value in extra.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, list(value))
+    add_vocabulary(writer, {**vocabulary_fields(family), **(extra or {})})
     tensors = load_file(str(hf_dir / "model.safetensors"))
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_factors(rope, head_dim))

@@ -565,6 +565,7 @@ def test_tokenizer_info(stack, tokenizer):
         "model_max_length": httpx.post(
             f"{base}/tokenize", headers=AUTH, json={"prompt": "x"}, timeout=30
         ).json()["max_model_len"],
+        "tasks": ["generate"],  # a chat model's (server/pooling.py)
     }
     assert httpx.get(f"{base}/tokenizer_info?model=tiny", headers=AUTH, timeout=30).json() == info.json()
     unknown = httpx.get(f"{base}/tokenizer_info?model=gpt-5", headers=AUTH, timeout=30)

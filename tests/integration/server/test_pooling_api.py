@@ -21,7 +21,7 @@ import yaml
 
 import pooling_models
 from agent.model.tokenizer import load_tokenizer
-from agent_harness import LONG_ANSWERS_RUNTIME, LauncherProcess, free_ports
+from agent_harness import LONG_ANSWERS_RUNTIME, free_ports, serving_stack
 from server.pooling import RERANK_TEMPLATE
 
 COSINE = 0.99999
@@ -73,17 +73,8 @@ def base(tmp_path_factory, tiny_llama_dir, models):
     }
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    launcher = LauncherProcess(path)
-    server = None
-    try:
-        launcher.wait_for("all agents started", 240)
-        server = LauncherProcess(path, script="start_server.py")
-        server.wait_for("Application startup complete", 120)
+    with serving_stack(path):
         yield f"http://127.0.0.1:{http}"
-    finally:
-        if server is not None:
-            server.close()
-        launcher.close()
 
 
 @pytest.fixture(scope="module")

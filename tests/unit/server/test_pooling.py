@@ -32,15 +32,7 @@ def tokenizer():
 def gguf_file(path, **keys):
     writer = gguf.GGUFWriter(str(path), "qwen3")
     writer.add_embedding_length(64)
-    for key, value in keys.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
+    hf.add_vocabulary(writer, keys)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
