@@ -267,7 +267,9 @@ def numpy_forward(
     (agent/kernels/calls.py), called directly rather than through a graph: what the check catches,
     a graph that does not fit the weights, it still catches, and it does not dequantize the model
     (the products of every format are held to gguf's dequantization by the kernel tests).
-    `quantized_kv`: K and V rounded to q8_0 as a q8_0 cache holds them (cache_format.py)."""
+    `quantized_kv`: K and V rounded to q8_0 as a q8_0 cache holds them (cache_format.py). An
+    encoder's (ModelSpec.bidirectional) first `states_at` tokens are its prompt, which attend each
+    other both ways; the tokens after them attend as a decode step's do, the positions before."""
     spec, t = checkpoint.spec, checkpoint.tensors
 
     def product(x: np.ndarray, name: str) -> np.ndarray:
@@ -314,7 +316,12 @@ def numpy_forward(
                 _experts(h, p, checkpoint, product) if moe else _gated_ffn(h, p, spec.activation, product)
             )
             continue
-        hidden = (distance < 0) | (local & (distance >= spec.sliding_window))
+        if spec.bidirectional:  # an encoder's prompt: every position, within the window either side
+            prompt = n if states_at is None else states_at
+            later = (distance < 0) & (np.arange(n)[None, :] >= prompt)
+            hidden = later | (local & (np.abs(distance) >= spec.sliding_window))
+        else:
+            hidden = (distance < 0) | (local & (distance >= spec.sliding_window))
         mask = np.where(hidden, -np.inf, 0).astype(np.float32)
         attended, k, v = _attention(h, p, checkpoint, product, ropes[spec.rope(i)], mask, quantized_kv)
         caches += [k, v]

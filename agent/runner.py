@@ -192,11 +192,17 @@ class ModelRunner:
             drafts[slot] = proposal
         slots, chunks = list(request.slots), list(request.chunks)
         tables = list(request.tables) if request.tables or not slots else None
-        if any(_pool(c) == "hidden" for c in chunks) and not isinstance(self.graphs, PoolingGraphs):
+        if any(isinstance(_pool(c), str) for c in chunks) and not isinstance(self.graphs, PoolingGraphs):
             raise RunnerError(
                 "these graphs keep no hidden states (MindIR exports compute logits only): serve "
                 "embeddings from the model's weights (model.path)"
             )
+        for chunk in chunks:
+            if _pool(chunk) in ("mean", "cls") and chunk.start > 0:
+                raise RunnerError(
+                    f"{_pool(chunk)} pooling needs the whole prompt in one call, not a chunk from "
+                    f"position {chunk.start}"
+                )
         decoded, firsts, scores, pooled = self._run(slots, tables, chunks, request.masks, drafts)
         sampled = self.slot_table.sampled
         return StepReply(
@@ -245,7 +251,7 @@ class ModelRunner:
         state, logits, scores, last_row = self._compute(chunk)
         if sampler is None:
             return None, scores, [None]
-        pooled = self._pooled([chunk], {0: (0, last_row)}, logits)
+        pooled = self._pooled([chunk], {0: (0, 0, last_row)}, logits)
         state.sampler = sampler
         state.next_token = self.chooser.sample(logits, [sampler])[0]
         return state.next_token, scores, pooled
@@ -255,14 +261,13 @@ class ModelRunner:
         largest bucket (a free slot is taken): the slot's state, the last piece's logits, where the
         chunk asks for prompt logprobs (k, lookahead) every row's logits scored at the token after it
         (the last row at `lookahead`, if any: StepChunk.scores), and the last row's place in the last
-        call's hidden states (every row's under prompt logprobs)."""
+        call's rows (and in its logits under prompt logprobs, where every row has them)."""
         slot, start, k = chunk.slot, chunk.start, chunk.prompt_logprobs
         ids, padded = self.checks.chunk(chunk)
         if k is not None and chunk.lookahead is not None:
             self.checks.tokens([chunk.lookahead])
         after = np.append(ids[1:], -1 if k is None or chunk.lookahead is None else chunk.lookahead)
         scores: list[PromptLogprob] = []
-        last_row = 0
         for piece_start in range(start, len(ids), self.max_chunk):
             piece = ids[piece_start : piece_start + self.max_chunk]
             length = bucket(self.runtime.prefill_buckets, len(piece))
@@ -283,7 +288,7 @@ class ModelRunner:
                 scored = int(np.count_nonzero(targets >= 0))  # only the last row may have none
                 scores += score_rows(rows[:scored], targets[:scored], k)
                 logits = Tensor(rows[-1:])
-                last_row = len(piece) - 1
+        last_row = len(piece) - 1
         return self.slot_table.computed(slot, ids, padded), logits, None if k is None else scores, last_row
 
     def _decode(
@@ -391,8 +396,11 @@ class ModelRunner:
         firsts: list[int | None] = [None] * len(chunks)
         for i, token in zip(sampling, tokens[len(plain) :]):
             firsts[i] = token
-        first_row = len(plain) + sum(len(c.tokens) for c in scored)  # the sampling chunks' rows follow
-        rows = {i: (first_row + at, first_row + at) for at, i in enumerate(sampling)}
+        # the sampling chunks' logit rows follow the decode and scored rows', as their rows do
+        first_row = len(plain) + sum(len(c.tokens) for c in scored)
+        ends = first_row + np.cumsum([len(ids) - c.start for c, (ids, _) in zip(chunks, checked)])
+        starts = {i: int(ends[i - 1]) if i else first_row for i in sampling}
+        rows = {i: (first_row + at, starts[i], int(ends[i]) - 1) for at, i in enumerate(sampling)}
         pooled = self._pooled(chunks, rows, logits)
         for i, (chunk, (ids, table)) in enumerate(zip(chunks, checked)):
             state = self.slot_table.computed(chunk.slot, ids, table)
@@ -403,22 +411,35 @@ class ModelRunner:
     # -------------------------------------------------------------------------------- internals
 
     def _pooled(
-        self, chunks: Sequence[StepChunk], rows: Mapping[int, tuple[int, int]], logits: Tensor
+        self, chunks: Sequence[StepChunk], rows: Mapping[int, tuple[int, int, int]], logits: Tensor
     ) -> list[np.ndarray | None]:
         """Each sampling chunk's pooled vector (SamplingParams.pool), float32, None where it asked
         none: chunk i's last row is row rows[i][0] of the call's `logits` (the pool's token ids'
-        logits) and row rows[i][1] of its final hidden states. Each output leaves the device once a
-        step, and only where a chunk asks for it."""
+        logits), and its rows are rows rows[i][1]..rows[i][2] of the call's final hidden states. A
+        hidden state pooled goes through the model's projections (PoolingGraphs.projection). Each
+        output leaves the device once a step, and only where a chunk asks for it."""
         pools = {i: pool for i in rows if (pool := _pool(chunks[i])) is not None}
         out: list[np.ndarray | None] = [None] * len(chunks)
         if not pools:
             return out
-        hidden = cast(PoolingGraphs, self.graphs).hidden  # execute checked the graphs keep them
-        states = hidden.asnumpy() if hidden is not None and "hidden" in pools.values() else np.zeros(0)
-        host = logits.asnumpy() if any(p != "hidden" for p in pools.values()) else np.zeros(0)
+        graphs = cast(PoolingGraphs, self.graphs)  # execute checked the graphs keep them
+        pooling_states = any(isinstance(p, str) for p in pools.values())
+        states = graphs.hidden.asnumpy() if graphs.hidden is not None and pooling_states else np.zeros(0)
+        host = logits.asnumpy() if not all(isinstance(p, str) for p in pools.values()) else np.zeros(0)
         for i, pool in pools.items():
-            row, hidden_row = rows[i]
-            vector = states[hidden_row] if pool == "hidden" else host[row, list(pool)]
+            row, first, last = rows[i]
+            if isinstance(pool, tuple):
+                out[i] = np.ascontiguousarray(host[row, list(pool)], np.float32)
+                continue
+            vector = (
+                states[last]
+                if pool == "hidden"
+                else states[first]
+                if pool == "cls"
+                else states[first : last + 1].mean(axis=0, dtype=np.float64)
+            )
+            for matrix in graphs.projection:
+                vector = matrix @ vector
             out[i] = np.ascontiguousarray(vector, np.float32)
         return out
 

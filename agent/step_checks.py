@@ -44,8 +44,9 @@ class StepChecks:
 
     @property
     def chunked_prefill(self) -> bool:
-        """Whether a prefill may start after cached positions (chunks, prefix-cache hits)."""
-        return self.graphs.inputs.fused_layers
+        """Whether a prefill may start after cached positions (chunks, prefix-cache hits): not in an
+        encoder, whose every position attends the whole prompt (ModelSpec.bidirectional)."""
+        return self.graphs.inputs.fused_layers and not self.spec.bidirectional
 
     @property
     def prefix_caching(self) -> bool:

@@ -34,11 +34,12 @@ class ModelSection(Section):
     )
 
     # Pooling (server/pooling.py): what /v1/embeddings, /score and /rerank return for this model.
-    pooling: Literal["auto", "none", "last", "rank"] = Field(
+    pooling: Literal["auto", "none", "last", "mean", "cls", "rank"] = Field(
         "auto",
         description="embeddings from the last token's final hidden state (last: Qwen3-Embedding), "
-        "relevance from the last token's label logits (rank: Qwen3-Reranker), or none; auto: the "
-        "file's (a GGUF's pooling_type, sentence-transformers' modules.json), else none",
+        "from the mean of every token's or the first token's (mean, cls: an encoder's, "
+        "EmbeddingGemma's), relevance from the last token's label logits (rank: Qwen3-Reranker), or "
+        "none; auto: the file's (a GGUF's pooling_type, sentence-transformers' modules.json), else none",
     )
     pooling_normalize: bool = Field(True, description="embeddings scaled to length 1")
     matryoshka_dimensions: list[int] | None = Field(

@@ -1,7 +1,8 @@
 """A model's pooling: what its embeddings and relevance scores are (config model.pooling, else what
 its file says), and the vector arithmetic the pooling endpoints share (server/pooling_api.py).
 
-Decoder models pool their prompt's last token (the agent returns it, SamplingParams.pool):
+Decoder models pool their prompt's last token, encoders every token (the agent returns the pooled
+vector, SamplingParams.pool):
 
 - `last` (Qwen3-Embedding, gte-Qwen2, e5-mistral): the last token's final hidden state (after the
   final norm) is the embedding, scaled to length 1 (pooling_normalize). Two texts' score is their
@@ -9,6 +10,10 @@ Decoder models pool their prompt's last token (the agent returns it, SamplingPar
 - `rank` (Qwen3-Reranker): a query and a document written into the reranker's prompt; the score is
   P(yes) over the two label tokens' logits at its last token, sigmoid(yes - no), as the model card
   computes it and llama.cpp's rank pooling does.
+- `mean` and `cls` (EmbeddingGemma; encoders only, whose prompts run whole: ModelSpec.bidirectional):
+  the mean of every token's final hidden state, or the first token's, through the model's dense
+  projections (sentence-transformers' Dense modules, in the GGUF as dense_2 and dense_3), then
+  normalized as `last`.
 
 A GGUF says which by `{arch}.pooling_type` (llama.cpp's enum: 0 none, 1 mean, 2 cls, 3 last, 4
 rank), its label tokens by `{arch}.classifier.output_labels`, the reranker's prompt by its `rerank`
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agent.model.families import GGUF
 from agent.model.formats.gguf_file import gguf_field, read_gguf
 from agent.model.tokenizer import TextTokenizer
 from config.model import ModelSection
@@ -50,8 +56,8 @@ class PoolingError(ValueError):
 
 @dataclass(frozen=True)
 class Pooling:
-    kind: str  # none, last or rank
-    size: int  # the model's hidden size: an embedding's
+    kind: str  # none, last, mean, cls or rank
+    size: int  # an embedding's: the model's hidden size, or its last projection's
     normalize: bool = True
     generates: bool = True  # it serves text generation too (its file does not declare a pooling)
     dimensions: tuple[int, ...] | None = None  # the Matryoshka sizes an embedding may be cut to
@@ -63,7 +69,14 @@ class Pooling:
     def tasks(self) -> list[str]:
         """What the model does, as /v1/models says it: generate, embed, score."""
         tasks = ["generate"] if self.generates else []
-        return tasks + {"none": [], "last": ["embed", "score"], "rank": ["score"]}[self.kind]
+        return tasks + (
+            [] if self.kind == "none" else ["score"] if self.kind == "rank" else ["embed", "score"]
+        )
+
+    @property
+    def pool(self) -> str:
+        """What the agent returns of an input for an embedding (SamplingParams.pool)."""
+        return {"last": "hidden"}.get(self.kind, self.kind)
 
     def ended(self, ids: list[int]) -> list[int]:
         """An input's ids as the model pools them: with its EOS last where the file says so."""
@@ -78,10 +91,11 @@ def model_pooling(settings: ModelSection, tokenizer: TextTokenizer) -> Pooling:
     """The model's pooling: its config's, else its file's (PoolingError where it cannot be served)."""
     found = _file_pooling(settings.path)
     kind = found.get("kind", "none") if settings.pooling == "auto" else settings.pooling
-    if kind in ("mean", "cls"):
+    if kind in ("mean", "cls") and not found.get("encoder"):
         raise PoolingError(
-            f"{settings.path}: {kind} pooling (an encoder's, such as BERT's) is not served yet; set "
-            "model.pooling to none to serve the model for generation"
+            f"{settings.path}: {kind} pooling needs every token of an input in one step, which only "
+            "an encoder's inputs run in (a decoder's are chunked and reuse cached prefixes); set "
+            "model.pooling to last, or none"
         )
     labels = None
     if kind == "rank":
@@ -106,12 +120,17 @@ def model_pooling(settings: ModelSection, tokenizer: TextTokenizer) -> Pooling:
 
 
 def _file_pooling(path: Path) -> dict:
-    """What the model's file says of its pooling: size (its hidden size), kind (only where it
-    declares one), labels, template, eos, dimensions."""
+    """What the model's file says of its pooling: size (its hidden size, or its last projection's),
+    kind (only where it declares one), labels, template, eos, dimensions, encoder (its attention is
+    bidirectional)."""
     if path.is_file() and path.suffix == ".gguf":
         reader = read_gguf(path)
         arch = gguf_field(reader, "general.architecture", "")
-        found: dict = {"size": int(gguf_field(reader, f"{arch}.embedding_length", 0))}
+        size = gguf_field(reader, f"{arch}.dense_3_feat_out") or gguf_field(
+            reader, f"{arch}.embedding_length", 0
+        )
+        layout = GGUF.get(str(arch))
+        found: dict = {"size": int(size), "encoder": layout is not None and layout.encoder}
         kind = GGUF_POOLING.get(int(gguf_field(reader, f"{arch}.pooling_type", 0)), "none")
         if kind != "none":
             found["kind"] = kind
@@ -129,14 +148,22 @@ def _file_pooling(path: Path) -> dict:
 
 
 def _directory_pooling(directory: Path) -> dict:
-    """sentence-transformers' modules.json: the Pooling module's mode; the config's Matryoshka sizes."""
+    """sentence-transformers' modules.json: the Pooling module's mode, the last Dense module's size;
+    the config's Matryoshka sizes and whether it is an encoder (use_bidirectional_attention)."""
     config = _json(directory / "config.json")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    found: dict = {"size": int(text.get("hidden_size", 0))}
+    found: dict = {
+        "size": int(text.get("hidden_size", 0)),
+        "encoder": bool(text.get("use_bidirectional_attention")),
+    }
     if isinstance(config.get("matryoshka_dimensions"), list):
         found["dimensions"] = [int(d) for d in config["matryoshka_dimensions"]]
     modules = _json(directory / "modules.json", [])
     for module in modules if isinstance(modules, list) else []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("Dense"):
+            found["size"] = int(
+                _json(directory / str(module.get("path", "")) / "config.json").get("out_features", 0)
+            )
         if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
             mode = _json(directory / str(module.get("path", "")) / "config.json")
             for key, kind in (

@@ -55,13 +55,19 @@ async def input_ids(model: LoadedModel, req: PoolingRequest, given: str | list[i
         ids = await model.encoder.encode(given, bounded=cut is None, param=param)
     else:
         ids = list(given)
-    if cut is not None:  # -1: what fits beside the one token a pooled prompt samples (and its EOS)
-        keep = model.engine.max_seq_len - 1 - (model.pooling.eos is not None) if cut == -1 else cut
+    if cut is not None:  # -1: the longest input the model takes (with its EOS)
+        keep = longest_input(model) - (model.pooling.eos is not None) if cut == -1 else cut
         ids = ids[-keep:] if keep else []
     ids = model.pooling.ended(ids)
     if not ids:
         raise ApiError(400, f"{param}: an input of no tokens has nothing to pool", param=param)
     return ids
+
+
+def longest_input(model: LoadedModel) -> int:
+    """The most tokens one input may have: what the model's agents take as one prompt (the context
+    but the one token a pooled prompt samples; an encoder's, what one call computes)."""
+    return model.engine.max_prompt_len or model.engine.max_seq_len - 1
 
 
 async def pooled(
@@ -77,13 +83,13 @@ async def pooled(
             f"({settings.max_pooling_inputs})",
             param=param,
         )
-    context = model.engine.max_seq_len
+    longest = longest_input(model)
     for i, ids in enumerate(inputs):
-        if len(ids) + 1 > context:  # the one token a pooled prompt samples
+        if len(ids) > longest:
             raise ApiError(
                 400,
-                f"{param}: input {i} of {len(ids)} tokens exceeds the context of {context} tokens (one "
-                f"kept for the pooled token): send truncate_prompt_tokens to cut it",
+                f"{param}: input {i} of {len(ids)} tokens exceeds the longest input this model takes "
+                f"({longest} tokens): send truncate_prompt_tokens to cut it",
                 param=param,
             )
     tokens = sum(len(ids) for ids in inputs)
@@ -152,7 +158,7 @@ async def embeddings(http: Request, repository: ModelRepository, req: EmbeddingR
                 param="dimensions",
             )
     inputs = [await input_ids(model, req, given, "input") for given in req.inputs()]
-    vectors = await pooled(http, model, req, inputs, "hidden", "input")
+    vectors = await pooled(http, model, req, inputs, model.pooling.pool, "input")
     data = [
         {
             "object": "embedding",
@@ -183,7 +189,7 @@ async def pair_scores(
         return [relevance(v) for v in vectors], inputs
     texts = list(dict.fromkeys(text for pair in pairs for text in pair))
     inputs = [await input_ids(model, req, text, param) for text in texts]
-    by_text = dict(zip(texts, await pooled(http, model, req, inputs, "hidden", param)))
+    by_text = dict(zip(texts, await pooled(http, model, req, inputs, model.pooling.pool, param)))
     return [cosine(by_text[q], by_text[d]) for q, d in pairs], inputs
 
 

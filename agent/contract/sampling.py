@@ -44,11 +44,12 @@ MAX_PRIORITY = 2**31 - 1  # a request's priority (lower first) lies within +-thi
 # A pooling request's logits (a reranker's label tokens, SamplingParams.pool): a few, as each is
 # a float on the wire per request
 MAX_POOLED_LOGITS = 16
-# What a prompt's last row gives back beside its token (SamplingParams.pool): "hidden", its final
-# hidden state (after the final norm: an embedding), or the logits of these token ids (a reranker's
-# labels)
+# What a prompt gives back beside its token (SamplingParams.pool): "hidden", its last row's final
+# hidden state (after the final norm: a decoder's embedding); "mean" or "cls", the mean of its rows'
+# or its first row's (an encoder's, whose prompts run whole); each then through the model's dense
+# projections, if it has any; or the logits of these token ids at its last row (a reranker's labels)
 Pool = (
-    Literal["hidden"]
+    Literal["hidden", "mean", "cls"]
     | Annotated[tuple[Annotated[int, Field(ge=0)], ...], Field(min_length=1, max_length=MAX_POOLED_LOGITS)]
 )
 

@@ -257,15 +257,15 @@ class DecoderLayer(nn.Cell):
             setattr(self, name, param(checkpoint.tensors[p + name].reshape(-1), p + name))
         self.conv_state = zeros((states.total, shape.conv_state), p + "conv_state", ms.float32)
         self.recurrent_state = zeros((states.total, shape.recurrent_state), p + "recurrent_state", ms.float32)
-        options = [0, 0, 0, 0, 0, 0, 0, 1]  # kind 1: a Gated DeltaNet layer
+        options = [0, 0, 0, 0, 0, 0, 0, 1, 0]  # kind 1: a Gated DeltaNet layer
         self.options = Parameter(Tensor(np.array(options, np.int32)), name=p + "options", requires_grad=False)
         self.delta_inputs = tuple(getattr(self, name) for name in DELTA_LAYER_INPUTS)  # fused()'s
         self.k_cache = self.v_cache = None  # its state is in delta_inputs
 
     def _fused_options(self, checkpoint: Checkpoint, p: str) -> None:
         """The fused kernel's options of this layer (window, local, GeGLU, QK-norm, post-norms, head
-        size, output gate, kind) and their weights: QK-norm and post-norm weights ([1], unread, where
-        the layer has none)."""
+        size, output gate, kind, bidirectional) and their weights: QK-norm and post-norm weights
+        ([1], unread, where the layer has none)."""
         spec = checkpoint.spec
         none = np.ones(1, np.float32)
         for name in ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"):
@@ -279,6 +279,7 @@ class DecoderLayer(nn.Cell):
             spec.head_dim if spec.rope_dims != spec.head_dim else 0,  # partial RoPE: the head's size
             int(spec.output_gate),
             0,  # kind: attention
+            int(spec.bidirectional),
         ]
         self.options = Parameter(Tensor(np.array(options, np.int32)), name=p + "options", requires_grad=False)
 

@@ -154,7 +154,10 @@ class PoolingGraphs(ModelGraphs, Protocol):
     """Graphs that also keep their rows' final hidden states (after the final norm, float32): what a
     pooling request's prompt returns (an embedding); MindIR exports compute logits only."""
 
-    hidden: Tensor | None  # [rows, hidden] of the last prefill or mixed call: the rows of its logits
+    hidden: Tensor | None  # [rows, hidden] of the last prefill or mixed call: every row's
+    # the pooled vector's dense projections, in order ([out, in] float32, host-side: an encoder's
+    # sentence-transformers Dense modules, EmbeddingGemma's); () for none
+    projection: tuple[np.ndarray, ...]
 
 
 @runtime_checkable

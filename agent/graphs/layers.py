@@ -45,6 +45,7 @@ def fused_only_features(spec: ModelSpec) -> list[str]:
         "Gated DeltaNet layers": spec.linear_attention is not None,
         "gated attention": spec.output_gate,
         "partial RoPE": spec.rope_dims != spec.head_dim,
+        "bidirectional attention": spec.bidirectional,
     }
     return [name for name, present in features.items() if present]
 

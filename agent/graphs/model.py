@@ -214,19 +214,29 @@ class DecoderModel(nn.Cell):
 
     def logits(self, x):
         """Float32 logits whatever the model's dtype: the post-process graphs and the host expect them."""
-        return self.head(x)[0]
+        return self.lm_head_logits(self.final_normed(x))
 
-    def head(self, x):
-        """The rows' float32 logits and their final hidden states (after the final norm, float32:
-        what a pooling request's prompt returns, SamplingParams.pool)."""
-        x = rms_norm(x, self.final_norm, self.eps, self.dtype, self.half, self.kernel_norm, self.eps_tensor)
+    def head(self, x, rows):
+        """The float32 logits of `rows` of x, and every row's final hidden state (after the final
+        norm, float32: what a pooling request's prompt pools, SamplingParams.pool; row-wise, so the
+        logit rows' are as computed alone)."""
+        normed = self.final_normed(x)
+        logits = self.lm_head_logits(ops.gather(normed, rows, 0))
+        return logits, ops.cast(normed, ms.float32) if self.half else normed
+
+    def final_normed(self, x):
+        return rms_norm(
+            x, self.final_norm, self.eps, self.dtype, self.half, self.kernel_norm, self.eps_tensor
+        )
+
+    def lm_head_logits(self, x):
         if self.half:
-            return ops.cast(self.matmul_t(x, self.lm_head), ms.float32), ops.cast(x, ms.float32)
+            return ops.cast(self.matmul_t(x, self.lm_head), ms.float32)
         if not self.kept:
-            return self.matmul_t(x, self.lm_head), x
+            return self.matmul_t(x, self.lm_head)
         logits = self.kernel_matmul_format(x, self.lm_head, self.lm_head_format)
         vocab = self.spec.vocab_size
-        return (logits if vocab % MATMUL_TILE == 0 else logits[:, :vocab]), x
+        return logits if vocab % MATMUL_TILE == 0 else logits[:, :vocab]
 
     def cache_bytes(self) -> int:
         rows = sum(layer.k_cache.size // layer.k_cache.shape[-1] for layer in self.cache_layers)

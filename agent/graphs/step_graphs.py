@@ -24,6 +24,7 @@ from agent.graphs.shapes import NO_STATES, StateSlots
 from agent.kernels import TARGET_ENV, has_int8_products
 from agent.kernels import target as kernel_target
 from agent.model.checkpoint import Checkpoint
+from agent.model.families.base import PROJECTIONS
 from config.schema import RuntimeSection
 
 
@@ -80,7 +81,7 @@ class TopGraph(nn.Cell):
 
 class PrefillGraph(TopGraph):
     """One prompt (or chunk) padded to a bucket -> its K/V written through its block table, the last
-    real token's logits and final hidden state (DecoderModel.head)."""
+    real token's logits, and every row's final hidden state (DecoderModel.head)."""
 
     def __init__(self, model: DecoderModel):
         super().__init__()
@@ -95,13 +96,13 @@ class PrefillGraph(TopGraph):
             states = self.model.state_moves(extra)
             for layer in self.layers:
                 x = layer(x, cos, sin, self.model.rot, write_idx, mask, tables, row_table, states)
-        return self.model.head(ops.gather(x, last_index, 0))
+        return self.model.head(x, last_index)
 
 
 class MixedStepGraph(TopGraph):
     """Decode rows and prompt chunks in one prefill graph call -> the logit rows' logits and argmax
-    (as decode's: the argmax graph, its shape dynamic, cost ~1.6 ms a step at 16 rows), and their
-    final hidden states."""
+    (as decode's: the argmax graph, its shape dynamic, cost ~1.6 ms a step at 16 rows), and every
+    row's final hidden state."""
 
     def __init__(self, prefill: PrefillGraph):
         super().__init__()
@@ -145,7 +146,7 @@ class PagedStepGraph(TopGraph):
     K/V written, the logits of `logit_rows` and their argmax. Its inputs carry the names the Ascend
     kernels read them by (batch_valid_length, q_seq_lens), and it runs in MindSpore's predict phase:
     `prefill` (prompt: every sequence from position 0, FlashAttentionScore) or `increment` (decode
-    rows, chunks, mixed steps: PagedAttention); it also returns those rows' final hidden states. A
+    rows, chunks, mixed steps: PagedAttention); it also returns every row's final hidden state. A
     predict-phase cell keeps one compiled graph per phase and runs it for any call, so its inputs
     are dynamic (set_inputs), as vllm-mindspore's."""
 
@@ -177,7 +178,7 @@ class PagedStepGraph(TopGraph):
         paging = (slot_mapping, batch_valid_length, q_seq_lens, block_tables, attn_mask)
         for layer in self.model.layers:
             x = layer.paged(x, cos, sin, self.model.rot, paging, layer.k_cache, layer.v_cache, self.prompt)
-        logits, hidden = self.model.head(ops.gather(x, logit_rows, 0))
+        logits, hidden = self.model.head(x, logit_rows)
         logits, greedy = logits_and_argmax(logits)
         return logits, greedy, hidden
 
@@ -340,8 +341,13 @@ class StepGraphs:
         self.state_export_graph = StateExportGraph(self.model)
         self.state_import_graph = StateImportGraph(self.model)
         self.topk_buckets = topk_buckets(self.spec.vocab_size)
-        # the final hidden states of the last prefill or mixed call's rows of logits (PoolingGraphs)
+        # the final hidden states of the last prefill or mixed call's rows (PoolingGraphs)
         self.hidden: Tensor | None = None
+        self.projection = tuple(
+            np.asarray(checkpoint.tensors[name], np.float32)
+            for name in PROJECTIONS
+            if name in checkpoint.tensors
+        )
         self.topk_graphs = {k: TopKGraph(k) for k in self.topk_buckets}
         dynamic_rows = Tensor(
             shape=[None, self.spec.vocab_size], dtype=ms.float32

@@ -35,7 +35,7 @@
 //   cache: kv_rows.h), ffn_norm [D], formats [7] int32 (the
 //   format of each matrix, product.h), wq, wk, wv, wo, w_gate, w_up, w_down (rows as output columns,
 //   packed: product.h read_matrix), q_norm [hd], k_norm [hd], post_attn_norm [D], post_ffn_norm [D]
-//   (each [1] and unread where the layer has none), options [8] int32: the sliding window (0: none,
+//   (each [1] and unread where the layer has none), options [9] int32: the sliding window (0: none,
 //   else the positions a row attends, its own included), local (1: inputs 9-12), the activation
 //   (0 SwiGLU, 1 GeGLU with tanh GELU), QK-norm (1: each query and key head RMS-normed by q_norm,
 //   k_norm before RoPE), post-norms (1: the attention's and the FFN's outputs RMS-normed by
@@ -51,7 +51,8 @@
 //   (C = 2 key_heads key_dim + value_heads value_dim columns), wk: z [value_heads value_dim], wv:
 //   b then a [2 value_heads], wo: the output product, w_gate, w_up, w_down, norm [value_dim],
 //   conv [K * C] (tap-major), dt_bias [value_heads], A [value_heads] (-exp(A_log)), options; its shape is
-//   read from theirs);
+//   read from theirs), bidirectional (1: each row also attends its sequence's later positions in
+//   the call, prompt_attention.h bidirectional_span: an encoder's, whose prompts run whole);
 //   output [N, D] last.
 // Matrices of one layer may differ in format (a Q4_K_M file's attn_v and ffn_down are Q6_K in half
 // the layers). The attention scale, 1 / sqrt(hd) or eps's second value where it has one (Gemma's
@@ -79,7 +80,7 @@ namespace {
 using packed::TILE;
 
 constexpr int64_t MAX_HEAD_DIM = 512;  // one head's bias-added row lives on the stack
-constexpr int COMMON = 14, PER_LAYER = 18, MATRICES = 7, OPTIONS = 8;
+constexpr int COMMON = 14, PER_LAYER = 18, MATRICES = 7, OPTIONS = 9;
 enum { MOVE_SLOT, MOVE_REPLAY, MOVE_HOLD, MOVE_RESTORE, MOVE_SAVE, STATE_MOVES };
 enum { WQ, WK, WV, WO, W_GATE, W_UP, W_DOWN };
 
@@ -122,6 +123,7 @@ struct Layer {
   int64_t window = 0;  // positions a row attends (0: all it has)
   int64_t rotary = 0;  // the dims of each head RoPE rotates (the tables' width), the rest as they are
   bool local = false, geglu = false;
+  bool bidirectional = false;  // rows attend their sequence's later positions in the call too (encoders)
   bool gated = false;  // the queries' product holds each head's output gate after it
   product::Matrix m[MATRICES];
   // A Gated DeltaNet layer (gated_delta.h) in place of attention: its shape, weights and state
@@ -215,8 +217,9 @@ bool read_layer(void **params, int *ndims, int64_t **shapes, int first, const St
   const int32_t *options = static_cast<const int32_t *>(params[at + 17]);
   layer.window = options[0], layer.local = options[1] != 0, layer.geglu = options[2] != 0;
   const bool qk_norm = options[3] != 0, post_norms = options[4] != 0;
-  layer.gated = options[6] != 0;
-  if (layer.window < 0 || options[2] < 0 || options[2] > 1 || options[5] < 0 || options[7] < 0 || options[7] > 1)
+  layer.gated = options[6] != 0, layer.bidirectional = options[8] != 0;
+  if (layer.window < 0 || options[2] < 0 || options[2] > 1 || options[5] < 0 || options[7] < 0 || options[7] > 1 ||
+      options[8] < 0 || options[8] > 1 || (options[8] == 1 && options[7] == 1))
     return false;
   const int32_t *formats = static_cast<const int32_t *>(params[at + 5]);
   for (int i = 0; i < MATRICES; ++i)
@@ -539,7 +542,8 @@ int run_layer(const float *x, const Step &step, const Layer &layer, bool int8_ac
       region.for_dynamic(n_attend, 1, [&](int64_t i) {
         const prompt_attention::Block &w = blocks_todo[i];
         const rowwise::Paged at{paging.table(w.b0), kv, paging.block, w.head};
-        prompt_attention::attend_block(w, at, k_cache, v_cache, q, len, kv, groups, hd, window, attn);
+        prompt_attention::attend_block(w, at, k_cache, v_cache, q, len, kv, groups, hd, window,
+                                      layer.bidirectional, attn);
       });
       if (layer.gated)  // each head's output times sigmoid of its gate (Qwen3.5's gated attention)
         region.for_static(live, [&](int64_t b) {

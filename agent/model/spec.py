@@ -139,6 +139,9 @@ class ModelSpec(BaseModel):
     linear_attention: LinearAttention | None = None
     output_gate: bool = False
     rotary_dim: int = 0  # the dims of each head RoPE rotates (0: all of head_dim)
+    # an encoder's (EmbeddingGemma's): every position attends the whole prompt, later ones too, and a
+    # local layer's window spans sliding_window - 1 positions either side; its prompts run whole
+    bidirectional: bool = False
 
     @property
     def group_size(self) -> int:

@@ -21,6 +21,7 @@ MODULES = (
     "qwen3moe",
     "phi3",
     "gemma3",
+    "gemma_embedding",
     "internlm2",
     "mistral",
     "smollm3",

@@ -38,6 +38,9 @@ Transform = Callable[[dict[str, np.ndarray], ModelSpec], None]
 HfSpecFields = Callable[[dict[str, Any]], dict[str, Any]]
 # Matrices some families store packed, one above the other (Phi-3's), and the parts they hold
 PACKED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+# An embedder's dense projections of its pooled vector (sentence-transformers' Dense modules), in the
+# order they apply: canonical names of global tensors, read by the pooling (StepGraphs.projection)
+PROJECTIONS = ("projection.0", "projection.1")
 
 
 def packed_parts(name: str, spec: ModelSpec) -> list[tuple[str, slice | None]]:
@@ -91,6 +94,7 @@ class GgufLayout:
     permuted_qk: bool = False  # llama.cpp's converter stored Q/K rows in the interleaved RoPE order
     spec_fields: SpecFields | None = None
     chat_template: str | None = None  # the one agent/model/templates/ ships for files without one
+    encoder: bool = False  # its attention is bidirectional (ModelSpec.bidirectional): an embedder's
 
     def canonical_name(self, name: str) -> str | None:
         return canonical_name(name, "blk.", self.layer_names, self.global_names)
@@ -117,6 +121,8 @@ class HfLayout:
                 # the vision tower's ("model.visual.") and other parts' ("mtp."), but the LM head
                 return self.global_names.get(name) if not name.startswith("model.") else None
             name = "model." + name[len(LANGUAGE_MODEL) :]
+        elif not name.startswith("model.") and name not in self.global_names:
+            name = "model." + name  # a base model's (transformers' AutoModel, an embedder's): no prefix
         return canonical_name(name, "model.layers.", self.layer_names, self.global_names)
 
     def language_model(self) -> HfLayout:

@@ -24,6 +24,7 @@ from agent.model.checkpoint import (
     no_progress,
 )
 from agent.model.families import HfLayout, hf_layout
+from agent.model.families.base import PROJECTIONS
 from agent.model.formats import int8_checkpoint
 from agent.model.spec import ModelSpec, RopeScaling
 
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 BF16_BITS = "<u2"  # numpy has no bfloat16: its bits, widened to float32 after the read
 MAPPED_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": BF16_BITS, "F64": "<f8"}
+IDENTITY = "torch.nn.modules.linear.Identity"  # a sentence-transformers Dense module's plain kind
 
 
 def read_json(path: Path) -> dict:
@@ -56,8 +58,11 @@ def hf_eos_ids(directory: Path, config: dict) -> tuple[int, ...]:
 
 def rope_parameters(config: dict) -> dict:
     """RoPE's base and scaling: config.json's rope_theta and rope_scaling, or (transformers 5 writes
-    them so) its rope_parameters, which holds both."""
+    them so) its rope_parameters, which holds both (Gemma 3's: per layer type, the global layers'
+    here)."""
     parameters = dict(config.get("rope_parameters") or {})
+    if isinstance(parameters.get("full_attention"), dict):
+        parameters = dict(parameters["full_attention"])
     parameters.update(config.get("rope_scaling") or {})
     if "rope_theta" in config:
         parameters["rope_theta"] = config["rope_theta"]
@@ -144,9 +149,38 @@ def load(directory: Path, progress: Progress) -> Checkpoint:
         tensors[name] = np.ascontiguousarray(read(), dtype=np.float32)
     if layout.transform is not None:
         layout.transform(tensors, spec)
+    tensors.update(_projections(directory))
     checkpoint = Checkpoint(spec=spec, tensors=tensors, source=directory, format="safetensors")
     int8_checkpoint.place(int8, checkpoint, tensors, layout.canonical_name)
     return checkpoint
+
+
+def _projections(directory: Path) -> dict[str, np.ndarray]:
+    """sentence-transformers' Dense modules (modules.json), in their order, as the pooled vector's
+    projections (PROJECTIONS: EmbeddingGemma's two); {} where the directory has none. Only the
+    linear kind is read (no bias, the Identity activation): another is refused, naming it."""
+    modules_path = directory / "modules.json"
+    modules = read_json(modules_path) if modules_path.is_file() else []
+    dense = [m for m in modules if isinstance(m, dict) and str(m.get("type", "")).endswith("Dense")]
+    if len(dense) > len(PROJECTIONS):
+        raise CheckpointError(
+            f"{modules_path}: {len(dense)} Dense modules (at most {len(PROJECTIONS)} are read)"
+        )
+    projections = {}
+    for name, module in zip(PROJECTIONS, dense):
+        folder = directory / str(module.get("path", ""))
+        config = read_json(folder / "config.json")
+        activation = config.get("activation_function", IDENTITY)
+        if config.get("bias") or activation != IDENTITY:
+            raise CheckpointError(
+                f"{folder}: a Dense module with a bias or the activation {activation} is not supported "
+                f"(only bias false and {IDENTITY})"
+            )
+        entries = dict(_safetensors_entries(folder / "model.safetensors"))
+        if "linear.weight" not in entries:
+            raise CheckpointError(f"{folder / 'model.safetensors'}: no linear.weight")
+        projections[name] = np.ascontiguousarray(entries["linear.weight"](), dtype=np.float32)
+    return projections
 
 
 def _int8_linears(

@@ -4,8 +4,13 @@ Qwen3's real vocabulary (tests/support/pooling_models.py): sentence-transformers
 Hugging Face directory (last-token pooling, normalized), from that directory and from its GGUF, and
 transformers' logits for a reranker's labels; the same vector whether the prompt runs alone, in
 chunks, from a prefix-cache hit or in one mixed step beside a decoding sequence, whose tokens it
-leaves as they were; and int8 activations (the default on quantized files) against float32."""
+leaves as they were; and int8 activations (the default on quantized files) against float32. An
+encoder (EmbeddingGemma's shape: bidirectional attention, mean pooling, dense projections) against
+sentence-transformers, several inputs in one step as each alone; its known-answer reference (the
+numpy forward) against transformers' hidden states."""
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -19,9 +24,11 @@ import pooling_models
 import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.contract.step import StepChunk, StepRequest
+from agent.known_answer import numpy_forward
+from agent.model.checkpoint import CheckpointError
 from agent.model.formats import load_checkpoint
 from agent.model.tokenizer import load_tokenizer
-from agent.runner import ModelRunner
+from agent.runner import ModelRunner, RunnerError
 from server.pooling import Pooling, embedding
 
 FLOAT32_COSINE = 0.99999  # the issue's bound in float32 mode
@@ -166,3 +173,79 @@ def test_int8_activations_keep_embeddings_within_the_bound(tmp_path, texts):
         default.release(0)
         exact.release(0)
         assert cosine(got, want) >= INT8_COSINE, len(ids)
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    return pooling_models.write_gemma_embedder(tmp_path_factory.mktemp("encoder"))
+
+
+def encoder_texts() -> list[str]:
+    """Texts of 2 to ~200 tokens: most longer than the local layers' window (8 either side)."""
+    suite = hf.suite_texts("mistral")
+    return ["Paris is the capital of France.", "a", " ".join(suite)[:400], *suite[2:6]]
+
+
+@pytest.mark.parametrize("form", ["directory", "gguf"])
+def test_an_encoder_s_embeddings_equal_sentence_transformers(encoder, form):
+    """Mean pooling over every row of the prompt, each row attending the whole prompt (within the
+    local layers' window either side), then both projections: sentence-transformers' vector, from
+    its own directory (the Dense modules read from it) and from the GGUF. The prompts run whole: the
+    runner says it takes no chunks, and refuses a chunk that starts later."""
+    directory, gguf, reference = encoder
+    texts = encoder_texts()
+    want = reference.encode(texts, convert_to_numpy=True, batch_size=1)
+    ids = [reference.preprocess([t])["input_ids"][0].tolist() for t in texts]
+    assert max(len(i) for i in ids) > 64 and min(len(i) for i in ids) <= 2
+    runner = ModelRunner.from_checkpoint(
+        load_checkpoint(gguf if form == "gguf" else directory), DEFAULT_RUNTIME
+    )
+    assert not runner.chunked_prefill and not runner.prefix_caching
+    mean = SamplingParams(pool="mean")
+    alone = []
+    for prompt, vector in zip(ids, want):
+        alone.append(pooled(runner, 0, prompt, mean))
+        runner.release(0)
+        got = embedding(alone[-1], NORMALIZED, None)
+        assert cosine(got, vector) >= FLOAT32_COSINE, len(prompt)
+        assert np.abs(got - vector).max() < 1e-5
+    # the three shortest inputs in one step (one call of the mixed graph): each as it was alone
+    shortest = sorted(range(len(ids)), key=lambda i: len(ids[i]))[:3]
+    assert sum(len(ids[i]) for i in shortest) <= runner.mixed_rows
+    chunks = [calls.chunk(slot, ids[i], mean) for slot, i in enumerate(shortest)]
+    reply = runner.execute(StepRequest(chunks=chunks))
+    for vector, i in zip(reply.pooled, shortest):
+        np.testing.assert_allclose(vector, alone[i], rtol=0, atol=1e-5)
+    for slot in range(3):
+        runner.release(slot)
+    with pytest.raises(RunnerError, match="whole prompt"):
+        pooled(runner, 1, ids[2], mean, table=runner.graphs.inputs.slot_table(1), start=16)
+
+
+def test_an_encoder_s_known_answer_is_transformers_bidirectional_forward(encoder):
+    """The warm-up's reference (numpy_forward) of an encoder: its prompt's last row's logits are
+    transformers' final hidden state of that row times the embedding (the hidden states are
+    bidirectional: changing the last token changes the first row's)."""
+    _, gguf, reference = encoder
+    ids = reference.preprocess(["The quick brown fox jumps over the lazy dog, twice over."])["input_ids"]
+    prompt = ids[0].tolist()
+    checkpoint = load_checkpoint(gguf)
+    transformer = reference[0].auto_model
+    with torch.no_grad():
+        hidden = transformer(input_ids=ids).last_hidden_state[0].numpy()
+        changed = transformer(input_ids=torch.tensor([prompt[:-1] + [prompt[-1] + 1]])).last_hidden_state
+    assert np.abs(changed[0, 0].numpy() - hidden[0]).max() > 1e-4
+    logits, _, _ = numpy_forward(checkpoint, np.array(prompt + [5]), states_at=len(prompt))
+    want = hidden @ checkpoint.matrix("embed").T
+    np.testing.assert_allclose(logits[: len(prompt)], want, rtol=0, atol=1e-3 * np.abs(want).max())
+
+
+def test_a_dense_module_with_a_bias_or_an_activation_is_refused(encoder, tmp_path):
+    directory, _, _ = encoder
+    for i, change in enumerate(({"bias": True}, {"activation_function": "torch.nn.modules.activation.Tanh"})):
+        copy = tmp_path / str(i)
+        shutil.copytree(directory, copy)
+        config_path = copy / "3_Dense" / "config.json"
+        config_path.write_text(json.dumps(json.loads(config_path.read_text()) | change))
+        with pytest.raises(CheckpointError, match="3_Dense: a Dense module with a bias or the activation"):
+            load_checkpoint(copy)

@@ -1,8 +1,9 @@
 """The pooling endpoints over HTTP (`start_agent.py`, `start_server.py`, real ZeroMQ and uvicorn):
 one server with a chat model that also embeds (model.pooling last), an embedder GGUF as
 Qwen3-Embedding's is written (pooling_type 3, EOS added to each input) and a reranker GGUF as
-Qwen3-Reranker's (pooling_type 4), tiny Qwen3 models with Qwen3's real vocabulary
-(tests/support/pooling_models.py).
+Qwen3-Reranker's (pooling_type 4), tiny Qwen3 models with Qwen3's real vocabulary, and an encoder
+GGUF as EmbeddingGemma's is written (bidirectional, mean pooling, dense projections;
+tests/support/pooling_models.py).
 
 References: sentence-transformers over the embedder's Hugging Face directory (embeddings, and its
 cosines as /score's), transformers' logits for the reranker's labels (relevance = P(yes)). Clients:
@@ -41,14 +42,15 @@ QUERY = "What is the capital of France?"
 def models(tmp_path_factory):
     embedder = pooling_models.write_embedder(tmp_path_factory.mktemp("embedder"))
     reranker = pooling_models.write_reranker(tmp_path_factory.mktemp("reranker"))
-    return embedder, reranker
+    encoder = pooling_models.write_gemma_embedder(tmp_path_factory.mktemp("encoder"))
+    return embedder, reranker, encoder
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_llama_dir, models):
-    (_, embedder, _), (reranker, _) = models
+    (_, embedder, _), (reranker, _), (_, encoder, _) = models
     directory = tmp_path_factory.mktemp("pooling-stack")
-    http, chat_port, embed_port, rank_port = free_ports(4)
+    http, chat_port, embed_port, rank_port, encoder_port = free_ports(5)
     runtime = {**LONG_ANSWERS_RUNTIME, "memory_budget_mb": 64}
     config = {
         "agents": {"startup_timeout_s": 180, "shutdown_grace_s": 5},
@@ -69,6 +71,12 @@ def base(tmp_path_factory, tiny_llama_dir, models):
                 "agents": {"ports": [embed_port]},
             },
             {"name": "reranker", "path": str(reranker), "runtime": runtime, "agents": {"ports": [rank_port]}},
+            {
+                "name": "encoder",
+                "path": str(encoder),
+                "runtime": runtime,
+                "agents": {"ports": [encoder_port]},
+            },
         ],
     }
     path = directory / "config.yaml"
@@ -81,7 +89,7 @@ def base(tmp_path_factory, tiny_llama_dir, models):
 def reference(models):
     from sentence_transformers import SentenceTransformer
 
-    (directory, _, _), _ = models
+    (directory, _, _), _, _ = models
     return SentenceTransformer(str(directory), device="cpu")
 
 
@@ -102,6 +110,7 @@ def test_models_say_what_each_does(base):
         "chat": ["generate", "embed", "score"],
         "embedder": ["embed", "score"],
         "reranker": ["score"],
+        "encoder": ["embed", "score"],
     }
     for name, tasks in listed.items():
         assert httpx.get(f"{base}/tokenizer_info", params={"model": name}).json()["tasks"] == tasks
@@ -154,7 +163,7 @@ def test_openai_and_langchain_clients(base, reference):
 
 def relevance_of(models, documents: list[str]) -> list[float]:
     """transformers' P(yes) of the reranker's prompt for each document."""
-    _, (gguf, model) = models
+    _, (gguf, model), _ = models
     tokenizer = load_tokenizer(gguf)
     yes, no = (tokenizer.tokenizer.token_to_id(t) for t in ("yes", "no"))
     scores = []
@@ -182,6 +191,29 @@ def test_rerank_orders_by_the_rerankers_relevance(base, models):
     assert all("document" not in r for r in cohere["results"]) and cohere["meta"]["billed_units"]
     scored = post(base, "/score", {"model": "reranker", "text_1": QUERY, "text_2": DOCUMENTS})
     assert [abs(d["score"] - w) < SCORE_TOLERANCE for d, w in zip(scored["data"], want)] == [True] * 4
+
+
+def test_an_encoders_embeddings_equal_sentence_transformers(base, models):
+    """EmbeddingGemma's shape served from its GGUF: each input whole (the longest the largest prefill
+    bucket, 64 tokens here), every token attending every other, mean-pooled and projected; an input
+    past that is refused naming the bound, and truncate_prompt_tokens -1 keeps what fits."""
+    _, _, (_, _, reference) = models
+    texts = [*DOCUMENTS, "The quick brown fox jumps over the lazy dog and keeps running far away."]
+    reply = post(base, "/v1/embeddings", {"model": "encoder", "input": texts})
+    want = reference.encode(texts, convert_to_numpy=True, batch_size=1)
+    for item, vector in zip(reply["data"], want):
+        assert len(item["embedding"]) == 64 and cosine(item["embedding"], vector) >= COSINE
+    longest = LONG_ANSWERS_RUNTIME["prefill_buckets"][-1]
+    refused = httpx.post(
+        f"{base}/v1/embeddings", json={"model": "encoder", "input": "word " * 80}, timeout=60
+    )
+    assert refused.status_code == 400 and f"longest input this model takes ({longest} tokens)" in refused.text
+    cut = post(
+        base, "/v1/embeddings", {"model": "encoder", "input": "word " * 80, "truncate_prompt_tokens": -1}
+    )
+    assert cut["usage"]["prompt_tokens"] == longest
+    scored = post(base, "/score", {"model": "encoder", "text_1": texts[0], "text_2": texts[1:]})
+    assert all(abs(d["score"] - cosine(want[0], w)) < 1e-5 for d, w in zip(scored["data"], want[1:]))
 
 
 def test_an_embedders_scores_are_its_cosines(base, reference):
@@ -215,7 +247,7 @@ def test_an_embedders_scores_are_its_cosines(base, reference):
             "max_pooling_inputs",
         ),
         ("/v1/embeddings", {"model": "embedder", "input": ["word " * 150] * 4}, 400, "max_pooling_tokens"),
-        ("/v1/embeddings", {"model": "embedder", "input": "word " * 600}, 400, "context"),
+        ("/v1/embeddings", {"model": "embedder", "input": "word " * 600}, 400, "longest input"),
         ("/v1/embeddings", {"model": "embedder", "input": [[1, 2, 10**7]]}, 400, "outside the vocabulary"),
         ("/v1/embeddings", {"model": "embedder", "input": "x", "dimensions": 32}, 400, "dimensions"),
         (

@@ -99,13 +99,15 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(name):
         families.gguf_layout(name, Path("m.gguf"))
     assert (
         str(gguf_refusal.value) == f"m.gguf: unsupported architecture {name!r} "
-        "(supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3, smollm3, qwen35, qwen35moe)"
+        "(supported: llama, qwen2, qwen3, qwen3moe, phi3, gemma3, gemma-embedding, smollm3, qwen35, "
+        "qwen35moe)"
     )
     with pytest.raises(CheckpointError) as hf_refusal:
         families.hf_layout(name, Path("m"))
     assert (
         str(hf_refusal.value) == f"m: unsupported architecture {name!r} "
-        "(supported: llama, qwen2, qwen3, qwen3_moe, phi3, internlm2, mistral, smollm3, qwen3_5_text, "
+        "(supported: llama, qwen2, qwen3, qwen3_moe, phi3, gemma3_text, internlm2, mistral, smollm3, "
+        "qwen3_5_text, "
         "qwen3_5_moe_text, qwen3_5, qwen3_5_moe)"
     )
 

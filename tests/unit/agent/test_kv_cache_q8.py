@@ -111,7 +111,7 @@ def one_layer(library, k_cache, v_cache, bias, wkv_scale, lengths, tables, ident
         packed(normal(dim, ffn)),
         packed(normal(ffn, dim)),
     ]
-    layer += [np.ones(1, np.float32)] * 4 + [np.zeros(8, np.int32)]
+    layer += [np.ones(1, np.float32)] * 4 + [np.zeros(9, np.int32)]
     out = np.full((rows, dim), np.nan, np.float32)
     return out, call(library.FusedStack, common + layer, out), write
 

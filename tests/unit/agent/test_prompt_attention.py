@@ -20,11 +20,18 @@ def library(kernel_target):
 
 
 def fused_layer(
-    library, lengths: np.ndarray, row_table: np.ndarray, tables: np.ndarray, window: int = 0
+    library,
+    lengths: np.ndarray,
+    row_table: np.ndarray,
+    tables: np.ndarray,
+    window: int = 0,
+    bidirectional: bool = False,
+    x_changed_at: int | None = None,
 ) -> tuple[np.ndarray, int]:
     """One FusedStack call of one layer over 8 rows with 2 KV heads of 32 (one query head each); the
     same weights, inputs and cache on every call; `window`: the layer's sliding window (its rows then
-    also QK-normed, post-normed and GeGLU, as Gemma's are). (output, return code)"""
+    also QK-normed, post-normed and GeGLU, as Gemma's are); `bidirectional`: an encoder's layer;
+    `x_changed_at`: that row's input other than on every other call. (output, return code)"""
     rng = np.random.default_rng(7)
     rows, dim, hd, kv, heads, ffn, block = 8, 32, 32, 2, 2, 32, 4
     pool = 24
@@ -33,6 +40,8 @@ def fused_layer(
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     x = normal(rows, dim, scale=1.0)
+    if x_changed_at is not None:
+        x[x_changed_at] += 1.0
     qkv_width = (heads + 2 * kv) * hd
     angles = rng.random((rows, 1, hd)).astype(np.float32)
     cache_rows = pool * kv * block
@@ -72,7 +81,7 @@ def fused_layer(
     ]
     gemma = int(window > 0)
     layer += [1 + normal(hd), 1 + normal(hd), 1 + normal(dim), 1 + normal(dim)]  # read by a Gemma layer
-    layer.append(np.array([window, 0, gemma, gemma, gemma, 0, 0, 0], np.int32))
+    layer.append(np.array([window, 0, gemma, gemma, gemma, 0, 0, 0, int(bidirectional)], np.int32))
     arrays = common + layer
     out = np.full((rows, dim), np.nan, np.float32)
     return out, call(library.FusedStack, arrays, out)
@@ -131,3 +140,34 @@ def test_a_row_attends_alike_in_blocks_of_every_size(library, split, window):
     one_by_one, code = fused_layer(library, lengths, np.arange(rows), np.tile(one_table, (rows, 1)), window)
     assert code == 0
     np.testing.assert_array_equal(one_by_one, whole)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_a_bidirectional_row_attends_its_prompt_s_later_rows_within_its_window(library, window):
+    """An encoder's prompt of 8 rows at positions 0..7 (one KV head's; the other's from 32, as
+    above): changing the last row's input changes the first row's output in a bidirectional layer
+    (row 0 attends positions 0..7) and not in a causal one. With a window of 3 (two positions either
+    side) rows 0..4 stay as they were and the sixth changes (7 - 5 < 3). The same rows over two
+    tables are two sequences, neither reading the other."""
+    rows, entries = 8, 12
+    lengths = np.stack([np.arange(1, rows + 1), np.arange(33, 33 + rows)], axis=1).reshape(-1)
+    one_table = np.random.default_rng(6).permutation(16)[:entries]
+    table, one = one_table[None, :], np.zeros(rows, np.int32)
+    causal, code = fused_layer(library, lengths, one, table, window)
+    causal_changed, _ = fused_layer(library, lengths, one, table, window, x_changed_at=rows - 1)
+    assert code == 0
+    np.testing.assert_array_equal(causal[: rows - 1], causal_changed[: rows - 1])
+    both, code = fused_layer(library, lengths, one, table, window, bidirectional=True)
+    changed, _ = fused_layer(library, lengths, one, table, window, True, x_changed_at=rows - 1)
+    assert code == 0 and np.isfinite(both).all()
+    assert not np.allclose(both[:5], causal[:5])  # the earlier rows read the later ones
+    assert np.abs(changed[5] - both[5]).max() > 1e-3
+    if window:
+        np.testing.assert_array_equal(changed[:5], both[:5])  # rows 0..4 do not reach row 7
+    else:
+        assert np.abs(changed[0] - both[0]).max() > 1e-3
+    # blocks of rows [0, 3), [3, 8) of one run: the same bits as one block
+    split = np.array([0, 0, 0, 1, 1, 1, 1, 1], np.int32)
+    blocks, code = fused_layer(library, lengths, split, np.tile(one_table, (2, 1)), window, True)
+    assert code == 0
+    assert not np.array_equal(blocks, both)  # two tables: two sequences, neither reading the other

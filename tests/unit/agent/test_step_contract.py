@@ -249,7 +249,7 @@ def test_a_reply_with_vectors_its_header_does_not_name_or_of_another_type_is_ref
         StepReply.from_wire(fields, arrays, StepRequest(chunks=POOLING), VOCAB)
 
 
-@pytest.mark.parametrize("pool", ["mean", (), (-1,), tuple(range(17)), [1.5]])
-def test_a_pool_that_is_not_hidden_or_a_few_token_ids_is_refused(pool):
+@pytest.mark.parametrize("pool", ["max", (), (-1,), tuple(range(17)), [1.5]])
+def test_a_pool_that_is_not_hidden_mean_cls_or_a_few_token_ids_is_refused(pool):
     with pytest.raises(ValidationError):
         SamplingParams(pool=pool)

@@ -104,10 +104,31 @@ def test_a_directory_says_its_pooling_in_modules_json(tmp_path, tokenizer):
     assert model_pooling(ModelSection(path=directory(tmp_path / "none", None)), tokenizer).kind == "none"
 
 
-@pytest.mark.parametrize("mode", [{"pooling_mode_mean_tokens": True}, {"pooling_mode_cls_token": True}])
-def test_an_encoders_pooling_is_refused_saying_what_to_set(tmp_path, tokenizer, mode):
-    with pytest.raises(PoolingError, match="not served yet; set model.pooling to none"):
-        model_pooling(ModelSection(path=directory(tmp_path / "enc", mode)), tokenizer)
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [({"pooling_mode_mean_tokens": True}, "mean"), ({"pooling_mode_cls_token": True}, "cls")],
+)
+def test_mean_and_cls_pool_an_encoder_and_are_refused_on_a_decoder(tmp_path, tokenizer, mode, kind):
+    """An encoder (use_bidirectional_attention: EmbeddingGemma's config) pools every token or the
+    first; a decoder's inputs may be chunked, so the same modes are refused saying what to set."""
+    encoder = directory(tmp_path / "enc", mode, {"use_bidirectional_attention": True})
+    pooling = model_pooling(ModelSection(path=encoder), tokenizer)
+    assert (pooling.kind, pooling.pool, pooling.tasks) == (kind, kind, ["embed", "score"])
+    with pytest.raises(PoolingError, match="set model.pooling to last, or none"):
+        model_pooling(ModelSection(path=directory(tmp_path / "dec", mode)), tokenizer)
+    chat = gguf_file(tmp_path / "chat.gguf")
+    with pytest.raises(PoolingError, match="only an encoder's"):
+        model_pooling(ModelSection(path=chat, pooling=kind), tokenizer)
+
+
+def test_a_directory_s_dense_modules_size_its_embeddings(tmp_path, tokenizer):
+    path = directory(tmp_path / "dense", {"pooling_mode": "mean"}, {"use_bidirectional_attention": True})
+    modules = json.loads((path / "modules.json").read_text())
+    modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "2_Dense").mkdir()
+    (path / "2_Dense" / "config.json").write_text(json.dumps({"in_features": 32, "out_features": 24}))
+    assert model_pooling(ModelSection(path=path), tokenizer).size == 24
 
 
 def test_a_reranker_without_its_label_tokens_is_refused(tmp_path):
