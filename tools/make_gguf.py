@@ -13,7 +13,9 @@ models of each architecture for the tests.
 Gemma 3 (`--shape gemma3-270m`, or `arch="gemma3"`): its four norms a layer and QK-norm (weights
 near 1, as a GGUF holds Gemma's 1 + w), the head size of its own, the sliding window and the file's
 RoPE base; format `gemma`: the real 270M file's mix (Q5_0 Q, K, gate and up, Q8_0 V and embedding,
-Q4_K output, Q6_K down).
+Q4_K output, Q6_K down). EmbeddingGemma (`--shape embeddinggemma-300m`, `arch="gemma-embedding"`):
+Gemma 3's layers as an encoder, mean pooling (pooling_type 1) and the two dense projections
+(dense_2, dense_3), as llama.cpp's converter writes it with --sentence-transformers-dense-modules.
 
 Qwen3 (`arch="qwen3"`): Llama's layers with QK-norm; Phi-3 (`arch="phi3"`): Q, K and V packed in
 attn_qkv, gate and up in ffn_up, as llama.cpp writes them; SmolLM3 (`arch="smollm3"`, `--shape
@@ -75,6 +77,9 @@ DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "models" / "SmolLM2
 DENSE_ARCHES = ("llama", "qwen3", "phi3", "smollm3")
 
 
+GEMMA = ("gemma3", "gemma-embedding")  # the architectures of Gemma 3's layers
+
+
 @dataclass(frozen=True)
 class Shape:
     hidden: int
@@ -99,6 +104,7 @@ class Shape:
     rotary: int = 0
 
     shared_ffn: int = 0  # qwen35moe: the shared expert's width (0: none)
+    dense: int = 0  # gemma-embedding: the width between its two projections (0: none)
     # an embedding model's or reranker's llama.cpp pooling_type (3 last, 4 rank; 0: a generating
     # model), written as llama.cpp's converter writes Qwen3-Embedding and Qwen3-Reranker
     pooling: int = 0
@@ -123,6 +129,20 @@ SHAPES = {
     # SmolLM3-3B: Llama's layers, every fourth without RoPE (NoPE: the loader knows, no key says)
     "smollm3-3b": Shape(2048, 36, 11008, 16, 4, arch="smollm3", head_dim=128, context=65536, rope_base=5e6),
     # Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B (with --tokenizer models/llama-vocab/ggml-vocab-qwen2.gguf)
+    "embeddinggemma-300m": Shape(
+        768,
+        24,
+        1152,
+        3,
+        1,
+        arch="gemma-embedding",
+        head_dim=256,
+        window=512,
+        context=2048,
+        rope_base=1e6,
+        pooling=1,
+        dense=3072,
+    ),
     "qwen3-embedding-0.6b": Shape(
         1024, 28, 3072, 16, 8, arch="qwen3", head_dim=128, context=32768, rope_base=1e6, pooling=3
     ),
@@ -302,9 +322,9 @@ def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (-1, shape.hidden))]
     for i in range(shape.layers):
         b = f"blk.{i}."
-        if shape.arch in ("gemma3", "qwen3", "qwen3moe"):
+        if shape.arch in (*GEMMA, "qwen3", "qwen3moe"):
             out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
-        if shape.arch == "gemma3":
+        if shape.arch in GEMMA:
             out += [
                 (b + "post_attention_norm.weight", (shape.hidden,)),
                 (b + "post_ffw_norm.weight", (shape.hidden,)),
@@ -353,6 +373,11 @@ def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
         out.append(("output.weight", (-1, shape.hidden)))
     if shape.pooling == PoolingType.RANK:  # the LM head's rows of the labels, as the converter writes them
         out.append(("cls.output.weight", (2, shape.hidden)))
+    if shape.dense:
+        out += [
+            ("dense_2.weight", (shape.dense, shape.hidden)),
+            ("dense_3.weight", (shape.hidden, shape.dense)),
+        ]
     return out
 
 
@@ -436,7 +461,7 @@ def add_shape(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
     writer.add_key_length(shape.hd)
     writer.add_value_length(shape.hd)
     writer.add_rope_freq_base(shape.rope_base)
-    writer.add_layer_norm_rms_eps(1e-6 if shape.arch == "gemma3" else 1e-5)
+    writer.add_layer_norm_rms_eps(1e-6 if shape.arch in GEMMA else 1e-5)
     writer.add_vocab_size(vocab)
     if shape.window:
         writer.add_sliding_window(shape.window)
@@ -459,6 +484,13 @@ def add_shape(writer: GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_expert_shared_feed_forward_length(shape.shared_ffn)
     if shape.pooling:
         writer.add_pooling_type(PoolingType(shape.pooling))
+    if shape.dense:
+        for name, (rows, cols) in (
+            ("dense_2", (shape.dense, shape.hidden)),
+            ("dense_3", (shape.hidden, shape.dense)),
+        ):
+            writer.add_uint32(f"{shape.arch}.{name}_feat_in", cols)
+            writer.add_uint32(f"{shape.arch}.{name}_feat_out", rows)
     if shape.pooling == PoolingType.RANK:
         writer.add_classifier_output_labels(["yes", "no"])
         writer.add_string("tokenizer.chat_template.rerank", RERANK_TEMPLATE)
@@ -571,7 +603,7 @@ def random_tensor(
     if tensor.endswith("ssm_conv1d.weight"):
         return (rng.standard_normal(extent) / np.sqrt(extent[1])).astype(np.float32)
     scale = embed_scale if extent[0] == vocab else 0.02
-    if shape.arch != "gemma3" and tensor.endswith(RESIDUAL_OUTPUTS):
+    if shape.arch not in GEMMA and tensor.endswith(RESIDUAL_OUTPUTS):
         scale /= np.sqrt(2 * shape.layers)
     rows = int(np.prod(extent[:-1]))  # an expert tensor's experts one above the other
     return random_blocks(qtype, rows, extent[-1], rng, scale)

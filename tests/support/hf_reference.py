@@ -112,6 +112,23 @@ FAMILIES = {
     "smollm3": TinyFamily(
         "SmolLM3Config", "llama-bpe", "smollm3", {"num_hidden_layers": 4, "tie_word_embeddings": True}
     ),
+    # Gemma 3 from its Hugging Face directory (Gemma3ForCausalLM, gemma3_text): two local layers (a
+    # window of 16) then a global one, QK-norm, four norms a layer (1 + w), GeGLU, scaled embeddings
+    "gemma3": TinyFamily(
+        "Gemma3TextConfig",
+        "llama-spm",
+        "",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+        },
+        zero_centered_norms=True,
+    ),
     "qwen35": TinyFamily(
         "Qwen3_5TextConfig", "qwen35", "qwen35", QWEN35, zero_centered_norms=True, multimodal="qwen3_5"
     ),

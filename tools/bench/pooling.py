@@ -100,6 +100,7 @@ class InProcess:
         import torch
         import transformers
         from sentence_transformers import SentenceTransformer
+        from sentence_transformers.models import Dense
         from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
         from agent.model.tokenizer import load_tokenizer
@@ -110,21 +111,38 @@ class InProcess:
         directory = Path(tempfile.mkdtemp(prefix="st-bench-"))
         text_tokenizer = load_tokenizer(tokenizer)
         text_tokenizer.save(directory)
-        config = transformers.Qwen3Config(
-            vocab_size=text_tokenizer.vocab_size,
-            hidden_size=shape.hidden,
-            intermediate_size=shape.ffn,
-            num_hidden_layers=shape.layers,
-            num_attention_heads=shape.heads,
-            num_key_value_heads=shape.kv_heads,
-            head_dim=shape.hd,
-            tie_word_embeddings=True,
-        )
-        transformers.Qwen3Model(config).save_pretrained(directory)  # float32
+        common = {
+            "vocab_size": text_tokenizer.vocab_size,
+            "hidden_size": shape.hidden,
+            "intermediate_size": shape.ffn,
+            "num_hidden_layers": shape.layers,
+            "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.kv_heads,
+            "head_dim": shape.hd,
+            "tie_word_embeddings": True,
+        }
+        if shape.dense:  # EmbeddingGemma: Gemma 3's layers both ways, mean pooling, two projections
+            config = transformers.Gemma3TextConfig(
+                **common,
+                sliding_window=shape.window,
+                query_pre_attn_scalar=shape.hd,
+                max_position_embeddings=shape.context,
+                use_bidirectional_attention=True,
+            )
+            model = transformers.Gemma3TextModel(config)
+            head = [
+                Pooling(shape.hidden, pooling_mode="mean"),
+                Dense(shape.hidden, shape.dense, bias=False, activation_function=torch.nn.Identity()),
+                Dense(shape.dense, shape.hidden, bias=False, activation_function=torch.nn.Identity()),
+            ]
+        else:  # Qwen3-Embedding: last-token pooling
+            config = transformers.Qwen3Config(**common)
+            model = transformers.Qwen3Model(config)
+            head = [Pooling(shape.hidden, pooling_mode="lasttoken")]
+        model.save_pretrained(directory)  # float32
         config.save_pretrained(directory)
         transformer = Transformer(str(directory))
-        pooling = Pooling(shape.hidden, pooling_mode="lasttoken")
-        self.model = SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu")
+        self.model = SentenceTransformer(modules=[transformer, *head, Normalize()], device="cpu")
         self.threads = torch.get_num_threads()
 
     def embed_job(self, docs: list[str], batch: int) -> float:
