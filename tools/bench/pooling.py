@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -100,8 +101,7 @@ class InProcess:
         import torch
         import transformers
         from sentence_transformers import SentenceTransformer
-        from sentence_transformers.models import Dense
-        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+        from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
 
         from agent.model.tokenizer import load_tokenizer
         from tools.make_gguf import SHAPES
@@ -111,7 +111,7 @@ class InProcess:
         directory = Path(tempfile.mkdtemp(prefix="st-bench-"))
         text_tokenizer = load_tokenizer(tokenizer)
         text_tokenizer.save(directory)
-        common = {
+        common: dict[str, Any] = {
             "vocab_size": text_tokenizer.vocab_size,
             "hidden_size": shape.hidden,
             "intermediate_size": shape.ffn,
@@ -121,6 +121,8 @@ class InProcess:
             "head_dim": shape.hd,
             "tie_word_embeddings": True,
         }
+        config: transformers.PretrainedConfig
+        model: transformers.PreTrainedModel
         if shape.dense:  # EmbeddingGemma: Gemma 3's layers both ways, mean pooling, two projections
             config = transformers.Gemma3TextConfig(
                 **common,
