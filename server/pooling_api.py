@@ -12,6 +12,7 @@ an input past the context is refused unless truncate_prompt_tokens cuts it to it
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -64,6 +65,23 @@ async def input_ids(model: LoadedModel, req: PoolingRequest, given: str | list[i
     return ids
 
 
+async def all_input_ids(
+    model: LoadedModel, req: PoolingRequest, given: Sequence[str | list[int]], param: str
+) -> list[list[int]]:
+    """Every input's ids (input_ids), tokenized side by side on the encoder's threads; their count
+    is bounded first, so a request of a million tiny inputs costs no tokenization."""
+    check_input_count(model, len(given), param)
+    return list(await asyncio.gather(*(input_ids(model, req, one, param) for one in given)))
+
+
+def check_input_count(model: LoadedModel, count: int, param: str) -> None:
+    most = model.config.server.max_pooling_inputs
+    if count > most:
+        raise ApiError(
+            400, f"{param}: {count} inputs, more than server.max_pooling_inputs ({most})", param=param
+        )
+
+
 def longest_input(model: LoadedModel) -> int:
     """The most tokens one input may have: what the model's agents take as one prompt (the context
     but the one token a pooled prompt samples; an encoder's, what one call computes)."""
@@ -76,13 +94,7 @@ async def pooled(
     """Each input's vector (SamplingParams.pool) from the engine, all admitted or none; the bounds
     first: inputs and tokens per request."""
     settings = model.config.server
-    if len(inputs) > settings.max_pooling_inputs:
-        raise ApiError(
-            400,
-            f"{param}: {len(inputs)} inputs, more than server.max_pooling_inputs "
-            f"({settings.max_pooling_inputs})",
-            param=param,
-        )
+    check_input_count(model, len(inputs), param)
     longest = longest_input(model)
     for i, ids in enumerate(inputs):
         if len(ids) > longest:
@@ -157,7 +169,7 @@ async def embeddings(http: Request, repository: ModelRepository, req: EmbeddingR
                 "model.matryoshka_dimensions lists them)",
                 param="dimensions",
             )
-    inputs = [await input_ids(model, req, given, "input") for given in req.inputs()]
+    inputs = await all_input_ids(model, req, req.inputs(), "input")
     vectors = await pooled(http, model, req, inputs, model.pooling.pool, "input")
     data = [
         {
@@ -183,12 +195,13 @@ async def pair_scores(
     """Each (query, document) pair's score, and the inputs it took: a reranker's relevance of its
     prompt, or an embedder's cosine of the two texts' embeddings (each distinct text embedded once)."""
     if model.pooling.kind == "rank":
-        inputs = [await input_ids(model, req, model.pooling.rank_prompt(q, d), param) for q, d in pairs]
+        prompts = [model.pooling.rank_prompt(q, d) for q, d in pairs]
+        inputs = await all_input_ids(model, req, prompts, param)
         labels = model.pooling.labels
         vectors = await pooled(http, model, req, inputs, labels, param)
         return [relevance(v) for v in vectors], inputs
     texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-    inputs = [await input_ids(model, req, text, param) for text in texts]
+    inputs = await all_input_ids(model, req, texts, param)
     by_text = dict(zip(texts, await pooled(http, model, req, inputs, model.pooling.pool, param)))
     return [cosine(by_text[q], by_text[d]) for q, d in pairs], inputs
 
