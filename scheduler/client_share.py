@@ -80,14 +80,21 @@ class ClientShares:
         return None
 
     def next_to_admit(self, waiting: Iterable[Sequence]) -> Sequence | None:
-        """The waiting sequence a free slot goes to (None: every waiting client is at its cap)."""
+        """The waiting sequence a free slot goes to (None: every waiting client is at its cap): the
+        client running fewest first, then by priority, then a stream before a pooling request (batch
+        work: a chat arriving behind an embedding job's queued inputs starts at once, not after
+        them), then in arrival order."""
         candidates = [
             s for s in waiting if self.max_running is None or self.load(s.client).running < self.max_running
         ]
         return min(
             candidates,
             # min keeps the first of equal keys: the waiting queue is in arrival order
-            key=lambda s: (self.load(s.client).running, s.priority if self.by_priority else 0),
+            key=lambda s: (
+                self.load(s.client).running,
+                s.priority if self.by_priority else 0,
+                s.sampling.pool is not None,
+            ),
             default=None,
         )
 

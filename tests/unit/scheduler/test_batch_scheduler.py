@@ -583,6 +583,27 @@ def test_pooling_prompts_beside_streams_weigh_as_no_stream():
     assert all(s.output == alone(s, max_seq_len=256) for s in streams)
 
 
+def test_a_stream_queued_behind_pooling_requests_is_admitted_before_them():
+    """An embedding job keeps every slot busy and more inputs queued: a chat arriving behind them
+    takes the next free slot (and its prompt the step), in place of the inputs queued before it."""
+    scheduler, agents = make(slots=(2,), max_seq_len=256, max_batched_tokens=200)
+    pooling = SamplingParams(pool="hidden")
+    inputs = [
+        Sequence(f"e{i}", list(range(10 * i + 1, 10 * i + 11)), pooling, 1, frozenset({EOS}))
+        for i in range(6)
+    ]
+    for s in inputs:
+        scheduler.add(s)
+    step(scheduler, agents)  # two inputs take the slots; four wait
+    chat = seq("chat", prompt=range(100, 110), max_new=3)
+    scheduler.add(chat)
+    plan = step(scheduler, agents)
+    # the first two inputs are done: their slots go to the chat and the oldest input left
+    assert {c.seq.request_id for c in plan.prefills} == {"chat", "e2"}
+    run_all(scheduler, agents)
+    assert chat.output == alone(chat, max_seq_len=256) and all(s.finished for s in inputs)
+
+
 def test_a_short_prompt_gets_its_first_token_before_a_long_one_ends_which_still_advances():
     scheduler, agents = make(slots=(3,), max_seq_len=256, block_size=4, max_batched_tokens=12)
     [stream] = start_streams(scheduler, agents, 1, max_new=100)
