@@ -56,20 +56,14 @@ def gguf_spec_fields(path: Path, meta: Meta, hidden: int, head_dim: int, layers:
     }
 
 
-HF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "wq",
-    "self_attn.k_proj.weight": "wk",
-    "self_attn.v_proj.weight": "wv",
-    "self_attn.o_proj.weight": "wo",
+# Llama's names, but post_attention_layernorm: Gemma's norm of the attention's output, its FFN's
+# pre-norm being pre_feedforward_layernorm
+HF_LAYER_NAMES = llama.HF_LAYER_NAMES | {
     "self_attn.q_norm.weight": "q_norm",
     "self_attn.k_norm.weight": "k_norm",
     "post_attention_layernorm.weight": "post_attn_norm",
     "pre_feedforward_layernorm.weight": "ffn_norm",
     "post_feedforward_layernorm.weight": "post_ffn_norm",
-    "mlp.gate_proj.weight": "w_gate",
-    "mlp.up_proj.weight": "w_up",
-    "mlp.down_proj.weight": "w_down",
 }
 NORMS = ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm", "final_norm")
 
