@@ -283,7 +283,8 @@ class BatchScheduler:
 
     def _group_steps(self, group: int, plan: StepPlan) -> list[PlannedStep]:
         """The group's agent calls: its decode rows (with their proposals) and its own prompt
-        chunks in one mixed call where they fit, then each chunk left alone (one that scores its
+        chunks in one mixed call where they fit (several chunks without decode rows too), then
+        each chunk left alone (one that scores its
         prompt positions always is); everything alone after the agent refused a mixed call."""
         split = group in self._split
         self._split.discard(group)
@@ -294,6 +295,14 @@ class BatchScheduler:
         mixes = self.groups[group].mixes
         proposed = plan.proposed(decodes)
         together = local if not split and mixes(len(decodes), local, proposed) else []
+        if not decodes and not split and not together:  # the chunks that fit one call, in order
+            for chunk in local:
+                trial = [*together, chunk]
+                if self.groups[group].limits.fits(
+                    0, 0, [c.end - c.start for c in trial], sum(c.sample for c in trial)
+                ):
+                    together.append(chunk)
+            together = together if mixes(0, together) else []
         steps = []
         if decodes:
             if split or not mixes(len(decodes), together, proposed):  # the proposals go unverified
@@ -302,6 +311,8 @@ class BatchScheduler:
                 for seq in decodes:
                     plan.drafts.pop(seq.request_id, None)
             steps.append(self._planned(group, decodes, together, drafts, tier_moves=True))
+        elif together:
+            steps.append(self._planned(group, [], together, {}, tier_moves=True))
         for chunk in chunks:
             if not any(chunk is c for c in together):
                 steps.append(self._planned(group, [], [chunk], {}, tier_moves=not steps))

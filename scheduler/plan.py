@@ -49,8 +49,10 @@ class GroupCapacity:
 
     def mixes(self, decodes: int, chunks: list[Chunk], proposed: int = 0) -> bool:
         """Whether a step of `decodes` decode rows (with `proposed` tokens proposed after them)
-        and these local chunks fits one mixed call: its rows, its sequences and its logit rows."""
-        return bool(decodes and (chunks or proposed)) and self.limits.fits(
+        and these local chunks fits one mixed call: its rows, its sequences and its logit rows.
+        Prompt chunks alone mix too where there are several (an embedding job's inputs: one call
+        reads the weights once for all of them, and their first tokens come out together)."""
+        return bool((decodes and (chunks or proposed)) or len(chunks) > 1) and self.limits.fits(
             decodes, proposed, [c.end - c.start for c in chunks], sum(c.sample for c in chunks)
         )
 
@@ -145,8 +147,9 @@ class PlannedStep:
 
     @property
     def mixed(self) -> bool:
-        """Decode rows with prompt chunks or proposals in one call: refused, its parts run alone."""
-        return bool(self.decodes) and not self.plain_decode
+        """Decode rows with prompt chunks or proposals, or several chunks, in one call: refused, its
+        parts run alone."""
+        return (bool(self.decodes) and not self.plain_decode) or len(self.chunks) > 1
 
 
 @dataclass

@@ -604,6 +604,22 @@ def test_a_stream_queued_behind_pooling_requests_is_admitted_before_them():
     assert chat.output == alone(chat, max_seq_len=256) and all(s.finished for s in inputs)
 
 
+def test_prompts_without_decodes_share_one_call_where_they_fit():
+    """Short inputs (queries, an embedding job's) arriving together run in one mixed call, not a call
+    each; a prompt too long to share the call's rows runs alone beside them; answers as alone."""
+    scheduler, agents = make(slots=(4,), max_seq_len=64, max_batched_tokens=64, mixed_rows=24)
+    short = [seq(f"q{i}", prompt=range(10 * i + 1, 10 * i + 7), max_new=2) for i in range(3)]
+    long = seq("long", prompt=range(100, 120), max_new=2)
+    for s in (*short, long):
+        scheduler.add(s)
+    plan = step(scheduler, agents)
+    [part] = plan.parts.values()
+    calls = [sorted(c.seq.request_id for c in planned.chunks) for planned in part.steps]
+    assert calls == [["q0", "q1", "q2"], ["long"]] and part.steps[0].mixed
+    run_all(scheduler, agents)
+    assert all(s.output == alone(s, max_seq_len=64) for s in (*short, long))
+
+
 def test_a_short_prompt_gets_its_first_token_before_a_long_one_ends_which_still_advances():
     scheduler, agents = make(slots=(3,), max_seq_len=256, block_size=4, max_batched_tokens=12)
     [stream] = start_streams(scheduler, agents, 1, max_new=100)
