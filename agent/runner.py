@@ -431,13 +431,10 @@ class ModelRunner:
             if isinstance(pool, tuple):
                 out[i] = np.ascontiguousarray(host[row, list(pool)], np.float32)
                 continue
-            vector = (
-                states[last]
-                if pool == "hidden"
-                else states[first]
-                if pool == "cls"
-                else states[first : last + 1].mean(axis=0, dtype=np.float64)
-            )
+            if pool == "mean":
+                vector = states[first : last + 1].mean(axis=0, dtype=np.float64)
+            else:
+                vector = states[last if pool == "hidden" else first]
             for matrix in graphs.projection:
                 vector = matrix @ vector
             out[i] = np.ascontiguousarray(vector, np.float32)

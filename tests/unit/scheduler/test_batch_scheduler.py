@@ -559,6 +559,15 @@ def test_a_burst_of_prompts_beside_few_streams_gets_a_larger_share_of_the_step()
     assert all(s.output == alone(s, max_seq_len=256) for s in streams + burst)
 
 
+def pooling_inputs(count: int) -> list[Sequence]:
+    """An embedding job's inputs: pooling requests of 10 positions each, one token answered."""
+    pooling = SamplingParams(pool="hidden")
+    return [
+        Sequence(f"e{i}", list(range(10 * i + 1, 10 * i + 11)), pooling, 1, frozenset({EOS}))
+        for i in range(count)
+    ]
+
+
 def test_pooling_prompts_beside_streams_weigh_as_no_stream():
     """An embedding job's inputs (pooling requests: prompts that never decode) are batch work: eight
     of them waiting beside two streams leave a step what one waiting prompt would, where eight
@@ -568,11 +577,7 @@ def test_pooling_prompts_beside_streams_weigh_as_no_stream():
     costs = scheduler.step_costs[0]
     costs.decoded(2, 40, 0.020)
     costs.mixed(2, 40, [(0, 10)], 0.040)  # 2 ms a position
-    pooling = SamplingParams(pool="hidden")
-    inputs = [
-        Sequence(f"e{i}", list(range(10 * i + 1, 10 * i + 11)), pooling, 1, frozenset({EOS}))
-        for i in range(8)
-    ]
+    inputs = pooling_inputs(8)
     for s in inputs:
         scheduler.add(s)
     plan = step(scheduler, agents)
@@ -587,11 +592,7 @@ def test_a_stream_queued_behind_pooling_requests_is_admitted_before_them():
     """An embedding job keeps every slot busy and more inputs queued: a chat arriving behind them
     takes the next free slot (and its prompt the step), in place of the inputs queued before it."""
     scheduler, agents = make(slots=(2,), max_seq_len=256, max_batched_tokens=200)
-    pooling = SamplingParams(pool="hidden")
-    inputs = [
-        Sequence(f"e{i}", list(range(10 * i + 1, 10 * i + 11)), pooling, 1, frozenset({EOS}))
-        for i in range(6)
-    ]
+    inputs = pooling_inputs(6)
     for s in inputs:
         scheduler.add(s)
     step(scheduler, agents)  # two inputs take the slots; four wait
