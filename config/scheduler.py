@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from config.base import Section
 
@@ -39,6 +39,14 @@ class SchedulerSection(Section):
         "slowest token stays this multiple of its usual one; the extra time grows in proportion "
         "while prompts wait (each weighs as a stream); 0: the token budget alone decides",
     )
+    pooling_stall_ratio: float = Field(
+        1.2,
+        ge=0,
+        description="while sequences decode, a step that also computes pooling requests' inputs "
+        "(embeddings, scores) takes at most this many times a decode step alone (learned as "
+        "decode_stall_ratio's): the streams keep about 1 / ratio of their speed beside an "
+        "embedding job, which advances by at least a position a step; 0: as any prompt",
+    )
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV of full blocks of earlier prompts with the same prefix"
     )
@@ -60,12 +68,12 @@ class SchedulerSection(Section):
         "client's share; fcfs: arrival order, and a request with a priority is refused",
     )
 
-    @field_validator("decode_stall_ratio")
+    @field_validator("decode_stall_ratio", "pooling_stall_ratio")
     @classmethod
-    def _stall_above_one(cls, ratio: float) -> float:
+    def _stall_above_one(cls, ratio: float, info: ValidationInfo) -> float:
         if 0 < ratio <= 1:
             raise ValueError(
-                f"decode_stall_ratio ({ratio}) must exceed 1 (a step with prompt chunks takes longer "
+                f"{info.field_name} ({ratio}) must exceed 1 (a step with prompt chunks takes longer "
                 "than a decode step alone), or be 0 to let the token budget alone decide"
             )
         return ratio

@@ -22,10 +22,12 @@ what each client may hold (fair share) in scheduler/client_share.py.
 
 Each step of a group spends at most `max_batched_tokens` positions: every decode row first (a
 decode never waits for a prompt), then prompt chunks, oldest first: a long prompt spans several
-steps, short ones share one. A prompt reuses the longest cached run of full blocks with the same
-prefix (prefix caching) and computes the rest. When a decode needs a block and none is free, the
-most recently admitted sequence of the group is preempted: its blocks go, it keeps its slot and its
-tokens, and it is recomputed (a prompt chunk) before new admissions, losing nothing.
+steps, short ones share one. Pooling requests' inputs (embeddings, scores: batch work) come after
+the streams' prompts, bounded on their own beside decode rows (`pooling_stall_ratio`), and without
+decode rows to what fits one call. A prompt reuses the longest cached run of full blocks with the
+same prefix (prefix caching) and computes the rest. When a decode needs a block and none is free,
+the most recently admitted sequence of the group is preempted: its blocks go, it keeps its slot and
+its tokens, and it is recomputed (a prompt chunk) before new admissions, losing nothing.
 
 A finished sequence's slot goes into the next plan's releases, and only that plan may give it to a
 waiting sequence: the release runs first, so a slot is never prefilled while the group still holds
@@ -62,6 +64,7 @@ from scheduler.plan import (
     GroupCapacity,
     KVDestination,
     PlannedStep,
+    PromptBudget,
     Release,
     StepOutcome,
     StepPlan,
@@ -86,6 +89,7 @@ class BatchScheduler:
         max_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
         decode_stall_ratio: float = 0.0,
+        pooling_stall_ratio: float = 0.0,
         clients: ClientShares | None = None,
         speculator: Speculator | None = None,
     ):
@@ -96,6 +100,8 @@ class BatchScheduler:
         self.max_batched_tokens = max_batched_tokens  # positions one group's step computes
         # Each group's learned step costs: how many prompt positions may join its decode rows.
         self.step_costs = [StepCosts(decode_stall_ratio, g.block_size) for g in groups]
+        # ... and how many of them pooling requests' (0: as many as the prompts may take)
+        self.pooling_stall_ratio = pooling_stall_ratio
         # Each group's learned cost of verifying proposals: how many pay (scheduler/speculation/drafts.py).
         self.verify_costs = [VerifyCosts() for _ in groups]
         self.tokens_in_flight = 0
@@ -350,13 +356,15 @@ class BatchScheduler:
             chunks=(chunk,),
         )
 
-    def _prompt_budget(self, group: int, decodes: list[Sequence], proposed: int) -> int:
+    def _prompt_budget(self, group: int, decodes: list[Sequence], proposed: int) -> PromptBudget:
         """Prompt positions a step of the `decodes` rows (and the `proposed` tokens after them) may
         carry: what the token budget leaves, within one mixed call's rows, and no more than the
         group's step costs allow for the prompts waiting (a stream waits for the step); never below
-        the costs' floor, so prompts advance beside any batch."""
+        the costs' floor, so prompts advance beside any batch. Of those, pooling requests' take no
+        more than the costs allow at `pooling_stall_ratio` (at least one: the job advances), and
+        none in a step the costs want to see decode alone."""
         if not decodes:
-            return self.max_batched_tokens
+            return PromptBudget(self.max_batched_tokens, self.max_batched_tokens)
         capacity, costs = self.groups[group], self.step_costs[group]
         budget = self.max_batched_tokens - len(decodes) - proposed
         if capacity.mixed_rows:
@@ -372,7 +380,19 @@ class BatchScheduler:
             waiting=streams,
             start=max((s.computed for s in pending), default=0),  # the costliest chunk's, to be safe
         )
-        return budget if allowed is None else min(budget, allowed)
+        budget = budget if allowed is None else min(budget, allowed)
+        if not self.pooling_stall_ratio:
+            return PromptBudget(budget, budget)
+        if costs.wants_decode_step:
+            return PromptBudget(budget, 0)
+        pooled = costs.prompt_positions(
+            len(decodes),
+            attended(decodes),
+            start=max((s.computed for s in pending if s.sampling.pool is not None), default=0),
+            ratio=self.pooling_stall_ratio,
+            floor=1,
+        )
+        return PromptBudget(budget, budget if pooled is None else min(budget, pooled))
 
     def _group_seqs(self, group: int) -> list[Sequence]:
         return [s for s in self.running.values() if s.group == group]
@@ -441,13 +461,15 @@ class BatchScheduler:
                 seq.computed = hit if capacity.chunked_prefill else 0
         return True
 
-    def _plan_prompts(self, group: int, budget: int, plan: StepPlan) -> None:
-        """Chunks of the group's placed sequences whose KV is incomplete, within `budget` positions:
+    def _plan_prompts(self, group: int, budget: PromptBudget, plan: StepPlan) -> None:
+        """Chunks of the group's placed sequences whose KV is incomplete, within `budget`:
         recomputes of preempted sequences first (their streams are paused), then the prompts of
-        streams before pooling requests' (batch work: an embedding job's inputs do not delay a
-        chat's first token), each kind with the fewest positions left first (a short prompt's first
-        token does not wait for the whole of a long one), the oldest prompt always keeping a few
-        positions of the step so that none starves."""
+        streams, the fewest positions left first (a short prompt's first token does not wait for
+        the whole of a long one), the oldest keeping a few positions of the step so that none
+        starves; then pooling requests' in their order (batch work: an embedding job's inputs do
+        not delay a chat's first token), in a step without decode rows only where they fit one
+        call with the chunks before them (a chat arriving meanwhile waits for one call, not for
+        the job's queue of them)."""
         blocks = self.blocks[group]
         pending = [
             s
@@ -455,15 +477,43 @@ class BatchScheduler:
             if s.needs_prefill and not s.transferring and s.request_id in blocks
         ]
         recomputes = [s for s in pending if s.output]
-        prompts = [s for s in pending if not s.output]
-        oldest = prompts[0] if prompts else None
+        streams = [s for s in pending if not s.output and s.sampling.pool is None]
+        oldest = streams[0] if streams else None
         reserve = min(self.step_costs[group].floor, oldest.positions_left) if oldest else 0
-        for seq in recomputes + sorted(
-            prompts, key=lambda s: (s.sampling.pool is not None, s.positions_left)
+        positions, pooling = budget
+        call: list[Chunk] | None = None if plan.decodes.get(group) else []
+        for seq in (
+            recomputes
+            + sorted(streams, key=lambda s: s.positions_left)
+            + [s for s in pending if not s.output and s.sampling.pool is not None]
         ):
             if seq is oldest:
                 reserve = 0
-            budget -= self._plan_chunk(seq, budget - reserve, plan)
+            if seq.sampling.pool is None:
+                limit = positions - reserve
+            else:
+                limit = min(positions, pooling, self._room_beside(seq, call) if call else positions)
+            planned = len(plan.prefills)
+            taken = self._plan_chunk(seq, limit, plan)
+            positions -= taken
+            pooling -= taken if seq.sampling.pool is not None else 0
+            if call is not None and len(plan.prefills) > planned:
+                call.append(plan.prefills[-1])
+
+    def _room_beside(self, seq: Sequence, call: list[Chunk]) -> int:
+        """Positions of the sequence's next chunk that still fit one call with the `call` chunks
+        (0 where none do, or where its whole prompt would not when it cannot be chunked)."""
+        capacity = self.groups[seq.placement[0]]
+        rows = [c.end - c.start for c in call]
+        sampled = sum(c.sample for c in call)
+        if (
+            seq.scoring_prompt
+            or any(scores(c) for c in call)
+            or not capacity.limits.fits(0, 0, [*rows, 1], sampled + 1)
+        ):
+            return 0  # a chunk that scores its prompt positions runs alone
+        room = capacity.limits.prompt_rows(0, 0) - sum(rows)
+        return room if capacity.chunked_prefill or seq.positions_left <= room else 0
 
     def _plan_chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Plan the sequence's next chunk within `budget` positions -> the positions it takes."""

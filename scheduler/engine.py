@@ -152,6 +152,7 @@ class Engine:
             s.max_num_batched_tokens,
             s.enable_prefix_caching,
             s.decode_stall_ratio,
+            s.pooling_stall_ratio,
             ClientShares(s.client_share, s.max_running_per_client, s.scheduling_policy == "priority"),
             Speculator(self.config.runtime.speculation),
         )

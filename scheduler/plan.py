@@ -114,6 +114,14 @@ class Chunk(NamedTuple):
     save: int | None = None  # the state snapshot it saves at its end
 
 
+class PromptBudget(NamedTuple):
+    """Prompt positions one group's step may compute: all prompts together, and of those the
+    pooling requests' (batch work, bounded on its own beside decode rows)."""
+
+    positions: int
+    pooling: int
+
+
 class KVDestination(NamedTuple):
     """Where a transfer's KV goes: the decode group's slot and blocks, under the transfer's ticket
     (the executor adds the agent's address and this server's session there: agent/contract/step.py

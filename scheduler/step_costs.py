@@ -22,7 +22,13 @@ mixed, is a sample of one linear model of the work in it,
 fitted by least squares over moving averages (recent steps weigh most, so it follows the machine).
 A burst has mixed steps only, with the batch growing under them, and a long prompt's later chunks
 attend to more: the model still tells each part's share. Until a decode step and a mixed step were
-seen the budget alone decides.
+seen the budget alone decides. Work that can wait a step (an embedding job's inputs) waits one now
+and then while `wants_decode_step`: where every step is mixed (streams beside a long job), a decode
+step alone is what tells the streams' own cost from the job's.
+
+An embedding job's inputs never decode: they are batch work beside the streams, bounded by a ratio
+of their own (`ratio=`, scheduler.pooling_stall_ratio), so that the streams keep a set share of
+their speed however long the job runs.
 
     costs = StepCosts(stall_ratio=1.75, floor=16)
     costs.decoded(rows=8, attended=800, seconds=0.030)
@@ -41,6 +47,9 @@ _K = 1024.0  # attended positions and pairs are counted in thousands: terms of l
 # only) get this slight pull towards zero, so the time goes to the intercept and to the prompt
 # positions: a position then costs the whole extra time over its count.
 _TIE_BREAK = (1e-9, 1e-6, 1e-6, 1e-6, 1e-9, 1e-6)
+# Mixed steps in a row after which a decode step alone is wanted (the averages' memory is ~1 / smoothing
+# samples: a decode step's weight is still well above the tie-break after this many)
+DECODE_STEP_EVERY = 64
 
 
 class StepCosts:
@@ -56,6 +65,7 @@ class StepCosts:
         self._xx = [[0.0] * 6 for _ in range(6)]
         self._xt = [0.0] * 6
         self._seen = [False, False]  # a decode step, a mixed step
+        self._mixed_in_a_row = 0  # mixed steps since the last decode step alone
         self._model: list[float] | None = None  # (a, b, g, fixed, c, e), refitted after each sample
 
     def decoded(self, rows: int, attended: int, seconds: float) -> None:
@@ -79,7 +89,9 @@ class StepCosts:
                 row[j] += weight * (x[i] * x[j] - row[j])
             self._xt[i] += weight * (x[i] * seconds - self._xt[i])
         self._seen[int(x[3])] = True
-        self._model = self._fit() if all(self._seen) else None
+        self._mixed_in_a_row = self._mixed_in_a_row + 1 if x[3] else 0
+        if all(self._seen):  # a refit where noise made a position look free keeps the last fit
+            self._model = self._fit() or self._model
 
     def _fit(self) -> list[float] | None:
         scale = [math.sqrt(max(self._xx[i][i], 1e-12)) for i in range(6)]  # every term in like units
@@ -88,7 +100,12 @@ class StepCosts:
             for i in range(6)
         ]
         model = [m / s for m, s in zip(solve_linear(normal, [t / s for t, s in zip(self._xt, scale)]), scale)]
-        return model if model[4] > 0 else None  # noise made a position look free: no bound from it
+        return model if model[4] > 0 else None  # noise made a position look free: no model from it
+
+    @property
+    def wants_decode_step(self) -> bool:
+        """Whether a decode step alone is due: never seen, or many mixed steps ago."""
+        return bool(self.stall_ratio) and (not self._seen[0] or self._mixed_in_a_row >= DECODE_STEP_EVERY)
 
     def decode_s(self, rows: int, attended: int) -> float | None:
         """A decode step's time, as fitted; None before a decode and a mixed step were seen."""
@@ -97,15 +114,25 @@ class StepCosts:
         a, b, g = self._model[:3]
         return a + b * rows + g * attended / _K
 
-    def prompt_positions(self, decodes: int, attended: int, waiting: int = 0, start: int = 0) -> int | None:
+    def prompt_positions(
+        self,
+        decodes: int,
+        attended: int,
+        waiting: int = 0,
+        start: int = 0,
+        ratio: float | None = None,
+        floor: int | None = None,
+    ) -> int | None:
         """Prompt positions a step of `decodes` decode rows (attending to `attended` positions) may
         carry, from position `start` of a prompt on, while `waiting` prompts wait for their first
-        token; None while unknown or unbounded."""
+        token; None while unknown or unbounded. `ratio` and `floor` in place of the stall ratio's
+        and floor (batch work's own)."""
+        ratio = self.stall_ratio if ratio is None else ratio
         step = self.decode_s(decodes, attended)
-        if not self.stall_ratio or step is None or step <= 0:
+        if not self.stall_ratio or not ratio or step is None or step <= 0:
             return None
         fixed, c, e = self._model[3:]  # type: ignore[index]
-        stall = (self.stall_ratio - 1) * step * (1 + waiting / max(decodes, 1)) - max(fixed, 0.0)
+        stall = (ratio - 1) * step * (1 + waiting / max(decodes, 1)) - max(fixed, 0.0)
         stall = max(stall, 0.0)
         # the most positions n with c * n + e * pairs(start, n) / K <= stall (pairs grow as n^2 / 2)
         quadratic, linear = max(e, 0.0) / (2 * _K), c + max(e, 0.0) * (start + 0.5) / _K
@@ -113,7 +140,8 @@ class StepCosts:
             positions = (math.sqrt(linear * linear + 4 * quadratic * stall) - linear) / (2 * quadratic)
         else:
             positions = stall / linear
-        return max(self.floor, int(positions + 1e-6))  # the fit's rounding must not cost a position
+        least = self.floor if floor is None else floor
+        return max(least, int(positions + 1e-6))  # the fit's rounding must not cost a position
 
 
 def _pairs(start: int, size: int) -> int:

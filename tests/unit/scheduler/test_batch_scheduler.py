@@ -20,6 +20,7 @@ from scheduler.engine_io import AdmissionError, EngineOutput, FaultKind, Refusal
 from scheduler.plan import Failure, GroupCapacity, PlannedStep, Release, StepOutcome
 from scheduler.sequence import FinishReason, Sequence
 from scheduler.speculation.speculator import Speculator
+from scheduler.step_costs import DECODE_STEP_EVERY
 
 EOS = 99
 
@@ -590,19 +591,74 @@ def test_pooling_prompts_beside_streams_weigh_as_no_stream():
 
 def test_a_stream_queued_behind_pooling_requests_is_admitted_before_them():
     """An embedding job keeps every slot busy and more inputs queued: a chat arriving behind them
-    takes the next free slot (and its prompt the step), in place of the inputs queued before it."""
+    takes the next free slot (and its prompt the step's call), in place of the inputs queued
+    before it."""
     scheduler, agents = make(slots=(2,), max_seq_len=256, max_batched_tokens=200)
     inputs = pooling_inputs(6)
     for s in inputs:
         scheduler.add(s)
-    step(scheduler, agents)  # two inputs take the slots; four wait
+    step(scheduler, agents)  # two inputs take the slots, one computed (one call a step); four wait
     chat = seq("chat", prompt=range(100, 110), max_new=3)
     scheduler.add(chat)
     plan = step(scheduler, agents)
-    # the first two inputs are done: their slots go to the chat and the oldest input left
-    assert {c.seq.request_id for c in plan.prefills} == {"chat", "e2"}
+    # the first input is done: its slot goes to the chat, not to an input queued before it, and
+    # the chat's prompt takes the step's call
+    assert [c.seq.request_id for c in plan.prefills] == ["chat"]
+    assert [s.request_id for s in scheduler.waiting] == ["e2", "e3", "e4", "e5"]
     run_all(scheduler, agents)
     assert chat.output == alone(chat, max_seq_len=256) and all(s.finished for s in inputs)
+
+
+def test_pooling_inputs_beside_streams_take_their_own_share_and_leave_some_steps_to_decode_alone():
+    """With pooling_stall_ratio, an embedding job's inputs beside decoding streams take what the
+    learned costs allow at that ratio (the streams keep ~1 / ratio of their speed), at least a
+    position a step; while the costs have not seen a decode step alone (every step mixed: the job
+    never pauses), the inputs wait one step so that one is seen."""
+    scheduler, agents = make(
+        slots=(12,), max_seq_len=256, max_batched_tokens=200, decode_stall_ratio=1.5, pooling_stall_ratio=1.2
+    )
+    streams = start_streams(scheduler, agents, 2, max_new=200)
+    inputs = pooling_inputs(8)
+    for s in inputs:
+        scheduler.add(s)
+    costs = scheduler.step_costs[0]
+    assert costs.wants_decode_step and step(scheduler, agents).prefills == []  # a decode step alone
+    costs.decoded(2, 40, 0.020)
+    costs.mixed(2, 40, [(0, 10)], 0.040)  # 2 ms a position
+    plan = step(scheduler, agents)
+    assert all(s in plan.decodes[0] for s in streams)
+    # a fifth of a 20 ms decode step: 2 positions (a stream's prompt would get 5: the tests above)
+    assert sum(c.end - c.start for c in plan.prefills) == pytest.approx(0.2 * 0.020 / 0.002, abs=1)
+    for _ in range(DECODE_STEP_EVERY):
+        costs.mixed(2, 40, [(0, 10)], 0.040)
+    assert costs.wants_decode_step and step(scheduler, agents).prefills == []
+    costs.decoded(2, 40, 0.020)
+    assert not costs.wants_decode_step and step(scheduler, agents).prefills
+    for _ in range(DECODE_STEP_EVERY // 2):
+        costs.mixed(2, 40, [(0, 10)], 0.400)  # a position now costs far more than the ratio allows
+    assert sum(c.end - c.start for c in step(scheduler, agents).prefills) == 1  # the job still advances
+    run_all(scheduler, agents)
+    assert all(len(s.output) == 1 and s.finished for s in inputs)
+    assert all(s.output == alone(s, max_seq_len=256) for s in streams)
+
+
+def test_pooling_inputs_without_decode_rows_take_one_call_a_step():
+    """Without decode rows, an embedding job's inputs fill one mixed call a step (the last one cut
+    to the call's rows), not a queue of calls a chat arriving meanwhile would wait for."""
+    scheduler, agents = make(slots=(4,), max_seq_len=64, max_batched_tokens=64, mixed_rows=24)
+    inputs = pooling_inputs(4)
+    for s in inputs:
+        scheduler.add(s)
+    plan = step(scheduler, agents)
+    [part] = plan.parts.values()
+    [call] = part.steps
+    assert call.mixed and [(c.seq.request_id, c.end - c.start) for c in call.chunks] == [
+        ("e0", 10),
+        ("e1", 10),
+        ("e2", 4),
+    ]
+    run_all(scheduler, agents)
+    assert all(len(s.output) == 1 and s.finished for s in inputs)
 
 
 def test_prompts_without_decodes_share_one_call_where_they_fit():

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from scheduler.step_costs import StepCosts
+from scheduler.step_costs import DECODE_STEP_EVERY, StepCosts
 
 
 def step_s(rows: int, attended: int, chunks=()) -> float:
@@ -95,3 +95,38 @@ def test_the_stall_allowed_grows_with_the_prompts_waiting_per_stream():
     assert costs.prompt_positions(4, 800, waiting=60) == pytest.approx(
         16 * 0.75 * 0.030 / per_position, rel=0.02
     )
+
+
+def test_a_refit_that_makes_positions_look_free_keeps_the_last_bound():
+    """One slow step with few positions can tip the fit into a free (or negative) position cost: the
+    bound stays the last fit's, not none (an unbounded step would stall every stream)."""
+    costs = StepCosts(stall_ratio=1.5, floor=1)
+    costs.decoded(16, 1600, 0.030)
+    costs.mixed(16, 1600, [(0, 10)], 0.040)  # 1 ms a position: 15 positions in half a decode step
+    bound = costs.prompt_positions(16, 1600)
+    assert bound == pytest.approx(15, abs=1)
+    costs.mixed(16, 1600, [(0, 60)], 0.020)  # noise: a step with more positions, faster than a decode
+    assert costs._fit() is None and costs.prompt_positions(16, 1600) == bound
+
+
+def test_a_decode_step_alone_is_wanted_until_seen_and_again_after_many_mixed_ones():
+    costs = StepCosts(stall_ratio=1.5, floor=1)
+    assert costs.wants_decode_step
+    costs.decoded(16, 1600, 0.030)
+    for _ in range(DECODE_STEP_EVERY - 1):
+        costs.mixed(16, 1600, [(0, 10)], 0.040)
+        assert not costs.wants_decode_step
+    costs.mixed(16, 1600, [(0, 10)], 0.040)
+    assert costs.wants_decode_step
+    costs.decoded(16, 1600, 0.030)
+    assert not costs.wants_decode_step
+
+
+def test_batch_work_takes_its_own_ratio_and_floor():
+    costs = StepCosts(stall_ratio=1.5, floor=16)
+    costs.decoded(16, 1600, 0.030)
+    costs.mixed(16, 1600, [(0, 10)], 0.040)  # 1 ms a position
+    assert costs.prompt_positions(16, 1600) == pytest.approx(15, abs=1)
+    assert costs.prompt_positions(16, 1600, ratio=1.2, floor=1) == pytest.approx(6, abs=1)
+    costs.mixed(16, 1600, [(0, 10)], 0.330)  # 30 ms a position now: nothing fits, the floor holds
+    assert costs.prompt_positions(16, 1600, ratio=1.2, floor=1) == 1
