@@ -362,6 +362,19 @@ def pool_blocks(runtime: RuntimeSection, slots: int, max_len: int, room: int | N
     return slots * -(-max_len // runtime.block_size)
 
 
+def encoder_buckets(spec: ModelSpec, runtime: RuntimeSection) -> RuntimeSection:
+    """An encoder's input runs whole in one prefill call (its attention reads the whole input):
+    prefill_buckets left at their default grow by doubling to its longest input (max_seq_len, or
+    the model's context), so the default serves every input the model takes."""
+    if not spec.bidirectional or "prefill_buckets" in runtime.model_fields_set:
+        return runtime
+    longest = spec.max_context if runtime.max_seq_len == "auto" else runtime.max_seq_len
+    buckets = [b for b in runtime.prefill_buckets if b < longest]
+    while buckets and buckets[-1] * 2 < longest:
+        buckets.append(buckets[-1] * 2)
+    return runtime.model_copy(update={"prefill_buckets": [*buckets, longest]})
+
+
 def plan_memory(
     spec: ModelSpec, runtime: RuntimeSection, weights: int | None = None, ranks: int = 1
 ) -> tuple[RuntimeSection, MemoryPlan]:
@@ -369,6 +382,7 @@ def plan_memory(
     weights' bytes (checkpoint_weights_bytes), else estimated from the spec; `ranks`: the
     tensor-parallel group's (`spec` is then one rank's share: rank_spec). Raises MemoryPlanError
     when the budget is too small, naming the sizes."""
+    runtime = encoder_buckets(spec, runtime)
     weights = weights_bytes(spec, runtime) if weights is None else weights
     working = working_bytes(spec, runtime)
     slots = runtime.decode_batch_buckets[-1] if runtime.num_slots == "auto" else runtime.num_slots

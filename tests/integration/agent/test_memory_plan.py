@@ -352,3 +352,18 @@ def test_a_tensor_parallel_agent_plans_its_rank_share(tiny_llama_dir):
     whole = prepare_checkpoint(config, Placement(None), lambda _: None, checkpoint)[1].num_blocks
     rank = prepare_checkpoint(config, Placement(None, split=TensorSplit(1, 2)), lambda _: None, checkpoint)
     assert rank[1].num_blocks >= 2 * whole - 1
+
+
+def test_an_encoders_default_prefill_buckets_reach_its_longest_input():
+    """An encoder computes each input whole in one call: the default buckets double up to its context
+    (or max_seq_len), so its longest input is the model's, not 512; buckets the user set stay."""
+    encoder = llama2(2, 256, 4, 4, 512).model_copy(update={"bidirectional": True, "max_context": 2048})
+    runtime = RuntimeSection(num_slots=4, max_seq_len="auto", memory_budget_mb=2000, compile_cache_dir=None)
+    resolved = plan_memory(encoder, runtime)[0]
+    assert resolved.prefill_buckets == [32, 64, 128, 512, 1024, 2048] and resolved.max_seq_len == 2048
+    shorter = RuntimeSection(num_slots=4, max_seq_len=768, memory_budget_mb=2000, compile_cache_dir=None)
+    assert plan_memory(encoder, shorter)[0].prefill_buckets == [32, 64, 128, 512, 768]
+    chosen = RuntimeSection(num_slots=4, max_seq_len="auto", memory_budget_mb=2000, **BUDGETED)
+    assert plan_memory(encoder, chosen)[0].prefill_buckets == [32, 64]
+    decoder = encoder.model_copy(update={"bidirectional": False})
+    assert plan_memory(decoder, runtime)[0].prefill_buckets == [32, 64, 128, 512]
