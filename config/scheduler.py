@@ -43,8 +43,8 @@ class SchedulerSection(Section):
         1.2,
         ge=0,
         description="while sequences decode, a step that also computes pooling requests' inputs "
-        "(embeddings, scores) takes at most this many times a decode step alone (learned as "
-        "decode_stall_ratio's): the streams keep about 1 / ratio of their speed beside an "
+        "(embeddings, scores) takes at most this many times a decode step alone (from the costs "
+        "learned of the agents' compute times): the streams keep about 1 / ratio of their speed beside an "
         "embedding job, which advances by at least a position a step; 0: as any prompt",
     )
     enable_prefix_caching: bool = Field(

@@ -105,7 +105,7 @@ class StepCosts:
     @property
     def wants_decode_step(self) -> bool:
         """Whether a decode step alone is due: never seen, or many mixed steps ago."""
-        return bool(self.stall_ratio) and (not self._seen[0] or self._mixed_in_a_row >= DECODE_STEP_EVERY)
+        return not self._seen[0] or self._mixed_in_a_row >= DECODE_STEP_EVERY
 
     def decode_s(self, rows: int, attended: int) -> float | None:
         """A decode step's time, as fitted; None before a decode and a mixed step were seen."""
@@ -129,7 +129,7 @@ class StepCosts:
         and floor (batch work's own)."""
         ratio = self.stall_ratio if ratio is None else ratio
         step = self.decode_s(decodes, attended)
-        if not self.stall_ratio or not ratio or step is None or step <= 0:
+        if not ratio or step is None or step <= 0:
             return None
         fixed, c, e = self._model[3:]  # type: ignore[index]
         stall = (ratio - 1) * step * (1 + waiting / max(decodes, 1)) - max(fixed, 0.0)

@@ -130,3 +130,8 @@ def test_batch_work_takes_its_own_ratio_and_floor():
     assert costs.prompt_positions(16, 1600, ratio=1.2, floor=1) == pytest.approx(6, abs=1)
     costs.mixed(16, 1600, [(0, 10)], 0.330)  # 30 ms a position now: nothing fits, the floor holds
     assert costs.prompt_positions(16, 1600, ratio=1.2, floor=1) == 1
+    off = StepCosts(stall_ratio=0, floor=16)  # streams' prompts unbounded: batch work still is
+    off.decoded(16, 1600, 0.030)
+    off.mixed(16, 1600, [(0, 10)], 0.040)
+    assert off.prompt_positions(16, 1600) is None
+    assert off.prompt_positions(16, 1600, ratio=1.2, floor=1) == pytest.approx(6, abs=1)
