@@ -15,6 +15,7 @@ warm-up runs that happened anyway.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,9 @@ class KnownAnswer:
     kv: np.ndarray | None = None  # [2 * layers, KV heads, n, head_dim] the prompt's K and V (float32)
     # the Gated DeltaNet layers' states after the prompt (numpy_forward's), () without such layers
     states: tuple[np.ndarray, ...] = ()
+    # an encoder's (ModelSpec.bidirectional): the prompt's last row's final hidden state [D], what its
+    # prefill and mixed graphs are held to (they run no LM head: their logits are zeros)
+    prefill_hidden: np.ndarray | None = None
 
     @property
     def prompt(self) -> np.ndarray:
@@ -66,26 +70,37 @@ class KnownAnswer:
         checkpoint = checkpoint.whole()  # a rank's share: the group computes the whole model's logits
         tokens = probe_tokens(checkpoint.spec.vocab_size, probe_length(runtime))
         quantized_kv = runtime.kv_cache_dtype == "q8_0"
-        logits, kv, states = numpy_forward(
+        forward = partial(
+            numpy_forward,
             checkpoint,
             tokens,
             kernels=runtime.matmul_kernel,
             quantized_kv=quantized_kv,
             states_at=len(tokens) - 1,
         )
-        return cls(tokens, logits[-2], logits[-1], kv[:, :, :-1], tuple(states))
+        logits, kv, states = forward()
+        hidden = forward(final_hidden=True)[0][-2] if checkpoint.spec.bidirectional else None
+        return cls(tokens, logits[-2], logits[-1], kv[:, :, :-1], tuple(states), hidden)
 
     def save(self, directory: Path) -> Path:
         path = directory / FILE_NAME
+        hidden = {} if self.prefill_hidden is None else {"prefill_hidden": self.prefill_hidden}
         np.savez(
-            path, tokens=self.tokens, prefill_logits=self.prefill_logits, decode_logits=self.decode_logits
+            path,
+            tokens=self.tokens,
+            prefill_logits=self.prefill_logits,
+            decode_logits=self.decode_logits,
+            **hidden,
         )
         return path
 
     @classmethod
     def load(cls, directory: Path) -> KnownAnswer:
         with np.load(directory / FILE_NAME) as stored:
-            return cls(stored["tokens"], stored["prefill_logits"], stored["decode_logits"])
+            hidden = stored["prefill_hidden"] if "prefill_hidden" in stored else None
+            return cls(
+                stored["tokens"], stored["prefill_logits"], stored["decode_logits"], prefill_hidden=hidden
+            )
 
 
 def probe_length(runtime: RuntimeSection) -> int:
@@ -256,8 +271,10 @@ def numpy_forward(
     kernels: bool = False,
     quantized_kv: bool = False,
     states_at: int | None = None,
+    final_hidden: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    """Causal forward of `tokens` from position 0 -> logits [S, V], K/V of every layer with a KV
+    """Causal forward of `tokens` from position 0 -> logits [S, V] (`final_hidden`: the final norm's
+    output [S, D] in their place), K/V of every layer with a KV
     cache [2 * layers, KV heads, S, head_dim] (K after RoPE), as the cache holds them, and the
     Gated DeltaNet layers' states after the first `states_at` tokens (default: all), as a slot
     holds them and a KV transfer moves them: conv inputs [layers, (K - 1) * channels] and recurrent
@@ -332,6 +349,6 @@ def numpy_forward(
             continue
         x = residual(x, _gated_ffn(h, p, spec.activation, product), p + "post_ffn_norm")
     head = "embed" if spec.tied_embeddings else "lm_head"
-    logits = product(_rms_norm(x, t["final_norm"], spec.rms_eps), head)
+    normed = _rms_norm(x, t["final_norm"], spec.rms_eps)
     states = [np.stack(convs), np.stack(recurrents)] if convs else []
-    return logits, np.stack(caches), states
+    return normed if final_hidden else product(normed, head), np.stack(caches), states

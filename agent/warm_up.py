@@ -109,7 +109,7 @@ def _run_probe(
     if kind == "prefill":
         got = runner.graphs.prefill(scratch, probe.prompt, length).asnumpy()[0]
         if check:
-            compare(check, got, probe.prefill_logits, held_to)
+            _compare_prompt_row(runner, check, got, len(probe.prompt) - 1, probe, held_to)
     elif kind == "decode":
         _run_decode_probe(runner, rows, length, probe, check, held_to)
     elif kind == "mixed":  # the probe's prompt as a chunk and rows - 1 decode rows after it
@@ -208,7 +208,21 @@ def _run_mixed_probe(
     )
     if check:
         got = logits.asnumpy()
-        compare(check, got[decodes], probe.prefill_logits, held_to)
-        for row in got[:decodes]:
+        _compare_prompt_row(runner, check, got[decodes], decodes + len(probe.prompt) - 1, probe, held_to)
+        for row in got[:decodes] if probe.prefill_hidden is None else ():
             compare(check, row, probe.decode_logits, held_to)
         check_post_process(check, got, greedy.asnumpy())
+
+
+def _compare_prompt_row(
+    runner: ModelRunner, check: str, logits: np.ndarray, row: int, probe: KnownAnswer, held_to: str
+) -> None:
+    """The probe prompt's last row (`row` of the call) against the numpy forward's: its logits, or
+    an encoder's final hidden state (its prefill and mixed graphs run no LM head: zero logits)."""
+    if probe.prefill_hidden is None:
+        compare(check, logits, probe.prefill_logits, held_to)
+        return
+    hidden = getattr(runner.graphs, "hidden", None)  # PoolingGraphs'; MindIR graphs keep none
+    if hidden is None:
+        raise KnownAnswerError(f"the {check} graph of an encoder returned no hidden states")
+    compare(check, hidden.asnumpy()[row], probe.prefill_hidden, held_to)

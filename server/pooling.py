@@ -97,6 +97,13 @@ def model_pooling(settings: ModelSection, tokenizer: TextTokenizer) -> Pooling:
             "an encoder's inputs run in (a decoder's are chunked and reuse cached prefixes); set "
             "model.pooling to last, or none"
         )
+    if found.get("encoder") and kind in ("none", "rank"):
+        raise PoolingError(
+            f"{settings.path}: an encoder computes no logits (its attention reads the whole input: it "
+            "cannot continue a text, and its graphs run no LM head), so it cannot "
+            + ("generate" if kind == "none" else "rank by label tokens")
+            + "; set model.pooling to mean, cls or last"
+        )
     labels = None
     if kind == "rank":
         names = found.get("labels") or RANK_LABELS
@@ -111,7 +118,7 @@ def model_pooling(settings: ModelSection, tokenizer: TextTokenizer) -> Pooling:
         kind,
         found["size"],
         settings.pooling_normalize,
-        generates=not found.get("kind") or settings.pooling != "auto",
+        generates=not found.get("encoder") and (not found.get("kind") or settings.pooling != "auto"),
         dimensions=None if dimensions is None else tuple(dimensions),
         eos=found.get("eos"),
         labels=labels,

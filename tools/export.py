@@ -47,6 +47,11 @@ def export(config, output: Path, progress=print) -> dict[str, list[dict]]:
             f"{checkpoint.spec.architecture}: models with Gated DeltaNet layers are not exported to MindIR; "
             "serve them from their file"
         )
+    if checkpoint.spec.bidirectional:  # exported graphs return logits only; an encoder's are zeros
+        raise ConfigError(
+            f"{checkpoint.spec.architecture}: encoders are not exported to MindIR (its graphs keep no "
+            "hidden states, the only output an encoder has); serve it from its file"
+        )
     output.mkdir(parents=True, exist_ok=True)
     exporter = GraphExporter(checkpoint, runtime, output)
     warm_up(ModelRunner(exporter, runtime), progress)  # the warm-up calls every graph shape once

@@ -217,11 +217,18 @@ class DecoderModel(nn.Cell):
         return self.lm_head_logits(self.final_normed(x))
 
     def head(self, x, rows):
-        """The float32 logits of `rows` of x, and every row's final hidden state (after the final
-        norm, float32: what a pooling request's prompt pools, SamplingParams.pool; row-wise, so the
-        logit rows' are as computed alone)."""
+        """The float32 logits of `rows` of x (an encoder's: zeros), and every row's final hidden state
+        (after the final norm, float32: what a pooling request's prompt pools, SamplingParams.pool;
+        row-wise, so the logit rows' are as computed alone)."""
         normed = self.final_normed(x)
-        logits = self.lm_head_logits(ops.gather(normed, rows, 0))
+        picked = ops.gather(normed, rows, 0)
+        if self.spec.bidirectional:
+            # An encoder's outputs are its hidden states: it never samples (server/pooling.py refuses
+            # generation and rank pooling on one), and its LM head over the vocabulary (Gemma's
+            # 262,144 rows: 6 ms of a 36 ms query) is skipped, as llama.cpp's embedding mode does.
+            logits = ops.tile(ops.zeros_like(ops.cast(picked[:, :1], ms.float32)), (1, self.spec.vocab_size))
+        else:
+            logits = self.lm_head_logits(picked)
         return logits, ops.cast(normed, ms.float32) if self.half else normed
 
     def final_normed(self, x):

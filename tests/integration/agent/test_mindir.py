@@ -10,6 +10,7 @@ import pytest
 import yaml
 from conftest import TINY_RUNTIME
 
+import pooling_models
 import runner_calls as calls
 from agent.contract.sampling import SamplingParams
 from agent.graphs.mindir import EXPORT_FORMAT, GraphExporter, MindIRError, read_known_answer
@@ -70,6 +71,29 @@ def test_a_q8_0_cache_is_not_exported(tmp_path, tiny_llama_dir):
         timeout=600,
     )
     assert done.returncode == 1 and "kv_cache_dtype q8_0 is not exported" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_encoder_is_not_exported(tmp_path):
+    """An encoder's only output is its hidden states, which MindIR graphs do not keep: refused by name."""
+    _, gguf, _ = pooling_models.write_gemma_embedder(tmp_path / "encoder")
+    config_path = write_config(tmp_path, gguf, free_ports(1))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.export",
+            "--config",
+            str(config_path),
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1 and "encoders are not exported to MindIR" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
 
 

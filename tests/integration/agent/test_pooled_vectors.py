@@ -220,6 +220,9 @@ def test_an_encoder_s_embeddings_equal_sentence_transformers(encoder, form):
         runner.release(slot)
     with pytest.raises(RunnerError, match="whole prompt"):
         pooled(runner, 1, ids[2], mean, table=runner.graphs.inputs.slot_table(1), start=16)
+    # its graphs run no LM head: zero logits, the hidden states all there (what warm-up checked)
+    logits = runner.graphs.prefill(runner.graphs.inputs.scratch_table, np.array(ids[0]), 64).asnumpy()
+    assert not logits.any() and np.abs(runner.graphs.hidden.asnumpy()[: len(ids[0])]).max(axis=1).all()
 
 
 def test_an_encoder_s_known_answer_is_transformers_bidirectional_forward(encoder):
@@ -238,6 +241,9 @@ def test_an_encoder_s_known_answer_is_transformers_bidirectional_forward(encoder
     logits, _, _ = numpy_forward(checkpoint, np.array(prompt + [5]), states_at=len(prompt))
     want = hidden @ checkpoint.matrix("embed").T
     np.testing.assert_allclose(logits[: len(prompt)], want, rtol=0, atol=1e-3 * np.abs(want).max())
+    # what an encoder's graphs are held to at warm-up (they run no LM head): the hidden states
+    normed, _, _ = numpy_forward(checkpoint, np.array(prompt + [5]), states_at=len(prompt), final_hidden=True)
+    np.testing.assert_allclose(normed[: len(prompt)], hidden, rtol=0, atol=1e-4 * np.abs(hidden).max())
 
 
 def test_a_dense_module_with_a_bias_or_an_activation_is_refused(encoder, tmp_path):

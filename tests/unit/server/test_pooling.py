@@ -121,6 +121,19 @@ def test_mean_and_cls_pool_an_encoder_and_are_refused_on_a_decoder(tmp_path, tok
         model_pooling(ModelSection(path=chat, pooling=kind), tokenizer)
 
 
+def test_an_encoder_only_pools_whatever_its_config_says(tmp_path, tokenizer):
+    """An encoder's graphs run no LM head: it never generates (even given a pooling in its config,
+    which makes a decoder do both), and generation or rank pooling is refused at start."""
+    encoder = directory(
+        tmp_path / "enc", {"pooling_mode_mean_tokens": True}, {"use_bidirectional_attention": True}
+    )
+    for kind in ("mean", "last"):
+        assert not model_pooling(ModelSection(path=encoder, pooling=kind), tokenizer).generates
+    for kind, refused in (("none", "cannot generate"), ("rank", "cannot rank")):
+        with pytest.raises(PoolingError, match=f"{refused}.*set model.pooling to mean, cls or last"):
+            model_pooling(ModelSection(path=encoder, pooling=kind), tokenizer)
+
+
 def test_a_directory_s_dense_modules_size_its_embeddings(tmp_path, tokenizer):
     path = directory(tmp_path / "dense", {"pooling_mode": "mean"}, {"use_bidirectional_attention": True})
     modules = json.loads((path / "modules.json").read_text())
