@@ -52,49 +52,30 @@ def exported(tmp_path_factory, tiny_llama_dir):
     return config_path, section
 
 
-def test_a_q8_0_cache_is_not_exported(tmp_path, tiny_llama_dir):
-    """A MindIR export keeps float caches, which served MindIR graphs assume: q8_0 is refused by name."""
-    config_path = write_config(tmp_path, tiny_llama_dir, free_ports(1), runtime={"kv_cache_dtype": "q8_0"})
+def refused_export(config_path: Path, output: Path) -> str:
+    """`python -m tools.export` that must fail before writing anything; returns its stderr."""
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tools.export",
-            "--config",
-            str(config_path),
-            "--output",
-            str(tmp_path / "out"),
-        ],
+        [sys.executable, "-m", "tools.export", "--config", str(config_path), "--output", str(output)],
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert done.returncode == 1 and "kv_cache_dtype q8_0 is not exported" in done.stderr, done.stderr
-    assert not (tmp_path / "out").exists()
+    assert done.returncode == 1 and not output.exists(), done.stderr
+    return done.stderr
+
+
+def test_a_q8_0_cache_is_not_exported(tmp_path, tiny_llama_dir):
+    """A MindIR export keeps float caches, which served MindIR graphs assume: q8_0 is refused by name."""
+    config_path = write_config(tmp_path, tiny_llama_dir, free_ports(1), runtime={"kv_cache_dtype": "q8_0"})
+    assert "kv_cache_dtype q8_0 is not exported" in refused_export(config_path, tmp_path / "out")
 
 
 def test_an_encoder_is_not_exported(tmp_path):
     """An encoder's only output is its hidden states, which MindIR graphs do not keep: refused by name."""
     _, gguf, _ = pooling_models.write_gemma_embedder(tmp_path / "encoder")
     config_path = write_config(tmp_path, gguf, free_ports(1))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tools.export",
-            "--config",
-            str(config_path),
-            "--output",
-            str(tmp_path / "out"),
-        ],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 1 and "encoders are not exported to MindIR" in done.stderr, done.stderr
-    assert not (tmp_path / "out").exists()
+    assert "encoders are not exported to MindIR" in refused_export(config_path, tmp_path / "out")
 
 
 def run(runner: ModelRunner) -> list:
