@@ -70,16 +70,16 @@ class KnownAnswer:
         checkpoint = checkpoint.whole()  # a rank's share: the group computes the whole model's logits
         tokens = probe_tokens(checkpoint.spec.vocab_size, probe_length(runtime))
         quantized_kv = runtime.kv_cache_dtype == "q8_0"
-        forward = partial(
-            numpy_forward,
+        normed, kv, states = numpy_forward(
             checkpoint,
             tokens,
             kernels=runtime.matmul_kernel,
             quantized_kv=quantized_kv,
             states_at=len(tokens) - 1,
+            final_hidden=True,
         )
-        logits, kv, states = forward()
-        hidden = forward(final_hidden=True)[0][-2] if checkpoint.spec.bidirectional else None
+        logits = head_logits(checkpoint, normed, runtime.matmul_kernel)
+        hidden = normed[-2] if checkpoint.spec.bidirectional else None
         return cls(tokens, logits[-2], logits[-1], kv[:, :, :-1], tuple(states), hidden)
 
     def save(self, directory: Path) -> Path:
@@ -288,15 +288,7 @@ def numpy_forward(
     encoder's (ModelSpec.bidirectional) first `states_at` tokens are its prompt, which attend each
     other both ways; the tokens after them attend as a decode step's do, the positions before."""
     spec, t = checkpoint.spec, checkpoint.tensors
-
-    def product(x: np.ndarray, name: str) -> np.ndarray:
-        kept = checkpoint.kept(name) if kernels else None
-        if kept is not None:
-            from agent.kernels import calls
-
-            return calls.product(x, kept)
-        return x @ checkpoint.matrix(name).T
-
+    product = partial(_product, checkpoint, kernels)
     n = len(tokens)
     ropes = {}
     for kind in {spec.rope(i) for i in range(spec.num_layers)}:
@@ -348,7 +340,22 @@ def numpy_forward(
             x = x + _experts(h, p, checkpoint, product)
             continue
         x = residual(x, _gated_ffn(h, p, spec.activation, product), p + "post_ffn_norm")
-    head = "embed" if spec.tied_embeddings else "lm_head"
     normed = _rms_norm(x, t["final_norm"], spec.rms_eps)
     states = [np.stack(convs), np.stack(recurrents)] if convs else []
-    return normed if final_hidden else product(normed, head), np.stack(caches), states
+    return normed if final_hidden else head_logits(checkpoint, normed, kernels), np.stack(caches), states
+
+
+def head_logits(checkpoint: Checkpoint, normed: np.ndarray, kernels: bool = False) -> np.ndarray:
+    """The LM head's logits [S, V] of final hidden states [S, D] (numpy_forward's `final_hidden`)."""
+    return _product(checkpoint, kernels, normed, "embed" if checkpoint.spec.tied_embeddings else "lm_head")
+
+
+def _product(checkpoint: Checkpoint, kernels: bool, x: np.ndarray, name: str) -> np.ndarray:
+    """x times the checkpoint's matrix `name`: by the CPU kernels' product where it keeps that
+    matrix in its format and `kernels` asks for them (numpy_forward), else in float32."""
+    kept = checkpoint.kept(name) if kernels else None
+    if kept is not None:
+        from agent.kernels import calls
+
+        return calls.product(x, kept)
+    return x @ checkpoint.matrix(name).T
